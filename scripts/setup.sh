@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Strata builds against. Idempotent and
+# non-interactive: packages already present are not touched, apt-get update
+# runs only when something is missing.
+set -euo pipefail
+
+PKGS=(
+  build-essential cmake ninja-build pkg-config git
+  liburing-dev libaio-dev libtbb-dev libeigen3-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+  libcli11-dev nlohmann-json3-dev libfmt-dev
+  fio
+)
+# Optional extras: MPI for the scale-out work (STRATA_MPI=AUTO picks it up).
+if [[ "${STRATA_SETUP_MPI:-0}" == "1" ]]; then PKGS+=(libopenmpi-dev openmpi-bin); fi
+
+missing=()
+for p in "${PKGS[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if ((${#missing[@]})); then
+  SUDO=""
+  if [[ $(id -u) -ne 0 ]]; then SUDO="sudo"; fi
+  echo "setup: installing ${missing[*]}"
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+  $SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+else
+  echo "setup: all packages present"
+fi

@@ -1,0 +1,32 @@
+// Every STRATA_* environment variable is read here, once, and nowhere else.
+// docs/config.md documents each one with its default; keep the two in step.
+//
+// Environment variables override built-in defaults; an explicit setting in a
+// config file or API call overrides the environment.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "common/log.h"
+
+namespace strata {
+
+struct Tunables {
+  LogLevel log_level = LogLevel::kWarn;  // STRATA_LOG_LEVEL
+  std::string io_backend;                // STRATA_IO_BACKEND: uring|aio|posix ("" = auto)
+  std::string cpu_isa;                   // STRATA_CPU_ISA: avx512|avx2|neon|scalar ("" = best)
+  int threads = 0;                       // STRATA_THREADS (0 = the cores this process may use)
+  bool io_uring_disable = false;         // STRATA_IO_URING_DISABLE=1 behaves as if io_uring were unavailable
+  bool cuda_disable = false;             // STRATA_CUDA_DISABLE=1 never loads the CUDA backend
+  std::string cuda_module;               // STRATA_CUDA_MODULE: path of libstrata_cuda.so ("" = next to libstrata)
+};
+
+// Parsed once on first use; malformed values are reported with log_warn and
+// ignored (the default stays).
+const Tunables& tunables();
+
+// Re-reads the environment (tests that setenv() call this).
+void reload_tunables();
+
+}  // namespace strata

@@ -1,0 +1,23 @@
+// Each `strata` subcommand lives in its own file and registers itself on the
+// CLI11 app here. A callback returns the process exit code through
+// set_exit_code(): 0 ok, 1 failure the user can fix (bad input), 2 internal.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+namespace strata::tools {
+
+void set_exit_code(int code);
+int exit_code();
+
+// `strata bench io ...` (tools/bench_io.cpp)
+void register_bench_io(CLI::App& bench);
+// `strata bench adam ...` (tools/bench_adam.cpp)
+void register_bench_adam(CLI::App& bench);
+
+// Lines for `strata --version` about what this machine offers at run time.
+std::string io_runtime_summary();         // tools/bench_io.cpp: which I/O backends work here
+std::string cpu_optim_runtime_summary();  // tools/bench_adam.cpp: CPU ISA chosen
+std::string device_runtime_summary();     // tools/strata_main.cpp: CUDA backend loaded?
+
+}  // namespace strata::tools

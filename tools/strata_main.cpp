@@ -1,0 +1,53 @@
+// The `strata` command line.
+#include <cstdio>
+#include <string>
+
+#include "commands.h"
+#include "common/build_info.h"
+#include "common/tunables.h"
+
+namespace strata::tools {
+namespace {
+int g_exit_code = 0;
+}
+
+void set_exit_code(int code) { g_exit_code = code; }
+int exit_code() { return g_exit_code; }
+
+std::string device_runtime_summary() {
+  // The CUDA backend is loaded at run time with the runtime issue; until then
+  // the host backend is the only one the runtime uses.
+  return "  device backend       host\n";
+}
+
+}  // namespace strata::tools
+
+int main(int argc, char** argv) {
+  using namespace strata::tools;
+  CLI::App app{"strata: offload engine for fine-tuning models larger than GPU memory"};
+  app.require_subcommand(0, 1);
+  bool version = false;
+  app.add_flag("--version", version, "Print the version and the features built in and available here");
+
+  CLI::App* bench = app.add_subcommand("bench", "Measure a part against a ceiling measured in the same run");
+  bench->require_subcommand(1);
+  register_bench_io(*bench);
+  register_bench_adam(*bench);
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  if (version) {
+    std::printf("strata %s\nbuilt with:\n%s", strata::version_string(), strata::build_feature_summary().c_str());
+    std::printf("on this machine:\n%s%s%s", io_runtime_summary().c_str(), cpu_optim_runtime_summary().c_str(),
+                device_runtime_summary().c_str());
+    return 0;
+  }
+  if (app.get_subcommands().empty()) {
+    std::printf("%s", app.help().c_str());
+    return 0;
+  }
+  return exit_code();
+}
