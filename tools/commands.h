@@ -15,6 +15,9 @@ void register_bench_io(CLI::App& bench);
 // `strata bench adam ...` (tools/bench_adam.cpp)
 void register_bench_adam(CLI::App& bench);
 
+// `strata bench copy ...` (tools/bench_copy.cpp): host<->device bandwidth
+void register_bench_copy(CLI::App& bench);
+
 // Lines for `strata --version` about what this machine offers at run time.
 std::string io_runtime_summary();         // tools/bench_io.cpp: which I/O backends work here
 std::string cpu_optim_runtime_summary();  // tools/bench_adam.cpp: CPU ISA chosen

@@ -5,6 +5,7 @@
 #include "commands.h"
 #include "common/build_info.h"
 #include "common/tunables.h"
+#include "device/cuda_loader.h"
 
 namespace strata::tools {
 namespace {
@@ -15,9 +16,17 @@ void set_exit_code(int code) { g_exit_code = code; }
 int exit_code() { return g_exit_code; }
 
 std::string device_runtime_summary() {
-  // The CUDA backend is loaded at run time with the runtime issue; until then
-  // the host backend is the only one the runtime uses.
-  return "  device backend       host\n";
+  auto cuda = load_cuda_backend();
+  if (!cuda.ok()) return "  device backend       host (" + cuda.status().message() + ")\n";
+  std::string s = "  device backend       cuda (" + cuda->module_path + ")\n";
+  for (int d = 0; d < cuda->device_count; ++d) {
+    char desc[256] = {0}, err[256] = {0};
+    if (cuda->api->device_describe(d, desc, sizeof(desc), err, sizeof(err)) == 0)
+      s += "  gpu " + std::to_string(d) + "                " + desc + "\n";
+    else
+      s += "  gpu " + std::to_string(d) + "                (" + err + ")\n";
+  }
+  return s;
 }
 
 }  // namespace strata::tools
@@ -33,6 +42,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   register_bench_io(*bench);
   register_bench_adam(*bench);
+  register_bench_copy(*bench);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Sets up, builds and runs the main job. Until `strata demo` exists this is a
+# short I/O benchmark on a temporary directory.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD_DIR="${BUILD_DIR:-$ROOT/build}"
+export BUILD_DIR
+bash "$ROOT/scripts/setup.sh"
+bash "$ROOT/scripts/build.sh"
+"$BUILD_DIR/tools/strata" --version
+DIR="$(mktemp -d "${TMPDIR:-/var/tmp}/strata-demo.XXXXXX")"
+trap 'rm -rf "$DIR"' EXIT
+"$BUILD_DIR/tools/strata" bench io --dir "$DIR" --size 512MiB --block 1MiB --qd 32 --backend all

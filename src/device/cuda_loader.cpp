@@ -1,0 +1,105 @@
+#include "device/cuda_loader.h"
+
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include <climits>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/log.h"
+#include "common/tunables.h"
+#include "strata/strata_config.h"
+
+namespace strata {
+namespace {
+
+std::string exe_dir() {
+  char buf[PATH_MAX];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  buf[n] = '\0';
+  std::string p(buf);
+  auto slash = p.rfind('/');
+  return slash == std::string::npos ? "." : p.substr(0, slash);
+}
+
+Result<CudaBackend> load_once() {
+  if (!STRATA_HAVE_CUDA) return Status(StatusCode::kUnavailable, "this build has no CUDA backend (STRATA_CUDA=OFF)");
+  if (tunables().cuda_disable) return Status(StatusCode::kUnavailable, "disabled by STRATA_CUDA_DISABLE=1");
+
+  std::vector<std::string> candidates;
+  if (!tunables().cuda_module.empty()) {
+    candidates.push_back(tunables().cuda_module);
+  } else {
+    std::string dir = exe_dir();
+    candidates.push_back(dir + "/libstrata_cuda.so");
+    candidates.push_back(dir + "/../lib/libstrata_cuda.so");
+    candidates.push_back(dir + "/../cuda/libstrata_cuda.so");
+    candidates.push_back("libstrata_cuda.so");
+  }
+  std::string errors;
+  for (const auto& path : candidates) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+      const char* e = dlerror();
+      // A missing file is expected for most candidates; a present file that
+      // fails to load (e.g. libcudart.so.13 missing) is the interesting reason.
+      if (access(path.c_str(), F_OK) == 0 || path.find('/') == std::string::npos) {
+        errors += (errors.empty() ? "" : "; ") + std::string(e ? e : path.c_str());
+      }
+      continue;
+    }
+    auto fn = reinterpret_cast<strata_cuda_api_v1_fn>(dlsym(handle, STRATA_CUDA_API_SYMBOL));
+    if (!fn) {
+      errors += "; " + path + " has no symbol " STRATA_CUDA_API_SYMBOL;
+      dlclose(handle);
+      continue;
+    }
+    const strata_cuda_api_v1_t* api = fn();
+    if (!api || api->abi_version != STRATA_CUDA_ABI_VERSION || api->struct_size < sizeof(strata_cuda_api_v1_t)) {
+      dlclose(handle);
+      return Status(StatusCode::kUnavailable, path + " speaks another backend ABI version; rebuild Strata");
+    }
+    CudaBackend b;
+    b.api = api;
+    b.module_path = path;
+    char err[256] = {0};
+    if (api->device_count(&b.device_count, err, sizeof(err)) != 0 || b.device_count == 0) {
+      // Keep the module loaded (unloading CUDA runtimes is unsafe); report why.
+      return Status(StatusCode::kUnavailable,
+                    "no CUDA device: " + std::string(err[0] ? err : "no visible GPU") + " (module " + path + ")");
+    }
+    return b;
+  }
+  return Status(StatusCode::kUnavailable,
+                "CUDA backend module not loadable: " + (errors.empty() ? std::string("libstrata_cuda.so not found") : errors));
+}
+
+}  // namespace
+
+Result<CudaBackend> load_cuda_backend() {
+  static std::once_flag once;
+  static Result<CudaBackend> result = Status(StatusCode::kInternal, "not loaded");
+  std::call_once(once, [] {
+    result = load_once();
+    if (!result.ok()) log_once(LogLevel::kInfo, "cuda-backend", "using the host backend: " + result.status().message());
+  });
+  return result;
+}
+
+Status CudaHostRegistrar::register_memory(void* ptr, std::size_t bytes) {
+  char err[256] = {0};
+  if (api_->host_register(ptr, bytes, err, sizeof(err)) != 0)
+    return Status(StatusCode::kOutOfMemory, "cudaHostRegister of " + std::to_string(bytes) + " bytes failed: " + err +
+                                                " (page-locked memory is limited by RLIMIT_MEMLOCK; raise `ulimit -l`)");
+  return Status();
+}
+
+void CudaHostRegistrar::unregister_memory(void* ptr) {
+  char err[256] = {0};
+  if (api_->host_unregister(ptr, err, sizeof(err)) != 0) log_warn("cudaHostUnregister failed: {}", err);
+}
+
+}  // namespace strata
