@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The one-call GPU check (see shared/guide/device.md). Runs on the lent GPU
+# machine from the repository root, with .deps (Debian .deb files fetched by
+# `tools/gpu_check.sh --fetch-deps` on a dev machine) carried along.
+#   1. unpack the .debs into /tmp/deps, configure with CUDA ON for sm_90, build;
+#   2. run the gpu-labelled tests, then the CPU tests;
+#   3. run the GPU benchmarks with --json;
+#   4. leave logs and JSON under $OUT (at most 8 files come back).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+
+if [[ "${1:-}" == "--fetch-deps" ]]; then
+  grep -qx '/.deps/' "$ROOT/.git/info/exclude" 2>/dev/null || echo /.deps/ >> "$ROOT/.git/info/exclude"
+  mkdir -p "$ROOT/.deps" && cd "$ROOT/.deps" && apt-get download liburing2 liburing-dev libaio1 libaio-dev \
+    libtbb12 libtbbmalloc2 libtbbbind-2-5 libtbb-dev libeigen3-dev libgtest-dev libgmock-dev libbenchmark-dev \
+    libbenchmark1debian nlohmann-json3-dev libcli11-dev libfmt9 libfmt-dev
+  exit $?
+fi
+
+OUT="${OUT:-$ROOT/gpu-check-out}"
+mkdir -p "$OUT"
+cd "$ROOT"
+{
+  echo "== $(date -u +%FT%TZ) commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv || true
+  for f in .deps/*.deb; do dpkg -x "$f" /tmp/deps; done
+  export CMAKE_PREFIX_PATH=/tmp/deps/usr LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
+  export PKG_CONFIG_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu/pkgconfig:/tmp/deps/usr/share/pkgconfig
+  cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DSTRATA_BUILD_BENCHMARKS=OFF && cmake --build build-gpu -j "$(nproc)"
+} > "$OUT/build.log" 2>&1
+echo "build rc=$?" | tee -a "$OUT/build.log"
+tail -5 "$OUT/build.log"
+
+build-gpu/tools/strata --version > "$OUT/version.txt" 2>&1
+cat "$OUT/version.txt"
+(cd build-gpu && ctest -L gpu --output-on-failure) > "$OUT/ctest-gpu.log" 2>&1
+tail -15 "$OUT/ctest-gpu.log"
+(cd build-gpu && ctest -LE gpu -j 8 --output-on-failure) > "$OUT/ctest-cpu.log" 2>&1
+tail -5 "$OUT/ctest-cpu.log"
+{
+  build-gpu/tools/strata bench copy --mib 1024 --iters 10 --json
+} > "$OUT/bench.json" 2> "$OUT/bench.err"
+cat "$OUT/bench.json" "$OUT/bench.err"
