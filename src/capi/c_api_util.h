@@ -1,0 +1,17 @@
+// Glue shared by the C API translation units: the one place a Status becomes
+// a strata_status_t, and the per-thread last-error text.
+#pragma once
+
+#include "common/status.h"
+#include "strata/strata.h"
+
+namespace strata::capi {
+
+strata_status_t to_c_status(StatusCode code);
+
+// Records st as this thread's last error and returns its C code.
+strata_status_t fail(const Status& st);
+// Convenience: fail(Status(kInvalidArgument, message)).
+strata_status_t invalid(const std::string& message);
+
+}  // namespace strata::capi
