@@ -1,0 +1,204 @@
+// Strata's runtime configuration: a plain struct with defaults, read from JSON.
+//
+// The file format is a superset of DeepSpeed's config so users can bring
+// theirs: DeepSpeed's offload keys (zero_optimization.offload_param /
+// offload_optimizer, aio, ...) keep DeepSpeed's meaning and defaults, the
+// training keys with a clear runtime meaning (fp16 loss scaling, bf16,
+// gradient_clipping, gradient_accumulation_steps, Adam/AdamW) are mapped, a
+// documented list of DeepSpeed keys that Strata does not act on is accepted
+// and reported once, a few keys whose silent omission would change training
+// are refused, and Strata's own settings live under "strata". docs/config.md
+// ("Config file") has the full table; keep it in step with config.cpp.
+//
+// Checking is strict: an unknown key, a duplicate key, or an ill-typed or
+// out-of-range value is kInvalidArgument with the key's full path, e.g.
+//   zero_optimization.offload_optimizer.buffer_count: expected a positive
+//   integer, got "four"
+// Nothing here throws; nlohmann's exceptions are caught inside config.cpp.
+// All functions are pure (no globals besides the once-per-process warning
+// about ignored keys) and may be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "runtime/model_spec.h"
+
+namespace strata {
+
+// Where a kind of state has its home. kAuto: the planner decides.
+enum class Tier : uint8_t { kAuto = 0, kDevice, kHost, kNvme };
+const char* tier_name(Tier tier);  // "auto", "device", "host", "nvme"
+
+// DeepSpeed's offload "device": "none" keeps the state on the accelerator.
+// kAuto is Strata's: the offload_* object was absent (or says "device":
+// "auto"), so the planner decides from the budgets.
+enum class OffloadDevice : uint8_t { kAuto = 0, kNone, kCpu, kNvme };
+const char* offload_device_name(OffloadDevice d);  // "auto", "none", "cpu", "nvme"
+
+// zero_optimization.offload_param (DeepSpeed's DeepSpeedZeroOffloadParamConfig).
+struct OffloadParamConfig {
+  OffloadDevice device = OffloadDevice::kAuto;
+  std::string nvme_path;             // added to the NVMe directories (capacity: free space)
+  uint64_t buffer_count = 5;         // pinned parameter staging buffers
+  uint64_t buffer_size = 100000000;  // elements per staging buffer
+  uint64_t max_in_cpu = 1000000000;  // elements of compute copies kept in host RAM when device is nvme
+  bool pin_memory = false;           // host-resident compute copies in page-locked memory
+  bool operator==(const OffloadParamConfig&) const = default;
+};
+
+// zero_optimization.offload_optimizer (DeepSpeedZeroOffloadOptimizerConfig).
+struct OffloadOptimizerConfig {
+  OffloadDevice device = OffloadDevice::kAuto;
+  std::string nvme_path;
+  uint64_t buffer_count = 4;    // pinned buffers in the optimizer-step ring
+  bool pin_memory = false;      // host-resident master/states in page-locked memory
+  bool pipeline_read = false;   // read chunk k+1 while chunk k is updated
+  bool pipeline_write = false;  // write chunk k-1 while chunk k is updated
+  bool fast_init = false;       // accepted; Strata's NVMe state init is always streamed
+  double ratio = 1.0;           // accepted; < 1 is reported (Strata keeps states off the GPU)
+  bool operator==(const OffloadOptimizerConfig&) const = default;
+};
+
+struct ZeroConfig {
+  int stage = 0;  // 0..3; Strata shards like stage 3 whenever world_size > 1
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+  uint64_t sub_group_size = 1000000000;      // elements per optimizer-step chunk (DeepSpeed default)
+  uint64_t prefetch_bucket_size = 50000000;  // stage3_prefetch_bucket_size: elements fetched ahead
+  bool operator==(const ZeroConfig&) const = default;
+};
+
+// "aio" (DeepSpeed's swap_tensor/aio_config.py). block_size and queue_depth
+// are 0 when the file does not set them: then STRATA_IO_BLOCK_BYTES /
+// STRATA_IO_QUEUE_DEPTH decide, then the I/O engine's defaults (1 MiB, 32),
+// which suit Strata's engine better than DeepSpeed's libaio defaults (1 MiB, 8).
+struct AioConfig {
+  uint64_t block_size = 0;            // bytes per I/O request (multiple of 4096, <= 64 MiB); 0: not set
+  uint64_t queue_depth = 0;           // requests in flight per queue (1..4096); 0: not set
+  uint64_t intra_op_parallelism = 1;  // "thread_count" is the older name
+  bool single_submit = false;         // one request per submit call (false: batched)
+  bool overlap_events = true;         // submit new requests while completions are reaped
+  bool use_gds = false;               // GPUDirect Storage: accepted, reported, not used
+  bool operator==(const AioConfig&) const = default;
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;              // 0: dynamic scaling; > 0: a fixed scale
+  int initial_scale_power = 16;         // dynamic: the first scale is 2^power
+  int loss_scale_window = 1000;         // steps without overflow before the scale doubles
+  int hysteresis = 2;                   // overflows tolerated before the scale halves
+  bool consecutive_hysteresis = false;  // refill hysteresis after a step without overflow
+  double min_loss_scale = 1.0;
+  bool operator==(const Fp16Config&) const = default;
+};
+
+enum class OptimizerType : uint8_t { kAdam, kAdamW };
+
+// "optimizer": {"type": "Adam"|"AdamW", "params": {...}}. DeepSpeed's "Adam"
+// decouples weight decay unless params.adam_w_mode is false; "AdamW" always does.
+struct OptimizerConfig {
+  OptimizerType type = OptimizerType::kAdamW;
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool bias_correction = true;
+  bool adam_w_mode = true;
+  // True when weight decay is decoupled from the gradient (AdamW).
+  bool decoupled_weight_decay() const { return type == OptimizerType::kAdamW || adam_w_mode; }
+  bool operator==(const OptimizerConfig&) const = default;
+};
+
+struct NvmeDir {
+  std::string path;
+  uint64_t capacity = 0;  // bytes Strata may use there; 0: the free space when the run starts
+  bool operator==(const NvmeDir&) const = default;
+};
+
+// One per-group tier override: the first rule whose glob `match` matches a
+// group's name wins; kAuto leaves that kind to the planner.
+struct GroupTierRule {
+  std::string match;  // fnmatch(3) glob over group names, e.g. "layers.*"
+  Tier compute = Tier::kAuto;
+  Tier master = Tier::kAuto;
+  Tier optimizer = Tier::kAuto;
+  Tier grad = Tier::kAuto;
+  bool operator==(const GroupTierRule&) const = default;
+};
+
+enum class IoBackendChoice : uint8_t { kAuto, kUring, kAio, kPosix };
+const char* io_backend_name(IoBackendChoice b);  // "auto", "uring", "aio", "posix"
+
+// The "strata" object: Strata's own settings. Byte sizes are integers or
+// strings such as "24GiB"; 0 means "detect when the run starts".
+struct StrataConfig {
+  uint64_t device_memory = 0;                           // device budget (bytes); 0: free device memory at start
+  uint64_t device_reserve = 2ull << 30;                 // kept free on the device for activations and workspace
+  uint64_t host_memory = 0;                             // host RAM budget for the host tier; 0: detect
+  uint64_t pinned_memory = 0;                           // page-locked staging budget (part of host_memory); 0: detect
+  std::vector<NvmeDir> nvme;                            // NVMe directories (offload_*.nvme_path are added)
+  uint32_t prefetch_depth = 2;                          // groups fetched ahead of the one in use
+  uint64_t prefetch_bytes = 0;                          // cap on bytes in flight for prefetch; 0: depth decides
+  DType optimizer_state_dtype = DType::kFp32;           // Adam m and v: fp32 or bf16
+  IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
+  bool overlap_backward = false;                        // start a group's optimizer step during backward
+  std::string trace;                                    // Chrome trace-event JSON output file; "" = off
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+  uint64_t shard_alignment = 2048;         // elements; each shard is padded to a multiple
+  uint64_t optimizer_chunk = 16ull << 20;  // elements per optimizer-step chunk (Strata default)
+  std::vector<GroupTierRule> groups;       // per-group tier overrides
+  bool operator==(const StrataConfig&) const = default;
+};
+
+struct Config {
+  ZeroConfig zero;
+  AioConfig aio;
+  Fp16Config fp16;
+  bool bf16 = false;  // bf16.enabled
+  OptimizerConfig optimizer;
+  double gradient_clipping = 0.0;  // max global L2 norm; 0: off
+  uint32_t gradient_accumulation_steps = 1;
+  StrataConfig strata;
+
+  // The compute dtype the precision keys ask for: bf16, fp16, else fp32.
+  DType compute_dtype() const;
+  // strata.nvme plus offload_param/offload_optimizer.nvme_path (capacity 0:
+  // detect), without duplicates, in that order.
+  std::vector<NvmeDir> nvme_dirs() const;
+  bool operator==(const Config&) const = default;
+};
+
+// Keys found but not acted on (full paths, e.g. "train_batch_size",
+// "zero_optimization.overlap_comm"), and notes about values Strata accepts
+// but treats differently from DeepSpeed. Each list is in the order the
+// parser checks keys (section by section), not necessarily file order.
+struct ConfigNotes {
+  std::vector<std::string> ignored_keys;
+  std::vector<std::string> warnings;
+};
+
+// Parses a config from JSON text. `origin` names the text in messages (a file
+// path, or "<string>"). Malformed JSON: kInvalidArgument
+//   "<origin>: malformed JSON at byte 57 (line 4, column 12): <what>".
+// Key errors: kInvalidArgument "<origin>: <path>: <what>". On success the
+// ignored keys are logged once per process (one warning listing them) and
+// returned in *notes when given.
+Result<Config> parse_config(std::string_view json_text, std::string_view origin = "<string>",
+                            ConfigNotes* notes = nullptr);
+
+// Reads and parses a file. Missing file: kNotFound "config file <path> does
+// not exist"; unreadable: the errno's status naming the path.
+Result<Config> load_config_file(const std::string& path, ConfigNotes* notes = nullptr);
+
+// The resolved config as JSON text (2-space indent), every key present with
+// its value; parse_config(config_to_json(c)) == c.
+std::string config_to_json(const Config& config);
+
+}  // namespace strata

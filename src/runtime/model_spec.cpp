@@ -1,0 +1,120 @@
+#include "runtime/model_spec.h"
+
+#include <fmt/format.h>
+
+#include <cassert>
+#include <limits>
+#include <unordered_set>
+
+namespace strata {
+
+const char* dtype_name(DType d) {
+  switch (d) {
+    case DType::kFp32:
+      return "fp32";
+    case DType::kBf16:
+      return "bf16";
+    case DType::kFp16:
+      return "fp16";
+  }
+  return "?";
+}
+
+uint64_t ParamSpec::numel() const {
+  uint64_t n = 1;
+  for (uint64_t d : shape) n *= d;
+  return n;
+}
+
+uint64_t ModelSpec::numel() const {
+  uint64_t n = 0;
+  for (const auto& p : params) n += p.numel();
+  return n;
+}
+
+std::vector<std::string> ModelSpec::group_names() const {
+  std::vector<std::string> names;
+  std::unordered_set<std::string> seen;
+  for (const auto& p : params)
+    if (seen.insert(p.group).second) names.push_back(p.group);
+  return names;
+}
+
+ShardRange shard_range(uint64_t numel, uint32_t world_size, uint32_t rank, uint64_t alignment) {
+  assert(world_size >= 1 && rank < world_size && alignment >= 1);
+  const uint64_t per_rank = numel / world_size + (numel % world_size != 0);
+  ShardRange r;
+  r.padded = (per_rank + alignment - 1) / alignment * alignment;
+  // A zero-element parameter still gets one aligned slot so every parameter
+  // has an address; its range stays empty.
+  if (r.padded == 0) r.padded = alignment;
+  const uint64_t begin = static_cast<uint64_t>(rank) * r.padded;
+  r.begin = begin < numel ? begin : numel;
+  r.end = r.begin + r.padded < numel ? r.begin + r.padded : numel;
+  return r;
+}
+
+Status validate_model_spec(const ModelSpec& model) {
+  if (model.world_size == 0) return Status(StatusCode::kInvalidArgument, "model: world_size must be at least 1");
+  if (model.rank >= model.world_size)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("model: rank {} is out of range for world_size {}", model.rank, model.world_size));
+  if (model.params.empty()) return Status(StatusCode::kInvalidArgument, "model: no parameters");
+  std::unordered_set<std::string> names;
+  for (const auto& p : model.params) {
+    if (p.name.empty()) return Status(StatusCode::kInvalidArgument, "model: a parameter has an empty name");
+    if (p.group.empty())
+      return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} has no group", p.name));
+    if (!names.insert(p.name).second)
+      return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} is listed twice", p.name));
+    // Keep numel * 4 bytes far from overflow: 2^60 elements is beyond any model.
+    uint64_t n = 1;
+    for (uint64_t d : p.shape) {
+      if (d == 0)
+        return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} has a zero dimension", p.name));
+      if (n > (uint64_t{1} << 60) / d)
+        return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} is too large", p.name));
+      n *= d;
+    }
+  }
+  return Status::ok_status();
+}
+
+Result<ModelSpec> llama_model_spec(const LlamaShape& s, uint32_t world_size, uint32_t rank) {
+  if (s.layers == 0 || s.dim == 0 || s.heads == 0 || s.kv_heads == 0 || s.ffn_dim == 0 || s.vocab == 0)
+    return Status(StatusCode::kInvalidArgument,
+                  "llama shape: layers, dim, heads, kv_heads, ffn_dim and vocab must be positive");
+  if (s.dim % s.heads != 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("llama shape: dim {} is not divisible by heads {}", s.dim, s.heads));
+  if (s.heads % s.kv_heads != 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("llama shape: heads {} is not divisible by kv_heads {}", s.heads, s.kv_heads));
+  const uint64_t kv_dim = s.dim / s.heads * s.kv_heads;
+  ModelSpec m;
+  m.world_size = world_size;
+  m.rank = rank;
+  auto add = [&](std::string name, std::vector<uint64_t> shape, const std::string& group) {
+    m.params.push_back(ParamSpec{std::move(name), std::move(shape), s.dtype, group});
+  };
+  add("model.embed_tokens.weight", {s.vocab, s.dim}, "embed");
+  for (uint32_t i = 0; i < s.layers; ++i) {
+    const std::string g = fmt::format("layers.{}", i);
+    const std::string p = fmt::format("model.layers.{}.", i);
+    add(p + "input_layernorm.weight", {s.dim}, g);
+    add(p + "self_attn.q_proj.weight", {s.dim, s.dim}, g);
+    add(p + "self_attn.k_proj.weight", {kv_dim, s.dim}, g);
+    add(p + "self_attn.v_proj.weight", {kv_dim, s.dim}, g);
+    add(p + "self_attn.o_proj.weight", {s.dim, s.dim}, g);
+    add(p + "post_attention_layernorm.weight", {s.dim}, g);
+    add(p + "mlp.gate_proj.weight", {s.ffn_dim, s.dim}, g);
+    add(p + "mlp.up_proj.weight", {s.ffn_dim, s.dim}, g);
+    add(p + "mlp.down_proj.weight", {s.dim, s.ffn_dim}, g);
+  }
+  add("model.norm.weight", {s.dim}, "head");
+  if (!s.tied_embeddings) add("lm_head.weight", {s.vocab, s.dim}, "head");
+  STRATA_RETURN_IF_ERROR(validate_model_spec(m));
+  return m;
+}
+
+}  // namespace strata

@@ -1,0 +1,82 @@
+// What the runtime and the planner know about a model: its parameters (name,
+// shape, compute dtype, group) and how each is split into rank shards.
+//
+// Pure data and arithmetic: no tensors are allocated, so a 70B description
+// costs a few kilobytes. Thread-safe (no shared state).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+
+namespace strata {
+
+enum class DType : uint8_t { kFp32 = 0, kBf16, kFp16 };
+inline constexpr uint64_t dtype_size(DType d) {
+  return d == DType::kFp32 ? 4 : 2;
+}
+const char* dtype_name(DType d);  // "fp32", "bf16", "fp16"
+
+struct ParamSpec {
+  std::string name;             // e.g. "model.layers.3.mlp.up_proj.weight"
+  std::vector<uint64_t> shape;  // empty shape: a scalar (1 element)
+  DType compute_dtype = DType::kBf16;
+  std::string group;  // unit of acquire/release, e.g. "layers.3"
+  uint64_t numel() const;
+};
+
+// Parameters in the order the trainer first uses them; groups appear in that
+// order too (a group's parameters need not be contiguous in the list).
+struct ModelSpec {
+  std::vector<ParamSpec> params;
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+
+  uint64_t numel() const;
+  // Group names in order of first appearance.
+  std::vector<std::string> group_names() const;
+};
+
+// One rank's shard of a flat parameter of `numel` elements. Every rank holds
+// `padded` elements of storage (the same on every rank, a multiple of the
+// alignment); the first `end - begin` of them are the parameter's elements
+// [begin, end), the rest is padding. Ranks past the end hold only padding.
+struct ShardRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t padded = 0;
+  uint64_t size() const { return end - begin; }
+  bool operator==(const ShardRange&) const = default;
+};
+
+// padded = round_up(ceil(numel / world_size), alignment); rank r covers
+// [min(r * padded, numel), min((r + 1) * padded, numel)). Shards of all ranks
+// tile [0, numel) exactly. world_size >= 1, rank < world_size, alignment >= 1
+// (checked with assert; validate inputs with validate_model_spec first).
+ShardRange shard_range(uint64_t numel, uint32_t world_size, uint32_t rank, uint64_t alignment);
+
+// kInvalidArgument naming the parameter for: empty name or group, a zero or
+// overflowing dimension, duplicate names, world_size 0, rank >= world_size.
+Status validate_model_spec(const ModelSpec& model);
+
+// Llama-architecture decoder (RMSNorm, GQA, SwiGLU), tensor names as Hugging
+// Face uses them. Groups: "embed" (embed_tokens), "layers.<i>" (attention,
+// MLP and both norms of layer i), "head" (final norm and lm_head, or only the
+// norm when embeddings are tied).
+struct LlamaShape {
+  uint32_t layers = 0;
+  uint64_t dim = 0;
+  uint32_t heads = 0;
+  uint32_t kv_heads = 0;
+  uint64_t ffn_dim = 0;
+  uint64_t vocab = 0;
+  bool tied_embeddings = false;
+  DType dtype = DType::kBf16;
+};
+// kInvalidArgument when dim is not divisible by heads or heads by kv_heads.
+Result<ModelSpec> llama_model_spec(const LlamaShape& shape, uint32_t world_size = 1, uint32_t rank = 0);
+
+}  // namespace strata

@@ -1,0 +1,636 @@
+#include "runtime/planner.h"
+
+#include <fmt/format.h>
+#include <fnmatch.h>
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "common/units.h"
+
+namespace strata {
+
+const char* state_kind_name(StateKind k) {
+  switch (k) {
+    case StateKind::kCompute:
+      return "compute copy";
+    case StateKind::kMaster:
+      return "fp32 master";
+    case StateKind::kOptimizer:
+      return "optimizer states";
+    case StateKind::kGrad:
+      return "fp32 grad accumulator";
+  }
+  return "?";
+}
+
+LinkBytes& LinkBytes::operator+=(const LinkBytes& o) {
+  nvme_read += o.nvme_read;
+  nvme_write += o.nvme_write;
+  h2d += o.h2d;
+  d2h += o.d2h;
+  return *this;
+}
+
+namespace {
+
+constexpr int kc(StateKind k) {
+  return static_cast<int>(k);
+}
+constexpr int kt(Tier t) {
+  return static_cast<int>(t);
+}
+constexpr StateKind kKinds[] = {StateKind::kCompute, StateKind::kMaster, StateKind::kOptimizer, StateKind::kGrad};
+// Host placement priority: what saves the most NVMe transfers per byte of
+// RAM. With M micro-batches per step, a compute copy on NVMe is read twice per
+// micro-batch (forward, backward) and written once per step: 2M+1 transfers
+// per byte; a gradient is written every micro-batch and read back: 2M; master
+// and optimizer states are read and written once per step: 2. Master before
+// states: equal traffic, and the master is needed first in the update.
+constexpr StateKind kHostOrder[] = {StateKind::kCompute, StateKind::kGrad, StateKind::kMaster, StateKind::kOptimizer};
+
+uint64_t sub0(uint64_t a, uint64_t b) {
+  return a > b ? a - b : 0;
+}
+
+Status out_of_budget(std::string msg) {
+  return Status(StatusCode::kOutOfBudget, std::move(msg));
+}
+
+// "optimizer states 56.0 GiB + fp32 master 28.0 GiB", largest first.
+std::string breakdown(const std::array<uint64_t, kNumStateKinds>& by_kind) {
+  std::vector<std::pair<uint64_t, StateKind>> parts;
+  for (StateKind k : kKinds)
+    if (by_kind[kc(k)] > 0) parts.emplace_back(by_kind[kc(k)], k);
+  std::stable_sort(parts.begin(), parts.end(), [](auto& a, auto& b) { return a.first > b.first; });
+  std::string s;
+  for (auto& [b, k] : parts) s += fmt::format("{}{} {}", s.empty() ? "" : " + ", state_kind_name(k), format_bytes(b));
+  return s;
+}
+
+// "<breakdown> need X" / "<kind> needs X" when only one kind is involved.
+std::string needs(const std::array<uint64_t, kNumStateKinds>& by_kind) {
+  int n = 0;
+  uint64_t total = 0;
+  StateKind only = StateKind::kCompute;
+  for (StateKind k : kKinds)
+    if (by_kind[kc(k)] > 0) {
+      ++n;
+      total += by_kind[kc(k)];
+      only = k;
+    }
+  if (n == 1)
+    return fmt::format("{} {} {}", state_kind_name(only), only == StateKind::kOptimizer ? "need" : "needs",
+                       format_bytes(total));
+  return fmt::format("{} = {} needed", breakdown(by_kind), format_bytes(total));
+}
+
+bool glob_match(const std::string& pattern, const std::string& name) {
+  return ::fnmatch(pattern.c_str(), name.c_str(), 0) == 0;
+}
+
+Tier rule_tier(const GroupTierRule& r, StateKind k) {
+  switch (k) {
+    case StateKind::kCompute:
+      return r.compute;
+    case StateKind::kMaster:
+      return r.master;
+    case StateKind::kOptimizer:
+      return r.optimizer;
+    case StateKind::kGrad:
+      return r.grad;
+  }
+  return Tier::kAuto;
+}
+
+}  // namespace
+
+PlanOptions plan_options_from_config(const Config& c) {
+  PlanOptions o;
+  o.optimizer_state_dtype = c.strata.optimizer_state_dtype;
+  o.device_reserve = c.strata.device_reserve;
+  o.prefetch_depth = c.strata.prefetch_depth;
+  o.prefetch_bytes = c.strata.prefetch_bytes;
+  o.micro_batches = c.gradient_accumulation_steps;
+  o.shard_alignment = c.strata.shard_alignment;
+  o.optimizer_chunk = c.strata.optimizer_chunk;
+  o.optimizer_ring_buffers = static_cast<uint32_t>(std::min<uint64_t>(c.zero.offload_optimizer.buffer_count, 1024));
+  o.overrides = c.strata.groups;
+  GroupTierRule ds;
+  ds.match = "*";
+  switch (c.zero.offload_param.device) {
+    case OffloadDevice::kNone:
+      ds.compute = Tier::kDevice;
+      break;
+    case OffloadDevice::kCpu:
+      ds.compute = Tier::kHost;
+      break;
+    case OffloadDevice::kNvme:
+      ds.compute = Tier::kNvme;
+      break;
+    case OffloadDevice::kAuto:
+      break;
+  }
+  switch (c.zero.offload_optimizer.device) {
+    case OffloadDevice::kNone:
+      ds.master = ds.optimizer = ds.grad = Tier::kDevice;
+      break;
+    case OffloadDevice::kCpu:
+      ds.master = ds.optimizer = ds.grad = Tier::kHost;
+      break;
+    case OffloadDevice::kNvme:
+      ds.master = ds.optimizer = Tier::kNvme;
+      break;
+    case OffloadDevice::kAuto:
+      break;
+  }
+  if (!(ds == GroupTierRule{"*"})) o.overrides.push_back(ds);
+  return o;
+}
+
+uint64_t Plan::tier_bytes(Tier t) const {
+  uint64_t s = 0;
+  for (uint64_t b : bytes[kt(t)]) s += b;
+  return s;
+}
+uint64_t Plan::device_total() const {
+  return tier_bytes(Tier::kDevice) + device_buffers + options.device_reserve;
+}
+uint64_t Plan::host_total() const {
+  return tier_bytes(Tier::kHost) + staging_ring + optimizer_ring;
+}
+uint64_t Plan::nvme_total() const {
+  return tier_bytes(Tier::kNvme);
+}
+LinkBytes Plan::per_step() const {
+  LinkBytes l = forward_backward;
+  l += optimizer_step;
+  return l;
+}
+
+Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const PlanOptions& opt) {
+  STRATA_RETURN_IF_ERROR(validate_model_spec(model));
+  if (opt.micro_batches == 0) return Status(StatusCode::kInvalidArgument, "plan: micro_batches must be at least 1");
+  if (opt.shard_alignment == 0) return Status(StatusCode::kInvalidArgument, "plan: shard_alignment must be at least 1");
+  if (opt.optimizer_chunk == 0) return Status(StatusCode::kInvalidArgument, "plan: optimizer_chunk must be at least 1");
+  if (opt.optimizer_ring_buffers == 0)
+    return Status(StatusCode::kInvalidArgument, "plan: optimizer_ring_buffers must be at least 1");
+  if (opt.optimizer_state_dtype == DType::kFp16)
+    return Status(StatusCode::kInvalidArgument, "plan: optimizer states are fp32 or bf16, not fp16");
+
+  Plan plan;
+  plan.world_size = model.world_size;
+  plan.rank = model.rank;
+  plan.budgets = budgets;
+  plan.options = opt;
+  const uint32_t ws = model.world_size;
+  const uint64_t state_elem_bytes = uint64_t{opt.optimizer_states} * dtype_size(opt.optimizer_state_dtype);
+
+  // ---- sizes per group (this rank's padded shards)
+  std::unordered_map<std::string, size_t> index;
+  for (const auto& p : model.params) {
+    auto [it, fresh] = index.emplace(p.group, plan.groups.size());
+    if (fresh) plan.groups.push_back(GroupPlan{p.group});
+    GroupPlan& g = plan.groups[it->second];
+    const uint64_t n = p.numel();
+    const ShardRange sr = shard_range(n, ws, model.rank, opt.shard_alignment);
+    g.numel += n;
+    g.shard_numel += sr.padded;
+    g.bytes[kc(StateKind::kCompute)] += sr.padded * dtype_size(p.compute_dtype);
+    g.gathered_compute_bytes += sr.padded * ws * dtype_size(p.compute_dtype);
+  }
+  for (auto& g : plan.groups) {
+    g.bytes[kc(StateKind::kMaster)] = 4 * g.shard_numel;
+    g.bytes[kc(StateKind::kOptimizer)] = state_elem_bytes * g.shard_numel;
+    g.bytes[kc(StateKind::kGrad)] = 4 * g.shard_numel;
+    plan.model_numel += g.numel;
+    plan.shard_numel += g.shard_numel;
+  }
+
+  // ---- overrides: per kind, the first matching rule that names a tier
+  for (const auto& r : opt.overrides) {
+    bool any = false;
+    for (const auto& g : plan.groups) any = any || glob_match(r.match, g.name);
+    if (!any) {
+      std::string names;
+      for (size_t i = 0; i < plan.groups.size() && i < 4; ++i) names += (i ? ", " : "") + plan.groups[i].name;
+      if (plan.groups.size() > 4) names += ", ...";
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("plan: group rule \"{}\" matches no group (groups: {})", r.match, names));
+    }
+  }
+  for (auto& g : plan.groups) {
+    for (StateKind k : kKinds) {
+      for (const auto& r : opt.overrides) {
+        if (!glob_match(r.match, g.name)) continue;
+        const Tier t = rule_tier(r, k);
+        if (t == Tier::kAuto) continue;
+        g.tier[kc(k)] = t;
+        g.forced[kc(k)] = true;
+        break;
+      }
+    }
+    const bool master_dev = g.tier[kc(StateKind::kMaster)] == Tier::kDevice;
+    const bool opt_dev = g.tier[kc(StateKind::kOptimizer)] == Tier::kDevice;
+    const bool grad_dev = g.tier[kc(StateKind::kGrad)] == Tier::kDevice;
+    if (master_dev != opt_dev || (grad_dev && !master_dev))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("plan: group {}: the optimizer runs on the device only with the fp32 master, the "
+                                "optimizer states and the gradients all there (got master {}, optimizer {}, grad {})",
+                                g.name, tier_name(g.tier[kc(StateKind::kMaster)]),
+                                tier_name(g.tier[kc(StateKind::kOptimizer)]), tier_name(g.tier[kc(StateKind::kGrad)])));
+    if (master_dev && !grad_dev) {
+      // A GPU step needs the gradients where it runs: follow the master.
+      if (g.forced[kc(StateKind::kGrad)])
+        return Status(
+            StatusCode::kInvalidArgument,
+            fmt::format("plan: group {}: fp32 master on the device needs the gradients there too (got grad {})", g.name,
+                        tier_name(g.tier[kc(StateKind::kGrad)])));
+      g.tier[kc(StateKind::kGrad)] = Tier::kDevice;
+      g.forced[kc(StateKind::kGrad)] = true;
+    }
+  }
+
+  auto forced_on = [&](Tier t) {
+    std::array<uint64_t, kNumStateKinds> by{};
+    for (const auto& g : plan.groups)
+      for (StateKind k : kKinds)
+        if (g.forced[kc(k)] && g.tier[kc(k)] == t) by[kc(k)] += g.bytes[kc(k)];
+    return by;
+  };
+  auto sum = [](const std::array<uint64_t, kNumStateKinds>& a) {
+    uint64_t s = 0;
+    for (uint64_t b : a) s += b;
+    return s;
+  };
+
+  // ---- device: forced state, working buffers, then compute copies first-fit
+  const uint64_t usable = sub0(budgets.device_bytes, opt.device_reserve);
+  const std::string usable_text = fmt::format("{} is usable ({} minus the {} reserve)", format_bytes(usable),
+                                              format_bytes(budgets.device_bytes), format_bytes(opt.device_reserve));
+  const auto dev_forced_by = forced_on(Tier::kDevice);
+  const uint64_t dev_forced = sum(dev_forced_by);
+  if (dev_forced > usable)
+    return out_of_budget(
+        fmt::format("device: {} by group overrides but {}: {} short; raise the device budget or "
+                    "move groups off the device",
+                    needs(dev_forced_by), usable_text, format_bytes(dev_forced - usable)));
+  uint64_t auto_compute = 0;
+  bool some_compute_off_device = false;
+  for (const auto& g : plan.groups) {
+    if (!g.forced[kc(StateKind::kCompute)])
+      auto_compute += g.bytes[kc(StateKind::kCompute)];
+    else if (g.tier[kc(StateKind::kCompute)] != Tier::kDevice)
+      some_compute_off_device = true;
+  }
+  const bool need_buffers = ws > 1 || some_compute_off_device || dev_forced + auto_compute > usable;
+  uint64_t max_gathered = 0;
+  for (const auto& g : plan.groups)
+    if (ws > 1 || !(g.forced[kc(StateKind::kCompute)] && g.tier[kc(StateKind::kCompute)] == Tier::kDevice))
+      max_gathered = std::max(max_gathered, g.gathered_compute_bytes);
+  uint32_t depth = opt.prefetch_depth;
+  if (opt.prefetch_bytes > 0 && max_gathered > 0)
+    depth = static_cast<uint32_t>(std::min<uint64_t>(depth, opt.prefetch_bytes / max_gathered));
+  if (need_buffers) {
+    plan.prefetch_groups = depth;
+    plan.device_buffers = uint64_t{1 + depth} * max_gathered;
+  }
+  if (dev_forced + plan.device_buffers > usable)
+    return out_of_budget(fmt::format(
+        "device: working buffers need {} ({} x the largest group, {}: one in use, {} prefetched){} but {}: {} short; "
+        "lower strata.prefetch_depth or strata.device_reserve, or raise the device budget",
+        format_bytes(plan.device_buffers), 1 + depth, format_bytes(max_gathered), depth,
+        dev_forced ? fmt::format(" on top of {} placed by overrides", format_bytes(dev_forced)) : "", usable_text,
+        format_bytes(dev_forced + plan.device_buffers - usable)));
+  uint64_t dev_free = usable - dev_forced - plan.device_buffers;
+  for (auto& g : plan.groups) {
+    if (g.forced[kc(StateKind::kCompute)]) continue;
+    const uint64_t b = g.bytes[kc(StateKind::kCompute)];
+    if (b <= dev_free) {
+      g.tier[kc(StateKind::kCompute)] = Tier::kDevice;
+      dev_free -= b;
+    }
+  }
+
+  // ---- host: pinned staging for compute copies that live off the device
+  uint64_t max_off_device = 0;
+  for (const auto& g : plan.groups)
+    if (g.tier[kc(StateKind::kCompute)] != Tier::kDevice)
+      max_off_device = std::max(max_off_device, g.bytes[kc(StateKind::kCompute)]);
+  plan.staging_ring = uint64_t{1 + depth} * max_off_device;
+  const auto host_forced_by = forced_on(Tier::kHost);
+  const uint64_t host_forced = sum(host_forced_by);
+  if (plan.staging_ring + host_forced > budgets.host_bytes)
+    return out_of_budget(fmt::format(
+        "host: {}{}{} but the host budget is {}: {} short; raise the host budget{}",
+        host_forced ? needs(host_forced_by) + " by group overrides" : "",
+        host_forced && plan.staging_ring ? " plus " : "",
+        plan.staging_ring ? fmt::format("pinned staging buffers need {}", format_bytes(plan.staging_ring)) : "",
+        format_bytes(budgets.host_bytes), format_bytes(plan.staging_ring + host_forced - budgets.host_bytes),
+        host_forced ? " or move groups to NVMe" : ""));
+  uint64_t host_free = budgets.host_bytes - plan.staging_ring - host_forced;
+
+  uint64_t auto_rest = 0;
+  bool forced_nvme = false;
+  for (const auto& g : plan.groups)
+    for (StateKind k : kKinds) {
+      if (!g.forced[kc(k)] && g.tier[kc(k)] == Tier::kAuto) auto_rest += g.bytes[kc(k)];
+      if (g.forced[kc(k)] && g.tier[kc(k)] == Tier::kNvme) forced_nvme = true;
+    }
+  uint64_t max_shard = 0;
+  for (const auto& g : plan.groups) max_shard = std::max(max_shard, g.shard_numel);
+  if (!forced_nvme && auto_rest <= host_free) {
+    for (auto& g : plan.groups)
+      for (StateKind k : kKinds)
+        if (g.tier[kc(k)] == Tier::kAuto) g.tier[kc(k)] = Tier::kHost;
+  } else {
+    // Something goes to NVMe: keep room for the optimizer-step ring at its
+    // largest (master, states, gradient and an fp32 compute copy per element).
+    const uint64_t worst_ring = uint64_t{opt.optimizer_ring_buffers} * std::min(opt.optimizer_chunk, max_shard) *
+                                (4 + state_elem_bytes + 4 + 4);
+    const uint64_t reserve = std::min(worst_ring, host_free);
+    uint64_t free = host_free - reserve;
+    for (StateKind k : kHostOrder)
+      for (auto& g : plan.groups) {
+        if (g.tier[kc(k)] != Tier::kAuto) continue;
+        if (g.bytes[kc(k)] <= free) {
+          g.tier[kc(k)] = Tier::kHost;
+          free -= g.bytes[kc(k)];
+        } else {
+          g.tier[kc(k)] = Tier::kNvme;
+        }
+      }
+    host_free = free + reserve;
+  }
+
+  // ---- the optimizer ring, as placed
+  uint64_t ring_elem = 0, ring_chunk = 0;
+  for (const auto& g : plan.groups) {
+    if (g.tier[kc(StateKind::kMaster)] == Tier::kDevice) continue;
+    uint64_t per = 0;
+    if (g.tier[kc(StateKind::kMaster)] == Tier::kNvme) per += 4;
+    if (g.tier[kc(StateKind::kOptimizer)] == Tier::kNvme) per += state_elem_bytes;
+    if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) per += 4;
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme && g.shard_numel > 0)
+      per += (g.bytes[kc(StateKind::kCompute)] + g.shard_numel - 1) / g.shard_numel;
+    if (per == 0) continue;
+    ring_elem = std::max(ring_elem, per);
+    ring_chunk = std::max(ring_chunk, std::min(opt.optimizer_chunk, g.shard_numel));
+  }
+  plan.optimizer_chunk_bytes = ring_chunk * ring_elem;
+  plan.optimizer_ring = uint64_t{opt.optimizer_ring_buffers} * plan.optimizer_chunk_bytes;
+  if (plan.optimizer_ring > host_free)
+    return out_of_budget(fmt::format(
+        "host: the optimizer-step ring needs {} ({} buffers of {}) but only {} of the host budget {} is left: {} "
+        "short; "
+        "raise the host budget or lower strata.optimizer_chunk",
+        format_bytes(plan.optimizer_ring), opt.optimizer_ring_buffers, format_bytes(plan.optimizer_chunk_bytes),
+        format_bytes(host_free), format_bytes(budgets.host_bytes), format_bytes(plan.optimizer_ring - host_free)));
+  if (budgets.pinned_bytes > 0 && plan.pinned_total() > budgets.pinned_bytes)
+    return out_of_budget(fmt::format(
+        "pinned host memory: buffers need {} (staging {}, optimizer ring {}) but the pinned budget is {}: {} short; "
+        "raise strata.pinned_memory, or lower strata.prefetch_depth or strata.optimizer_chunk",
+        format_bytes(plan.pinned_total()), format_bytes(plan.staging_ring), format_bytes(plan.optimizer_ring),
+        format_bytes(budgets.pinned_bytes), format_bytes(plan.pinned_total() - budgets.pinned_bytes)));
+
+  // ---- totals and NVMe
+  for (const auto& g : plan.groups)
+    for (StateKind k : kKinds) plan.bytes[kt(g.tier[kc(k)])][kc(k)] += g.bytes[kc(k)];
+  const uint64_t nvme_need = plan.nvme_total();
+  uint64_t nvme_cap = 0;
+  for (const auto& d : budgets.nvme) nvme_cap += d.capacity;
+  if (nvme_need > nvme_cap) {
+    const auto& by = plan.bytes[kt(Tier::kNvme)];
+    const uint64_t states = by[kc(StateKind::kOptimizer)];
+    std::string bf16 = opt.optimizer_state_dtype == DType::kFp32 && states > 0
+                           ? fmt::format(" or use bf16 optimizer states (saves {})", format_bytes(states / 2))
+                           : "";
+    if (budgets.nvme.empty())
+      return out_of_budget(fmt::format(
+          "NVMe: {} beyond what fits on the device and the host, but no NVMe directory is configured: {} short; "
+          "add one (strata.nvme or offload_optimizer.nvme_path), raise the host budget{}",
+          needs(by), format_bytes(nvme_need), bf16));
+    std::string where =
+        budgets.nvme.size() == 1
+            ? fmt::format("{} has {} free", budgets.nvme[0].path, format_bytes(nvme_cap))
+            : fmt::format("the {} NVMe directories have {} free", budgets.nvme.size(), format_bytes(nvme_cap));
+    return out_of_budget(fmt::format("NVMe: {} but {}: {} short; add a directory{}", needs(by), where,
+                                     format_bytes(nvme_need - nvme_cap), bf16));
+  }
+  // Spread over the directories in proportion to their capacity (striping
+  // keeps every drive busy); floor shares, then the remainder where it fits.
+  plan.nvme_dir_bytes.assign(budgets.nvme.size(), 0);
+  uint64_t assigned = 0;
+  for (size_t i = 0; i < budgets.nvme.size() && nvme_cap > 0; ++i) {
+    plan.nvme_dir_bytes[i] = static_cast<uint64_t>((unsigned __int128)nvme_need * budgets.nvme[i].capacity / nvme_cap);
+    assigned += plan.nvme_dir_bytes[i];
+  }
+  for (size_t i = 0; i < budgets.nvme.size() && assigned < nvme_need; ++i) {
+    const uint64_t add = std::min(nvme_need - assigned, budgets.nvme[i].capacity - plan.nvme_dir_bytes[i]);
+    plan.nvme_dir_bytes[i] += add;
+    assigned += add;
+  }
+
+  // ---- bytes per step on each link (this rank)
+  const uint64_t m = opt.micro_batches;
+  const uint64_t ups = uint64_t{opt.uploads_per_micro_batch} * m;
+  for (const auto& g : plan.groups) {
+    const uint64_t c = g.bytes[kc(StateKind::kCompute)];
+    const uint64_t gr = g.bytes[kc(StateKind::kGrad)];
+    const uint64_t compute_elem_bytes = g.shard_numel ? c / g.shard_numel : 0;
+    switch (g.tier[kc(StateKind::kCompute)]) {
+      case Tier::kHost:
+        plan.forward_backward.h2d += ups * c;
+        break;
+      case Tier::kNvme:
+        plan.forward_backward.nvme_read += ups * c;
+        plan.forward_backward.h2d += ups * c;
+        break;
+      default:
+        break;
+    }
+    // Gradients leave the device in the compute dtype, once per micro-batch,
+    // and are accumulated in fp32 where the accumulator lives.
+    if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
+      plan.forward_backward.d2h += m * g.shard_numel * compute_elem_bytes;
+    if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) {
+      plan.forward_backward.nvme_write += m * gr;
+      plan.forward_backward.nvme_read += (m - 1) * gr;
+      plan.optimizer_step.nvme_read += gr;
+    }
+    if (g.tier[kc(StateKind::kMaster)] == Tier::kDevice) {
+      plan.gpu_optimizer_numel += g.shard_numel;
+      continue;
+    }
+    plan.cpu_optimizer_numel += g.shard_numel;
+    for (StateKind k : {StateKind::kMaster, StateKind::kOptimizer})
+      if (g.tier[kc(k)] == Tier::kNvme) {
+        plan.optimizer_step.nvme_read += g.bytes[kc(k)];
+        plan.optimizer_step.nvme_write += g.bytes[kc(k)];
+      }
+    // The updated compute copy goes from the CPU optimizer to its home.
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kDevice) plan.optimizer_step.h2d += c;
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme) plan.optimizer_step.nvme_write += c;
+  }
+  return plan;
+}
+
+// ------------------------------------------------------------------ report
+
+std::string Plan::report() const {
+  std::string r;
+  auto line = [&](const std::string& s) { r += s + "\n"; };
+  line(fmt::format("Plan: {:.2f} B parameters ({}) in {} groups; world_size {}, rank {} holds {} elements",
+                   model_numel / 1e9, model_numel, groups.size(), world_size, rank, shard_numel));
+  line(fmt::format("      optimizer states: {} x {}, {} micro-batch(es) per step", options.optimizer_states,
+                   dtype_name(options.optimizer_state_dtype), options.micro_batches));
+  std::string dirs;
+  for (size_t i = 0; i < budgets.nvme.size(); ++i)
+    dirs += fmt::format("{}{} ({})", i ? ", " : "", budgets.nvme[i].path, format_bytes(budgets.nvme[i].capacity));
+  line(fmt::format("Budgets: device {} (reserve {}), host {} (pinned cap {}), NVMe {}",
+                   format_bytes(budgets.device_bytes), format_bytes(options.device_reserve),
+                   format_bytes(budgets.host_bytes),
+                   budgets.pinned_bytes ? format_bytes(budgets.pinned_bytes) : std::string("none"),
+                   dirs.empty() ? std::string("none") : dirs));
+  line("");
+  line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "", "device", "host", "nvme"));
+  for (StateKind k : kKinds)
+    line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", state_kind_name(k), format_bytes(bytes[kt(Tier::kDevice)][kc(k)]),
+                     format_bytes(bytes[kt(Tier::kHost)][kc(k)]), format_bytes(bytes[kt(Tier::kNvme)][kc(k)])));
+  line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "buffers", format_bytes(device_buffers),
+                   format_bytes(staging_ring + optimizer_ring), "-"));
+  line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "reserve", format_bytes(options.device_reserve), "-", "-"));
+  line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "total", format_bytes(device_total()), format_bytes(host_total()),
+                   format_bytes(nvme_total())));
+  uint64_t cap = 0;
+  for (const auto& d : budgets.nvme) cap += d.capacity;
+  line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "budget", format_bytes(budgets.device_bytes),
+                   format_bytes(budgets.host_bytes), format_bytes(cap)));
+  if (device_buffers)
+    line(fmt::format("  device buffers: {} groups (1 in use + {} prefetched)", 1 + prefetch_groups, prefetch_groups));
+  if (staging_ring || optimizer_ring)
+    line(fmt::format("  pinned: staging {}, optimizer ring {} ({} x {})", format_bytes(staging_ring),
+                     format_bytes(optimizer_ring), options.optimizer_ring_buffers,
+                     format_bytes(optimizer_chunk_bytes)));
+  for (size_t i = 0; i < nvme_dir_bytes.size(); ++i)
+    line(fmt::format("  {}: {} of {}", budgets.nvme[i].path, format_bytes(nvme_dir_bytes[i]),
+                     format_bytes(budgets.nvme[i].capacity)));
+  line("");
+  line("Groups (compute / master / optimizer / grad):");
+  // Runs of consecutive groups with the same placement print as one line.
+  for (size_t i = 0; i < groups.size();) {
+    size_t j = i + 1;
+    while (j < groups.size() && groups[j].tier == groups[i].tier) ++j;
+    std::string names =
+        j - i == 1 ? groups[i].name : fmt::format("{} .. {} ({} groups)", groups[i].name, groups[j - 1].name, j - i);
+    auto mark = [&](StateKind k) {
+      bool forced = false;
+      for (size_t x = i; x < j; ++x) forced = forced || groups[x].forced[kc(k)];
+      return fmt::format("{}{}", tier_name(groups[i].tier[kc(k)]), forced ? "*" : "");
+    };
+    line(fmt::format("  {:<36} {} / {} / {} / {}", names, mark(StateKind::kCompute), mark(StateKind::kMaster),
+                     mark(StateKind::kOptimizer), mark(StateKind::kGrad)));
+    i = j;
+  }
+  bool any_forced = false;
+  for (const auto& g : groups)
+    for (bool f : g.forced) any_forced = any_forced || f;
+  if (any_forced) line("  (* = set by an override)");
+  line("");
+  line("Moved per step:          forward+backward   optimizer step       total");
+  auto row = [&](const char* name, uint64_t a, uint64_t b) {
+    line(fmt::format("  {:<22}{:>18}{:>17}{:>12}", name, format_bytes(a), format_bytes(b), format_bytes(a + b)));
+  };
+  row("NVMe read", forward_backward.nvme_read, optimizer_step.nvme_read);
+  row("NVMe write", forward_backward.nvme_write, optimizer_step.nvme_write);
+  row("host -> device", forward_backward.h2d, optimizer_step.h2d);
+  row("device -> host", forward_backward.d2h, optimizer_step.d2h);
+  line(fmt::format("  optimizer: {} elements on the CPU, {} on the device", cpu_optimizer_numel, gpu_optimizer_numel));
+  return r;
+}
+
+// ------------------------------------------------------------------ step time
+
+Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& bw, const Workload& work) {
+  if (work.tokens_per_micro_batch == 0)
+    return Status(StatusCode::kInvalidArgument, "step time: tokens_per_micro_batch must be positive");
+  const LinkBytes fb = plan.forward_backward, st = plan.optimizer_step;
+  auto need = [](double v, uint64_t bytes, const char* name) -> Status {
+    if (bytes > 0 && !(v > 0))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("step time: the plan moves data over {} but its bandwidth is not positive", name));
+    return Status::ok_status();
+  };
+  STRATA_RETURN_IF_ERROR(need(bw.h2d, fb.h2d + st.h2d, "host->device"));
+  STRATA_RETURN_IF_ERROR(need(bw.d2h, fb.d2h + st.d2h, "device->host"));
+  STRATA_RETURN_IF_ERROR(need(bw.nvme_read, fb.nvme_read + st.nvme_read, "NVMe read"));
+  STRATA_RETURN_IF_ERROR(need(bw.nvme_write, fb.nvme_write + st.nvme_write, "NVMe write"));
+  STRATA_RETURN_IF_ERROR(need(bw.cpu_optimizer_params_per_s, plan.cpu_optimizer_numel, "the CPU optimizer"));
+  if (!(bw.gpu_flops > 0)) return Status(StatusCode::kInvalidArgument, "step time: gpu_flops must be positive");
+
+  auto secs = [](uint64_t bytes, double rate) { return bytes ? static_cast<double>(bytes) / rate : 0.0; };
+  StepTimeEstimate e;
+  // Dense matmul FLOPs: 2 per parameter per token forward, 4 backward, and 2
+  // more when the forward is recomputed (attention scores are not counted).
+  const double flops_per_token = (work.activation_checkpointing ? 8.0 : 6.0) * static_cast<double>(plan.model_numel);
+  const double m = plan.options.micro_batches;
+  e.compute_s = flops_per_token * static_cast<double>(work.tokens_per_micro_batch) * m / bw.gpu_flops;
+  e.h2d_s = secs(fb.h2d, bw.h2d);
+  e.d2h_s = secs(fb.d2h, bw.d2h);
+  e.nvme_fb_s = secs(fb.nvme_read, bw.nvme_read) + secs(fb.nvme_write, bw.nvme_write);
+  e.forward_backward_s = std::max({e.compute_s, e.h2d_s, e.d2h_s, e.nvme_fb_s});
+
+  e.nvme_step_s = secs(st.nvme_read, bw.nvme_read) + secs(st.nvme_write, bw.nvme_write);
+  e.cpu_optimizer_s =
+      plan.cpu_optimizer_numel ? static_cast<double>(plan.cpu_optimizer_numel) / bw.cpu_optimizer_params_per_s : 0.0;
+  e.step_h2d_s = secs(st.h2d, bw.h2d);
+  if (st.nvme_read + st.nvme_write > 0)
+    e.pipeline_fill_s =
+        secs(plan.optimizer_chunk_bytes, bw.nvme_read) + secs(plan.optimizer_chunk_bytes, bw.nvme_write);
+  e.optimizer_step_s = std::max({e.nvme_step_s, e.cpu_optimizer_s, e.step_h2d_s}) + e.pipeline_fill_s;
+
+  if (work.overlap_backward) {
+    // Backward is 4 of 6 (or 6 of 8 with recompute) FLOP units of a
+    // micro-batch; only the last micro-batch's backward can hide the step.
+    const double bwd_share = work.activation_checkpointing ? 6.0 / 8.0 : 4.0 / 6.0;
+    const double window = e.forward_backward_s / m * bwd_share;
+    e.overlap_saved_s = std::min(window, e.optimizer_step_s);
+  }
+  e.total_s = e.forward_backward_s + e.optimizer_step_s - e.overlap_saved_s;
+
+  std::pair<double, const char*> parts[] = {{e.compute_s, "GPU compute"},
+                                            {e.h2d_s, "host->device (forward/backward)"},
+                                            {e.d2h_s, "device->host (gradients)"},
+                                            {e.nvme_fb_s, "NVMe (forward/backward)"},
+                                            {e.nvme_step_s, "NVMe (optimizer step)"},
+                                            {e.cpu_optimizer_s, "CPU optimizer"},
+                                            {e.step_h2d_s, "host->device (updated copies)"}};
+  // The bottleneck is the slowest part of the longer phase.
+  const bool fb_longer = e.forward_backward_s >= e.optimizer_step_s;
+  double best = -1;
+  for (size_t i = 0; i < std::size(parts); ++i) {
+    const bool in_fb = i < 4;
+    if (in_fb != fb_longer) continue;
+    if (parts[i].first > best) {
+      best = parts[i].first;
+      e.bottleneck = parts[i].second;
+    }
+  }
+  return e;
+}
+
+std::string StepTimeEstimate::report() const {
+  std::string r;
+  r += fmt::format("Predicted step: {:.3f} s (bottleneck: {})\n", total_s, bottleneck);
+  r += fmt::format(
+      "  forward+backward {:.3f} s = max(GPU compute {:.3f}, host->device {:.3f}, device->host {:.3f}, NVMe {:.3f})\n",
+      forward_backward_s, compute_s, h2d_s, d2h_s, nvme_fb_s);
+  r += fmt::format(
+      "  optimizer step   {:.3f} s = max(NVMe {:.3f}, CPU optimizer {:.3f}, host->device {:.3f}) + pipeline fill "
+      "{:.3f}\n",
+      optimizer_step_s, nvme_step_s, cpu_optimizer_s, step_h2d_s, pipeline_fill_s);
+  if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {:.3f} s\n", overlap_saved_s);
+  return r;
+}
+
+}  // namespace strata

@@ -1,0 +1,171 @@
+// The planner: which tier (device / host / NVMe) is the home of each kind of
+// state of each parameter group, how many bytes that puts on each tier, and
+// how many bytes cross each link per training step. Also a step-time
+// estimate from given bandwidths (`strata plan`, issue 5).
+//
+// Pure arithmetic on uint64 byte counts: planning a 70B model allocates a few
+// kilobytes. All functions are thread-safe (no shared state). docs/planner.md
+// explains the policy and the formulas; keep it in step with planner.cpp.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "runtime/config.h"
+#include "runtime/model_spec.h"
+
+namespace strata {
+
+// The four kinds of per-parameter state the runtime keeps.
+enum class StateKind : uint8_t {
+  kCompute = 0,  // the copy the GPU computes with (compute dtype)
+  kMaster,       // fp32 master weights
+  kOptimizer,    // Adam m and v (fp32 or bf16 each)
+  kGrad,         // fp32 gradient accumulator
+};
+inline constexpr int kNumStateKinds = 4;
+const char* state_kind_name(StateKind k);  // "compute copy", "fp32 master", ...
+
+// Budgets with every "detect" already resolved (the runtime measures free
+// device memory, host RAM and disk space; `strata plan` takes flags).
+struct PlanBudgets {
+  uint64_t device_bytes = 0;  // device memory Strata may use, including the reserve
+  uint64_t host_bytes = 0;    // host RAM for the host tier and the pinned buffers
+  uint64_t pinned_bytes = 0;  // cap on page-locked buffers (part of host_bytes); 0: no separate cap
+  std::vector<NvmeDir> nvme;  // capacity: bytes usable in that directory
+};
+
+struct PlanOptions {
+  DType optimizer_state_dtype = DType::kFp32;
+  uint32_t optimizer_states = 2;           // Adam/AdamW: m and v
+  uint64_t device_reserve = 2ull << 30;    // activations, workspace: never planned into
+  uint32_t prefetch_depth = 2;             // groups uploaded ahead of the one in use
+  uint64_t prefetch_bytes = 0;             // cap on prefetched bytes; 0: depth alone decides
+  uint32_t micro_batches = 1;              // gradient accumulation steps per optimizer step
+  uint32_t uploads_per_micro_batch = 2;    // forward, and backward with recompute
+  uint64_t shard_alignment = 2048;         // elements (see shard_range)
+  uint64_t optimizer_chunk = 16ull << 20;  // elements per optimizer-step chunk
+  uint32_t optimizer_ring_buffers = 4;     // pinned chunk buffers (offload_optimizer.buffer_count)
+  // Tier overrides, first match wins: strata.groups, then the DeepSpeed
+  // offload_param / offload_optimizer devices as a "*" rule.
+  std::vector<GroupTierRule> overrides;
+};
+
+// Options from a parsed config (budgets stay with the caller: they need
+// measuring). offload_param.device none|cpu|nvme forces the compute copies to
+// device|host|nvme; offload_optimizer.device none forces master, optimizer
+// states and gradients to the device, cpu to the host, nvme puts master and
+// optimizer states on NVMe (gradients: the planner decides).
+PlanOptions plan_options_from_config(const Config& config);
+
+struct GroupPlan {
+  std::string name;
+  uint64_t numel = 0;                   // elements of the whole group (all ranks)
+  uint64_t shard_numel = 0;             // this rank's padded shard elements (sum over params)
+  uint64_t gathered_compute_bytes = 0;  // the full group in compute dtype, as the GPU needs it
+  std::array<Tier, kNumStateKinds> tier{};
+  std::array<uint64_t, kNumStateKinds> bytes{};  // this rank's bytes of each kind
+  std::array<bool, kNumStateKinds> forced{};     // placed by an override
+};
+
+struct LinkBytes {
+  uint64_t nvme_read = 0;
+  uint64_t nvme_write = 0;
+  uint64_t h2d = 0;  // host to device
+  uint64_t d2h = 0;  // device to host
+  LinkBytes& operator+=(const LinkBytes& o);
+};
+
+struct Plan {
+  std::vector<GroupPlan> groups;
+  uint32_t world_size = 1;
+  uint32_t rank = 0;
+  uint64_t model_numel = 0;  // all parameters, unsharded
+  uint64_t shard_numel = 0;  // this rank's padded elements
+
+  // bytes[tier][kind] over all groups (tier index: Tier value; kAuto row unused).
+  std::array<std::array<uint64_t, kNumStateKinds>, 4> bytes{};
+  uint64_t device_buffers = 0;           // gathered groups in use and prefetched
+  uint32_t prefetch_groups = 0;          // how many groups the device buffers prefetch
+  uint64_t staging_ring = 0;             // pinned: host/NVMe compute copies on their way up
+  uint64_t optimizer_ring = 0;           // pinned: NVMe-resident state chunks in the step
+  uint64_t optimizer_chunk_bytes = 0;    // one ring buffer
+  std::vector<uint64_t> nvme_dir_bytes;  // per budgets.nvme entry
+
+  LinkBytes forward_backward;  // per optimizer step (all micro-batches)
+  LinkBytes optimizer_step;
+  uint64_t cpu_optimizer_numel = 0;  // elements the CPU optimizer updates per step
+  uint64_t gpu_optimizer_numel = 0;
+
+  PlanBudgets budgets;
+  PlanOptions options;
+
+  uint64_t tier_bytes(Tier t) const;  // state only, no buffers
+  uint64_t device_total() const;      // state + device buffers + reserve
+  uint64_t host_total() const;        // state + pinned rings
+  uint64_t nvme_total() const;
+  uint64_t pinned_total() const { return staging_ring + optimizer_ring; }
+  LinkBytes per_step() const;
+  // Multi-line human-readable report (tiers, groups, traffic per step).
+  std::string report() const;
+};
+
+// Plans `model` into `budgets`. Statuses:
+//  kInvalidArgument: bad model (validate_model_spec), bad options, an
+//    override that cannot work (optimizer states on the device without the
+//    master there too, ...), or an override matching no group.
+//  kOutOfBudget: it cannot fit; the message says which tier is short, by how
+//    much, and what would make it fit, e.g. "NVMe: optimizer states (56.0
+//    GiB) and fp32 master (28.0 GiB) need 84.0 GiB but /nvme has 60.0 GiB
+//    free: 24.0 GiB short; add a directory, or use bf16 optimizer states
+//    (saves 28.0 GiB)".
+Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const PlanOptions& options);
+
+// Measured or assumed speeds, in bytes/s, parameters/s and FLOP/s.
+struct Bandwidths {
+  double h2d = 0;
+  double d2h = 0;
+  double nvme_read = 0;  // all NVMe directories together
+  double nvme_write = 0;
+  double cpu_optimizer_params_per_s = 0;
+  double gpu_flops = 0;  // sustained dense matmul throughput
+};
+
+struct Workload {
+  uint64_t tokens_per_micro_batch = 0;   // per rank
+  bool activation_checkpointing = true;  // recompute forward in backward
+  bool overlap_backward = false;         // optimizer may start during the last backward
+};
+
+struct StepTimeEstimate {
+  double compute_s = 0;  // GPU forward+backward, all micro-batches
+  double h2d_s = 0;      // uploads during forward/backward
+  double d2h_s = 0;      // gradient downloads
+  double nvme_fb_s = 0;  // NVMe reads+writes during forward/backward
+  double forward_backward_s = 0;
+  double nvme_step_s = 0;  // NVMe reads+writes of the optimizer step
+  double cpu_optimizer_s = 0;
+  double step_h2d_s = 0;       // updated compute copies sent to the device
+  double pipeline_fill_s = 0;  // first read and last write of the step
+  double optimizer_step_s = 0;
+  double overlap_saved_s = 0;  // step time hidden under backward (overlap_backward)
+  double total_s = 0;
+  std::string bottleneck;  // the part that sets the time, e.g. "NVMe (optimizer step)"
+  std::string report() const;
+};
+
+// Estimates one optimizer step (all micro-batches). Overlap assumptions (see
+// docs/planner.md): during forward/backward, compute, uploads, downloads and
+// NVMe traffic overlap fully and the slowest sets the time; NVMe reads and
+// writes share the drives (their times add). The optimizer step is a
+// pipeline: NVMe traffic, the CPU update and uploads of updated copies
+// overlap, plus the first chunk's read and the last chunk's write. With
+// overlap_backward the step may hide under the last micro-batch's backward.
+// kInvalidArgument when a bandwidth the plan needs is zero or negative, or
+// tokens_per_micro_batch is zero.
+Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& bw, const Workload& work);
+
+}  // namespace strata
