@@ -57,6 +57,19 @@ void parse() {
     else bad_value("STRATA_THREADS", v, "an integer 0..4096");
   }
   t.io_uring_disable = parse_bool("STRATA_IO_URING_DISABLE", false);
+  if (const char* v = env("STRATA_IO_QUEUE_DEPTH")) {
+    char* end = nullptr;
+    long n = std::strtol(v, &end, 10);
+    if (end && *end == '\0' && n >= 1 && n <= 4096) t.io_queue_depth = static_cast<unsigned>(n);
+    else bad_value("STRATA_IO_QUEUE_DEPTH", v, "an integer 1..4096");
+  }
+  if (const char* v = env("STRATA_IO_BLOCK_BYTES")) {
+    char* end = nullptr;
+    unsigned long long n = std::strtoull(v, &end, 10);
+    if (end && *end == '\0' && n >= 4096 && n % 4096 == 0 && n <= (64ull << 20)) t.io_block_bytes = n;
+    else bad_value("STRATA_IO_BLOCK_BYTES", v, "a multiple of 4096 up to 67108864");
+  }
+  t.io_sqpoll = parse_bool("STRATA_IO_SQPOLL", false);
   t.cuda_disable = parse_bool("STRATA_CUDA_DISABLE", false);
   if (const char* v = env("STRATA_CUDA_MODULE")) t.cuda_module = v;
   g_tunables = t;

@@ -18,6 +18,9 @@ struct Tunables {
   std::string cpu_isa;                   // STRATA_CPU_ISA: avx512|avx2|neon|scalar ("" = best)
   int threads = 0;                       // STRATA_THREADS (0 = the cores this process may use)
   bool io_uring_disable = false;         // STRATA_IO_URING_DISABLE=1 behaves as if io_uring were unavailable
+  unsigned io_queue_depth = 32;          // STRATA_IO_QUEUE_DEPTH: I/O pieces in flight per engine (1..4096)
+  std::uint64_t io_block_bytes = 1 << 20;  // STRATA_IO_BLOCK_BYTES: largest I/O piece (multiple of 4096, <= 64 MiB)
+  bool io_sqpoll = false;                // STRATA_IO_SQPOLL=1: io_uring with a kernel submission thread
   bool cuda_disable = false;             // STRATA_CUDA_DISABLE=1 never loads the CUDA backend
   std::string cuda_module;               // STRATA_CUDA_MODULE: path of libstrata_cuda.so ("" = next to libstrata)
 };

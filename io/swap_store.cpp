@@ -1,0 +1,269 @@
+#include "io/swap_store.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+
+#include "common/log.h"
+
+namespace strata::io {
+namespace {
+
+constexpr const char* kScratchMarker = ".strata-scratch";
+constexpr const char* kRunMarker = ".strata-run";
+
+Result<std::vector<std::string>> list_dir(const std::string& dir) {
+  DIR* d = opendir(dir.c_str());
+  if (!d) return Status::from_errno(errno, "listing " + dir + " failed");
+  std::vector<std::string> names;
+  while (dirent* e = readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(std::move(n));
+  }
+  closedir(d);
+  return names;
+}
+
+Status make_dirs(const std::string& path, mode_t mode) {
+  std::string cur;
+  std::size_t pos = 0;
+  while (pos != std::string::npos) {
+    pos = path.find('/', pos + 1);
+    cur = path.substr(0, pos);
+    if (cur.empty()) continue;
+    if (::mkdir(cur.c_str(), mode) != 0 && errno != EEXIST)
+      return Status::from_errno(errno, "creating directory " + cur + " failed");
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return Status::from_errno(errno, "creating directory " + path + " failed");
+  if (!S_ISDIR(st.st_mode)) return Status::from_errno(ENOTDIR, "creating directory " + path + " failed");
+  return {};
+}
+
+Status write_marker(const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::from_errno(errno, "creating " + path + " failed");
+  static const char text[] = "Strata scratch space: Strata may create and remove run directories here.\n";
+  ssize_t w = ::write(fd, text, sizeof(text) - 1);
+  int err = errno;
+  ::close(fd);
+  if (w < 0) return Status::from_errno(err, "writing " + path + " failed");
+  return {};
+}
+
+std::string default_run_name() {
+  static std::atomic<unsigned> counter{0};
+  auto ns = std::chrono::steady_clock::now().time_since_epoch().count();
+  return fmt::format("strata-run-{}-{:x}-{}", ::getpid(), static_cast<unsigned long long>(ns) & 0xffffff,
+                     counter.fetch_add(1));
+}
+
+}  // namespace
+
+Result<std::unique_ptr<SwapStore>> SwapStore::create(IoEngine& engine, const SwapStoreOptions& options) {
+  if (options.dirs.empty()) return Status(StatusCode::kInvalidArgument, "swap store: no directory given");
+  if (options.stripe_bytes == 0 || options.stripe_bytes % 4096 != 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("swap store: stripe size {} is not a positive multiple of 4096", options.stripe_bytes));
+  if (options.rank < 0) return Status(StatusCode::kInvalidArgument, "swap store: negative rank");
+  SwapStoreOptions o = options;
+  if (o.run_name.empty()) o.run_name = default_run_name();
+  if (o.run_name.find('/') != std::string::npos || o.run_name == "." || o.run_name == "..")
+    return Status(StatusCode::kInvalidArgument, "swap store: bad run name '" + o.run_name + "'");
+  std::unique_ptr<SwapStore> store(new SwapStore(engine, o));
+  store->stripes_.resize(o.dirs.size());
+  for (std::size_t i = 0; i < o.dirs.size(); ++i) {
+    Status st = store->prepare_dir(o.dirs[i], &store->stripes_[i]);
+    if (!st.ok()) {
+      (void)store->close();  // removes what was created so far
+      return st;
+    }
+    Stripe& s = store->stripes_[i];
+    s.path = fmt::format("{}/rank{:05d}.stripe{}.swap", s.run_dir, o.rank, i);
+    IoOpenOptions fo;
+    fo.write = fo.create = fo.exclusive = true;
+    fo.mode = 0600;
+    auto f = engine.open(s.path, fo);
+    if (!f.ok()) {
+      s.path.clear();
+      (void)store->close();
+      return f.status().with_context("swap store");
+    }
+    s.file = std::move(f).value();
+  }
+  return store;
+}
+
+Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
+  std::string dir = dir_in;
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) != 0) {
+    if (errno != ENOENT) return Status::from_errno(errno, "scratch directory " + dir);
+    STRATA_RETURN_IF_ERROR(make_dirs(dir, 0700).with_context("scratch directory"));
+    STRATA_RETURN_IF_ERROR(write_marker(dir + "/" + kScratchMarker).with_context("scratch directory"));
+  } else if (!S_ISDIR(st.st_mode)) {
+    return Status::from_errno(ENOTDIR, "scratch directory " + dir);
+  } else {
+    STRATA_ASSIGN_OR_RETURN(std::vector<std::string> names, list_dir(dir));
+    const bool ours = std::find(names.begin(), names.end(), kScratchMarker) != names.end();
+    if (!ours && !names.empty() && !options_.reuse_nonempty_dirs) {
+      return Status(StatusCode::kAlreadyExists,
+                    fmt::format("scratch directory {} is not empty and was not created by Strata (it has no {} "
+                                "marker): give an empty or new directory, or allow reusing it",
+                                dir, kScratchMarker));
+    }
+    if (!ours && names.empty())
+      STRATA_RETURN_IF_ERROR(write_marker(dir + "/" + kScratchMarker).with_context("scratch directory"));
+    std::vector<std::string> stale;
+    for (const auto& n : names)
+      if (n.rfind("strata-run-", 0) == 0 && n != options_.run_name) stale.push_back(n);
+    if (!stale.empty())
+      log_warn(
+          "scratch directory {} holds {} run director{} from runs that did not shut down cleanly (e.g. {}); "
+          "remove them to free the space",
+          dir, stale.size(), stale.size() == 1 ? "y" : "ies", stale.front());
+  }
+  s->run_dir = dir + "/" + options_.run_name;
+  if (::mkdir(s->run_dir.c_str(), 0700) != 0) {
+    const int err = errno;
+    // Ranks of one job may share a run name: the directory is then theirs.
+    bool shared = err == EEXIST && ::access((s->run_dir + "/" + kRunMarker).c_str(), F_OK) == 0;
+    if (!shared) {
+      std::string path = s->run_dir;
+      s->run_dir.clear();
+      return Status::from_errno(err, "creating run directory " + path + " failed");
+    }
+  }
+  return write_marker(s->run_dir + "/" + kRunMarker).with_context("swap store");
+}
+
+std::uint64_t SwapStore::file_bytes_for(std::size_t i, std::uint64_t space) const {
+  const std::uint64_t stripe = options_.stripe_bytes;
+  const std::uint64_t round = stripe * stripes_.size();
+  const std::uint64_t full = space / round * stripe;
+  const std::uint64_t rem = space % round;
+  const std::uint64_t start = i * stripe;
+  return full + (rem > start ? std::min(rem - start, stripe) : 0);
+}
+
+Result<SwapTensor> SwapStore::add_tensor(std::string_view name, std::uint64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return Status(StatusCode::kInvalidArgument, "swap store: add_tensor after close");
+  const std::uint64_t base = (end_ + 4095) / 4096 * 4096;
+  const std::uint64_t new_end = base + bytes;
+  for (std::size_t i = 0; i < stripes_.size(); ++i) {
+    Stripe& s = stripes_[i];
+    const std::uint64_t need = file_bytes_for(i, new_end);
+    if (need <= s.size) continue;
+    Status st = s.file->preallocate(s.size, need - s.size);
+    if (!st.ok()) return st.with_context(fmt::format("swap store: adding tensor '{}' of {} bytes", name, bytes));
+    s.size = need;
+  }
+  end_ = new_end;
+  SwapTensor t;
+  t.id = next_id_++;
+  t.base = base;
+  t.bytes = bytes;
+  names_.emplace_back(name);
+  return t;
+}
+
+std::uint64_t SwapStore::reserved_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return end_;
+}
+
+IoHandle SwapStore::transfer(IoOpKind op, const SwapTensor& t, std::uint64_t offset, std::uint64_t length, void* buffer,
+                             IoCallback callback) {
+  if (offset > t.bytes || length > t.bytes - offset || t.base + t.bytes > reserved_bytes()) {
+    return engine_.submit_failed(
+        Status(StatusCode::kInvalidArgument,
+               fmt::format("swap store: {} of {} bytes at offset {} is outside tensor {} ({} bytes)", io_op_name(op),
+                           length, offset, t.id, t.bytes)),
+        std::move(callback));
+  }
+  const std::uint64_t stripe = options_.stripe_bytes;
+  const std::uint64_t n = stripes_.size();
+  std::vector<IoRequest> parts;
+  std::uint64_t v = t.base + offset;
+  std::uint64_t left = length;
+  char* buf = static_cast<char*>(buffer);
+  while (left > 0) {
+    const std::uint64_t chunk = v / stripe;
+    const std::uint64_t within = v % stripe;
+    const std::uint64_t len = std::min(left, stripe - within);
+    IoFile* file = stripes_[chunk % n].file.get();
+    const std::uint64_t file_off = chunk / n * stripe + within;
+    // With one directory consecutive chunks are contiguous: one request.
+    if (!parts.empty() && parts.back().file == file && parts.back().offset + parts.back().length == file_off)
+      parts.back().length += len;
+    else
+      parts.push_back(IoRequest{op, file, file_off, len, buf});
+    v += len;
+    buf += len;
+    left -= len;
+  }
+  // Count this store's requests so close() waits for exactly them. The
+  // counter is shared with the callback, which may still be returning on the
+  // I/O thread after close() has seen zero and the store is gone.
+  inflight_->fetch_add(1);
+  auto counter = inflight_;
+  return engine_.submit_group(parts, [counter, cb = std::move(callback)](const Status& st) {
+    if (cb) cb(st);
+    if (counter->fetch_sub(1) == 1) counter->notify_all();
+  });
+}
+
+IoHandle SwapStore::read(const SwapTensor& t, std::uint64_t offset, std::uint64_t length, void* buffer,
+                         IoCallback callback) {
+  return transfer(IoOpKind::kRead, t, offset, length, buffer, std::move(callback));
+}
+
+IoHandle SwapStore::write(const SwapTensor& t, std::uint64_t offset, std::uint64_t length, const void* buffer,
+                          IoCallback callback) {
+  return transfer(IoOpKind::kWrite, t, offset, length, const_cast<void*>(buffer), std::move(callback));
+}
+
+Status SwapStore::close() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return {};
+    closed_ = true;
+  }
+  // Requests of this store hold its files; let them finish first.
+  std::size_t v;
+  while ((v = inflight_->load()) != 0) inflight_->wait(v);
+  Status first;
+  auto note = [&](Status st) {
+    if (first.ok() && !st.ok()) first = std::move(st);
+  };
+  for (Stripe& s : stripes_) {
+    s.file.reset();
+    if (!s.path.empty() && ::unlink(s.path.c_str()) != 0 && errno != ENOENT)
+      note(Status::from_errno(errno, "removing " + s.path + " failed"));
+    if (s.run_dir.empty()) continue;
+    // The run directory may be shared with other ranks: remove it (and its
+    // marker) only when nothing else is left in it.
+    auto names = list_dir(s.run_dir);
+    if (names.ok() && (names->empty() || (names->size() == 1 && names->front() == kRunMarker))) {
+      ::unlink((s.run_dir + "/" + kRunMarker).c_str());
+      if (::rmdir(s.run_dir.c_str()) != 0 && errno != ENOENT && errno != ENOTEMPTY)
+        note(Status::from_errno(errno, "removing " + s.run_dir + " failed"));
+    }
+  }
+  return first;
+}
+
+SwapStore::~SwapStore() {
+  Status st = close();
+  if (!st.ok()) log_error("swap store: {}", st.to_string());
+}
+
+}  // namespace strata::io

@@ -1,0 +1,250 @@
+// The swap store on real directories: round trips, striping over three
+// directories (checked in the files themselves), scratch-directory rules,
+// cleanup, and the real failures: unwritable directories and a full disk.
+#include "io/swap_store.h"
+
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "io_test_util.h"
+
+namespace strata::io {
+namespace {
+
+using testing::fill_pattern;
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+class SwapStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(dir_.ok());
+    auto e = make_io_engine({});
+    ASSERT_TRUE(e.ok()) << e.status().to_string();
+    engine_ = std::move(e).value();
+  }
+  std::unique_ptr<SwapStore> make_store(std::vector<std::string> dirs, std::uint64_t stripe = 1 << 20) {
+    SwapStoreOptions o;
+    o.dirs = std::move(dirs);
+    o.stripe_bytes = stripe;
+    auto s = SwapStore::create(*engine_, o);
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  TempDir dir_;
+  std::unique_ptr<IoEngine> engine_;
+};
+
+TEST_F(SwapStoreTest, RoundTripTensorsOfOddSizes) {
+  auto store = make_store({dir_.file("d0")});
+  ASSERT_TRUE(store);
+  const std::vector<std::uint64_t> sizes = {1, 4097, (3 << 20) + 5, 0, 12345};
+  std::vector<SwapTensor> ts;
+  std::vector<std::vector<unsigned char>> data;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    auto t = store->add_tensor("t" + std::to_string(i), sizes[i]);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    EXPECT_EQ(t->base % 4096, 0u);
+    ts.push_back(*t);
+    data.emplace_back(sizes[i]);
+    fill_pattern(data.back().data(), sizes[i], i + 100);
+    ASSERT_TRUE(store->write(*t, 0, sizes[i], data.back().data()).wait().ok());
+  }
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    std::vector<unsigned char> back(sizes[i]);
+    ASSERT_TRUE(store->read(ts[i], 0, sizes[i], back.data()).wait().ok());
+    EXPECT_EQ(back, data[i]) << "tensor " << i;
+  }
+  // A byte range inside a tensor, and one that is not.
+  std::vector<unsigned char> part(1000);
+  ASSERT_TRUE(store->read(ts[2], 4099, 1000, part.data()).wait().ok());
+  EXPECT_EQ(0, std::memcmp(part.data(), data[2].data() + 4099, 1000));
+  EXPECT_EQ(store->read(ts[1], 4000, 98, part.data()).wait().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(store->close().ok());
+}
+
+TEST_F(SwapStoreTest, StripesOverThreeDirectories) {
+  const std::uint64_t stripe = 64 << 10;
+  auto store = make_store({dir_.file("a"), dir_.file("b"), dir_.file("c")}, stripe);
+  ASSERT_TRUE(store);
+  ASSERT_EQ(store->dir_count(), 3u);
+  const std::uint64_t n = (1 << 20) + 3;
+  auto t = store->add_tensor("w", n);
+  ASSERT_TRUE(t.ok());
+  std::vector<unsigned char> src(n), back(n);
+  fill_pattern(src.data(), n, 77);
+  ASSERT_TRUE(store->write(*t, 0, n, src.data()).wait().ok());
+  ASSERT_TRUE(store->read(*t, 0, n, back.data()).wait().ok());
+  EXPECT_EQ(src, back);
+
+  // Chunk k of the tensor is chunk k/3 of file k%3: read the files directly.
+  std::vector<std::vector<char>> files(3);
+  for (int i = 0; i < 3; ++i) {
+    std::ifstream in(store->file_path(i), std::ios::binary);
+    files[i].assign(std::istreambuf_iterator<char>(in), {});
+    EXPECT_NE(store->file_path(i).find("rank00000.stripe" + std::to_string(i)), std::string::npos);
+  }
+  const std::uint64_t chunks = (n + stripe - 1) / stripe;  // 16 full chunks and one of 3 bytes
+  for (std::uint64_t k = 0; k < chunks; ++k) {
+    const auto& f = files[k % 3];
+    const std::uint64_t off = k / 3 * stripe, len = std::min(stripe, n - k * stripe);
+    ASSERT_GE(f.size(), off + len) << "file " << k % 3;
+    EXPECT_EQ(0, std::memcmp(f.data() + off, src.data() + k * stripe, len)) << "chunk " << k;
+  }
+  EXPECT_EQ(files[0].size(), 6 * stripe);
+  EXPECT_EQ(files[1].size(), 5 * stripe + 3);  // chunk 16, the 3-byte one, is file 1's sixth
+  EXPECT_EQ(files[2].size(), 5 * stripe);
+  EXPECT_TRUE(store->close().ok());
+}
+
+TEST_F(SwapStoreTest, PrivateFilesRemovedOnCloseAndDirectoryReusable) {
+  const std::string d = dir_.file("scratch");
+  std::string run_dir, file;
+  {
+    auto store = make_store({d});
+    ASSERT_TRUE(store);
+    run_dir = store->run_dir(0);
+    file = store->file_path(0);
+    ASSERT_TRUE(store->add_tensor("x", 8192).ok());
+    struct stat st {};
+    ASSERT_EQ(::stat(file.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    EXPECT_EQ(st.st_size, 8192);  // preallocated
+    ASSERT_EQ(::stat(run_dir.c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0700u);
+    EXPECT_TRUE(fs::exists(d + "/.strata-scratch"));
+  }  // destructor = clean shutdown
+  EXPECT_FALSE(fs::exists(file));
+  EXPECT_FALSE(fs::exists(run_dir));
+  EXPECT_TRUE(fs::exists(d + "/.strata-scratch"));
+  auto again = make_store({d});  // Strata's own directory: accepted
+  EXPECT_TRUE(again);
+}
+
+TEST_F(SwapStoreTest, RefusesANonEmptyDirectoryItDidNotCreate) {
+  const std::string d = dir_.file("theirs");
+  fs::create_directories(d);
+  std::ofstream(d + "/precious.txt") << "keep me";
+  SwapStoreOptions o;
+  o.dirs = {d};
+  auto s = SwapStore::create(*engine_, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kAlreadyExists);
+  EXPECT_NE(s.status().message().find(d), std::string::npos);
+  o.reuse_nonempty_dirs = true;
+  {
+    auto s2 = SwapStore::create(*engine_, o);
+    ASSERT_TRUE(s2.ok()) << s2.status().to_string();
+    ASSERT_TRUE((*s2)->add_tensor("x", 100).ok());
+  }
+  EXPECT_TRUE(fs::exists(d + "/precious.txt"));
+  EXPECT_EQ(std::distance(fs::directory_iterator(d), fs::directory_iterator()), 1);  // only theirs is left
+}
+
+TEST_F(SwapStoreTest, UnwritableDirectoryUnderARegularFile) {
+  // Root ignores permission bits, but nobody can create a directory inside a
+  // regular file.
+  std::ofstream(dir_.file("plain")) << "x";
+  SwapStoreOptions o;
+  o.dirs = {dir_.file("plain/sub")};
+  auto s = SwapStore::create(*engine_, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.status().message().find("Not a directory"), std::string::npos) << s.status().message();
+  EXPECT_NE(s.status().message().find(dir_.file("plain")), std::string::npos) << s.status().message();
+}
+
+TEST_F(SwapStoreTest, UnwritableDirectoryOnAReadOnlyMount) {
+  if (!dir_.mount_fs("ro", "tmpfs", "size=1m", MS_RDONLY)) GTEST_SKIP() << "cannot mount a tmpfs here";
+  SwapStoreOptions o;
+  o.dirs = {dir_.file("ro")};
+  auto s = SwapStore::create(*engine_, o);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kPermission) << s.status().to_string();
+  EXPECT_NE(s.status().message().find("Read-only file system"), std::string::npos) << s.status().message();
+}
+
+TEST_F(SwapStoreTest, SecondDirectoryFailingRemovesTheFirstRunDirectory) {
+  std::ofstream(dir_.file("plain")) << "x";
+  SwapStoreOptions o;
+  o.dirs = {dir_.file("good"), dir_.file("plain/bad")};
+  auto s = SwapStore::create(*engine_, o);
+  ASSERT_FALSE(s.ok());
+  // Only the scratch marker is left in the good directory.
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_.file("good")), fs::directory_iterator()), 1);
+}
+
+TEST_F(SwapStoreTest, RealEnospcOnASmallTmpfs) {
+  if (!dir_.mount_fs("small", "tmpfs", "size=1m"))
+    GTEST_SKIP() << "cannot mount a tmpfs here (see the RLIMIT_FSIZE test)";
+  auto store = make_store({dir_.file("small")});
+  ASSERT_TRUE(store);
+  auto t = store->add_tensor("huge", 4 << 20);  // preallocation finds the full disk
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kNoSpace);
+  EXPECT_NE(t.status().message().find("No space left on device"), std::string::npos) << t.status().message();
+  EXPECT_NE(t.status().message().find(store->file_path(0)), std::string::npos) << t.status().message();
+  EXPECT_EQ(store->reserved_bytes(), 0u);
+  // A write past what the disk holds, straight through the engine.
+  IoOpenOptions fo;
+  fo.write = fo.create = true;
+  auto f = engine_->open(dir_.file("small/direct.bin"), fo);
+  ASSERT_TRUE(f.ok());
+  std::vector<unsigned char> big(2 << 20, 1);
+  Status s = engine_->submit({IoOpKind::kWrite, f->get(), 0, big.size(), big.data()}).wait();
+  EXPECT_EQ(s.code(), StatusCode::kNoSpace) << s.to_string();
+  EXPECT_NE(s.message().find(dir_.file("small/direct.bin")), std::string::npos) << s.message();
+}
+
+TEST_F(SwapStoreTest, RealEfbigFromRlimitFsize) {
+  struct rlimit old {};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old), 0);
+  auto prev = ::signal(SIGXFSZ, SIG_IGN);  // the write then fails with EFBIG instead of killing us
+  struct rlimit lim = old;
+  lim.rlim_cur = 1 << 20;
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &lim), 0);
+  auto store = make_store({dir_.file("fsize")});
+  Status add, write;
+  if (store) {
+    auto t = store->add_tensor("huge", 4 << 20);
+    add = t.ok() ? Status() : t.status();
+    IoOpenOptions fo;
+    fo.write = fo.create = true;
+    auto f = engine_->open(dir_.file("fsize/w.bin"), fo);
+    if (f.ok()) {
+      std::vector<unsigned char> big(2 << 20, 1);
+      write = engine_->submit({IoOpKind::kWrite, f->get(), 0, big.size(), big.data()}).wait();
+    }
+  }
+  setrlimit(RLIMIT_FSIZE, &old);
+  ::signal(SIGXFSZ, prev);
+  ASSERT_TRUE(store);
+  EXPECT_EQ(add.code(), StatusCode::kNoSpace) << add.to_string();
+  EXPECT_EQ(write.code(), StatusCode::kNoSpace) << write.to_string();
+  EXPECT_NE(write.message().find("File too large"), std::string::npos) << write.message();
+}
+
+TEST_F(SwapStoreTest, RankIsInTheFileNames) {
+  SwapStoreOptions o;
+  o.dirs = {dir_.file("r")};
+  o.rank = 3;
+  o.run_name = "strata-run-job42";
+  auto s = SwapStore::create(*engine_, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ((*s)->file_path(0), dir_.file("r/strata-run-job42/rank00003.stripe0.swap"));
+  o.rank = 4;  // another rank of the same job shares the run directory
+  auto s2 = SwapStore::create(*engine_, o);
+  ASSERT_TRUE(s2.ok()) << s2.status().to_string();
+  s->reset();
+  EXPECT_TRUE(fs::exists(dir_.file("r/strata-run-job42")));  // rank 4 still uses it
+  s2->reset();
+  EXPECT_FALSE(fs::exists(dir_.file("r/strata-run-job42")));
+}
+
+}  // namespace
+}  // namespace strata::io
