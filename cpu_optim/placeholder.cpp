@@ -1,1 +1,0 @@
-namespace strata::cpu_optim {}

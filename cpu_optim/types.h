@@ -1,0 +1,40 @@
+// Plain enums and storage types shared by the public C++ interface and the
+// per-ISA kernels. Freestanding on purpose (only <stdint.h>/<stddef.h>): the
+// NEON kernel is compile-checked on x86 hosts with `clang --target=aarch64
+// -ffreestanding`, where no aarch64 C++ library headers exist.
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+namespace strata::cpu_optim {
+
+// Storage type of a buffer. Master parameters are always fp32.
+enum class DType : uint8_t {
+  kF32 = 0,
+  kBF16 = 1,  // bfloat16: fp32 with the low 16 bits dropped (round-to-nearest-even)
+  kF16 = 2,   // IEEE binary16
+};
+
+enum class OptimizerKind : uint8_t {
+  kAdamW = 0,    // torch.optim.AdamW: decoupled weight decay
+  kAdam = 1,     // torch.optim.Adam: weight decay as L2 added to the gradient
+  kAdagrad = 2,  // torch.optim.Adagrad
+  kLion = 3,     // Chen et al. 2023 (EvoLved Sign Momentum), decoupled weight decay
+  kSgd = 4,      // torch.optim.SGD with momentum, dampening, Nesterov
+};
+
+// Instruction sets with a kernel. kAuto = the STRATA_CPU_ISA override if set,
+// else the best one this CPU and OS support.
+enum class Isa : uint8_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kNeon = 4 };
+
+// 16-bit storage types. Distinct structs (not bare uint16_t) so that loads and
+// stores overload on them and a bf16 buffer can never be read as fp16.
+struct Bf16 {
+  uint16_t bits;
+};
+struct F16 {
+  uint16_t bits;
+};
+
+}  // namespace strata::cpu_optim
