@@ -135,8 +135,6 @@ int state_count(const OptimizerConfig& c) {
   return 0;
 }
 
-std::size_t dtype_size(DType d) { return d == DType::kF32 ? 4 : 2; }
-
 std::size_t bytes_per_param(const OptimizerConfig& c, const StepBuffers& b) {
   std::size_t n = 2 * sizeof(float) + dtype_size(b.grad_dtype);
   n += static_cast<std::size_t>(state_count(c)) * 2 * dtype_size(b.state_dtype);
@@ -263,23 +261,6 @@ Status convert(const float* src, void* dst, DType dst_dtype, std::size_t count, 
   };
   run_blocks(nblocks, detail::resolve_threads(exec.threads), body);
   return Status::ok_status();
-}
-
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::kF32: return "fp32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "fp16";
-  }
-  return "?";
-}
-
-Result<DType> parse_dtype(const char* name) {
-  std::string n = name ? name : "";
-  if (n == "fp32" || n == "f32" || n == "float32") return DType::kF32;
-  if (n == "bf16" || n == "bfloat16") return DType::kBF16;
-  if (n == "fp16" || n == "f16" || n == "float16") return DType::kF16;
-  return invalid("unknown dtype '" + n + "' (expected fp32|bf16|fp16)");
 }
 
 const char* optimizer_name(OptimizerKind k) {

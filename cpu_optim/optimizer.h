@@ -28,6 +28,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "common/dtype_parse.h"
 #include "common/status.h"
 #include "cpu_optim/types.h"
 
@@ -120,9 +121,9 @@ inline constexpr std::size_t kNormBlock = 16384;
 Status convert(const float* src, void* dst, DType dst_dtype, std::size_t count, const ExecOptions& exec = {});
 
 // "fp32", "bf16", "fp16"; parse accepts those and "f32"/"float32"/"bfloat16"/"f16"/"float16".
-const char* dtype_name(DType dtype);
-Result<DType> parse_dtype(const char* name);
-std::size_t dtype_size(DType dtype);
+using ::strata::dtype_name;
+using ::strata::dtype_size;
+inline Result<DType> parse_dtype(const char* name) { return ::strata::parse_dtype(name ? name : ""); }
 const char* optimizer_name(OptimizerKind kind);  // "adamw", "adam", "adagrad", "lion", "sgd"
 Result<OptimizerKind> parse_optimizer(const char* name);
 

@@ -7,14 +7,12 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/dtype.h"
+
 namespace strata::cpu_optim {
 
-// Storage type of a buffer. Master parameters are always fp32.
-enum class DType : uint8_t {
-  kF32 = 0,
-  kBF16 = 1,  // bfloat16: fp32 with the low 16 bits dropped (round-to-nearest-even)
-  kF16 = 2,   // IEEE binary16
-};
+// Storage type of a buffer (common/dtype.h). Master parameters are always fp32.
+using ::strata::DType;
 
 enum class OptimizerKind : uint8_t {
   kAdamW = 0,    // torch.optim.AdamW: decoupled weight decay

@@ -64,9 +64,9 @@ const char* io_backend_name(IoBackendChoice b) {
 }
 
 DType Config::compute_dtype() const {
-  if (bf16) return DType::kBf16;
-  if (fp16.enabled) return DType::kFp16;
-  return DType::kFp32;
+  if (bf16) return DType::kBF16;
+  if (fp16.enabled) return DType::kF16;
+  return DType::kF32;
 }
 
 std::vector<NvmeDir> Config::nvme_dirs() const {
@@ -598,7 +598,7 @@ Status read_strata(Obj& o, StrataConfig* s) {
   }
   STRATA_RETURN_IF_ERROR(read_uint(o, "prefetch_depth", &s->prefetch_depth, 0, 64));
   STRATA_RETURN_IF_ERROR(read_size(o, "prefetch_bytes", &s->prefetch_bytes));
-  constexpr EnumName<DType> kStateDtypes[] = {{"fp32", DType::kFp32}, {"bf16", DType::kBf16}};
+  constexpr EnumName<DType> kStateDtypes[] = {{"fp32", DType::kF32}, {"bf16", DType::kBF16}};
   STRATA_RETURN_IF_ERROR(read_enum(o, "optimizer_state_dtype", &s->optimizer_state_dtype, kStateDtypes));
   constexpr EnumName<IoBackendChoice> kBackends[] = {{"auto", IoBackendChoice::kAuto},
                                                      {"uring", IoBackendChoice::kUring},

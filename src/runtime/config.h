@@ -145,7 +145,7 @@ struct StrataConfig {
   std::vector<NvmeDir> nvme;                            // NVMe directories (offload_*.nvme_path are added)
   uint32_t prefetch_depth = 2;                          // groups fetched ahead of the one in use
   uint64_t prefetch_bytes = 0;                          // cap on bytes in flight for prefetch; 0: depth decides
-  DType optimizer_state_dtype = DType::kFp32;           // Adam m and v: fp32 or bf16
+  DType optimizer_state_dtype = DType::kF32;           // Adam m and v: fp32 or bf16
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
   bool overlap_backward = false;                        // start a group's optimizer step during backward
   std::string trace;                                    // Chrome trace-event JSON output file; "" = off

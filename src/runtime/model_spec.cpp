@@ -8,18 +8,6 @@
 
 namespace strata {
 
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::kFp32:
-      return "fp32";
-    case DType::kBf16:
-      return "bf16";
-    case DType::kFp16:
-      return "fp16";
-  }
-  return "?";
-}
-
 uint64_t ParamSpec::numel() const {
   uint64_t n = 1;
   for (uint64_t d : shape) n *= d;

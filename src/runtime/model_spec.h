@@ -10,20 +10,17 @@
 #include <string_view>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/status.h"
 
 namespace strata {
 
-enum class DType : uint8_t { kFp32 = 0, kBf16, kFp16 };
-inline constexpr uint64_t dtype_size(DType d) {
-  return d == DType::kFp32 ? 4 : 2;
-}
-const char* dtype_name(DType d);  // "fp32", "bf16", "fp16"
+// Element types: DType, dtype_size and dtype_name from common/dtype.h.
 
 struct ParamSpec {
   std::string name;             // e.g. "model.layers.3.mlp.up_proj.weight"
   std::vector<uint64_t> shape;  // empty shape: a scalar (1 element)
-  DType compute_dtype = DType::kBf16;
+  DType compute_dtype = DType::kBF16;
   std::string group;  // unit of acquire/release, e.g. "layers.3"
   uint64_t numel() const;
 };
@@ -74,7 +71,7 @@ struct LlamaShape {
   uint64_t ffn_dim = 0;
   uint64_t vocab = 0;
   bool tied_embeddings = false;
-  DType dtype = DType::kBf16;
+  DType dtype = DType::kBF16;
 };
 // kInvalidArgument when dim is not divisible by heads or heads by kv_heads.
 Result<ModelSpec> llama_model_spec(const LlamaShape& shape, uint32_t world_size = 1, uint32_t rank = 0);

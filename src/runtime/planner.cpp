@@ -175,7 +175,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   if (opt.optimizer_chunk == 0) return Status(StatusCode::kInvalidArgument, "plan: optimizer_chunk must be at least 1");
   if (opt.optimizer_ring_buffers == 0)
     return Status(StatusCode::kInvalidArgument, "plan: optimizer_ring_buffers must be at least 1");
-  if (opt.optimizer_state_dtype == DType::kFp16)
+  if (opt.optimizer_state_dtype == DType::kF16)
     return Status(StatusCode::kInvalidArgument, "plan: optimizer states are fp32 or bf16, not fp16");
 
   Plan plan;
@@ -402,7 +402,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   if (nvme_need > nvme_cap) {
     const auto& by = plan.bytes[kt(Tier::kNvme)];
     const uint64_t states = by[kc(StateKind::kOptimizer)];
-    std::string bf16 = opt.optimizer_state_dtype == DType::kFp32 && states > 0
+    std::string bf16 = opt.optimizer_state_dtype == DType::kF32 && states > 0
                            ? fmt::format(" or use bf16 optimizer states (saves {})", format_bytes(states / 2))
                            : "";
     if (budgets.nvme.empty())

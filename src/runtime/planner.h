@@ -39,7 +39,7 @@ struct PlanBudgets {
 };
 
 struct PlanOptions {
-  DType optimizer_state_dtype = DType::kFp32;
+  DType optimizer_state_dtype = DType::kF32;
   uint32_t optimizer_states = 2;           // Adam/AdamW: m and v
   uint64_t device_reserve = 2ull << 30;    // activations, workspace: never planned into
   uint32_t prefetch_depth = 2;             // groups uploaded ahead of the one in use

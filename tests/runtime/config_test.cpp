@@ -65,7 +65,7 @@ TEST(ConfigSamples, ZeroInfinityNvme) {
   EXPECT_FALSE(c.aio.single_submit);
   EXPECT_TRUE(c.aio.overlap_events);
   EXPECT_TRUE(c.bf16);
-  EXPECT_EQ(c.compute_dtype(), DType::kBf16);
+  EXPECT_EQ(c.compute_dtype(), DType::kBF16);
   EXPECT_EQ(c.optimizer.type, OptimizerType::kAdamW);
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 2e-5);
   EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
@@ -114,7 +114,7 @@ TEST(ConfigSamples, ZeroOffloadFp16Adam) {
   Config c = load("ds_zero2_offload_fp16.json", &notes);
   EXPECT_EQ(c.zero.stage, 2);
   EXPECT_TRUE(c.fp16.enabled);
-  EXPECT_EQ(c.compute_dtype(), DType::kFp16);
+  EXPECT_EQ(c.compute_dtype(), DType::kF16);
   EXPECT_EQ(c.fp16.loss_scale, 0.0);
   EXPECT_EQ(c.fp16.initial_scale_power, 12);
   EXPECT_EQ(c.fp16.loss_scale_window, 500);
@@ -152,7 +152,7 @@ TEST(ConfigSamples, StrataSection) {
   EXPECT_EQ(s.nvme[1], (NvmeDir{"/nvme2/strata", 0}));
   EXPECT_EQ(s.prefetch_depth, 3u);
   EXPECT_EQ(s.prefetch_bytes, 4ull << 30);
-  EXPECT_EQ(s.optimizer_state_dtype, DType::kBf16);
+  EXPECT_EQ(s.optimizer_state_dtype, DType::kBF16);
   EXPECT_EQ(s.io_backend, IoBackendChoice::kUring);
   EXPECT_TRUE(s.overlap_backward);
   EXPECT_EQ(s.trace, "/tmp/strata-trace.json");
@@ -193,7 +193,7 @@ TEST(ConfigDefaults, EmptyObjectIsTheDefaultConfig) {
   EXPECT_EQ(d.fp16.loss_scale_window, 1000);
   EXPECT_EQ(d.fp16.hysteresis, 2);
   EXPECT_EQ(d.fp16.min_loss_scale, 1.0);
-  EXPECT_EQ(d.compute_dtype(), DType::kFp32);
+  EXPECT_EQ(d.compute_dtype(), DType::kF32);
 }
 
 TEST(ConfigDefaults, PresentOffloadObjectDefaultsToNone) {

@@ -61,7 +61,7 @@ TEST(ShardRange, ExactValues) {
 ModelSpec uniform_model(int groups, uint64_t elems) {
   ModelSpec m;
   for (int i = 0; i < groups; ++i)
-    m.params.push_back(ParamSpec{"p" + std::to_string(i), {elems}, DType::kBf16, "g" + std::to_string(i)});
+    m.params.push_back(ParamSpec{"p" + std::to_string(i), {elems}, DType::kBF16, "g" + std::to_string(i)});
   return m;
 }
 
@@ -183,7 +183,7 @@ TEST(Planner, RefusalSaysWhatIsShortAndByHowMuch) {
             "8.0 MiB short; add a directory or use bf16 optimizer states (saves 16.0 MiB)");
   // bf16 states: 16 MiB of states + 16 MiB of masters = 32 MiB fits in 40.
   PlanOptions bf16 = small_options();
-  bf16.optimizer_state_dtype = DType::kBf16;
+  bf16.optimizer_state_dtype = DType::kBF16;
   Plan p = plan_ok(m, b, bf16);
   EXPECT_EQ(p.bytes[kNvme][kO], 16 * kMiB);
   EXPECT_EQ(p.nvme_total(), 32 * kMiB);
@@ -275,7 +275,7 @@ TEST(Planner, ConfigOffloadDevicesBecomeOverrides) {
   PlanOptions o = plan_options_from_config(c.value());
   EXPECT_EQ(o.micro_batches, 4u);
   EXPECT_EQ(o.optimizer_ring_buffers, 3u);
-  EXPECT_EQ(o.optimizer_state_dtype, DType::kBf16);
+  EXPECT_EQ(o.optimizer_state_dtype, DType::kBF16);
   ASSERT_EQ(o.overrides.size(), 2u);
   EXPECT_EQ(o.overrides[1], (GroupTierRule{"*", Tier::kHost, Tier::kNvme, Tier::kNvme, Tier::kAuto}));
   const ModelSpec m = uniform_model(2, 1 << 20);
