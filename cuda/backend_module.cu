@@ -7,6 +7,7 @@
 #include <cstring>
 #include <vector>
 
+#include "kernels.cuh"
 #include "device/cuda_module.h"
 
 namespace {
@@ -117,9 +118,172 @@ int copy_bandwidth(int device, size_t bytes, int iters, double* h2d_gbps, double
   return 0;
 }
 
+// ---- device backend entry points: make the device current, do one call.
+
+#define CUDA_ON(device) CUDA_TRY(cudaSetDevice(device))
+
+int device_malloc(int device, size_t bytes, void** out, char* err, size_t err_len) {
+  *out = nullptr;
+  CUDA_ON(device);
+  CUDA_TRY(cudaMalloc(out, bytes));
+  return 0;
+}
+
+int device_free(int device, void* ptr, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaFree(ptr));
+  return 0;
+}
+
+int stream_create(int device, void** out, char* err, size_t err_len) {
+  *out = nullptr;
+  CUDA_ON(device);
+  cudaStream_t s = nullptr;
+  CUDA_TRY(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  *out = s;
+  return 0;
+}
+
+int stream_destroy(int device, void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaStreamDestroy(static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int stream_synchronize(int device, void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int stream_query(int device, void* stream, int* done, char* err, size_t err_len) {
+  *done = 0;
+  CUDA_ON(device);
+  cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+  if (e == cudaErrorNotReady) return 0;
+  CUDA_TRY(e);
+  *done = 1;
+  return 0;
+}
+
+int event_create(int device, void** out, char* err, size_t err_len) {
+  *out = nullptr;
+  CUDA_ON(device);
+  cudaEvent_t e = nullptr;
+  CUDA_TRY(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  *out = e;
+  return 0;
+}
+
+int event_destroy(int device, void* event, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaEventDestroy(static_cast<cudaEvent_t>(event)));
+  return 0;
+}
+
+int event_record(int device, void* event, void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaEventRecord(static_cast<cudaEvent_t>(event), static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int stream_wait_event(int device, void* stream, void* event, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event), 0));
+  return 0;
+}
+
+int event_query(int device, void* event, int* done, char* err, size_t err_len) {
+  *done = 0;
+  CUDA_ON(device);
+  cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
+  if (e == cudaErrorNotReady) return 0;
+  CUDA_TRY(e);
+  *done = 1;
+  return 0;
+}
+
+int event_synchronize(int device, void* event, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaEventSynchronize(static_cast<cudaEvent_t>(event)));
+  return 0;
+}
+
+int memcpy_async(int device, void* dst, const void* src, size_t bytes, void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int memset_async(int device, void* dst, int value, size_t bytes, void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaMemsetAsync(dst, value, bytes, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int launch_host_func(int device, void* stream, void (*fn)(void*), void* user, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaLaunchHostFunc(static_cast<cudaStream_t>(stream), fn, user));
+  return 0;
+}
+
+int cast(int device, void* dst, int dst_dtype, const void* src, int src_dtype, size_t count, float scale,
+         void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(strata_cuda::launch_cast(dst, dst_dtype, src, src_dtype, count, scale, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int accumulate(int device, float* dst, const void* src, int src_dtype, size_t count, float scale, void* stream,
+               char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(strata_cuda::launch_accumulate(dst, src, src_dtype, count, scale, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int sq_norm(int device, const void* src, int dtype, size_t count, strata_cuda_norm_stats_t* out, void* stream,
+            char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(strata_cuda::launch_sq_norm(src, dtype, count, out, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int adamw(int device, const strata_cuda_adamw_t* args, void* stream, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(strata_cuda::launch_adamw(*args, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+#undef CUDA_ON
+
 const strata_cuda_api_v1_t kApi = {
-    sizeof(strata_cuda_api_v1_t), STRATA_CUDA_ABI_VERSION, device_count, device_describe,
-    host_register,              host_unregister,         copy_bandwidth,
+    sizeof(strata_cuda_api_v1_t),
+    STRATA_CUDA_ABI_VERSION,
+    device_count,
+    device_describe,
+    host_register,
+    host_unregister,
+    copy_bandwidth,
+    // appended
+    device_malloc,
+    device_free,
+    stream_create,
+    stream_destroy,
+    stream_synchronize,
+    stream_query,
+    event_create,
+    event_destroy,
+    event_record,
+    stream_wait_event,
+    event_query,
+    event_synchronize,
+    memcpy_async,
+    memset_async,
+    launch_host_func,
+    cast,
+    accumulate,
+    sq_norm,
+    adamw,
 };
 
 }  // namespace

@@ -21,6 +21,32 @@ extern "C" {
 
 #define STRATA_CUDA_ABI_VERSION 1u
 
+#define STRATA_CUDA_DTYPE_F32 0
+#define STRATA_CUDA_DTYPE_BF16 1
+#define STRATA_CUDA_DTYPE_F16 2
+
+// Same layout as strata::NormStats (device_backend.h).
+typedef struct strata_cuda_norm_stats_s {
+  double sum_sq;
+  unsigned long long nonfinite;
+} strata_cuda_norm_stats_t;
+
+// One AdamW step; the constants are computed in double by the caller and
+// rounded to float (device_math::adamw_consts), so both backends use the
+// same values. out may be NULL (no compute copy).
+typedef struct strata_cuda_adamw_s {
+  float* params;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grads;
+  int grad_dtype;
+  int out_dtype;
+  void* out;
+  size_t count;
+  float beta1, one_minus_beta1, beta2, one_minus_beta2, eps;
+  float neg_lr_wd, neg_step_size, inv_sqrt_bc2, grad_scale;
+} strata_cuda_adamw_t;
+
 typedef struct strata_cuda_api_v1_s {
   uint32_t struct_size;  // sizeof(strata_cuda_api_v1_t) of the module
   uint32_t abi_version;  // STRATA_CUDA_ABI_VERSION of the module
@@ -36,6 +62,56 @@ typedef struct strata_cuda_api_v1_s {
   // `bytes`-sized pinned buffers on a dedicated stream, median of `iters`.
   int (*copy_bandwidth)(int device, size_t bytes, int iters, double* h2d_gbps, double* d2h_gbps, char* err,
                         size_t err_len);
+
+  // ---- Appended for the device backend (src/device/cuda_backend.cpp). -----
+  // Each function takes the device ordinal and makes it current on the
+  // calling thread first (the CUDA runtime's current device is per thread).
+  // Streams and events are opaque cudaStream_t / cudaEvent_t values. All
+  // *_async-style functions only enqueue; errors of the running work come
+  // back from stream/event synchronize and query.
+
+  // Device memory for the pool's blocks (cudaMalloc / cudaFree). Not for the
+  // hot path: cudaFree synchronizes the device.
+  int (*device_malloc)(int device, size_t bytes, void** out, char* err, size_t err_len);
+  int (*device_free)(int device, void* ptr, char* err, size_t err_len);
+
+  // A non-blocking stream (does not synchronize with the legacy stream 0).
+  int (*stream_create)(int device, void** out, char* err, size_t err_len);
+  int (*stream_destroy)(int device, void* stream, char* err, size_t err_len);
+  int (*stream_synchronize)(int device, void* stream, char* err, size_t err_len);
+  // *done = 1 when all work is finished, 0 when not (cudaErrorNotReady).
+  int (*stream_query)(int device, void* stream, int* done, char* err, size_t err_len);
+
+  // Events without timing (cheaper to record and wait on).
+  int (*event_create)(int device, void** out, char* err, size_t err_len);
+  int (*event_destroy)(int device, void* event, char* err, size_t err_len);
+  int (*event_record)(int device, void* event, void* stream, char* err, size_t err_len);
+  int (*stream_wait_event)(int device, void* stream, void* event, char* err, size_t err_len);
+  int (*event_query)(int device, void* event, int* done, char* err, size_t err_len);
+  int (*event_synchronize)(int device, void* event, char* err, size_t err_len);
+
+  // cudaMemcpyAsync with cudaMemcpyDefault (unified addressing tells the
+  // direction); cudaMemsetAsync.
+  int (*memcpy_async)(int device, void* dst, const void* src, size_t bytes, void* stream, char* err,
+                      size_t err_len);
+  int (*memset_async)(int device, void* dst, int value, size_t bytes, void* stream, char* err, size_t err_len);
+  // cudaLaunchHostFunc: fn(user) runs on a CUDA thread when the stream gets
+  // there; fn must not call CUDA.
+  int (*launch_host_func)(int device, void* stream, void (*fn)(void*), void* user, char* err, size_t err_len);
+
+  // Kernels (cuda/kernels.cu). dtypes are STRATA_CUDA_DTYPE_*; a kernel
+  // returns the launch error only.
+  // dst[i] = convert(float(src[i]) * scale); dst == src allowed for one dtype.
+  int (*cast)(int device, void* dst, int dst_dtype, const void* src, int src_dtype, size_t count, float scale,
+              void* stream, char* err, size_t err_len);
+  // dst[i] += float(src[i]) * scale, dst fp32.
+  int (*accumulate)(int device, float* dst, const void* src, int src_dtype, size_t count, float scale,
+                    void* stream, char* err, size_t err_len);
+  // out->sum_sq += sum of squares (double) of the finite elements,
+  // out->nonfinite += number of inf/NaN elements; out is device memory.
+  int (*sq_norm)(int device, const void* src, int dtype, size_t count, strata_cuda_norm_stats_t* out,
+                 void* stream, char* err, size_t err_len);
+  int (*adamw)(int device, const strata_cuda_adamw_t* args, void* stream, char* err, size_t err_len);
 } strata_cuda_api_v1_t;
 
 typedef const strata_cuda_api_v1_t* (*strata_cuda_api_v1_fn)(void);

@@ -1,0 +1,82 @@
+#include "device/device_backend.h"
+
+#include "common/log.h"
+#include "device/cuda_backend.h"
+#include "device/cuda_loader.h"
+#include "device/host_backend.h"
+
+namespace strata {
+
+const char* device_kind_name(DeviceKind kind) {
+  return kind == DeviceKind::kCuda ? "cuda" : "host";
+}
+
+const char* copy_kind_name(CopyKind kind) {
+  switch (kind) {
+    case CopyKind::kHostToDevice:
+      return "host-to-device";
+    case CopyKind::kDeviceToHost:
+      return "device-to-host";
+    case CopyKind::kDeviceToDevice:
+      return "device-to-device";
+  }
+  return "unknown-copy";
+}
+
+Result<HostAllocation> DeviceBackend::alloc_pinned(std::size_t bytes) {
+  STRATA_ASSIGN_OR_RETURN(HostAllocation a, alloc_host(bytes));
+  if (HostMemoryRegistrar* reg = host_registrar()) {
+    Status st = reg->register_memory(a.ptr, a.mapped_bytes);
+    if (!st.ok()) {
+      free_host(a);
+      return st;
+    }
+  }
+  return a;
+}
+
+void DeviceBackend::free_pinned(const HostAllocation& a) {
+  if (!a.ptr) return;
+  if (HostMemoryRegistrar* reg = host_registrar()) reg->unregister_memory(a.ptr);
+  free_host(a);
+}
+
+Result<DeviceBackendKind> parse_device_backend_kind(std::string_view text) {
+  if (text == "auto" || text.empty()) return DeviceBackendKind::kAuto;
+  if (text == "cuda") return DeviceBackendKind::kCuda;
+  if (text == "host") return DeviceBackendKind::kHost;
+  return Status(StatusCode::kInvalidArgument,
+                "unknown device backend \"" + std::string(text) + "\" (expected auto, cuda or host)");
+}
+
+Result<std::unique_ptr<DeviceBackend>> create_device_backend(const DeviceBackendOptions& options) {
+  if (options.budget_bytes == 0)
+    return Status(StatusCode::kInvalidArgument, "device backend: the device memory budget must be > 0");
+  std::string why;
+  if (options.kind != DeviceBackendKind::kHost) {
+    auto module = load_cuda_backend();
+    if (module.ok()) {
+      auto b = create_cuda_backend(module.value(), options.device, options.budget_bytes);
+      if (b.ok()) {
+        log_once(LogLevel::kInfo, "device-backend-choice",
+                 "device backend: " + b.value()->name() + ", module " + module->module_path);
+        return b;
+      }
+      if (options.kind == DeviceBackendKind::kCuda) return b.status();
+      why = b.status().message();
+    } else {
+      if (options.kind == DeviceBackendKind::kCuda)
+        return module.status().with_context("the cuda device backend was asked for");
+      why = module.status().message();
+    }
+  } else {
+    why = "asked for";
+  }
+  HostBackendOptions ho;
+  ho.budget_bytes = options.budget_bytes;
+  auto b = create_host_backend(ho);
+  if (b.ok()) log_once(LogLevel::kInfo, "device-backend-choice", "device backend: host (" + why + ")");
+  return b;
+}
+
+}  // namespace strata
