@@ -9,9 +9,14 @@ PKGS=(
   liburing-dev libaio-dev libtbb-dev libeigen3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
-  fio
+  fio clang
 )
-# Optional extras: MPI for the scale-out work (STRATA_MPI=AUTO picks it up).
+# Optional extras (CI sets STRATA_SETUP_EXTRAS=1):
+#  - g++-aarch64-linux-gnu + qemu-user: the NEON optimizer kernel is not only
+#    compiled but run against the scalar one under qemu;
+#  - xfsprogs: the checkpoint reflink test makes an XFS loop image.
+if [[ "${STRATA_SETUP_EXTRAS:-0}" == "1" ]]; then PKGS+=(g++-aarch64-linux-gnu qemu-user xfsprogs); fi
+# MPI for the scale-out work (STRATA_MPI=AUTO picks it up).
 if [[ "${STRATA_SETUP_MPI:-0}" == "1" ]]; then PKGS+=(libopenmpi-dev openmpi-bin); fi
 
 missing=()

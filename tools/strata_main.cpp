@@ -47,7 +47,8 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // --help and --version-like calls exit 0; every usage error exits 1.
+    return app.exit(e) == 0 ? 0 : 1;
   }
   if (version) {
     std::printf("strata %s\nbuilt with:\n%s", strata::version_string(), strata::build_feature_summary().c_str());
