@@ -12,8 +12,8 @@ reported.
     python3 scripts/bench_adam_torch.py --params 128M --threads 2
     python3 scripts/bench_adam_torch.py --params 32M --threads 2 --json
 
-Needs torch (pip install torch; CPU-only wheels are smaller:
-pip install torch --index-url https://download.pytorch.org/whl/cpu).
+Needs torch (pip install torch, into a virtual environment: the PyPI wheel
+for Linux x86-64 brings the CUDA libraries along, about 5 GB installed).
 Exit status: 0 ok, 1 bad arguments or a missing dependency, 2 a run failed.
 """
 import argparse
