@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Strata's CPU AdamW against PyTorch's torch.optim.AdamW on the CPU, in one run.
 
-Runs `strata bench adam --json` and torch.optim.AdamW (for-loop, foreach and,
-where this torch has it, fused) on the same number of fp32 parameters with the
+Runs `strata bench adam --json`, torch.optim.AdamW (for-loop, foreach and,
+where this torch has it, fused) and, when deepspeed is installed, DeepSpeed's
+CPU Adam (DeepSpeedCPUAdam, AdamW mode) on the same number of fp32 parameters with the
 same thread count, and prints params/s side by side. Each measurement is the
 median of --iters steps after one warm-up step; the whole set runs --rounds
 times, interleaved (strata, torch variants, strata, ...) so that drift on a
@@ -61,7 +62,12 @@ def run_torch(torch, n, threads, iters, variant):
         kwargs["foreach"] = True
     elif variant == "fused":
         kwargs["fused"] = True
-    opt = torch.optim.AdamW([p], **kwargs)
+    if variant == "deepspeed":
+        # DeepSpeed's CPU Adam (csrc/adam, JIT-built on first use), AdamW mode.
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        opt = DeepSpeedCPUAdam([p], lr=1e-4, weight_decay=0.01, adamw_mode=True)
+    else:
+        opt = torch.optim.AdamW([p], **kwargs)
     times = []
     for i in range(iters + 1):
         t0 = time.perf_counter()
@@ -97,6 +103,11 @@ def main():
     variants = ["for-loop", "foreach"]
     if "fused" in torch.optim.AdamW.__init__.__code__.co_varnames:
         variants.append("fused")
+    try:  # the peer to beat, where it installs (pip install deepspeed)
+        import deepspeed  # noqa: F401
+        variants.append("deepspeed")
+    except ImportError:
+        sys.stderr.write("bench_adam_torch: deepspeed not installed; comparing with torch only\n")
     strata_runs, torch_runs, errors = [], {v: [] for v in variants}, {}
     for _ in range(args.rounds):
         try:
@@ -109,7 +120,7 @@ def main():
                 continue
             try:
                 torch_runs[v].append(n / run_torch(torch, n, threads, args.iters, v))
-            except (RuntimeError, TypeError) as e:  # e.g. fused not supported on CPU in this version
+            except (RuntimeError, TypeError, ImportError, OSError) as e:  # e.g. fused unsupported, JIT build failed
                 errors[v] = str(e).splitlines()[0]
     strata = dict(strata_runs[0])
     for k in ("params_per_s", "ceiling_gbps", "ratio"):
@@ -120,7 +131,8 @@ def main():
         if v in errors:
             rows.append({"impl": f"torch AdamW {v}", "error": errors[v]})
         else:
-            rows.append({"impl": f"torch {torch.__version__} AdamW {v}", "params_per_s": statistics.median(torch_runs[v]),
+            name = f"deepspeed {deepspeed.__version__} DeepSpeedCPUAdam" if v == "deepspeed" else f"torch {torch.__version__} AdamW {v}"
+            rows.append({"impl": name, "params_per_s": statistics.median(torch_runs[v]),
                          "samples": torch_runs[v]})
     s = strata["params_per_s"]
     for r in rows:
