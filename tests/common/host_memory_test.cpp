@@ -13,7 +13,9 @@ TEST(HostMemory, AlignedAndZeroed) {
     ASSERT_TRUE(a.ok()) << a.status().to_string();
     auto p = reinterpret_cast<std::uintptr_t>(a->ptr);
     EXPECT_EQ(p % 4096, 0u);
-    if (bytes >= kHugePageSize) EXPECT_EQ(p % kHugePageSize, 0u);
+    if (bytes >= kHugePageSize) {
+      EXPECT_EQ(p % kHugePageSize, 0u);
+    }
     auto* c = static_cast<unsigned char*>(a->ptr);
     EXPECT_EQ(c[0], 0);
     EXPECT_EQ(c[bytes - 1], 0);
