@@ -229,6 +229,7 @@ Result<GradStats> grad_stats(const void* grads, DType dtype, std::size_t count, 
                              const ExecOptions& exec) {
   if (!valid_dtype(dtype)) return invalid("invalid gradient dtype");
   if (count > 0 && !grads) return invalid("grads is null");
+  if (!std::isfinite(scale)) return invalid("grad_stats: scale " + std::to_string(scale) + " is not finite");
   STRATA_ASSIGN_OR_RETURN(const detail::KernelTable* table, table_for(exec.isa));
   GradStats out;
   if (count == 0) return out;

@@ -111,7 +111,7 @@ struct GradStats {
 // Deterministic: fixed blocks of kNormBlock elements, squares summed in double
 // in 16 fixed lanes per block, blocks combined in index order; the same bits
 // for any thread count and ISA. Errors: kInvalidArgument (null grads with
-// count > 0), kUnavailable (ISA).
+// count > 0, non-finite scale), kUnavailable (ISA).
 Result<GradStats> grad_stats(const void* grads, DType dtype, std::size_t count, double scale = 1.0,
                              const ExecOptions& exec = {});
 inline constexpr std::size_t kNormBlock = 16384;

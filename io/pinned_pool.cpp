@@ -113,8 +113,17 @@ void PinnedPool::unmap_slab(Slab& s) {
 
 Result<PinnedBuffer> PinnedPool::allocate(std::size_t bytes) {
   if (bytes == 0) return Status(StatusCode::kInvalidArgument, "pinned pool: asked for 0 bytes");
-  const std::size_t reserved = round_up(bytes, options_.alignment);
   std::lock_guard<std::mutex> lock(mu_);
+  auto over_budget = [&] {
+    return Status(StatusCode::kOutOfBudget,
+                  fmt::format("pinned pool: asked for {} bytes but only {} of the {}-byte budget are left ({} "
+                              "bytes in use)",
+                              bytes, options_.budget_bytes - std::min(mapped_, options_.budget_bytes),
+                              options_.budget_bytes, used_));
+  };
+  // Checked before rounding: a size near 2^64 would wrap to 0.
+  if (bytes > options_.budget_bytes || bytes > kMaxHostAllocation) return over_budget();
+  const std::size_t reserved = round_up(bytes, options_.alignment);
   std::size_t offset = 0;
   Slab* slab = nullptr;
   for (auto& s : slabs_) {
@@ -154,13 +163,7 @@ Result<PinnedBuffer> PinnedPool::allocate(std::size_t bytes) {
       }
       want = choose();
     }
-    if (mapped_ + want > options_.budget_bytes) {
-      return Status(StatusCode::kOutOfBudget,
-                    fmt::format("pinned pool: asked for {} bytes but only {} of the {}-byte budget are left ({} "
-                                "bytes in use)",
-                                bytes, options_.budget_bytes - std::min(mapped_, options_.budget_bytes),
-                                options_.budget_bytes, used_));
-    }
+    if (mapped_ + want > options_.budget_bytes) return over_budget();
     std::unique_ptr<Slab> s;
     STRATA_RETURN_IF_ERROR(map_slab(want, &s));
     mapped_ += s->mem.mapped_bytes;

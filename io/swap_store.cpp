@@ -157,6 +157,12 @@ Result<SwapTensor> SwapStore::add_tensor(std::string_view name, std::uint64_t by
   std::lock_guard<std::mutex> lock(mu_);
   if (closed_) return Status(StatusCode::kInvalidArgument, "swap store: add_tensor after close");
   const std::uint64_t base = (end_ + 4095) / 4096 * 4096;
+  // Files are addressed with off_t: the space must end below 2^63.
+  constexpr std::uint64_t kMaxSpace = std::uint64_t{1} << 62;
+  if (bytes > kMaxSpace || base + bytes > kMaxSpace)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("swap store: tensor '{}' of {} bytes does not fit: the store holds at most {} bytes",
+                              name, bytes, kMaxSpace));
   const std::uint64_t new_end = base + bytes;
   for (std::size_t i = 0; i < stripes_.size(); ++i) {
     Stripe& s = stripes_[i];

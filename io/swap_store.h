@@ -61,7 +61,8 @@ class SwapStore {
   ~SwapStore();  // close(), errors logged
 
   // Reserves `bytes` for a tensor and preallocates them on disk. Blocking.
-  // Errors: kNoSpace (naming the file), kIoError.
+  // Errors: kNoSpace (naming the file), kIoError, kInvalidArgument (the store
+  // would pass 2^62 bytes).
   Result<SwapTensor> add_tensor(std::string_view name, std::uint64_t bytes);
 
   // Reads/writes `length` bytes of tensor `t` starting at `offset` within the

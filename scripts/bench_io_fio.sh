@@ -60,6 +60,10 @@ EOF
 }
 SIZE_B=$(to_bytes "$SIZE") || exit 1
 BLOCK_B=$(to_bytes "$BLOCK") || exit 1
+[[ $QD =~ ^[0-9]+$ ]] && (( QD >= 1 && QD <= 4096 )) || die "queue depth $QD is not an integer in 1..4096"
+[[ $REPS =~ ^[0-9]+$ ]] && (( REPS >= 1 )) || die "REPS=$REPS is not a positive integer"
+(( SIZE_B > 0 )) || die "size $SIZE is 0 bytes"
+(( BLOCK_B > 0 && BLOCK_B % 4096 == 0 )) || die "block $BLOCK is not a positive multiple of 4 KiB (O_DIRECT)"
 (( SIZE_B % BLOCK_B == 0 )) || die "size $SIZE is not a multiple of block $BLOCK"
 
 out=$(mktemp -d)

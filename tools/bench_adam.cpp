@@ -6,15 +6,17 @@
 // of the memory's bandwidth, and the ceiling is the machine's, not the
 // kernel's. Iterations of the two alternate so that drift on a shared
 // machine hits both alike.
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cinttypes>
 #include <cstdio>
 #include <cstring>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "commands.h"
 #include "common/host_memory.h"
@@ -63,6 +65,19 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+// Memory the kernel says can be given without swapping (MemAvailable), or
+// 0 when unknown.
+std::uint64_t available_memory() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (!f) return 0;
+  char line[256];
+  std::uint64_t kib = 0;
+  while (std::fgets(line, sizeof line, f))
+    if (std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kib) == 1) break;
+  std::fclose(f);
+  return kib * 1024;
+}
+
 template <class T>
 Result<HostArray<T>> alloc(std::size_t n, bool huge) {
   return HostArray<T>::create(n, huge);
@@ -92,6 +107,8 @@ int run(const AdamBenchOptions& o) {
     return fail("--params '" + o.params + "': expected a parameter count such as 134217728, 128M or 1G (K/M/G = 2^10/2^20/2^30)");
   const std::size_t n = count_r.value();
   if (n == 0) return fail("--params must be > 0");
+  // Checked before any size arithmetic (n * bytes per element must not wrap).
+  if (n > (std::size_t{1} << 40)) return fail("--params '" + o.params + "': at most 1T (2^40) parameters");
   long threads_l = 0, iters = 0;
   if (!parse_int(o.threads, 0, 4096, &threads_l)) return fail("--threads '" + o.threads + "': expected 0..4096");
   if (!parse_int(o.iters, 1, 100000, &iters)) return fail("--iters '" + o.iters + "': expected 1..100000");
@@ -117,6 +134,21 @@ int run(const AdamBenchOptions& o) {
   if (cfg.kind == OptimizerKind::kSgd) cfg.momentum = 0.9;
   if (cfg.kind == OptimizerKind::kLion) cfg.beta2 = 0.99;
   const int nstates = state_count(cfg);
+
+  // Everything below is touched: refuse what this machine cannot hold rather
+  // than be killed by the OOM killer halfway. The optimizer's arrays, plus
+  // ceiling arrays of the same total size.
+  {
+    std::size_t per_param = 4 + dtype_size(gd.value()) + nstates * dtype_size(sd.value());
+    if (o.out_bf16 || o.out_fp16) per_param += 2;
+    const std::uint64_t need = 2ull * n * per_param;
+    const std::uint64_t avail = available_memory();
+    if (avail > 0 && need > avail)
+      return fail(
+          fmt::format("--params {} needs {} of memory ({} for the optimizer's arrays and as much for the "
+                      "bandwidth ceiling's), but only {} is available here: lower --params",
+                      o.params, format_bytes(need), format_bytes(need / 2), format_bytes(avail)));
+  }
 
   // Optimizer buffers.
   auto p = alloc<float>(n, huge);

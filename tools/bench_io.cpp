@@ -9,10 +9,13 @@
 // one request per block instead. Buffers come from the pinned pool registered
 // with the engine (io_uring fixed buffers). Every 4 KiB is stamped with its
 // offset and checked on the way back.
+#include <signal.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -59,6 +62,61 @@ inline std::uint64_t stamp(std::uint64_t offset) {
   return offset * 0x9E3779B97F4A7C15ull ^ 0x5354524154410000ull;
 }
 
+// Ctrl-C (or SIGTERM/SIGHUP) in the middle of a run must not leave a
+// multi-GiB test file behind. The handler removes the current file with
+// unlink(2) (async-signal-safe, and the process is about to die anyway, so
+// I/O still in flight on the open descriptor does not matter), then dies of
+// the same signal with the default action so the caller sees how it ended.
+// Signals that were ignored when we started (nohup, background jobs) stay
+// ignored. SIGXFSZ is ignored so that a file-size limit (ulimit -f) is an
+// EFBIG error, not a kill that leaves the file.
+class CleanupOnSignal {
+ public:
+  CleanupOnSignal() {
+    for (std::size_t i = 0; i < kSignals.size(); ++i) {
+      struct sigaction old {};
+      if (sigaction(kSignals[i], nullptr, &old) != 0 || old.sa_handler == SIG_IGN) continue;
+      struct sigaction sa {};
+      sa.sa_handler = &CleanupOnSignal::handle;
+      sigemptyset(&sa.sa_mask);
+      sa.sa_flags = SA_RESETHAND;  // a second Ctrl-C kills at once
+      if (sigaction(kSignals[i], &sa, &old_[i]) == 0) installed_[i] = true;
+    }
+    old_xfsz_ = ::signal(SIGXFSZ, SIG_IGN);
+  }
+  ~CleanupOnSignal() {
+    disarm();
+    for (std::size_t i = 0; i < kSignals.size(); ++i)
+      if (installed_[i]) sigaction(kSignals[i], &old_[i], nullptr);
+    ::signal(SIGXFSZ, old_xfsz_);
+  }
+  CleanupOnSignal(const CleanupOnSignal&) = delete;
+  CleanupOnSignal& operator=(const CleanupOnSignal&) = delete;
+
+  // The file to remove if a signal arrives (before it is created).
+  static bool arm(const std::string& path) {
+    if (path.size() >= sizeof(path_)) return false;
+    armed_.store(false);
+    std::memcpy(path_, path.c_str(), path.size() + 1);
+    armed_.store(true);
+    return true;
+  }
+  static void disarm() { armed_.store(false); }
+
+ private:
+  static void handle(int sig) {
+    if (armed_.exchange(false)) ::unlink(path_);
+    ::raise(sig);  // SA_RESETHAND restored the default action
+  }
+  static constexpr std::array<int, 3> kSignals = {SIGINT, SIGTERM, SIGHUP};
+  static_assert(std::atomic<bool>::is_always_lock_free);
+  static inline std::atomic<bool> armed_{false};
+  static inline char path_[4096];
+  std::array<struct sigaction, 3> old_{};
+  std::array<bool, 3> installed_{};
+  void (*old_xfsz_)(int) = SIG_DFL;
+};
+
 // Moves the file in requests of `request` bytes (a multiple of the block);
 // the engine splits each into block-sized pieces and keeps `qd` pieces in
 // flight, so the device sees exactly fio's pattern (bs = block, iodepth = qd)
@@ -73,7 +131,7 @@ class Runner {
   // Requests kept in flight: enough for 2 x qd pieces, plus one being refilled.
   static unsigned slots_for(std::uint64_t size, std::uint64_t block, std::uint64_t request, unsigned qd) {
     const std::uint64_t want = (2ull * qd * block + request - 1) / request + 1;
-    const std::uint64_t requests = (size + request - 1) / request;
+    const std::uint64_t requests = size / request + (size % request != 0);  // no wrap near 2^64
     return static_cast<unsigned>(std::max<std::uint64_t>(1, std::min(want, requests)));
   }
 
@@ -209,9 +267,16 @@ Status bench_backend(const BenchIoOptions& o, const std::string& backend, std::u
   po.registrars = {engine->buffer_registrar()};
   STRATA_ASSIGN_OR_RETURN(auto pool, io::PinnedPool::create(po));
   const std::string path = fmt::format("{}/strata-bench-io.{}.{}.dat", o.dir, backend, ::getpid());
+  if (!o.keep && !CleanupOnSignal::arm(path))
+    return Status(StatusCode::kInvalidArgument, "the path " + path + " is too long");
   io::IoOpenOptions fo;
   fo.write = fo.create = fo.truncate = true;
-  STRATA_ASSIGN_OR_RETURN(auto file, engine->open(path, fo));
+  auto opened = engine->open(path, fo);
+  if (!opened.ok()) {
+    CleanupOnSignal::disarm();  // not ours to remove (an existing file we could not open)
+    return opened.status();
+  }
+  auto file = std::move(opened).value();
   Status st = [&]() -> Status {
     if (!file->direct()) return Status(StatusCode::kUnavailable, "the filesystem of " + o.dir + " refuses O_DIRECT");
     // Like fio, lay the file out first so that writes do not also allocate.
@@ -234,6 +299,7 @@ Status bench_backend(const BenchIoOptions& o, const std::string& backend, std::u
   }();
   file.reset();
   if (!o.keep) ::unlink(path.c_str());
+  CleanupOnSignal::disarm();
   return st;
 }
 
@@ -268,11 +334,29 @@ void run_bench_io(const BenchIoOptions& o) {
     backends = {o.backend};
   else
     return fail(1, "--backend " + o.backend + ": expected uring, aio, posix or all");
+  // Every backend's buffers (the pinned pool) live at once during its run:
+  // never ask for more than half of this machine's memory (an OOM kill
+  // would leave the test file behind).
+  {
+    const std::uint64_t pool = 2ull * Runner::slots_for(*size, *block, req, o.qd) * req;
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    const std::uint64_t phys = pages > 0 && page > 0 ? static_cast<std::uint64_t>(pages) * page : 0;
+    if (phys > 0 && pool > phys / 2)
+      return fail(1, fmt::format("--qd {} x --block {} (in --request {} pieces) needs {} of buffers, more than "
+                                 "half of this machine's {} of memory: lower --qd, --block or --request",
+                                 o.qd, o.block, format_bytes(req), format_bytes(pool), format_bytes(phys)));
+  }
+  // Free space for the file plus a margin. Filesystems that do not count
+  // blocks (ramfs: f_blocks == 0) report 0 free: no check there.
+  constexpr std::uint64_t kMargin = 64ull << 20;
   struct statvfs vfs {};
-  if (::statvfs(o.dir.c_str(), &vfs) == 0 &&
-      static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize < *size + (64ull << 20))
-    return fail(1, fmt::format("{} has {} free, not enough for a {} test file", o.dir,
-                               format_bytes(static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize), o.size));
+  if (::statvfs(o.dir.c_str(), &vfs) == 0 && vfs.f_blocks > 0) {
+    const std::uint64_t avail = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    if (*size > avail || avail - *size < kMargin)
+      return fail(1, fmt::format("{} has {} free, not enough for a {} test file and a {} margin", o.dir,
+                                 format_bytes(avail), o.size, format_bytes(kMargin)));
+  }
+  CleanupOnSignal cleanup;
 
   std::vector<BenchResult> results;
   nlohmann::json skipped = nlohmann::json::array();
@@ -286,6 +370,12 @@ void run_bench_io(const BenchIoOptions& o) {
     }
     return fail(s.code() == StatusCode::kCorrupt || s.code() == StatusCode::kInternal ? 2 : 1,
                 b + ": " + s.to_string());
+  }
+  if (results.empty()) {
+    std::string why;
+    for (const auto& k : skipped)
+      why += (why.empty() ? "" : "; ") + k["backend"].get<std::string>() + ": " + k["reason"].get<std::string>();
+    return fail(1, "no backend could run in " + o.dir + " (" + why + ")");
   }
   if (o.json) {
     nlohmann::json j;

@@ -13,6 +13,10 @@ Result<HostAllocation> alloc_host(std::size_t bytes, std::size_t alignment, bool
   if (alignment == 0 || (alignment & (alignment - 1)) || alignment > kHugePageSize)
     return Status(StatusCode::kInvalidArgument,
                   "alloc_host: alignment " + std::to_string(alignment) + " is not a power of two <= 2 MiB");
+  // Refuse sizes that would wrap when rounded up below (above 2^60 bytes).
+  if (bytes > kMaxHostAllocation)
+    return Status(StatusCode::kOutOfMemory,
+                  "alloc_host: " + std::to_string(bytes) + " bytes is more than any machine can map");
   // mmap gives page alignment; over-map by one huge page and trim both ends so
   // the region starts on a 2 MiB boundary (THP can then back all of it).
   const std::size_t page = 4096;

@@ -7,12 +7,15 @@
 
 #include <cstddef>
 #include <memory>
+#include <string>
 
 #include "common/status.h"
 
 namespace strata {
 
 inline constexpr std::size_t kHugePageSize = std::size_t{2} << 20;
+// Larger requests fail with kOutOfMemory (and cannot wrap when rounded up).
+inline constexpr std::size_t kMaxHostAllocation = std::size_t{1} << 60;
 
 struct HostAllocation {
   void* ptr = nullptr;
@@ -23,7 +26,8 @@ struct HostAllocation {
 
 // Allocates `bytes` (> 0) aligned to at least `alignment` (a power of two up
 // to 2 MiB). huge_pages=false skips the madvise (for comparisons).
-// Errors: kInvalidArgument for bad sizes, kOutOfMemory when mmap refuses.
+// Errors: kInvalidArgument for bad sizes, kOutOfMemory when mmap refuses or
+// bytes > kMaxHostAllocation.
 Result<HostAllocation> alloc_host(std::size_t bytes, std::size_t alignment = kHugePageSize,
                                   bool huge_pages = true);
 void free_host(const HostAllocation& a);
@@ -34,6 +38,10 @@ class HostArray {
  public:
   HostArray() = default;
   static Result<HostArray> create(std::size_t count, bool huge_pages = true) {
+    if (count > kMaxHostAllocation / sizeof(T))
+      return Status(StatusCode::kOutOfMemory, "HostArray: " + std::to_string(count) + " elements of " +
+                                                  std::to_string(sizeof(T)) +
+                                                  " bytes is more than any machine can map");
     auto a = alloc_host(count ? count * sizeof(T) : sizeof(T), kHugePageSize, huge_pages);
     if (!a.ok()) return a.status();
     HostArray h;

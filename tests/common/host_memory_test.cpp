@@ -30,6 +30,28 @@ TEST(HostMemory, RejectsBadArguments) {
   EXPECT_EQ(alloc_host(10, kHugePageSize * 2).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Sizes near 2^64 used to wrap when rounded up to pages: alloc_host(SIZE_MAX)
+// returned a 2 MiB mapping claiming SIZE_MAX bytes, and HostArray<float> of
+// 2^62+1 elements a 4-byte one that callers then overran.
+TEST(HostMemory, SizesThatWouldOverflowAreRefused) {
+  constexpr std::size_t kMax = ~std::size_t{0};
+  for (std::size_t bytes : {kMax, kMax - 4095, kMax - kHugePageSize, kMax / 2 + 1}) {
+    auto a = alloc_host(bytes);
+    EXPECT_FALSE(a.ok()) << bytes << " bytes gave " << a->mapped_bytes << " mapped bytes";
+    if (a.ok())
+      free_host(a.value());
+    else
+      EXPECT_EQ(a.status().code(), StatusCode::kOutOfMemory) << a.status().to_string();
+  }
+  auto h = HostArray<float>::create((std::size_t{1} << 62) + 1);
+  EXPECT_FALSE(h.ok()) << "a HostArray whose byte size wraps must be refused";
+  if (h.ok()) {
+    EXPECT_EQ(h.value().size(), (std::size_t{1} << 62) + 1);
+  } else {
+    EXPECT_EQ(h.status().code(), StatusCode::kOutOfMemory) << h.status().to_string();
+  }
+}
+
 TEST(HostMemory, HostArrayMoves) {
   auto r = HostArray<float>::create(1000);
   ASSERT_TRUE(r.ok());

@@ -99,5 +99,24 @@ TEST(GradStats, EmptyAndErrors) {
   EXPECT_EQ(e.status().code(), StatusCode::kInvalidArgument);
 }
 
+// A non-finite pre-scale (1/loss_scale after the scale underflowed to 0) used
+// to give an ok result with sum_sq inf or NaN and has_inf_nan false: a
+// trainer checking has_inf_nan would then clip with a NaN coefficient. It is
+// refused, as step() refuses it.
+TEST(GradStats, NonFiniteScaleIsAnError) {
+  const float g[5] = {1, 2, 3, 4, 5};
+  for (double scale : {std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+                       std::numeric_limits<double>::quiet_NaN()}) {
+    auto r = grad_stats(g, DType::kF32, 5, scale);
+    EXPECT_FALSE(r.ok()) << "scale " << scale << " gave sum_sq " << r->sum_sq << ", has_inf_nan " << r->has_inf_nan;
+    if (!r.ok()) {
+      EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+    }
+  }
+  auto ok = grad_stats(g, DType::kF32, 5, 0.5);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->sum_sq, 55.0 * 0.25);
+}
+
 }  // namespace
 }  // namespace strata::cpu_optim

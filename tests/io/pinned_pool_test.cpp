@@ -90,6 +90,24 @@ TEST(PinnedPool, BudgetExceededSaysHowMuchWasAskedAndIsLeft) {
   EXPECT_TRUE(again.ok()) << again.status().to_string();
 }
 
+// Sizes near 2^64 used to wrap to 0 when rounded to the alignment: the pool
+// then handed out a "SIZE_MAX-byte" buffer carved from a 4 MiB slab.
+TEST(PinnedPool, HugeRequestsAreOverBudgetNotWrapped) {
+  auto pool = make_pool(16 * MiB);
+  ASSERT_TRUE(pool);
+  for (std::size_t bytes : {~std::size_t{0}, ~std::size_t{0} - 100, ~std::size_t{0} - 4095}) {
+    auto b = pool->allocate(bytes);
+    EXPECT_FALSE(b.ok()) << bytes << " bytes gave a buffer of " << b->size();
+    if (!b.ok()) {
+      EXPECT_EQ(b.status().code(), StatusCode::kOutOfBudget);
+      EXPECT_NE(b.status().message().find("asked for " + std::to_string(bytes) + " bytes"), std::string::npos)
+          << b.status().message();
+    }
+  }
+  EXPECT_EQ(pool->used_bytes(), 0u);
+  EXPECT_EQ(pool->mapped_bytes(), 0u);
+}
+
 TEST(PinnedPool, EmptySlabsAreGivenBackBeforeRefusing) {
   auto pool = make_pool(8 * MiB, 4 * MiB);
   ASSERT_TRUE(pool);

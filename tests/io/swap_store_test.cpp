@@ -229,6 +229,27 @@ TEST_F(SwapStoreTest, RealEfbigFromRlimitFsize) {
   EXPECT_NE(write.message().find("File too large"), std::string::npos) << write.message();
 }
 
+// A size whose end wraps past 2^64 used to be accepted: the tensor then
+// overlapped the ones before it (its reads and writes landed on their bytes).
+TEST_F(SwapStoreTest, TensorSizeThatWrapsIsRefused) {
+  auto store = make_store({dir_.file("wrap")});
+  ASSERT_TRUE(store);
+  auto a = store->add_tensor("a", 10000);
+  ASSERT_TRUE(a.ok());
+  auto huge = store->add_tensor("huge", ~std::uint64_t{0} - 4096);
+  EXPECT_FALSE(huge.ok()) << "tensor at " << huge->base << " of " << huge->bytes << " bytes";
+  if (!huge.ok()) {
+    EXPECT_EQ(huge.status().code(), StatusCode::kInvalidArgument) << huge.status().to_string();
+    EXPECT_NE(huge.status().message().find("huge"), std::string::npos) << huge.status().message();
+  }
+  EXPECT_EQ(store->reserved_bytes(), 10000u);
+  std::vector<unsigned char> buf(100);
+  if (huge.ok()) {  // it must not reach tensor a's bytes
+    EXPECT_FALSE(store->write(*huge, ~std::uint64_t{0} - 4096 - huge->base, 100, buf.data()).wait().ok());
+  }
+  EXPECT_TRUE(store->close().ok());
+}
+
 TEST_F(SwapStoreTest, RankIsInTheFileNames) {
   SwapStoreOptions o;
   o.dirs = {dir_.file("r")};
