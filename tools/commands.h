@@ -15,6 +15,9 @@ void register_bench_io(CLI::App& bench);
 // `strata bench adam ...` (tools/bench_adam.cpp)
 void register_bench_adam(CLI::App& bench);
 
+// `strata bench step ...` (tools/bench_step.cpp): the pipelined optimizer step over NVMe
+void register_bench_step(CLI::App& bench);
+
 // `strata bench copy ...` (tools/bench_copy.cpp): host<->device bandwidth
 void register_bench_copy(CLI::App& bench);
 

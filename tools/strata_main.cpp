@@ -43,6 +43,7 @@ int main(int argc, char** argv) {
   register_bench_io(*bench);
   register_bench_adam(*bench);
   register_bench_copy(*bench);
+  register_bench_step(*bench);
 
   try {
     app.parse(argc, argv);

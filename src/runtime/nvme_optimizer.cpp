@@ -1,0 +1,415 @@
+#include "runtime/nvme_optimizer.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common/units.h"
+
+namespace strata {
+
+namespace {
+constexpr std::size_t kAlign = 4096;
+constexpr std::size_t kChunkQuantum = 2048;  // elements: 2-byte arrays stay 4 KiB aligned
+constexpr const char* kArrayNames[] = {"master", "state0", "state1", "state2", "grads", "params_out"};
+std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+// Up to one request per array, prepared under mu_ and submitted after it
+// (submitting can call back synchronously into piece_done, which locks).
+struct NvmeOptimizer::Pending {
+  std::size_t slot = 0;
+  bool write = false;
+  int n = 0;
+  struct Req {
+    io::SwapTensor t;
+    std::uint64_t offset, length;
+    void* buf;
+    int array;
+  } req[kArrays];
+};
+
+Result<std::unique_ptr<NvmeOptimizer>> NvmeOptimizer::create(io::SwapStore* store, io::PinnedPool& pool,
+                                                             const cpu_optim::OptimizerConfig& config,
+                                                             const NvmeOptimizerOptions& o) {
+  if (o.ring_buffers < 2 || o.ring_buffers > 64)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nvme optimizer: ring_buffers {} (offload_optimizer.buffer_count): expected 2..64",
+                              o.ring_buffers));
+  if (o.chunk_elems == 0 || o.chunk_elems > (std::size_t{1} << 32))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nvme optimizer: chunk_elems {}: expected 1..2^32", o.chunk_elems));
+  if (o.state_dtype != DType::kF32 && o.state_dtype != DType::kBF16)
+    return Status(StatusCode::kInvalidArgument, "nvme optimizer: state_dtype must be fp32 or bf16");
+  if (o.out_dtype == DType::kF32)
+    return Status(StatusCode::kInvalidArgument, "nvme optimizer: out_dtype must be bf16 or fp16");
+  const int nstates = cpu_optim::state_count(config);
+  std::unique_ptr<NvmeOptimizer> opt(new NvmeOptimizer(store, o, nstates));
+  opt->chunk_ = round_up(o.chunk_elems, kChunkQuantum);
+  std::size_t off[kArrays];
+  std::size_t total = 0;
+  for (int a = 0; a < kArrays; ++a) {
+    off[a] = total;
+    if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates) continue;
+    total += round_up(opt->chunk_ * opt->element_size(a), kAlign);
+  }
+  opt->slot_bytes_ = total;
+  for (unsigned s = 0; s < o.ring_buffers; ++s) {
+    auto buf = pool.allocate(total);
+    if (!buf.ok())
+      return buf.status().with_context(fmt::format(
+          "nvme optimizer: ring of {} x {} ({} elements per chunk, {} states)", o.ring_buffers,
+          format_bytes(total), opt->chunk_, nstates));
+    auto slot = std::make_unique<Slot>();
+    slot->mem = std::move(buf).value();
+    for (int a = 0; a < kArrays; ++a) slot->part[a] = static_cast<char*>(slot->mem.data()) + off[a];
+    if (o.tracer != nullptr) slot->track = o.tracer->add_track(fmt::format("optimizer ring slot {}", s));
+    opt->slots_.push_back(std::move(slot));
+  }
+  return opt;
+}
+
+NvmeOptimizer::~NvmeOptimizer() = default;  // run() never returns with requests in flight
+
+void NvmeOptimizer::set_completed_step(std::int64_t step) {
+  progress_ = StepProgress{};
+  progress_.step = step;
+}
+
+std::size_t NvmeOptimizer::element_size(int a) const {
+  if (a == kOut) return dtype_size(options_.out_dtype);
+  if (a >= kState0 && a < kState0 + 3) return dtype_size(options_.state_dtype);
+  return 4;
+}
+
+namespace {
+const Placement& placement(const OptimizerTensor& t, int a) {
+  switch (a) {
+    case 0: return t.master;
+    case 4: return t.grads;
+    case 5: return t.params_out;
+    default: return t.state[a - 1];
+  }
+}
+}  // namespace
+
+bool NvmeOptimizer::reads(int a, const OptimizerTensor& t) const {
+  if (mode_ == Mode::kStats) return a == kGrads && t.grads.tier == Placement::Tier::kSwap;
+  if (a == kOut) return false;
+  if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates_) return false;
+  return placement(t, a).tier == Placement::Tier::kSwap;
+}
+
+bool NvmeOptimizer::writes(int a, const OptimizerTensor& t) const {
+  if (mode_ == Mode::kStats || a == kGrads) return false;
+  if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates_) return false;
+  return placement(t, a).tier == Placement::Tier::kSwap;
+}
+
+Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors, Mode mode) const {
+  for (const auto& t : tensors) {
+    auto bad = [&](const std::string& why) {
+      return Status(StatusCode::kInvalidArgument, fmt::format("nvme optimizer: tensor '{}': {}", t.name, why));
+    };
+    const int last = mode == Mode::kStats ? kGrads : kOut;
+    for (int a = mode == Mode::kStats ? kGrads : 0; a <= last; ++a) {
+      if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates_) continue;
+      const Placement& p = placement(t, a);
+      if (!p.present()) {
+        if (a == kOut) continue;
+        return bad(fmt::format("no {} array", kArrayNames[a]));
+      }
+      if (p.tier == Placement::Tier::kHost && p.host == nullptr && t.count > 0)
+        return bad(fmt::format("{} is host-resident with a null pointer", kArrayNames[a]));
+      if (p.tier == Placement::Tier::kSwap) {
+        if (store_ == nullptr) return bad(fmt::format("{} is in a swap store but the optimizer has none", kArrayNames[a]));
+        if (p.swap.bytes < t.count * element_size(a))
+          return bad(fmt::format("{} swap tensor holds {} bytes, {} needed", kArrayNames[a], p.swap.bytes,
+                                 t.count * element_size(a)));
+      }
+    }
+    if (mode == Mode::kStep)
+      for (int s = nstates_; s < 3; ++s)
+        if (t.state[s].present()) return bad(fmt::format("state{} given but the optimizer uses {}", s, nstates_));
+  }
+  return {};
+}
+
+void NvmeOptimizer::build_chunks(std::span<const OptimizerTensor> tensors, std::uint64_t skip) {
+  chunks_.clear();
+  for (std::uint32_t i = 0; i < tensors.size(); ++i) {
+    std::uint64_t off = 0;
+    const std::uint64_t n = tensors[i].count;
+    if (skip >= n) {
+      skip -= n;
+      continue;
+    }
+    off = skip;
+    skip = 0;
+    while (off < n) {
+      const std::uint64_t c = std::min<std::uint64_t>(chunk_, n - off);
+      chunks_.push_back({i, off, c});
+      off += c;
+    }
+  }
+}
+
+Status NvmeOptimizer::chunk_error(const char* what, std::size_t ci, int array, const Status& st) const {
+  const Chunk& c = chunks_[ci];
+  const std::string head =
+      mode_ == Mode::kStep ? fmt::format("optimizer step {}", step_) : std::string("gradient norm pass");
+  return st.with_context(fmt::format("{}: {} {}elements {}..{} of tensor '{}'", head, what,
+                                     array >= 0 ? std::string(kArrayNames[array]) + " " : std::string(), c.offset,
+                                     c.offset + c.count, tensors_[c.tensor].name));
+}
+
+void NvmeOptimizer::prepare_io_locked(std::size_t si, std::size_t ci, bool write, Pending* p) {
+  Slot& s = *slots_[si];
+  const Chunk& c = chunks_[ci];
+  const OptimizerTensor& t = tensors_[c.tensor];
+  p->slot = si;
+  p->write = write;
+  p->n = 0;
+  std::uint64_t bytes = 0;
+  for (int a = 0; a < kArrays; ++a) {
+    if (!(write ? writes(a, t) : reads(a, t))) continue;
+    const std::size_t es = element_size(a);
+    p->req[p->n++] = {placement(t, a).swap, c.offset * es, c.count * es, s.part[a], a};
+    bytes += c.count * es;
+  }
+  s.bytes = bytes;
+  s.chunk = ci;
+  s.phase = write ? Phase::kWriting : Phase::kReading;
+  s.error = Status();
+  s.error_array = -1;
+  s.pending = p->n + 1;  // +1: a guard released after the last submission
+  s.t0 = Tracer::now_ns();
+  inflight_ += static_cast<std::size_t>(p->n) + 1;
+}
+
+void NvmeOptimizer::submit(Pending& p) {
+  for (int i = 0; i < p.n; ++i) {
+    const auto& r = p.req[i];
+    auto cb = [this, slot = p.slot, a = r.array](const Status& st) { piece_done(slot, a, st); };
+    if (p.write)
+      store_->write(r.t, r.offset, r.length, r.buf, cb);
+    else
+      store_->read(r.t, r.offset, r.length, r.buf, cb);
+  }
+  piece_done(p.slot, -1, Status());  // the guard
+}
+
+void NvmeOptimizer::issue_read(std::size_t si, std::size_t ci) {
+  Pending p;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    prepare_io_locked(si, ci, false, &p);
+  }
+  submit(p);
+}
+
+// Runs on the I/O thread (or the submitting thread for the guard). The last
+// piece of a write issues the read of the chunk that reuses the slot.
+void NvmeOptimizer::piece_done(std::size_t si, int array, const Status& st) {
+  Slot& s = *slots_[si];
+  Pending next;
+  bool issue = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!st.ok() && s.error.ok()) {
+      s.error = st;
+      s.error_array = array;
+    }
+    if (--s.pending == 0) {
+      const bool write = s.phase == Phase::kWriting;
+      if (options_.tracer != nullptr) {
+        options_.tracer->complete(write ? "nvme_write" : "nvme_read", trace_cat::kIo, s.t0, Tracer::now_ns(),
+                                  {{"bytes", s.bytes}, {"chunk", static_cast<std::uint64_t>(s.chunk)}}, s.track);
+      }
+      if (!write) {
+        s.phase = Phase::kReadDone;
+      } else if (!s.error.ok()) {
+        if (write_error_.ok()) write_error_ = chunk_error("writing back", s.chunk, s.error_array, s.error);
+        stop_ = true;
+        s.phase = Phase::kIdle;
+      } else {
+        s.phase = Phase::kIdle;
+        const std::size_t ci = s.chunk + slots_.size();
+        if (!stop_ && ci < chunks_.size()) {
+          prepare_io_locked(si, ci, false, &next);
+          issue = true;
+        }
+      }
+    }
+    --inflight_;
+    cv_.notify_all();
+  }
+  if (issue) submit(next);
+}
+
+Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, std::int64_t step, double scale,
+                          std::size_t* chunks_done, cpu_optim::GradStats* stats) {
+  *chunks_done = 0;
+  const std::size_t n = chunks_.size();
+  const std::size_t depth = slots_.size();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = false;
+    write_error_ = Status();
+    for (auto& s : slots_) s->phase = Phase::kIdle;
+  }
+  for (std::size_t i = 0; i < std::min(depth, n); ++i) issue_read(i, i);
+
+  Status failure;
+  Tracer* tr = options_.tracer;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t si = i % depth;
+    Slot& s = *slots_[si];
+    {
+      TraceSpan wait(tr, "wait_read", trace_cat::kRuntime);
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return !write_error_.ok() || (s.chunk == i && s.phase == Phase::kReadDone); });
+      if (!write_error_.ok()) break;
+      if (!s.error.ok()) {
+        failure = chunk_error("reading", i, s.error_array, s.error);
+        break;
+      }
+    }
+    const Chunk& c = chunks_[i];
+    const OptimizerTensor& t = tensors_[c.tensor];
+    auto ptr = [&](int a) -> void* {
+      const Placement& p = placement(t, a);
+      if (p.tier == Placement::Tier::kHost) return static_cast<char*>(p.host) + c.offset * element_size(a);
+      if (p.tier == Placement::Tier::kSwap) return s.part[a];
+      return nullptr;
+    };
+    Status st;
+    {
+      TraceSpan span(tr, mode == Mode::kStep ? "optimizer_chunk" : "grad_stats_chunk", trace_cat::kOptim,
+                     {{"elements", c.count}, {"chunk", static_cast<std::uint64_t>(i)}});
+      if (mode == Mode::kStep) {
+        cpu_optim::StepBuffers b;
+        b.params = static_cast<float*>(ptr(kMaster));
+        b.grads = ptr(kGrads);
+        b.grad_dtype = DType::kF32;
+        for (int k = 0; k < nstates_; ++k) b.state[k] = ptr(kState0 + k);
+        b.state_dtype = options_.state_dtype;
+        b.params_out = ptr(kOut);
+        b.out_dtype = options_.out_dtype;
+        st = cpu_optim::step(*config, step, b, c.count, options_.exec);
+      } else {
+        auto r = cpu_optim::grad_stats(ptr(kGrads), DType::kF32, c.count, scale, options_.exec);
+        if (r.ok()) {
+          stats->sum_sq += r->sum_sq;
+          stats->has_inf_nan = stats->has_inf_nan || r->has_inf_nan;
+        } else {
+          st = r.status();
+        }
+      }
+    }
+    if (!st.ok()) {
+      failure = chunk_error("updating", i, -1, st);
+      break;
+    }
+    ++*chunks_done;
+    bool any_write = false;
+    if (mode == Mode::kStep)
+      for (int a = 0; a < kArrays; ++a) any_write = any_write || writes(a, t);
+    if (any_write) {
+      Pending p;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        prepare_io_locked(si, i, true, &p);
+      }
+      submit(p);  // its completion issues the read of chunk i + depth
+    } else {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        s.phase = Phase::kIdle;
+      }
+      if (i + depth < n) issue_read(si, i + depth);
+    }
+  }
+  // Drain: nothing new is read; every request already issued completes
+  // before the ring (and the caller's tensors) can be touched again.
+  std::unique_lock<std::mutex> lock(mu_);
+  stop_ = true;
+  cv_.wait(lock, [&] { return inflight_ == 0; });
+  if (!write_error_.ok()) return write_error_;
+  return failure;
+}
+
+Status NvmeOptimizer::step(const cpu_optim::OptimizerConfig& config, std::int64_t step,
+                           std::span<const OptimizerTensor> tensors) {
+  if (progress_.torn)
+    return Status(StatusCode::kCorrupt,
+                  fmt::format("nvme optimizer: a write-back failed during step {}, so the state on disk is torn; "
+                              "restore it (a checkpoint) and call set_completed_step()",
+                              progress_.step));
+  if (cpu_optim::state_count(config) != nstates_)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nvme optimizer: the config needs {} states but the ring was built for {}",
+                              cpu_optim::state_count(config), nstates_));
+  std::uint64_t total = 0;
+  for (const auto& t : tensors) total += t.count;
+  std::uint64_t skip = 0;
+  if (!progress_.complete) {
+    if (step != progress_.step)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("nvme optimizer: step {} is incomplete ({} of {} elements updated); call step({}) "
+                                "again with the same tensors to finish it before step {}",
+                                progress_.step, progress_.done_elems, progress_.total_elems, progress_.step, step));
+    if (total != progress_.total_elems)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("nvme optimizer: resuming step {} with {} elements, but it was started with {}",
+                                step, total, progress_.total_elems));
+    skip = progress_.done_elems;
+  } else if (step < 1 || (progress_.step != 0 && step != progress_.step + 1)) {
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nvme optimizer: step {} after completed step {}: expected step {}", step,
+                              progress_.step, progress_.step + 1));
+  }
+  mode_ = Mode::kStep;
+  STRATA_RETURN_IF_ERROR(validate(tensors, Mode::kStep));
+  tensors_ = tensors;
+  step_ = step;
+  build_chunks(tensors, skip);
+  TraceSpan span(options_.tracer, "optimizer_step", trace_cat::kOptim,
+                 {{"step", step}, {"elements", total - skip}, {"chunks", static_cast<std::uint64_t>(chunks_.size())}});
+  std::size_t done = 0;
+  Status st = run(Mode::kStep, &config, step, 1.0, &done, nullptr);
+  progress_.step = step;
+  progress_.total_elems = total;
+  if (st.ok()) {
+    progress_.complete = true;
+    progress_.done_elems = total;
+    return st;
+  }
+  progress_.complete = false;
+  bool torn;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    torn = !write_error_.ok();
+  }
+  progress_.torn = torn;
+  // Without a write error every computed chunk was written back.
+  std::uint64_t d = skip;
+  for (std::size_t i = 0; i < done; ++i) d += chunks_[i].count;
+  progress_.done_elems = d;
+  return st;
+}
+
+Result<cpu_optim::GradStats> NvmeOptimizer::grad_stats(std::span<const OptimizerTensor> tensors, double scale) {
+  mode_ = Mode::kStats;
+  STRATA_RETURN_IF_ERROR(validate(tensors, Mode::kStats));
+  tensors_ = tensors;
+  build_chunks(tensors, 0);
+  TraceSpan span(options_.tracer, "grad_stats", trace_cat::kOptim,
+                 {{"chunks", static_cast<std::uint64_t>(chunks_.size())}});
+  cpu_optim::GradStats stats;
+  std::size_t done = 0;
+  STRATA_RETURN_IF_ERROR(run(Mode::kStats, nullptr, 0, scale, &done, &stats));
+  return stats;
+}
+
+}  // namespace strata

@@ -1,0 +1,232 @@
+// The pipelined optimizer step over NVMe-resident state.
+//
+// Given tensors whose fp32 master copy, optimizer states (fp32 or bf16) and
+// fp32 gradient accumulator live in a SwapStore (or in host memory: each
+// array of each tensor is placed independently, so the runtime can mix
+// tiers), step() runs one optimizer step chunk by chunk through a ring of
+// pinned buffers:
+//
+//   I/O thread:     read k+1 ........ read k+2 ........
+//   calling thread:        update k          update k+1      (cpu_optim::step, TBB workers)
+//   I/O thread:                   write k-1         write k
+//
+// A ring slot holds one chunk of every swap-resident array. Reads for the
+// first `ring_buffers` chunks go out at once; every later read is issued from
+// the completion callback of the write that frees its slot, so the disk always
+// has reads and writes queued without the calling thread waking up for it.
+// The bf16/fp16 compute copy is produced in the same pass
+// (StepBuffers::params_out) and written to its place (host or swap store).
+// Host-resident arrays are used in place: nothing is copied or written for
+// them.
+//
+//   auto opt = NvmeOptimizer::create(&store, pool, config, {.chunk_elems = 4 << 20, .ring_buffers = 4});
+//   OptimizerTensor t{.name = "layer0.w", .count = n,
+//                     .master = Placement::in_swap(master), .grads = Placement::in_swap(grads),
+//                     .params_out = Placement::in_host(bf16_copy)};
+//   t.state[0] = Placement::in_swap(exp_avg); t.state[1] = Placement::in_swap(exp_avg_sq);
+//   auto stats = (*opt)->grad_stats(tensors, scale);  // global norm (a streamed pass)
+//   config.grad_scale = scale * clip_coefficient;
+//   Status s = (*opt)->step(config, t_step, tensors);
+//
+// Gradient norm. grad_stats() is a separate streamed pass over the gradients
+// (read-only, through the same ring). It cannot be fused into the step's
+// reads: clipping needs the global norm before the first chunk is updated.
+// It costs one extra read of the gradients (4 of the step's 16 bytes read per
+// fp32 parameter). The result is deterministic for a given chunk size (chunks
+// are summed in order, in double), but not bit-identical to one whole-tensor
+// cpu_optim::grad_stats call (different association of the block sums).
+//
+// Allocation. The ring is allocated once, by create(), from the pinned pool:
+// a pool too small for it fails there with kOutOfBudget, never mid-step.
+// step() and grad_stats() allocate no buffers (the I/O engine keeps a small
+// per-request record, as for every request).
+//
+// Failures and the step counter. The optimizer remembers its progress
+// (progress()): the last step number and how many elements, as a prefix of
+// the tensors in the order given, were updated and written back.
+//   * A read error or an update error (cpu_optim) mid-step: chunks before
+//     the failed one are updated (step t) and written back (host-resident
+//     arrays updated in place); the rest are untouched (step t-1). Arguments
+//     are checked before any I/O: a kInvalidArgument starts nothing. progress() says where; calling step() again
+//     with the SAME step number and the same tensors resumes from there
+//     (chunks already done are not updated twice). Any other step number is
+//     refused with kInvalidArgument until step t is complete.
+//   * A write error: the chunk being written is torn on disk (some of its
+//     pieces hold step t, some step t-1), its updated bytes are gone from the
+//     ring, and chunks updated after it may or may not have been written. progress().torn is set and every later step() returns
+//     kCorrupt: restore the state (a checkpoint), then set_completed_step().
+//   * step() with a number other than last+1 after a complete step is refused
+//     (kInvalidArgument), so a step cannot be applied twice by mistake. A new
+//     optimizer accepts any first step >= 1 (a run resumed from a checkpoint).
+//
+// Ownership: the store, the pool and the tracer are borrowed and must outlive
+// the optimizer; the ring's buffers are owned and returned at destruction.
+// Host arrays belong to the caller and must stay valid during a call.
+// Blocking: step() and grad_stats() block the calling thread until every
+// request they issued has completed (also on error), and use up to
+// exec.threads-1 oneTBB workers for the updates.
+// Thread-safety: one call at a time per NvmeOptimizer (it owns one ring).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "cpu_optim/optimizer.h"
+#include "io/pinned_pool.h"
+#include "io/swap_store.h"
+#include "runtime/trace.h"
+
+namespace strata {
+
+// Where one array of a tensor lives: a swap-store tensor, host memory, or
+// nowhere (an optional array that is absent).
+struct Placement {
+  enum class Tier : std::uint8_t { kNone = 0, kHost = 1, kSwap = 2 };
+  Tier tier = Tier::kNone;
+  void* host = nullptr;  // kHost: the array's first element
+  io::SwapTensor swap;   // kSwap: the array's bytes, from element 0
+
+  static Placement in_host(void* p) { return {Tier::kHost, p, {}}; }
+  static Placement in_swap(const io::SwapTensor& t) { return {Tier::kSwap, nullptr, t}; }
+  bool present() const { return tier != Tier::kNone; }
+};
+
+// One tensor of the step: `count` elements in each array.
+struct OptimizerTensor {
+  std::string_view name;  // for error messages; borrowed for the call
+  std::size_t count = 0;
+  Placement master;      // fp32, updated in place (required)
+  Placement grads;       // fp32, read only (required)
+  Placement state[3];    // as cpu_optim::StepBuffers::state, dtype = options.state_dtype
+  Placement params_out;  // optional: the updated compute copy in options.out_dtype
+};
+
+struct NvmeOptimizerOptions {
+  // Elements per chunk. Rounded up to a multiple of 2048 so that every chunk
+  // of every array starts on a 4 KiB boundary (O_DIRECT end to end).
+  // DeepSpeed's offload_optimizer has no buffer size (it swaps whole
+  // sub_group_size groups); the runtime derives this from the pinned budget:
+  // ring bytes = ring_buffers x chunk_elems x (4 + states x state size + 4 + 2).
+  std::size_t chunk_elems = std::size_t{4} << 20;
+  // Chunks in the ring (DeepSpeed: offload_optimizer.buffer_count), 2..64.
+  // 3 or more overlap read, update and write; with 2, a read waits for the
+  // write that frees its slot.
+  unsigned ring_buffers = 4;
+  DType state_dtype = DType::kF32;  // fp32 or bf16
+  DType out_dtype = DType::kBF16;   // of params_out: bf16 or fp16
+  cpu_optim::ExecOptions exec;
+  Tracer* tracer = nullptr;  // read/write spans on one track per ring slot, updates on the caller's thread
+};
+
+// Where the last step stands (see the header comment).
+struct StepProgress {
+  std::int64_t step = 0;          // number of the last step() call (0: none)
+  bool complete = true;           // every element of that step is updated and written back
+  std::uint64_t done_elems = 0;   // prefix (in tensor order) updated and written back
+  std::uint64_t total_elems = 0;  // of the last call's tensors
+  bool torn = false;              // a write-back failed: on-disk state is undefined
+};
+
+class NvmeOptimizer {
+ public:
+  // Allocates the ring from `pool`. `store` may be null when every array is
+  // host-resident. `config` fixes how many state arrays a slot carries
+  // (cpu_optim::state_count). Errors: kInvalidArgument (bad options),
+  // kOutOfBudget (the pool cannot hold the ring; the message gives the ring's
+  // size), whatever the pool returns.
+  static Result<std::unique_ptr<NvmeOptimizer>> create(io::SwapStore* store, io::PinnedPool& pool,
+                                                       const cpu_optim::OptimizerConfig& config,
+                                                       const NvmeOptimizerOptions& options);
+  ~NvmeOptimizer();
+  NvmeOptimizer(const NvmeOptimizer&) = delete;
+  NvmeOptimizer& operator=(const NvmeOptimizer&) = delete;
+
+  // One optimizer step (1-based `step`, as cpu_optim::step) over every
+  // tensor; config.grad_scale carries 1/loss_scale x 1/accumulation x the
+  // clipping coefficient. Results are bit-identical to cpu_optim::step on the
+  // same data in RAM. Errors: kInvalidArgument (missing array, state count or
+  // dtype mismatch, a step number out of order: see above), the I/O error of
+  // the first failed read or write (with the tensor, chunk and step named),
+  // kCorrupt (state torn by an earlier write failure), cpu_optim's errors.
+  Status step(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::span<const OptimizerTensor> tensors);
+
+  // Σ(scale·g)² and inf/NaN over every tensor's gradients, streamed through
+  // the ring. Does not change progress(). Errors: I/O errors as step().
+  Result<cpu_optim::GradStats> grad_stats(std::span<const OptimizerTensor> tensors, double scale);
+
+  const StepProgress& progress() const { return progress_; }
+  // After restoring the state (a checkpoint at step `step`): clears `torn`
+  // and marks `step` complete, so the next call must be step+1.
+  void set_completed_step(std::int64_t step);
+
+  std::size_t chunk_elems() const { return chunk_; }
+  unsigned ring_buffers() const { return static_cast<unsigned>(slots_.size()); }
+  std::size_t ring_bytes() const { return slot_bytes_ * slots_.size(); }
+
+ private:
+  enum Array { kMaster = 0, kState0 = 1, kGrads = 4, kOut = 5, kArrays = 6 };
+  enum class Mode { kStep, kStats };
+  enum class Phase { kIdle, kReading, kReadDone, kWriting };
+  struct Chunk {
+    std::uint32_t tensor;
+    std::uint64_t offset;  // elements from the tensor's start
+    std::uint64_t count;
+  };
+  struct Slot {
+    io::PinnedBuffer mem;
+    void* part[kArrays] = {};
+    // Guarded by mu_.
+    std::size_t chunk = 0;
+    Phase phase = Phase::kIdle;
+    int pending = 0;
+    Status error;
+    int error_array = -1;  // the array whose request failed
+    std::uint64_t t0 = 0;      // submission of the current read/write (trace)
+    std::uint64_t bytes = 0;   // its bytes (trace)
+    std::uint32_t track = 0;
+  };
+  struct Pending;  // requests prepared under the lock, submitted after it
+
+  NvmeOptimizer(io::SwapStore* store, const NvmeOptimizerOptions& o, int nstates)
+      : store_(store), options_(o), nstates_(nstates) {}
+  Status validate(std::span<const OptimizerTensor> tensors, Mode mode) const;
+  void build_chunks(std::span<const OptimizerTensor> tensors, std::uint64_t skip_elems);
+  Status run(Mode mode, const cpu_optim::OptimizerConfig* config, std::int64_t step, double scale,
+             std::size_t* chunks_done, cpu_optim::GradStats* stats);
+  std::size_t element_size(int array) const;
+  bool reads(int array, const OptimizerTensor& t) const;
+  bool writes(int array, const OptimizerTensor& t) const;
+  void prepare_io_locked(std::size_t slot, std::size_t chunk, bool write, Pending* p);
+  void submit(Pending& p);
+  void piece_done(std::size_t slot, int array, const Status& st);
+  void issue_read(std::size_t slot, std::size_t chunk);
+  Status chunk_error(const char* what, std::size_t chunk, int array, const Status& st) const;
+
+  io::SwapStore* store_;
+  NvmeOptimizerOptions options_;
+  int nstates_;
+  std::size_t chunk_ = 0;
+  std::size_t slot_bytes_ = 0;
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<Chunk> chunks_;  // capacity kept between calls
+  StepProgress progress_;
+
+  // Per call (set before any I/O, read by the I/O thread's callbacks).
+  Mode mode_ = Mode::kStep;
+  std::span<const OptimizerTensor> tensors_;
+  std::int64_t step_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::size_t inflight_ = 0;  // pieces + submission guards not yet done (mu_)
+  bool stop_ = false;         // no further reads (mu_)
+  Status write_error_;        // first failed write-back (mu_)
+};
+
+}  // namespace strata

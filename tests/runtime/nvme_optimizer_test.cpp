@@ -1,0 +1,402 @@
+// The pipelined optimizer step over NVMe-resident state (runtime/nvme_optimizer)
+// against cpu_optim::step on the same data in RAM: bit-identical over several
+// steps, odd sizes, mixed host/swap placement, fp32 and bf16 states, ring
+// depths 2..4; I/O errors mid-step (fault injection), resuming a failed step,
+// the step counter's guards, and a pool too small for the ring. Real files
+// under STRATA_TEST_DIR (else /tmp): label nvme.
+#include "runtime/nvme_optimizer.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "io/fault_injection.h"
+
+namespace strata {
+namespace {
+
+using cpu_optim::OptimizerConfig;
+
+class TempDir {
+ public:
+  TempDir() {
+    const char* env = std::getenv("STRATA_TEST_DIR");
+    std::string tmpl = std::string(env && *env ? env : "/tmp") + "/strata-nvmeopt-XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data())) path_ = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// One tensor held both ways: the reference in RAM and the tested placement.
+struct Model {
+  std::size_t count = 0;
+  std::vector<float> master, grads;
+  std::vector<std::vector<unsigned char>> state;  // raw bytes, state dtype
+  std::vector<std::uint16_t> out;
+  // Tested copies: host arrays (used when the placement is host) and swap tensors.
+  std::vector<float> h_master, h_grads;
+  std::vector<std::vector<unsigned char>> h_state;
+  std::vector<std::uint16_t> h_out;
+  io::SwapTensor s_master, s_grads, s_state[2], s_out;
+  bool swap_master = true, swap_grads = true, swap_states = true, swap_out = true;
+  std::string name;
+};
+
+class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsigned>> {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(dir_.path().empty());
+    faults_ = std::make_shared<io::FaultInjector>();
+    io::IoEngineOptions eo;
+    eo.backend = "";  // STRATA_IO_BACKEND picks one (CI runs each), else auto
+    eo.block_bytes = 64 << 10;  // several pieces per chunk, so faults land mid-chunk
+    eo.faults = faults_;
+    auto e = io::make_io_engine(eo);
+    ASSERT_TRUE(e.ok()) << e.status().to_string();
+    engine_ = std::move(e).value();
+    io::SwapStoreOptions so;
+    so.dirs = {dir_.path() + "/a", dir_.path() + "/b"};
+    so.stripe_bytes = 64 << 10;
+    auto s = io::SwapStore::create(*engine_, so);
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    store_ = std::move(s).value();
+    io::PinnedPoolOptions po;
+    po.budget_bytes = 64 << 20;
+    po.slab_bytes = 8 << 20;
+    po.registrars = {engine_->buffer_registrar()};
+    auto p = io::PinnedPool::create(po);
+    ASSERT_TRUE(p.ok());
+    pool_ = std::move(p).value();
+    config_.weight_decay = 0.01;
+    config_.lr = 1e-2;
+  }
+  void TearDown() override {
+    if (store_) {
+      EXPECT_TRUE(store_->close().ok());
+    }
+  }
+
+  DType state_dtype() const { return std::get<0>(GetParam()); }
+  unsigned depth() const { return std::get<1>(GetParam()); }
+  std::size_t ssize() const { return dtype_size(state_dtype()); }
+
+  void write_swap(const io::SwapTensor& t, const void* p, std::size_t bytes) {
+    ASSERT_TRUE(store_->write(t, 0, bytes, p).wait().ok());
+  }
+  template <typename T>
+  void read_swap(const io::SwapTensor& t, std::vector<T>* v) {
+    ASSERT_TRUE(store_->read(t, 0, v->size() * sizeof(T), v->data()).wait().ok());
+  }
+
+  void add(const std::string& name, std::size_t n, bool swap_master, bool swap_grads, bool swap_states,
+           bool swap_out) {
+    Model m;
+    m.name = name;
+    m.count = n;
+    m.swap_master = swap_master, m.swap_grads = swap_grads, m.swap_states = swap_states, m.swap_out = swap_out;
+    std::normal_distribution<float> d(0.f, 1.f);
+    m.master.resize(n);
+    for (auto& x : m.master) x = d(rng_);
+    m.grads.assign(n, 0.f);
+    m.state.assign(2, std::vector<unsigned char>(n * ssize(), 0));
+    m.out.assign(n, 0);
+    m.h_master = m.master, m.h_grads = m.grads, m.h_state = m.state, m.h_out = m.out;
+    auto add_t = [&](const char* what, std::size_t bytes) {
+      auto t = store_->add_tensor(name + what, bytes);
+      EXPECT_TRUE(t.ok());
+      return *t;
+    };
+    m.s_master = add_t(".master", n * 4);
+    m.s_grads = add_t(".grads", n * 4);
+    for (int k = 0; k < 2; ++k) m.s_state[k] = add_t(".state", n * ssize());
+    m.s_out = add_t(".out", n * 2);
+    write_swap(m.s_master, m.master.data(), n * 4);
+    for (int k = 0; k < 2; ++k) write_swap(m.s_state[k], m.state[k].data(), n * ssize());
+    models_.push_back(std::move(m));
+  }
+
+  std::vector<OptimizerTensor> tensors() {
+    std::vector<OptimizerTensor> ts;
+    for (auto& m : models_) {
+      OptimizerTensor t;
+      t.name = m.name;
+      t.count = m.count;
+      t.master = m.swap_master ? Placement::in_swap(m.s_master) : Placement::in_host(m.h_master.data());
+      t.grads = m.swap_grads ? Placement::in_swap(m.s_grads) : Placement::in_host(m.h_grads.data());
+      for (int k = 0; k < 2; ++k)
+        t.state[k] = m.swap_states ? Placement::in_swap(m.s_state[k]) : Placement::in_host(m.h_state[k].data());
+      t.params_out = m.swap_out ? Placement::in_swap(m.s_out) : Placement::in_host(m.h_out.data());
+      ts.push_back(t);
+    }
+    return ts;
+  }
+
+  // New gradients for the next step, in both copies.
+  void new_grads() {
+    std::normal_distribution<float> d(0.f, 0.1f);
+    for (auto& m : models_) {
+      for (auto& g : m.grads) g = d(rng_);
+      m.h_grads = m.grads;
+      write_swap(m.s_grads, m.grads.data(), m.count * 4);
+    }
+  }
+
+  // The reference: cpu_optim::step on whole tensors in RAM.
+  void reference_step(std::int64_t t) {
+    for (auto& m : models_) {
+      cpu_optim::StepBuffers b;
+      b.params = m.master.data();
+      b.grads = m.grads.data();
+      b.state[0] = m.state[0].data();
+      b.state[1] = m.state[1].data();
+      b.state_dtype = state_dtype();
+      b.params_out = m.out.data();
+      ASSERT_TRUE(cpu_optim::step(config_, t, b, m.count).ok());
+    }
+  }
+
+  void expect_identical(const char* when) {
+    for (auto& m : models_) {
+      std::vector<float> master(m.count);
+      std::vector<std::uint16_t> out(m.count);
+      std::vector<unsigned char> st(m.count * ssize());
+      if (m.swap_master) read_swap(m.s_master, &master); else master = m.h_master;
+      if (m.swap_out) read_swap(m.s_out, &out); else out = m.h_out;
+      EXPECT_EQ(0, std::memcmp(master.data(), m.master.data(), m.count * 4)) << m.name << " master " << when;
+      EXPECT_EQ(0, std::memcmp(out.data(), m.out.data(), m.count * 2)) << m.name << " params_out " << when;
+      for (int k = 0; k < 2; ++k) {
+        if (m.swap_states) read_swap(m.s_state[k], &st); else st = m.h_state[k];
+        EXPECT_EQ(0, std::memcmp(st.data(), m.state[k].data(), st.size())) << m.name << " state" << k << " " << when;
+      }
+    }
+  }
+
+  Result<std::unique_ptr<NvmeOptimizer>> make(std::size_t chunk = 4096) {
+    NvmeOptimizerOptions o;
+    o.chunk_elems = chunk;
+    o.ring_buffers = depth();
+    o.state_dtype = state_dtype();
+    return NvmeOptimizer::create(store_.get(), *pool_, config_, o);
+  }
+
+  void add_default_models() {
+    add("odd", 100003, true, true, true, true);        // many chunks and a ragged last one
+    add("tiny", 5, true, true, true, false);           // one chunk, smaller than a page
+    add("host_states", 2048 * 3 + 17, false, true, false, true);  // master + states in RAM, grads on NVMe
+    add("host_grads", 40000, true, false, true, false);          // grads in RAM
+  }
+
+  TempDir dir_;
+  std::shared_ptr<io::FaultInjector> faults_;
+  std::unique_ptr<io::IoEngine> engine_;
+  std::unique_ptr<io::SwapStore> store_;
+  std::unique_ptr<io::PinnedPool> pool_;
+  OptimizerConfig config_;
+  std::vector<Model> models_;
+  std::mt19937 rng_{42};
+};
+
+TEST_P(NvmeOptimizerTest, BitIdenticalToInMemoryStepOverSeveralSteps) {
+  add_default_models();
+  auto opt = make();
+  ASSERT_TRUE(opt.ok()) << opt.status().to_string();
+  const std::size_t pinned = pool_->used_bytes();  // the ring, allocated once
+  for (std::int64_t t = 1; t <= 3; ++t) {
+    new_grads();
+    config_.grad_scale = 1.0 / (t + 1);  // a pre-scale that changes (loss scale, accumulation, clipping)
+    reference_step(t);
+    auto ts = tensors();
+    Status s = (*opt)->step(config_, t, ts);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_TRUE((*opt)->progress().complete);
+    expect_identical(("after step " + std::to_string(t)).c_str());
+    EXPECT_EQ(pool_->used_bytes(), pinned);
+  }
+}
+
+TEST_P(NvmeOptimizerTest, TraceShowsEveryReadUpdateAndWrite) {
+  add("a", 50000, true, true, true, true);
+  const std::string path = dir_.path() + "/step.trace.json";
+  auto tracer = Tracer::open(path);
+  ASSERT_TRUE(tracer.ok());
+  NvmeOptimizerOptions o;
+  o.chunk_elems = 4096;
+  o.ring_buffers = depth();
+  o.state_dtype = state_dtype();
+  o.tracer = tracer->get();
+  auto opt = NvmeOptimizer::create(store_.get(), *pool_, config_, o);
+  ASSERT_TRUE(opt.ok());
+  new_grads();
+  auto ts = tensors();
+  ASSERT_TRUE((*opt)->step(config_, 1, ts).ok());
+  ASSERT_TRUE((*tracer)->close().ok());
+  auto j = nlohmann::json::parse(std::ifstream(path));
+  std::map<std::string, int> count;
+  int slot_tracks = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "X") ++count[e["name"].get<std::string>()];
+    if (e["ph"] == "M" && e["args"]["name"].get<std::string>().rfind("optimizer ring slot", 0) == 0) ++slot_tracks;
+  }
+  const int chunks = (50000 + 4095) / 4096;
+  EXPECT_EQ(count["nvme_read"], chunks);
+  EXPECT_EQ(count["nvme_write"], chunks);
+  EXPECT_EQ(count["optimizer_chunk"], chunks);
+  EXPECT_EQ(count["optimizer_step"], 1);
+  EXPECT_EQ(slot_tracks, static_cast<int>(depth()));
+}
+
+TEST_P(NvmeOptimizerTest, GradStatsMatchesInMemory) {
+  add_default_models();
+  new_grads();
+  auto opt = make();
+  ASSERT_TRUE(opt.ok());
+  double ref = 0;
+  for (auto& m : models_) ref += cpu_optim::grad_stats(m.grads.data(), DType::kF32, m.count, 0.5)->sum_sq;
+  auto ts = tensors();
+  auto st = (*opt)->grad_stats(ts, 0.5);
+  ASSERT_TRUE(st.ok()) << st.status().to_string();
+  EXPECT_FALSE(st->has_inf_nan);
+  EXPECT_NEAR(st->sum_sq, ref, 1e-12 * ref);
+  // An inf in a swap-resident gradient is seen.
+  float inf = INFINITY;
+  ASSERT_TRUE(store_->write(models_[0].s_grads, 4 * 77777, 4, &inf).wait().ok());
+  auto st2 = (*opt)->grad_stats(ts, 0.5);
+  ASSERT_TRUE(st2.ok());
+  EXPECT_TRUE(st2->has_inf_nan);
+}
+
+INSTANTIATE_TEST_SUITE_P(StatesAndDepths, NvmeOptimizerTest,
+                         ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
+                                            ::testing::Values(2u, 3u, 4u)),
+                         [](const auto& info) {
+                           return std::string(dtype_name(std::get<0>(info.param))) + "_ring" +
+                                  std::to_string(std::get<1>(info.param));
+                         });
+
+class NvmeOptimizerErrors : public NvmeOptimizerTest {};
+
+TEST_P(NvmeOptimizerErrors, ReadErrorMidStepIsClearAndTheStepResumesExactly) {
+  add_default_models();
+  auto opt = make();
+  ASSERT_TRUE(opt.ok());
+  new_grads();
+  reference_step(1);
+  auto ts = tensors();
+  faults_->set_plan({.op = io::IoOpKind::kRead, .fail_nth = 40, .fail_errno = EIO});
+  Status s = (*opt)->step(config_, 1, ts);
+  faults_->set_plan({});
+  ASSERT_FALSE(s.ok());
+  std::printf("the error: %s\n", s.to_string().c_str());
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.message().find("optimizer step 1: reading "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s.message();
+  const StepProgress p = (*opt)->progress();
+  EXPECT_FALSE(p.complete);
+  EXPECT_FALSE(p.torn);
+  EXPECT_GT(p.done_elems, 0u);
+  EXPECT_LT(p.done_elems, p.total_elems);
+  // Another step number is refused until step 1 is done; the same one resumes.
+  Status wrong = (*opt)->step(config_, 2, ts);
+  EXPECT_EQ(wrong.code(), StatusCode::kInvalidArgument) << wrong.to_string();
+  EXPECT_NE(wrong.message().find("step 1 is incomplete"), std::string::npos) << wrong.message();
+  s = (*opt)->step(config_, 1, ts);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  expect_identical("after a resumed step");  // chunks done before the error were not updated twice
+  // A completed step cannot be applied again.
+  EXPECT_EQ((*opt)->step(config_, 1, ts).code(), StatusCode::kInvalidArgument);
+  new_grads();
+  reference_step(2);
+  ASSERT_TRUE((*opt)->step(config_, 2, ts).ok());
+  expect_identical("after step 2");
+}
+
+TEST_P(NvmeOptimizerErrors, WriteErrorMidStepMarksTheStateTorn) {
+  add_default_models();
+  auto opt = make();
+  ASSERT_TRUE(opt.ok());
+  new_grads();
+  auto ts = tensors();
+  faults_->set_plan({.op = io::IoOpKind::kWrite, .fail_nth = 25, .fail_errno = EIO});
+  Status s = (*opt)->step(config_, 1, ts);
+  faults_->set_plan({});
+  ASSERT_FALSE(s.ok());
+  std::printf("the error: %s\n", s.to_string().c_str());
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.message().find("optimizer step 1: writing back "), std::string::npos) << s.message();
+  EXPECT_TRUE((*opt)->progress().torn);
+  Status again = (*opt)->step(config_, 1, ts);
+  EXPECT_EQ(again.code(), StatusCode::kCorrupt) << again.to_string();
+  // After restoring a checkpoint the caller says so and continues.
+  (*opt)->set_completed_step(1);
+  EXPECT_TRUE((*opt)->step(config_, 2, ts).ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Depths, NvmeOptimizerErrors,
+                         ::testing::Combine(::testing::Values(DType::kF32), ::testing::Values(2u, 4u)),
+                         [](const auto& info) { return "ring" + std::to_string(std::get<1>(info.param)); });
+
+class NvmeOptimizerSetup : public NvmeOptimizerTest {};
+
+TEST_P(NvmeOptimizerSetup, PoolTooSmallForTheRingFailsAtCreate) {
+  io::PinnedPoolOptions po;
+  po.budget_bytes = 1 << 20;
+  auto pool = io::PinnedPool::create(po);
+  ASSERT_TRUE(pool.ok());
+  NvmeOptimizerOptions o;
+  o.chunk_elems = 1 << 20;  // 18 MiB per slot
+  o.ring_buffers = depth();
+  auto opt = NvmeOptimizer::create(store_.get(), **pool, config_, o);
+  ASSERT_FALSE(opt.ok());
+  EXPECT_EQ(opt.status().code(), StatusCode::kOutOfBudget);
+  EXPECT_NE(opt.status().message().find("nvme optimizer: ring of"), std::string::npos) << opt.status().message();
+  std::printf("the error: %s\n", opt.status().to_string().c_str());
+  EXPECT_EQ((*pool)->used_bytes(), 0u);  // nothing held after the failure
+}
+
+TEST_P(NvmeOptimizerSetup, BadArgumentsAreRefused) {
+  NvmeOptimizerOptions o;
+  o.ring_buffers = 1;
+  EXPECT_EQ(NvmeOptimizer::create(store_.get(), *pool_, config_, o).status().code(), StatusCode::kInvalidArgument);
+  add("x", 1000, true, true, true, true);
+  auto opt = make();
+  ASSERT_TRUE(opt.ok());
+  auto ts = tensors();
+  ts[0].grads = Placement{};
+  Status s = (*opt)->step(config_, 1, ts);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("tensor 'x': no grads"), std::string::npos) << s.message();
+  EXPECT_EQ((*opt)->progress().step, 0);  // nothing was started
+  NvmeOptimizerOptions small;
+  small.chunk_elems = 4096;
+  auto host_only = NvmeOptimizer::create(nullptr, *pool_, config_, small);
+  ASSERT_TRUE(host_only.ok());
+  ts = tensors();
+  EXPECT_EQ((*host_only)->step(config_, 1, ts).code(), StatusCode::kInvalidArgument);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ring, NvmeOptimizerSetup,
+                         ::testing::Combine(::testing::Values(DType::kF32), ::testing::Values(3u)),
+                         [](const auto&) { return std::string("ring3"); });
+
+}  // namespace
+}  // namespace strata
