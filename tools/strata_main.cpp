@@ -58,8 +58,9 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (app.get_subcommands().empty()) {
-    std::printf("%s", app.help().c_str());
-    return 0;
+    // No command is a usage error (as `strata bench` alone is).
+    std::fprintf(stderr, "%s", app.help().c_str());
+    return 1;
   }
   return exit_code();
 }

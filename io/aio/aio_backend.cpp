@@ -72,7 +72,18 @@ class AioBackend final : public IoBackend {
     if (n > 0) return n;
     n = get_events(out, max);
     if (n > 0 || !block) return n;
-    if (!backlog_.empty() && in_kernel_ == 0) return 0;  // io_submit said EAGAIN with nothing in flight: retry
+    if (!backlog_.empty() && in_kernel_ == 0) {
+      // io_submit refused (EAGAIN) with nothing of ours in flight, so no
+      // completion will ever wake us: back off briefly, then complete the
+      // front piece with -EAGAIN. The engine retries EAGAIN a bounded number
+      // of times and then fails the request, instead of spinning forever.
+      ::usleep(1000);
+      BackendOp* op = backlog_.front();
+      backlog_.pop_front();
+      op->result = -EAGAIN;
+      out[0] = op;
+      return 1;
+    }
     pollfd p{event_fd_, POLLIN, 0};
     (void)::poll(&p, 1, -1);
     std::uint64_t v;

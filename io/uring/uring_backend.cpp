@@ -111,7 +111,16 @@ class UringBackend final : public IoBackend {
   std::size_t reap(BackendOp** out, std::size_t max, bool block) override {
     // One system call submits the batch and (when blocking) waits.
     int rc = (block && io_uring_cq_ready(&ring_) == 0) ? io_uring_submit_and_wait(&ring_, 1) : io_uring_submit(&ring_);
-    (void)rc;  // -EINTR/-EAGAIN/-EBUSY: SQEs stay queued and go with the next call; completions are harvested below
+    // -EINTR/-EAGAIN/-EBUSY: SQEs stay queued and go with the next call;
+    // completions are harvested below. Back off on EAGAIN/EBUSY so a kernel
+    // short of resources is not hammered in a tight loop; any other error
+    // means the ring itself is broken: say so once (pieces then stay pending).
+    if (rc == -EAGAIN || rc == -EBUSY) {
+      if (io_uring_cq_ready(&ring_) == 0) ::usleep(200);
+    } else if (rc < 0 && rc != -EINTR && rc != -ETIME) {
+      log_once(LogLevel::kError, "uring-submit-error",
+               std::string("io_uring_enter failed: ") + std::strerror(-rc) + "; I/O on this engine may stall");
+    }
     std::size_t n = 0;
     io_uring_cqe* cqe;
     unsigned head, seen = 0;
