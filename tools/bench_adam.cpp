@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "commands.h"
 #include "common/host_memory.h"
 #include "common/units.h"
@@ -57,25 +58,6 @@ bool parse_int(const std::string& s, long lo, long hi, long* out) {
   if (s.empty() || !end || *end != '\0' || v < lo || v > hi) return false;
   *out = v;
   return true;
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-// Memory the kernel says can be given without swapping (MemAvailable), or
-// 0 when unknown.
-std::uint64_t available_memory() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  std::uint64_t kib = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kib) == 1) break;
-  std::fclose(f);
-  return kib * 1024;
 }
 
 template <class T>
