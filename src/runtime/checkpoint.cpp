@@ -1164,9 +1164,12 @@ const CheckpointEntry* CheckpointReader::find(std::string_view name) const {
   return nullptr;
 }
 
-Status CheckpointReader::check_entry_file(const CheckpointEntry& e, bool checksum) {
-  const std::string prefix = "checkpoint " + dir_ + ": " + e.file;
-  const std::string path = join(dir_, e.file);
+namespace {
+
+// Opens an entry's data file and checks that it is a regular file of the size
+// the manifest records; the errors name the checkpoint and the file.
+Result<Fd> open_entry_file(const std::string& dir, const CheckpointEntry& e, const std::string& prefix) {
+  const std::string path = join(dir, e.file);
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) {
     const int err = errno;
@@ -1181,15 +1184,24 @@ Status CheckpointReader::check_entry_file(const CheckpointEntry& e, bool checksu
     return Status(StatusCode::kCorrupt, fmt::format("{}: {} bytes, manifest says {}{}", prefix, st.st_size, e.bytes,
                                                     static_cast<uint64_t>(st.st_size) < e.bytes ? " (truncated)" : ""));
   }
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  return guard;
+}
+
+Status checksum_mismatch(const std::string& prefix, uint32_t got, uint32_t want) {
+  return Status(StatusCode::kCorrupt, fmt::format("{}: checksum {}, manifest says {}", prefix, hex32(got), hex32(want)));
+}
+
+}  // namespace
+
+Status CheckpointReader::check_entry_file(const CheckpointEntry& e, bool checksum) {
+  const std::string prefix = "checkpoint " + dir_ + ": " + e.file;
+  STRATA_ASSIGN_OR_RETURN(Fd fd, open_entry_file(dir_, e, prefix));
   if (!checksum) return {};
   if (buffer_.empty()) buffer_.resize(options_.buffer_bytes);
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   uint32_t crc = 0;
-  STRATA_RETURN_IF_ERROR(crc_of_range(fd, 0, e.bytes, buffer_, path, &crc));
-  if (crc != e.crc32c) {
-    return Status(StatusCode::kCorrupt,
-                  fmt::format("{}: checksum {}, manifest says {}", prefix, hex32(crc), hex32(e.crc32c)));
-  }
+  STRATA_RETURN_IF_ERROR(crc_of_range(fd.get(), 0, e.bytes, buffer_, join(dir_, e.file), &crc));
+  if (crc != e.crc32c) return checksum_mismatch(prefix, crc, e.crc32c);
   return {};
 }
 
@@ -1211,32 +1223,17 @@ Status CheckpointReader::read(std::string_view name, void* dst, uint64_t dst_byt
                   fmt::format("{}: entry \"{}\" has {} bytes, the buffer {}", prefix, name, e->bytes, dst_bytes));
   }
   const std::string path = join(dir_, e->file);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
-    const int err = errno;
-    if (err == ENOENT) return Status(StatusCode::kCorrupt, prefix + ": missing (the manifest lists it)");
-    return Status::from_errno(err, prefix + ": open");
-  }
-  Fd guard(fd, true);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return Status::from_errno(errno, prefix + ": stat");
-  if (static_cast<uint64_t>(st.st_size) != e->bytes) {
-    return Status(StatusCode::kCorrupt, fmt::format("{}: {} bytes, manifest says {}", prefix, st.st_size, e->bytes));
-  }
-  ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+  STRATA_ASSIGN_OR_RETURN(Fd fd, open_entry_file(dir_, *e, prefix));
   auto* p = static_cast<unsigned char*>(dst);
   uint32_t crc = 0;
   for (uint64_t off = 0; off < e->bytes;) {
     const uint64_t n = std::min<uint64_t>(e->bytes - off, options_.buffer_bytes);
-    Status s = pread_full(fd, p + off, n, off, path);
+    Status s = pread_full(fd.get(), p + off, n, off, path);
     if (!s.ok()) return s.with_context("checkpoint " + dir_);
     crc = crc32c_extend(crc, p + off, n);  // while the piece is in cache
     off += n;
   }
-  if (crc != e->crc32c) {
-    return Status(StatusCode::kCorrupt,
-                  fmt::format("{}: checksum {}, manifest says {}", prefix, hex32(crc), hex32(e->crc32c)));
-  }
+  if (crc != e->crc32c) return checksum_mismatch(prefix, crc, e->crc32c);
   stats_.buffer_bytes += e->bytes;
   return {};
 }
@@ -1255,10 +1252,7 @@ Status CheckpointReader::read_to_file_ranges(std::string_view name, std::span<co
   src.length = e->bytes;
   auto crc = copy_file_ranges(std::span<const FileRange>(&src, 1), ranges, options_.copy_method, buffer_, &stats_);
   if (!crc.ok()) return crc.status().with_context(prefix);
-  if (*crc != e->crc32c) {
-    return Status(StatusCode::kCorrupt,
-                  fmt::format("{}: checksum {}, manifest says {}", prefix, hex32(*crc), hex32(e->crc32c)));
-  }
+  if (*crc != e->crc32c) return checksum_mismatch(prefix, *crc, e->crc32c);
   return {};
 }
 
