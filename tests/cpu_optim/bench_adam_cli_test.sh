@@ -4,19 +4,8 @@
 #   bench_adam_cli_test.sh STRATA_BINARY
 set -uo pipefail
 strata=${1:?usage: bench_adam_cli_test.sh STRATA_BINARY}
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-
-# expect_error "what the message must contain" args...
-expect_error() {
-  local want=$1
-  shift
-  local out rc
-  out=$(timeout 60 "$strata" bench adam "$@" 2>&1)
-  rc=$?
-  if [[ $rc -ne 1 ]]; then fail "bench adam $* exited $rc, not 1: $out"; return; fi
-  [[ $out == *"$want"* ]] || fail "bench adam $*: message lacks '$want': $out"
-}
+source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
+cli_command "$strata" bench adam
 
 expect_error "--params must be > 0" --params 0
 expect_error "--params '-5'" --params -5
@@ -43,8 +32,4 @@ for k in params_per_s gbps ceiling_gbps ratio; do
   [[ $out == *"\"$k\""* ]] || fail "--json lacks $k: $out"
 done
 
-if ((failures)); then
-  echo "$failures failure(s)"
-  exit 1
-fi
-echo "all bench adam command-line checks passed"
+cli_finish "bench adam command-line"

@@ -9,20 +9,9 @@ strata=${1:?usage: bench_io_cli_test.sh STRATA_BINARY}
 root=${STRATA_TEST_DIR:-/tmp}
 dir=$(mktemp -d "$root/strata-bench-io-cli.XXXXXX") || exit 1
 trap 'rm -rf "$dir"' EXIT
-failures=0
-fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
-
-# expect_error "what the message must contain" args...
-expect_error() {
-  local want=$1
-  shift
-  local out rc
-  out=$(timeout 60 "$strata" bench io "$@" 2>&1)
-  rc=$?
-  if [[ $rc -ne 1 ]]; then fail "bench io $* exited $rc, not 1: $out"; return; fi
-  if [[ $out != *"$want"* ]]; then fail "bench io $*: message lacks '$want': $out"; fi
-  if [[ -n $(ls -A "$dir") ]]; then fail "bench io $* left files: $(ls -A "$dir")"; rm -rf "${dir:?}"/*; fi
-}
+source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
+cli_command "$strata" bench io
+cli_clean_dir "$dir"
 
 touch "$dir/../strata-bench-io-cli-file.$$"
 plain_file="$dir/../strata-bench-io-cli-file.$$"
