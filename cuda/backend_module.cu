@@ -254,6 +254,12 @@ int adamw(int device, const strata_cuda_adamw_t* args, void* stream, char* err, 
   return 0;
 }
 
+int mem_get_info(int device, size_t* free_bytes, size_t* total_bytes, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaMemGetInfo(free_bytes, total_bytes));
+  return 0;
+}
+
 #undef CUDA_ON
 
 const strata_cuda_api_v1_t kApi = {
@@ -284,6 +290,7 @@ const strata_cuda_api_v1_t kApi = {
     accumulate,
     sq_norm,
     adamw,
+    mem_get_info,
 };
 
 }  // namespace

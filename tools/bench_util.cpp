@@ -1,5 +1,7 @@
 #include "bench_util.h"
 
+#include "common/host_memory.h"
+
 #include <algorithm>
 #include <cinttypes>
 #include <cstdio>
@@ -13,15 +15,6 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-std::uint64_t available_memory() {
-  std::FILE* f = std::fopen("/proc/meminfo", "r");
-  if (!f) return 0;
-  char line[256];
-  std::uint64_t kib = 0;
-  while (std::fgets(line, sizeof line, f))
-    if (std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kib) == 1) break;
-  std::fclose(f);
-  return kib * 1024;
-}
+std::uint64_t available_memory() { return host_memory_available(); }
 
 }  // namespace strata::tools

@@ -3,6 +3,8 @@
 #include <sys/mman.h>
 
 #include <cerrno>
+#include <cinttypes>
+#include <cstdio>
 #include <cstdint>
 #include <string>
 
@@ -45,6 +47,17 @@ Result<HostAllocation> alloc_host(std::size_t bytes, std::size_t alignment, bool
 
 void free_host(const HostAllocation& a) {
   if (a.ptr) munmap(a.ptr, a.mapped_bytes);
+}
+
+uint64_t host_memory_available() {
+  std::FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return 0;
+  char line[256];
+  uint64_t kib = 0;
+  while (std::fgets(line, sizeof line, f) != nullptr)
+    if (std::sscanf(line, "MemAvailable: %" SCNu64 " kB", &kib) == 1) break;
+  std::fclose(f);
+  return kib * 1024;
 }
 
 }  // namespace strata

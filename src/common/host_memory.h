@@ -32,6 +32,10 @@ Result<HostAllocation> alloc_host(std::size_t bytes, std::size_t alignment = kHu
                                   bool huge_pages = true);
 void free_host(const HostAllocation& a);
 
+// Bytes the kernel says it can give without swapping (MemAvailable in
+// /proc/meminfo); 0 when unknown. For "detect" budgets and sanity checks.
+uint64_t host_memory_available();
+
 // Owning RAII wrapper over alloc_host for arrays of trivially copyable T.
 template <typename T>
 class HostArray {

@@ -100,6 +100,36 @@ std::string format_bytes(uint64_t bytes) {
   return fmt::format("{:.1f} {}", v, kUnits[u]);
 }
 
+namespace {
+// Three significant digits for values in [1, 1000).
+std::string three_digits(double v) {
+  if (v >= 99.95) return fmt::format("{:.0f}", v);
+  if (v >= 9.995) return fmt::format("{:.1f}", v);
+  return fmt::format("{:.2f}", v);
+}
+}  // namespace
+
+std::string format_count(uint64_t n) {
+  static const char* const kSuffix[] = {"K", "M", "B", "T"};
+  if (n < 1000) return std::to_string(n);
+  double v = static_cast<double>(n);
+  int i = -1;
+  while (v >= 999.5 && i < 3) {
+    v /= 1000.0;
+    ++i;
+  }
+  return three_digits(v) + " " + kSuffix[i];
+}
+
+std::string format_seconds(double s) {
+  if (!(s >= 0.0)) return fmt::format("{} s", s);  // negative or NaN: as is
+  if (s == 0.0) return "0 s";
+  if (s >= 0.9995) return three_digits(s) + " s";
+  if (s >= 0.0009995) return three_digits(s * 1e3) + " ms";
+  if (s >= 0.0000009995) return three_digits(s * 1e6) + " us";
+  return three_digits(s * 1e9) + " ns";
+}
+
 std::string format_rate(double bytes_per_s) {
   if (bytes_per_s >= 1e9) return fmt::format("{:.2f} GB/s", bytes_per_s / 1e9);
   if (bytes_per_s >= 1e6) return fmt::format("{:.1f} MB/s", bytes_per_s / 1e6);

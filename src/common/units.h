@@ -33,4 +33,13 @@ std::string format_bytes(uint64_t bytes);
 // bandwidths are quoted in decimal units by vendors and by fio).
 std::string format_rate(double bytes_per_s);
 
+// Formats a count of things (parameters) with a decimal suffix and three
+// significant digits: 771200 -> "771 K", 6738415616 -> "6.74 B",
+// 68976648192 -> "69.0 B", 999 -> "999".
+std::string format_count(uint64_t n);
+
+// Formats a duration with three significant digits in the unit that suits
+// it: 0.0000123 -> "12.3 us", 0.149 -> "149 ms", 6.94 -> "6.94 s".
+std::string format_seconds(double s);
+
 }  // namespace strata

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "common/log.h"
+#include "common/units.h"
 #include "device/caching_allocator.h"
 #include "device/numeric.h"
 
@@ -31,8 +32,11 @@ struct Err {
 
 class CudaStream final : public DeviceStream {
  public:
-  CudaStream(const DeviceBackend* owner, std::string name, void* s) : DeviceStream(owner, std::move(name)), s_(s) {}
+  CudaStream(const DeviceBackend* owner, std::string name, void* s, bool owned = true)
+      : DeviceStream(owner, std::move(name)), s_(s), owned_(owned) {}
   void* handle() const { return s_; }
+  // False for a wrapped caller stream (wrap_native_stream): never destroyed here.
+  bool owned() const { return owned_; }
   void set_error(Status st) {
     std::lock_guard<std::mutex> lock(mu_);
     if (error_.ok()) error_ = std::move(st);
@@ -44,6 +48,7 @@ class CudaStream final : public DeviceStream {
 
  private:
   void* s_;
+  bool owned_;
   mutable std::mutex mu_;
   Status error_;  // first failure of a host function
 };
@@ -121,6 +126,7 @@ class CudaDeviceBackend final : public DeviceBackend {
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   std::string name() const override { return name_; }
+  int device_ordinal() const { return device_; }  // for cuda_native_stream()
 
   Result<void*> alloc(std::size_t bytes) override { return pool_->alloc(bytes); }
   Status free(void* ptr, DeviceStream* after) override {
@@ -138,6 +144,13 @@ class CudaDeviceBackend final : public DeviceBackend {
     void* s = nullptr;
     STRATA_CUDA_CALL("cudaStreamCreate", stream_create, device_, &s);
     auto* st = new CudaStream(this, std::string(name), s);
+    std::lock_guard<std::mutex> lock(mu_);
+    streams_.insert(st);
+    return static_cast<DeviceStream*>(st);
+  }
+
+  Result<DeviceStream*> wrap_native_stream(void* native, std::string_view name) override {
+    auto* st = new CudaStream(this, std::string(name), native, /*owned=*/false);
     std::lock_guard<std::mutex> lock(mu_);
     streams_.insert(st);
     return static_cast<DeviceStream*>(st);
@@ -326,8 +339,10 @@ class CudaDeviceBackend final : public DeviceBackend {
     Status result;
     int rc = api_->stream_synchronize(device_, s->handle(), err.text, sizeof(err.text));
     if (rc != 0) result = err.status(rc, "synchronize of stream '" + s->name() + "' before destroying it");
-    rc = api_->stream_destroy(device_, s->handle(), err.text, sizeof(err.text));
-    if (rc != 0 && result.ok()) result = err.status(rc, "cudaStreamDestroy of '" + s->name() + "'");
+    if (s->owned()) {
+      rc = api_->stream_destroy(device_, s->handle(), err.text, sizeof(err.text));
+      if (rc != 0 && result.ok()) result = err.status(rc, "cudaStreamDestroy of '" + s->name() + "'");
+    }
     if (result.ok()) result = s->error();
     return result;
   }
@@ -351,6 +366,17 @@ class CudaDeviceBackend final : public DeviceBackend {
 
 }  // namespace
 
+Result<CudaNativeStream> cuda_native_stream(DeviceStream* stream) {
+  if (!stream) return Status(StatusCode::kInvalidArgument, "cuda_native_stream: null stream");
+  if (!stream->owner() || stream->owner()->kind() != DeviceKind::kCuda)
+    return Status(StatusCode::kInvalidArgument,
+                  "cuda_native_stream: stream '" + stream->name() + "' does not belong to a CUDA backend");
+  CudaNativeStream out;
+  out.stream = static_cast<CudaStream*>(stream)->handle();
+  out.device = static_cast<const CudaDeviceBackend*>(stream->owner())->device_ordinal();
+  return out;
+}
+
 Result<std::unique_ptr<DeviceBackend>> create_cuda_backend(const CudaBackend& module, int device,
                                                            uint64_t budget_bytes) {
   const strata_cuda_api_v1_t* api = module.api;
@@ -364,12 +390,27 @@ Result<std::unique_ptr<DeviceBackend>> create_cuda_backend(const CudaBackend& mo
   if (device < 0 || device >= module.device_count)
     return Status(StatusCode::kInvalidArgument, "cuda device " + std::to_string(device) + " does not exist (" +
                                                     std::to_string(module.device_count) + " visible)");
-  if (budget_bytes == 0)
-    return Status(StatusCode::kInvalidArgument, "cuda device backend: the memory budget must be > 0");
   char desc[256] = {0};
   Err err;
   if (api->device_describe(device, desc, sizeof(desc), err.text, sizeof(err.text)) != 0)
     return Status(StatusCode::kUnavailable, std::string("cuda device ") + std::to_string(device) + ": " + err.text);
+  if (budget_bytes == 0) {
+    // "Detect": what is free now, less a margin for the CUDA context's own
+    // growth, cuBLAS workspaces and other libraries in the process (5%, at
+    // least 512 MiB).
+    if (api->struct_size < offsetof(strata_cuda_api_v1_t, mem_get_info) + sizeof(api->mem_get_info))
+      return Status(StatusCode::kUnavailable, module.module_path + " cannot report free memory; rebuild it");
+    size_t free_bytes = 0, total_bytes = 0;
+    if (api->mem_get_info(device, &free_bytes, &total_bytes, err.text, sizeof(err.text)) != 0)
+      return Status(StatusCode::kUnavailable,
+                    "cuda device " + std::to_string(device) + ": cannot read free memory: " + err.text);
+    const uint64_t margin = std::max<uint64_t>(free_bytes / 20, 512ull << 20);
+    if (free_bytes <= margin + (256ull << 20))
+      return Status(StatusCode::kOutOfMemory, "cuda device " + std::to_string(device) + " has only " +
+                                                  format_bytes(free_bytes) + " free of " +
+                                                  format_bytes(total_bytes) + ": too little to run on");
+    budget_bytes = free_bytes - margin;
+  }
   std::string name = "cuda:" + std::to_string(device) + " (" + desc + ")";
   return std::unique_ptr<DeviceBackend>(new CudaDeviceBackend(api, device, std::move(name), budget_bytes));
 }

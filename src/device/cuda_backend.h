@@ -23,10 +23,24 @@
 
 namespace strata {
 
-// Errors: kInvalidArgument (device ordinal out of range, zero budget),
+// budget_bytes 0 means "detect": the device's free memory now, less 5% (at
+// least 512 MiB) for the CUDA context, cuBLAS and other libraries.
+// Errors: kInvalidArgument (device ordinal out of range), kOutOfMemory (detect
+// found too little free memory),
 // kUnavailable (the module's table lacks the device-backend entries: an older
 // libstrata_cuda.so), and CUDA's errors describing the device.
 Result<std::unique_ptr<DeviceBackend>> create_cuda_backend(const CudaBackend& module, int device,
                                                            uint64_t budget_bytes);
+
+// The CUDA stream (a cudaStream_t) and device ordinal behind a stream of a
+// backend made by create_cuda_backend (create_stream or wrap_native_stream),
+// for code that launches its own kernels on it (train/cuda_ops.cpp). The
+// handle stays owned by the backend. Any thread. Errors: kInvalidArgument for
+// null or a stream of another kind of backend.
+struct CudaNativeStream {
+  void* stream = nullptr;
+  int device = 0;
+};
+Result<CudaNativeStream> cuda_native_stream(DeviceStream* stream);
 
 }  // namespace strata

@@ -112,6 +112,10 @@ typedef struct strata_cuda_api_v1_s {
   int (*sq_norm)(int device, const void* src, int dtype, size_t count, strata_cuda_norm_stats_t* out,
                  void* stream, char* err, size_t err_len);
   int (*adamw)(int device, const strata_cuda_adamw_t* args, void* stream, char* err, size_t err_len);
+
+  // Appended after the first release (read only when struct_size covers it):
+  // free and total device memory (cudaMemGetInfo), for "detect" budgets.
+  int (*mem_get_info)(int device, size_t* free_bytes, size_t* total_bytes, char* err, size_t err_len);
 } strata_cuda_api_v1_t;
 
 typedef const strata_cuda_api_v1_t* (*strata_cuda_api_v1_fn)(void);

@@ -1,5 +1,7 @@
 #include "device/device_backend.h"
 
+#include <algorithm>
+
 #include "common/log.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
@@ -41,6 +43,11 @@ void DeviceBackend::free_pinned(const HostAllocation& a) {
   free_host(a);
 }
 
+Result<DeviceStream*> DeviceBackend::wrap_native_stream(void*, std::string_view name) {
+  return Status(StatusCode::kInvalidArgument, "device backend '" + this->name() + "' cannot wrap native stream '" +
+                                                  std::string(name) + "': it has no native streams");
+}
+
 Result<DeviceBackendKind> parse_device_backend_kind(std::string_view text) {
   if (text == "auto" || text.empty()) return DeviceBackendKind::kAuto;
   if (text == "cuda") return DeviceBackendKind::kCuda;
@@ -50,8 +57,6 @@ Result<DeviceBackendKind> parse_device_backend_kind(std::string_view text) {
 }
 
 Result<std::unique_ptr<DeviceBackend>> create_device_backend(const DeviceBackendOptions& options) {
-  if (options.budget_bytes == 0)
-    return Status(StatusCode::kInvalidArgument, "device backend: the device memory budget must be > 0");
   std::string why;
   if (options.kind != DeviceBackendKind::kHost) {
     auto module = load_cuda_backend();
@@ -74,6 +79,7 @@ Result<std::unique_ptr<DeviceBackend>> create_device_backend(const DeviceBackend
   }
   HostBackendOptions ho;
   ho.budget_bytes = options.budget_bytes;
+  if (ho.budget_bytes == 0) ho.budget_bytes = std::max<uint64_t>(host_memory_available() / 4, 256ull << 20);
   auto b = create_host_backend(ho);
   if (b.ok()) log_once(LogLevel::kInfo, "device-backend-choice", "device backend: host (" + why + ")");
   return b;

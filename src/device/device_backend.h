@@ -179,6 +179,15 @@ class DeviceBackend {
   virtual Status synchronize(DeviceStream* stream) = 0;
   // True when all work enqueued so far is done; the stream's error if failed.
   virtual Result<bool> query(DeviceStream* stream) = 0;
+  // Wraps a stream made outside Strata (CUDA: a cudaStream_t such as
+  // PyTorch's current stream; null is CUDA's legacy default stream) so the
+  // runtime can order its work against the caller's. The backend does not own
+  // the native stream: destroy_stream() on the wrapper blocks until the work
+  // enqueued so far is done, then frees only the wrapper; the caller keeps the
+  // native stream (on this backend's device) alive until then. `name` appears
+  // in messages. Errors: kInvalidArgument on a backend without native streams
+  // (the host backend; this default).
+  virtual Result<DeviceStream*> wrap_native_stream(void* native, std::string_view name);
 
   // ---- events: a point in a stream
   virtual Result<DeviceEvent*> create_event() = 0;
@@ -237,14 +246,17 @@ Result<DeviceBackendKind> parse_device_backend_kind(std::string_view text);
 struct DeviceBackendOptions {
   DeviceBackendKind kind = DeviceBackendKind::kAuto;
   int device = 0;                      // CUDA device ordinal
-  uint64_t budget_bytes = 1ull << 30;  // hard cap on device memory taken by the pool
+  // Hard cap on device memory taken by the pool. 0: detect (cuda: the free
+  // device memory less a margin, see create_cuda_backend; host: a quarter of
+  // MemAvailable, at least 256 MiB).
+  uint64_t budget_bytes = 1ull << 30;
 };
 
 // Picks the backend: kCuda requires the CUDA module with a device (else the
 // loader's reason, kUnavailable); kHost always works; kAuto is cuda when
 // loadable with a device, else host. Logs once (info) which it chose and why.
 // Errors: kUnavailable (cuda asked, not usable), kInvalidArgument (device
-// ordinal out of range, zero budget).
+// ordinal out of range), kOutOfMemory (a detected budget found too little).
 Result<std::unique_ptr<DeviceBackend>> create_device_backend(const DeviceBackendOptions& options);
 
 }  // namespace strata

@@ -197,6 +197,14 @@ class HostBackend final : public DeviceBackend {
     return static_cast<DeviceStream*>(s);
   }
 
+  // Host streams are Strata's worker threads; there is no outside stream to
+  // order against, so a caller's (CUDA) stream handle cannot mean anything here.
+  Result<DeviceStream*> wrap_native_stream(void*, std::string_view name) override {
+    return Status(StatusCode::kInvalidArgument,
+                  "host device backend: cannot wrap native stream '" + std::string(name) +
+                      "': native (CUDA) streams exist only on the cuda backend; use a stream made by create_stream");
+  }
+
   Status destroy_stream(DeviceStream* stream) override {
     if (!stream) return Status();
     STRATA_ASSIGN_OR_RETURN(HostStream * s, stream_of(stream, "destroy_stream"));

@@ -109,5 +109,28 @@ TEST(FormatRate, DecimalUnits) {
   EXPECT_EQ(format_rate(12), "12 B/s");
 }
 
+TEST(FormatCount, ThreeSignificantDigitsDecimalSuffix) {
+  EXPECT_EQ(format_count(0), "0");
+  EXPECT_EQ(format_count(999), "999");
+  EXPECT_EQ(format_count(1000), "1.00 K");
+  EXPECT_EQ(format_count(771200), "771 K");
+  EXPECT_EQ(format_count(999499), "999 K");
+  EXPECT_EQ(format_count(999500), "1.00 M");  // not "1000 K"
+  EXPECT_EQ(format_count(134515008), "135 M");
+  EXPECT_EQ(format_count(6738415616ull), "6.74 B");
+  EXPECT_EQ(format_count(68976648192ull), "69.0 B");
+  EXPECT_EQ(format_count(UINT64_MAX), "18446744 T");
+}
+
+TEST(FormatSeconds, UnitThatSuitsTheValue) {
+  EXPECT_EQ(format_seconds(0.0), "0 s");
+  EXPECT_EQ(format_seconds(6.94), "6.94 s");
+  EXPECT_EQ(format_seconds(123.4), "123 s");
+  EXPECT_EQ(format_seconds(0.149), "149 ms");
+  EXPECT_EQ(format_seconds(0.9999), "1.00 s");
+  EXPECT_EQ(format_seconds(0.0000123), "12.3 us");
+  EXPECT_EQ(format_seconds(2.5e-9), "2.50 ns");
+}
+
 }  // namespace
 }  // namespace strata
