@@ -237,6 +237,37 @@ IoHandle SwapStore::write(const SwapTensor& t, std::uint64_t offset, std::uint64
   return transfer(IoOpKind::kWrite, t, offset, length, const_cast<void*>(buffer), std::move(callback));
 }
 
+Result<std::vector<SwapFileRange>> SwapStore::file_ranges(const SwapTensor& t, std::uint64_t offset,
+                                                          std::uint64_t length) const {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status(StatusCode::kInvalidArgument, "swap store: file_ranges after close()");
+  }
+  if (offset > t.bytes || length > t.bytes - offset || t.base + t.bytes > reserved_bytes())
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("swap store: range of {} bytes at offset {} is outside tensor {} ({} bytes)", length,
+                              offset, t.id, t.bytes));
+  const std::uint64_t stripe = options_.stripe_bytes;
+  const std::uint64_t n = stripes_.size();
+  std::vector<SwapFileRange> out;
+  std::uint64_t v = t.base + offset;
+  std::uint64_t left = length;
+  while (left > 0) {
+    const std::uint64_t chunk = v / stripe;
+    const std::uint64_t within = v % stripe;
+    const std::uint64_t len = std::min(left, stripe - within);
+    const Stripe& s = stripes_[chunk % n];
+    const std::uint64_t file_off = chunk / n * stripe + within;
+    if (!out.empty() && out.back().path == s.path && out.back().offset + out.back().length == file_off)
+      out.back().length += len;
+    else
+      out.push_back(SwapFileRange{s.path, s.file->buffered_fd(), file_off, len});
+    v += len;
+    left -= len;
+  }
+  return out;
+}
+
 Status SwapStore::close() {
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -44,6 +44,14 @@ struct SwapStoreOptions {
   bool reuse_nonempty_dirs = false;         // accept a non-empty directory Strata did not create
 };
 
+// One piece of a tensor's bytes in one stripe file (see file_ranges()).
+struct SwapFileRange {
+  std::string path;        // the stripe file
+  int fd = -1;             // its buffered (non-O_DIRECT) descriptor; owned by the store
+  std::uint64_t offset = 0;
+  std::uint64_t length = 0;
+};
+
 // A tensor's place in the store. A small value; copy it freely.
 struct SwapTensor {
   std::uint32_t id = 0;
@@ -74,6 +82,17 @@ class SwapStore {
                 IoCallback callback = {});
   IoHandle write(const SwapTensor& t, std::uint64_t offset, std::uint64_t length, const void* buffer,
                  IoCallback callback = {});
+
+  // Where bytes [offset, offset+length) of tensor `t` lie on disk, in order:
+  // one range per stripe piece (adjacent pieces in one file merged), so a
+  // caller can stream a tensor file to file (checkpoints: copy_file_range,
+  // reflink). The descriptors are the store's buffered ones (valid until
+  // close(); the kernel keeps them coherent with the O_DIRECT requests);
+  // do not close them, and do not use them while requests on the same bytes
+  // are in flight. Blocking-free (arithmetic only); any thread.
+  // Errors: kInvalidArgument (range outside the tensor, or after close()).
+  Result<std::vector<SwapFileRange>> file_ranges(const SwapTensor& t, std::uint64_t offset,
+                                                 std::uint64_t length) const;
 
   // Waits for this store's requests, then removes its files and run
   // directories.

@@ -341,6 +341,16 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
 
 Status NvmeOptimizer::step(const cpu_optim::OptimizerConfig& config, std::int64_t step,
                            std::span<const OptimizerTensor> tensors) {
+  return step_impl(config, step, tensors, false);
+}
+
+Status NvmeOptimizer::step_part(const cpu_optim::OptimizerConfig& config, std::int64_t step,
+                                std::span<const OptimizerTensor> tensors) {
+  return step_impl(config, step, tensors, true);
+}
+
+Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
+                                std::span<const OptimizerTensor> tensors, bool part) {
   if (progress_.torn)
     return Status(StatusCode::kCorrupt,
                   fmt::format("nvme optimizer: a write-back failed during step {}, so the state on disk is torn; "
@@ -364,7 +374,8 @@ Status NvmeOptimizer::step(const cpu_optim::OptimizerConfig& config, std::int64_
                     fmt::format("nvme optimizer: resuming step {} with {} elements, but it was started with {}",
                                 step, total, progress_.total_elems));
     skip = progress_.done_elems;
-  } else if (step < 1 || (progress_.step != 0 && step != progress_.step + 1)) {
+  } else if (step < 1 ||
+             (progress_.step != 0 && step != progress_.step + 1 && !(part && step == progress_.step))) {
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("nvme optimizer: step {} after completed step {}: expected step {}", step,
                               progress_.step, progress_.step + 1));

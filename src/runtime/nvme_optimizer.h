@@ -156,6 +156,13 @@ class NvmeOptimizer {
   // the first failed read or write (with the tensor, chunk and step named),
   // kCorrupt (state torn by an earlier write failure), cpu_optim's errors.
   Status step(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::span<const OptimizerTensor> tensors);
+  // The same for one of several disjoint tensor sets that together make up
+  // step `step` (the engine updates one parameter group at a time, e.g. while
+  // backward runs): after a complete step, the same number is accepted again
+  // as well as the next one. The caller guarantees that no tensor is updated
+  // twice in one step. Failure and resume rules are those of step().
+  Status step_part(const cpu_optim::OptimizerConfig& config, std::int64_t step,
+                   std::span<const OptimizerTensor> tensors);
 
   // Σ(scale·g)² and inf/NaN over every tensor's gradients, streamed through
   // the ring. Does not change progress(). Errors: I/O errors as step().
@@ -196,6 +203,8 @@ class NvmeOptimizer {
 
   NvmeOptimizer(io::SwapStore* store, const NvmeOptimizerOptions& o, int nstates)
       : store_(store), options_(o), nstates_(nstates) {}
+  Status step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
+                   std::span<const OptimizerTensor> tensors, bool part);
   Status validate(std::span<const OptimizerTensor> tensors, Mode mode) const;
   void build_chunks(std::span<const OptimizerTensor> tensors, std::uint64_t skip_elems);
   Status run(Mode mode, const cpu_optim::OptimizerConfig* config, std::int64_t step, double scale,
