@@ -480,8 +480,8 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
 std::string Plan::report() const {
   std::string r;
   auto line = [&](const std::string& s) { r += s + "\n"; };
-  line(fmt::format("Plan: {:.2f} B parameters ({}) in {} groups; world_size {}, rank {} holds {} elements",
-                   model_numel / 1e9, model_numel, groups.size(), world_size, rank, shard_numel));
+  line(fmt::format("Plan: {} parameters ({}) in {} groups; world_size {}, rank {} holds {} elements",
+                   format_count(model_numel), model_numel, groups.size(), world_size, rank, shard_numel));
   line(fmt::format("      optimizer states: {} x {}, {} micro-batch(es) per step", options.optimizer_states,
                    dtype_name(options.optimizer_state_dtype), options.micro_batches));
   std::string dirs;
@@ -620,16 +620,14 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
 }
 
 std::string StepTimeEstimate::report() const {
+  auto t = [](double s) { return format_seconds(s); };
   std::string r;
-  r += fmt::format("Predicted step: {:.3f} s (bottleneck: {})\n", total_s, bottleneck);
-  r += fmt::format(
-      "  forward+backward {:.3f} s = max(GPU compute {:.3f}, host->device {:.3f}, device->host {:.3f}, NVMe {:.3f})\n",
-      forward_backward_s, compute_s, h2d_s, d2h_s, nvme_fb_s);
-  r += fmt::format(
-      "  optimizer step   {:.3f} s = max(NVMe {:.3f}, CPU optimizer {:.3f}, host->device {:.3f}) + pipeline fill "
-      "{:.3f}\n",
-      optimizer_step_s, nvme_step_s, cpu_optimizer_s, step_h2d_s, pipeline_fill_s);
-  if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {:.3f} s\n", overlap_saved_s);
+  r += fmt::format("Predicted step: {} (bottleneck: {})\n", t(total_s), bottleneck);
+  r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {})\n",
+                   t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s));
+  r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}\n",
+                   t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s));
+  if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {}\n", t(overlap_saved_s));
   return r;
 }
 

@@ -1,0 +1,249 @@
+// The offload engine: the runtime a trainer drives. It owns every byte of the
+// model's training state (compute copies, fp32 masters, optimizer states, fp32
+// gradient accumulators), places each on its home tier (device / host / NVMe)
+// by the planner (runtime/planner.h), and moves it where the trainer needs it:
+//
+//   auto e = Engine::create({.config = cfg, .model = spec});   // plans, allocates, opens swap files
+//   for (p : params) e->load_param(id, data, DType::kBF16);    // initial values (the full tensor)
+//   for each optimizer step:
+//     for each micro-batch m (last = m == accum - 1):
+//       e->begin_micro_batch(last);
+//       forward:  for g in groups:           v = e->acquire(g, s); compute(v.ptr[...]); e->release(g, s);
+//       backward: for g in reversed groups:  v = e->acquire(g, s); compute grads;
+//                                            for p in g: e->reduce_grad(p, grad, dtype, s);
+//                                            e->release(g, s);
+//     StepResult r = e->step();                                // norm, clipping, loss scale, optimizer
+//
+// Streams. acquire() returns device pointers and makes the caller's stream
+// wait (an event, never a device-wide sync) on the upload. release() lets the
+// buffers be reused once the caller's stream has passed that point.
+// reduce_grad() reads the caller's gradient buffer on the download stream
+// after the caller's stream reaches that point; the buffer may be freed or
+// overwritten by work enqueued on the caller's stream after the call (the
+// caller's stream waits for the download).
+//
+// Prefetch. The acquires between two step() calls form the "order". The first
+// step records it; later steps upload the next groups of the recorded order
+// (NVMe -> pinned staging -> device) while the current one computes, within
+// strata.prefetch_depth groups and strata.prefetch_bytes. An acquire that
+// differs from the recorded order is detected (stats().order_changes, logged
+// once): prefetched groups that are not asked for are dropped and the new
+// order is recorded. It may cost speed, never correctness.
+//
+// Gradients. reduce_grad(p) copies the gradient device -> pinned (download
+// stream) and accumulates it in fp32 into p's gradient shard (home: host or
+// NVMe; the device tier accumulates with a kernel). The first micro-batch of
+// a step writes float(g), later ones add float(g): the same arithmetic on
+// every tier, so results do not depend on placement. A parameter reduced
+// twice in one micro-batch is an error.
+//
+// step(). Gradients are averaged over the micro-batches of the step
+// (multiplied by 1/micro_batches) and unscaled by the fp16 loss scale; then
+//   1. the global L2 norm and inf/NaN check over every gradient shard;
+//   2. fp16 dynamic loss scaling: a non-finite gradient skips the step
+//      (nothing changes but the scale, which drops by 2 after `hysteresis`
+//      overflows; it doubles after `loss_scale_window` clean steps);
+//      without fp16 a non-finite gradient also skips the step (reported);
+//   3. clipping by gradient_clipping: coefficient min(1, clip / (norm + 1e-6))
+//      (DeepSpeed's and torch.nn.utils.clip_grad_norm_'s formula);
+//   4. the optimizer over every shard: NVMe-resident state streams through
+//      the pinned ring of runtime/nvme_optimizer.h (read k+1 | update k |
+//      write k-1) and the updated compute copy is produced in the same pass
+//      and written to its home; device-resident state uses the device's AdamW.
+// The gradient accumulators then count as empty.
+//
+// Overlap with backward (strata.overlap_backward, opt-in). On the last
+// micro-batch, a group's optimizer update starts as soon as every parameter
+// of that group has been reduced, on the engine's optimizer thread, while the
+// trainer computes the backward of earlier groups. Because the global norm is
+// not known yet, clipping uses the previous step's norm (the first step is
+// not clipped) and fp16 dynamic loss scaling is refused at create() (an
+// overflow found after some groups were updated could not skip the step). A
+// group whose gradients are non-finite is not updated (reported in
+// StepResult). step() then waits for the remaining groups and reports.
+// Documented in docs/engine.md; results differ from the non-overlapped mode
+// only when clipping is on.
+//
+// Memory. create() allocates everything a step needs: device buffers come
+// from the device backend's budgeted pool, pinned staging and the optimizer
+// ring from one pinned pool, host tiers from huge-page host memory, NVMe
+// tiers from one SwapStore. acquire/release/reduce_grad/step allocate nothing
+// once the first step has run (stats().hot_path_allocs counts them).
+//
+// Sharding. Every parameter is split into world_size shards (model_spec.h's
+// shard_range); this rank keeps the shard of its master, optimizer states and
+// gradient. world_size > 1 needs the collective layer (all-gather in acquire,
+// reduce-scatter in reduce_grad) that is not built yet: create() refuses it
+// with kUnavailable (Strata has no kUnimplemented code: "a feature is
+// missing"). The shard bookkeeping already runs for N ranks.
+//
+// Thread-safety: one thread drives an engine (all calls below, except
+// stats() and trace_*(), which any thread may call). Calls block only where
+// documented.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "device/device_backend.h"
+#include "runtime/config.h"
+#include "runtime/model_spec.h"
+#include "runtime/planner.h"
+
+namespace strata {
+
+class Tracer;
+
+using ParamId = uint32_t;  // index into ModelSpec::params
+using GroupId = uint32_t;  // index into ModelSpec::group_names()
+
+struct EngineOptions {
+  Config config;    // tiers, budgets, optimizer, fp16, clipping, accumulation, trace
+  ModelSpec model;  // parameters in the order the trainer first uses them
+  // The device to run on; not owned, must outlive the engine. Null: the
+  // engine creates one (config.strata / DeviceBackendOptions defaults: auto).
+  DeviceBackend* device = nullptr;
+  DeviceBackendKind device_kind = DeviceBackendKind::kAuto;  // when `device` is null
+  int device_ordinal = 0;                                    // CUDA device, when `device` is null
+  // Budgets the config leaves at 0 ("detect") are measured: free device
+  // memory (the backend's budget), MemAvailable, statvfs free space.
+  // Set here to override the measurement (tests): 0 keeps detection.
+  PlanBudgets budgets_override;
+};
+
+// What the trainer gets from acquire(): one device pointer per parameter of
+// the group (the whole, gathered parameter in its compute dtype), in the
+// order the parameters appear in ModelSpec. Valid until release().
+struct GroupView {
+  GroupId group = 0;
+  std::span<void* const> ptr;
+  std::span<const ParamId> params;
+};
+
+struct StepResult {
+  int64_t step = 0;            // optimizer steps taken so far (skipped ones not counted)
+  bool skipped = false;        // non-finite gradients: nothing was updated
+  uint32_t skipped_groups = 0; // overlap mode: groups left alone for non-finite gradients
+  double grad_norm = 0;        // global L2 norm of the averaged, unscaled gradients (before clipping)
+  double clip_coef = 1;        // applied clipping coefficient (1: none)
+  double loss_scale = 1;       // the scale to use for the next micro-batches
+  double lr = 0;               // learning rate used
+  double seconds = 0;          // wall time of step() (overlap: of the part not hidden)
+};
+
+struct EngineStats {
+  // State bytes placed per tier (this rank): index Tier value (kDevice, kHost, kNvme).
+  uint64_t tier_bytes[4] = {};
+  uint64_t device_buffer_bytes = 0;  // device bytes held for gathered groups now
+  uint64_t pinned_bytes = 0;         // pinned pool bytes in use
+  // Cumulative traffic since create().
+  uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
+  uint64_t h2d_bytes = 0, d2h_bytes = 0;
+  uint64_t acquires = 0, prefetch_hits = 0, prefetch_misses = 0, order_changes = 0;
+  uint64_t hot_path_allocs = 0;  // allocations after the first step (should stay 0)
+  int64_t steps = 0, skipped_steps = 0;
+};
+
+class Engine {
+ public:
+  // Validates the config and model, resolves "detect" budgets, plans tiers
+  // (make_plan: a plan that cannot fit is kOutOfBudget with the planner's
+  // message), creates the device backend (if not given), I/O engine, swap
+  // store, pinned pool, tracer, and allocates every tier's storage (zeroed).
+  // Errors: kInvalidArgument (bad config or model; overlap_backward with
+  // fp16 dynamic scaling), kUnavailable (world_size > 1; master/optimizer
+  // states/gradients planned onto the device; bias_correction false; a model
+  // mixing bf16 and fp16; a requested backend), kOutOfBudget, I/O and
+  // allocation errors naming what failed.
+  static Result<std::unique_ptr<Engine>> create(const EngineOptions& options);
+  ~Engine();  // waits for in-flight work, closes the trace, removes swap files
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // ---- the model
+  const ModelSpec& model() const;
+  const Plan& plan() const;
+  DeviceBackend& device();
+  uint32_t group_count() const;
+  const std::string& group_name(GroupId g) const;
+  std::span<const ParamId> group_params(GroupId g) const;
+  Result<ParamId> find_param(std::string_view name) const;
+  Result<GroupId> find_group(std::string_view name) const;
+
+  // Sets parameter p's value from the full (unsharded) tensor `src` of
+  // numel elements in `dtype` (host memory): this rank's shard becomes the
+  // fp32 master and the compute copy (rounded to the compute dtype).
+  // Blocking. Errors: kInvalidArgument (id, dtype), I/O errors.
+  Status load_param(ParamId p, const void* src, DType dtype);
+  // Copies parameter p (this rank's shard of the fp32 master; world_size 1:
+  // the whole tensor) to host memory `dst` in `dtype`. Blocking.
+  Status read_param(ParamId p, void* dst, DType dtype);
+
+  // ---- the training protocol (one driving thread)
+  // Marks the start of a micro-batch; `last` says it ends the accumulation
+  // (overlap mode starts group updates only then). Errors: kInvalidArgument
+  // when called while groups are still acquired; a pending asynchronous error.
+  // The number of begin_micro_batch() calls since the last step is the
+  // micro-batch count the gradients are averaged over (a reduce_grad without
+  // any begins one implicitly).
+  Status begin_micro_batch(bool last);
+  // Blocks only when the group's upload needs a staging buffer that is still
+  // in use (the pipeline's back-pressure). Errors: kInvalidArgument (group id,
+  // already acquired), I/O errors of the upload, kOutOfBudget (a group larger
+  // than the device buffer budget: the message says by how much).
+  Result<GroupView> acquire(GroupId g, DeviceStream* stream);
+  Status release(GroupId g, DeviceStream* stream);
+  // `grad` is a device buffer of the parameter's full numel in `dtype`
+  // (fp32/bf16/fp16). Asynchronous (see the header comment).
+  Status reduce_grad(ParamId p, const void* grad, DType dtype, DeviceStream* stream);
+  // Blocks until the step is done (all gradients reduced, all tiers updated).
+  // lr < 0 keeps config.optimizer.lr. Errors: the first asynchronous error of
+  // the step's work (I/O: with tensor and chunk), kInvalidArgument (groups
+  // still acquired). lr >= 0 also becomes the current lr (see set_lr).
+  // Overlap mode: the groups were updated with the lr current when the last
+  // micro-batch began (set_lr before it); an lr given here applies from the
+  // next step. After an error the engine refuses further steps unless
+  // the state was reloaded from a checkpoint (the NVMe state may be torn).
+  Result<StepResult> step(double lr = -1);
+  // Sets the learning rate for the following updates (schedulers; needed in
+  // overlap mode, where updates start before step()). Negative: ignored.
+  void set_lr(double lr);
+  // The current loss scale (fp16 dynamic scaling; 1 otherwise): multiply the
+  // loss by it before backward.
+  double loss_scale() const;
+  int64_t step_count() const;
+
+  // ---- checkpoints (docs/checkpoints.md): the full training state
+  // Saves compute copies, masters, optimizer states, step, loss-scale state
+  // and the caller's `extra_json` (e.g. the data position) to `dir`
+  // atomically (staging dir, fsync, rename). NVMe-resident state is streamed
+  // file to file. Blocking; only between steps.
+  Status save_checkpoint(const std::string& dir, std::string_view extra_json = {});
+  // Verifies every checksum first, then restores; the model (names, shapes,
+  // dtypes) must match. *extra_json receives the caller's state.
+  // Errors: kCorrupt naming the damaged file, kInvalidArgument on a model
+  // mismatch (naming the parameter), kNotFound.
+  Status load_checkpoint(const std::string& dir, std::string* extra_json = nullptr);
+
+  // ---- observability
+  EngineStats stats() const;
+  Tracer* tracer();  // null when config.strata.trace is ""
+  // Caller compute spans on the trace (category "compute"); no-ops without a
+  // trace. Spans nest; `name` must stay valid until its trace_end().
+  void trace_begin(const char* name);
+  void trace_end();
+
+  struct Impl;  // internal (runtime/engine_impl.h)
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata

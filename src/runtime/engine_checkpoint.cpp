@@ -1,0 +1,226 @@
+// Engine checkpoints (docs/checkpoints.md, "Engine checkpoints"): one entry
+// per parameter shard and kind, plus "engine.meta" (step, loss-scale state,
+// model summary, optimizer settings) as JSON. NVMe-resident arrays are
+// streamed file to file through SwapStore::file_ranges.
+#include <fmt/format.h>
+
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "common/log.h"
+#include "runtime/checkpoint.h"
+#include "runtime/engine_impl.h"
+
+namespace strata {
+
+namespace {
+
+constexpr const char* kMetaEntry = "engine.meta";
+constexpr int kMetaVersion = 1;
+
+struct ArrayRef {
+  std::string name;
+  const ArrayLoc* loc;
+  DType dtype;
+  uint64_t count;
+};
+
+std::vector<ArrayRef> arrays_of(const Engine::Impl& I) {
+  std::vector<ArrayRef> out;
+  const DType sd = I.cfg.strata.optimizer_state_dtype;
+  for (const auto& p : I.params) {
+    const uint64_t n = p.shard.size();
+    out.push_back({p.name + ".compute", &p.compute, p.dtype, n});
+    out.push_back({p.name + ".master", &p.master, DType::kF32, n});
+    out.push_back({p.name + ".exp_avg", &p.state[0], sd, n});
+    out.push_back({p.name + ".exp_avg_sq", &p.state[1], sd, n});
+  }
+  return out;
+}
+
+Result<std::vector<FileRange>> file_ranges(io::SwapStore& store, const io::SwapTensor& t, uint64_t bytes) {
+  STRATA_ASSIGN_OR_RETURN(auto r, store.file_ranges(t, 0, bytes));
+  std::vector<FileRange> out;
+  for (auto& x : r) out.push_back(FileRange{x.path, x.fd, x.offset, x.length});
+  return out;
+}
+
+nlohmann::json model_json(const ModelSpec& m) {
+  nlohmann::json a = nlohmann::json::array();
+  for (const auto& p : m.params)
+    a.push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", dtype_name(p.compute_dtype)}, {"group", p.group}});
+  return a;
+}
+
+}  // namespace
+
+Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_json) {
+  Impl& I = *impl_;
+  if (I.acquired_count > 0 || I.micro_index >= 0)
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: save_checkpoint only between steps (no group acquired, no micro-batch begun)");
+  STRATA_RETURN_IF_ERROR(I.wait_idle());
+  STRATA_RETURN_IF_ERROR(I.take_async_error());
+  if (I.broken)
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: save_checkpoint after a failed step would save torn state; load a checkpoint first");
+  TraceSpan span(I.tracer.get(), "save_checkpoint", trace_cat::kRuntime);
+  CheckpointInfo info;
+  info.step = static_cast<uint64_t>(I.steps);
+  info.loss_scale = I.scaler.scale;
+  info.world_size = I.plan.world_size;
+  info.rank = I.plan.rank;
+  info.extra_json = std::string(extra_json);
+  CheckpointWriteOptions wo;
+  wo.rank = I.plan.rank;
+  wo.world_size = I.plan.world_size;
+  STRATA_ASSIGN_OR_RETURN(auto w, CheckpointWriter::create(dir, info, wo));
+  std::vector<uint8_t> tmp;
+  for (const auto& a : arrays_of(I)) {
+    const size_t esz = dtype_size(a.dtype);
+    const uint64_t bytes = a.count * esz;
+    const CkDType ck = ck_dtype_from(a.dtype);
+    switch (a.loc->tier) {
+      case Tier::kHost:
+        STRATA_RETURN_IF_ERROR(w->add_buffer(a.name, ck, a.count, a.loc->ptr, bytes));
+        break;
+      case Tier::kNvme: {
+        STRATA_ASSIGN_OR_RETURN(auto ranges, file_ranges(*I.store, a.loc->swap, bytes));
+        STRATA_RETURN_IF_ERROR(w->add_file_ranges(a.name, ck, a.count, ranges));
+        I.nvme_read += bytes;
+        break;
+      }
+      default:  // device: through host memory (compute copies only)
+        tmp.resize(bytes);
+        STRATA_RETURN_IF_ERROR(I.read_array(*a.loc, esz, 0, a.count, tmp.data()));
+        STRATA_RETURN_IF_ERROR(w->add_buffer(a.name, ck, a.count, tmp.data(), bytes));
+        break;
+    }
+  }
+  nlohmann::json meta = {
+      {"version", kMetaVersion},
+      {"step", I.steps},
+      {"loss_scaler",
+       {{"dynamic", I.scaler.dynamic},
+        {"scale", I.scaler.scale},
+        {"iter", I.scaler.iter},
+        {"last_overflow_iter", I.scaler.last_overflow_iter},
+        {"hysteresis", I.scaler.hysteresis}}},
+      {"prev_norm", I.prev_norm},
+      {"lr", I.current_lr},
+      {"optimizer",
+       {{"type", I.opt_config.kind == cpu_optim::OptimizerKind::kAdamW ? "adamw" : "adam"},
+        {"beta1", I.opt_config.beta1},
+        {"beta2", I.opt_config.beta2},
+        {"eps", I.opt_config.eps},
+        {"weight_decay", I.opt_config.weight_decay},
+        {"state_dtype", dtype_name(I.cfg.strata.optimizer_state_dtype)}}},
+      {"model", model_json(I.options.model)},
+  };
+  const std::string text = meta.dump();
+  STRATA_RETURN_IF_ERROR(w->add_buffer(kMetaEntry, CkDType::kU8, text.size(), text.data(), text.size()));
+  return w->commit();
+}
+
+Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) {
+  Impl& I = *impl_;
+  if (I.acquired_count > 0)
+    return Status(StatusCode::kInvalidArgument, "engine: load_checkpoint with groups still acquired");
+  STRATA_RETURN_IF_ERROR(I.wait_idle());
+  (void)I.take_async_error();  // the state is being replaced
+  TraceSpan span(I.tracer.get(), "load_checkpoint", trace_cat::kRuntime);
+  CheckpointOpenOptions oo;
+  oo.rank = I.plan.rank;
+  oo.verify_all = true;  // every checksum before anything is restored
+  STRATA_ASSIGN_OR_RETURN(auto r, CheckpointReader::open(dir, oo));
+  const CheckpointEntry* me = r->find(kMetaEntry);
+  if (me == nullptr)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: checkpoint {} has no {} entry: not an engine checkpoint", dir, kMetaEntry));
+  std::string text(me->bytes, '\0');
+  STRATA_RETURN_IF_ERROR(r->read(kMetaEntry, text.data(), text.size()));
+  nlohmann::json meta = nlohmann::json::parse(text, nullptr, false);
+  if (meta.is_discarded() || !meta.is_object() || meta.value("version", 0) != kMetaVersion)
+    return Status(StatusCode::kCorrupt, fmt::format("engine: checkpoint {}: {} is not valid engine metadata", dir,
+                                                    kMetaEntry));
+  // The model must match: names, shapes, dtypes, in order.
+  const nlohmann::json want = model_json(I.options.model);
+  const nlohmann::json& got = meta["model"];
+  if (!got.is_array() || got.size() != want.size())
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: checkpoint {} holds {} parameters, the model has {}", dir,
+                              got.is_array() ? got.size() : 0, want.size()));
+  for (size_t i = 0; i < want.size(); ++i)
+    if (got[i] != want[i])
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("engine: checkpoint {}: parameter {} is {} there but {} in the model", dir, i,
+                                got[i].dump(), want[i].dump()));
+  const auto arrays = arrays_of(I);
+  for (const auto& a : arrays) {
+    const CheckpointEntry* e = r->find(a.name);
+    if (e == nullptr || e->count != a.count || e->dtype != ck_dtype_from(a.dtype))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("engine: checkpoint {}: entry {} is {} (want {} elements of {})", dir, a.name,
+                                e ? fmt::format("{} elements of {}", e->count, ck_dtype_name(e->dtype)) : "missing",
+                                a.count, dtype_name(a.dtype)));
+  }
+  // Restore. A failure from here on leaves mixed state: steps are refused until a load succeeds.
+  I.broken = true;
+  I.broken_status = Status(StatusCode::kIoError, "load_checkpoint did not finish");
+  std::vector<uint8_t> tmp;
+  for (const auto& a : arrays) {
+    const size_t esz = dtype_size(a.dtype);
+    const uint64_t bytes = a.count * esz;
+    Status st;
+    switch (a.loc->tier) {
+      case Tier::kHost:
+        st = r->read(a.name, a.loc->ptr, bytes);
+        break;
+      case Tier::kNvme: {
+        auto ranges = file_ranges(*I.store, a.loc->swap, bytes);
+        st = ranges.ok() ? r->read_to_file_ranges(a.name, *ranges) : ranges.status();
+        if (st.ok()) I.nvme_write += bytes;
+        break;
+      }
+      default:
+        tmp.resize(bytes);
+        st = r->read(a.name, tmp.data(), bytes);
+        if (st.ok()) {
+          if (a.loc->tier == Tier::kDevice) {
+            const ParamState& p = I.params[static_cast<size_t>(&a - arrays.data()) / 4];
+            st = I.dev->wait(I.upload, I.groups[p.group].release_event);
+          }
+          if (st.ok()) st = I.write_array(*a.loc, esz, 0, a.count, tmp.data());
+        }
+        break;
+    }
+    if (!st.ok()) {
+      I.broken_status = st;
+      return st.with_context(fmt::format("engine: restoring {} from {}", a.name, dir));
+    }
+  }
+  const auto& ls = meta["loss_scaler"];
+  I.steps = meta.value("step", int64_t{0});
+  I.scaler.dynamic = ls.value("dynamic", false);
+  I.scaler.scale = ls.value("scale", 1.0);
+  I.scaler.iter = ls.value("iter", int64_t{0});
+  I.scaler.last_overflow_iter = ls.value("last_overflow_iter", int64_t{-1});
+  I.scaler.hysteresis = ls.value("hysteresis", 1);
+  I.prev_norm = meta.value("prev_norm", -1.0);
+  I.current_lr = meta.value("lr", I.current_lr);
+  I.opt->set_completed_step(I.steps);
+  I.steps_atomic.store(I.steps, std::memory_order_relaxed);
+  I.invalidate_slots();
+  for (auto& p : I.params) {
+    p.grad_written = false;
+    p.reduced_micro = -1;
+  }
+  I.micro_index = -1;
+  I.overlap_running = false;
+  I.broken = false;
+  I.broken_status = Status();
+  if (extra_json != nullptr) *extra_json = r->info().extra_json;
+  return {};
+}
+
+}  // namespace strata

@@ -1,0 +1,839 @@
+// End-to-end tests of the offload engine (runtime/engine.h): a 4-layer MLP
+// (tanh, MSE to fixed targets) trained through the engine's protocol
+// (acquire / release / reduce_grad / step) and compared with a reference
+// written here in plain C++ on top of cpu_optim::step, which mirrors the
+// engine's documented arithmetic: compute copy = bf16/fp16(master), gradient
+// accumulator = sum over micro-batches of float(g) in fp32, norm by
+// cpu_optim::grad_stats over optimizer chunks summed per group then over
+// groups, coefficient min(1, clip / (norm + 1e-6)), AdamW with grad_scale =
+// 1/(micro-batches x loss scale) x coefficient. Every comparison is
+// bit-exact (tolerance 0) except the hand-computed norm (relative 1e-9).
+//
+// Built three times from this file: ENGINE_TEST_NVME=0 (label unit: RAM
+// tiers and error paths), =1 (label nvme: everything through swap files
+// under STRATA_TEST_DIR or /tmp), and ENGINE_TEST_CUDA=1 (label gpu: the
+// same end-to-end tests on the cuda backend; skipped without a GPU). The
+// test's own compute runs on the host: activations and gradients move with
+// DeviceBackend::copy_async, so the same code runs on both backends.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common/float_convert.h"
+#include "cpu_optim/optimizer.h"
+#include "device/host_backend.h"
+#include "runtime/engine.h"
+
+#ifndef ENGINE_TEST_NVME
+#define ENGINE_TEST_NVME 0
+#endif
+#ifndef ENGINE_TEST_CUDA
+#define ENGINE_TEST_CUDA 0
+#endif
+
+namespace strata {
+namespace {
+
+class TempDir {
+ public:
+  TempDir() {
+    const char* env = std::getenv("STRATA_TEST_DIR");
+    std::string tmpl = std::string(env && *env ? env : "/tmp") + "/strata-engine-XXXXXX";
+    std::vector<char> buf(tmpl.begin(), tmpl.end());
+    buf.push_back('\0');
+    if (mkdtemp(buf.data())) path_ = buf.data();
+  }
+  ~TempDir() {
+    std::error_code ec;
+    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// ---------------------------------------------------------------- the model
+
+constexpr int kLayers = 4;
+constexpr int kDims[kLayers + 1] = {64, 96, 40, 24, 12};  // W1 is 96x64 = 6144 elements: 3 optimizer chunks
+constexpr int kBatch = 4;
+
+ModelSpec make_model(DType dt) {
+  ModelSpec m;
+  for (int l = 0; l < kLayers; ++l) {
+    const std::string g = "layers." + std::to_string(l);
+    m.params.push_back({g + ".weight", {uint64_t(kDims[l + 1]), uint64_t(kDims[l])}, dt, g});
+    m.params.push_back({g + ".bias", {uint64_t(kDims[l + 1])}, dt, g});
+  }
+  return m;
+}
+
+// A deterministic generator (the same bits on every run and machine).
+float rnd(uint64_t seed, uint64_t i) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull + 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+uint16_t to16(float f, DType dt) { return dt == DType::kBF16 ? f32_to_bf16_bits(f) : f32_to_f16_bits(f); }
+float from16(uint16_t h, DType dt) { return dt == DType::kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h); }
+
+// Initial parameter values (representable in the compute dtype).
+std::vector<uint16_t> init_param(int p, uint64_t n, DType dt) {
+  std::vector<uint16_t> v(n);
+  const float s = (p % 2 == 0) ? 0.3f : 0.05f;
+  for (uint64_t i = 0; i < n; ++i) v[i] = to16(s * rnd(1000 + p, i), dt);
+  return v;
+}
+
+struct Batch {
+  std::vector<float> x, t;
+};
+Batch make_batch(int step, int micro) {
+  Batch b;
+  b.x.resize(kBatch * kDims[0]);
+  b.t.resize(kBatch * kDims[kLayers]);
+  for (size_t i = 0; i < b.x.size(); ++i) b.x[i] = rnd(7 + step * 31 + micro, i);
+  for (size_t i = 0; i < b.t.size(); ++i) b.t[i] = 0.5f * rnd(99991 + step * 31 + micro, i);
+  return b;
+}
+
+// One layer: out = act(W in + b), act = tanh except on the last layer.
+std::vector<float> layer_forward(int l, const std::vector<float>& W, const std::vector<float>& b,
+                                 const std::vector<float>& in) {
+  const int di = kDims[l], dout = kDims[l + 1];
+  std::vector<float> out(kBatch * dout);
+  for (int n = 0; n < kBatch; ++n)
+    for (int o = 0; o < dout; ++o) {
+      float z = b[o];
+      for (int i = 0; i < di; ++i) z += W[o * di + i] * in[n * di + i];
+      out[n * dout + o] = l < kLayers - 1 ? std::tanh(z) : z;
+    }
+  return out;
+}
+
+// Given dL/d(out), returns dW, db and dL/d(in).
+void layer_backward(int l, const std::vector<float>& W, const std::vector<float>& in, const std::vector<float>& out,
+                    const std::vector<float>& dout_, std::vector<float>* dW, std::vector<float>* db,
+                    std::vector<float>* din) {
+  const int di = kDims[l], dout = kDims[l + 1];
+  dW->assign(dout * di, 0.f);
+  db->assign(dout, 0.f);
+  din->assign(kBatch * di, 0.f);
+  for (int n = 0; n < kBatch; ++n)
+    for (int o = 0; o < dout; ++o) {
+      const float y = out[n * dout + o];
+      const float dz = dout_[n * dout + o] * (l < kLayers - 1 ? 1.f - y * y : 1.f);
+      (*db)[o] += dz;
+      for (int i = 0; i < di; ++i) {
+        (*dW)[o * di + i] += dz * in[n * di + i];
+        (*din)[n * di + i] += dz * W[o * di + i];
+      }
+    }
+}
+
+float loss_and_grad(const std::vector<float>& y, const std::vector<float>& t, std::vector<float>* dy) {
+  dy->resize(y.size());
+  float loss = 0;
+  for (size_t i = 0; i < y.size(); ++i) {
+    const float d = y[i] - t[i];
+    loss += 0.5f * d * d / kBatch;
+    (*dy)[i] = d / kBatch;
+  }
+  return loss;
+}
+
+// ---------------------------------------------------------------- what a run does
+
+struct RunOptions {
+  int micro = 1;
+  double clip = 0;
+  bool overlap = false;
+  bool fp16 = false;           // fp16 compute, dynamic loss scaling
+  DType grad_dtype = DType::kBF16;
+  int inf_step = -1;           // inject an inf gradient in this step (last micro-batch)
+  int peek_from = -1, peek_to = -1;  // steps that acquire layers.3 once before forward (order change)
+};
+
+DType compute_dtype(const RunOptions& o) { return o.fp16 ? DType::kF16 : DType::kBF16; }
+
+struct StepLog {
+  float loss = 0;
+  StepResult r;
+};
+
+// Rounds a gradient to the dtype it is reduced in and back (what the engine accumulates).
+void round_grad(std::vector<float>& g, DType dt) {
+  if (dt == DType::kF32) return;
+  for (auto& v : g) v = from16(to16(v, dt), dt);
+}
+
+// ---------------------------------------------------------------- the reference
+
+struct Reference {
+  RunOptions o;
+  cpu_optim::OptimizerConfig cfg;
+  std::vector<std::vector<float>> master, m, v;
+  double prev_norm = -1, scale = 1;
+  int64_t t = 0;
+  int hyst = 2;
+  std::vector<double> norms, coefs;
+
+  explicit Reference(const RunOptions& opts) : o(opts) {
+    cfg.kind = cpu_optim::OptimizerKind::kAdamW;
+    cfg.lr = 1e-2;
+    cfg.weight_decay = 0.01;
+    const ModelSpec spec = make_model(compute_dtype(o));
+    for (size_t p = 0; p < spec.params.size(); ++p) {
+      auto init = init_param(int(p), spec.params[p].numel(), compute_dtype(o));
+      std::vector<float> f(init.size());
+      for (size_t i = 0; i < f.size(); ++i) f[i] = from16(init[i], compute_dtype(o));
+      master.push_back(f);
+      m.emplace_back(f.size(), 0.f);
+      v.emplace_back(f.size(), 0.f);
+    }
+    if (o.fp16) scale = 256;  // 2^initial_scale_power (8)
+  }
+  std::vector<float> compute(size_t p) const {
+    std::vector<float> c(master[p].size());
+    for (size_t i = 0; i < c.size(); ++i) c[i] = from16(to16(master[p][i], compute_dtype(o)), compute_dtype(o));
+    return c;
+  }
+  float run_step(int step) {
+    std::vector<std::vector<float>> acc(master.size());
+    float loss = 0;
+    for (int mb = 0; mb < o.micro; ++mb) {
+      Batch b = make_batch(step, mb);
+      std::vector<std::vector<float>> h{b.x};
+      for (int l = 0; l < kLayers; ++l) h.push_back(layer_forward(l, compute(2 * l), compute(2 * l + 1), h.back()));
+      std::vector<float> d;
+      loss += loss_and_grad(h.back(), b.t, &d) / o.micro;
+      for (int l = kLayers - 1; l >= 0; --l) {
+        std::vector<float> dW, db, din;
+        layer_backward(l, compute(2 * l), h[l], h[l + 1], d, &dW, &db, &din);
+        for (auto* g : {&dW, &db})
+          for (auto& x : *g) x = static_cast<float>(x * scale);
+        if (step == o.inf_step && mb == o.micro - 1 && l == 0) dW[0] = std::numeric_limits<float>::infinity();
+        round_grad(dW, o.grad_dtype);
+        round_grad(db, o.grad_dtype);
+        for (int k = 0; k < 2; ++k) {
+          auto& g = k == 0 ? dW : db;
+          auto& a = acc[2 * l + k];
+          if (a.empty()) a = g;
+          else for (size_t i = 0; i < a.size(); ++i) a[i] = a[i] + g[i];
+        }
+        d = din;
+      }
+    }
+    const double gs = 1.0 / (o.micro * scale);
+    double total = 0;
+    bool nonfinite = false;
+    for (int l = 0; l < kLayers; ++l) {
+      double group = 0;
+      for (int k = 0; k < 2; ++k) {
+        const auto& a = acc[2 * l + k];
+        for (size_t off = 0; off < a.size(); off += 2048) {
+          auto r = cpu_optim::grad_stats(a.data() + off, DType::kF32, std::min<size_t>(2048, a.size() - off), gs);
+          group += r->sum_sq;
+          nonfinite |= r->has_inf_nan;
+        }
+      }
+      total += group;
+    }
+    const double norm = std::sqrt(total);
+    norms.push_back(norm);
+    if (nonfinite) {
+      // DeepSpeed's hysteresis (2): the first overflow only uses it up.
+      if (hyst <= 1) scale = std::max(scale / 2, 1.0);
+      else --hyst;
+      coefs.push_back(0);
+      return loss;
+    }
+    double coef = 1;
+    if (o.clip > 0) {
+      const double basis = o.overlap ? prev_norm : norm;
+      if (basis >= 0) coef = std::min(1.0, o.clip / (basis + 1e-6));
+    }
+    coefs.push_back(coef);
+    prev_norm = norm;
+    ++t;
+    auto c = cfg;
+    c.grad_scale = gs * coef;
+    for (size_t p = 0; p < master.size(); ++p) {
+      cpu_optim::StepBuffers bufs;
+      bufs.params = master[p].data();
+      bufs.grads = acc[p].data();
+      bufs.state[0] = m[p].data();
+      bufs.state[1] = v[p].data();
+      EXPECT_TRUE(cpu_optim::step(c, t, bufs, master[p].size()).ok());
+    }
+    return loss;
+  }
+};
+
+// ---------------------------------------------------------------- the engine side
+
+struct Device {
+  std::unique_ptr<DeviceBackend> dev;
+  std::string skip;
+};
+
+Device make_device() {
+  Device d;
+#if ENGINE_TEST_CUDA
+  DeviceBackendOptions o;
+  o.kind = DeviceBackendKind::kCuda;
+  o.budget_bytes = 512ull << 20;
+  auto r = create_device_backend(o);
+  if (!r.ok()) d.skip = "no usable CUDA device: " + r.status().message();
+  else d.dev = std::move(*r);
+#else
+  auto r = create_host_backend({.budget_bytes = 512ull << 20});
+  d.dev = std::move(*r);
+#endif
+  return d;
+}
+
+enum class Place { kAuto, kHost, kNvme };
+
+Config make_config(const RunOptions& o, Place place, const std::string& nvme_dir, uint32_t prefetch = 2) {
+  Config c;
+  c.optimizer.type = OptimizerType::kAdamW;
+  c.optimizer.lr = 1e-2;
+  c.optimizer.weight_decay = 0.01;
+  c.gradient_accumulation_steps = o.micro;
+  c.gradient_clipping = o.clip;
+  c.strata.overlap_backward = o.overlap;
+  c.strata.device_reserve = 1 << 20;
+  c.strata.optimizer_chunk = 2048;
+  c.strata.prefetch_depth = prefetch;
+  if (o.fp16) {
+    c.fp16.enabled = true;
+    c.fp16.initial_scale_power = 8;
+    c.fp16.hysteresis = 2;
+  }
+  if (place != Place::kAuto) {
+    const Tier t = place == Place::kHost ? Tier::kHost : Tier::kNvme;
+    c.strata.groups.push_back(GroupTierRule{"*", t, t, t, t});
+  }
+  if (!nvme_dir.empty()) c.strata.nvme.push_back(NvmeDir{nvme_dir, 0});
+  return c;
+}
+
+struct Trainer {
+  DeviceBackend* dev;
+  DeviceStream* s = nullptr;
+  std::unique_ptr<Engine> e;
+  RunOptions o;
+  std::vector<void*> grad_buf;  // device, one per parameter
+
+  Trainer(DeviceBackend* d, const RunOptions& opts) : dev(d), o(opts) {}
+  ~Trainer() {
+    for (void* p : grad_buf) (void)dev->free(p);
+    if (s) (void)dev->destroy_stream(s);
+  }
+  Status init(const Config& cfg, bool load_init = true) {
+    EngineOptions eo;
+    eo.config = cfg;
+    eo.model = make_model(compute_dtype(o));
+    eo.device = dev;
+    eo.budgets_override.device_bytes = 256ull << 20;
+    eo.budgets_override.host_bytes = 1ull << 30;
+    auto r = Engine::create(eo);
+    if (!r.ok()) return r.status();
+    e = std::move(*r);
+    auto st = dev->create_stream("trainer");
+    if (!st.ok()) return st.status();
+    s = *st;
+    for (const auto& p : e->model().params) {
+      auto b = dev->alloc(p.numel() * 4);
+      if (!b.ok()) return b.status();
+      grad_buf.push_back(*b);
+    }
+    if (load_init)
+      for (ParamId p = 0; p < e->model().params.size(); ++p) {
+        auto v = init_param(int(p), e->model().params[p].numel(), compute_dtype(o));
+        Status ls = e->load_param(p, v.data(), compute_dtype(o));
+        if (!ls.ok()) return ls;
+      }
+    return {};
+  }
+  // Device -> host (the caller's stream; synchronized).
+  std::vector<float> read_weights(void* ptr, uint64_t n) {
+    std::vector<uint16_t> h(n);
+    EXPECT_TRUE(dev->copy_async(h.data(), ptr, n * 2, CopyKind::kDeviceToHost, s).ok());
+    EXPECT_TRUE(dev->synchronize(s).ok());
+    std::vector<float> f(n);
+    for (uint64_t i = 0; i < n; ++i) f[i] = from16(h[i], compute_dtype(o));
+    return f;
+  }
+  void write_grad(ParamId p, const std::vector<float>& g) {
+    std::vector<uint8_t> bytes(g.size() * dtype_size(o.grad_dtype));
+    if (o.grad_dtype == DType::kF32) std::memcpy(bytes.data(), g.data(), bytes.size());
+    else
+      for (size_t i = 0; i < g.size(); ++i) {
+        const uint16_t h = to16(g[i], o.grad_dtype);
+        std::memcpy(bytes.data() + 2 * i, &h, 2);
+      }
+    EXPECT_TRUE(dev->copy_async(grad_buf[p], bytes.data(), bytes.size(), CopyKind::kHostToDevice, s).ok());
+    EXPECT_TRUE(dev->synchronize(s).ok());
+  }
+  std::pair<std::vector<float>, std::vector<float>> layer_weights(GroupId g) {
+    auto v = e->acquire(g, s);
+    EXPECT_TRUE(v.ok()) << v.status().to_string();
+    if (!v.ok()) return {};
+    auto W = read_weights(v->ptr[0], uint64_t(kDims[g + 1]) * kDims[g]);
+    auto b = read_weights(v->ptr[1], kDims[g + 1]);
+    return {W, b};
+  }
+  Result<StepLog> run_step(int step) {
+    StepLog log;
+    const double scale = e->loss_scale();
+    for (int mb = 0; mb < o.micro; ++mb) {
+      STRATA_RETURN_IF_ERROR(e->begin_micro_batch(mb == o.micro - 1));
+      if (step >= o.peek_from && step <= o.peek_to && mb == 0) {
+        auto v = e->acquire(3, s);
+        if (!v.ok()) return v.status();
+        STRATA_RETURN_IF_ERROR(e->release(3, s));
+      }
+      Batch b = make_batch(step, mb);
+      std::vector<std::vector<float>> h{b.x};
+      e->trace_begin("forward");
+      for (int l = 0; l < kLayers; ++l) {
+        auto [W, bias] = layer_weights(l);
+        h.push_back(layer_forward(l, W, bias, h.back()));
+        STRATA_RETURN_IF_ERROR(e->release(l, s));
+      }
+      e->trace_end();
+      std::vector<float> d;
+      log.loss += loss_and_grad(h.back(), b.t, &d) / o.micro;
+      e->trace_begin("backward");
+      for (int l = kLayers - 1; l >= 0; --l) {
+        auto [W, bias] = layer_weights(l);
+        std::vector<float> dW, db, din;
+        layer_backward(l, W, h[l], h[l + 1], d, &dW, &db, &din);
+        for (auto* g : {&dW, &db})
+          for (auto& x : *g) x = static_cast<float>(x * scale);
+        if (step == o.inf_step && mb == o.micro - 1 && l == 0) dW[0] = std::numeric_limits<float>::infinity();
+        write_grad(2 * l, dW);
+        write_grad(2 * l + 1, db);
+        STRATA_RETURN_IF_ERROR(e->reduce_grad(2 * l, grad_buf[2 * l], o.grad_dtype, s));
+        STRATA_RETURN_IF_ERROR(e->reduce_grad(2 * l + 1, grad_buf[2 * l + 1], o.grad_dtype, s));
+        STRATA_RETURN_IF_ERROR(e->release(l, s));
+        d = din;
+      }
+      e->trace_end();
+    }
+    STRATA_ASSIGN_OR_RETURN(log.r, e->step());
+    return log;
+  }
+  std::vector<std::vector<float>> params() {
+    std::vector<std::vector<float>> out;
+    for (ParamId p = 0; p < e->model().params.size(); ++p) {
+      std::vector<float> v(e->model().params[p].numel());
+      EXPECT_TRUE(e->read_param(p, v.data(), DType::kF32).ok());
+      out.push_back(v);
+    }
+    return out;
+  }
+  // The compute copies as the device sees them (through acquire).
+  std::vector<std::vector<float>> compute_copies() {
+    std::vector<std::vector<float>> out;
+    for (GroupId g = 0; g < kLayers; ++g) {
+      auto [W, b] = layer_weights(g);
+      EXPECT_TRUE(e->release(g, s).ok());
+      out.push_back(W);
+      out.push_back(b);
+    }
+    return out;
+  }
+};
+
+bool bits_equal(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].size() != b[i].size() || std::memcmp(a[i].data(), b[i].data(), a[i].size() * 4) != 0) return false;
+  return true;
+}
+
+#define SKIP_WITHOUT_DEVICE(d)                 \
+  do {                                         \
+    if (!(d).skip.empty()) GTEST_SKIP() << (d).skip; \
+  } while (0)
+
+struct RunResult {
+  std::vector<StepLog> logs;
+  std::vector<std::vector<float>> params, compute;
+  EngineStats stats;
+};
+
+RunResult train(DeviceBackend* dev, const RunOptions& o, const Config& cfg, int steps) {
+  RunResult res;
+  Trainer t(dev, o);
+  Status st = t.init(cfg);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  if (!st.ok()) return res;
+  for (int i = 0; i < steps; ++i) {
+    auto r = t.run_step(i);
+    EXPECT_TRUE(r.ok()) << "step " << i << ": " << r.status().to_string();
+    if (!r.ok()) return res;
+    res.logs.push_back(*r);
+  }
+  res.params = t.params();
+  res.compute = t.compute_copies();
+  res.stats = t.e->stats();
+  return res;
+}
+
+void expect_matches_reference(const RunResult& run, Reference& ref, int steps) {
+  ASSERT_EQ(run.logs.size(), size_t(steps));
+  for (int i = 0; i < steps; ++i) {
+    const float loss = ref.run_step(i);
+    EXPECT_EQ(run.logs[i].loss, loss) << "step " << i;
+    EXPECT_EQ(run.logs[i].r.grad_norm, ref.norms[i]) << "step " << i;
+  }
+  EXPECT_TRUE(bits_equal(run.params, ref.master)) << "masters differ from the reference";
+  std::vector<std::vector<float>> c;
+  for (size_t p = 0; p < ref.master.size(); ++p) c.push_back(ref.compute(p));
+  EXPECT_TRUE(bits_equal(run.compute, c)) << "compute copies differ from the reference";
+}
+
+constexpr int kSteps = 20;
+
+// ---------------------------------------------------------------- tests
+
+#if !ENGINE_TEST_NVME || ENGINE_TEST_CUDA
+TEST(Engine, RamTiersMatchReferenceBitExactly) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  // Compute copies uploaded from host RAM, and (auto plan) resident on the device.
+  RunResult host = train(d.dev.get(), o, make_config(o, Place::kHost, ""), kSteps);
+  RunResult dev = train(d.dev.get(), o, make_config(o, Place::kAuto, ""), kSteps);
+  Reference ref(o);
+  expect_matches_reference(host, ref, kSteps);
+  EXPECT_TRUE(bits_equal(host.params, dev.params));
+  EXPECT_TRUE(bits_equal(host.compute, dev.compute));
+  // Steady state: the backward's first group is still cached and prefetch ran ahead.
+  EXPECT_GT(host.stats.prefetch_hits, 0u);
+  EXPECT_EQ(host.stats.hot_path_allocs, 0u);
+  EXPECT_EQ(host.stats.order_changes, 0u);
+  EXPECT_EQ(host.stats.steps, kSteps);
+}
+
+TEST(Engine, AccumulationAndClippingMatchReference) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.micro = 3;
+  o.clip = 0.05;
+  o.grad_dtype = DType::kF32;
+  RunResult run = train(d.dev.get(), o, make_config(o, Place::kHost, ""), 8);
+  Reference ref(o);
+  expect_matches_reference(run, ref, 8);
+  // Clipping was active and its coefficient is the documented formula.
+  int clipped = 0;
+  for (size_t i = 0; i < run.logs.size(); ++i) {
+    const auto& r = run.logs[i].r;
+    EXPECT_DOUBLE_EQ(r.clip_coef, std::min(1.0, 0.05 / (r.grad_norm + 1e-6)));
+    EXPECT_EQ(r.clip_coef, ref.coefs[i]);
+    clipped += r.clip_coef < 1;
+  }
+  EXPECT_GT(clipped, 0);
+}
+
+TEST(Engine, NormMatchesHandComputation) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.micro = 2;
+  o.grad_dtype = DType::kF32;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(make_config(o, Place::kHost, "")).ok());
+  auto r = t.run_step(0);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  // By hand: the same forward/backward, averaged in double.
+  std::vector<std::vector<double>> sum(2 * kLayers);
+  std::vector<std::vector<float>> w;
+  for (int p = 0; p < 2 * kLayers; ++p) {
+    auto v = init_param(p, make_model(DType::kBF16).params[p].numel(), DType::kBF16);
+    std::vector<float> f(v.size());
+    for (size_t i = 0; i < f.size(); ++i) f[i] = bf16_bits_to_f32(v[i]);
+    w.push_back(f);
+    sum[p].assign(f.size(), 0.0);
+  }
+  for (int mb = 0; mb < 2; ++mb) {
+    Batch b = make_batch(0, mb);
+    std::vector<std::vector<float>> h{b.x};
+    for (int l = 0; l < kLayers; ++l) h.push_back(layer_forward(l, w[2 * l], w[2 * l + 1], h.back()));
+    std::vector<float> dd;
+    loss_and_grad(h.back(), b.t, &dd);
+    for (int l = kLayers - 1; l >= 0; --l) {
+      std::vector<float> dW, db, din;
+      layer_backward(l, w[2 * l], h[l], h[l + 1], dd, &dW, &db, &din);
+      for (size_t i = 0; i < dW.size(); ++i) sum[2 * l][i] += dW[i];
+      for (size_t i = 0; i < db.size(); ++i) sum[2 * l + 1][i] += db[i];
+      dd = din;
+    }
+  }
+  double sq = 0;
+  for (auto& p : sum)
+    for (double g : p) sq += (g / 2) * (g / 2);
+  EXPECT_NEAR(r->r.grad_norm, std::sqrt(sq), 1e-9 * std::sqrt(sq));
+}
+
+TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.fp16 = true;
+  o.grad_dtype = DType::kF16;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(make_config(o, Place::kHost, "")).ok());
+  Reference ref(o);
+  EXPECT_EQ(t.e->loss_scale(), 256.0);
+  for (int i = 0; i < 6; ++i) {
+    // Steps 2 and 3 overflow: the first uses up the hysteresis (scale kept),
+    // the second halves the scale. Neither changes a parameter.
+    t.o.inf_step = ref.o.inf_step = (i == 2 || i == 3) ? i : -1;
+    auto before = t.params();
+    auto r = t.run_step(i);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    ref.run_step(i);
+    const bool overflow = i == 2 || i == 3;
+    EXPECT_EQ(r->r.skipped, overflow) << "step " << i;
+    if (overflow) {
+      EXPECT_TRUE(bits_equal(before, t.params())) << "a skipped step changed parameters";
+    }
+    EXPECT_EQ(r->r.loss_scale, ref.scale) << "step " << i;
+    EXPECT_EQ(t.e->loss_scale(), i < 3 ? 256.0 : 128.0) << "step " << i;
+  }
+  EXPECT_TRUE(bits_equal(t.params(), ref.master));
+  EXPECT_EQ(t.e->stats().skipped_steps, 2);
+  EXPECT_EQ(t.e->step_count(), 4);
+}
+
+TEST(Engine, OverlapWithoutClippingEqualsNormalMode) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.micro = 2;
+  RunResult normal = train(d.dev.get(), o, make_config(o, Place::kHost, ""), 10);
+  RunOptions ov = o;
+  ov.overlap = true;
+  RunResult overlap = train(d.dev.get(), ov, make_config(ov, Place::kHost, ""), 10);
+  ASSERT_EQ(normal.logs.size(), overlap.logs.size());
+  for (size_t i = 0; i < normal.logs.size(); ++i) {
+    EXPECT_EQ(normal.logs[i].loss, overlap.logs[i].loss);
+    EXPECT_EQ(normal.logs[i].r.grad_norm, overlap.logs[i].r.grad_norm);
+  }
+  EXPECT_TRUE(bits_equal(normal.params, overlap.params));
+  EXPECT_TRUE(bits_equal(normal.compute, overlap.compute));
+}
+
+TEST(Engine, OverlapClipsByThePreviousNorm) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.overlap = true;
+  o.clip = 0.05;
+  RunResult run = train(d.dev.get(), o, make_config(o, Place::kHost, ""), 8);
+  Reference ref(o);
+  expect_matches_reference(run, ref, 8);
+  EXPECT_EQ(run.logs[0].r.clip_coef, 1.0);  // no previous norm
+  for (size_t i = 1; i < run.logs.size(); ++i)
+    EXPECT_EQ(run.logs[i].r.clip_coef, std::min(1.0, 0.05 / (run.logs[i - 1].r.grad_norm + 1e-6)));
+}
+
+TEST(Engine, OverlapRefusesDynamicFp16) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.fp16 = true;
+  o.overlap = true;
+  Trainer t(d.dev.get(), o);
+  Status st = t.init(make_config(o, Place::kHost, ""));
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("overlap_backward"), std::string::npos) << st.message();
+}
+
+TEST(Engine, ChangedOrderCostsNothingButSpeed) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.peek_from = 6;
+  o.peek_to = 8;
+  RunResult with = train(d.dev.get(), o, make_config(o, Place::kHost, "", 2), 14);
+  RunResult without = train(d.dev.get(), o, make_config(o, Place::kHost, "", 0), 14);
+  EXPECT_TRUE(bits_equal(with.params, without.params));
+  EXPECT_TRUE(bits_equal(with.compute, without.compute));
+  EXPECT_GT(with.stats.order_changes, 0u);
+  EXPECT_GT(with.stats.prefetch_hits, without.stats.prefetch_hits);
+}
+
+TEST(Engine, BudgetTooSmallAndWorldSizeTwoAreRefused) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  EngineOptions eo;
+  eo.config = make_config(o, Place::kHost, "");
+  eo.model = make_model(DType::kBF16);
+  eo.device = d.dev.get();
+  eo.budgets_override.device_bytes = 256ull << 20;
+  eo.budgets_override.host_bytes = 64 << 10;  // far less than the host tier needs
+  auto r = Engine::create(eo);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kOutOfBudget);
+  EXPECT_NE(r.status().message().find("short"), std::string::npos) << r.status().message();
+  eo.budgets_override.host_bytes = 1ull << 30;
+  eo.model.world_size = 2;
+  r = Engine::create(eo);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
+  EXPECT_NE(r.status().message().find("collective"), std::string::npos) << r.status().message();
+}
+
+TEST(Engine, TraceHasCopiesAccumulationsOptimizerAndComputeSpans) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  Config cfg = make_config(o, Place::kHost, "");
+  cfg.strata.trace = dir.path() + "/trace.json";
+  {
+    Trainer t(d.dev.get(), o);
+    ASSERT_TRUE(t.init(cfg).ok());
+    ASSERT_NE(t.e->tracer(), nullptr);
+    for (int i = 0; i < 2; ++i) ASSERT_TRUE(t.run_step(i).ok());
+  }  // the engine writes the trace when destroyed
+  std::ifstream f(cfg.strata.trace);
+  std::string text((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  for (const char* name : {"\"h2d\"", "\"d2h\"", "\"accumulate\"", "\"optimizer_chunk\"", "\"forward\"",
+                           "\"backward\"", "\"upload_group\""})
+    EXPECT_NE(text.find(name), std::string::npos) << name << " missing from the trace";
+}
+
+TEST(Engine, ProtocolErrors) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(make_config(o, Place::kHost, "")).ok());
+  ASSERT_TRUE(t.e->acquire(0, t.s).ok());
+  EXPECT_EQ(t.e->acquire(0, t.s).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.e->step().status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.e->begin_micro_batch(true).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(t.e->release(0, t.s).ok());
+  EXPECT_EQ(t.e->release(0, t.s).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(t.e->reduce_grad(0, t.grad_buf[0], DType::kBF16, t.s).ok());
+  EXPECT_EQ(t.e->reduce_grad(0, t.grad_buf[0], DType::kBF16, t.s).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(t.e->acquire(99, t.s).status().code(), StatusCode::kInvalidArgument);
+}
+#endif
+
+#if ENGINE_TEST_NVME || ENGINE_TEST_CUDA
+TEST(EngineNvme, NvmeTiersBitIdenticalToRam) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.micro = 2;
+  o.clip = 0.2;
+  RunResult ram = train(d.dev.get(), o, make_config(o, Place::kHost, ""), kSteps);
+  RunResult nvme = train(d.dev.get(), o, make_config(o, Place::kNvme, dir.path() + "/swap"), kSteps);
+  ASSERT_EQ(ram.logs.size(), nvme.logs.size());
+  for (size_t i = 0; i < ram.logs.size(); ++i) {
+    EXPECT_EQ(ram.logs[i].loss, nvme.logs[i].loss) << "step " << i;
+    EXPECT_EQ(ram.logs[i].r.grad_norm, nvme.logs[i].r.grad_norm) << "step " << i;
+  }
+  EXPECT_TRUE(bits_equal(ram.params, nvme.params));
+  EXPECT_TRUE(bits_equal(ram.compute, nvme.compute));
+  Reference ref(o);
+  expect_matches_reference(nvme, ref, kSteps);
+  EXPECT_EQ(nvme.stats.tier_bytes[static_cast<int>(Tier::kHost)], 0u);
+  EXPECT_GT(nvme.stats.nvme_read_bytes, 0u);
+  EXPECT_GT(nvme.stats.nvme_write_bytes, 0u);
+  EXPECT_GT(nvme.stats.prefetch_hits, 0u);
+  EXPECT_EQ(nvme.stats.hot_path_allocs, 0u);
+}
+
+TEST(EngineNvme, NoDeviceOrPinnedGrowthAfterTheFirstStep) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(make_config(o, Place::kNvme, dir.path() + "/swap")).ok());
+  ASSERT_TRUE(t.run_step(0).ok());
+  const auto slabs = d.dev->memory_stats().slab_allocs;
+  const auto pinned = t.e->stats().pinned_bytes;
+  for (int i = 1; i < 5; ++i) ASSERT_TRUE(t.run_step(i).ok());
+  EXPECT_EQ(d.dev->memory_stats().slab_allocs, slabs);
+  EXPECT_EQ(t.e->stats().pinned_bytes, pinned);
+  EXPECT_EQ(t.e->stats().hot_path_allocs, 0u);
+}
+
+TEST(EngineNvme, CheckpointResumeIsBitIdentical) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.micro = 2;
+  o.clip = 0.2;
+  const Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
+  RunResult straight = train(d.dev.get(), o, cfg, 12);
+  const std::string ck = dir.path() + "/ck";
+  {
+    Trainer t(d.dev.get(), o);
+    ASSERT_TRUE(t.init(cfg).ok());
+    for (int i = 0; i < 6; ++i) ASSERT_TRUE(t.run_step(i).ok());
+    Status st = t.e->save_checkpoint(ck, R"({"data_position": 6})");
+    ASSERT_TRUE(st.ok()) << st.to_string();
+  }
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(cfg, /*load_init=*/false).ok());
+  std::string extra;
+  Status st = t.e->load_checkpoint(ck, &extra);
+  ASSERT_TRUE(st.ok()) << st.to_string();
+  EXPECT_NE(extra.find("data_position"), std::string::npos) << extra;
+  EXPECT_EQ(t.e->step_count(), 6);
+  std::vector<StepLog> logs;
+  for (int i = 6; i < 12; ++i) {
+    auto r = t.run_step(i);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
+  }
+  EXPECT_TRUE(bits_equal(t.params(), straight.params));
+  EXPECT_TRUE(bits_equal(t.compute_copies(), straight.compute));
+
+  // A flipped byte in one data file: refused, naming the file.
+  std::string victim;
+  for (const auto& f : std::filesystem::directory_iterator(ck))
+    if (f.path().filename().string().find("layers.1.weight.exp_avg.") == 0) victim = f.path().string();
+  ASSERT_FALSE(victim.empty());
+  {
+    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(100);
+    char c = 0x5a;
+    f.write(&c, 1);
+  }
+  st = t.e->load_checkpoint(ck);
+  EXPECT_EQ(st.code(), StatusCode::kCorrupt);
+  EXPECT_NE(st.message().find(std::filesystem::path(victim).filename().string()), std::string::npos)
+      << st.message();
+}
+#endif
+
+}  // namespace
+}  // namespace strata
