@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 1
+#define STRATA_API_VERSION 2
 
 /* ------------------------------------------------------------------ status */
 
@@ -175,6 +175,349 @@ STRATA_API strata_status_t strata_cpu_grad_stats(strata_cpu_optimizer_t opt, con
 /* The message of the last failed call on this handle ("" if none). Valid
  * until the next call on the handle. */
 STRATA_API const char* strata_cpu_optimizer_last_error(strata_cpu_optimizer_t opt);
+
+/* ------------------------------------------------------------------ memory */
+
+/* Frees memory this library allocated for the caller (the functions that do
+ * so say "free with strata_free"). NULL is fine. Thread-safe. */
+STRATA_API void strata_free(void* ptr);
+
+/* ------------------------------------------------------------------ the offload engine
+ *
+ * The runtime a trainer drives (docs/architecture.md): it owns the model's
+ * training state (compute copies, fp32 masters, optimizer states, fp32
+ * gradient accumulators), places each on a home tier (device / host RAM /
+ * NVMe) and moves it where the trainer needs it. One optimizer step:
+ *
+ *   for each micro-batch m:  strata_engine_begin_micro_batch(e, m == accum - 1)
+ *     forward:  for g in groups:          acquire(g) -> device pointers; compute; release(g)
+ *     backward: for g in reversed groups: acquire(g); compute grads;
+ *                                         reduce_grad(p, grad) for p in g; release(g)
+ *   strata_engine_step(e, lr, &result)
+ *
+ * Creation. The model (names, shapes, dtypes, groups) is fixed when the
+ * engine is created, because the planner places all of it at once and every
+ * buffer is allocated then: so strata_engine_create() takes the whole model as
+ * an array of strata_param_desc_t in one call, rather than through a builder
+ * that would add a half-built state the caller must track. Both structs are
+ * versioned (struct_size first), so new per-engine or per-parameter fields
+ * can be appended without breaking callers.
+ *
+ * Ids. Parameters are numbered 0..param_count-1 in the order given at
+ * creation; groups 0..group_count-1 in order of first appearance there.
+ *
+ * Streams. Work is ordered by device streams (strata_stream_t): acquire()
+ * makes the caller's stream wait for the upload (an event, never a
+ * device-wide sync); release() lets the buffers be reused once that stream
+ * has passed this point; reduce_grad() reads the gradient once the stream
+ * gets there (the buffer may be overwritten by work enqueued on that stream
+ * after the call). On the cuda backend a trainer wraps its own stream
+ * (strata_stream_wrap, e.g. PyTorch's current stream); on the host backend
+ * "device memory" is RAM, streams are Strata's worker threads, and a C
+ * trainer synchronizes the stream before touching the memory from the CPU.
+ *
+ * Threads. One thread drives an engine: every strata_engine_* call except
+ * strata_engine_stats, strata_engine_last_error, strata_engine_trace_begin /
+ * _end and the queries about the model and plan, which are fixed at
+ * creation (counts, find_*, param/group info, group_params, device, plan
+ * report): any thread may call those concurrently with the driving thread.
+ * Stream and device-memory calls may be made from any thread. Different
+ * engines are independent.
+ *
+ * Errors. Every function returns strata_status_t and writes its outputs (the
+ * last arguments) only on success. The message of a failed call on an engine
+ * or one of its streams is strata_engine_last_error(engine), and also this
+ * thread's strata_last_error(). A NULL engine or stream handle is
+ * STRATA_ERR_INVALID_ARGUMENT with the message in strata_last_error().
+ * No C++ exception leaves the library: an unexpected one becomes
+ * STRATA_ERR_INTERNAL (STRATA_ERR_OUT_OF_MEMORY for a failed allocation).
+ */
+
+#define STRATA_MAX_DIMS 8
+
+typedef struct strata_engine* strata_engine_t;
+typedef struct strata_stream* strata_stream_t;
+
+typedef enum strata_device_kind {
+  STRATA_DEVICE_AUTO = 0, /* cuda when the CUDA module loads and sees a GPU, else host */
+  STRATA_DEVICE_CUDA = 1, /* STRATA_ERR_UNAVAILABLE with the reason when it cannot */
+  STRATA_DEVICE_HOST = 2  /* "device memory" is RAM; always available */
+} strata_device_kind_t;
+
+/* Home tiers; the values index strata_engine_stats_t.tier_bytes. */
+typedef enum strata_tier {
+  STRATA_TIER_AUTO = 0, /* not placed (never returned for a planned state) */
+  STRATA_TIER_DEVICE = 1,
+  STRATA_TIER_HOST = 2,
+  STRATA_TIER_NVME = 3
+} strata_tier_t;
+
+/* The kinds of per-parameter state; index strata_group_info_t.tier. */
+typedef enum strata_state_kind {
+  STRATA_STATE_COMPUTE = 0,   /* the copy the device computes with (compute dtype) */
+  STRATA_STATE_MASTER = 1,    /* fp32 master weights */
+  STRATA_STATE_OPTIMIZER = 2, /* Adam m and v */
+  STRATA_STATE_GRAD = 3       /* fp32 gradient accumulator */
+} strata_state_kind_t;
+
+typedef enum strata_copy_kind {
+  STRATA_COPY_HOST_TO_DEVICE = 0,
+  STRATA_COPY_DEVICE_TO_HOST = 1,
+  STRATA_COPY_DEVICE_TO_DEVICE = 2
+} strata_copy_kind_t;
+
+/* How to create an engine. Fill with strata_engine_options_init(). */
+typedef struct strata_engine_options {
+  size_t struct_size; /* sizeof(strata_engine_options_t) */
+  /* The config as JSON text: DeepSpeed's config format with Strata's
+   * "strata" section (docs/config.md). Borrowed for the call only. NULL: read
+   * config_path instead. Messages name it "<config_json>". */
+  const char* config_json;
+  /* A config file, read when config_json is NULL. Both NULL: every default
+   * (no NVMe directory, budgets detected). Setting both is an error. */
+  const char* config_path;
+  strata_device_kind_t device_kind; /* 0: auto */
+  int device_ordinal;               /* CUDA device; 0: the first. Ignored on the host backend. */
+} strata_engine_options_t;
+
+/* One parameter of the model. Zero-initialise, set struct_size and the rest. */
+typedef struct strata_param_desc {
+  size_t struct_size; /* sizeof(strata_param_desc_t); the same for every element of the array */
+  const char* name;   /* unique, e.g. "model.layers.3.mlp.up_proj.weight"; borrowed for the call */
+  const char* group;  /* unit of acquire/release, e.g. "layers.3"; borrowed for the call */
+  uint32_t ndim;      /* 0..STRATA_MAX_DIMS; 0: a scalar (1 element) */
+  uint64_t shape[STRATA_MAX_DIMS]; /* the first ndim entries, each >= 1 */
+  strata_dtype_t dtype;            /* the compute dtype the device sees (0: F32) */
+} strata_param_desc_t;
+
+/* What the engine knows about one parameter. The caller sets struct_size. */
+typedef struct strata_param_info {
+  size_t struct_size; /* sizeof(strata_param_info_t) */
+  const char* name;   /* owned by the engine, valid until strata_engine_destroy */
+  const char* group;  /* likewise */
+  uint32_t group_id;
+  uint32_t ndim;
+  uint64_t shape[STRATA_MAX_DIMS]; /* entries past ndim are 0 */
+  uint64_t numel;                  /* elements of the whole (unsharded) parameter */
+  strata_dtype_t dtype;            /* compute dtype */
+} strata_param_info_t;
+
+/* One group and where the planner put its state. The caller sets struct_size. */
+typedef struct strata_group_info {
+  size_t struct_size; /* sizeof(strata_group_info_t) */
+  const char* name;   /* owned by the engine, valid until strata_engine_destroy */
+  uint32_t param_count;
+  uint64_t numel;                  /* elements of the whole group, all ranks */
+  uint64_t gathered_compute_bytes; /* device bytes one acquire of it needs */
+  strata_tier_t tier[4];           /* home tier, indexed by strata_state_kind_t */
+} strata_group_info_t;
+
+/* What one optimizer step did. The caller sets struct_size. */
+typedef struct strata_step_result {
+  size_t struct_size;      /* sizeof(strata_step_result_t) */
+  int64_t step;            /* optimizer steps taken so far (skipped ones not counted) */
+  int skipped;             /* nonzero: non-finite gradients, nothing was updated */
+  uint32_t skipped_groups; /* overlap mode: groups left alone for non-finite gradients */
+  double grad_norm;        /* global L2 norm of the averaged, unscaled gradients, before clipping */
+  double clip_coef;        /* applied clipping coefficient (1: none) */
+  double loss_scale;       /* the scale to use for the next micro-batches */
+  double lr;               /* learning rate used */
+  double seconds;          /* wall time of the step (overlap mode: of the part not hidden) */
+} strata_step_result_t;
+
+/* Counters since creation. The caller sets struct_size. */
+typedef struct strata_engine_stats {
+  size_t struct_size;     /* sizeof(strata_engine_stats_t) */
+  uint64_t tier_bytes[4]; /* state bytes per tier (this rank), indexed by strata_tier_t */
+  uint64_t device_buffer_bytes; /* device bytes held for gathered groups now */
+  uint64_t pinned_bytes;        /* pinned pool bytes in use */
+  uint64_t nvme_read_bytes, nvme_write_bytes;
+  uint64_t h2d_bytes, d2h_bytes;
+  uint64_t acquires, prefetch_hits, prefetch_misses, order_changes;
+  uint64_t hot_path_allocs; /* allocations after the first step (should stay 0) */
+  int64_t steps, skipped_steps;
+} strata_engine_stats_t;
+
+/* Sets struct_size and the defaults (every other field 0: no config, auto
+ * device, ordinal 0). STRATA_ERR_INVALID_ARGUMENT for NULL. Thread-safe. */
+STRATA_API strata_status_t strata_engine_options_init(strata_engine_options_t* options);
+
+/* Creates an engine for the model params[0..param_count): parses the config
+ * (malformed JSON names the byte, line and column; an unknown or ill-typed
+ * key names its path), plans the tiers, creates the device backend, I/O
+ * engine and swap files, and allocates every tier's storage (zeroed: load
+ * the initial values with strata_engine_load_param). Blocking (allocation
+ * and file creation). Everything passed in is borrowed for the call only;
+ * *engine is owned by the caller (strata_engine_destroy). The array's stride
+ * is params[0].struct_size. Thread-safe (separate engines).
+ * Errors (message in strata_last_error()): STRATA_ERR_INVALID_ARGUMENT (bad
+ * options, struct_size, config or model: the message names the field, key or
+ * parameter), STRATA_ERR_NOT_FOUND (config_path), STRATA_ERR_OUT_OF_BUDGET
+ * (the plan cannot fit: says which tier is short and by how much),
+ * STRATA_ERR_UNAVAILABLE (cuda asked and not usable; world_size > 1 is not
+ * built yet), I/O and allocation errors naming what failed. */
+STRATA_API strata_status_t strata_engine_create(const strata_engine_options_t* options,
+                                                const strata_param_desc_t* params, size_t param_count,
+                                                strata_engine_t* engine);
+
+/* Waits for in-flight work, destroys the device streams of this engine that
+ * are still alive (their handles stay the caller's but are dead: only
+ * strata_stream_destroy, which then just frees the handle, may be called on
+ * them), closes the trace and removes the swap files. Blocking. NULL is
+ * fine. Not concurrently with any other call on the engine or its streams. */
+STRATA_API void strata_engine_destroy(strata_engine_t engine);
+
+/* The message of the last failed call on this engine or its streams ("" if
+ * none): what failed, where and why. Owned by the engine; valid until the
+ * next failing call on it. Any thread. NULL engine: "". */
+STRATA_API const char* strata_engine_last_error(strata_engine_t engine);
+
+/* ---- the model (any thread; non-blocking) */
+
+STRATA_API strata_status_t strata_engine_param_count(strata_engine_t engine, uint32_t* count);
+STRATA_API strata_status_t strata_engine_group_count(strata_engine_t engine, uint32_t* count);
+/* STRATA_ERR_NOT_FOUND when no parameter / group has that name. */
+STRATA_API strata_status_t strata_engine_find_param(strata_engine_t engine, const char* name, uint32_t* param);
+STRATA_API strata_status_t strata_engine_find_group(strata_engine_t engine, const char* name, uint32_t* group);
+/* STRATA_ERR_INVALID_ARGUMENT for an id out of range or a bad struct_size. */
+STRATA_API strata_status_t strata_engine_param_info(strata_engine_t engine, uint32_t param, strata_param_info_t* info);
+STRATA_API strata_status_t strata_engine_group_info(strata_engine_t engine, uint32_t group, strata_group_info_t* info);
+/* The ids of the group's parameters, in model order, into params[0..capacity);
+ * *count receives how many there are. STRATA_ERR_INVALID_ARGUMENT (nothing
+ * written) when capacity is smaller (the message says how many are needed). */
+STRATA_API strata_status_t strata_engine_group_params(strata_engine_t engine, uint32_t group, uint32_t* params,
+                                                      size_t capacity, size_t* count);
+/* The backend the engine runs on and its name ("host", "cuda:0 (NVIDIA ...)").
+ * *name is owned by the engine, valid until strata_engine_destroy. */
+STRATA_API strata_status_t strata_engine_device(strata_engine_t engine, strata_device_kind_t* kind,
+                                                const char** name);
+/* The plan as multi-line text (tiers, groups, traffic per step); *text is
+ * allocated for the caller: free with strata_free. */
+STRATA_API strata_status_t strata_engine_plan_report(strata_engine_t engine, char** text);
+
+/* ---- parameter values (driving thread; blocking) */
+
+/* Sets parameter `param` from the whole (unsharded) tensor `src` (host
+ * memory, `count` elements of `dtype`; count must be the parameter's numel):
+ * it becomes the fp32 master and the compute copy (rounded to the compute
+ * dtype). `src` is borrowed for the call. Errors: STRATA_ERR_INVALID_ARGUMENT
+ * (id, dtype, count), I/O errors. */
+STRATA_API strata_status_t strata_engine_load_param(strata_engine_t engine, uint32_t param, const void* src,
+                                                    strata_dtype_t dtype, size_t count);
+/* Copies the fp32 master of `param` (world_size 1: the whole tensor) to host
+ * memory `dst` as `count` (= numel) elements of `dtype`. */
+STRATA_API strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param, void* dst,
+                                                    strata_dtype_t dtype, size_t count);
+
+/* ---- the training protocol (driving thread) */
+
+/* Marks the start of a micro-batch; nonzero `last` says it ends the gradient
+ * accumulation. Non-blocking. STRATA_ERR_INVALID_ARGUMENT while groups are
+ * still acquired. */
+STRATA_API strata_status_t strata_engine_begin_micro_batch(strata_engine_t engine, int last);
+
+/* Makes the group's parameters available on the device and `stream` wait for
+ * them. ptrs[0..capacity) receives one device pointer per parameter of the
+ * group (the whole parameter in its compute dtype, in model order, as
+ * strata_engine_group_params lists them), *count how many. The pointers are
+ * owned by the engine and valid until strata_engine_release of the group.
+ * Blocks only when the upload needs a staging buffer still in use
+ * (back-pressure). Errors: STRATA_ERR_INVALID_ARGUMENT (group id, already
+ * acquired, capacity too small: nothing acquired), STRATA_ERR_OUT_OF_BUDGET
+ * (the group does not fit the device buffers: says by how much), I/O errors of
+ * the upload. */
+STRATA_API strata_status_t strata_engine_acquire(strata_engine_t engine, uint32_t group, strata_stream_t stream,
+                                                 void** ptrs, size_t capacity, size_t* count);
+/* Gives the group back: its buffers are reused once `stream` passes this
+ * point. Non-blocking. STRATA_ERR_INVALID_ARGUMENT if not acquired. */
+STRATA_API strata_status_t strata_engine_release(strata_engine_t engine, uint32_t group, strata_stream_t stream);
+/* Accumulates the gradient of `param` (a device buffer of numel elements of
+ * `dtype`: F32, BF16 or F16) into its fp32 gradient shard, once `stream`
+ * reaches this point. Asynchronous: the buffer may be reused by work enqueued
+ * on `stream` after the call. Errors: STRATA_ERR_INVALID_ARGUMENT (id, dtype,
+ * reduced twice in one micro-batch). */
+STRATA_API strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uint32_t param, const void* grad,
+                                                     strata_dtype_t dtype, strata_stream_t stream);
+/* One optimizer step: global gradient norm, fp16 loss scaling (overflow:
+ * skipped, scale lowered), clipping, then the optimizer over every shard.
+ * lr < 0 keeps the config's. Blocks until done. result may be NULL; else its
+ * struct_size is checked before the step runs. Errors: the first error of
+ * the step's asynchronous work (I/O: naming tensor and chunk),
+ * STRATA_ERR_INVALID_ARGUMENT (groups still acquired). After an error the
+ * engine refuses further steps until a checkpoint is loaded. */
+STRATA_API strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_step_result_t* result);
+/* The loss scale for the next micro-batch (fp16 dynamic scaling; 1
+ * otherwise): multiply the loss by it before backward. Non-blocking. */
+STRATA_API strata_status_t strata_engine_loss_scale(strata_engine_t engine, double* scale);
+/* Optimizer steps taken (skipped ones not counted). */
+STRATA_API strata_status_t strata_engine_step_count(strata_engine_t engine, int64_t* steps);
+
+/* ---- checkpoints (driving thread, between steps; blocking) */
+
+/* Saves the full training state (compute copies, masters, optimizer states,
+ * step, loss-scale state) and `extra_json` (the caller's state such as the
+ * data position; any JSON text, NULL: none) to directory `dir`, atomically
+ * (staging directory, fsync, rename). NVMe-resident state is streamed file
+ * to file. Errors: I/O errors naming the file, STRATA_ERR_NO_SPACE. */
+STRATA_API strata_status_t strata_engine_save_checkpoint(strata_engine_t engine, const char* dir,
+                                                         const char* extra_json);
+/* Verifies every checksum, then restores the state saved in `dir`; the
+ * model (names, shapes, dtypes) must match. *extra_json (when not NULL)
+ * receives the caller's saved state as a NUL-terminated string allocated for
+ * the caller ("" if none was saved): free with strata_free. Errors:
+ * STRATA_ERR_CORRUPT naming the damaged file, STRATA_ERR_INVALID_ARGUMENT on
+ * a model mismatch (naming the parameter), STRATA_ERR_NOT_FOUND. */
+STRATA_API strata_status_t strata_engine_load_checkpoint(strata_engine_t engine, const char* dir,
+                                                         char** extra_json);
+
+/* ---- observability (any thread; non-blocking) */
+
+STRATA_API strata_status_t strata_engine_stats(strata_engine_t engine, strata_engine_stats_t* stats);
+/* A caller compute span named `name` (copied) on the trace, category
+ * "compute"; nothing happens when the config has no "strata.trace". Spans
+ * nest; trace_end closes the innermost. */
+STRATA_API strata_status_t strata_engine_trace_begin(strata_engine_t engine, const char* name);
+STRATA_API strata_status_t strata_engine_trace_end(strata_engine_t engine);
+
+/* ------------------------------------------------------------------ streams and device memory
+ * Any thread. A stream belongs to the engine it was made with and is used
+ * with that engine only. Destroy streams before their engine; a handle
+ * outliving its engine is dead (see strata_engine_destroy). */
+
+/* A new stream on the engine's device (cuda: a non-blocking CUDA stream;
+ * host: a worker thread). `name` (copied; NULL: "stream") appears in
+ * messages and traces. *stream is owned by the caller. */
+STRATA_API strata_status_t strata_stream_create(strata_engine_t engine, const char* name, strata_stream_t* stream);
+/* Wraps the caller's native stream (a cudaStream_t, e.g. PyTorch's
+ * torch.cuda.current_stream().cuda_stream; NULL is CUDA's legacy default
+ * stream) so the engine orders its work against it. The native stream stays
+ * the caller's: keep it alive until strata_stream_destroy of the wrapper,
+ * which does not destroy it. It must belong to the engine's device.
+ * STRATA_ERR_INVALID_ARGUMENT on the host backend (no native streams). */
+STRATA_API strata_status_t strata_stream_wrap(strata_engine_t engine, void* native, strata_stream_t* stream);
+/* Blocks until the work enqueued on the stream so far is done, then frees
+ * it (a wrapped native stream itself is left alive). Returns the stream's
+ * pending asynchronous error, if any (the stream is freed either way). NULL
+ * is fine. */
+STRATA_API strata_status_t strata_stream_destroy(strata_stream_t stream);
+/* Blocks until the work enqueued so far is done; returns the stream's first
+ * asynchronous error (sticky). */
+STRATA_API strata_status_t strata_stream_synchronize(strata_stream_t stream);
+
+/* Device memory from the engine's device pool (under its budget, shared
+ * with the engine's buffers): e.g. gradient buffers on the host backend,
+ * where the engine reads only memory of its device. 256-byte aligned,
+ * contents undefined. STRATA_ERR_OUT_OF_BUDGET when the budget cannot hold it. */
+STRATA_API strata_status_t strata_device_alloc(strata_engine_t engine, size_t bytes, void** ptr);
+/* Returns a block from strata_device_alloc. `after` NULL: no enqueued work
+ * uses it any more; else it is reused once `after` passes this point.
+ * Non-blocking. NULL ptr is fine. */
+STRATA_API strata_status_t strata_device_free(strata_engine_t engine, void* ptr, strata_stream_t after);
+/* Enqueues a copy of `bytes` on `stream`; returns once enqueued. The host
+ * side must stay valid (and unchanged, for host to device) until the stream
+ * passes this point. Errors while it runs come from strata_stream_synchronize. */
+STRATA_API strata_status_t strata_memcpy_async(void* dst, const void* src, size_t bytes, strata_copy_kind_t kind,
+                                               strata_stream_t stream);
 
 #ifdef __cplusplus
 } /* extern "C" */

@@ -2,10 +2,22 @@
 // a strata_status_t, and the per-thread last-error text.
 #pragma once
 
+#include <cstring>
+
 #include "common/status.h"
 #include "strata/strata.h"
 
 namespace strata::capi {
+
+// A C caller may pass any int where an enum is expected; loading an
+// out-of-range value as the C++ enum type is undefined, so read its bytes.
+template <typename E>
+int enum_value(const E& e) {
+  static_assert(sizeof(E) == sizeof(int));
+  int v;
+  std::memcpy(&v, &e, sizeof(v));
+  return v;
+}
 
 strata_status_t to_c_status(StatusCode code);
 

@@ -31,7 +31,8 @@ Status check_struct(const T* p, const char* what) {
   return Status();
 }
 
-Result<DType> to_dtype(strata_dtype_t d, const char* field) {
+Result<DType> to_dtype(const strata_dtype_t& dtype, const char* field) {
+  const int d = enum_value(dtype);
   switch (d) {
     case STRATA_DTYPE_F32: return DType::kF32;
     case STRATA_DTYPE_BF16: return DType::kBF16;
@@ -42,10 +43,11 @@ Result<DType> to_dtype(strata_dtype_t d, const char* field) {
 
 Result<cpu_optim::OptimizerConfig> to_config(const strata_optimizer_config_t* c) {
   STRATA_RETURN_IF_ERROR(check_struct(c, "config"));
-  if (c->kind < STRATA_OPTIMIZER_ADAMW || c->kind > STRATA_OPTIMIZER_SGD)
-    return Status(StatusCode::kInvalidArgument, "config.kind: unknown optimizer " + std::to_string(c->kind));
+  const int kind = enum_value(c->kind);
+  if (kind < STRATA_OPTIMIZER_ADAMW || kind > STRATA_OPTIMIZER_SGD)
+    return Status(StatusCode::kInvalidArgument, "config.kind: unknown optimizer " + std::to_string(kind));
   cpu_optim::OptimizerConfig o;
-  o.kind = static_cast<OptimizerKind>(c->kind);
+  o.kind = static_cast<OptimizerKind>(kind);
   o.lr = c->lr;
   o.beta1 = c->beta1;
   o.beta2 = c->beta2;
@@ -76,8 +78,9 @@ extern "C" {
 
 strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t kind, strata_optimizer_config_t* config) {
   if (!config) return invalid("strata_optimizer_config_init: config is NULL");
-  if (kind < STRATA_OPTIMIZER_ADAMW || kind > STRATA_OPTIMIZER_SGD)
-    return invalid("strata_optimizer_config_init: unknown optimizer kind " + std::to_string(kind));
+  const int k = enum_value(kind);
+  if (k < STRATA_OPTIMIZER_ADAMW || k > STRATA_OPTIMIZER_SGD)
+    return invalid("strata_optimizer_config_init: unknown optimizer kind " + std::to_string(k));
   strata_optimizer_config_t c{};
   c.struct_size = sizeof(c);
   c.kind = kind;
@@ -86,7 +89,7 @@ strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t kind, strat
   c.beta2 = 0.999;
   c.eps = 1e-8;
   c.grad_scale = 1.0;
-  switch (kind) {
+  switch (k) {
     case STRATA_OPTIMIZER_ADAMW: c.weight_decay = 1e-2; break;
     case STRATA_OPTIMIZER_ADAM: break;
     case STRATA_OPTIMIZER_ADAGRAD: c.lr = 1e-2; c.eps = 1e-10; break;
@@ -107,11 +110,12 @@ strata_status_t strata_optimizer_state_count(const strata_optimizer_config_t* co
 
 strata_status_t strata_cpu_optimizer_create(strata_isa_t isa, int threads, strata_cpu_optimizer_t* out) {
   if (!out) return invalid("strata_cpu_optimizer_create: out is NULL");
-  if (isa < STRATA_ISA_AUTO || isa > STRATA_ISA_NEON)
-    return invalid("strata_cpu_optimizer_create: unknown isa " + std::to_string(isa));
+  const int isa_code = enum_value(isa);
+  if (isa_code < STRATA_ISA_AUTO || isa_code > STRATA_ISA_NEON)
+    return invalid("strata_cpu_optimizer_create: unknown isa " + std::to_string(isa_code));
   if (threads < 0) return invalid("strata_cpu_optimizer_create: threads is " + std::to_string(threads));
   cpu_optim::ExecOptions exec;
-  exec.isa = static_cast<Isa>(isa);
+  exec.isa = static_cast<Isa>(isa_code);
   exec.threads = threads;
   // Probe the ISA once now so an impossible choice fails here, not mid-training.
   float p = 0, g = 0;
