@@ -21,6 +21,14 @@ void register_bench_step(CLI::App& bench);
 // `strata bench copy ...` (tools/bench_copy.cpp): host<->device bandwidth
 void register_bench_copy(CLI::App& bench);
 
+// `strata finetune ...` (tools/finetune.cpp) and `strata demo` (tools/demo.cpp)
+void register_finetune(CLI::App& app);
+void register_demo(CLI::App& app);
+
+// `strata init-model ...` (tools/init_model.cpp) and `strata plan ...` (tools/plan.cpp)
+void register_init_model(CLI::App& app);
+void register_plan(CLI::App& app);
+
 // Lines for `strata --version` about what this machine offers at run time.
 std::string io_runtime_summary();         // tools/bench_io.cpp: which I/O backends work here
 std::string cpu_optim_runtime_summary();  // tools/bench_adam.cpp: CPU ISA chosen

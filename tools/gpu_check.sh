@@ -3,9 +3,14 @@
 # machine from the repository root, with .deps (Debian .deb files fetched by
 # `tools/gpu_check.sh --fetch-deps` on a dev machine) carried along.
 #   1. unpack the .debs into /tmp/deps, configure with CUDA ON for sm_90, build;
-#   2. run the gpu-labelled tests, then the CPU tests;
+#   2. run the gpu-labelled tests (device backend, CUDA model ops against the
+#      CPU ops: test_train_cuda_ops), then `strata demo`, then the CPU tests;
 #   3. run the GPU benchmarks with --json;
-#   4. leave logs and JSON under $OUT (at most 8 files come back).
+#   4. leave logs and JSON under $OUT (at most 8 files come back; 7 today:
+#      build.log version.txt ctest-gpu.log demo.log ctest-cpu.log bench.json
+#      bench.err).
+# The full build includes both CUDA modules (libstrata_cuda.so and
+# libstrata_cuda_train.so, next to build-gpu/tools/strata) for sm_90.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -34,8 +39,23 @@ tail -5 "$OUT/build.log"
 
 build-gpu/tools/strata --version > "$OUT/version.txt" 2>&1
 cat "$OUT/version.txt"
+ls -l build-gpu/tools/libstrata_cuda*.so >> "$OUT/version.txt" 2>&1
 (cd build-gpu && ctest -L gpu --output-on-failure) > "$OUT/ctest-gpu.log" 2>&1
 tail -15 "$OUT/ctest-gpu.log"
+# The fine-tune demo, end to end (JSON when the command offers it).
+{
+  if build-gpu/tools/strata demo --help > /tmp/demo-help.txt 2>&1; then
+    if grep -q -- '--json' /tmp/demo-help.txt; then
+      timeout 300 build-gpu/tools/strata demo --json
+    else
+      timeout 300 build-gpu/tools/strata demo
+    fi
+    echo "demo rc=$?"
+  else
+    echo "strata demo is not available in this build:"; cat /tmp/demo-help.txt
+  fi
+} > "$OUT/demo.log" 2>&1
+tail -8 "$OUT/demo.log"
 (cd build-gpu && ctest -LE gpu -j 8 --output-on-failure) > "$OUT/ctest-cpu.log" 2>&1
 tail -5 "$OUT/ctest-cpu.log"
 {

@@ -44,6 +44,10 @@ int main(int argc, char** argv) {
   register_bench_adam(*bench);
   register_bench_copy(*bench);
   register_bench_step(*bench);
+  register_init_model(app);
+  register_plan(app);
+  register_finetune(app);
+  register_demo(app);
 
   try {
     app.parse(argc, argv);

@@ -1,0 +1,504 @@
+// libstrata_cuda_train.so: the trainer's model ops on CUDA, loaded by
+// train/cuda_ops.cpp with dlopen (ABI: train/cuda_train_module.h). Exports
+// only strata_cuda_train_api_v1.
+//
+// Matrix products go through cuBLAS (cublasGemmEx). With bf16 or fp16
+// weights both operands are in that dtype (activations are rounded to it
+// just before the product, into the context's low-precision scratch) and
+// cuBLAS accumulates in fp32 (CUBLAS_COMPUTE_32F) into fp32 outputs: "bf16
+// compute with fp32 accumulation", as autocast does. With fp32 weights the
+// product is a plain fp32 GEMM (CUBLAS_COMPUTE_32F, no TF32 unless the
+// context allows it). Everything else (norms, RoPE, attention, SwiGLU,
+// cross-entropy, embedding) is fp32 kernels in train_kernels.cu.
+//
+// Row-major products with a column-major library: a row-major [r, c] matrix
+// is the column-major [c, r] matrix, its transpose, so row-major
+// C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: swap the operands
+// and keep the transpose flags (gemm() below).
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "train/cuda_train_module.h"
+#include "train_kernels.cuh"
+
+namespace k = strata_cuda_train;
+
+struct strata_cuda_train_ctx_s {
+  int device = 0;
+  cudaStream_t stream = nullptr;
+  cublasHandle_t blas = nullptr;
+  strata_cuda_train_dims_t d{};
+  int64_t chunk = 0;  // logits rows per head chunk
+
+  float *cos_t = nullptr, *sin_t = nullptr;
+  // Saved by the forward (recomputed in backward): per token.
+  float *rstd1 = nullptr, *rstd2 = nullptr, *n1 = nullptr, *q = nullptr, *k = nullptr, *v = nullptr;
+  float *att = nullptr, *h = nullptr, *n2 = nullptr, *g = nullptr, *u = nullptr, *a = nullptr;
+  float *P = nullptr, *dS = nullptr;  // [B, heads, T, T]
+  // Backward scratch.
+  float *dbig = nullptr, *dh = nullptr, *datt = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  float *dn = nullptr, *partial = nullptr;
+  float* logits = nullptr;  // [chunk, vocab]
+  double* row_loss = nullptr;
+  void* lp[2] = {nullptr, nullptr};  // activations rounded to the weights' dtype
+  void* blas_ws = nullptr;
+  size_t blas_ws_bytes = 0;
+  strata_cuda_train_report_t* report = nullptr;
+};
+
+namespace {
+
+using Ctx = strata_cuda_train_ctx_s;
+
+constexpr size_t kBlasWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper
+constexpr int64_t kLogitsElems = 1 << 24;     // fp32 logits of one head chunk: 64 MiB
+constexpr int kBlasErrorBase = 1000;
+
+int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
+  if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  return static_cast<int>(e);
+}
+int blas_fail(cublasStatus_t s, const char* what, char* err, size_t err_len) {
+  if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cublasGetStatusString(s), cublasGetStatusName(s));
+  return kBlasErrorBase + static_cast<int>(s);
+}
+int invalid(const char* what, char* err, size_t err_len) { return fail(cudaErrorInvalidValue, what, err, err_len); }
+bool bad_dtype(int dtype) { return dtype < STRATA_CUDA_DTYPE_F32 || dtype > STRATA_CUDA_DTYPE_F16; }
+
+#define CUDA_TRY(expr)                                           \
+  do {                                                           \
+    cudaError_t _e = (expr);                                     \
+    if (_e != cudaSuccess) return fail(_e, #expr, err, err_len); \
+  } while (0)
+#define BLAS_TRY(expr)                                                     \
+  do {                                                                     \
+    cublasStatus_t _s = (expr);                                            \
+    if (_s != CUBLAS_STATUS_SUCCESS) return blas_fail(_s, #expr, err, err_len); \
+  } while (0)
+#define TRY(expr)             \
+  do {                        \
+    int _rc = (expr);         \
+    if (_rc != 0) return _rc; \
+  } while (0)
+
+// ---- workspace: one block carved into 256-byte aligned pieces. With a null
+// base it only counts (workspace_bytes).
+struct Carver {
+  char* base = nullptr;
+  size_t used = 0;
+  template <typename T>
+  T* take(size_t count) {
+    T* p = base ? reinterpret_cast<T*>(base + used) : nullptr;
+    used += (std::max<size_t>(count, 1) * sizeof(T) + 255) & ~size_t{255};
+    return p;
+  }
+};
+
+int64_t logits_chunk(const strata_cuda_train_dims_t& d) {
+  return std::min<int64_t>(d.max_tokens, std::max<int64_t>(1, kLogitsElems / d.vocab));
+}
+
+void carve(Ctx& c, Carver& cv) {
+  const auto& d = c.d;
+  const size_t n = static_cast<size_t>(d.max_tokens), S = static_cast<size_t>(d.max_seq);
+  const size_t D = d.dim, Q = d.heads * d.head_dim, K = d.kv_heads * d.head_dim, F = d.ffn_dim, V = d.vocab;
+  const size_t half = d.head_dim / 2;
+  c.chunk = logits_chunk(d);
+  c.cos_t = cv.take<float>(S * half);
+  c.sin_t = cv.take<float>(S * half);
+  c.rstd1 = cv.take<float>(n);
+  c.rstd2 = cv.take<float>(n);
+  c.n1 = cv.take<float>(n * D);
+  c.q = cv.take<float>(n * Q);
+  c.k = cv.take<float>(n * K);
+  c.v = cv.take<float>(n * K);
+  c.att = cv.take<float>(n * Q);
+  c.h = cv.take<float>(n * D);
+  c.n2 = cv.take<float>(n * D);
+  c.g = cv.take<float>(n * F);
+  c.u = cv.take<float>(n * F);
+  c.a = cv.take<float>(n * F);
+  // B*T <= n and T <= S, so B*heads*T*T <= heads*n*S.
+  c.P = cv.take<float>(static_cast<size_t>(d.heads) * n * S);
+  c.dS = cv.take<float>(static_cast<size_t>(d.heads) * n * S);
+  c.dbig = cv.take<float>(n * F);
+  c.dh = cv.take<float>(n * D);
+  c.datt = cv.take<float>(n * Q);
+  c.dq = cv.take<float>(n * Q);
+  c.dk = cv.take<float>(n * K);
+  c.dv = cv.take<float>(n * K);
+  c.dn = cv.take<float>(n * D);
+  c.partial = cv.take<float>((n + k::kRmsPartialRows - 1) / k::kRmsPartialRows * D);
+  c.logits = cv.take<float>(static_cast<size_t>(c.chunk) * V);
+  c.row_loss = cv.take<double>(n);
+  const size_t lp_elems = std::max(n * std::max({D, Q, F}), static_cast<size_t>(c.chunk) * V);
+  c.lp[0] = cv.take<uint16_t>(lp_elems);
+  c.lp[1] = cv.take<uint16_t>(lp_elems);
+  c.report = cv.take<strata_cuda_train_report_t>(1);
+  c.blas_ws_bytes = kBlasWorkspace;
+  c.blas_ws = cv.take<char>(kBlasWorkspace);
+}
+
+int check_dims(const strata_cuda_train_dims_t* d, char* err, size_t err_len) {
+  if (!d) return invalid("null dims", err, err_len);
+  if (d->dim <= 0 || d->heads <= 0 || d->kv_heads <= 0 || d->head_dim <= 0 || d->head_dim % 2 != 0 ||
+      d->heads % d->kv_heads != 0 || d->ffn_dim <= 0 || d->vocab <= 0 || d->max_tokens <= 0 || d->max_seq <= 0 ||
+      d->max_seq > d->max_tokens || d->rms_eps <= 0 || d->rope_theta <= 0)
+    return invalid("invalid model dims or capacities", err, err_len);
+  // cuBLAS takes int sizes and leading dimensions; grids take 65535 heads.
+  const int64_t widest = std::max({d->dim, d->heads * d->head_dim, d->ffn_dim, d->vocab});
+  if (widest > INT_MAX || d->max_tokens > INT_MAX || d->heads > 65535 || d->head_dim > 1024 ||
+      d->max_tokens / d->max_seq > 65535)
+    return invalid("model dims beyond the kernels' limits (widths < 2^31, heads <= 65535, head_dim <= 1024, "
+                   "batch <= 65535)",
+                   err, err_len);
+  return 0;
+}
+
+// ---- GEMM
+
+cudaDataType_t cuda_type(int dtype) {
+  return dtype == STRATA_CUDA_DTYPE_BF16 ? CUDA_R_16BF : dtype == STRATA_CUDA_DTYPE_F16 ? CUDA_R_16F : CUDA_R_32F;
+}
+
+struct Mat {
+  const void* p;
+  int dtype;
+  int64_t ld;  // row length of the row-major storage
+};
+
+// Row-major C[M, N] = op(A) op(B) + beta C, where op(A) is A stored [M, K]
+// or, with ta, A^T with A stored [K, M]; the same for B.
+int gemm(Ctx* c, bool ta, bool tb, int64_t M, int64_t N, int64_t K, Mat A, Mat B, float* C, int64_t ldc, float beta,
+         char* err, size_t err_len) {
+  const float alpha = 1.0f;
+  const cublasComputeType_t compute = (A.dtype == STRATA_CUDA_DTYPE_F32 && c->d.allow_tf32)
+                                          ? CUBLAS_COMPUTE_32F_FAST_TF32
+                                          : CUBLAS_COMPUTE_32F;
+  BLAS_TRY(cublasGemmEx(c->blas, tb ? CUBLAS_OP_T : CUBLAS_OP_N, ta ? CUBLAS_OP_T : CUBLAS_OP_N, static_cast<int>(N),
+                        static_cast<int>(M), static_cast<int>(K), &alpha, B.p, cuda_type(B.dtype),
+                        static_cast<int>(B.ld), A.p, cuda_type(A.dtype), static_cast<int>(A.ld), &beta, C, CUDA_R_32F,
+                        static_cast<int>(ldc), compute, CUBLAS_GEMM_DEFAULT));
+  return 0;
+}
+
+// An fp32 activation [rows, cols] as a GEMM operand in the weights' dtype:
+// itself for fp32, else rounded into scratch slot `slot`.
+int act(Ctx* c, const float* x, int64_t rows, int64_t cols, int dtype, int slot, Mat* out, char* err,
+        size_t err_len) {
+  if (dtype == STRATA_CUDA_DTYPE_F32) {
+    *out = Mat{x, dtype, cols};
+    return 0;
+  }
+  CUDA_TRY(k::cast_from_f32(c->lp[slot], dtype, x, static_cast<size_t>(rows * cols), c->stream));
+  *out = Mat{c->lp[slot], dtype, cols};
+  return 0;
+}
+
+// nn.Linear without bias, W [out, in]:
+//   y[n, out] (beta) = x W^T;  dx[n, in] (beta) = dy W;  dW[out, in] = dy^T x.
+int linear_fwd(Ctx* c, Mat x, const void* w, int dtype, int64_t n, int64_t in, int64_t out, float* y, float beta,
+               char* err, size_t err_len) {
+  return gemm(c, false, true, n, out, in, x, Mat{w, dtype, in}, y, out, beta, err, err_len);
+}
+int linear_bwd_x(Ctx* c, Mat dy, const void* w, int dtype, int64_t n, int64_t in, int64_t out, float* dx, float beta,
+                 char* err, size_t err_len) {
+  return gemm(c, false, false, n, in, out, dy, Mat{w, dtype, in}, dx, in, beta, err, err_len);
+}
+int linear_bwd_w(Ctx* c, Mat dy, Mat x, int64_t n, int64_t in, int64_t out, float* dw, float beta, char* err,
+                 size_t err_len) {
+  return gemm(c, true, false, out, in, n, dy, x, dw, in, beta, err, err_len);
+}
+
+// ---- the layer
+
+int check_layer(const Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, char* err, size_t err_len) {
+  if (!w || !w->input_layernorm || !w->q_proj || !w->k_proj || !w->v_proj || !w->o_proj ||
+      !w->post_attention_layernorm || !w->gate_proj || !w->up_proj || !w->down_proj)
+    return invalid("null layer weight", err, err_len);
+  if (bad_dtype(w->dtype)) return invalid("weight dtype outside fp32/bf16/fp16", err, err_len);
+  if (B < 1 || T < 1 || T > c->d.max_seq || B * T > c->d.max_tokens)
+    return invalid("B, T beyond the workspace", err, err_len);
+  return 0;
+}
+
+// Computes and keeps every activation the backward needs; y (may equal x)
+// only when non-null.
+int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, const float* x, float* y,
+                      char* err, size_t err_len) {
+  const auto& d = c->d;
+  const int dt = w->dtype;
+  const int64_t n = B * T, D = d.dim, Q = d.heads * d.head_dim, K = d.kv_heads * d.head_dim, F = d.ffn_dim;
+  cudaStream_t s = c->stream;
+  CUDA_TRY(k::rmsnorm_forward(x, w->input_layernorm, dt, c->n1, c->rstd1, n, D, static_cast<float>(d.rms_eps), s));
+  Mat x1;
+  TRY(act(c, c->n1, n, D, dt, 0, &x1, err, err_len));
+  TRY(linear_fwd(c, x1, w->q_proj, dt, n, D, Q, c->q, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x1, w->k_proj, dt, n, D, K, c->k, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x1, w->v_proj, dt, n, D, K, c->v, 0.0f, err, err_len));
+  CUDA_TRY(k::rope(c->q, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, false, s));
+  CUDA_TRY(k::rope(c->k, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, false, s));
+  CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->P, B, T, d.heads, d.kv_heads, d.head_dim, s));
+  // h = x + o_proj(att): the residual first, the product added by cuBLAS (beta 1).
+  CUDA_TRY(cudaMemcpyAsync(c->h, x, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+  Mat at;
+  TRY(act(c, c->att, n, Q, dt, 0, &at, err, err_len));
+  TRY(linear_fwd(c, at, w->o_proj, dt, n, Q, D, c->h, 1.0f, err, err_len));
+  CUDA_TRY(k::rmsnorm_forward(c->h, w->post_attention_layernorm, dt, c->n2, c->rstd2, n, D,
+                              static_cast<float>(d.rms_eps), s));
+  Mat x2;
+  TRY(act(c, c->n2, n, D, dt, 0, &x2, err, err_len));
+  TRY(linear_fwd(c, x2, w->gate_proj, dt, n, D, F, c->g, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x2, w->up_proj, dt, n, D, F, c->u, 0.0f, err, err_len));
+  CUDA_TRY(k::swiglu_forward(c->g, c->u, c->a, static_cast<size_t>(n * F), s));
+  if (!y) return 0;
+  CUDA_TRY(cudaMemcpyAsync(y, c->h, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+  Mat am;
+  TRY(act(c, c->a, n, F, dt, 0, &am, err, err_len));
+  TRY(linear_fwd(c, am, w->down_proj, dt, n, F, D, y, 1.0f, err, err_len));
+  return 0;
+}
+
+int layer_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, const float* x_in, float* x_out,
+                  char* err, size_t err_len) {
+  TRY(check_layer(c, w, B, T, err, err_len));
+  if (!x_in || !x_out) return invalid("null activation", err, err_len);
+  CUDA_TRY(cudaSetDevice(c->device));
+  return layer_run_forward(c, w, B, T, x_in, x_out, err, err_len);
+}
+
+int layer_backward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, const float* x, const float* dy,
+                   float* dx, const strata_cuda_train_layer_grads_t* g, char* err, size_t err_len) {
+  TRY(check_layer(c, w, B, T, err, err_len));
+  if (!x || !dy || !dx || !g || !g->input_layernorm || !g->q_proj || !g->k_proj || !g->v_proj || !g->o_proj ||
+      !g->post_attention_layernorm || !g->gate_proj || !g->up_proj || !g->down_proj)
+    return invalid("null activation or gradient", err, err_len);
+  CUDA_TRY(cudaSetDevice(c->device));
+  TRY(layer_run_forward(c, w, B, T, x, nullptr, err, err_len));
+  const auto& d = c->d;
+  const int dt = w->dtype;
+  const int64_t n = B * T, D = d.dim, Q = d.heads * d.head_dim, K = d.kv_heads * d.head_dim, F = d.ffn_dim;
+  cudaStream_t s = c->stream;
+  // MLP: y = h + down(a), a = silu(g) * u.
+  Mat dym, am;
+  TRY(act(c, dy, n, D, dt, 0, &dym, err, err_len));
+  TRY(linear_bwd_x(c, dym, w->down_proj, dt, n, F, D, c->dbig, 0.0f, err, err_len));
+  TRY(act(c, c->a, n, F, dt, 1, &am, err, err_len));
+  TRY(linear_bwd_w(c, dym, am, n, F, D, g->down_proj, 0.0f, err, err_len));
+  CUDA_TRY(k::swiglu_backward(c->g, c->u, c->dbig, static_cast<size_t>(n * F), s));  // g, u := dg, du
+  Mat dgm, dum, x2;
+  TRY(act(c, c->g, n, F, dt, 0, &dgm, err, err_len));
+  TRY(linear_bwd_x(c, dgm, w->gate_proj, dt, n, D, F, c->dn, 0.0f, err, err_len));
+  TRY(act(c, c->n2, n, D, dt, 1, &x2, err, err_len));
+  TRY(linear_bwd_w(c, dgm, x2, n, D, F, g->gate_proj, 0.0f, err, err_len));
+  TRY(act(c, c->u, n, F, dt, 0, &dum, err, err_len));
+  TRY(linear_bwd_x(c, dum, w->up_proj, dt, n, D, F, c->dn, 1.0f, err, err_len));
+  TRY(linear_bwd_w(c, dum, x2, n, D, F, g->up_proj, 0.0f, err, err_len));
+  // dh = dy + d(post-attention norm)
+  CUDA_TRY(k::rmsnorm_backward(c->h, w->post_attention_layernorm, dt, c->rstd2, c->dn, dy, c->dh,
+                               g->post_attention_layernorm, c->partial, n, D, s));
+  // Attention: h = x + o(attn(rope(q), rope(k), v)).
+  Mat dhm, atm;
+  TRY(act(c, c->dh, n, D, dt, 0, &dhm, err, err_len));
+  TRY(linear_bwd_x(c, dhm, w->o_proj, dt, n, Q, D, c->datt, 0.0f, err, err_len));
+  TRY(act(c, c->att, n, Q, dt, 1, &atm, err, err_len));
+  TRY(linear_bwd_w(c, dhm, atm, n, Q, D, g->o_proj, 0.0f, err, err_len));
+  CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->P, c->datt, c->dS, c->dq, c->dk, c->dv, B, T, d.heads,
+                                 d.kv_heads, d.head_dim, s));
+  CUDA_TRY(k::rope(c->dq, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, true, s));
+  CUDA_TRY(k::rope(c->dk, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, true, s));
+  Mat x1, dqm, dkm, dvm;
+  TRY(act(c, c->n1, n, D, dt, 1, &x1, err, err_len));
+  TRY(act(c, c->dq, n, Q, dt, 0, &dqm, err, err_len));
+  TRY(linear_bwd_x(c, dqm, w->q_proj, dt, n, D, Q, c->dn, 0.0f, err, err_len));
+  TRY(linear_bwd_w(c, dqm, x1, n, D, Q, g->q_proj, 0.0f, err, err_len));
+  TRY(act(c, c->dk, n, K, dt, 0, &dkm, err, err_len));
+  TRY(linear_bwd_x(c, dkm, w->k_proj, dt, n, D, K, c->dn, 1.0f, err, err_len));
+  TRY(linear_bwd_w(c, dkm, x1, n, D, K, g->k_proj, 0.0f, err, err_len));
+  TRY(act(c, c->dv, n, K, dt, 0, &dvm, err, err_len));
+  TRY(linear_bwd_x(c, dvm, w->v_proj, dt, n, D, K, c->dn, 1.0f, err, err_len));
+  TRY(linear_bwd_w(c, dvm, x1, n, D, K, g->v_proj, 0.0f, err, err_len));
+  // dx = dh + d(input norm); dx may equal dy, which is no longer read.
+  CUDA_TRY(k::rmsnorm_backward(x, w->input_layernorm, dt, c->rstd1, c->dn, c->dh, dx, g->input_layernorm, c->partial,
+                               n, D, s));
+  return 0;
+}
+
+// ---- embedding and head
+
+int embed_forward(Ctx* c, int dtype, const void* table, const int32_t* tokens, int64_t n, float* x_out, char* err,
+                  size_t err_len) {
+  if (!table || !tokens || !x_out) return invalid("null pointer", err, err_len);
+  if (bad_dtype(dtype)) return invalid("weight dtype outside fp32/bf16/fp16", err, err_len);
+  if (n < 1 || n > c->d.max_tokens) return invalid("token count beyond the workspace", err, err_len);
+  CUDA_TRY(cudaSetDevice(c->device));
+  CUDA_TRY(k::embed_forward(table, dtype, tokens, n, c->d.dim, c->d.vocab, x_out, &c->report->bad_ids, c->stream));
+  return 0;
+}
+
+int embed_backward(Ctx* c, const int32_t* tokens, int64_t n, const float* dx, float* grad, int accumulate, char* err,
+                   size_t err_len) {
+  if (!tokens || !dx || !grad) return invalid("null pointer", err, err_len);
+  if (n < 1 || n > c->d.max_tokens) return invalid("token count beyond the workspace", err, err_len);
+  CUDA_TRY(cudaSetDevice(c->device));
+  CUDA_TRY(k::embed_backward(tokens, n, dx, grad, c->d.dim, c->d.vocab, accumulate != 0, &c->report->bad_ids,
+                             c->stream));
+  return 0;
+}
+
+int head(Ctx* c, const strata_cuda_train_head_t* h, char* err, size_t err_len) {
+  if (!h || !h->norm || !h->lm_head || !h->x) return invalid("null pointer", err, err_len);
+  if (bad_dtype(h->dtype)) return invalid("weight dtype outside fp32/bf16/fp16", err, err_len);
+  if (h->B < 1 || h->T < 1 || h->T > c->d.max_seq || h->B * h->T > c->d.max_tokens)
+    return invalid("B, T beyond the workspace", err, err_len);
+  const bool logits_only = h->logits != nullptr;
+  const bool grad = !logits_only && h->dx != nullptr;
+  if (!logits_only && !h->targets) return invalid("null targets", err, err_len);
+  if (grad && (!h->grad_norm || !h->grad_lm_head)) return invalid("null gradient", err, err_len);
+  CUDA_TRY(cudaSetDevice(c->device));
+  const auto& d = c->d;
+  const int dt = h->dtype;
+  const int64_t n = h->B * h->T, D = d.dim, V = d.vocab;
+  cudaStream_t s = c->stream;
+  CUDA_TRY(k::rmsnorm_forward(h->x, h->norm, dt, c->n1, c->rstd1, n, D, static_cast<float>(d.rms_eps), s));
+  if (logits_only) {
+    Mat xm;
+    TRY(act(c, c->n1, n, D, dt, 0, &xm, err, err_len));
+    return linear_fwd(c, xm, h->lm_head, dt, n, D, V, h->logits, 0.0f, err, err_len);
+  }
+  CUDA_TRY(k::ce_count(h->targets, h->mask, n, V, c->report, s));
+  for (int64_t r0 = 0; r0 < n; r0 += c->chunk) {
+    const int64_t rows = std::min(c->chunk, n - r0);
+    Mat xm;
+    TRY(act(c, c->n1 + r0 * D, rows, D, dt, 0, &xm, err, err_len));
+    TRY(linear_fwd(c, xm, h->lm_head, dt, rows, D, V, c->logits, 0.0f, err, err_len));
+    CUDA_TRY(k::cross_entropy(c->logits, h->targets + r0, h->mask ? h->mask + r0 : nullptr, rows, V, h->dloss, grad,
+                              c->report, c->row_loss + r0, s));
+    if (!grad) continue;
+    Mat lm;
+    TRY(act(c, c->logits, rows, V, dt, 1, &lm, err, err_len));
+    TRY(linear_bwd_x(c, lm, h->lm_head, dt, rows, D, V, c->dn + r0 * D, 0.0f, err, err_len));
+    TRY(linear_bwd_w(c, lm, xm, rows, D, V, h->grad_lm_head, r0 == 0 ? 0.0f : 1.0f, err, err_len));
+  }
+  CUDA_TRY(k::loss_sum(c->row_loss, n, c->report, s));
+  if (grad)
+    CUDA_TRY(k::rmsnorm_backward(h->x, h->norm, dt, c->rstd1, c->dn, nullptr, h->dx, h->grad_norm, c->partial, n, D,
+                                 s));
+  return 0;
+}
+
+// ---- context
+
+int workspace_bytes(const strata_cuda_train_dims_t* dims, size_t* out, char* err, size_t err_len) {
+  *out = 0;
+  TRY(check_dims(dims, err, err_len));
+  Ctx c;
+  c.d = *dims;
+  Carver cv;
+  carve(c, cv);
+  *out = cv.used;
+  return 0;
+}
+
+// The RoPE tables as train/model_ops.h defines them: inv_freq in double
+// rounded to float, angle = float(pos) * inv_freq in fp32 (as HF computes).
+void rope_tables(const strata_cuda_train_dims_t& d, std::vector<float>& cos_t, std::vector<float>& sin_t) {
+  const int64_t half = d.head_dim / 2;
+  cos_t.resize(static_cast<size_t>(d.max_seq * half));
+  sin_t.resize(cos_t.size());
+  for (int64_t i = 0; i < half; ++i) {
+    const float inv_freq =
+        static_cast<float>(std::pow(d.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(d.head_dim)));
+    for (int64_t p = 0; p < d.max_seq; ++p) {
+      const float angle = static_cast<float>(p) * inv_freq;
+      cos_t[static_cast<size_t>(p * half + i)] = std::cos(angle);
+      sin_t[static_cast<size_t>(p * half + i)] = std::sin(angle);
+    }
+  }
+}
+
+int ctx_destroy(Ctx* c, char* err, size_t err_len) {
+  if (!c) return 0;
+  int rc = 0;
+  if (c->blas) {
+    cudaSetDevice(c->device);
+    cublasStatus_t st = cublasDestroy(c->blas);
+    if (st != CUBLAS_STATUS_SUCCESS) rc = blas_fail(st, "cublasDestroy", err, err_len);
+  }
+  delete c;
+  return rc;
+}
+
+int ctx_create(int device, void* stream, const strata_cuda_train_dims_t* dims, void* workspace, size_t ws_bytes,
+               Ctx** out, char* err, size_t err_len) {
+  *out = nullptr;
+  size_t need = 0;
+  TRY(workspace_bytes(dims, &need, err, err_len));
+  if (!workspace || ws_bytes < need) return invalid("workspace missing or smaller than workspace_bytes()", err, err_len);
+  CUDA_TRY(cudaSetDevice(device));
+  Ctx* c = new (std::nothrow) Ctx;
+  if (!c) return fail(cudaErrorMemoryAllocation, "context", err, err_len);
+  c->device = device;
+  c->stream = static_cast<cudaStream_t>(stream);
+  c->d = *dims;
+  Carver cv;
+  cv.base = static_cast<char*>(workspace);
+  carve(*c, cv);
+  std::vector<float> cos_t, sin_t;
+  rope_tables(*dims, cos_t, sin_t);
+  auto setup = [&]() -> int {
+    BLAS_TRY(cublasCreate(&c->blas));
+    BLAS_TRY(cublasSetStream(c->blas, c->stream));
+    BLAS_TRY(cublasSetWorkspace(c->blas, c->blas_ws, c->blas_ws_bytes));
+    BLAS_TRY(cublasSetMathMode(c->blas, CUBLAS_DEFAULT_MATH));
+    CUDA_TRY(cudaMemcpyAsync(c->cos_t, cos_t.data(), cos_t.size() * sizeof(float), cudaMemcpyHostToDevice, c->stream));
+    CUDA_TRY(cudaMemcpyAsync(c->sin_t, sin_t.data(), sin_t.size() * sizeof(float), cudaMemcpyHostToDevice, c->stream));
+    CUDA_TRY(cudaMemsetAsync(c->report, 0, sizeof(strata_cuda_train_report_t), c->stream));
+    CUDA_TRY(cudaStreamSynchronize(c->stream));  // the host tables go out of scope
+    return 0;
+  };
+  const int rc = setup();
+  if (rc != 0) {
+    char ignored[8];
+    ctx_destroy(c, ignored, sizeof(ignored));
+    return rc;
+  }
+  *out = c;
+  return 0;
+}
+
+int report_copy_async(Ctx* c, strata_cuda_train_report_t* host_dst, char* err, size_t err_len) {
+  if (!host_dst) return invalid("null report destination", err, err_len);
+  CUDA_TRY(cudaSetDevice(c->device));
+  CUDA_TRY(cudaMemcpyAsync(host_dst, c->report, sizeof(*host_dst), cudaMemcpyDeviceToHost, c->stream));
+  CUDA_TRY(cudaMemsetAsync(&c->report->bad_ids, 0, sizeof(c->report->bad_ids), c->stream));
+  return 0;
+}
+
+const strata_cuda_train_api_v1_t kApi = {
+    sizeof(strata_cuda_train_api_v1_t),
+    STRATA_CUDA_TRAIN_ABI_VERSION,
+    workspace_bytes,
+    ctx_create,
+    ctx_destroy,
+    embed_forward,
+    embed_backward,
+    layer_forward,
+    layer_backward,
+    head,
+    report_copy_async,
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const strata_cuda_train_api_v1_t* strata_cuda_train_api_v1(void) {
+  return &kApi;
+}

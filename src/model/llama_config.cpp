@@ -1,0 +1,298 @@
+#include "model/llama_config.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+namespace strata::model {
+namespace {
+
+using json = nlohmann::json;
+
+Status key_error(const std::string& source, const std::string& key, const std::string& why) {
+  return Status(StatusCode::kInvalidArgument, fmt::format("{}: \"{}\" {}", source, key, why));
+}
+
+std::string shape_str(const std::vector<uint64_t>& s) {
+  return fmt::format("[{}]", fmt::join(s, ", "));
+}
+
+}  // namespace
+
+LlamaShape LlamaConfig::shape() const {
+  LlamaShape s;
+  s.layers = num_hidden_layers;
+  s.dim = hidden_size;
+  s.heads = num_attention_heads;
+  s.kv_heads = num_key_value_heads;
+  s.ffn_dim = intermediate_size;
+  s.vocab = vocab_size;
+  s.tied_embeddings = tie_word_embeddings;
+  s.dtype = torch_dtype;
+  return s;
+}
+
+Status validate_llama_config(const LlamaConfig& c) {
+  auto bad = [](const char* key, const std::string& why) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("llama config: \"{}\" {}", key, why));
+  };
+  if (c.hidden_size == 0) return bad("hidden_size", "must be positive");
+  if (c.intermediate_size == 0) return bad("intermediate_size", "must be positive");
+  if (c.num_hidden_layers == 0) return bad("num_hidden_layers", "must be positive");
+  if (c.num_attention_heads == 0) return bad("num_attention_heads", "must be positive");
+  if (c.num_key_value_heads == 0) return bad("num_key_value_heads", "must be positive");
+  if (c.vocab_size == 0) return bad("vocab_size", "must be positive");
+  if (c.hidden_size % c.num_attention_heads != 0)
+    return bad("hidden_size",
+               fmt::format("{} is not divisible by num_attention_heads {}", c.hidden_size, c.num_attention_heads));
+  if (c.num_attention_heads % c.num_key_value_heads != 0)
+    return bad("num_attention_heads", fmt::format("{} is not divisible by num_key_value_heads {}",
+                                                  c.num_attention_heads, c.num_key_value_heads));
+  if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rms_norm_eps))
+    return bad("rms_norm_eps", "must be positive and finite");
+  if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta)) return bad("rope_theta", "must be positive and finite");
+  if (c.max_position_embeddings == 0) return bad("max_position_embeddings", "must be positive");
+  if (!(c.initializer_range >= 0) || !std::isfinite(c.initializer_range))
+    return bad("initializer_range", "must be non-negative and finite");
+  return Status::ok_status();
+}
+
+Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string& source, bool allow_rope_scaling) {
+  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded()) return Status(StatusCode::kCorrupt, source + ": malformed JSON");
+  if (!root.is_object()) return Status(StatusCode::kCorrupt, source + ": not a JSON object");
+  LlamaConfig c;
+
+  auto get_uint = [&](const char* key, bool required, uint64_t* out, uint64_t max) -> Status {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) {
+      if (required) return key_error(source, key, "is missing");
+      return Status::ok_status();
+    }
+    if (!it->is_number_unsigned() || it->get<uint64_t>() > max)
+      return key_error(source, key, fmt::format("must be a non-negative integer up to {}, got {}", max, it->dump()));
+    *out = it->get<uint64_t>();
+    return Status::ok_status();
+  };
+  auto get_double = [&](const char* key, double* out) -> Status {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) return Status::ok_status();
+    if (!it->is_number()) return key_error(source, key, fmt::format("must be a number, got {}", it->dump()));
+    *out = it->get<double>();
+    return Status::ok_status();
+  };
+  auto get_token = [&](const char* key, int64_t* out) -> Status {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) return Status::ok_status();
+    const json* v = &*it;
+    if (v->is_array() && !v->empty()) v = &(*v)[0];
+    if (!v->is_number_integer()) return key_error(source, key, fmt::format("must be an integer, got {}", it->dump()));
+    *out = v->get<int64_t>();
+    return Status::ok_status();
+  };
+  auto get_bool = [&](const char* key, bool* out) -> Status {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) return Status::ok_status();
+    if (!it->is_boolean()) return key_error(source, key, fmt::format("must be true or false, got {}", it->dump()));
+    *out = it->get<bool>();
+    return Status::ok_status();
+  };
+
+  if (auto it = root.find("model_type"); it != root.end() && !it->is_null()) {
+    if (!it->is_string() || it->get<std::string>() != "llama")
+      return key_error(source, "model_type", fmt::format("is {}; only \"llama\" is supported", it->dump()));
+  }
+  if (auto it = root.find("architectures"); it != root.end() && !it->is_null()) {
+    if (!it->is_array()) return key_error(source, "architectures", "must be a list of names");
+    for (const auto& a : *it)
+      if (!a.is_string() || a.get<std::string>() != "LlamaForCausalLM")
+        return key_error(source, "architectures",
+                         fmt::format("names {}; only LlamaForCausalLM is supported", a.dump()));
+  }
+  constexpr uint64_t k32 = UINT32_MAX;
+  constexpr uint64_t kBig = uint64_t{1} << 40;
+  uint64_t layers = 0, heads = 0, kv = 0;
+  STRATA_RETURN_IF_ERROR(get_uint("hidden_size", true, &c.hidden_size, kBig));
+  STRATA_RETURN_IF_ERROR(get_uint("intermediate_size", true, &c.intermediate_size, kBig));
+  STRATA_RETURN_IF_ERROR(get_uint("num_hidden_layers", true, &layers, k32));
+  STRATA_RETURN_IF_ERROR(get_uint("num_attention_heads", true, &heads, k32));
+  STRATA_RETURN_IF_ERROR(get_uint("vocab_size", true, &c.vocab_size, kBig));
+  kv = heads;
+  STRATA_RETURN_IF_ERROR(get_uint("num_key_value_heads", false, &kv, k32));
+  c.num_hidden_layers = static_cast<uint32_t>(layers);
+  c.num_attention_heads = static_cast<uint32_t>(heads);
+  c.num_key_value_heads = static_cast<uint32_t>(kv);
+  STRATA_RETURN_IF_ERROR(get_uint("max_position_embeddings", false, &c.max_position_embeddings, kBig));
+  STRATA_RETURN_IF_ERROR(get_double("rms_norm_eps", &c.rms_norm_eps));
+  STRATA_RETURN_IF_ERROR(get_double("rope_theta", &c.rope_theta));
+  STRATA_RETURN_IF_ERROR(get_double("initializer_range", &c.initializer_range));
+  STRATA_RETURN_IF_ERROR(get_bool("tie_word_embeddings", &c.tie_word_embeddings));
+  STRATA_RETURN_IF_ERROR(get_token("bos_token_id", &c.bos_token_id));
+  STRATA_RETURN_IF_ERROR(get_token("eos_token_id", &c.eos_token_id));
+
+  // Newer transformers write "dtype", older "torch_dtype".
+  c.torch_dtype = DType::kF32;
+  for (const char* key : {"torch_dtype", "dtype"}) {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) continue;
+    const std::string v = it->is_string() ? it->get<std::string>() : it->dump();
+    if (v == "bfloat16")
+      c.torch_dtype = DType::kBF16;
+    else if (v == "float16")
+      c.torch_dtype = DType::kF16;
+    else if (v == "float32")
+      c.torch_dtype = DType::kF32;
+    else
+      return key_error(source, key,
+                       fmt::format("is {}; expected \"bfloat16\", \"float16\" or \"float32\"", it->dump()));
+    break;
+  }
+  for (const char* key : {"attention_bias", "mlp_bias"}) {
+    bool b = false;
+    STRATA_RETURN_IF_ERROR(get_bool(key, &b));
+    if (b) return key_error(source, key, "is true; Llama layers with bias terms are not supported");
+  }
+  if (auto it = root.find("hidden_act"); it != root.end() && !it->is_null()) {
+    if (!it->is_string() || it->get<std::string>() != "silu")
+      return key_error(source, "hidden_act", fmt::format("is {}; only \"silu\" (SwiGLU) is supported", it->dump()));
+  }
+  if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null()) {
+    if (!allow_rope_scaling)
+      return key_error(source, "rope_scaling",
+                       fmt::format("is {}; scaled rotary embeddings are not supported (set it to null to train "
+                                   "with plain RoPE at max_position_embeddings)",
+                                   it->dump()));
+    c.rope_scaling = it->dump();
+  }
+  STRATA_RETURN_IF_ERROR(validate_llama_config(c).with_context(source));
+  if (auto it = root.find("head_dim"); it != root.end() && !it->is_null()) {
+    if (!it->is_number_unsigned() || it->get<uint64_t>() != c.head_dim())
+      return key_error(source, "head_dim",
+                       fmt::format("is {} but hidden_size / num_attention_heads = {}; a head_dim other than that "
+                                   "is not supported",
+                                   it->dump(), c.head_dim()));
+  }
+  return c;
+}
+
+Result<LlamaConfig> load_llama_config(const std::string& path, bool allow_rope_scaling) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Status::from_errno(errno, "open of " + path + " failed");
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (in.bad()) return Status(StatusCode::kIoError, "read of " + path + " failed");
+  return parse_llama_config(ss.str(), path, allow_rope_scaling);
+}
+
+std::string llama_config_to_json(const LlamaConfig& c) {
+  json j = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim()},
+      {"vocab_size", c.vocab_size},
+      {"rms_norm_eps", c.rms_norm_eps},
+      {"rope_theta", c.rope_theta},
+      {"rope_scaling", nullptr},
+      {"max_position_embeddings", c.max_position_embeddings},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"attention_dropout", 0.0},
+      {"mlp_bias", false},
+      {"initializer_range", c.initializer_range},
+      {"pretraining_tp", 1},
+      {"use_cache", true},
+      {"torch_dtype", c.torch_dtype == DType::kBF16  ? "bfloat16"
+                      : c.torch_dtype == DType::kF16 ? "float16"
+                                                     : "float32"},
+  };
+  j["bos_token_id"] = c.bos_token_id >= 0 ? json(c.bos_token_id) : json(nullptr);
+  j["eos_token_id"] = c.eos_token_id >= 0 ? json(c.eos_token_id) : json(nullptr);
+  if (!c.rope_scaling.empty()) j["rope_scaling"] = json::parse(c.rope_scaling, nullptr, false);
+  return j.dump(2) + "\n";
+}
+
+Status save_llama_config(const LlamaConfig& c, const std::string& path) {
+  STRATA_RETURN_IF_ERROR(validate_llama_config(c));
+  return write_file_atomic(path, llama_config_to_json(c));
+}
+
+std::vector<TensorDecl> llama_tensor_decls(const LlamaConfig& c, StDType dtype) {
+  std::vector<TensorDecl> out;
+  auto spec = llama_model_spec(c.shape());
+  if (!spec.ok()) return out;
+  for (auto& p : spec->params) out.push_back(TensorDecl{p.name, dtype, p.shape});
+  return out;
+}
+
+const TensorInfo* ModelDir::find(std::string_view name) const {
+  for (const auto& t : tensors)
+    if (t.name == name) return &t;
+  return nullptr;
+}
+
+Result<ModelDir> open_model_dir(const std::string& dir) {
+  ModelDir m;
+  m.dir = dir;
+  STRATA_ASSIGN_OR_RETURN(m.config, load_llama_config(dir + "/config.json"));
+  STRATA_ASSIGN_OR_RETURN(std::vector<TensorInfo> found, read_model_tensors(dir));
+  std::map<std::string, TensorInfo*> by_name;
+  for (auto& t : found) by_name[t.name] = &t;
+
+  std::vector<std::string> missing, wrong_shape, wrong_dtype, unexpected;
+  std::set<std::string> used;
+  LlamaConfig untied = m.config;
+  untied.tie_word_embeddings = false;
+  for (const auto& d : llama_tensor_decls(untied, StDType::kF32)) {
+    const bool optional = m.config.tie_word_embeddings && d.name == "lm_head.weight";
+    auto it = by_name.find(d.name);
+    if (it == by_name.end()) {
+      if (!optional) missing.push_back(d.name);
+      continue;
+    }
+    used.insert(d.name);
+    const TensorInfo& t = *it->second;
+    if (t.shape != d.shape)
+      wrong_shape.push_back(fmt::format("{} is {}, expected {}", d.name, shape_str(t.shape), shape_str(d.shape)));
+    else if (!to_dtype(t.dtype))
+      wrong_dtype.push_back(fmt::format("{} is {}", d.name, st_dtype_name(t.dtype)));
+    if (!optional) m.tensors.push_back(t);
+  }
+  for (const auto& t : found) {
+    if (used.count(t.name)) continue;
+    if (t.name.size() >= 21 && t.name.ends_with(".rotary_emb.inv_freq")) continue;
+    unexpected.push_back(t.name);
+  }
+  if (missing.empty() && wrong_shape.empty() && wrong_dtype.empty() && unexpected.empty()) return m;
+
+  auto list = [](const char* what, const std::vector<std::string>& v) -> std::string {
+    if (v.empty()) return "";
+    constexpr size_t kShow = 5;
+    std::string s = fmt::format("; {} ({}): ", what, v.size());
+    for (size_t i = 0; i < v.size() && i < kShow; ++i) s += (i ? ", " : "") + v[i];
+    if (v.size() > kShow) s += fmt::format(", ... ({} more)", v.size() - kShow);
+    return s;
+  };
+  std::string msg = fmt::format(
+      "{}: the weights do not match config.json ({} layers, hidden {}, {} heads, {} kv heads, "
+      "ffn {}, vocab {}{})",
+      dir, m.config.num_hidden_layers, m.config.hidden_size, m.config.num_attention_heads, m.config.num_key_value_heads,
+      m.config.intermediate_size, m.config.vocab_size, m.config.tie_word_embeddings ? ", tied embeddings" : "");
+  msg += list("missing", missing);
+  msg += list("wrong shape", wrong_shape);
+  msg += list("not F32/BF16/F16", wrong_dtype);
+  msg += list("unexpected", unexpected);
+  return Status(StatusCode::kCorrupt, msg);
+}
+
+}  // namespace strata::model

@@ -1,0 +1,97 @@
+// Hugging Face Llama models on disk: config.json (LlamaForCausalLM) and a
+// model directory (config.json + model.safetensors or a sharded index).
+//
+//   STRATA_ASSIGN_OR_RETURN(ModelDir m, open_model_dir("/models/tiny"));
+//   STRATA_ASSIGN_OR_RETURN(ModelSpec spec, llama_model_spec(m.config.shape()));
+//   STRATA_ASSIGN_OR_RETURN(auto reader, TensorReader::create());
+//   STRATA_RETURN_IF_ERROR(reader->read(*m.find("model.norm.weight"), DType::kF32, buf));
+//
+// Pure functions and value types; thread-safe. Blocking file I/O where noted.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/dtype.h"
+#include "common/status.h"
+#include "model/safetensors.h"
+#include "runtime/model_spec.h"
+
+namespace strata::model {
+
+struct LlamaConfig {
+  uint64_t hidden_size = 0;
+  uint64_t intermediate_size = 0;
+  uint32_t num_hidden_layers = 0;
+  uint32_t num_attention_heads = 0;
+  uint32_t num_key_value_heads = 0;  // config default: num_attention_heads
+  uint64_t vocab_size = 0;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  uint64_t max_position_embeddings = 2048;
+  bool tie_word_embeddings = false;
+  DType torch_dtype = DType::kBF16;  // "bfloat16" | "float16" | "float32"
+  int64_t bos_token_id = -1;         // -1: absent / null (a list: its first id)
+  int64_t eos_token_id = -1;
+  double initializer_range = 0.02;  // std of the normal init (init-model)
+  // JSON text of a non-null rope_scaling; only ever set when parsing with
+  // allow_rope_scaling (planning needs shapes only; the trainer does not
+  // implement scaled rotary embeddings and must refuse it).
+  std::string rope_scaling;
+
+  uint64_t head_dim() const { return num_attention_heads ? hidden_size / num_attention_heads : 0; }
+  // The runtime's view: layers, dim, heads, kv_heads, ffn_dim, vocab, tied,
+  // dtype = torch_dtype.
+  LlamaShape shape() const;
+};
+
+// kInvalidArgument naming the field: a zero size, hidden_size not divisible
+// by num_attention_heads, heads not divisible by kv heads, eps or theta not
+// positive and finite.
+Status validate_llama_config(const LlamaConfig& c);
+
+// Parses config.json text. `source` (a path) prefixes messages. Errors
+// (kInvalidArgument / kCorrupt for bad JSON) name the key: missing required
+// key, wrong type, a model_type other than "llama" or architectures other
+// than LlamaForCausalLM, head_dim != hidden_size / num_attention_heads,
+// rope_scaling not null (not supported; allow_rope_scaling keeps its text in
+// LlamaConfig::rope_scaling instead), attention_bias / mlp_bias true,
+// hidden_act other than "silu", unknown torch_dtype (absent: float32, as
+// Hugging Face loads it). Unknown extra keys are ignored.
+Result<LlamaConfig> parse_llama_config(std::string_view json_text, const std::string& source = "config.json",
+                                       bool allow_rope_scaling = false);
+// Reads and parses a file. Blocking.
+Result<LlamaConfig> load_llama_config(const std::string& path, bool allow_rope_scaling = false);
+// config.json text in Hugging Face's layout (architectures, model_type,
+// every field above, head_dim, hidden_act "silu", rope_scaling null, ...).
+std::string llama_config_to_json(const LlamaConfig& c);
+// Writes llama_config_to_json atomically (temp + fsync + rename). Blocking.
+Status save_llama_config(const LlamaConfig& c, const std::string& path);
+
+// Hugging Face tensor names and shapes for a config (the same list, order and
+// shapes as llama_model_spec(c.shape())).
+std::vector<TensorDecl> llama_tensor_decls(const LlamaConfig& c, StDType dtype);
+
+// A model directory, checked.
+struct ModelDir {
+  std::string dir;
+  LlamaConfig config;
+  // Every expected tensor, in llama_model_spec order, with its file, offset,
+  // file dtype and shape (dtypes may differ from torch_dtype and between
+  // tensors; any of F32/BF16/F16 is accepted).
+  std::vector<TensorInfo> tensors;
+  const TensorInfo* find(std::string_view name) const;
+};
+
+// Opens DIR/config.json and the weights (read_model_tensors), then checks
+// every expected Hugging Face tensor is present with the right shape and a
+// float dtype. A model with tied embeddings may still carry lm_head.weight
+// (ignored, must have the right shape). Errors: kNotFound (no config.json /
+// weights), kCorrupt listing missing, unexpected and wrong-shaped tensors
+// (the first few of each, and how many), errors from the parsers. Rotary
+// caches (`*.rotary_emb.inv_freq`) are ignored. Blocking (reads headers only).
+Result<ModelDir> open_model_dir(const std::string& dir);
+
+}  // namespace strata::model

@@ -1,0 +1,563 @@
+#include "train/cpu_kernels.h"
+
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <tbb/partitioner.h>
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace strata::train::cpu {
+namespace {
+
+// f(begin, end) over fixed blocks of `block` items. simple_partitioner with
+// grain 1 runs exactly one block per task, so the split never depends on the
+// number of threads.
+template <typename F>
+void for_blocks(int64_t n, int64_t block, F&& f) {
+  const int64_t nb = (n + block - 1) / block;
+  if (nb <= 0) return;
+  if (nb == 1) {
+    f(int64_t{0}, n);
+    return;
+  }
+  tbb::parallel_for(
+      tbb::blocked_range<int64_t>(0, nb, 1),
+      [&](const tbb::blocked_range<int64_t>& r) {
+        for (int64_t i = r.begin(); i != r.end(); ++i) f(i * block, std::min(n, (i + 1) * block));
+      },
+      tbb::simple_partitioner());
+}
+
+template <typename F>
+void for_each_index(int64_t n, F&& f) {
+  for_blocks(n, 1, [&](int64_t b, int64_t) { f(b); });
+}
+
+// Elementwise loops: big enough blocks to amortise a task.
+constexpr int64_t kElemBlock = 16384;
+
+template <typename S>
+S sigmoid(S x) {
+  return S(1) / (S(1) + std::exp(-x));
+}
+
+// Row-wise causal softmax of scale * row[0..i] (in place); row[i+1..T) = 0.
+template <typename S>
+void causal_softmax_rows(S* p, int64_t T, S scale) {
+  for (int64_t i = 0; i < T; ++i) {
+    S* row = p + i * T;
+    S mx = -std::numeric_limits<S>::infinity();
+    for (int64_t j = 0; j <= i; ++j) {
+      row[j] *= scale;
+      mx = std::max(mx, row[j]);
+    }
+    S sum = 0;
+    for (int64_t j = 0; j <= i; ++j) {
+      row[j] = std::exp(row[j] - mx);
+      sum += row[j];
+    }
+    const S inv = S(1) / sum;
+    for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
+    for (int64_t j = i + 1; j < T; ++j) row[j] = 0;
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- linear
+
+template <typename S>
+void linear_forward(const S* x, const S* w, S* y, int64_t n, int64_t in, int64_t out) {
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    gemm<S>(false, true, e - b, out, in, x + b * in, in, w, in, y + b * out, out, false);
+  });
+}
+
+template <typename S>
+void linear_backward_input(const S* dy, const S* w, S* dx, int64_t n, int64_t in, int64_t out,
+                           bool accumulate) {
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    gemm<S>(false, false, e - b, in, out, dy + b * out, out, w, in, dx + b * in, in, accumulate);
+  });
+}
+
+template <typename S>
+void linear_backward_weight(const S* dy, const S* x, S* dw, int64_t n, int64_t in, int64_t out) {
+  // Split over output features: each block's reduction over all n tokens
+  // happens inside one GEMM of a fixed shape.
+  for_blocks(out, kRowBlock, [&](int64_t b, int64_t e) {
+    gemm<S>(true, false, e - b, in, n, dy + b, out, x, in, dw + b * in, in, false);
+  });
+}
+
+// ---------------------------------------------------------------- RMSNorm
+
+template <typename S>
+void rmsnorm_forward(const S* x, const S* w, S* y, S* rstd, int64_t n, int64_t d, double eps) {
+  const S seps = static_cast<S>(eps);
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const S* xr = x + r * d;
+      S* yr = y + r * d;
+      S ss = 0;
+      for (int64_t j = 0; j < d; ++j) ss += xr[j] * xr[j];
+      const S rs = S(1) / std::sqrt(ss / static_cast<S>(d) + seps);
+      rstd[r] = rs;
+      // HF: weight * (x * rsqrt(var + eps)): normalise first, weight last.
+      for (int64_t j = 0; j < d; ++j) yr[j] = w[j] * (xr[j] * rs);
+    }
+  });
+}
+
+template <typename S>
+void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx, S* dw, int64_t n,
+                      int64_t d, bool accumulate_dx) {
+  const S inv_d = S(1) / static_cast<S>(d);
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const S* xr = x + r * d;
+      const S* dyr = dy + r * d;
+      S* dxr = dx + r * d;
+      const S rs = rstd[r];
+      // xhat = x * rstd; g = dy * w; dx = rstd * (g - xhat * mean(g * xhat)).
+      S dot = 0;
+      for (int64_t j = 0; j < d; ++j) dot += dyr[j] * w[j] * (xr[j] * rs);
+      const S m = dot * inv_d;
+      for (int64_t j = 0; j < d; ++j) {
+        const S v = rs * (dyr[j] * w[j] - (xr[j] * rs) * m);
+        dxr[j] = accumulate_dx ? dxr[j] + v : v;
+      }
+    }
+  });
+  // dw[j] = sum_r dy[r, j] * xhat[r, j], rows in order, split over columns.
+  for_blocks(d, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) dw[j] = 0;
+    for (int64_t r = 0; r < n; ++r) {
+      const S* xr = x + r * d;
+      const S* dyr = dy + r * d;
+      const S rs = rstd[r];
+      for (int64_t j = b; j < e; ++j) dw[j] += dyr[j] * (xr[j] * rs);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- RoPE
+
+template <typename S>
+void RopeTable<S>::init(int64_t max_seq_, int64_t head_dim, double theta) {
+  max_seq = max_seq_;
+  half = head_dim / 2;
+  cos.assign(static_cast<size_t>(max_seq * half), S(0));
+  sin.assign(static_cast<size_t>(max_seq * half), S(0));
+  for (int64_t i = 0; i < half; ++i) {
+    // HF: inv_freq = 1 / theta^(arange(0, hd, 2) / hd), a float tensor; the
+    // angles are pos * inv_freq in fp32. The double build uses the same
+    // rounded values so both builds compute the same function.
+    const float inv_freq = static_cast<float>(
+        1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(head_dim)));
+    for (int64_t t = 0; t < max_seq; ++t) {
+      const float angle = static_cast<float>(t) * inv_freq;
+      cos[t * half + i] = static_cast<S>(std::cos(static_cast<double>(angle)));
+      sin[t * half + i] = static_cast<S>(std::sin(static_cast<double>(angle)));
+    }
+  }
+}
+
+template <typename S>
+void rope_apply(S* x, int64_t n, int64_t T, int64_t heads, int64_t head_dim,
+                const RopeTable<S>& table, bool inverse) {
+  const int64_t half = head_dim / 2;
+  const int64_t width = heads * head_dim;
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      const int64_t pos = r % T;
+      const S* c = table.cos.data() + pos * half;
+      const S* s = table.sin.data() + pos * half;
+      for (int64_t h = 0; h < heads; ++h) {
+        S* v = x + r * width + h * head_dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const S a = v[i], bb = v[i + half];
+          if (!inverse) {
+            // q * cos + rotate_half(q) * sin, rotate_half(q) = (-q2, q1).
+            v[i] = a * c[i] - bb * s[i];
+            v[i + half] = bb * c[i] + a * s[i];
+          } else {
+            v[i] = a * c[i] + bb * s[i];
+            v[i + half] = bb * c[i] - a * s[i];
+          }
+        }
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- attention
+
+template <typename S>
+void AttnScratch<S>::init(int slots_, int64_t max_seq) {
+  slots = slots_;
+  per_slot = 2 * max_seq * max_seq;
+  buf.assign(static_cast<size_t>(slots) * static_cast<size_t>(per_slot), S(0));
+}
+
+template <typename S>
+S* AttnScratch<S>::slot() {
+  int idx = tbb::this_task_arena::current_thread_index();
+  // Outside any arena (cannot happen inside for_blocks) the index is
+  // "not initialized"; clamp so a misuse stays memory-safe.
+  if (idx < 0 || idx >= slots) idx = 0;
+  return buf.data() + static_cast<size_t>(idx) * static_cast<size_t>(per_slot);
+}
+
+template <typename S>
+void attention_forward(const S* q, const S* k, const S* v, S* out, int64_t B, int64_t T,
+                       int64_t heads, int64_t kv_heads, int64_t hd, AttnScratch<S>& scratch) {
+  const int64_t qd = heads * hd, kvd = kv_heads * hd, group = heads / kv_heads;
+  const S scale = S(1) / std::sqrt(static_cast<S>(hd));
+  for_each_index(B * heads, [&](int64_t task) {
+    const int64_t b = task / heads, h = task % heads, kvh = h / group;
+    S* p = scratch.slot();
+    const S* qh = q + b * T * qd + h * hd;
+    const S* kh = k + b * T * kvd + kvh * hd;
+    const S* vh = v + b * T * kvd + kvh * hd;
+    gemm<S>(false, true, T, T, hd, qh, qd, kh, kvd, p, T, false);
+    causal_softmax_rows(p, T, scale);
+    gemm<S>(false, false, T, hd, T, p, T, vh, kvd, out + b * T * qd + h * hd, qd, false);
+  });
+}
+
+template <typename S>
+void attention_backward(const S* q, const S* k, const S* v, const S* dout, S* dq, S* dk, S* dv,
+                        int64_t B, int64_t T, int64_t heads, int64_t kv_heads, int64_t hd,
+                        AttnScratch<S>& scratch) {
+  const int64_t qd = heads * hd, kvd = kv_heads * hd, group = heads / kv_heads;
+  const S scale = S(1) / std::sqrt(static_cast<S>(hd));
+  // One task per (batch, kv head): the query heads sharing a kv head add
+  // into its dK/dV one after another, in head order, so no two tasks write
+  // the same memory and the sum order is fixed.
+  for_each_index(B * kv_heads, [&](int64_t task) {
+    const int64_t b = task / kv_heads, kvh = task % kv_heads;
+    S* p = scratch.slot();
+    S* ds = p + T * T;
+    const S* kh = k + b * T * kvd + kvh * hd;
+    const S* vh = v + b * T * kvd + kvh * hd;
+    S* dkh = dk + b * T * kvd + kvh * hd;
+    S* dvh = dv + b * T * kvd + kvh * hd;
+    for (int64_t gi = 0; gi < group; ++gi) {
+      const int64_t h = kvh * group + gi;
+      const S* qh = q + b * T * qd + h * hd;
+      const S* doh = dout + b * T * qd + h * hd;
+      gemm<S>(false, true, T, T, hd, qh, qd, kh, kvd, p, T, false);
+      causal_softmax_rows(p, T, scale);
+      // dP = dO V^T; dS = P * (dP - rowsum(P * dP)) * scale.
+      gemm<S>(false, true, T, T, hd, doh, qd, vh, kvd, ds, T, false);
+      for (int64_t i = 0; i < T; ++i) {
+        const S* pr = p + i * T;
+        S* dr = ds + i * T;
+        S dot = 0;
+        for (int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
+        for (int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot) * scale;
+        for (int64_t j = i + 1; j < T; ++j) dr[j] = 0;
+      }
+      gemm<S>(false, false, T, hd, T, ds, T, kh, kvd, dq + b * T * qd + h * hd, qd, false);
+      gemm<S>(true, false, T, hd, T, ds, T, qh, qd, dkh, kvd, gi > 0);
+      gemm<S>(true, false, T, hd, T, p, T, doh, qd, dvh, kvd, gi > 0);
+    }
+  });
+}
+
+// ---------------------------------------------------------------- SwiGLU
+
+template <typename S>
+void swiglu_forward(const S* g, const S* u, S* a, int64_t count) {
+  for_blocks(count, kElemBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) a[i] = g[i] * sigmoid(g[i]) * u[i];
+  });
+}
+
+template <typename S>
+void swiglu_backward(const S* g, const S* u, const S* da, S* dg, S* du, int64_t count) {
+  for_blocks(count, kElemBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) {
+      const S gi = g[i], ui = u[i], dai = da[i];
+      const S sg = sigmoid(gi);
+      const S silu = gi * sg;
+      dg[i] = dai * ui * (sg * (S(1) + gi * (S(1) - sg)));
+      du[i] = dai * silu;
+    }
+  });
+}
+
+// ---------------------------------------------------------------- embedding
+
+template <typename S>
+void embed_forward(const S* table, const int32_t* tokens, S* out, int64_t n, int64_t d) {
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r)
+      std::memcpy(out + r * d, table + static_cast<int64_t>(tokens[r]) * d, sizeof(S) * d);
+  });
+}
+
+template <typename S>
+void embed_backward(const int32_t* tokens, const S* dx, S* grad, int64_t n, int64_t d,
+                    int64_t vocab, bool accumulate) {
+  if (!accumulate) {
+    for_blocks(vocab, kRowBlock, [&](int64_t b, int64_t e) {
+      std::fill(grad + b * d, grad + e * d, S(0));
+    });
+  }
+  // Column blocks: a repeated token adds its rows in token order.
+  for_blocks(d, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t r = 0; r < n; ++r) {
+      S* gr = grad + static_cast<int64_t>(tokens[r]) * d;
+      const S* xr = dx + r * d;
+      for (int64_t j = b; j < e; ++j) gr[j] += xr[j];
+    }
+  });
+}
+
+// ---------------------------------------------------------------- cross-entropy
+
+template <typename S>
+void cross_entropy_rows(S* logits, const int32_t* targets, const uint8_t* mask, int64_t n,
+                        int64_t vocab, bool write_grad, S grad_scale, double* row_loss) {
+  for_blocks(n, kRowBlock / 4, [&](int64_t b, int64_t e) {
+    for (int64_t r = b; r < e; ++r) {
+      S* lr = logits + r * vocab;
+      if (!ce_counts(targets, mask, r)) {
+        row_loss[r] = 0;
+        if (write_grad) std::fill(lr, lr + vocab, S(0));
+        continue;
+      }
+      S mx = -std::numeric_limits<S>::infinity();
+      for (int64_t j = 0; j < vocab; ++j) mx = std::max(mx, lr[j]);
+      double sum = 0;
+      for (int64_t j = 0; j < vocab; ++j) sum += static_cast<double>(std::exp(lr[j] - mx));
+      const double lse = static_cast<double>(mx) + std::log(sum);
+      const int64_t t = targets[r];
+      row_loss[r] = lse - static_cast<double>(lr[t]);
+      if (write_grad) {
+        const S slse = static_cast<S>(lse);
+        for (int64_t j = 0; j < vocab; ++j) lr[j] = grad_scale * std::exp(lr[j] - slse);
+        lr[t] -= grad_scale;
+      }
+    }
+  });
+}
+
+// ---------------------------------------------------------------- layer
+
+namespace {
+template <typename S>
+void resize(std::vector<S>& v, int64_t n) {
+  v.assign(static_cast<size_t>(n), S(0));
+}
+template <typename S>
+void add_into(S* y, const S* a, int64_t count) {
+  for_blocks(count, kElemBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) y[i] = a[i] + y[i];
+  });
+}
+template <typename S>
+void copy(S* dst, const S* src, int64_t count) {
+  if (dst == src) return;
+  for_blocks(count, kElemBlock, [&](int64_t b, int64_t e) {
+    std::memcpy(dst + b, src + b, sizeof(S) * (e - b));
+  });
+}
+}  // namespace
+
+template <typename S>
+LayerMath<S>::LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_seq,
+                        int attn_slots)
+    : d_(dims), max_tokens_(max_tokens) {
+  const int64_t n = max_tokens, D = dims.dim, qd = dims.q_dim(), kvd = dims.kv_dim(),
+                F = dims.ffn_dim;
+  rope_.init(max_seq, dims.head_dim, dims.rope_theta);
+  scratch_.init(attn_slots, max_seq);
+  resize(rstd1_, n);
+  resize(n1_, n * D);
+  resize(q_, n * qd);
+  resize(k_, n * kvd);
+  resize(v_, n * kvd);
+  resize(att_, n * qd);
+  resize(h_, n * D);
+  resize(rstd2_, n);
+  resize(n2_, n * D);
+  resize(g_, n * F);
+  resize(u_, n * F);
+  resize(a_, n * F);
+  resize(dh_, n * D);
+  resize(dbig_, n * F);
+  resize(dbig2_, n * F);
+  resize(dq_, n * qd);
+  resize(dk_, n * kvd);
+  resize(dv_, n * kvd);
+  resize(datt_, n * qd);
+  resize(dn_, n * D);
+}
+
+template <typename S>
+void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T) {
+  const int64_t n = B * T, D = d_.dim, qd = d_.q_dim(), kvd = d_.kv_dim(), F = d_.ffn_dim;
+  rmsnorm_forward(x, p.input_layernorm, n1_.data(), rstd1_.data(), n, D, d_.rms_eps);
+  linear_forward(n1_.data(), p.q_proj, q_.data(), n, D, qd);
+  linear_forward(n1_.data(), p.k_proj, k_.data(), n, D, kvd);
+  linear_forward(n1_.data(), p.v_proj, v_.data(), n, D, kvd);
+  rope_apply(q_.data(), n, T, d_.heads, d_.head_dim, rope_, false);
+  rope_apply(k_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, false);
+  attention_forward(q_.data(), k_.data(), v_.data(), att_.data(), B, T, d_.heads, d_.kv_heads,
+                    d_.head_dim, scratch_);
+  linear_forward(att_.data(), p.o_proj, h_.data(), n, qd, D);
+  add_into(h_.data(), x, n * D);  // h = x + attn
+  rmsnorm_forward(h_.data(), p.post_attention_layernorm, n2_.data(), rstd2_.data(), n, D,
+                  d_.rms_eps);
+  linear_forward(n2_.data(), p.gate_proj, g_.data(), n, D, F);
+  linear_forward(n2_.data(), p.up_proj, u_.data(), n, D, F);
+  swiglu_forward(g_.data(), u_.data(), a_.data(), n * F);
+}
+
+template <typename S>
+void LayerMath<S>::forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T) {
+  run_forward(p, x, B, T);
+  const int64_t n = B * T;
+  // x is not read again, so y may be x.
+  linear_forward(a_.data(), p.down_proj, y, n, d_.ffn_dim, d_.dim);
+  add_into(y, h_.data(), n * d_.dim);  // y = h + mlp
+}
+
+template <typename S>
+void LayerMath<S>::backward(const LayerParams<S>& p, const S* x, const S* dy, S* dx,
+                            const LayerParamGrads<S>& g, int64_t B, int64_t T) {
+  run_forward(p, x, B, T);
+  const int64_t n = B * T, D = d_.dim, qd = d_.q_dim(), kvd = d_.kv_dim(), F = d_.ffn_dim;
+  S* dh = dh_.data();
+  copy(dh, dy, n * D);  // dy may be dx: read it once, here
+  // MLP: y = h + down(a), a = silu(gate(n2)) * up(n2).
+  S* da = dbig_.data();
+  S* dgate = dbig2_.data();
+  linear_backward_input(dh, p.down_proj, da, n, F, D, false);
+  linear_backward_weight(dh, a_.data(), g.down_proj, n, F, D);
+  swiglu_backward(g_.data(), u_.data(), da, dgate, /*du=*/da, n * F);
+  S* dn = dn_.data();
+  linear_backward_input(dgate, p.gate_proj, dn, n, D, F, false);
+  linear_backward_input(da, p.up_proj, dn, n, D, F, true);
+  linear_backward_weight(dgate, n2_.data(), g.gate_proj, n, D, F);
+  linear_backward_weight(da, n2_.data(), g.up_proj, n, D, F);
+  rmsnorm_backward(h_.data(), p.post_attention_layernorm, rstd2_.data(), dn, dh,
+                   g.post_attention_layernorm, n, D, /*accumulate_dx=*/true);
+  // Attention: h = x + o_proj(att).
+  linear_backward_input(dh, p.o_proj, datt_.data(), n, qd, D, false);
+  linear_backward_weight(dh, att_.data(), g.o_proj, n, qd, D);
+  attention_backward(q_.data(), k_.data(), v_.data(), datt_.data(), dq_.data(), dk_.data(),
+                     dv_.data(), B, T, d_.heads, d_.kv_heads, d_.head_dim, scratch_);
+  rope_apply(dq_.data(), n, T, d_.heads, d_.head_dim, rope_, true);
+  rope_apply(dk_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, true);
+  linear_backward_input(dq_.data(), p.q_proj, dn, n, D, qd, false);
+  linear_backward_input(dk_.data(), p.k_proj, dn, n, D, kvd, true);
+  linear_backward_input(dv_.data(), p.v_proj, dn, n, D, kvd, true);
+  linear_backward_weight(dq_.data(), n1_.data(), g.q_proj, n, D, qd);
+  linear_backward_weight(dk_.data(), n1_.data(), g.k_proj, n, D, kvd);
+  linear_backward_weight(dv_.data(), n1_.data(), g.v_proj, n, D, kvd);
+  copy(dx, dh, n * D);
+  rmsnorm_backward(x, p.input_layernorm, rstd1_.data(), dn, dx, g.input_layernorm, n, D,
+                   /*accumulate_dx=*/true);
+}
+
+// ---------------------------------------------------------------- head
+
+template <typename S>
+HeadMath<S>::HeadMath(const LlamaDims& dims, int64_t max_tokens, int64_t chunk_rows)
+    : d_(dims), max_tokens_(max_tokens) {
+  // At most ~8M logits at a time (32 MiB in fp32), whole row blocks.
+  constexpr int64_t kMaxLogits = int64_t{8} << 20;
+  int64_t c = std::max<int64_t>(1, kMaxLogits / dims.vocab);
+  if (c > kRowBlock) c -= c % kRowBlock;
+  if (chunk_rows > 0) c = chunk_rows;
+  chunk_ = std::min(c, max_tokens);
+  resize(xn_, max_tokens * dims.dim);
+  resize(rstd_, max_tokens);
+  resize(logits_, chunk_ * dims.vocab);
+  resize(dxn_, max_tokens * dims.dim);
+  row_loss_.assign(static_cast<size_t>(max_tokens), 0.0);
+}
+
+template <typename S>
+void HeadMath<S>::run(const S* norm_w, const S* lm_head, const S* x, const int32_t* targets,
+                      const uint8_t* mask, int64_t n, S dloss, LossStats* loss, S* dx,
+                      S* grad_norm, S* grad_lm_head) {
+  const int64_t D = d_.dim, V = d_.vocab;
+  const bool grad = dx != nullptr;
+  rmsnorm_forward(x, norm_w, xn_.data(), rstd_.data(), n, D, d_.rms_eps);
+  int64_t count = 0;
+  for (int64_t r = 0; r < n; ++r) count += ce_counts(targets, mask, r) ? 1 : 0;
+  const S scale = count > 0 ? dloss / static_cast<S>(count) : S(0);
+  for (int64_t c0 = 0; c0 < n; c0 += chunk_) {
+    const int64_t rows = std::min(chunk_, n - c0);
+    S* lg = logits_.data();
+    const S* xc = xn_.data() + c0 * D;
+    linear_forward(xc, lm_head, lg, rows, D, V);
+    cross_entropy_rows(lg, targets + c0, mask ? mask + c0 : nullptr, rows, V, grad, scale,
+                       row_loss_.data() + c0);
+    if (!grad) continue;
+    linear_backward_input(lg, lm_head, dxn_.data() + c0 * D, rows, D, V, false);
+    // grad_lm_head (+)= dlogits^T xn over the chunks in order.
+    for_blocks(V, kRowBlock, [&](int64_t b, int64_t e) {
+      gemm<S>(true, false, e - b, D, rows, lg + b, V, xc, D, grad_lm_head + b * D, D, c0 > 0);
+    });
+  }
+  if (grad) {
+    rmsnorm_backward(x, norm_w, rstd_.data(), dxn_.data(), dx, grad_norm, n, D, false);
+  }
+  if (loss) {
+    double sum = 0;
+    for (int64_t r = 0; r < n; ++r) sum += row_loss_[r];
+    loss->sum = sum;
+    loss->count = count;
+  }
+}
+
+template <typename S>
+void HeadMath<S>::logits(const S* norm_w, const S* lm_head, const S* x, int64_t n, S* out) {
+  rmsnorm_forward(x, norm_w, xn_.data(), rstd_.data(), n, d_.dim, d_.rms_eps);
+  linear_forward(xn_.data(), lm_head, out, n, d_.dim, d_.vocab);
+}
+
+// ---------------------------------------------------------------- instances
+
+#define STRATA_TRAIN_INSTANTIATE(S)                                                             \
+  template void linear_forward<S>(const S*, const S*, S*, int64_t, int64_t, int64_t);          \
+  template void linear_backward_input<S>(const S*, const S*, S*, int64_t, int64_t, int64_t,    \
+                                         bool);                                                 \
+  template void linear_backward_weight<S>(const S*, const S*, S*, int64_t, int64_t, int64_t);  \
+  template void rmsnorm_forward<S>(const S*, const S*, S*, S*, int64_t, int64_t, double);      \
+  template void rmsnorm_backward<S>(const S*, const S*, const S*, const S*, S*, S*, int64_t,   \
+                                    int64_t, bool);                                             \
+  template struct RopeTable<S>;                                                                 \
+  template void rope_apply<S>(S*, int64_t, int64_t, int64_t, int64_t, const RopeTable<S>&,     \
+                              bool);                                                            \
+  template struct AttnScratch<S>;                                                               \
+  template void attention_forward<S>(const S*, const S*, const S*, S*, int64_t, int64_t,       \
+                                     int64_t, int64_t, int64_t, AttnScratch<S>&);               \
+  template void attention_backward<S>(const S*, const S*, const S*, const S*, S*, S*, S*,      \
+                                      int64_t, int64_t, int64_t, int64_t, int64_t,              \
+                                      AttnScratch<S>&);                                         \
+  template void swiglu_forward<S>(const S*, const S*, S*, int64_t);                             \
+  template void swiglu_backward<S>(const S*, const S*, const S*, S*, S*, int64_t);              \
+  template void embed_forward<S>(const S*, const int32_t*, S*, int64_t, int64_t);               \
+  template void embed_backward<S>(const int32_t*, const S*, S*, int64_t, int64_t, int64_t,      \
+                                  bool);                                                        \
+  template void cross_entropy_rows<S>(S*, const int32_t*, const uint8_t*, int64_t, int64_t,    \
+                                      bool, S, double*);                                        \
+  template class LayerMath<S>;                                                                  \
+  template class HeadMath<S>;
+
+STRATA_TRAIN_INSTANTIATE(float)
+STRATA_TRAIN_INSTANTIATE(double)
+
+#undef STRATA_TRAIN_INSTANTIATE
+
+}  // namespace strata::train::cpu

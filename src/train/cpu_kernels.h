@@ -1,0 +1,200 @@
+// The CPU math behind CpuOps (train/cpu_ops.h), templated on the scalar type:
+// float is what the trainer runs, double is what the finite-difference
+// gradient checks run (the same code, so a check tests the shipped kernels).
+// Instantiated for float and double in cpu_kernels.cpp.
+//
+// Threading: every function parallelises with TBB in the caller's task arena
+// (CpuOps runs them inside its own arena). Work is split into blocks whose
+// size depends only on the problem size, never on the thread count, and
+// every reduction runs in a fixed order inside one block, so results are
+// bitwise identical for any number of threads. Eigen never starts threads of
+// its own (EIGEN_DONT_PARALLELIZE in every TU that includes it): one thread
+// pool, TBB's.
+//
+// Layouts are those of train/model_ops.h: row-major, token-major [n, width]
+// with n = B*T tokens, token (b, t) in row b*T + t.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "train/model_ops.h"
+
+namespace strata::train::cpu {
+
+// Rows per task for token-parallel and feature-parallel loops. Fixed (never
+// derived from the thread count) so that partitioning, and with it every
+// result bit, is the same for any number of threads.
+inline constexpr int64_t kRowBlock = 64;
+
+// ---- GEMM (single-threaded; callers parallelise by blocks)
+// Row-major C[m, n] (=|+=) op(A)[m, k] * op(B)[k, n], where op(A) = A with A
+// stored [m, k] (lda >= k) or A^T with A stored [k, m] (lda >= m); same for B.
+// accumulate = false overwrites C. Float runs the kernel the CPU supports best
+// (cpu_optim's ISA dispatch: avx512 / avx2+fma / generic x86-64, honouring
+// STRATA_CPU_ISA); double always runs the generic one.
+template <typename S>
+void gemm(bool trans_a, bool trans_b, int64_t m, int64_t n, int64_t k, const S* a, int64_t lda,
+          const S* b, int64_t ldb, S* c, int64_t ldc, bool accumulate);
+// The ISA the float GEMM uses ("generic", "avx2", "avx512").
+const char* gemm_isa();
+
+// ---- linear (HF nn.Linear without bias: y = x W^T, W [out, in])
+template <typename S>
+void linear_forward(const S* x, const S* w, S* y, int64_t n, int64_t in, int64_t out);
+// dx (=|+=) dy W
+template <typename S>
+void linear_backward_input(const S* dy, const S* w, S* dx, int64_t n, int64_t in, int64_t out,
+                           bool accumulate);
+// dw = dy^T x (overwrites)
+template <typename S>
+void linear_backward_weight(const S* dy, const S* x, S* dw, int64_t n, int64_t in, int64_t out);
+
+// ---- RMSNorm: y = w * (x * rstd), rstd = 1/sqrt(mean(x^2) + eps) per row
+template <typename S>
+void rmsnorm_forward(const S* x, const S* w, S* y, S* rstd, int64_t n, int64_t d, double eps);
+// dx (=|+=) d/dx, dw = sum over rows (overwrites). rstd from the forward.
+template <typename S>
+void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx, S* dw, int64_t n,
+                      int64_t d, bool accumulate_dx);
+
+// ---- rotary embeddings (HF rotate_half convention)
+template <typename S>
+struct RopeTable {
+  int64_t max_seq = 0, half = 0;
+  std::vector<S> cos, sin;  // [max_seq, half]
+  void init(int64_t max_seq, int64_t head_dim, double theta);
+};
+// In place on x[n = B*T, heads * head_dim]; position of row r is r % T.
+// inverse = true applies the transposed rotation (the backward).
+template <typename S>
+void rope_apply(S* x, int64_t n, int64_t T, int64_t heads, int64_t head_dim,
+                const RopeTable<S>& table, bool inverse);
+
+// ---- causal grouped-query attention
+// Scratch per TBB thread slot of the arena the calls run in: slots must be
+// the arena's max_concurrency() (tbb::this_task_arena::max_concurrency()
+// inside it).
+template <typename S>
+struct AttnScratch {
+  int slots = 0;
+  int64_t per_slot = 0;
+  std::vector<S> buf;
+  void init(int slots, int64_t max_seq);  // 2 * max_seq^2 per slot
+  S* slot();                              // this thread's slot
+};
+// q [n, heads*hd], k, v [n, kv_heads*hd] (rope already applied), out [n, heads*hd].
+template <typename S>
+void attention_forward(const S* q, const S* k, const S* v, S* out, int64_t B, int64_t T,
+                       int64_t heads, int64_t kv_heads, int64_t hd, AttnScratch<S>& scratch);
+// Recomputes the probabilities; dq, dk, dv are overwritten.
+template <typename S>
+void attention_backward(const S* q, const S* k, const S* v, const S* dout, S* dq, S* dk, S* dv,
+                        int64_t B, int64_t T, int64_t heads, int64_t kv_heads, int64_t hd,
+                        AttnScratch<S>& scratch);
+
+// ---- SwiGLU: a = silu(g) * u, elementwise over n*f values
+template <typename S>
+void swiglu_forward(const S* g, const S* u, S* a, int64_t count);
+// dg, du overwritten; du may equal da (each element is read before it is
+// written); nothing else may alias.
+template <typename S>
+void swiglu_backward(const S* g, const S* u, const S* da, S* dg, S* du, int64_t count);
+
+// ---- embedding
+template <typename S>
+void embed_forward(const S* table, const int32_t* tokens, S* out, int64_t n, int64_t d);
+// grad[vocab, d] (=|+=) scatter-add of dx by token, in token order per column.
+template <typename S>
+void embed_backward(const int32_t* tokens, const S* dx, S* grad, int64_t n, int64_t d,
+                    int64_t vocab, bool accumulate);
+
+// ---- cross-entropy over logits rows
+// true where row r counts (target >= 0 and mask null or non-zero).
+inline bool ce_counts(const int32_t* targets, const uint8_t* mask, int64_t r) {
+  return targets[r] >= 0 && (mask == nullptr || mask[r] != 0);
+}
+// For rows [0, n): row_loss[r] = lse - logit[target] (0 for ignored rows).
+// If write_grad, logits are replaced in place by grad_scale *
+// (softmax - onehot) (0 for ignored rows). Targets must be < vocab. The
+// softmax denominator is summed in double (vocab may be 10^5 terms).
+template <typename S>
+void cross_entropy_rows(S* logits, const int32_t* targets, const uint8_t* mask, int64_t n,
+                        int64_t vocab, bool write_grad, S grad_scale, double* row_loss);
+
+// ---- a whole decoder layer
+template <typename S>
+struct LayerParams {
+  const S* input_layernorm;
+  const S* q_proj;
+  const S* k_proj;
+  const S* v_proj;
+  const S* o_proj;
+  const S* post_attention_layernorm;
+  const S* gate_proj;
+  const S* up_proj;
+  const S* down_proj;
+};
+template <typename S>
+struct LayerParamGrads {
+  S* input_layernorm;
+  S* q_proj;
+  S* k_proj;
+  S* v_proj;
+  S* o_proj;
+  S* post_attention_layernorm;
+  S* gate_proj;
+  S* up_proj;
+  S* down_proj;
+};
+
+// Activations and scratch of one layer for up to max_tokens tokens. Not
+// thread-safe: one call at a time.
+template <typename S>
+class LayerMath {
+ public:
+  // Allocates everything (may throw std::bad_alloc; CpuOps catches it).
+  // attn_slots: see AttnScratch.
+  LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_seq, int attn_slots);
+  // y may equal x.
+  void forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T);
+  // dx may equal dy. grads overwritten.
+  void backward(const LayerParams<S>& p, const S* x, const S* dy, S* dx,
+                const LayerParamGrads<S>& g, int64_t B, int64_t T);
+
+ private:
+  void run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T);
+  LlamaDims d_;
+  int64_t max_tokens_;
+  RopeTable<S> rope_;
+  AttnScratch<S> scratch_;
+  // Saved by run_forward (per token): n1, q, k, v (roped), att, h, n2, g, u, a.
+  std::vector<S> rstd1_, n1_, q_, k_, v_, att_, h_, rstd2_, n2_, g_, u_, a_;
+  // Backward scratch.
+  std::vector<S> dh_, dbig_, dbig2_, dq_, dk_, dv_, datt_, dn_;
+};
+
+// The final norm, logits and cross-entropy, chunked over tokens so that only
+// chunk_rows x vocab logits exist at a time. The chunk size depends only on
+// (vocab, max_tokens), so results do not depend on threads.
+template <typename S>
+class HeadMath {
+ public:
+  // chunk_rows > 0 overrides the chunk size (tests exercise several chunks).
+  HeadMath(const LlamaDims& dims, int64_t max_tokens, int64_t chunk_rows = 0);
+  // Any of loss / dx / grads may be skipped: dx == nullptr means forward
+  // only (grads ignored). dloss: see ModelOps::head_forward_backward.
+  void run(const S* norm_w, const S* lm_head, const S* x, const int32_t* targets,
+           const uint8_t* mask, int64_t n, S dloss, LossStats* loss, S* dx, S* grad_norm,
+           S* grad_lm_head);
+  void logits(const S* norm_w, const S* lm_head, const S* x, int64_t n, S* out);
+  int64_t chunk_rows() const { return chunk_; }
+
+ private:
+  LlamaDims d_;
+  int64_t max_tokens_, chunk_;
+  std::vector<S> xn_, rstd_, logits_, dxn_;
+  std::vector<double> row_loss_;
+};
+
+}  // namespace strata::train::cpu

@@ -1,0 +1,366 @@
+#include "train/cuda_ops.h"
+
+#include <dlfcn.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <climits>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include "common/log.h"
+#include "device/cuda_backend.h"
+#include "device/cuda_loader.h"
+#include "train/cuda_train_module.h"
+
+namespace strata::train {
+namespace {
+
+constexpr const char* kModuleName = "libstrata_cuda_train.so";
+
+struct TrainModule {
+  const strata_cuda_train_api_v1_t* api = nullptr;
+  std::string path;
+};
+
+std::string dir_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+std::string exe_dir() {
+  char buf[PATH_MAX];
+  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
+  if (n <= 0) return ".";
+  buf[n] = '\0';
+  return dir_of(buf);
+}
+
+Result<TrainModule> load_once() {
+  // The device backend's module first: no point (and no driver) without it,
+  // and its directory is where the build and the install put ours.
+  STRATA_ASSIGN_OR_RETURN(CudaBackend backend, load_cuda_backend());
+  std::vector<std::string> candidates;
+  if (backend.module_path.find('/') != std::string::npos)
+    candidates.push_back(dir_of(backend.module_path) + "/" + kModuleName);
+  const std::string exe = exe_dir();
+  for (const char* sub : {"/", "/../lib/", "/../cuda/"}) candidates.push_back(exe + sub + kModuleName);
+  candidates.push_back(kModuleName);
+  std::string errors;
+  for (const auto& path : candidates) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+      const char* e = dlerror();
+      // A present file that fails to load (libcublas.so.13 missing) is the
+      // interesting reason; absent candidates are expected.
+      if (access(path.c_str(), F_OK) == 0 || path.find('/') == std::string::npos)
+        errors += (errors.empty() ? "" : "; ") + std::string(e ? e : path.c_str());
+      continue;
+    }
+    auto fn = reinterpret_cast<strata_cuda_train_api_v1_fn>(dlsym(handle, STRATA_CUDA_TRAIN_API_SYMBOL));
+    if (!fn) {
+      errors += (errors.empty() ? "" : "; ") + path + " has no symbol " STRATA_CUDA_TRAIN_API_SYMBOL;
+      dlclose(handle);
+      continue;
+    }
+    const strata_cuda_train_api_v1_t* api = fn();
+    if (!api || api->abi_version != STRATA_CUDA_TRAIN_ABI_VERSION ||
+        api->struct_size < sizeof(strata_cuda_train_api_v1_t)) {
+      dlclose(handle);
+      return Status(StatusCode::kUnavailable, path + " speaks another model-ops ABI version; rebuild Strata");
+    }
+    return TrainModule{api, path};  // never unloaded: CUDA libraries do not unload safely
+  }
+  return Status(StatusCode::kUnavailable,
+                std::string("CUDA model-ops module not loadable: ") +
+                    (errors.empty() ? std::string(kModuleName) + " not found next to " + backend.module_path : errors));
+}
+
+Result<TrainModule> load_module() {
+  static std::once_flag once;
+  static Result<TrainModule> result = Status(StatusCode::kInternal, "not loaded");
+  std::call_once(once, [] { result = load_once(); });
+  return result;
+}
+
+// A module return code and its text as a Status.
+Status module_status(int rc, const char* err, const std::string& what) {
+  constexpr int kCudaInvalidValue = 1, kCudaMemoryAllocation = 2, kBlasAllocFailed = 1000 + 3;
+  const StatusCode code = rc == kCudaMemoryAllocation || rc == kBlasAllocFailed ? StatusCode::kOutOfMemory
+                          : rc == kCudaInvalidValue                             ? StatusCode::kInvalidArgument
+                                                                                : StatusCode::kInternal;
+  return Status(code, "cuda train ops: " + what + " failed: " + (err[0] ? std::string(err) : "error " + std::to_string(rc)));
+}
+
+#define STRATA_TRAIN_CALL(what, fn, ...)                            \
+  do {                                                              \
+    char _err[512] = {0};                                           \
+    const int _rc = api_->fn(__VA_ARGS__, _err, sizeof(_err));      \
+    if (_rc != 0) return module_status(_rc, _err, what);            \
+  } while (0)
+
+Status bad_arg(const std::string& what) { return Status(StatusCode::kInvalidArgument, what); }
+
+Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
+  STRATA_RETURN_IF_ERROR(o.dims.validate());
+  if (o.max_batch < 1 || o.max_seq < 1 || o.max_batch > INT_MAX / o.max_seq)
+    return bad_arg(fmt::format("CUDA train ops: max_batch {} and max_seq {} must be >= 1 with a product < 2^31",
+                               o.max_batch, o.max_seq));
+  strata_cuda_train_dims_t d{};
+  d.dim = o.dims.dim;
+  d.heads = o.dims.heads;
+  d.kv_heads = o.dims.kv_heads;
+  d.head_dim = o.dims.head_dim;
+  d.ffn_dim = o.dims.ffn_dim;
+  d.vocab = o.dims.vocab;
+  d.rms_eps = o.dims.rms_eps;
+  d.rope_theta = o.dims.rope_theta;
+  d.max_tokens = o.max_batch * o.max_seq;
+  d.max_seq = o.max_seq;
+  d.allow_tf32 = o.allow_tf32 ? 1 : 0;
+  return d;
+}
+
+class CudaOps final : public ModelOps {
+ public:
+  CudaOps(DeviceBackend& backend, DeviceStream* stream, const CudaOpsOptions& o, const strata_cuda_train_api_v1_t* api)
+      : backend_(backend),
+        stream_(stream),
+        api_(api),
+        dims_(o.dims),
+        max_tokens_(o.max_batch * o.max_seq),
+        max_seq_(o.max_seq) {}
+
+  ~CudaOps() override {
+    // Host functions still queued read pinned_; kernels use the workspace.
+    Status st = backend_.synchronize(stream_);
+    if (!st.ok()) log_warn("cuda train ops: stream error at destruction: {}", st.to_string());
+    if (ctx_) {
+      char err[512] = {0};
+      if (api_->ctx_destroy(ctx_, err, sizeof(err)) != 0) log_warn("cuda train ops: {}", err);
+    }
+    if (workspace_) {
+      st = backend_.free(workspace_);
+      if (!st.ok()) log_warn("cuda train ops: freeing the workspace: {}", st.to_string());
+    }
+    backend_.free_pinned(pinned_);
+  }
+
+  Status init(const strata_cuda_train_dims_t& d, int device, void* native_stream) {
+    size_t bytes = 0;
+    STRATA_TRAIN_CALL("workspace size", workspace_bytes, &d, &bytes);
+    auto ws = backend_.alloc(bytes);
+    if (!ws.ok())
+      return Status(ws.status().code(), fmt::format("cuda train ops: workspace of {} bytes for {} tokens: {}", bytes,
+                                                    max_tokens_, ws.status().message()));
+    workspace_ = ws.value();
+    STRATA_ASSIGN_OR_RETURN(pinned_, backend_.alloc_pinned(sizeof(strata_cuda_train_report_t)));
+    report_ = static_cast<strata_cuda_train_report_t*>(pinned_.ptr);
+    STRATA_TRAIN_CALL("context creation", ctx_create, device, native_stream, &d, workspace_, bytes, &ctx_);
+    return Status::ok_status();
+  }
+
+  const LlamaDims& dims() const override { return dims_; }
+  int64_t max_tokens() const override { return max_tokens_; }
+  int64_t max_seq() const override { return max_seq_; }
+  const char* name() const override { return "cuda"; }
+  bool synchronous() const override { return false; }  // stream-ordered
+
+  Status embed_forward(const EmbedWeights& w, const int32_t* tokens, int64_t B, int64_t T, float* x_out) override {
+    constexpr const char* op = "embed_forward";
+    STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
+    STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
+    if (!w.embed_tokens || !tokens || !x_out) return null_arg(op);
+    STRATA_TRAIN_CALL(op, embed_forward, ctx_, static_cast<int>(w.dtype), w.embed_tokens, tokens, B * T, x_out);
+    return enqueue_report(op, nullptr);
+  }
+
+  Status embed_backward(const int32_t* tokens, int64_t B, int64_t T, const float* dx, float* grad_embed,
+                        bool accumulate) override {
+    constexpr const char* op = "embed_backward";
+    STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
+    if (!tokens || !dx || !grad_embed) return null_arg(op);
+    STRATA_TRAIN_CALL(op, embed_backward, ctx_, tokens, B * T, dx, grad_embed, accumulate ? 1 : 0);
+    return enqueue_report(op, nullptr);
+  }
+
+  Status layer_forward(const LayerWeights& w, int64_t B, int64_t T, const float* x_in, float* x_out) override {
+    constexpr const char* op = "layer_forward";
+    STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
+    STRATA_RETURN_IF_ERROR(check_layer(op, w));
+    if (!x_in || !x_out) return null_arg(op);
+    const strata_cuda_train_layer_t lw = layer(w);
+    STRATA_TRAIN_CALL(op, layer_forward, ctx_, &lw, B, T, x_in, x_out);
+    return Status::ok_status();
+  }
+
+  Status layer_backward(const LayerWeights& w, int64_t B, int64_t T, const float* x_in, const float* dy, float* dx,
+                        const LayerGrads& g) override {
+    constexpr const char* op = "layer_backward";
+    STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
+    STRATA_RETURN_IF_ERROR(check_layer(op, w));
+    if (!x_in || !dy || !dx || !g.input_layernorm || !g.q_proj || !g.k_proj || !g.v_proj || !g.o_proj ||
+        !g.post_attention_layernorm || !g.gate_proj || !g.up_proj || !g.down_proj)
+      return null_arg(op);
+    const strata_cuda_train_layer_t lw = layer(w);
+    const strata_cuda_train_layer_grads_t lg{g.input_layernorm, g.q_proj,    g.k_proj,  g.v_proj,   g.o_proj,
+                                             g.post_attention_layernorm, g.gate_proj, g.up_proj, g.down_proj};
+    STRATA_TRAIN_CALL(op, layer_backward, ctx_, &lw, B, T, x_in, dy, dx, &lg);
+    return Status::ok_status();
+  }
+
+  Status head_forward_backward(const HeadWeights& w, const float* x, const int32_t* targets, const uint8_t* mask,
+                               int64_t B, int64_t T, float dloss, LossStats* loss, float* dx,
+                               const HeadGrads& grads) override {
+    constexpr const char* op = "head_forward_backward";
+    STRATA_RETURN_IF_ERROR(check_head(op, w, x, B, T));
+    if (!targets || !dx || !grads.norm || !grads.lm_head) return null_arg(op);
+    if (dx == x) return bad_arg(fmt::format("{}: dx may not alias x", op));
+    strata_cuda_train_head_t h = head(w, x, B, T);
+    h.targets = targets;
+    h.mask = mask;
+    h.dloss = dloss;
+    h.dx = dx;
+    h.grad_norm = grads.norm;
+    h.grad_lm_head = grads.lm_head;
+    STRATA_TRAIN_CALL(op, head, ctx_, &h);
+    return enqueue_report(op, loss);
+  }
+
+  Status head_loss(const HeadWeights& w, const float* x, const int32_t* targets, const uint8_t* mask, int64_t B,
+                   int64_t T, LossStats* loss) override {
+    constexpr const char* op = "head_loss";
+    STRATA_RETURN_IF_ERROR(check_head(op, w, x, B, T));
+    if (!targets) return null_arg(op);
+    strata_cuda_train_head_t h = head(w, x, B, T);
+    h.targets = targets;
+    h.mask = mask;
+    STRATA_TRAIN_CALL(op, head, ctx_, &h);
+    return enqueue_report(op, loss);
+  }
+
+  Status head_logits(const HeadWeights& w, const float* x, int64_t B, int64_t T, float* logits) override {
+    constexpr const char* op = "head_logits";
+    STRATA_RETURN_IF_ERROR(check_head(op, w, x, B, T));
+    if (!logits) return null_arg(op);
+    strata_cuda_train_head_t h = head(w, x, B, T);
+    h.logits = logits;
+    STRATA_TRAIN_CALL(op, head, ctx_, &h);
+    return Status::ok_status();
+  }
+
+ private:
+  Status check_shape(const char* op, int64_t B, int64_t T) const {
+    if (B < 1 || T < 1 || T > max_seq_ || B > max_tokens_ / T)
+      return bad_arg(fmt::format("{}: batch {} x seq {} does not fit the workspace (max_seq {}, max tokens {})", op, B,
+                                 T, max_seq_, max_tokens_));
+    return Status::ok_status();
+  }
+  static Status check_dtype(const char* op, DType d) {
+    if (d != DType::kF32 && d != DType::kBF16 && d != DType::kF16)
+      return bad_arg(fmt::format("{}: unknown dtype code {}", op, static_cast<int>(d)));
+    return Status::ok_status();
+  }
+  static Status null_arg(const char* op) { return bad_arg(fmt::format("{}: a required pointer is null", op)); }
+  static Status check_layer(const char* op, const LayerWeights& w) {
+    STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
+    if (!w.input_layernorm || !w.q_proj || !w.k_proj || !w.v_proj || !w.o_proj || !w.post_attention_layernorm ||
+        !w.gate_proj || !w.up_proj || !w.down_proj)
+      return bad_arg(fmt::format("{}: a layer weight pointer is null", op));
+    return Status::ok_status();
+  }
+  Status check_head(const char* op, const HeadWeights& w, const float* x, int64_t B, int64_t T) const {
+    STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
+    STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
+    if (!w.norm || !w.lm_head || !x) return null_arg(op);
+    return Status::ok_status();
+  }
+
+  static strata_cuda_train_layer_t layer(const LayerWeights& w) {
+    return strata_cuda_train_layer_t{static_cast<int>(w.dtype), w.input_layernorm,
+                                     w.q_proj,                  w.k_proj,
+                                     w.v_proj,                  w.o_proj,
+                                     w.post_attention_layernorm, w.gate_proj,
+                                     w.up_proj,                 w.down_proj};
+  }
+  static strata_cuda_train_head_t head(const HeadWeights& w, const float* x, int64_t B, int64_t T) {
+    strata_cuda_train_head_t h{};
+    h.dtype = static_cast<int>(w.dtype);
+    h.norm = w.norm;
+    h.lm_head = w.lm_head;
+    h.x = x;
+    h.B = B;
+    h.T = T;
+    h.dloss = 1.0f;
+    return h;
+  }
+
+  // The device report (loss, bad-id flags) to the pinned buffer, then a host
+  // function that hands the loss over and turns bad ids into the stream's
+  // error. One pinned buffer is enough: the next call's copy runs only after
+  // this host function returned (stream order).
+  Status enqueue_report(const char* op, LossStats* loss) {
+    STRATA_TRAIN_CALL(std::string(op) + ": report copy", report_copy_async, ctx_, report_);
+    const strata_cuda_train_report_t* src = report_;
+    const int64_t vocab = dims_.vocab;
+    return backend_.host_func_async(stream_, [src, loss, op, vocab]() -> Status {
+      const strata_cuda_train_report_t r = *src;
+      if (loss) {
+        loss->sum = r.loss_sum;
+        loss->count = r.loss_count;
+      }
+      if (r.bad_ids == 0) return Status::ok_status();
+      std::string what;
+      if (r.bad_ids & STRATA_CUDA_TRAIN_BAD_TOKEN_FWD) what += "a token id (embed_forward) ";
+      if (r.bad_ids & STRATA_CUDA_TRAIN_BAD_TOKEN_BWD) what += "a token id (embed_backward) ";
+      if (r.bad_ids & STRATA_CUDA_TRAIN_BAD_TARGET) what += "a target id ";
+      return bad_arg(fmt::format("cuda train ops, {}: {}outside [0, {}) in device memory (read as zero / ignored)",
+                                 op, what, vocab));
+    });
+  }
+
+  DeviceBackend& backend_;
+  DeviceStream* stream_;
+  const strata_cuda_train_api_v1_t* api_;
+  LlamaDims dims_;
+  int64_t max_tokens_, max_seq_;
+  strata_cuda_train_ctx_t* ctx_ = nullptr;
+  void* workspace_ = nullptr;
+  HostAllocation pinned_;
+  strata_cuda_train_report_t* report_ = nullptr;
+};
+
+}  // namespace
+
+Result<std::string> load_cuda_train_module() {
+  STRATA_ASSIGN_OR_RETURN(TrainModule m, load_module());
+  return m.path;
+}
+
+Result<uint64_t> cuda_ops_workspace_bytes(const CudaOpsOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(strata_cuda_train_dims_t d, module_dims(options));
+  STRATA_ASSIGN_OR_RETURN(TrainModule m, load_module());
+  size_t bytes = 0;
+  char err[512] = {0};
+  const int rc = m.api->workspace_bytes(&d, &bytes, err, sizeof(err));
+  if (rc != 0) return module_status(rc, err, "workspace size");
+  return static_cast<uint64_t>(bytes);
+}
+
+Result<std::unique_ptr<ModelOps>> create_cuda_ops(DeviceBackend& backend, DeviceStream* stream,
+                                                  const CudaOpsOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(strata_cuda_train_dims_t d, module_dims(options));
+  // The module first: where there is no GPU or cuBLAS, its reason is the
+  // useful answer (kUnavailable), whatever backend the caller fell back to.
+  STRATA_ASSIGN_OR_RETURN(TrainModule m, load_module());
+  if (backend.kind() != DeviceKind::kCuda)
+    return bad_arg("CUDA train ops need the cuda device backend, not '" + backend.name() + "'");
+  if (!stream || stream->owner() != &backend) return bad_arg("CUDA train ops: the stream is null or another backend's");
+  STRATA_ASSIGN_OR_RETURN(CudaNativeStream native, cuda_native_stream(stream));
+  auto ops = std::make_unique<CudaOps>(backend, stream, options, m.api);
+  STRATA_RETURN_IF_ERROR(ops->init(d, native.device, native.stream));
+  return std::unique_ptr<ModelOps>(std::move(ops));
+}
+
+}  // namespace strata::train

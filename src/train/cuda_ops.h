@@ -1,0 +1,83 @@
+// CudaOps: ModelOps (train/model_ops.h) on a CUDA device, through the module
+// libstrata_cuda_train.so (cuda/train/, ABI train/cuda_train_module.h) that
+// this file loads with dlopen at run time. Nothing here links CUDA: a CUDA
+// build of Strata starts where no driver or cuBLAS exists and
+// create_cuda_ops() then says why it cannot run (kUnavailable).
+//
+// Math: matrix products in cuBLAS; with bf16/fp16 weights both operands are
+// in that dtype (fp32 activations are rounded to it just before the product)
+// and cuBLAS accumulates in fp32 into fp32 results ("bf16 compute, fp32
+// accumulation", like torch.autocast); with fp32 weights they are fp32 GEMMs
+// without TF32 (unless allow_tf32). Norms, RoPE, attention, SwiGLU, the
+// cross-entropy and the embedding are fp32 kernels. Agreement with CpuOps is
+// checked (tests/train/cuda_ops_test.cpp) to 1e-4 normwise with fp32 weights
+// and 2e-2 with bf16/fp16 weights (the activations' rounding); it is not bit
+// equality. Every kernel sums in a
+// fixed order (no floating-point atomics): results repeat run to run on the
+// same GPU. The embedding gradient sums in token order, as the CPU does.
+//
+// Memory: create_cuda_ops() allocates one workspace from the backend's
+// budgeted device pool (activations of one layer for max_batch * max_seq
+// tokens, the attention probabilities and their gradient, 2 x 4 *
+// heads * max_tokens * max_seq bytes, head logits in chunks of at most 2^24
+// values, the rounded-activation scratch and 32 MiB for cuBLAS) plus one
+// small pinned buffer; calls allocate nothing. The attention materialises
+// the T x T probabilities per (sequence, head): fine for the demo's
+// sequence lengths (T = 1024 with 8 heads and 8K tokens is 512 MiB), not
+// for long contexts.
+//
+// Asynchrony (device_backend.h's model): every pointer is device memory
+// (tokens, targets and mask too) and every call only enqueues on the stream
+// given at creation; Ok means the work was accepted. Two results come back
+// only through the stream:
+//   - LossStats: head_forward_backward / head_loss write *loss from a host
+//     function when the stream gets there; read it after synchronizing the
+//     stream, and keep it alive until then.
+//   - Ids outside [0, vocab) (tokens; targets >= vocab) cannot be seen by the
+//     call: the kernels treat them as zero rows / ignored positions and the
+//     stream's next synchronize()/query() fails with kInvalidArgument naming
+//     the op. The stream is then failed (sticky): destroy it.
+// Argument errors that are visible on the host (sizes, null pointers,
+// dtypes, dx aliasing x in the head) are returned by the call.
+//
+// Thread-safety: one thread drives one CudaOps (it owns one workspace). The
+// backend and stream are not owned; they must outlive the ops.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "device/device_backend.h"
+#include "train/model_ops.h"
+
+namespace strata::train {
+
+struct CudaOpsOptions {
+  LlamaDims dims;
+  int64_t max_batch = 1;
+  int64_t max_seq = 1;
+  // fp32-weight GEMMs may use TF32 tensor cores (about 1e-3 relative error).
+  bool allow_tf32 = false;
+};
+
+// `backend` must be a CUDA backend (create_device_backend / create_cuda_backend)
+// and `stream` one of its streams. Blocks while it creates the cuBLAS handle
+// and uploads the RoPE tables. Errors: kUnavailable (no CUDA module, no GPU,
+// libstrata_cuda_train.so or cuBLAS missing: the loader's reason),
+// kInvalidArgument (dims, capacities, a host backend or a foreign stream),
+// kOutOfBudget / kOutOfMemory (the workspace; the message says how much).
+Result<std::unique_ptr<ModelOps>> create_cuda_ops(DeviceBackend& backend, DeviceStream* stream,
+                                                  const CudaOpsOptions& options);
+
+// Device bytes create_cuda_ops() would take for these options (the
+// workspace), or why it cannot say (kUnavailable: module not loadable,
+// kInvalidArgument: options). Loads the module.
+Result<uint64_t> cuda_ops_workspace_bytes(const CudaOpsOptions& options);
+
+// Loads libstrata_cuda_train.so once per process (thread-safe) and returns
+// where it came from, or why not (kUnavailable). Search order: the directory
+// libstrata_cuda.so was loaded from, the running executable's directory and
+// its ../lib and ../cuda, then the dynamic linker's path.
+Result<std::string> load_cuda_train_module();
+
+}  // namespace strata::train

@@ -1,0 +1,155 @@
+// The ABI between the trainer (train/cuda_ops.cpp) and the CUDA model-ops
+// module libstrata_cuda_train.so (cuda/train/).
+//
+// Why a second module rather than more entries in libstrata_cuda.so: the ops
+// need cuBLAS (libcublas + libcublasLt, several hundred MiB that the dynamic
+// linker maps and relocates at dlopen). The device backend is loaded by every
+// CUDA build of Strata, including runs that only offload an optimizer or
+// benchmark copies; keeping cuBLAS in its own module keeps it off that load
+// path, so a machine with a driver and libcudart but no libcublas still gets
+// the CUDA backend, and a missing libcublas is reported only to the trainer,
+// as the reason create_cuda_ops() returns kUnavailable.
+//
+// Like device/cuda_module.h: the module exports one C symbol,
+// strata_cuda_train_api_v1, returning a table of plain C function pointers
+// that starts with its size and ABI version; a loader reads only fields that
+// lie within struct_size. Every function returns 0 on success or a nonzero
+// CUDA (cudaError_t) or cuBLAS (1000 + cublasStatus_t) code and writes the
+// text to err (NUL-terminated, truncated to err_len).
+//
+// Memory: the module allocates no device memory per call. The caller asks
+// workspace_bytes() for a configuration, allocates that much device memory
+// (from the device backend's budgeted pool) and hands it to ctx_create; the
+// context carves its activation buffers, the attention scratch, the RoPE
+// tables and cuBLAS's workspace out of it. cuBLAS's handle itself is created
+// once per context.
+//
+// Streams: a context enqueues everything on the one cudaStream_t it was
+// created with; calls only enqueue (kernel launch errors come back at once,
+// errors of running work at the stream's synchronize). One thread drives a
+// context at a time.
+//
+// Every activation is fp32 row-major [n = B*T, width]; weights are in
+// `dtype` (STRATA_CUDA_DTYPE_*, device/cuda_module.h) in Hugging Face's
+// shapes; gradients are fp32 and overwritten (see train/model_ops.h, whose
+// semantics these functions implement one for one).
+#pragma once
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "device/cuda_module.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define STRATA_CUDA_TRAIN_ABI_VERSION 1u
+
+// Bits of strata_cuda_train_report_t::bad_ids.
+#define STRATA_CUDA_TRAIN_BAD_TOKEN_FWD 1u  // embed_forward saw a token outside [0, vocab)
+#define STRATA_CUDA_TRAIN_BAD_TOKEN_BWD 2u  // embed_backward saw one
+#define STRATA_CUDA_TRAIN_BAD_TARGET 4u     // a target >= vocab (negative ones are ignored positions)
+
+typedef struct strata_cuda_train_dims_s {
+  int64_t dim, heads, kv_heads, head_dim, ffn_dim, vocab;
+  double rms_eps, rope_theta;
+  int64_t max_tokens;  // B*T capacity
+  int64_t max_seq;     // T capacity
+  int32_t allow_tf32;  // fp32 GEMMs may use TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32)
+  int32_t reserved;
+} strata_cuda_train_dims_t;
+
+// Device-side results, copied to the host by report_copy_async. Same layout
+// on both sides (no padding surprises: 8 + 8 + 4 + 4).
+typedef struct strata_cuda_train_report_s {
+  double loss_sum;     // last head call: sum of the per-position losses (position order, double)
+  int64_t loss_count;  // positions that counted
+  uint32_t bad_ids;    // STRATA_CUDA_TRAIN_BAD_* seen since the last report_copy_async
+  uint32_t reserved;
+} strata_cuda_train_report_t;
+
+typedef struct strata_cuda_train_layer_s {
+  int dtype;
+  const void* input_layernorm;
+  const void* q_proj;
+  const void* k_proj;
+  const void* v_proj;
+  const void* o_proj;
+  const void* post_attention_layernorm;
+  const void* gate_proj;
+  const void* up_proj;
+  const void* down_proj;
+} strata_cuda_train_layer_t;
+
+typedef struct strata_cuda_train_layer_grads_s {
+  float* input_layernorm;
+  float* q_proj;
+  float* k_proj;
+  float* v_proj;
+  float* o_proj;
+  float* post_attention_layernorm;
+  float* gate_proj;
+  float* up_proj;
+  float* down_proj;
+} strata_cuda_train_layer_grads_t;
+
+// One head call: forward only (dx == NULL: loss), forward and backward
+// (dx != NULL: loss, dx, grad_norm, grad_lm_head), or logits only
+// (logits != NULL: targets, mask, dx ignored).
+typedef struct strata_cuda_train_head_s {
+  int dtype;
+  const void* norm;
+  const void* lm_head;
+  const float* x;
+  const int32_t* targets;  // device
+  const uint8_t* mask;     // device or NULL
+  int64_t B, T;
+  float dloss;
+  float* dx;
+  float* grad_norm;
+  float* grad_lm_head;
+  float* logits;
+} strata_cuda_train_head_t;
+
+typedef struct strata_cuda_train_ctx_s strata_cuda_train_ctx_t;  // opaque
+
+typedef struct strata_cuda_train_api_v1_s {
+  uint32_t struct_size;  // sizeof(strata_cuda_train_api_v1_t) of the module
+  uint32_t abi_version;  // STRATA_CUDA_TRAIN_ABI_VERSION of the module
+
+  // Bytes of device workspace a context of these dims needs (256-byte aligned
+  // pieces included). Pure arithmetic; no CUDA call.
+  int (*workspace_bytes)(const strata_cuda_train_dims_t* dims, size_t* out, char* err, size_t err_len);
+  // Creates the cuBLAS handle (bound to `stream`, workspace set), carves
+  // `workspace` (device memory of workspace_bytes(dims) bytes, owned by the
+  // caller, valid until ctx_destroy) and uploads the RoPE tables. Blocks
+  // until the upload is done (once, at creation).
+  int (*ctx_create)(int device, void* stream, const strata_cuda_train_dims_t* dims, void* workspace,
+                    size_t workspace_bytes, strata_cuda_train_ctx_t** out, char* err, size_t err_len);
+  // Destroys the cuBLAS handle. The caller synchronizes the stream first and
+  // frees the workspace after.
+  int (*ctx_destroy)(strata_cuda_train_ctx_t* ctx, char* err, size_t err_len);
+
+  int (*embed_forward)(strata_cuda_train_ctx_t* ctx, int dtype, const void* table, const int32_t* tokens,
+                       int64_t n, float* x_out, char* err, size_t err_len);
+  int (*embed_backward)(strata_cuda_train_ctx_t* ctx, const int32_t* tokens, int64_t n, const float* dx,
+                        float* grad, int accumulate, char* err, size_t err_len);
+  int (*layer_forward)(strata_cuda_train_ctx_t* ctx, const strata_cuda_train_layer_t* w, int64_t B, int64_t T,
+                       const float* x_in, float* x_out, char* err, size_t err_len);
+  int (*layer_backward)(strata_cuda_train_ctx_t* ctx, const strata_cuda_train_layer_t* w, int64_t B, int64_t T,
+                        const float* x_in, const float* dy, float* dx, const strata_cuda_train_layer_grads_t* g,
+                        char* err, size_t err_len);
+  int (*head)(strata_cuda_train_ctx_t* ctx, const strata_cuda_train_head_t* args, char* err, size_t err_len);
+  // Enqueues a copy of the context's report to `host_dst` (pinned host
+  // memory, sizeof(strata_cuda_train_report_t)) and then clears bad_ids.
+  int (*report_copy_async)(strata_cuda_train_ctx_t* ctx, strata_cuda_train_report_t* host_dst, char* err,
+                           size_t err_len);
+} strata_cuda_train_api_v1_t;
+
+typedef const strata_cuda_train_api_v1_t* (*strata_cuda_train_api_v1_fn)(void);
+#define STRATA_CUDA_TRAIN_API_SYMBOL "strata_cuda_train_api_v1"
+
+#ifdef __cplusplus
+}
+#endif

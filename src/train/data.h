@@ -1,0 +1,121 @@
+// Training data: a token file, split into training and validation parts, and
+// the batches the trainer draws from it.
+//
+// Formats (DataFormat):
+//   text  every byte of the file is one token (byte-level; vocab 256 is the
+//         default and covers every byte);
+//   u16   little-endian uint16 token ids, the file size a multiple of 2;
+//   u32   little-endian uint32 token ids, the file size a multiple of 4.
+// Every id must be < vocab: open() scans the whole file once and refuses the
+// first id that is not, naming its byte offset.
+//
+// Reading. The file is memory-mapped read-only (MAP_SHARED, PROT_READ); the
+// kernel pages it in and out, so a file larger than RAM works and only the
+// pages a batch touches are resident. The scan in open() walks the mapping
+// front to back with MADV_SEQUENTIAL, then switches to MADV_RANDOM.
+//
+// Split. With N tokens and val_fraction f, the last floor(N * f) tokens are the
+// validation part, the rest the training part. Each part must hold at least
+// one sequence of seq + 1 tokens (the inputs and their next-token targets),
+// else open() fails saying how many tokens there are and how many are needed.
+// f == 0: no validation part (val_batches() == 0).
+//
+// Training batches. The training part is cut into windows of seq + 1 tokens
+// at stride seq (neighbours share one token: the last target of one window is
+// the first input of the next), shifted per epoch by a pseudo-random offset
+// within the slack left at the end. Sample s (s = step * samples_per_step +
+// index) is window perm_e(s mod W) of epoch e = s / W, where W is the number
+// of windows and perm_e a bijection of [0, W) keyed by (seed, e) (a 4-round
+// Feistel network with cycle walking over counter-based splitmix64 rounds).
+// So every window is seen once per epoch, and a sample depends only on
+// (seed, step, index): a resumed job draws exactly what the killed one would
+// have drawn; the data position is the step count.
+//
+// Validation batches. The validation part is cut into windows the same way
+// (no shift); batch j holds windows j*B .. j*B + B - 1 (mod the window count).
+// Always the same batches for the same file, seq and B.
+//
+// Thread-safety: after open() the dataset is immutable; batch functions may
+// be called from any thread.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+
+namespace strata::train {
+
+enum class DataFormat : uint8_t { kText, kU16, kU32 };
+const char* data_format_name(DataFormat f);  // "text", "u16", "u32"
+// kInvalidArgument naming the text otherwise.
+Result<DataFormat> parse_data_format(std::string_view text);
+
+struct DataOptions {
+  std::string path;
+  DataFormat format = DataFormat::kText;
+  uint32_t vocab = 256;        // ids must be < vocab
+  double val_fraction = 0.05;  // [0, 0.9]
+  uint64_t seed = 1234;        // shuffling of training windows
+  uint32_t seq = 256;          // T: tokens per sequence (windows hold T + 1)
+};
+
+class TokenDataset {
+ public:
+  // Maps and validates the file. Errors: kNotFound (missing file),
+  // kPermission / kIoError (naming the path and errno text),
+  // kInvalidArgument (empty file; size not a multiple of the token size;
+  // an id >= vocab, naming its byte offset; a part shorter than one sequence;
+  // options out of range).
+  static Result<std::unique_ptr<TokenDataset>> open(const DataOptions& options);
+  ~TokenDataset();
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
+
+  const DataOptions& options() const { return options_; }
+  uint64_t tokens() const { return tokens_; }
+  uint64_t train_tokens() const { return train_tokens_; }
+  uint64_t val_tokens() const { return tokens_ - train_tokens_; }
+  uint64_t train_windows() const { return train_windows_; }
+  uint64_t val_windows() const { return val_windows_; }
+
+  // Token at index i of the whole file (no bounds check beyond an assert).
+  uint32_t token(uint64_t i) const;
+
+  // The first token of training sample `s` (see the header comment).
+  uint64_t train_sample_offset(uint64_t s) const;
+  // Fills out[b * (seq+1) + t] for b < batch, t <= seq with samples
+  // first_sample .. first_sample + batch - 1. out.size() must be batch*(seq+1)
+  // (kInvalidArgument otherwise). Never blocks beyond page faults.
+  Status train_batch(uint64_t first_sample, uint32_t batch, std::span<int32_t> out) const;
+  // Validation batch j (see the header comment); kInvalidArgument when there
+  // is no validation part.
+  Status val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out) const;
+  // Number of distinct validation batches of size `batch`: ceil(windows / batch).
+  uint64_t val_batches(uint32_t batch) const;
+
+ private:
+  TokenDataset() = default;
+  void copy_window(uint64_t begin, int32_t* out) const;
+
+  DataOptions options_;
+  const uint8_t* map_ = nullptr;
+  uint64_t map_bytes_ = 0;
+  uint32_t token_bytes_ = 1;
+  uint64_t tokens_ = 0;
+  uint64_t train_tokens_ = 0;
+  uint64_t train_windows_ = 0;
+  uint64_t val_windows_ = 0;
+};
+
+// Counter-based pseudo-random numbers: splitmix64's finalizer over a key.
+// Pure; the same (seed, a, b) always gives the same value.
+uint64_t mix64(uint64_t x);
+uint64_t counter_random(uint64_t seed, uint64_t a, uint64_t b);
+// A bijection of [0, n) keyed by `key` (n >= 1): Feistel + cycle walking.
+uint64_t permute_index(uint64_t i, uint64_t n, uint64_t key);
+
+}  // namespace strata::train

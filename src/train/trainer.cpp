@@ -1,0 +1,964 @@
+#include "train/trainer.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <map>
+#include <optional>
+#include <type_traits>
+
+#include "common/dtype_parse.h"
+#include "common/log.h"
+#include "common/units.h"
+#include "device/cuda_loader.h"
+#include "model/llama_config.h"
+#include "model/safetensors.h"
+#include "runtime/model_spec.h"
+#include "train/cuda_ops.h"
+
+namespace strata::train {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// The nine parameters of a decoder layer, in LayerWeights/LayerGrads order.
+constexpr std::array<const char*, 9> kLayerParams = {
+    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
+    "mlp.gate_proj.weight",   "mlp.up_proj.weight",      "mlp.down_proj.weight"};
+
+Status make_dirs(const std::string& dir, const std::string& what) {
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return Status::from_errno(ec.value(), what + " " + dir + ": cannot create it");
+  // Writable? A probe file says so before hours of training do.
+  const std::string probe = dir + "/.strata-write-probe";
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::from_errno(errno, what + " " + dir + " is not writable");
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return {};
+}
+
+// checkpoint-<n> directories under `dir`, sorted by n.
+std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& dir) {
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("checkpoint-", 0) != 0 || !it->is_directory()) continue;
+    const std::string num = name.substr(11);
+    if (num.empty() || num.find_first_not_of("0123456789") != std::string::npos) continue;
+    out.emplace_back(std::stoll(num), it->path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+std::string human_count(double v) {
+  if (v >= 1e9) return fmt::format("{:.2f}G", v / 1e9);
+  if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
+  if (v >= 1e3) return fmt::format("{:.1f}k", v / 1e3);
+  return fmt::format("{:.0f}", v);
+}
+
+std::string human_seconds(double s) {
+  if (!(s >= 0) || s > 1e8) return "?";
+  const int64_t t = static_cast<int64_t>(s + 0.5);
+  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60);
+  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
+  return fmt::format("{}s", t);
+}
+
+// Device-pool bytes a buffer of `bytes` may take: the caching allocator
+// rounds up to a size class, at most 25% over (device/caching_allocator.h).
+uint64_t pool_bytes(uint64_t bytes) { return bytes + bytes / 4 + 512; }
+
+// Device-memory figures the trainer sizes the engine's budget and reserve by.
+struct DeviceSizes {
+  uint64_t reserve_base = 0;   // gradient buffers + 64 MiB (the reserve before activations moved to the pool)
+  uint64_t extra = 0;          // activations, dx, tokens and targets, as the pool rounds them
+  uint64_t group_buffers = 0;  // the engine's compute buffers for prefetch_depth + 2 groups, double-buffered
+};
+
+}  // namespace
+
+Status parse_offload_flag(std::string_view text, OffloadDevice* device, std::string* nvme_path) {
+  if (text == "cpu") {
+    *device = OffloadDevice::kCpu;
+  } else if (text == "none") {
+    *device = OffloadDevice::kNone;
+  } else if (text == "auto") {
+    *device = OffloadDevice::kAuto;
+  } else if (text.rfind("nvme:", 0) == 0 && text.size() > 5) {
+    *device = OffloadDevice::kNvme;
+    *nvme_path = std::string(text.substr(5));
+  } else {
+    return Status(StatusCode::kInvalidArgument, "offload target \"" + std::string(text) +
+                                                    "\" is not one of nvme:DIR, cpu, none, auto");
+  }
+  return {};
+}
+
+Result<TrainDevice> parse_train_device(std::string_view text) {
+  if (text == "auto") return TrainDevice::kAuto;
+  if (text == "cuda") return TrainDevice::kCuda;
+  if (text == "cpu") return TrainDevice::kCpu;
+  return Status(StatusCode::kInvalidArgument,
+                "device \"" + std::string(text) + "\" is not one of auto, cuda, cpu");
+}
+
+const char* train_device_name(TrainDevice device) {
+  switch (device) {
+    case TrainDevice::kAuto: return "auto";
+    case TrainDevice::kCuda: return "cuda";
+    case TrainDevice::kCpu: return "cpu";
+  }
+  return "?";
+}
+
+// ---------------------------------------------------------------- Impl
+
+struct Trainer::Impl {
+  TrainerOptions opt;
+  model::ModelDir model;
+  LlamaDims dims;
+  uint32_t accum = 1;
+  int64_t seq = 0;
+  int64_t tokens_per_micro = 0;  // B*T
+  std::unique_ptr<TokenDataset> data;
+  // The engine's device (not owned by the engine: declared before it, and
+  // ~Impl resets the engine first).
+  std::unique_ptr<DeviceBackend> backend;
+  std::string device_description;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<ModelOps> ops;
+  bool sync_ops = true;  // ops->synchronous(): synchronize before computing
+  DeviceStream* stream = nullptr;
+  DType compute_dtype = DType::kF32;
+
+  // Groups and where each parameter sits in its group's view.
+  GroupId embed_group = 0, head_group = 0;
+  std::vector<GroupId> layer_groups;
+  ParamId embed_param = 0, norm_param = 0, lm_head_param = 0;
+  std::vector<std::array<ParamId, 9>> layer_param_ids;
+
+  // Buffers, all from backend->alloc (device memory; RAM on the host
+  // backend). grad_buf: the largest group's fp32 gradients (reduce_grad
+  // copies from it); tied_grad: the embedding's [vocab, dim] gradient, kept
+  // through the backward when embeddings are tied; acts: (layers + 1) x
+  // [B*T, dim], each layer's input, then the head's; dx_a, dx_b: [B*T, dim];
+  // inputs, targets: [B*T] token ids.
+  float* grad_buf = nullptr;
+  uint64_t grad_buf_elems = 0;
+  float* tied_grad = nullptr;
+  float* acts = nullptr;
+  float* dx_a = nullptr;
+  float* dx_b = nullptr;
+  int32_t* inputs = nullptr;
+  int32_t* targets = nullptr;
+  // Host side of the token upload: pinned [inputs | targets], rewritten only
+  // once `upload_done` (recorded after the copies) has completed.
+  HostAllocation staging;
+  int32_t* inputs_host = nullptr;
+  int32_t* targets_host = nullptr;
+  DeviceEvent* upload_done = nullptr;
+  std::vector<int32_t> batch_tokens;  // B x (T+1)
+  // One per micro-batch / evaluation batch, written by the ops (on CUDA from
+  // a host function, possibly after the call returned): never resized after
+  // setup, read only after the stream is synchronized.
+  std::vector<LossStats> losses;
+
+  int64_t step = 0;  // optimizer steps done
+  uint64_t tokens_seen = 0;
+  double last_loss = 0;
+  FILE* metrics = nullptr;
+  bool warned_order = false;
+
+  ~Impl() {
+    if (metrics) std::fclose(metrics);
+    if (!backend) return;
+    // Work still queued (after an error mid-step) reads these buffers and
+    // writes `losses`: drain it first. The ops go next (CudaOps synchronizes
+    // the stream and frees its workspace to the backend), the stream before
+    // the engine, the engine before its backend.
+    if (stream) (void)backend->synchronize(stream);
+    ops.reset();
+    for (void* p : {static_cast<void*>(grad_buf), static_cast<void*>(tied_grad), static_cast<void*>(acts),
+                    static_cast<void*>(dx_a), static_cast<void*>(dx_b), static_cast<void*>(inputs),
+                    static_cast<void*>(targets)})
+      if (p) (void)backend->free(p);
+    if (upload_done) backend->destroy_event(upload_done);
+    if (staging.ptr) backend->free_pinned(staging);
+    if (stream) (void)backend->destroy_stream(stream);
+    engine.reset();
+    backend.reset();
+  }
+
+  Status setup();
+  Status load_weights();
+  Status resume(const std::string& dir);
+  Status choose_device(const DeviceSizes& z, Config* cfg);
+  Status try_cuda(const DeviceSizes& z, Config* cfg);
+  Status use_host(const DeviceSizes& z, Config* cfg);
+  Status stage_tokens();
+  Status forward(const int32_t* tokens, bool keep_for_backward);
+  Status micro_batch(bool last, LossStats* loss);
+  Result<GroupView> acquire(GroupId g);
+  const void* ptr_of(const GroupView& v, ParamId p) const;
+  void write_metrics(const json& j);
+  std::string extra_json() const;
+  json stats_json() const;
+};
+
+Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Trainer::~Trainer() = default;
+int64_t Trainer::step() const { return impl_->step; }
+Engine& Trainer::engine() { return *impl_->engine; }
+const TokenDataset& Trainer::data() const { return *impl_->data; }
+const model::LlamaConfig& Trainer::model_config() const { return impl_->model.config; }
+const char* Trainer::ops_name() const { return impl_->ops->name(); }
+const std::string& Trainer::device_description() const { return impl_->device_description; }
+
+Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) {
+  auto impl = std::make_unique<Impl>();
+  impl->opt = options;
+  STRATA_RETURN_IF_ERROR(impl->setup());
+  return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+}
+
+Status Trainer::Impl::setup() {
+  if (opt.batch < 1) return Status(StatusCode::kInvalidArgument, "batch must be at least 1");
+  if (opt.steps < 0) return Status(StatusCode::kInvalidArgument, "steps must be >= 0");
+  if (opt.out_dir.empty()) return Status(StatusCode::kInvalidArgument, "no output directory given");
+  if (opt.config.gradient_accumulation_steps < 1)
+    return Status(StatusCode::kInvalidArgument, "gradient accumulation steps must be at least 1");
+  accum = opt.config.gradient_accumulation_steps;
+  seq = opt.data.seq;
+
+  // The model directory: config and tensor list (headers only).
+  if (opt.model_dir.empty()) return Status(StatusCode::kInvalidArgument, "no model directory given (--model)");
+  {
+    auto m = model::open_model_dir(opt.model_dir);
+    if (!m.ok()) return m.status().with_context("model " + opt.model_dir);
+    model = std::move(m).value();
+  }
+  const model::LlamaConfig& mc = model.config;
+  dims.dim = static_cast<int64_t>(mc.hidden_size);
+  dims.heads = mc.num_attention_heads;
+  dims.kv_heads = mc.num_key_value_heads;
+  dims.head_dim = static_cast<int64_t>(mc.head_dim());
+  dims.ffn_dim = static_cast<int64_t>(mc.intermediate_size);
+  dims.vocab = static_cast<int64_t>(mc.vocab_size);
+  dims.rms_eps = mc.rms_norm_eps;
+  dims.rope_theta = mc.rope_theta;
+  dims.tied = mc.tie_word_embeddings;
+  if (Status st = dims.validate(); !st.ok()) return st.with_context("model " + opt.model_dir);
+  if (static_cast<uint64_t>(seq) > mc.max_position_embeddings)
+    log_warn("sequence length {} is longer than the model's max_position_embeddings {}", seq,
+             mc.max_position_embeddings);
+
+  // Data: ids must fit the model's vocabulary.
+  DataOptions dopt = opt.data;
+  if (dopt.vocab == 0)
+    dopt.vocab = dopt.format == DataFormat::kText ? static_cast<uint32_t>(std::min<uint64_t>(256, mc.vocab_size))
+                                                  : static_cast<uint32_t>(std::min<uint64_t>(mc.vocab_size, UINT32_MAX));
+  if (dopt.vocab > mc.vocab_size)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("data vocabulary {} is larger than the model's vocab_size {} ({}/config.json)",
+                              dopt.vocab, mc.vocab_size, opt.model_dir));
+  {
+    auto d = TokenDataset::open(dopt);
+    if (!d.ok()) return d.status();
+    data = std::move(d).value();
+  }
+  opt.data = dopt;
+
+  STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir"));
+  for (const NvmeDir& nd : opt.config.nvme_dirs()) {
+    struct stat st {};
+    if (::stat(nd.path.c_str(), &st) != 0)
+      return Status::from_errno(errno, "NVMe directory " + nd.path + " (offload target)");
+    if (!S_ISDIR(st.st_mode))
+      return Status(StatusCode::kInvalidArgument, "NVMe directory " + nd.path + " is not a directory");
+    if (::access(nd.path.c_str(), W_OK) != 0) return Status::from_errno(errno, "NVMe directory " + nd.path);
+  }
+
+  // The engine. Only CPU ops exist: the host backend, whatever the machine has.
+  // The engine has no device-side optimizer yet: "auto" for the optimizer's
+  // state means host RAM (an explicit nvme:DIR or a config's rules still win).
+  if (opt.config.zero.offload_optimizer.device == OffloadDevice::kAuto) {
+    bool ruled = false;
+    for (const GroupTierRule& r : opt.config.strata.groups)
+      ruled |= r.master != Tier::kAuto || r.optimizer != Tier::kAuto || r.grad != Tier::kAuto;
+    if (!ruled) opt.config.zero.offload_optimizer.device = OffloadDevice::kCpu;
+  }
+  compute_dtype = opt.config.compute_dtype();
+  LlamaShape shape = mc.shape();
+  shape.dtype = compute_dtype;
+  EngineOptions eo;
+  eo.config = opt.config;
+  {
+    auto spec = llama_model_spec(shape);
+    if (!spec.ok()) return spec.status().with_context("model " + opt.model_dir);
+    eo.model = std::move(spec).value();
+  }
+  // What the trainer takes from the device pool next to the engine: the
+  // gradient buffers (the largest group in fp32, plus the tied embedding's)
+  // with a 64 MiB margin, and the activations and token buffers; and the
+  // engine's group buffers.
+  DeviceSizes z;
+  {
+    std::map<std::string, uint64_t> group_numel;
+    uint64_t embed_numel = 0, largest = 0, largest_compute = 0;
+    for (const ParamSpec& ps : eo.model.params) {
+      const uint64_t n = group_numel[ps.group] += ps.numel();
+      largest = std::max(largest, n);
+      largest_compute = std::max(largest_compute, n * dtype_size(compute_dtype));
+      if (ps.name == "model.embed_tokens.weight") embed_numel = ps.numel();
+    }
+    grad_buf_elems = largest;
+    z.reserve_base = (largest + (dims.tied ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
+    tokens_per_micro = static_cast<int64_t>(opt.batch) * seq;
+    const uint64_t act = static_cast<uint64_t>(tokens_per_micro) * static_cast<uint64_t>(dims.dim) * sizeof(float);
+    const uint64_t tok = static_cast<uint64_t>(tokens_per_micro) * sizeof(int32_t);
+    z.extra = pool_bytes(act * (mc.num_hidden_layers + 1)) + 2 * pool_bytes(act) + 2 * pool_bytes(tok);
+    z.group_buffers = 2 * (opt.config.strata.prefetch_depth + 2) * largest_compute;
+  }
+  STRATA_RETURN_IF_ERROR(choose_device(z, &eo.config));
+  {
+    eo.device = backend.get();
+    eo.budgets_override = opt.budgets_override;
+    auto e = Engine::create(eo);
+    if (!e.ok()) return e.status().with_context("creating the offload engine");
+    engine = std::move(e).value();
+  }
+  DeviceBackend& dev = *backend;
+
+  // Groups and parameter ids by Hugging Face name.
+  STRATA_ASSIGN_OR_RETURN(embed_group, engine->find_group("embed"));
+  STRATA_ASSIGN_OR_RETURN(head_group, engine->find_group("head"));
+  STRATA_ASSIGN_OR_RETURN(embed_param, engine->find_param("model.embed_tokens.weight"));
+  STRATA_ASSIGN_OR_RETURN(norm_param, engine->find_param("model.norm.weight"));
+  if (dims.tied) {
+    lm_head_param = embed_param;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(lm_head_param, engine->find_param("lm_head.weight"));
+  }
+  for (uint32_t l = 0; l < mc.num_hidden_layers; ++l) {
+    STRATA_ASSIGN_OR_RETURN(GroupId g, engine->find_group("layers." + std::to_string(l)));
+    layer_groups.push_back(g);
+    std::array<ParamId, 9> ids{};
+    for (size_t i = 0; i < kLayerParams.size(); ++i) {
+      STRATA_ASSIGN_OR_RETURN(ids[i],
+                              engine->find_param("model.layers." + std::to_string(l) + "." + kLayerParams[i]));
+    }
+    layer_param_ids.push_back(ids);
+  }
+
+  // Buffers. New pool memory is undefined (0xFF on the host backend): the
+  // activations start zeroed, so nothing depends on what was there.
+  const ModelSpec& spec = engine->model();
+  const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
+  auto alloc = [&](size_t bytes, const char* what, auto** out) -> Status {
+    auto a = dev.alloc(bytes);
+    if (!a.ok()) return a.status().with_context(what);
+    *out = static_cast<std::remove_pointer_t<decltype(out)>>(a.value());
+    return dev.fill_zero_async(a.value(), bytes, stream);
+  };
+  STRATA_RETURN_IF_ERROR(alloc(grad_buf_elems * sizeof(float), "gradient buffer", &grad_buf));
+  if (dims.tied)
+    STRATA_RETURN_IF_ERROR(
+        alloc(spec.params[embed_param].numel() * sizeof(float), "tied embedding gradient buffer", &tied_grad));
+  STRATA_RETURN_IF_ERROR(alloc(act * (layer_groups.size() + 1) * sizeof(float), "activation buffers", &acts));
+  STRATA_RETURN_IF_ERROR(alloc(act * sizeof(float), "activation gradient buffer", &dx_a));
+  STRATA_RETURN_IF_ERROR(alloc(act * sizeof(float), "activation gradient buffer", &dx_b));
+  STRATA_RETURN_IF_ERROR(alloc(static_cast<size_t>(tokens_per_micro) * sizeof(int32_t), "token buffer", &inputs));
+  STRATA_RETURN_IF_ERROR(alloc(static_cast<size_t>(tokens_per_micro) * sizeof(int32_t), "target buffer", &targets));
+  {
+    auto a = dev.alloc_pinned(2 * static_cast<size_t>(tokens_per_micro) * sizeof(int32_t));
+    if (!a.ok()) return a.status().with_context("pinned token staging buffer");
+    staging = a.value();
+    inputs_host = static_cast<int32_t*>(staging.ptr);
+    targets_host = inputs_host + tokens_per_micro;
+  }
+  {
+    auto ev = dev.create_event();
+    if (!ev.ok()) return ev.status().with_context("token upload event");
+    upload_done = ev.value();
+  }
+  if (Status st = dev.synchronize(stream); !st.ok()) return st.with_context("zeroing the trainer's buffers");
+  batch_tokens.assign(static_cast<size_t>(opt.batch) * (seq + 1), 0);
+  losses.assign(std::max<uint64_t>({uint64_t{accum}, uint64_t{opt.eval_batches}, 1}), LossStats{});
+
+  // Weights: from the checkpoint, or from the model's safetensors.
+  if (!opt.resume_dir.empty()) {
+    STRATA_RETURN_IF_ERROR(resume(opt.resume_dir));
+  } else {
+    STRATA_RETURN_IF_ERROR(load_weights());
+  }
+
+  // Metrics: a fresh file for a fresh run; a resumed run appends.
+  const std::string mpath = opt.metrics_path.empty() ? opt.out_dir + "/metrics.jsonl" : opt.metrics_path;
+  metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");
+  if (!metrics) return Status::from_errno(errno, "metrics file " + mpath + ": cannot open for writing");
+  return {};
+}
+
+// The backend, the trainer's stream and the ops, and the engine's device
+// budget and reserve in *cfg (see "Devices" in trainer.h).
+Status Trainer::Impl::choose_device(const DeviceSizes& z, Config* cfg) {
+  if (opt.device == TrainDevice::kCpu) {
+    device_description = "cpu (host backend; --device cpu)";
+    log_once(LogLevel::kInfo, "trainer-device", "trainer: CPU model ops on the host backend (--device cpu)");
+    return use_host(z, cfg);
+  }
+  Status cuda = try_cuda(z, cfg);
+  if (cuda.ok()) {
+    device_description = backend->name();
+    log_once(LogLevel::kInfo, "trainer-device",
+             fmt::format("trainer: CUDA model ops on {} (device budget {}, reserve {})", backend->name(),
+                         format_bytes(cfg->strata.device_memory), format_bytes(cfg->strata.device_reserve)));
+    return {};
+  }
+  if (opt.device == TrainDevice::kCuda)
+    return Status(cuda.code(), "--device cuda: cannot train on the GPU: " + cuda.message());
+  // auto: a machine without a GPU is the normal case (info); a GPU the ops
+  // cannot use is worth a warning.
+  auto module = load_cuda_backend();
+  const bool gpu = module.ok() && module->device_count > 0;
+  device_description = "cpu (host backend): " + cuda.message();
+  log_once(gpu ? LogLevel::kWarn : LogLevel::kInfo, "trainer-device",
+           "trainer: CPU model ops on the host backend (--device auto): " + cuda.message());
+  return use_host(z, cfg);
+}
+
+Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
+  CudaOpsOptions co;
+  co.dims = dims;
+  co.max_batch = opt.batch;
+  co.max_seq = seq;
+  // The workspace size loads the model-ops module (and the device module
+  // before it): where either is missing this is the reason.
+  STRATA_ASSIGN_OR_RETURN(uint64_t workspace, cuda_ops_workspace_bytes(co));
+  const uint64_t reserve = z.reserve_base + z.extra + pool_bytes(workspace);
+  // The budget: --device-mem / strata.device_memory when given, else 0:
+  // the backend detects it (the GPU's free memory less a margin for the CUDA
+  // context and libraries), and the planner gets the same figure.
+  DeviceBackendOptions d;
+  d.kind = DeviceBackendKind::kCuda;
+  d.budget_bytes = cfg->strata.device_memory;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBackend> b, create_device_backend(d));
+  const uint64_t budget = b->memory_stats().budget;
+  STRATA_ASSIGN_OR_RETURN(DeviceStream* s, b->create_stream("train"));
+  auto o = create_cuda_ops(*b, s, co);
+  if (!o.ok()) {
+    (void)b->destroy_stream(s);
+    return o.status();
+  }
+  backend = std::move(b);
+  stream = s;
+  ops = std::move(o).value();
+  sync_ops = ops->synchronous();
+  cfg->strata.device_memory = budget;
+  cfg->strata.device_reserve = reserve;
+  return {};
+}
+
+Status Trainer::Impl::use_host(const DeviceSizes& z, Config* cfg) {
+  // The "device" is RAM. The budget keeps what the engine's group buffers had
+  // before the activations moved into the pool (at least 1 GiB), plus them.
+  cfg->strata.device_reserve = z.reserve_base + z.extra;
+  if (cfg->strata.device_memory == 0)
+    cfg->strata.device_memory = std::max<uint64_t>(1ull << 30, z.reserve_base + z.group_buffers) + z.extra;
+  DeviceBackendOptions d;
+  d.kind = DeviceBackendKind::kHost;
+  d.budget_bytes = cfg->strata.device_memory;
+  STRATA_ASSIGN_OR_RETURN(backend, create_device_backend(d));
+  STRATA_ASSIGN_OR_RETURN(stream, backend->create_stream("train"));
+  CpuOpsOptions co;
+  co.dims = dims;
+  co.max_batch = opt.batch;
+  co.max_seq = seq;
+  co.threads = opt.threads;
+  STRATA_ASSIGN_OR_RETURN(ops, create_cpu_ops(co));
+  sync_ops = ops->synchronous();
+  return {};
+}
+
+Status Trainer::Impl::load_weights() {
+  STRATA_ASSIGN_OR_RETURN(auto reader, model::TensorReader::create());
+  const ModelSpec& spec = engine->model();
+  std::vector<float> buf;
+  for (ParamId p = 0; p < spec.params.size(); ++p) {
+    const ParamSpec& ps = spec.params[p];
+    const model::TensorInfo* t = model.find(ps.name);
+    if (!t)
+      return Status(StatusCode::kNotFound, "model " + opt.model_dir + ": tensor " + ps.name + " is missing");
+    buf.resize(ps.numel());
+    if (Status st = reader->read(*t, DType::kF32, buf.data()); !st.ok())
+      return st.with_context("model " + opt.model_dir + ": tensor " + ps.name);
+    STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
+  }
+  return {};
+}
+
+std::string Trainer::Impl::extra_json() const {
+  json t;
+  t["step"] = step;
+  t["tokens"] = tokens_seen;
+  t["last_loss"] = last_loss;
+  t["seed"] = opt.data.seed;
+  t["batch"] = opt.batch;
+  t["seq"] = seq;
+  t["grad_accum"] = accum;
+  t["data"] = opt.data.path;
+  t["data_format"] = data_format_name(opt.data.format);
+  t["val_fraction"] = opt.data.val_fraction;
+  t["schedule"] = {{"kind", schedule_kind_name(opt.schedule.kind)},
+                   {"lr", opt.schedule.lr},
+                   {"min_lr", opt.schedule.min_lr},
+                   {"warmup", opt.schedule.warmup},
+                   {"total", opt.steps}};
+  return json{{"trainer", t}}.dump();
+}
+
+Status Trainer::Impl::resume(const std::string& dir_in) {
+  std::string dir = dir_in;
+  std::error_code ec;
+  if (!fs::exists(dir + "/index.json", ec)) {
+    auto cks = list_checkpoints(dir);
+    if (cks.empty())
+      return Status(StatusCode::kNotFound, "resume: " + dir + " is neither a checkpoint nor a directory holding "
+                                           "checkpoint-<step> directories");
+    dir = cks.back().second;
+  }
+  std::string extra;
+  if (Status st = engine->load_checkpoint(dir, &extra); !st.ok()) return st.with_context("resume from " + dir);
+  json j = json::parse(extra, nullptr, false);
+  if (j.is_discarded() || !j.contains("trainer") || !j["trainer"].is_object())
+    return Status(StatusCode::kCorrupt, "resume from " + dir + ": the checkpoint has no trainer state "
+                                        "(not written by strata finetune?)");
+  const json& t = j["trainer"];
+  auto mismatch = [&](const char* key, const json& now) -> Status {
+    if (!t.contains(key) || t[key] != now)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("resume from {}: the checkpoint was made with {} = {}, this run has {}: the data "
+                                "order would differ; use the same value",
+                                dir, key, t.contains(key) ? t[key].dump() : "(absent)", now.dump()));
+    return {};
+  };
+  STRATA_RETURN_IF_ERROR(mismatch("batch", opt.batch));
+  STRATA_RETURN_IF_ERROR(mismatch("seq", seq));
+  STRATA_RETURN_IF_ERROR(mismatch("grad_accum", accum));
+  STRATA_RETURN_IF_ERROR(mismatch("seed", opt.data.seed));
+  if (t.value("data", std::string()) != opt.data.path)
+    log_warn("resume: the checkpoint was trained on {}, this run reads {}", t.value("data", std::string()),
+             opt.data.path);
+  step = t.value("step", int64_t{0});
+  tokens_seen = t.value("tokens", uint64_t{0});
+  last_loss = t.value("last_loss", 0.0);
+  log_info("resumed from {} at step {}", dir, step);
+  return {};
+}
+
+json Trainer::Impl::stats_json() const {
+  const EngineStats s = engine->stats();
+  return json{{"device_bytes", s.tier_bytes[static_cast<int>(Tier::kDevice)]},
+              {"host_bytes", s.tier_bytes[static_cast<int>(Tier::kHost)]},
+              {"nvme_bytes", s.tier_bytes[static_cast<int>(Tier::kNvme)]},
+              {"nvme_read_bytes", s.nvme_read_bytes},
+              {"nvme_write_bytes", s.nvme_write_bytes}};
+}
+
+void Trainer::Impl::write_metrics(const json& j) {
+  if (!metrics) return;
+  const std::string line = j.dump() + "\n";
+  std::fwrite(line.data(), 1, line.size(), metrics);
+  std::fflush(metrics);
+}
+
+Result<GroupView> Trainer::Impl::acquire(GroupId g) {
+  auto v = engine->acquire(g, stream);
+  if (!v.ok()) return v.status();
+  // Synchronous (CPU) ops read the buffers directly: wait for the upload (and
+  // for every earlier reduce_grad's download of the gradient buffer, and the
+  // token upload, which the stream also waits on) before computing.
+  // Stream-ordered ops need nothing: their work queues behind the upload.
+  if (sync_ops) STRATA_RETURN_IF_ERROR(backend->synchronize(stream));
+  return v;
+}
+
+// batch_tokens -> pinned staging -> inputs/targets (device), on the stream.
+Status Trainer::Impl::stage_tokens() {
+  // The last upload must have read the staging buffer before it is rewritten
+  // (on CUDA the host may be ahead of the stream by a whole micro-batch).
+  STRATA_RETURN_IF_ERROR(backend->synchronize(upload_done));
+  const int64_t B = opt.batch, T = seq;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      inputs_host[b * T + t] = batch_tokens[b * (T + 1) + t];
+      targets_host[b * T + t] = batch_tokens[b * (T + 1) + t + 1];
+    }
+  const size_t bytes = static_cast<size_t>(tokens_per_micro) * sizeof(int32_t);
+  STRATA_RETURN_IF_ERROR(backend->copy_async(inputs, inputs_host, bytes, CopyKind::kHostToDevice, stream));
+  STRATA_RETURN_IF_ERROR(backend->copy_async(targets, targets_host, bytes, CopyKind::kHostToDevice, stream));
+  return backend->record(upload_done, stream);
+}
+
+const void* Trainer::Impl::ptr_of(const GroupView& v, ParamId p) const {
+  for (size_t i = 0; i < v.params.size(); ++i)
+    if (v.params[i] == p) return v.ptr[i];
+  return nullptr;
+}
+
+// Embedding and layers; acts[l] = input of layer l, acts[L] = input of the head.
+Status Trainer::Impl::forward(const int32_t* tokens, bool) {
+  const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
+  const int64_t B = opt.batch, T = seq;
+  {
+    engine->trace_begin("embed_forward");
+    STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(embed_group));
+    EmbedWeights w{compute_dtype, ptr_of(v, embed_param)};
+    Status st = ops->embed_forward(w, tokens, B, T, acts);
+    STRATA_RETURN_IF_ERROR(engine->release(embed_group, stream));
+    engine->trace_end();
+    STRATA_RETURN_IF_ERROR(st);
+  }
+  for (size_t l = 0; l < layer_groups.size(); ++l) {
+    engine->trace_begin("layer_forward");
+    STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(layer_groups[l]));
+    const auto& id = layer_param_ids[l];
+    LayerWeights w{compute_dtype,        ptr_of(v, id[0]), ptr_of(v, id[1]), ptr_of(v, id[2]), ptr_of(v, id[3]),
+                   ptr_of(v, id[4]),     ptr_of(v, id[5]), ptr_of(v, id[6]), ptr_of(v, id[7]), ptr_of(v, id[8])};
+    Status st = ops->layer_forward(w, B, T, acts + l * act, acts + (l + 1) * act);
+    STRATA_RETURN_IF_ERROR(engine->release(layer_groups[l], stream));
+    engine->trace_end();
+    STRATA_RETURN_IF_ERROR(st);
+  }
+  return {};
+}
+
+Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
+  const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
+  const int64_t B = opt.batch, T = seq;
+  const size_t L = layer_groups.size();
+  STRATA_RETURN_IF_ERROR(engine->begin_micro_batch(last));
+  STRATA_RETURN_IF_ERROR(forward(inputs, true));
+
+  // Head: loss, dx and the head's gradients.
+  const float dloss = static_cast<float>(engine->loss_scale());
+  {
+    engine->trace_begin("head_forward_backward");
+    GroupView ev{};
+    if (dims.tied) {
+      STRATA_ASSIGN_OR_RETURN(ev, acquire(embed_group));
+    }
+    STRATA_ASSIGN_OR_RETURN(GroupView hv, acquire(head_group));
+    HeadWeights w{compute_dtype, ptr_of(hv, norm_param),
+                  dims.tied ? ptr_of(ev, embed_param) : ptr_of(hv, lm_head_param)};
+    const uint64_t dim = static_cast<uint64_t>(dims.dim);
+    HeadGrads g{grad_buf, dims.tied ? tied_grad : grad_buf + dim};
+    Status st = ops->head_forward_backward(w, acts + L * act, targets, nullptr, B, T, dloss, loss, dx_a, g);
+    if (st.ok()) st = engine->reduce_grad(norm_param, grad_buf, DType::kF32, stream);
+    if (st.ok() && !dims.tied) st = engine->reduce_grad(lm_head_param, grad_buf + dim, DType::kF32, stream);
+    Status rel = engine->release(head_group, stream);
+    if (dims.tied && rel.ok()) rel = engine->release(embed_group, stream);
+    engine->trace_end();
+    STRATA_RETURN_IF_ERROR(st);
+    STRATA_RETURN_IF_ERROR(rel);
+  }
+
+  // Layers in reverse: dy in dx_a, dx into dx_b, then swap.
+  const ModelSpec& spec = engine->model();
+  for (size_t l = L; l-- > 0;) {
+    engine->trace_begin("layer_backward");
+    STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(layer_groups[l]));
+    const auto& id = layer_param_ids[l];
+    LayerWeights w{compute_dtype,    ptr_of(v, id[0]), ptr_of(v, id[1]), ptr_of(v, id[2]), ptr_of(v, id[3]),
+                   ptr_of(v, id[4]), ptr_of(v, id[5]), ptr_of(v, id[6]), ptr_of(v, id[7]), ptr_of(v, id[8])};
+    std::array<float*, 9> gp{};
+    float* cursor = grad_buf;
+    for (size_t i = 0; i < 9; ++i) {
+      gp[i] = cursor;
+      cursor += spec.params[id[i]].numel();
+    }
+    LayerGrads g{gp[0], gp[1], gp[2], gp[3], gp[4], gp[5], gp[6], gp[7], gp[8]};
+    Status st = ops->layer_backward(w, B, T, acts + l * act, dx_a, dx_b, g);
+    for (size_t i = 0; i < 9 && st.ok(); ++i) st = engine->reduce_grad(id[i], gp[i], DType::kF32, stream);
+    Status rel = engine->release(layer_groups[l], stream);
+    engine->trace_end();
+    STRATA_RETURN_IF_ERROR(st);
+    STRATA_RETURN_IF_ERROR(rel);
+    std::swap(dx_a, dx_b);
+  }
+
+  // Embedding: no weights needed, only the gradient.
+  engine->trace_begin("embed_backward");
+  // Synchronous ops: the stream must have finished downloading the last
+  // layer's gradients before grad_buf is overwritten (stream-ordered ops
+  // queue behind that download).
+  if (sync_ops) STRATA_RETURN_IF_ERROR(backend->synchronize(stream));
+  float* ge = dims.tied ? tied_grad : grad_buf;
+  Status st = ops->embed_backward(inputs, B, T, dx_a, ge, /*accumulate=*/dims.tied);
+  if (st.ok()) st = engine->reduce_grad(embed_param, ge, DType::kF32, stream);
+  engine->trace_end();
+  return st;
+}
+
+Result<StepReport> Trainer::train_step() {
+  Impl& m = *impl_;
+  const auto t0 = Clock::now();
+  const uint64_t S = static_cast<uint64_t>(m.opt.batch) * m.accum;
+  const int64_t T = m.seq;
+  for (uint32_t mb = 0; mb < m.accum; ++mb) {
+    const uint64_t first = static_cast<uint64_t>(m.step) * S + static_cast<uint64_t>(mb) * m.opt.batch;
+    STRATA_RETURN_IF_ERROR(m.data->train_batch(first, m.opt.batch, m.batch_tokens));
+    STRATA_RETURN_IF_ERROR(m.stage_tokens());
+    m.losses[mb] = LossStats{};
+    STRATA_RETURN_IF_ERROR(m.micro_batch(mb + 1 == m.accum, &m.losses[mb]));
+  }
+  // Every reduce_grad must have been read before step() (it waits for the
+  // engine's own work; the stream's downloads are ordered before it by the
+  // engine, but the last buffer is ours to keep valid until then). This is
+  // also where stream-ordered ops have written the losses (and report bad
+  // token ids).
+  STRATA_RETURN_IF_ERROR(m.backend->synchronize(m.stream));
+  LossStats total;
+  for (uint32_t mb = 0; mb < m.accum; ++mb) {
+    total.sum += m.losses[mb].sum;
+    total.count += m.losses[mb].count;
+  }
+  Schedule sched = m.opt.schedule;
+  sched.total = std::max<int64_t>(1, m.opt.steps);
+  const double lr = schedule_lr(sched, m.step);
+  STRATA_ASSIGN_OR_RETURN(StepResult r, m.engine->step(lr));
+  ++m.step;
+  m.tokens_seen += S * static_cast<uint64_t>(T);
+  m.last_loss = total.mean();
+  StepReport rep;
+  rep.step = m.step;
+  rep.loss = total.mean();
+  rep.lr = lr;
+  rep.engine = r;
+  rep.seconds = seconds_since(t0);
+  return rep;
+}
+
+Result<double> Trainer::evaluate() {
+  Impl& m = *impl_;
+  const uint64_t n = std::min<uint64_t>(m.opt.eval_batches, m.data->val_batches(m.opt.batch));
+  if (n == 0)
+    return Status(StatusCode::kInvalidArgument, "data " + m.opt.data.path + " has no validation part to evaluate on");
+  const int64_t B = m.opt.batch, T = m.seq;
+  const size_t act = static_cast<size_t>(m.tokens_per_micro * m.dims.dim);
+  const size_t L = m.layer_groups.size();
+  for (uint64_t j = 0; j < n; ++j) {
+    STRATA_RETURN_IF_ERROR(m.data->val_batch(j, m.opt.batch, m.batch_tokens));
+    STRATA_RETURN_IF_ERROR(m.stage_tokens());
+    STRATA_RETURN_IF_ERROR(m.forward(m.inputs, false));
+    GroupView ev{};
+    if (m.dims.tied) {
+      STRATA_ASSIGN_OR_RETURN(ev, m.acquire(m.embed_group));
+    }
+    STRATA_ASSIGN_OR_RETURN(GroupView hv, m.acquire(m.head_group));
+    HeadWeights w{m.compute_dtype, m.ptr_of(hv, m.norm_param),
+                  m.dims.tied ? m.ptr_of(ev, m.embed_param) : m.ptr_of(hv, m.lm_head_param)};
+    m.losses[j] = LossStats{};
+    Status st = m.ops->head_loss(w, m.acts + L * act, m.targets, nullptr, B, T, &m.losses[j]);
+    Status rel = m.engine->release(m.head_group, m.stream);
+    if (m.dims.tied && rel.ok()) rel = m.engine->release(m.embed_group, m.stream);
+    STRATA_RETURN_IF_ERROR(st);
+    STRATA_RETURN_IF_ERROR(rel);
+  }
+  // Stream-ordered ops write the losses when the stream gets there.
+  STRATA_RETURN_IF_ERROR(m.backend->synchronize(m.stream));
+  LossStats total;
+  for (uint64_t j = 0; j < n; ++j) {
+    total.sum += m.losses[j].sum;
+    total.count += m.losses[j].count;
+  }
+  return total.mean();
+}
+
+Status Trainer::save_checkpoint(const std::string& dir) {
+  return impl_->engine->save_checkpoint(dir, impl_->extra_json());
+}
+
+Status Trainer::export_model(const std::string& dir, DType dtype) {
+  Impl& m = *impl_;
+  STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
+  model::LlamaConfig cfg = m.model.config;
+  cfg.torch_dtype = dtype;
+  STRATA_RETURN_IF_ERROR(model::save_llama_config(cfg, dir + "/config.json"));
+  std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
+  STRATA_ASSIGN_OR_RETURN(auto w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
+  std::vector<float> buf;
+  for (const model::TensorDecl& d : decls) {
+    STRATA_ASSIGN_OR_RETURN(ParamId p, m.engine->find_param(d.name));
+    buf.resize(d.numel());
+    STRATA_RETURN_IF_ERROR(m.engine->read_param(p, buf.data(), DType::kF32));
+    STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
+  }
+  return w->finish();
+}
+
+Result<TrainResult> Trainer::run() {
+  Impl& m = *impl_;
+  TrainResult res;
+  const bool tty = ::isatty(STDOUT_FILENO) != 0;
+  ProgressMode mode = m.opt.progress;
+  if (mode == ProgressMode::kAuto) mode = tty ? ProgressMode::kBar : ProgressMode::kLines;
+  auto say = [&](const std::string& line) {
+    if (mode == ProgressMode::kQuiet) return;
+    if (mode == ProgressMode::kBar) std::printf("\r\033[K");
+    std::printf("%s\n", line.c_str());
+    std::fflush(stdout);
+  };
+  const bool has_val = m.data->val_batches(m.opt.batch) > 0;
+  const uint64_t eval_n = std::min<uint64_t>(m.opt.eval_batches, m.data->val_batches(m.opt.batch));
+  auto eval = [&]() -> Result<double> {
+    const auto t0 = Clock::now();
+    STRATA_ASSIGN_OR_RETURN(double v, evaluate());
+    m.write_metrics({{"event", "eval"},
+                     {"step", m.step},
+                     {"val_loss", v},
+                     {"batches", eval_n},
+                     {"tokens", eval_n * static_cast<uint64_t>(m.tokens_per_micro)},
+                     {"seconds", seconds_since(t0)}});
+    say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m.step, v, eval_n,
+                    seconds_since(t0)));
+    return v;
+  };
+  auto checkpoint = [&]() -> Status {
+    const auto t0 = Clock::now();
+    const std::string dir = m.opt.out_dir + "/checkpoint-" + std::to_string(m.step);
+    STRATA_RETURN_IF_ERROR(save_checkpoint(dir));
+    res.last_checkpoint = dir;
+    m.write_metrics({{"event", "checkpoint"}, {"step", m.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
+    if (m.opt.keep > 0) {
+      auto cks = list_checkpoints(m.opt.out_dir);
+      for (size_t i = 0; i + m.opt.keep < cks.size(); ++i) {
+        if (cks[i].second == dir) continue;
+        std::error_code ec;
+        fs::remove_all(cks[i].second, ec);
+        if (ec) log_warn("could not remove old checkpoint {}: {}", cks[i].second, ec.message());
+      }
+    }
+    say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m.step, dir, seconds_since(t0)));
+    return {};
+  };
+
+  if (has_val) {
+    STRATA_ASSIGN_OR_RETURN(res.initial_val_loss, eval());
+  }
+  const int64_t first_step = m.step;
+  const auto train_t0 = Clock::now();
+  double train_seconds = 0, warm_seconds = 0;
+  int64_t warm_steps = 0;
+  uint64_t train_tokens = 0;
+  const uint64_t tokens_per_step = static_cast<uint64_t>(m.tokens_per_micro) * m.accum;
+  EngineStats prev = m.engine->stats();
+  while (m.step < m.opt.steps) {
+    if (m.opt.stop && m.opt.stop->load()) {  // stopped before this run's first step
+      STRATA_RETURN_IF_ERROR(checkpoint());
+      res.interrupted = true;
+      break;
+    }
+    STRATA_ASSIGN_OR_RETURN(StepReport r, train_step());
+    train_seconds += r.seconds;
+    train_tokens += tokens_per_step;
+    if (r.step > first_step + 1) {
+      warm_seconds += r.seconds;
+      ++warm_steps;
+    }
+    res.train_losses.push_back(r.loss);
+    const EngineStats s = m.engine->stats();
+    const uint64_t io = (s.nvme_read_bytes - prev.nvme_read_bytes) + (s.nvme_write_bytes - prev.nvme_write_bytes);
+    prev = s;
+    const double tps = static_cast<double>(tokens_per_step) / r.seconds;
+    const double io_gbps = static_cast<double>(io) / r.seconds / 1e9;
+    json j = {{"event", "train"},         {"step", r.step},
+              {"loss", r.loss},           {"lr", r.lr},
+              {"grad_norm", r.engine.grad_norm}, {"clip_coef", r.engine.clip_coef},
+              {"loss_scale", r.engine.loss_scale}, {"skipped", r.engine.skipped},
+              {"tokens", m.tokens_seen},  {"step_s", r.seconds},
+              {"tokens_per_s", tps},      {"io_gbps", io_gbps}};
+    j.update(m.stats_json());
+    m.write_metrics(j);
+    const uint64_t dev_b = s.tier_bytes[static_cast<int>(Tier::kDevice)];
+    const uint64_t host_b = s.tier_bytes[static_cast<int>(Tier::kHost)];
+    const uint64_t nvme_b = s.tier_bytes[static_cast<int>(Tier::kNvme)];
+    const double eta = (train_seconds / static_cast<double>(r.step - first_step)) *
+                       static_cast<double>(m.opt.steps - r.step);
+    const std::string line = fmt::format(
+        "step {:>6}/{}  loss {:.4f}  lr {:.2e}  {} tok/s  dev {}  host {}  nvme {}  io {:.2f} GB/s{}", r.step,
+        m.opt.steps, r.loss, r.lr, human_count(tps), format_bytes(dev_b), format_bytes(host_b),
+        format_bytes(nvme_b), io_gbps, r.engine.skipped ? "  (skipped: non-finite gradients)" : "");
+    if (mode == ProgressMode::kBar) {
+      std::printf("\r\033[K%s  eta %s", line.c_str(), human_seconds(eta).c_str());
+      std::fflush(stdout);
+    } else if (mode == ProgressMode::kLines &&
+               (r.step == first_step + 1 || r.step == m.opt.steps || r.step % std::max<int64_t>(1, m.opt.log_every) == 0)) {
+      say(line);
+    }
+    const bool stop = m.opt.stop && m.opt.stop->load();
+    if (has_val && m.opt.eval_every > 0 && r.step % m.opt.eval_every == 0 && r.step < m.opt.steps && !stop) {
+      STRATA_ASSIGN_OR_RETURN(double v, eval());
+      (void)v;
+    }
+    if (stop) {
+      STRATA_RETURN_IF_ERROR(checkpoint());
+      res.interrupted = true;
+      break;
+    }
+    if (m.opt.save_every > 0 && r.step % m.opt.save_every == 0) STRATA_RETURN_IF_ERROR(checkpoint());
+  }
+  if (mode == ProgressMode::kBar) {
+    std::printf("\n");
+    std::fflush(stdout);
+  }
+  (void)train_t0;
+  res.steps_done = m.step;
+  res.steps_this_run = m.step - first_step;
+  res.train_seconds = train_seconds;
+  res.tokens_per_s = train_seconds > 0 ? static_cast<double>(train_tokens) / train_seconds : 0;
+  res.mean_step_seconds = warm_steps > 0 ? warm_seconds / static_cast<double>(warm_steps)
+                                         : (res.steps_this_run > 0 ? train_seconds / res.steps_this_run : 0);
+  if (res.interrupted) return res;
+
+  if (has_val) {
+    STRATA_ASSIGN_OR_RETURN(res.final_val_loss, eval());
+  }
+  if (m.opt.export_model) {
+    DType dt = m.model.config.torch_dtype;
+    if (!m.opt.export_dtype.empty()) {
+      auto p = parse_dtype(m.opt.export_dtype);
+      if (!p.ok()) return p.status();
+      dt = p.value();
+    }
+    const std::string dir = m.opt.out_dir + "/model";
+    if (Status st = export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
+    res.exported_model = dir;
+    say(fmt::format("exported the model ({}) to {}", dtype_name(dt), dir));
+  }
+  return res;
+}
+
+}  // namespace strata::train

@@ -1,0 +1,152 @@
+// Hugging Face Llama config.json parsing and the tensor list it implies,
+// checked against published configs and their published parameter counts.
+#include "model/llama_config.h"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+namespace strata::model {
+namespace {
+
+const std::string kData = STRATA_MODEL_TEST_DATA;
+
+void expect_error(const Result<LlamaConfig>& r, const std::string& want) {
+  ASSERT_FALSE(r.ok()) << "expected an error mentioning " << want;
+  EXPECT_NE(r.status().message().find(want), std::string::npos)
+      << "message lacks '" << want << "': " << r.status().message();
+}
+
+uint64_t param_count(const LlamaConfig& c) {
+  uint64_t n = 0;
+  for (const auto& d : llama_tensor_decls(c, StDType::kBF16)) n += d.numel();
+  return n;
+}
+
+TEST(LlamaConfig, Llama2_70B) {
+  auto c = load_llama_config(kData + "/llama-70b-config.json");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->hidden_size, 8192u);
+  EXPECT_EQ(c->intermediate_size, 28672u);
+  EXPECT_EQ(c->num_hidden_layers, 80u);
+  EXPECT_EQ(c->num_attention_heads, 64u);
+  EXPECT_EQ(c->num_key_value_heads, 8u);
+  EXPECT_EQ(c->vocab_size, 32000u);
+  EXPECT_EQ(c->max_position_embeddings, 4096u);
+  EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 10000.0);  // absent: the default
+  EXPECT_FALSE(c->tie_word_embeddings);
+  EXPECT_EQ(c->torch_dtype, DType::kF16);
+  EXPECT_EQ(c->bos_token_id, 1);
+  EXPECT_EQ(c->eos_token_id, 2);
+  EXPECT_EQ(c->head_dim(), 128u);
+  // Published parameter count of Llama-2-70b.
+  EXPECT_EQ(param_count(*c), 68'976'648'192ull);
+}
+
+TEST(LlamaConfig, SmolLM135MTied) {
+  auto c = load_llama_config(kData + "/smollm-135m-config.json");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_TRUE(c->tie_word_embeddings);
+  EXPECT_EQ(c->num_key_value_heads, 3u);
+  EXPECT_EQ(c->torch_dtype, DType::kBF16);
+  EXPECT_EQ(param_count(*c), 134'515'008ull);  // no lm_head.weight
+  auto decls = llama_tensor_decls(*c, StDType::kBF16);
+  EXPECT_EQ(decls.back().name, "model.norm.weight");
+}
+
+TEST(LlamaConfig, RopeScalingRefusedUnlessAllowed) {
+  auto refused = load_llama_config(kData + "/llama-3.1-8b-config.json");
+  expect_error(refused, "\"rope_scaling\"");
+  expect_error(refused, "not supported");
+  auto c = load_llama_config(kData + "/llama-3.1-8b-config.json", /*allow_rope_scaling=*/true);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_NE(c->rope_scaling.find("llama3"), std::string::npos);
+  EXPECT_DOUBLE_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(param_count(*c), 8'030'261'248ull);  // published count of Llama-3.1-8B
+}
+
+// The Hugging Face names and shapes, spelled out independently of
+// llama_model_spec, for a small GQA model.
+TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
+  LlamaConfig c;
+  c.hidden_size = 64;
+  c.intermediate_size = 160;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 8;
+  c.num_key_value_heads = 2;
+  c.vocab_size = 100;
+  std::vector<std::pair<std::string, std::vector<uint64_t>>> want = {{"model.embed_tokens.weight", {100, 64}}};
+  for (int i = 0; i < 2; ++i) {
+    const std::string p = fmt::format("model.layers.{}.", i);
+    want.push_back({p + "input_layernorm.weight", {64}});
+    want.push_back({p + "self_attn.q_proj.weight", {64, 64}});
+    want.push_back({p + "self_attn.k_proj.weight", {16, 64}});  // kv heads * head_dim = 2 * 8
+    want.push_back({p + "self_attn.v_proj.weight", {16, 64}});
+    want.push_back({p + "self_attn.o_proj.weight", {64, 64}});
+    want.push_back({p + "post_attention_layernorm.weight", {64}});
+    want.push_back({p + "mlp.gate_proj.weight", {160, 64}});
+    want.push_back({p + "mlp.up_proj.weight", {160, 64}});
+    want.push_back({p + "mlp.down_proj.weight", {64, 160}});
+  }
+  want.push_back({"model.norm.weight", {64}});
+  want.push_back({"lm_head.weight", {100, 64}});
+  auto decls = llama_tensor_decls(c, StDType::kF32);
+  ASSERT_EQ(decls.size(), want.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    EXPECT_EQ(decls[i].name, want[i].first);
+    EXPECT_EQ(decls[i].shape, want[i].second) << want[i].first;
+  }
+  // ...and the runtime's groups: embed, layers.<i>, head.
+  auto spec = llama_model_spec(c.shape());
+  ASSERT_TRUE(spec.ok());
+  EXPECT_EQ(spec->group_names(), (std::vector<std::string>{"embed", "layers.0", "layers.1", "head"}));
+}
+
+TEST(LlamaConfig, DefaultsAndRoundTrip) {
+  auto c = parse_llama_config(R"({"hidden_size":64,"intermediate_size":160,"num_hidden_layers":2,
+      "num_attention_heads":4,"vocab_size":256})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->num_key_value_heads, 4u);   // defaults to the head count
+  EXPECT_EQ(c->torch_dtype, DType::kF32);  // absent: float32, as transformers loads it
+  EXPECT_EQ(c->bos_token_id, -1);
+  c->torch_dtype = DType::kBF16;
+  c->tie_word_embeddings = true;
+  c->rope_theta = 500000;
+  c->eos_token_id = 7;
+  auto back = parse_llama_config(llama_config_to_json(*c), "round trip");
+  ASSERT_TRUE(back.ok()) << back.status().to_string();
+  EXPECT_EQ(back->hidden_size, 64u);
+  EXPECT_EQ(back->num_key_value_heads, 4u);
+  EXPECT_EQ(back->torch_dtype, DType::kBF16);
+  EXPECT_TRUE(back->tie_word_embeddings);
+  EXPECT_DOUBLE_EQ(back->rope_theta, 500000.0);
+  EXPECT_EQ(back->eos_token_id, 7);
+  EXPECT_EQ(back->bos_token_id, -1);
+  EXPECT_NE(llama_config_to_json(*c).find("\"head_dim\": 16"), std::string::npos);
+}
+
+TEST(LlamaConfig, ErrorsNameTheKey) {
+  const std::string base = R"("intermediate_size":160,"num_hidden_layers":2,"num_attention_heads":4,"vocab_size":256)";
+  expect_error(parse_llama_config("{" + base + "}", "cfg.json"), "cfg.json: \"hidden_size\" is missing");
+  expect_error(parse_llama_config(R"({"hidden_size":"64",)" + base + "}"), "\"hidden_size\" must be a non-negative");
+  expect_error(parse_llama_config(R"({"hidden_size":-64,)" + base + "}"), "\"hidden_size\"");
+  expect_error(parse_llama_config(R"({"hidden_size":66,)" + base + "}"), "not divisible by num_attention_heads");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"num_key_value_heads":3,)" + base + "}"),
+               "not divisible by num_key_value_heads");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"head_dim":32,)" + base + "}"), "\"head_dim\" is 32");
+  EXPECT_TRUE(parse_llama_config(R"({"hidden_size":64,"head_dim":16,)" + base + "}").ok());
+  expect_error(parse_llama_config(R"({"hidden_size":64,"torch_dtype":"int8",)" + base + "}"), "\"torch_dtype\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"model_type":"mistral",)" + base + "}"), "\"model_type\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"architectures":["GPT2LMHeadModel"],)" + base + "}"),
+               "\"architectures\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"attention_bias":true,)" + base + "}"), "\"attention_bias\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":"gelu",)" + base + "}"), "\"hidden_act\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"rms_norm_eps":0,)" + base + "}"), "\"rms_norm_eps\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"tie_word_embeddings":1,)" + base + "}"),
+               "\"tie_word_embeddings\" must be true or false");
+  expect_error(parse_llama_config(R"({"hidden_size":64,)" + base), "malformed JSON");
+  expect_error(load_llama_config("/nonexistent/config.json"), "/nonexistent/config.json");
+}
+
+}  // namespace
+}  // namespace strata::model

@@ -1,0 +1,109 @@
+#!/usr/bin/env bash
+# `strata init-model` and `strata plan` as a user meets them: a model written
+# by init-model opens (checked by the `strata plan --model DIR` path and the
+# file layout), a 70B plan fits with NVMe and refuses plainly without enough,
+# bad flags exit 1 with a message.
+#   model_cli_test.sh STRATA_BINARY DATA_DIR
+# Exit 0 pass, 1 fail, 77 skip (ctest SKIP_RETURN_CODE).
+set -uo pipefail
+strata=${1:?usage: model_cli_test.sh STRATA_BINARY DATA_DIR}
+data=${2:?usage: model_cli_test.sh STRATA_BINARY DATA_DIR}
+root=${STRATA_TEST_DIR:-/tmp}
+dir=$(mktemp -d "$root/strata-model-cli.XXXXXX") || exit 1
+trap 'rm -rf "$dir"' EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
+cfg70=$data/llama-70b-config.json
+
+# ---- init-model
+cli_command "$strata" init-model
+out=$("$strata" init-model --help 2>&1) || fail "init-model --help exited $?"
+for flag in --layers --dim --heads --kv-heads --ffn-dim --vocab --max-seq --dtype --seed --tie-embeddings \
+  --max-shard-size --force --out; do
+  [[ $out == *"$flag"* ]] || fail "init-model --help does not list $flag"
+done
+out=$("$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 96 --vocab 256 --seed 3 \
+  --out "$dir/m" 2>&1) || fail "init-model exited $?: $out"
+[[ -f $dir/m/config.json && -f $dir/m/model.safetensors ]] || fail "init-model wrote: $(ls "$dir/m")"
+[[ $(grep -c '"num_key_value_heads": 2' "$dir/m/config.json") == 1 ]] || fail "config.json: $(cat "$dir/m/config.json")"
+# Same seed, same bytes; another seed, other bytes.
+"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 96 --seed 3 --out "$dir/m2" >/dev/null 2>&1
+cmp -s "$dir/m/model.safetensors" "$dir/m2/model.safetensors" || fail "the same --seed gave different weights"
+"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 96 --seed 4 --out "$dir/m2" --force >/dev/null 2>&1
+cmp -s "$dir/m/model.safetensors" "$dir/m2/model.safetensors" && fail "--seed 3 and --seed 4 gave the same weights"
+# Shards: an index and several files, no single file left from before.
+"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 96 --max-shard-size 64KiB --force \
+  --out "$dir/m2" >/dev/null 2>&1 || fail "init-model --max-shard-size failed"
+[[ -f $dir/m2/model.safetensors.index.json && ! -e $dir/m2/model.safetensors ]] || fail "sharded layout: $(ls "$dir/m2")"
+[[ $(ls "$dir/m2" | grep -c '^model-0.*safetensors$') -gt 1 ]] || fail "expected several shards: $(ls "$dir/m2")"
+expect_error "is not empty; use --force" --out "$dir/m"
+expect_error "--dim 66 is not divisible by --heads 4" --dim 66 --heads 4 --out "$dir/bad"
+expect_error "--kv-heads" --heads 4 --kv-heads 3 --out "$dir/bad"
+expect_error "--dtype" --dtype int8 --out "$dir/bad"
+expect_error "--max-shard-size" --max-shard-size 12XB --out "$dir/bad"
+expect_error "--layers" --layers 0 --out "$dir/bad"
+expect_error "--layers" --layers abc --out "$dir/bad"
+touch "$dir/file"
+expect_error "is not a directory" --out "$dir/file"
+[[ ! -e $dir/bad ]] || fail "a refused init-model left $dir/bad"
+
+# The model directory it wrote plans (config read from the directory).
+cli_command "$strata" plan
+out=$("$strata" plan --model "$dir/m" --gpu-mem 8GiB --host-mem 8GiB --no-measure 2>&1) || fail "plan of init-model output: $out"
+[[ $out == *"2 layers, dim 64"* ]] || fail "plan --model DIR did not read the model: $out"
+[[ $out == *"weights in $dir/m checked: 21 tensors match"* ]] || fail "plan did not check the weights: $out"
+out=$("$strata" plan --model "$dir/m2" --gpu-mem 8GiB --host-mem 8GiB --no-measure 2>&1) || fail "plan of shards: $out"
+[[ $out == *"weights in $dir/m2 checked: 21 tensors match"* ]] || fail "plan did not check sharded weights: $out"
+# A damaged model directory is refused with what is wrong.
+cp -r "$dir/m" "$dir/broken"
+truncate -s -1 "$dir/broken/model.safetensors"
+expect_error "run past the end of the data region" --model "$dir/broken" --gpu-mem 8GiB --no-measure
+truncate -s 100 "$dir/broken/model.safetensors"
+expect_error "truncated?" --model "$dir/broken" --gpu-mem 8GiB --no-measure
+sed -i 's/"intermediate_size": 96/"intermediate_size": 128/' "$dir/broken/config.json"
+cp "$dir/m/model.safetensors" "$dir/broken/"
+expect_error "wrong shape (6)" --model "$dir/broken" --gpu-mem 8GiB --no-measure
+
+# ---- plan: a 70B model fits on 24 GiB GPU + 64 GiB host + 2 TB NVMe...
+mkdir -p "$dir/nvme"
+out=$("$strata" plan --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/nvme" --nvme-capacity 2TB \
+  --no-measure 2>&1)
+rc=$?
+[[ $rc -eq 0 ]] || fail "70B with 2 TB NVMe exited $rc: $out"
+[[ $out == *"69.0 B parameters"* ]] || fail "70B plan lacks the parameter count: $out"
+[[ $out == *"Predicted:"*"tokens/s"* ]] || fail "70B plan lacks the prediction: $out"
+[[ $out == *"assumed"* ]] || fail "70B plan does not say which figures are assumed: $out"
+out=$("$strata" plan --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/nvme" --nvme-capacity 2TB \
+  --no-measure --json 2>&1) || fail "--json exited $?"
+[[ $out == *'"fits": true'* && $out == *'"total_s"'* && $out == *'"nvme_total"'* ]] || fail "--json output: $out"
+# ...measured bandwidths (a short O_DIRECT test and CPU AdamW) when not given.
+out=$("$strata" plan --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/nvme" --nvme-capacity 2TB \
+  --measure-size 32MiB 2>&1) || fail "measured plan exited $?: $out"
+[[ $out == *"NVMe read"*"measured"* || $out == *"NVMe not measured"* ]] || fail "NVMe read not measured: $out"
+[[ $out == *"CPU optimizer"*"measured"* ]] || fail "CPU optimizer not measured: $out"
+[[ -z $(ls -A "$dir/nvme") ]] || fail "the measurement left files: $(ls -A "$dir/nvme")"
+# ...and refuses with too little NVMe, naming the shortfall and the fix.
+expect_error "short; add a directory or use bf16 optimizer states" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB \
+  --nvme "$dir/nvme" --nvme-capacity 500GB --no-measure
+expect_error "does not fit" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --no-measure
+expect_error "--nvme DIR" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --no-measure
+
+# ---- plan: bad flags
+expect_error "--model is required" --gpu-mem 24GiB
+expect_error "--gpu-mem is required" --model "$cfg70" --host-mem 64GiB
+expect_error "--gpu-mem" --model "$cfg70" --gpu-mem 24XB
+expect_error "--host-mem" --model "$cfg70" --gpu-mem 24GiB --host-mem lots
+expect_error "$dir/missing/config.json" --model "$dir/missing/config.json" --gpu-mem 24GiB
+expect_error "does not exist" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/missing"
+expect_error "2 sizes for 1 directories" --model "$cfg70" --gpu-mem 24GiB --nvme "$dir/nvme" --nvme-capacity 1TB,2TB
+expect_error "--optimizer-states" --model "$cfg70" --gpu-mem 24GiB --optimizer-states fp16
+expect_error "--batch must be at least 1" --model "$cfg70" --gpu-mem 24GiB --batch 0
+expect_error "--h2d-gbps must be a positive number" --model "$cfg70" --gpu-mem 24GiB --h2d-gbps -3
+# rope_scaling does not change shapes: planning proceeds and says so.
+out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 80GB --host-mem 256GiB --no-measure 2>&1) ||
+  fail "8B plan exited $?: $out"
+[[ $out == *"rope_scaling is ignored for planning"* ]] || fail "8B plan does not mention rope_scaling: $out"
+echo '{"hidden_size": 64}' >"$dir/bad.json"
+expect_error "\"intermediate_size\" is missing" --model "$dir/bad.json" --gpu-mem 24GiB
+expect_error "--nope" --model "$cfg70" --nope
+
+cli_finish "init-model/plan"

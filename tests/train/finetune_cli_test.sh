@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# `strata finetune` as a user meets it:
+#   - every bad input exits 1 with a message naming what, where and why;
+#   - --help lists every flag with its default;
+#   - a job killed with SIGKILL after a checkpoint, resumed with --resume,
+#     writes exactly the metrics (loss, grad norm, lr per step) of a job that
+#     was never interrupted;
+#   - SIGTERM (as Ctrl-C) finishes the step, saves a checkpoint and exits 130; resuming
+#     from it finishes the job (exit 0) with the same final loss.
+#   finetune_cli_test.sh STRATA_BINARY
+# Exit 0 pass, 1 fail, 77 skip (ctest SKIP_RETURN_CODE).
+set -uo pipefail
+strata=${1:?usage: finetune_cli_test.sh STRATA_BINARY}
+root=${STRATA_TEST_DIR:-/tmp}
+dir=$(mktemp -d "$root/strata-finetune-cli.XXXXXX") || exit 1
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
+cli_command "$strata" finetune
+
+# A small model and text data (sentences from a fixed list, ~60 KB).
+"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
+  --tie-embeddings --seed 5 --out "$dir/model" >/dev/null || { echo "init-model failed"; exit 1; }
+words=(cat dog bird fox owl fish)
+for ((i = 0; i < 2000; i++)); do
+  echo "the ${words[i % 6]} sees the ${words[(i * 7 + i / 6) % 6]} . $((i % 10)) plus $((i / 10 % 10)) is $((i % 10 + i / 10 % 10)) ."
+done >"$dir/data.txt"
+mkdir -p "$dir/nvme"
+common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --batch 8 --lr 3e-3 --progress lines)
+
+# ---- errors
+expect_error "--model is required" --data "$dir/data.txt"
+expect_error "$dir/missing-model" --model "$dir/missing-model" --data "$dir/data.txt" --out "$dir/o1"
+expect_error "$dir/missing.txt" --model "$dir/model" --data "$dir/missing.txt" --out "$dir/o1"
+printf 'too short' >"$dir/short.txt"
+expect_error "too short" --model "$dir/model" --data "$dir/short.txt" --out "$dir/o1"
+: >"$dir/empty.txt"
+expect_error "is empty" --model "$dir/model" --data "$dir/empty.txt" --out "$dir/o1"
+printf '{"zero_optimization": {"stage": 3,,}}' >"$dir/bad.json"
+expect_error "$dir/bad.json: malformed JSON" "${common[@]}" --config "$dir/bad.json" --out "$dir/o1"
+printf '{"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "%s/nvme"}}, "gradient_clipping": "x"}' \
+  "$dir" >"$dir/badkey.json"
+expect_error "gradient_clipping" "${common[@]}" --config "$dir/badkey.json" --out "$dir/o1"
+expect_error "are alternatives" "${common[@]}" --config "$dir/badkey.json" --offload-params nvme:"$dir/nvme"
+expect_error "NVMe directory $dir/no-such-dir" "${common[@]}" --offload-params nvme:"$dir/no-such-dir" --out "$dir/o1"
+expect_error "offload target \"disk\"" "${common[@]}" --offload-optimizer disk --out "$dir/o1"
+expect_error "out dir $dir/short.txt/out" "${common[@]}" --out "$dir/short.txt/out"
+expect_error "schedule \"exp\"" "${common[@]}" --schedule exp --out "$dir/o1"
+expect_error "warm-up" "${common[@]}" --steps 5 --warmup 9 --out "$dir/o1"
+expect_error "--fp16 and --bf16" "${common[@]}" --fp16 --bf16 --out "$dir/o1"
+expect_error "resume: $dir/model is neither" "${common[@]}" --resume "$dir/model" --out "$dir/o1"
+expect_error 'device "gpu" is not one of auto, cuda, cpu' "${common[@]}" --device gpu --out "$dir/o1"
+# --device cuda where CUDA cannot run (disabled by the environment, so on every
+# machine, GPU or not): exit 1 naming the reason.
+cli_command env STRATA_CUDA_DISABLE=1 "$strata" finetune
+expect_error "--device cuda: cannot train on the GPU" "${common[@]}" --device cuda --out "$dir/o1"
+cli_command "$strata" finetune
+# A full NVMe directory: a 1 MiB tmpfs cannot hold the state (root only).
+mkdir -p "$dir/full"
+if mount -t tmpfs -o size=1m tmpfs "$dir/full" 2>/dev/null; then
+  expect_error "$dir/full" "${common[@]}" --offload-params nvme:"$dir/full" --offload-optimizer nvme:"$dir/full" \
+    --out "$dir/o1"
+  umount "$dir/full"
+else
+  echo "note: cannot mount a small tmpfs here (not root?): the full-NVMe case is not checked"
+fi
+
+help=$("$strata" finetune --help)
+for flag in --model --data --config --offload-params --offload-optimizer --steps --batch --seq --lr --warmup \
+  --schedule --grad-accum --save-every --out --resume --trace --device; do
+  [[ $help == *"$flag"* ]] || fail "--help does not list $flag"
+done
+[[ $help == *"--steps INT=100"* ]] || fail "--help does not show the default of --steps"
+
+# ---- kill -9 after a checkpoint, resume, compare with an uninterrupted run
+job=("${common[@]}" --warmup 2 --steps 30 --save-every 5 --keep 0 --grad-accum 2 --no-export
+  --offload-params nvme:"$dir/nvme" --offload-optimizer nvme:"$dir/nvme")
+# Per step: "step loss grad_norm lr" exactly as the metrics file has them.
+train_lines() { grep '"event":"train"' "$1" | sed -E 's/.*"grad_norm":([^,]*).*"loss":([^,]*),.*"lr":([^,]*),.*"step":([0-9]+),.*/\4 \2 \1 \3/' | sort -n -k1,1 | uniq; }
+
+"$strata" finetune "${job[@]}" --out "$dir/straight" >"$dir/straight.log" 2>&1 || fail "uninterrupted run failed: $(cat "$dir/straight.log")"
+"$strata" finetune "${job[@]}" --out "$dir/killed" >"$dir/killed.log" 2>&1 &
+pid=$!
+pids+=("$pid")
+for ((i = 0; i < 600; i++)); do
+  [[ -e $dir/killed/checkpoint-10/index.json ]] && break
+  sleep 0.05
+done
+kill -9 "$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+rc=$?
+if [[ $rc -ne 137 ]]; then
+  fail "the job was not killed mid-run (exit $rc): make it slower"
+else
+  "$strata" finetune "${job[@]}" --out "$dir/killed" --resume "$dir/killed" >"$dir/resumed.log" 2>&1 ||
+    fail "resume failed: $(cat "$dir/resumed.log")"
+  grep -q "resuming at step" "$dir/resumed.log" || fail "resume did not say where it resumed: $(cat "$dir/resumed.log")"
+  a=$(train_lines "$dir/straight/metrics.jsonl")
+  b=$(train_lines "$dir/killed/metrics.jsonl")
+  [[ $(wc -l <<<"$a") -eq 30 ]] || fail "the uninterrupted run logged $(wc -l <<<"$a") steps, not 30"
+  [[ -n $a && $a == "$b" ]] || fail "the resumed run differs from the uninterrupted one: $(diff <(echo "$a") <(echo "$b") | head -5)"
+fi
+
+# ---- Ctrl-C / SIGTERM: finish the step, save, exit 130; resume to the end.
+# (SIGTERM here: a non-interactive shell starts background jobs with SIGINT
+# ignored, and a signal ignored at start stays ignored. Both go through the
+# same handler.)
+"$strata" finetune "${job[@]}" --out "$dir/sigint" >"$dir/sigint.log" 2>&1 &
+pid=$!
+pids+=("$pid")
+for ((i = 0; i < 600; i++)); do
+  [[ -e $dir/sigint/checkpoint-5/index.json ]] && break
+  sleep 0.05
+done
+kill -TERM "$pid"
+wait "$pid"
+rc=$?
+if [[ $rc -eq 0 ]]; then
+  fail "the job finished before SIGTERM arrived: make it slower"
+else
+  [[ $rc -eq 130 ]] || fail "SIGTERM: exit $rc, not 130: $(tail -5 "$dir/sigint.log")"
+  grep -q "interrupted at step" "$dir/sigint.log" || fail "SIGTERM: no 'interrupted' line: $(tail -5 "$dir/sigint.log")"
+  "$strata" finetune "${job[@]}" --out "$dir/sigint" --resume "$dir/sigint" >"$dir/sigint2.log" 2>&1 ||
+    fail "resume after SIGTERM failed: $(cat "$dir/sigint2.log")"
+  a=$(train_lines "$dir/straight/metrics.jsonl")
+  b=$(train_lines "$dir/sigint/metrics.jsonl")
+  [[ $a == "$b" ]] || fail "the run stopped by SIGTERM and resumed differs: $(diff <(echo "$a") <(echo "$b") | head -5)"
+fi
+# No swap files left behind by the clean exits.
+left=$(find "$dir/nvme" -type f | head -3)
+[[ -z $left ]] || echo "note: files left in the NVMe dir (from the killed job): $left"
+
+cli_finish "finetune CLI"

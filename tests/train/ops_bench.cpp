@@ -1,0 +1,113 @@
+// strata_train_ops_bench: throughput of one decoder layer's forward and
+// backward (with its recompute) on the CPU ops, in GFLOP/s, next to a
+// ceiling measured in the same run (one single-threaded GEMM of the layer's
+// largest shape, times the thread count).
+//
+//   strata_train_ops_bench [dim ffn heads kv_heads B T threads reps]
+//   defaults: 256 688 8 4 4 256 0 5  (B*T = 1024 tokens; threads 0 = all)
+#include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <vector>
+
+#include "train/cpu_kernels.h"
+#include "train/cpu_ops.h"
+
+using namespace strata;
+using namespace strata::train;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+std::vector<float> rnd(std::mt19937_64& rng, int64_t n, float scale) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(static_cast<size_t>(n));
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  auto arg = [&](int i, long def) { return argc > i ? std::atol(argv[i]) : def; };
+  LlamaDims d;
+  d.dim = arg(1, 256);
+  d.ffn_dim = arg(2, 688);
+  d.heads = arg(3, 8);
+  d.kv_heads = arg(4, 4);
+  d.head_dim = d.dim / d.heads;
+  d.vocab = 256;
+  const int64_t B = arg(5, 4), T = arg(6, 256), n = B * T;
+  const int threads = static_cast<int>(arg(7, 0));
+  const int reps = static_cast<int>(std::max(1L, arg(8, 5)));
+
+  auto r = create_cpu_ops({.dims = d, .max_batch = B, .max_seq = T, .threads = threads});
+  if (!r.ok()) {
+    std::fprintf(stderr, "%s\n", r.status().to_string().c_str());
+    return 1;
+  }
+  ModelOps& ops = **r;
+  std::mt19937_64 rng(1);
+  const int64_t D = d.dim, qd = d.q_dim(), kvd = d.kv_dim(), F = d.ffn_dim;
+  auto in_norm = rnd(rng, D, 1.f), post = rnd(rng, D, 1.f);
+  auto q = rnd(rng, qd * D, .05f), k = rnd(rng, kvd * D, .05f), v = rnd(rng, kvd * D, .05f),
+       o = rnd(rng, D * qd, .05f), g = rnd(rng, F * D, .05f), u = rnd(rng, F * D, .05f),
+       dn = rnd(rng, D * F, .05f);
+  LayerWeights w{DType::kF32, in_norm.data(), q.data(), k.data(), v.data(), o.data(),
+                 post.data(), g.data(), u.data(), dn.data()};
+  auto x = rnd(rng, n * D, 1.f), dy = rnd(rng, n * D, 1e-3f);
+  std::vector<float> y(n * D), dx(n * D);
+  std::vector<std::vector<float>> gb;
+  for (int64_t sz : {D, qd * D, kvd * D, kvd * D, D * qd, D, F * D, F * D, D * F})
+    gb.emplace_back(static_cast<size_t>(sz));
+  LayerGrads lg{gb[0].data(), gb[1].data(), gb[2].data(), gb[3].data(), gb[4].data(),
+                gb[5].data(), gb[6].data(), gb[7].data(), gb[8].data()};
+
+  // FLOPs as executed: the linears, and attention over the full T x T score
+  // matrix (the causal half is computed and discarded).
+  const double lin = 2.0 * n * (D * qd + 2.0 * D * kvd + qd * D + 3.0 * D * F);
+  const double att_f = 4.0 * B * d.heads * double(T) * T * d.head_dim;
+  const double fwd = lin + att_f;
+  const double bwd = fwd /*recompute*/ + 2 * lin + 2.5 * att_f;
+
+  auto time_it = [&](auto&& fn) {
+    fn();  // warm-up (first-touch, caches)
+    double best = 1e30;
+    for (int i = 0; i < reps; ++i) {
+      const double t0 = now();
+      fn();
+      best = std::min(best, now() - t0);
+    }
+    return best;
+  };
+  const double tf = time_it([&] { (void)ops.layer_forward(w, B, T, x.data(), y.data()); });
+  const double tb = time_it([&] { (void)ops.layer_backward(w, B, T, x.data(), dy.data(), dx.data(), lg); });
+
+  // Ceiling: one single-threaded GEMM [n, D] x [D, F] with the same kernel.
+  auto a = rnd(rng, n * D, 1.f);
+  std::vector<float> c(n * F);
+  const double tg = time_it([&] {
+    cpu::gemm<float>(false, true, n, F, D, a.data(), D, g.data(), D, c.data(), F, false);
+  });
+  const int conc = threads > 0 ? threads : tbb::this_task_arena::max_concurrency();
+  const double ceil1 = 2.0 * n * D * F / tg / 1e9;
+
+  std::printf("layer dim=%ld ffn=%ld heads=%ld kv_heads=%ld head_dim=%ld, B=%ld T=%ld (%ld tokens), "
+              "%d threads, gemm isa %s\n",
+              long(D), long(F), long(d.heads), long(d.kv_heads), long(d.head_dim), long(B), long(T),
+              long(n), conc, cpu_ops_gemm_isa());
+  std::printf("  forward            %8.2f ms  %7.1f GFLOP/s\n", tf * 1e3, fwd / tf / 1e9);
+  std::printf("  backward+recompute %8.2f ms  %7.1f GFLOP/s\n", tb * 1e3, bwd / tb / 1e9);
+  std::printf("  fwd+bwd            %8.2f ms  %7.1f GFLOP/s  %.0f tokens/s per layer\n",
+              (tf + tb) * 1e3, (fwd + bwd) / (tf + tb) / 1e9, n / (tf + tb));
+  std::printf("  ceiling: 1-thread GEMM %ldx%ldx%ld %.1f GFLOP/s (x%d threads = %.1f)\n", long(n),
+              long(F), long(D), ceil1, conc, ceil1 * conc);
+  return 0;
+}

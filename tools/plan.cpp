@@ -1,0 +1,527 @@
+// `strata plan`: where a model's state would live (device / host / NVMe), how
+// many bytes cross each link per step, and a predicted step time, for a
+// Hugging Face Llama config of any size (nothing is allocated for the model:
+// a 70B plan is arithmetic on a few kilobytes, src/runtime/planner.h).
+//
+// Bandwidths: given by flags, else measured here in a few seconds (NVMe read
+// and write through the I/O engine with O_DIRECT in the first --nvme
+// directory, the CPU AdamW step on 16M parameters), else assumed (host<->device
+// and GPU FLOP/s: no GPU is used by this command; the defaults describe an
+// H100/H200-class card on PCIe 5.0 and are printed as "assumed").
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "commands.h"
+#include "common/dtype_parse.h"
+#include "common/host_memory.h"
+#include "common/units.h"
+#include "cpu_optim/optimizer.h"
+#include "io/io_engine.h"
+#include "model/llama_config.h"
+#include "runtime/config.h"
+#include "runtime/planner.h"
+
+namespace strata::tools {
+namespace {
+
+using json = nlohmann::json;
+
+// Assumed figures (printed as such): an H100/H200-class GPU on PCIe 5.0 x16
+// (about 50 GB/s each way with pinned memory), 400 TFLOP/s sustained bf16
+// dense matmul (about 40% of an H100 SXM's peak), one PCIe 4.0 NVMe drive,
+// and a CPU AdamW step bound by ~20 GB/s of memory bandwidth at 28 bytes per
+// parameter.
+constexpr double kAssumedH2dGBps = 50;
+constexpr double kAssumedGpuTflops = 400;
+constexpr double kAssumedNvmeReadGBps = 6;
+constexpr double kAssumedNvmeWriteGBps = 4;
+constexpr double kAssumedCpuAdamParamsPerS = 0.7e9;
+
+struct PlanCliOptions {
+  std::string model;
+  std::string gpu_mem;
+  std::string host_mem;
+  std::string pinned_mem;
+  std::string nvme;
+  std::string nvme_capacity;
+  std::string config;
+  std::string dtype;
+  std::string optimizer_states;
+  uint64_t batch = 1;
+  uint64_t seq = 2048;
+  uint32_t grad_accum = 0;
+  bool no_checkpointing = false;
+  bool measure = true;
+  double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
+  double cpu_adam_params_per_s = 0, gpu_tflops = 0;
+  std::string measure_size = "256MiB";
+  bool json = false;
+};
+
+int fail(const std::string& msg) {
+  std::fprintf(stderr, "strata plan: %s\n", msg.c_str());
+  return 1;
+}
+
+std::vector<std::string> split_commas(const std::string& s) {
+  std::vector<std::string> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, ','))
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+bool is_dir(const std::string& p) {
+  struct stat st {};
+  return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+struct Figure {
+  double value = 0;
+  std::string source;  // "given", "measured", "assumed"
+  std::string note;
+};
+
+// NVMe read and write through the I/O engine: one file of `bytes` in `dir`,
+// written with 8 MiB requests 16 deep, fsync'd, read back (O_DIRECT: from the
+// drive, not the page cache), removed.
+Status measure_nvme(const std::string& dir, uint64_t bytes, Figure* rd, Figure* wr) {
+  constexpr uint64_t kReq = 8ull << 20;
+  constexpr int kDepth = 16;
+  bytes = std::max(kReq, bytes / kReq * kReq);
+  STRATA_ASSIGN_OR_RETURN(auto engine, io::make_io_engine({}));
+  const std::string path = fmt::format("{}/strata-plan-probe.{}", dir, ::getpid());
+  io::IoOpenOptions oo;
+  oo.write = true;
+  oo.create = true;
+  oo.truncate = true;
+  STRATA_ASSIGN_OR_RETURN(auto file, engine->open(path, oo));
+  struct Remover {
+    std::string p;
+    ~Remover() { ::unlink(p.c_str()); }
+  } remover{path};
+  STRATA_ASSIGN_OR_RETURN(auto buf, HostArray<unsigned char>::create(kReq * kDepth));
+  for (uint64_t i = 0; i < kReq * kDepth; ++i) buf.data()[i] = static_cast<unsigned char>(i * 131 + 7);
+  STRATA_RETURN_IF_ERROR(file->preallocate(0, bytes));
+  auto pass = [&](io::IoOpKind op) -> Result<double> {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::vector<io::IoRequest> reqs;
+    for (uint64_t off = 0; off < bytes; off += kReq)
+      reqs.push_back({op, file.get(), off, kReq, buf.data() + (off / kReq % kDepth) * kReq});
+    // The engine keeps queue_depth pieces in flight; submitting them all at
+    // once lets it batch.
+    for (const auto& r : reqs) engine->submit(r);
+    STRATA_RETURN_IF_ERROR(engine->wait_all());
+    if (op == io::IoOpKind::kWrite) STRATA_RETURN_IF_ERROR(file->sync());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  STRATA_ASSIGN_OR_RETURN(double tw, pass(io::IoOpKind::kWrite));
+  STRATA_ASSIGN_OR_RETURN(double tr, pass(io::IoOpKind::kRead));
+  const std::string note = fmt::format("{} in {}, {} backend{}", format_bytes(bytes), dir, engine->backend_name(),
+                                       file->direct() ? ""
+                                                      : ", buffered: the file system refuses O_DIRECT, so this "
+                                                        "is page-cache speed");
+  *wr = {bytes / tw, "measured", note};
+  *rd = {bytes / tr, "measured", note};
+  return Status::ok_status();
+}
+
+// The CPU AdamW step (fp32 master, fp32 grads, `state_dtype` moments, bf16
+// copy out) on 16M parameters: the median of 3 steps after a warm-up.
+Result<Figure> measure_cpu_adam(DType state_dtype) {
+  constexpr size_t n = 16u << 20;
+  STRATA_ASSIGN_OR_RETURN(auto p, HostArray<float>::create(n));
+  STRATA_ASSIGN_OR_RETURN(auto g, HostArray<float>::create(n));
+  STRATA_ASSIGN_OR_RETURN(auto m, HostArray<unsigned char>::create(n * dtype_size(state_dtype)));
+  STRATA_ASSIGN_OR_RETURN(auto v, HostArray<unsigned char>::create(n * dtype_size(state_dtype)));
+  STRATA_ASSIGN_OR_RETURN(auto out, HostArray<uint16_t>::create(n));
+  for (size_t i = 0; i < n; ++i) {
+    p.data()[i] = 0.01f * static_cast<float>(i % 101);
+    g.data()[i] = 0.001f * static_cast<float>(i % 37);
+  }
+  std::memset(m.data(), 0, n * dtype_size(state_dtype));
+  std::memset(v.data(), 0, n * dtype_size(state_dtype));
+  cpu_optim::OptimizerConfig cfg;
+  cfg.kind = cpu_optim::OptimizerKind::kAdamW;
+  cfg.lr = 1e-4;
+  cfg.weight_decay = 0.01;
+  cpu_optim::StepBuffers b;
+  b.params = p.data();
+  b.grads = g.data();
+  b.state[0] = m.data();
+  b.state[1] = v.data();
+  b.state_dtype = state_dtype;
+  b.params_out = out.data();
+  std::vector<double> times;
+  for (int s = 1; s <= 4; ++s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    STRATA_RETURN_IF_ERROR(cpu_optim::step(cfg, s, b, n));
+    if (s > 1) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return Figure{n / median(times), "measured",
+                fmt::format("AdamW on 16M parameters, {} moments", dtype_name(state_dtype))};
+}
+
+json link_json(const LinkBytes& l) {
+  return {{"nvme_read", l.nvme_read}, {"nvme_write", l.nvme_write}, {"h2d", l.h2d}, {"d2h", l.d2h}};
+}
+
+json plan_json(const Plan& plan) {
+  json tiers = json::object();
+  for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) {
+    json kinds = json::object();
+    for (int k = 0; k < kNumStateKinds; ++k)
+      kinds[state_kind_name(static_cast<StateKind>(k))] = plan.bytes[static_cast<int>(t)][k];
+    tiers[tier_name(t)] = kinds;
+  }
+  json groups = json::array();
+  for (const auto& g : plan.groups) {
+    json tier = json::object();
+    for (int k = 0; k < kNumStateKinds; ++k) tier[state_kind_name(static_cast<StateKind>(k))] = tier_name(g.tier[k]);
+    groups.push_back({{"name", g.name}, {"numel", g.numel}, {"tiers", tier}});
+  }
+  json dirs = json::array();
+  for (size_t i = 0; i < plan.nvme_dir_bytes.size(); ++i)
+    dirs.push_back({{"path", plan.budgets.nvme[i].path},
+                    {"bytes", plan.nvme_dir_bytes[i]},
+                    {"capacity", plan.budgets.nvme[i].capacity}});
+  return {{"model_numel", plan.model_numel},
+          {"state_bytes", tiers},
+          {"device_total", plan.device_total()},
+          {"host_total", plan.host_total()},
+          {"nvme_total", plan.nvme_total()},
+          {"device_buffers", plan.device_buffers},
+          {"staging_ring", plan.staging_ring},
+          {"optimizer_ring", plan.optimizer_ring},
+          {"nvme_dirs", dirs},
+          {"forward_backward", link_json(plan.forward_backward)},
+          {"optimizer_step", link_json(plan.optimizer_step)},
+          {"per_step", link_json(plan.per_step())},
+          {"groups", groups}};
+}
+
+int run(const PlanCliOptions& o) {
+  for (auto [v, flag] : {std::pair{o.h2d_gbps, "--h2d-gbps"},
+                         {o.d2h_gbps, "--d2h-gbps"},
+                         {o.nvme_read_gbps, "--nvme-read-gbps"},
+                         {o.nvme_write_gbps, "--nvme-write-gbps"},
+                         {o.cpu_adam_params_per_s, "--cpu-adam-params-per-s"},
+                         {o.gpu_tflops, "--gpu-tflops"}})
+    if (!(v >= 0) || !std::isfinite(v)) return fail(fmt::format("{} must be a positive number", flag));
+  if (o.model.empty()) return fail("--model is required: a model directory or a config.json");
+  const std::string cfg_path = is_dir(o.model) ? o.model + "/config.json" : o.model;
+  auto lc = model::load_llama_config(cfg_path, /*allow_rope_scaling=*/true);
+  if (!lc.ok()) return fail(lc.status().message());
+  std::vector<std::string> notes;
+  if (is_dir(o.model)) {
+    // A model directory's weights must match its config (headers only: cheap
+    // at any size). A directory with only config.json plans from it.
+    auto md = model::open_model_dir(o.model);
+    if (md.ok())
+      notes.push_back(fmt::format("weights in {} checked: {} tensors match config.json", o.model, md->tensors.size()));
+    else if (md.status().code() == StatusCode::kNotFound && lc->rope_scaling.empty())
+      notes.push_back(fmt::format("no weights in {}: planned from config.json alone", o.model));
+    else if (lc->rope_scaling.empty())
+      return fail(md.status().message());
+  }
+
+  Config ds;
+  if (!o.config.empty()) {
+    auto c = load_config_file(o.config);
+    if (!c.ok()) return fail(c.status().message());
+    ds = std::move(*c);
+  }
+  PlanOptions options = plan_options_from_config(ds);
+  if (!o.optimizer_states.empty()) {
+    auto d = parse_dtype(o.optimizer_states);
+    if (!d.ok() || *d == DType::kF16)
+      return fail("--optimizer-states '" + o.optimizer_states + "': expected fp32|bf16");
+    options.optimizer_state_dtype = *d;
+  }
+  if (o.grad_accum > 0)
+    options.micro_batches = o.grad_accum;
+  else if (!o.config.empty())
+    options.micro_batches = std::max<uint32_t>(1, ds.gradient_accumulation_steps);
+  if (o.batch == 0) return fail("--batch must be at least 1");
+  if (o.seq == 0) return fail("--seq must be at least 1");
+  if (o.batch > (1ull << 20) || o.seq > (1ull << 24)) return fail("--batch or --seq is implausibly large");
+
+  LlamaShape shape = lc->shape();
+  shape.dtype = o.config.empty() ? DType::kBF16 : ds.compute_dtype();
+  if (!o.dtype.empty()) {
+    auto d = parse_dtype(o.dtype);
+    if (!d.ok()) return fail("--dtype: " + d.status().message());
+    shape.dtype = *d;
+  }
+  auto spec = llama_model_spec(shape, ds.strata.world_size, ds.strata.rank);
+  if (!spec.ok()) return fail(spec.status().message());
+
+  // Budgets: flags, else the config, else detected here.
+  PlanBudgets budgets;
+  if (!lc->rope_scaling.empty()) notes.push_back("rope_scaling is ignored for planning (shapes only)");
+  if (!o.gpu_mem.empty()) {
+    auto b = parse_bytes(o.gpu_mem);
+    if (!b.ok()) return fail("--gpu-mem: " + b.status().message());
+    budgets.device_bytes = *b;
+  } else if (ds.strata.device_memory) {
+    budgets.device_bytes = ds.strata.device_memory;
+  } else {
+    return fail("--gpu-mem is required (the GPU memory Strata may use, e.g. 24GiB or 80GB)");
+  }
+  if (!o.host_mem.empty()) {
+    auto b = parse_bytes(o.host_mem);
+    if (!b.ok()) return fail("--host-mem: " + b.status().message());
+    budgets.host_bytes = *b;
+  } else if (ds.strata.host_memory) {
+    budgets.host_bytes = ds.strata.host_memory;
+  } else {
+    budgets.host_bytes = available_memory();
+    if (budgets.host_bytes == 0) return fail("--host-mem is required (MemAvailable is unknown here)");
+    notes.push_back(fmt::format("host budget: MemAvailable here, {} (set --host-mem to plan for another machine)",
+                                format_bytes(budgets.host_bytes)));
+  }
+  if (!o.pinned_mem.empty()) {
+    auto b = parse_bytes(o.pinned_mem);
+    if (!b.ok()) return fail("--pinned-mem: " + b.status().message());
+    budgets.pinned_bytes = *b;
+  } else {
+    budgets.pinned_bytes = ds.strata.pinned_memory;
+  }
+  if (!o.nvme.empty()) {
+    for (const auto& d : split_commas(o.nvme)) budgets.nvme.push_back({d, 0});
+    if (budgets.nvme.empty()) return fail("--nvme '" + o.nvme + "': no directory named");
+  } else {
+    budgets.nvme = ds.nvme_dirs();
+  }
+  if (!o.nvme_capacity.empty()) {
+    auto caps = split_commas(o.nvme_capacity);
+    if (budgets.nvme.empty()) return fail("--nvme-capacity needs --nvme");
+    if (caps.size() != 1 && caps.size() != budgets.nvme.size())
+      return fail(fmt::format("--nvme-capacity gives {} sizes for {} directories (give one, or one per directory)",
+                              caps.size(), budgets.nvme.size()));
+    for (size_t i = 0; i < budgets.nvme.size(); ++i) {
+      auto b = parse_bytes(caps.size() == 1 ? caps[0] : caps[i]);
+      if (!b.ok()) return fail("--nvme-capacity: " + b.status().message());
+      budgets.nvme[i].capacity = *b;
+    }
+  }
+  for (auto& d : budgets.nvme) {
+    if (d.capacity != 0) continue;
+    if (!is_dir(d.path)) return fail(fmt::format("NVMe directory {} does not exist (or give --nvme-capacity)", d.path));
+    struct statvfs vfs {};
+    if (::statvfs(d.path.c_str(), &vfs) != 0)
+      return fail(fmt::format("statvfs of {} failed: {}", d.path, std::strerror(errno)));
+    d.capacity = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    notes.push_back(fmt::format("{}: {} free here (set --nvme-capacity to plan for another size)", d.path,
+                                format_bytes(d.capacity)));
+  }
+
+  auto plan = make_plan(*spec, budgets, options);
+  if (!plan.ok()) {
+    const bool budget = plan.status().code() == StatusCode::kOutOfBudget;
+    std::string what = budget ? fmt::format("{} ({} parameters) does not fit: {}", cfg_path, format_count(spec->numel()),
+                                            plan.status().message())
+                              : plan.status().message();
+    if (budget && budgets.nvme.empty())
+      what += " (here: --nvme DIR[,DIR], with --nvme-capacity SIZE to plan for a drive elsewhere)";
+    if (o.json) std::printf("%s\n", json({{"fits", false}, {"error", what}}).dump(2).c_str());
+    return fail(what);
+  }
+
+  // Bandwidths.
+  const bool measure = o.measure;
+  Figure h2d{kAssumedH2dGBps * 1e9, "assumed", "PCIe 5.0 x16, pinned memory; measure with `strata bench copy`"};
+  Figure d2h = h2d;
+  Figure gpu{kAssumedGpuTflops * 1e12, "assumed", "H100/H200-class, bf16 dense matmul at ~40% of peak"};
+  Figure nvr{kAssumedNvmeReadGBps * 1e9, "assumed", "one PCIe 4.0 NVMe drive"};
+  Figure nvw{kAssumedNvmeWriteGBps * 1e9, "assumed", "one PCIe 4.0 NVMe drive"};
+  Figure cpu{kAssumedCpuAdamParamsPerS, "assumed", "AdamW at ~20 GB/s of memory bandwidth"};
+  if (o.h2d_gbps > 0) h2d = {o.h2d_gbps * 1e9, "given", ""};
+  if (o.d2h_gbps > 0)
+    d2h = {o.d2h_gbps * 1e9, "given", ""};
+  else if (o.h2d_gbps > 0)
+    d2h = {o.h2d_gbps * 1e9, "given", "same as --h2d-gbps"};
+  if (o.gpu_tflops > 0) gpu = {o.gpu_tflops * 1e12, "given", ""};
+  if (o.nvme_read_gbps > 0) nvr = {o.nvme_read_gbps * 1e9, "given", ""};
+  if (o.nvme_write_gbps > 0) nvw = {o.nvme_write_gbps * 1e9, "given", ""};
+  if (o.cpu_adam_params_per_s > 0) cpu = {o.cpu_adam_params_per_s, "given", ""};
+  if (measure && !budgets.nvme.empty() && (o.nvme_read_gbps <= 0 || o.nvme_write_gbps <= 0)) {
+    auto size = parse_bytes(o.measure_size);
+    if (!size.ok() || *size == 0)
+      return fail("--measure-size '" + o.measure_size + "': expected a size such as 256MiB");
+    const std::string& dir = budgets.nvme[0].path;
+    struct statvfs vfs {};
+    Figure r, w;
+    Status st = Status::ok_status();
+    if (!is_dir(dir)) {
+      st = Status(StatusCode::kNotFound, dir + " does not exist");
+    } else if (::statvfs(dir.c_str(), &vfs) == 0 && static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize < 2 * *size) {
+      st = Status(StatusCode::kNoSpace, fmt::format("less than {} free in {}", format_bytes(2 * *size), dir));
+    } else {
+      st = measure_nvme(dir, *size, &r, &w);
+    }
+    if (st.ok()) {
+      if (o.nvme_read_gbps <= 0) nvr = r;
+      if (o.nvme_write_gbps <= 0) nvw = w;
+    } else {
+      notes.push_back("NVMe not measured (" + st.message() + "): assumed figures used");
+    }
+    // Every directory is striped: the figure above is one drive's.
+    if (budgets.nvme.size() > 1 && st.ok())
+      notes.push_back(
+          "NVMe measured in the first directory only; if the others are separate drives, the "
+          "striped bandwidth is higher (give --nvme-read-gbps / --nvme-write-gbps)");
+  }
+  if (measure && o.cpu_adam_params_per_s <= 0) {
+    auto c = measure_cpu_adam(options.optimizer_state_dtype);
+    if (c.ok())
+      cpu = *c;
+    else
+      notes.push_back("CPU optimizer not measured (" + c.status().message() + "): assumed figure used");
+  }
+  Bandwidths bw;
+  bw.h2d = h2d.value;
+  bw.d2h = d2h.value;
+  bw.nvme_read = nvr.value;
+  bw.nvme_write = nvw.value;
+  bw.cpu_optimizer_params_per_s = cpu.value;
+  bw.gpu_flops = gpu.value;
+  Workload work;
+  work.tokens_per_micro_batch = o.batch * o.seq;
+  work.activation_checkpointing = !o.no_checkpointing;
+  work.overlap_backward = ds.strata.overlap_backward;
+  auto est = predict_step_time(*plan, bw, work);
+  if (!est.ok()) return fail(est.status().message());
+  const double tokens_per_step = static_cast<double>(work.tokens_per_micro_batch) * options.micro_batches;
+  const double flops_per_token = (work.activation_checkpointing ? 8.0 : 6.0) * static_cast<double>(spec->numel());
+
+  if (o.json) {
+    auto fig = [](const Figure& f, double scale) {
+      return json{{"value", f.value / scale}, {"source", f.source}, {"note", f.note}};
+    };
+    json out = {{"fits", true},
+                {"model",
+                 {{"config", cfg_path},
+                  {"params", spec->numel()},
+                  {"layers", shape.layers},
+                  {"dim", shape.dim},
+                  {"heads", shape.heads},
+                  {"kv_heads", shape.kv_heads},
+                  {"ffn_dim", shape.ffn_dim},
+                  {"vocab", shape.vocab},
+                  {"tied_embeddings", shape.tied_embeddings},
+                  {"compute_dtype", dtype_name(shape.dtype)}}},
+                {"budgets", {{"device", budgets.device_bytes}, {"host", budgets.host_bytes}}},
+                {"plan", plan_json(*plan)},
+                {"bandwidths",
+                 {{"h2d_GBps", fig(h2d, 1e9)},
+                  {"d2h_GBps", fig(d2h, 1e9)},
+                  {"nvme_read_GBps", fig(nvr, 1e9)},
+                  {"nvme_write_GBps", fig(nvw, 1e9)},
+                  {"cpu_adam_params_per_s", fig(cpu, 1)},
+                  {"gpu_TFLOPs", fig(gpu, 1e12)}}},
+                {"workload",
+                 {{"batch", o.batch},
+                  {"seq", o.seq},
+                  {"micro_batches", options.micro_batches},
+                  {"tokens_per_step", tokens_per_step},
+                  {"flops_per_token", flops_per_token},
+                  {"activation_checkpointing", work.activation_checkpointing}}},
+                {"estimate",
+                 {{"compute_s", est->compute_s},
+                  {"h2d_s", est->h2d_s},
+                  {"d2h_s", est->d2h_s},
+                  {"nvme_fb_s", est->nvme_fb_s},
+                  {"forward_backward_s", est->forward_backward_s},
+                  {"nvme_step_s", est->nvme_step_s},
+                  {"cpu_optimizer_s", est->cpu_optimizer_s},
+                  {"optimizer_step_s", est->optimizer_step_s},
+                  {"total_s", est->total_s},
+                  {"tokens_per_s", tokens_per_step / est->total_s},
+                  {"bottleneck", est->bottleneck}}},
+                {"notes", notes}};
+    std::printf("%s\n", out.dump(2).c_str());
+    return 0;
+  }
+  std::printf("Model: %s: Llama, %u layers, dim %llu, %u heads (%u kv), ffn %llu, vocab %llu%s; %s compute\n",
+              cfg_path.c_str(), shape.layers, static_cast<unsigned long long>(shape.dim), shape.heads, shape.kv_heads,
+              static_cast<unsigned long long>(shape.ffn_dim), static_cast<unsigned long long>(shape.vocab),
+              shape.tied_embeddings ? ", tied embeddings" : "", dtype_name(shape.dtype));
+  for (const auto& n : notes) std::printf("note: %s\n", n.c_str());
+  std::printf("\n%s\n", plan->report().c_str());
+  auto line = [](const char* what, const Figure& f, const std::string& value) {
+    std::printf("  %-22s %-14s %s%s\n", what, value.c_str(), f.source.c_str(),
+                f.note.empty() ? "" : (" (" + f.note + ")").c_str());
+  };
+  std::printf("Bandwidths:\n");
+  line("host->device", h2d, format_rate(h2d.value));
+  line("device->host", d2h, format_rate(d2h.value));
+  line("NVMe read", nvr, format_rate(nvr.value));
+  line("NVMe write", nvw, format_rate(nvw.value));
+  line("CPU optimizer", cpu, fmt::format("{:.2f} G param/s", cpu.value / 1e9));
+  line("GPU", gpu, fmt::format("{:.0f} TFLOP/s", gpu.value / 1e12));
+  std::printf(
+      "\nWorkload: batch %llu x seq %llu = %llu tokens per micro-batch, %u micro-batch(es) per step; "
+      "%.3g FLOP per token (%s)\n",
+      static_cast<unsigned long long>(o.batch), static_cast<unsigned long long>(o.seq),
+      static_cast<unsigned long long>(work.tokens_per_micro_batch), options.micro_batches, flops_per_token,
+      work.activation_checkpointing ? "8 x params: forward, recompute, backward" : "6 x params");
+  std::printf("%s", est->report().c_str());
+  std::printf("Predicted: %.2f s per optimizer step, %.0f tokens/s (bottleneck: %s)\n", est->total_s,
+              tokens_per_step / est->total_s, est->bottleneck.c_str());
+  return 0;
+}
+
+}  // namespace
+
+void register_plan(CLI::App& app) {
+  auto o = std::make_shared<PlanCliOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan", "Where each part of a model's training state would live, bytes moved per step, predicted step time");
+  cmd->add_option("--model", o->model, "Model directory or config.json (Hugging Face Llama)");
+  cmd->add_option("--gpu-mem", o->gpu_mem, "GPU memory Strata may use, e.g. 24GiB (required unless in --config)");
+  cmd->add_option("--host-mem", o->host_mem, "Host RAM budget (default: MemAvailable here)");
+  cmd->add_option("--pinned-mem", o->pinned_mem, "Cap on page-locked buffers (default: none)");
+  cmd->add_option("--nvme", o->nvme, "NVMe directories, comma-separated (default: none, or from --config)");
+  cmd->add_option("--nvme-capacity", o->nvme_capacity,
+                  "Bytes usable per NVMe directory: one size for all or one per directory (default: free space)");
+  cmd->add_option("--config", o->config, "DeepSpeed/Strata JSON config (offload devices, optimizer state dtype, ...)");
+  cmd->add_option("--dtype", o->dtype, "Compute dtype bf16|fp16|fp32 (default: bf16, or the config's)");
+  cmd->add_option("--optimizer-states", o->optimizer_states,
+                  "Adam moment dtype fp32|bf16 (default: fp32, or the config's)");
+  cmd->add_option("--batch", o->batch, "Sequences per micro-batch")->capture_default_str();
+  cmd->add_option("--seq", o->seq, "Tokens per sequence")->capture_default_str();
+  cmd->add_option("--grad-accum", o->grad_accum, "Micro-batches per optimizer step (default: 1, or the config's)");
+  cmd->add_flag("--no-activation-checkpointing", o->no_checkpointing, "Plan without recomputing activations");
+  cmd->add_flag("--measure,!--no-measure", o->measure,
+                "Measure NVMe and CPU optimizer speed here (a few seconds; default) or use assumed figures");
+  cmd->add_option("--measure-size", o->measure_size, "Bytes written and read by the NVMe measurement")
+      ->capture_default_str();
+  cmd->add_option("--h2d-gbps", o->h2d_gbps, "Host->device GB/s (default: assumed 50, PCIe 5.0 x16)");
+  cmd->add_option("--d2h-gbps", o->d2h_gbps, "Device->host GB/s (default: --h2d-gbps or assumed 50)");
+  cmd->add_option("--nvme-read-gbps", o->nvme_read_gbps, "NVMe read GB/s, all directories (default: measured)");
+  cmd->add_option("--nvme-write-gbps", o->nvme_write_gbps, "NVMe write GB/s, all directories (default: measured)");
+  cmd->add_option("--cpu-adam-params-per-s", o->cpu_adam_params_per_s,
+                  "CPU optimizer parameters per second (default: measured)");
+  cmd->add_option("--gpu-tflops", o->gpu_tflops, "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class)");
+  cmd->add_flag("--json", o->json, "Print the plan and the estimate as one JSON object");
+  for (CLI::Option* opt : cmd->get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  cmd->callback([o] { set_exit_code(run(*o)); });
+}
+
+}  // namespace strata::tools
