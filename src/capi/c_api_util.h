@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstring>
+#include <string>
 
 #include "common/status.h"
 #include "strata/strata.h"
@@ -17,6 +18,19 @@ int enum_value(const E& e) {
   int v;
   std::memcpy(&v, &e, sizeof(v));
   return v;
+}
+
+// A caller built against an older header passes a smaller struct; one built
+// against a newer header a larger one, whose extra fields we do not know.
+// Version 1 of each struct is the first, so every field of it must be present.
+template <typename T>
+Status check_struct(const T* p, const char* what) {
+  if (!p) return Status(StatusCode::kInvalidArgument, std::string(what) + " is NULL");
+  if (p->struct_size < sizeof(T))
+    return Status(StatusCode::kInvalidArgument, std::string(what) + ".struct_size is " +
+                                                    std::to_string(p->struct_size) + ", expected at least " +
+                                                    std::to_string(sizeof(T)) + " (set it to sizeof the struct)");
+  return Status();
 }
 
 strata_status_t to_c_status(StatusCode code);

@@ -18,19 +18,6 @@ using cpu_optim::DType;
 using cpu_optim::Isa;
 using cpu_optim::OptimizerKind;
 
-// A caller built against an older header passes a smaller struct; one built
-// against a newer header a larger one, whose extra fields we do not know.
-// Version 1 is the first, so every field of it must be present.
-template <typename T>
-Status check_struct(const T* p, const char* what) {
-  if (!p) return Status(StatusCode::kInvalidArgument, std::string(what) + " is NULL");
-  if (p->struct_size < sizeof(T))
-    return Status(StatusCode::kInvalidArgument, std::string(what) + ".struct_size is " +
-                                                    std::to_string(p->struct_size) + ", expected at least " +
-                                                    std::to_string(sizeof(T)) + " (set it to sizeof the struct)");
-  return Status();
-}
-
 Result<DType> to_dtype(const strata_dtype_t& dtype, const char* field) {
   const int d = enum_value(dtype);
   switch (d) {

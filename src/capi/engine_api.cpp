@@ -43,18 +43,6 @@ struct strata_engine {
 namespace strata::capi {
 namespace {
 
-// Fields of a versioned struct a caller built against this header has.
-// Version 1 of each struct is the first, so all of its fields must be there.
-template <typename T>
-Status check_size(const T* p, const char* what) {
-  if (!p) return Status(StatusCode::kInvalidArgument, std::string(what) + " is NULL");
-  if (p->struct_size < sizeof(T))
-    return Status(StatusCode::kInvalidArgument, std::string(what) + ".struct_size is " +
-                                                    std::to_string(p->struct_size) + ", expected at least " +
-                                                    std::to_string(sizeof(T)) + " (set it to sizeof the struct)");
-  return Status();
-}
-
 Status null_arg(const char* fn, const char* arg) {
   return Status(StatusCode::kInvalidArgument, std::string(fn) + ": " + arg + " is NULL");
 }
@@ -158,7 +146,7 @@ Result<ModelSpec> to_model(const strata_param_desc_t* params, size_t count) {
   ModelSpec model;
   if (count == 0) return Status(StatusCode::kInvalidArgument, "the model has no parameters (param_count is 0)");
   if (!params) return Status(StatusCode::kInvalidArgument, "params is NULL");
-  STRATA_RETURN_IF_ERROR(check_size(params, "params[0]"));
+  STRATA_RETURN_IF_ERROR(check_struct(params, "params[0]"));
   const size_t stride = params[0].struct_size;
   const auto* base = reinterpret_cast<const unsigned char*>(params);
   model.params.reserve(count);
@@ -265,7 +253,7 @@ strata_status_t strata_engine_options_init(strata_engine_options_t* options) {
 strata_status_t strata_engine_create(const strata_engine_options_t* options, const strata_param_desc_t* params,
                                      size_t param_count, strata_engine_t* out) {
   return guarded(nullptr, "strata_engine_create", [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(check_size(options, "options"));
+    STRATA_RETURN_IF_ERROR(check_struct(options, "options"));
     if (!out) return null_arg("strata_engine_create", "engine");
     const int device_kind = enum_value(options->device_kind);
     if (device_kind < STRATA_DEVICE_AUTO || device_kind > STRATA_DEVICE_HOST)
@@ -355,7 +343,7 @@ strata_status_t strata_engine_find_group(strata_engine_t engine, const char* nam
 
 strata_status_t strata_engine_param_info(strata_engine_t engine, uint32_t param, strata_param_info_t* info) {
   return on_engine(engine, "strata_engine_param_info", [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(check_size(info, "info"));
+    STRATA_RETURN_IF_ERROR(check_struct(info, "info"));
     const Engine& e = *engine->engine;
     STRATA_RETURN_IF_ERROR(check_param(e, param));
     const ParamSpec& p = e.model().params[param];
@@ -373,7 +361,7 @@ strata_status_t strata_engine_param_info(strata_engine_t engine, uint32_t param,
 
 strata_status_t strata_engine_group_info(strata_engine_t engine, uint32_t group, strata_group_info_t* info) {
   return on_engine(engine, "strata_engine_group_info", [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(check_size(info, "info"));
+    STRATA_RETURN_IF_ERROR(check_struct(info, "info"));
     const Engine& e = *engine->engine;
     STRATA_RETURN_IF_ERROR(check_group(e, group));
     info->name = engine->group_names[group].c_str();
@@ -497,7 +485,7 @@ strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uint32_t param
 strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_step_result_t* result) {
   return on_engine(engine, "strata_engine_step", [&]() -> Status {
     if (result) {
-      STRATA_RETURN_IF_ERROR(check_size(result, "result"));
+      STRATA_RETURN_IF_ERROR(check_struct(result, "result"));
     }
     STRATA_ASSIGN_OR_RETURN(StepResult r, engine->engine->step(lr));
     if (result) fill_step_result(r, result);
@@ -540,7 +528,7 @@ strata_status_t strata_engine_load_checkpoint(strata_engine_t engine, const char
 
 strata_status_t strata_engine_stats(strata_engine_t engine, strata_engine_stats_t* stats) {
   return on_engine(engine, "strata_engine_stats", [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(check_size(stats, "stats"));
+    STRATA_RETURN_IF_ERROR(check_struct(stats, "stats"));
     const EngineStats s = engine->engine->stats();
     for (int t = 0; t < 4; ++t) stats->tier_bytes[t] = s.tier_bytes[t];
     stats->device_buffer_bytes = s.device_buffer_bytes;

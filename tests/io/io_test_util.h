@@ -14,47 +14,14 @@
 
 #include "common/tunables.h"
 #include "io/io_engine.h"
+#include "test_util/temp_dir.h"
 
 namespace strata::io::testing {
 
-// A fresh directory under STRATA_TEST_DIR (else /tmp), removed with its
-// contents at the end of the test.
-class TempDir {
+// A temp directory named for these tests (test_util/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  explicit TempDir(const char* base = nullptr) {
-    const char* env = std::getenv("STRATA_TEST_DIR");
-    std::string root = base ? base : (env && *env ? env : "/tmp");
-    std::string tmpl = root + "/strata-io-test-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data())) path_ = buf.data();
-  }
-  ~TempDir() {
-    if (path_.empty()) return;
-    for (auto it = mounts_.rbegin(); it != mounts_.rend(); ++it) umount2(it->c_str(), MNT_DETACH);
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-
-  bool ok() const { return !path_.empty(); }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
-  // Mounts a filesystem (tmpfs/ramfs) at <path>/<name>; false when not
-  // permitted here (no CAP_SYS_ADMIN in this container).
-  bool mount_fs(const std::string& name, const char* type, const char* data, unsigned long flags = 0) {
-    std::string target = file(name);
-    ::mkdir(target.c_str(), 0700);
-    if (::mount(type, target.c_str(), type, flags, data) != 0) return false;
-    mounts_.push_back(target);
-    return true;
-  }
-
- private:
-  std::string path_;
-  std::vector<std::string> mounts_;
+  explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-io-test", base) {}
 };
 
 // Deterministic bytes that differ with position and seed.

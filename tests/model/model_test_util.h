@@ -10,30 +10,14 @@
 #include <fstream>
 #include <string>
 #include <vector>
+#include "test_util/temp_dir.h"
 
 namespace strata::model::testing {
 
-class TempDir {
+// A temp directory named for these tests (test_util/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  TempDir() {
-    const char* env = std::getenv("STRATA_TEST_DIR");
-    std::string tmpl = std::string(env && *env ? env : "/tmp") + "/strata-model-test-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data())) path_ = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  TempDir(const TempDir&) = delete;
-  TempDir& operator=(const TempDir&) = delete;
-  bool ok() const { return !path_.empty(); }
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
+  explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-model-test", base) {}
 };
 
 // An 8-byte little-endian length, the header text, then `data`.

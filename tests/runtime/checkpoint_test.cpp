@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "runtime/crc32c.h"
+#include "test_util/temp_dir.h"
 
 namespace strata {
 namespace {
@@ -37,35 +38,10 @@ using json = nlohmann::json;
 
 // ------------------------------------------------------------------ helpers
 
-class TempDir {
+// A temp directory named for these tests (test_util/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  TempDir() {
-    const char* env = std::getenv("STRATA_TEST_DIR");
-    std::string root = env && *env ? env : "/tmp";
-    std::string tmpl = root + "/strata-ck-test-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data())) path_ = buf.data();
-  }
-  ~TempDir() {
-    for (auto it = mounts_.rbegin(); it != mounts_.rend(); ++it) umount2(it->c_str(), MNT_DETACH);
-    std::error_code ec;
-    if (!path_.empty()) fs::remove_all(path_, ec);
-  }
-  bool ok() const { return !path_.empty(); }
-  std::string file(const std::string& n) const { return path_ + "/" + n; }
-  const std::string& path() const { return path_; }
-  bool mount_tmpfs(const std::string& name, const char* data) {
-    std::string target = file(name);
-    ::mkdir(target.c_str(), 0700);
-    if (::mount("tmpfs", target.c_str(), "tmpfs", 0, data) != 0) return false;
-    mounts_.push_back(target);
-    return true;
-  }
-
- private:
-  std::string path_;
-  std::vector<std::string> mounts_;
+  explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-ck-test", base) {}
 };
 
 std::vector<uint8_t> pattern(std::size_t n, uint64_t seed) {

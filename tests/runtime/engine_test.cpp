@@ -31,6 +31,7 @@
 #include "cpu_optim/optimizer.h"
 #include "device/host_backend.h"
 #include "runtime/engine.h"
+#include "test_util/temp_dir.h"
 
 #ifndef ENGINE_TEST_NVME
 #define ENGINE_TEST_NVME 0
@@ -42,23 +43,10 @@
 namespace strata {
 namespace {
 
-class TempDir {
+// A temp directory named for these tests (test_util/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  TempDir() {
-    const char* env = std::getenv("STRATA_TEST_DIR");
-    std::string tmpl = std::string(env && *env ? env : "/tmp") + "/strata-engine-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data())) path_ = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-engine", base) {}
 };
 
 // ---------------------------------------------------------------- the model

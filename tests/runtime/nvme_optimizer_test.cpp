@@ -22,29 +22,17 @@
 #include <vector>
 
 #include "io/fault_injection.h"
+#include "test_util/temp_dir.h"
 
 namespace strata {
 namespace {
 
 using cpu_optim::OptimizerConfig;
 
-class TempDir {
+// A temp directory named for these tests (test_util/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  TempDir() {
-    const char* env = std::getenv("STRATA_TEST_DIR");
-    std::string tmpl = std::string(env && *env ? env : "/tmp") + "/strata-nvmeopt-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data())) path_ = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) std::filesystem::remove_all(path_, ec);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
+  explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-nvmeopt", base) {}
 };
 
 // One tensor held both ways: the reference in RAM and the tested placement.

@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 #include <vector>
+#include "test_util/temp_dir.h"
 
 namespace strata {
 namespace {
@@ -23,24 +24,10 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 
-class TempDir {
+// A temp directory named for these tests (test_util/temp_dir.h).
+class TempDir : public ::strata::testing::TempDir {
  public:
-  TempDir() {
-    const char* env = std::getenv("STRATA_TEST_DIR");
-    std::string tmpl = std::string(env && *env ? env : "/tmp") + "/strata-trace-test-XXXXXX";
-    std::vector<char> buf(tmpl.begin(), tmpl.end());
-    buf.push_back('\0');
-    if (mkdtemp(buf.data())) path_ = buf.data();
-  }
-  ~TempDir() {
-    std::error_code ec;
-    if (!path_.empty()) fs::remove_all(path_, ec);
-  }
-  std::string file(const std::string& n) const { return path_ + "/" + n; }
-  bool ok() const { return !path_.empty(); }
-
- private:
-  std::string path_;
+  explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-trace-test", base) {}
 };
 
 json load(const std::string& path) {
