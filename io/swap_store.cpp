@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -9,8 +10,11 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
+#include <filesystem>
 
 #include "common/log.h"
+#include "common/units.h"
 
 namespace strata::io {
 namespace {
@@ -55,6 +59,58 @@ Status write_marker(const std::string& path) {
   ::close(fd);
   if (w < 0) return Status::from_errno(err, "writing " + path + " failed");
   return {};
+}
+
+std::string host_name() {
+  char h[256] = {0};
+  if (::gethostname(h, sizeof h - 1) != 0) return "?";
+  return h;
+}
+
+// The run marker says whose directory this is, so that a later run can tell
+// a crashed run's leftovers from a live run's files.
+Status write_run_marker(const std::string& path) {
+  int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::from_errno(errno, "creating " + path + " failed");
+  const std::string text = fmt::format("Strata run directory\nhost {}\npid {}\n", host_name(), ::getpid());
+  ssize_t w = ::write(fd, text.data(), text.size());
+  int err = errno;
+  ::close(fd);
+  if (w < 0) return Status::from_errno(err, "writing " + path + " failed");
+  return {};
+}
+
+// True when `run_dir` belongs to a process of this host that no longer
+// exists: a run killed before it could remove its files (SIGKILL, OOM, power
+// loss). A live process, another host, an older marker without owner, or
+// anything unreadable counts as not stale: when in doubt, keep the files.
+bool run_dir_is_stale(const std::string& run_dir) {
+  std::FILE* f = std::fopen((run_dir + "/" + kRunMarker).c_str(), "r");
+  if (!f) return false;
+  char line[512];
+  std::string host;
+  long pid = 0;
+  while (std::fgets(line, sizeof line, f)) {
+    char buf[300];
+    long p = 0;
+    if (std::sscanf(line, "host %299s", buf) == 1) host = buf;
+    if (std::sscanf(line, "pid %ld", &p) == 1) pid = p;
+  }
+  std::fclose(f);
+  if (pid <= 0 || host.empty() || host != host_name()) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+}
+
+uint64_t tree_bytes(const std::string& path) {
+  uint64_t total = 0;
+  std::error_code ec;
+  for (auto it = std::filesystem::recursive_directory_iterator(path, ec);
+       !ec && it != std::filesystem::recursive_directory_iterator(); it.increment(ec)) {
+    struct stat st {};
+    if (::lstat(it->path().c_str(), &st) == 0 && S_ISREG(st.st_mode))
+      total += static_cast<uint64_t>(st.st_blocks) * 512;
+  }
+  return total;
 }
 
 std::string default_run_name() {
@@ -121,14 +177,36 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
     }
     if (!ours && names.empty())
       STRATA_RETURN_IF_ERROR(write_marker(dir + "/" + kScratchMarker).with_context("scratch directory"));
-    std::vector<std::string> stale;
-    for (const auto& n : names)
-      if (n.rfind("strata-run-", 0) == 0 && n != options_.run_name) stale.push_back(n);
-    if (!stale.empty())
+    // Leftovers of runs that did not shut down cleanly: those of dead
+    // processes on this host are removed (their space would otherwise leak
+    // on every crash); any other is reported and kept.
+    std::vector<std::string> kept;
+    uint64_t freed = 0;
+    int removed = 0;
+    for (const auto& n : names) {
+      if (n.rfind("strata-run-", 0) != 0 || n == options_.run_name) continue;
+      const std::string path = dir + "/" + n;
+      if (run_dir_is_stale(path)) {
+        const uint64_t bytes = tree_bytes(path);
+        std::error_code ec;
+        std::filesystem::remove_all(path, ec);
+        if (!ec) {
+          freed += bytes;
+          ++removed;
+          continue;
+        }
+        log_warn("scratch directory {}: could not remove {} of a dead run: {}", dir, n, ec.message());
+      }
+      kept.push_back(n);
+    }
+    if (removed > 0)
+      log_info("scratch directory {}: removed {} run director{} of processes that no longer exist ({})", dir,
+               removed, removed == 1 ? "y" : "ies", format_bytes(freed));
+    if (!kept.empty())
       log_warn(
-          "scratch directory {} holds {} run director{} from runs that did not shut down cleanly (e.g. {}); "
-          "remove them to free the space",
-          dir, stale.size(), stale.size() == 1 ? "y" : "ies", stale.front());
+          "scratch directory {} holds {} run director{} of other runs, live or on another host (e.g. {}); "
+          "remove them when those runs are gone to free the space",
+          dir, kept.size(), kept.size() == 1 ? "y" : "ies", kept.front());
   }
   s->run_dir = dir + "/" + options_.run_name;
   if (::mkdir(s->run_dir.c_str(), 0700) != 0) {
@@ -141,7 +219,7 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
       return Status::from_errno(err, "creating run directory " + path + " failed");
     }
   }
-  return write_marker(s->run_dir + "/" + kRunMarker).with_context("swap store");
+  return write_run_marker(s->run_dir + "/" + kRunMarker).with_context("swap store");
 }
 
 std::uint64_t SwapStore::file_bytes_for(std::size_t i, std::uint64_t space) const {

@@ -7,6 +7,8 @@
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cstring>
 #include <filesystem>
@@ -125,6 +127,50 @@ TEST_F(SwapStoreTest, PrivateFilesRemovedOnCloseAndDirectoryReusable) {
   EXPECT_TRUE(fs::exists(d + "/.strata-scratch"));
   auto again = make_store({d});  // Strata's own directory: accepted
   EXPECT_TRUE(again);
+}
+
+// A run killed with SIGKILL leaves its run directory behind. The next run
+// removes those of dead processes on this host, and only those: a live
+// process's, another host's and an unmarked one's are kept.
+TEST_F(SwapStoreTest, RemovesRunDirectoriesOfDeadProcessesOnly) {
+  const std::string d = dir_.file("scratch");
+  std::string dead_dir, live_dir;
+  {
+    auto first = make_store({d});
+    ASSERT_TRUE(first);
+    ASSERT_TRUE(first->add_tensor("x", 1 << 20).ok());
+    dead_dir = first->run_dir(0);
+    // Copy it aside before the clean shutdown removes it: it becomes the
+    // leftover of a dead process and, with our own pid, of a live one.
+    fs::copy(dead_dir, d + "/strata-run-dead", fs::copy_options::recursive);
+    fs::copy(dead_dir, d + "/strata-run-live", fs::copy_options::recursive);
+    fs::copy(dead_dir, d + "/strata-run-other-host", fs::copy_options::recursive);
+    fs::create_directory(d + "/strata-run-unmarked");
+  }
+  char host[256] = {0};
+  ASSERT_EQ(::gethostname(host, sizeof host - 1), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a pid that no longer exists
+  auto mark = [&](const std::string& dir, const std::string& h, long pid) {
+    std::ofstream(d + "/" + dir + "/.strata-run") << "Strata run directory\nhost " << h << "\npid " << pid << "\n";
+  };
+  mark("strata-run-dead", host, child);
+  mark("strata-run-live", host, ::getpid());
+  mark("strata-run-other-host", std::string(host) + "-elsewhere", child);
+
+  auto second = make_store({d});
+  ASSERT_TRUE(second);
+  EXPECT_FALSE(fs::exists(d + "/strata-run-dead"));
+  EXPECT_TRUE(fs::exists(d + "/strata-run-live"));
+  EXPECT_TRUE(fs::exists(d + "/strata-run-other-host"));
+  EXPECT_TRUE(fs::exists(d + "/strata-run-unmarked"));
+  // Its own run directory names its owner.
+  std::ifstream m(second->run_dir(0) + "/.strata-run");
+  std::string text((std::istreambuf_iterator<char>(m)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("pid " + std::to_string(::getpid())), std::string::npos) << text;
+  EXPECT_NE(text.find(std::string("host ") + host), std::string::npos) << text;
 }
 
 TEST_F(SwapStoreTest, RefusesANonEmptyDirectoryItDidNotCreate) {
