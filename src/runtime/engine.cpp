@@ -618,6 +618,7 @@ Status Engine::load_param(ParamId id, const void* src, DType dtype) {
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("engine: load_param({}): its group {} is acquired", p.name, I.groups[p.group].name));
   STRATA_RETURN_IF_ERROR(I.wait_idle());
+  I.invalidate_slots();  // a cached or prefetched device copy would be stale
   const size_t in_sz = dtype_size(dtype);
   const size_t esz = dtype_size(p.dtype);
   float* f = I.dl[0].as<float>();
@@ -793,7 +794,11 @@ void Engine::Impl::issue_prefetch() {
 }
 
 void Engine::Impl::invalidate_slots() {
-  std::lock_guard<std::mutex> lock(mu);
+  // Queued or running uploads (prefetches issued at the end of the last
+  // step) finish first: the uploader must not mark a slot "enqueued" after
+  // the slot was handed to another group.
+  std::unique_lock<std::mutex> lock(mu);
+  cv.wait(lock, [&] { return upload_queue.empty() && !upload_busy; });
   for (auto& s : slots) {
     if (s.state == DeviceSlot::kInUse) continue;
     if (s.group >= 0) groups[s.group].slot = -1;

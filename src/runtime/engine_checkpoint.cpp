@@ -127,6 +127,7 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
   if (I.acquired_count > 0)
     return Status(StatusCode::kInvalidArgument, "engine: load_checkpoint with groups still acquired");
   STRATA_RETURN_IF_ERROR(I.wait_idle());
+  I.invalidate_slots();  // no prefetch may read the compute copies while they are restored
   (void)I.take_async_error();  // the state is being replaced
   TraceSpan span(I.tracer.get(), "load_checkpoint", trace_cat::kRuntime);
   CheckpointOpenOptions oo;

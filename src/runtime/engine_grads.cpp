@@ -368,6 +368,9 @@ Result<StepResult> Engine::step(double lr) {
   I.order_broken = false;
   I.current.clear();
   reset_step();
+  // The next step's first groups start uploading now (from the updated
+  // compute copies), so its first acquire does not wait for them.
+  I.issue_prefetch();
   I.first_step_done = true;
   I.steps_atomic.store(I.steps, std::memory_order_relaxed);
   r.step = I.steps;
