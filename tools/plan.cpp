@@ -5,9 +5,10 @@
 //
 // Bandwidths: given by flags, else measured here in a few seconds (NVMe read
 // and write through the I/O engine with O_DIRECT in the first --nvme
-// directory, the CPU AdamW step on 16M parameters), else assumed (host<->device
-// and GPU FLOP/s: no GPU is used by this command; the defaults describe an
-// H100/H200-class card on PCIe 5.0 and are printed as "assumed").
+// directory, the CPU AdamW step on 16M parameters; host<->device copies when
+// this machine has a GPU), else assumed (GPU FLOP/s always; host<->device
+// without a GPU here: the defaults describe an H100/H200-class card on
+// PCIe 5.0 and are printed as "assumed").
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -30,6 +31,8 @@
 #include "common/host_memory.h"
 #include "common/units.h"
 #include "cpu_optim/optimizer.h"
+#include "device/cuda_backend.h"
+#include "device/cuda_loader.h"
 #include "io/io_engine.h"
 #include "model/llama_config.h"
 #include "runtime/config.h"
@@ -100,6 +103,24 @@ struct Figure {
 // NVMe read and write through the I/O engine: one file of `bytes` in `dir`,
 // written with 8 MiB requests 16 deep, fsync'd, read back (O_DIRECT: from the
 // drive, not the page cache), removed.
+// This machine's first GPU, when the CUDA module loads and sees one: its
+// name and the memory Strata could use there (free memory less the
+// backend's margin, as a "detect" budget gets it). Probed once.
+struct ThisGpu {
+  CudaBackend module;
+  std::string name;
+  uint64_t free_bytes = 0;
+};
+Result<ThisGpu> this_gpu() {
+  static const Result<ThisGpu> probed = []() -> Result<ThisGpu> {
+    STRATA_ASSIGN_OR_RETURN(CudaBackend module, load_cuda_backend());
+    if (module.device_count == 0) return Status(StatusCode::kUnavailable, "no GPU is visible");
+    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBackend> dev, create_cuda_backend(module, 0, 0));
+    return ThisGpu{module, dev->name(), dev->memory_stats().budget};
+  }();
+  return probed;
+}
+
 Status measure_nvme(const std::string& dir, uint64_t bytes, Figure* rd, Figure* wr) {
   constexpr uint64_t kReq = 8ull << 20;
   constexpr int kDepth = 16;
@@ -280,8 +301,13 @@ int run(const PlanCliOptions& o) {
     budgets.device_bytes = *b;
   } else if (ds.strata.device_memory) {
     budgets.device_bytes = ds.strata.device_memory;
+  } else if (auto gpu = this_gpu(); gpu.ok()) {
+    budgets.device_bytes = gpu->free_bytes;
+    notes.push_back(fmt::format("GPU budget: free memory of {} here, {} (set --gpu-mem to plan for another GPU)",
+                                gpu->name, format_bytes(gpu->free_bytes)));
   } else {
-    return fail("--gpu-mem is required (the GPU memory Strata may use, e.g. 24GiB or 80GB)");
+    return fail("--gpu-mem is required here (" + gpu.status().message() +
+                "): the GPU memory Strata may use, e.g. 24GiB or 80GB");
   }
   if (!o.host_mem.empty()) {
     auto b = parse_bytes(o.host_mem);
@@ -386,6 +412,20 @@ int run(const PlanCliOptions& o) {
       notes.push_back(
           "NVMe measured in the first directory only; if the others are separate drives, the "
           "striped bandwidth is higher (give --nvme-read-gbps / --nvme-write-gbps)");
+  }
+  if (measure && (o.h2d_gbps <= 0 || o.d2h_gbps <= 0)) {
+    // Pinned host<->device copies on this machine's GPU, when it has one.
+    if (auto gpu = this_gpu(); gpu.ok()) {
+      double up = 0, down = 0;
+      char err[256] = {0};
+      if (gpu->module.api->copy_bandwidth(0, 256u << 20, 5, &up, &down, err, sizeof err) == 0) {
+        const std::string why = "pinned, 256 MiB copies on " + gpu->name;
+        if (o.h2d_gbps <= 0) h2d = {up * 1e9, "measured", why};
+        if (o.d2h_gbps <= 0) d2h = {down * 1e9, "measured", why};
+      } else {
+        notes.push_back(std::string("host<->device not measured (") + err + "): assumed figures used");
+      }
+    }
   }
   if (measure && o.cpu_adam_params_per_s <= 0) {
     auto c = measure_cpu_adam(options.optimizer_state_dtype);
@@ -494,7 +534,7 @@ void register_plan(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "plan", "Where each part of a model's training state would live, bytes moved per step, predicted step time");
   cmd->add_option("--model", o->model, "Model directory or config.json (Hugging Face Llama)");
-  cmd->add_option("--gpu-mem", o->gpu_mem, "GPU memory Strata may use, e.g. 24GiB (required unless in --config)");
+  cmd->add_option("--gpu-mem", o->gpu_mem, "GPU memory Strata may use, e.g. 24GiB (default: --config, else the free memory of this machine's GPU)");
   cmd->add_option("--host-mem", o->host_mem, "Host RAM budget (default: MemAvailable here)");
   cmd->add_option("--pinned-mem", o->pinned_mem, "Cap on page-locked buffers (default: none)");
   cmd->add_option("--nvme", o->nvme, "NVMe directories, comma-separated (default: none, or from --config)");
