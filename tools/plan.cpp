@@ -514,7 +514,8 @@ int run(const PlanCliOptions& o) {
   line("NVMe read", nvr, format_rate(nvr.value));
   line("NVMe write", nvw, format_rate(nvw.value));
   line("CPU optimizer", cpu, fmt::format("{:.2f} G param/s", cpu.value / 1e9));
-  line("GPU", gpu, fmt::format("{:.0f} TFLOP/s", gpu.value / 1e12));
+  line("GPU", gpu, gpu.value >= 99.95e12 ? fmt::format("{:.0f} TFLOP/s", gpu.value / 1e12)
+                                         : fmt::format("{:.3g} TFLOP/s", gpu.value / 1e12));
   std::printf(
       "\nWorkload: batch %llu x seq %llu = %llu tokens per micro-batch, %u micro-batch(es) per step; "
       "%.3g FLOP per token (%s)\n",
@@ -522,8 +523,8 @@ int run(const PlanCliOptions& o) {
       static_cast<unsigned long long>(work.tokens_per_micro_batch), options.micro_batches, flops_per_token,
       work.activation_checkpointing ? "8 x params: forward, recompute, backward" : "6 x params");
   std::printf("%s", est->report().c_str());
-  std::printf("Predicted: %.2f s per optimizer step, %.0f tokens/s (bottleneck: %s)\n", est->total_s,
-              tokens_per_step / est->total_s, est->bottleneck.c_str());
+  std::printf("Predicted: %s per optimizer step, %.0f tokens/s (bottleneck: %s)\n",
+              format_seconds(est->total_s).c_str(), tokens_per_step / est->total_s, est->bottleneck.c_str());
   return 0;
 }
 

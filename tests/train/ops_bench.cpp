@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -36,6 +37,12 @@ std::vector<float> rnd(std::mt19937_64& rng, int64_t n, float scale) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    if (argv[i][0] == '-' || std::atol(argv[i]) < 0 || (std::atol(argv[i]) == 0 && argv[i][0] != '0')) {
+      std::fprintf(stderr, "usage: %s [dim ffn heads kv_heads B T threads reps] (non-negative integers)\n", argv[0]);
+      return std::strcmp(argv[i], "-h") == 0 || std::strcmp(argv[i], "--help") == 0 ? 0 : 1;
+    }
+  }
   auto arg = [&](int i, long def) { return argc > i ? std::atol(argv[i]) : def; };
   LlamaDims d;
   d.dim = arg(1, 256);
