@@ -420,6 +420,10 @@ Status Engine::Impl::allocate_storage() {
       slots.push_back(std::move(s));
     }
   }
+  size_t max_group_params = 0;
+  for (const auto& g : groups) max_group_params = std::max(max_group_params, g.params.size());
+  upload_handles.reserve(max_group_params);
+  keep_scratch.reserve(plan.prefetch_groups + 1);
   (void)model;
   return {};
 }
@@ -707,8 +711,8 @@ Status Engine::Impl::upload_group(int si) {
     stage = static_cast<char*>(staging[stage_index].data());
     const uint64_t t0 = Tracer::now_ns();
     uint64_t total = 0;
-    std::vector<io::IoHandle> handles;
-    handles.reserve(g.params.size());
+    std::vector<io::IoHandle>& handles = upload_handles;
+    handles.clear();
     for (size_t i = 0; i < g.params.size(); ++i) {
       const ParamState& p = params[g.params[i]];
       const uint64_t len = round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 4096);
@@ -721,6 +725,7 @@ Status Engine::Impl::upload_group(int si) {
       if (!st.ok() && first.ok())
         first = st.with_context(fmt::format("engine: reading the compute copy of {} from NVMe", params[g.params[i]].name));
     }
+    handles.clear();
     STRATA_RETURN_IF_ERROR(first);
     nvme_read += total;
     if (tracer) tracer->complete("nvme_read", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", total}});
@@ -754,7 +759,8 @@ int Engine::Impl::find_victim(const std::vector<GroupId>& keep) {
 
 // Caller holds mu. Puts group g into a slot and queues its upload.
 Status Engine::Impl::start_upload(GroupId g, bool prefetch) {
-  std::vector<GroupId> keep;
+  std::vector<GroupId>& keep = keep_scratch;
+  keep.clear();
   if (!recording && !order_broken) {
     const size_t pos = current.size();
     for (size_t i = pos; i < order.size() && i < pos + plan.prefetch_groups; ++i) keep.push_back(order[i]);

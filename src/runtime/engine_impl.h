@@ -142,6 +142,9 @@ struct Engine::Impl {
   std::mutex mu;
   std::condition_variable cv;
   std::deque<int> upload_queue;  // slot indices
+  // Scratch kept between calls so acquire and the uploader allocate nothing:
+  std::vector<io::IoHandle> upload_handles;  // uploader thread only
+  std::vector<GroupId> keep_scratch;         // start_upload, under mu
   std::deque<AccumJob> accum_queue;
   std::deque<GroupId> opt_queue;
   bool upload_busy = false, accum_busy = false, opt_busy = false;
