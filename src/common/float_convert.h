@@ -19,6 +19,8 @@
 
 #include <stdint.h>
 
+#include "common/dtype.h"
+
 #if defined(__CUDACC__)
 #define STRATA_HD __host__ __device__ __forceinline__
 #else
@@ -86,6 +88,22 @@ STRATA_HD float f16_bits_to_f32(uint16_t h) {
   if (exp != 0) return f32_from_bits(sign | ((exp + 112) << 23) | (mant << 13));
   float v = static_cast<float>(mant) * 5.9604644775390625e-8f;  // 2^-24; exact since mant < 2^10
   return f32_from_bits(sign | f32_bits(v));
+}
+
+// dst[i] = float(src[i]) for n elements of an fp32, bf16 or fp16 array
+// (exact). Host code; the one widening loop of the runtime and the CPU ops.
+inline void widen_to_f32(const void* src, DType dtype, size_t n, float* dst) {
+  if (dtype == DType::kF32) {
+    const float* s = static_cast<const float*>(src);
+    for (size_t i = 0; i < n; ++i) dst[i] = s[i];
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (dtype == DType::kBF16) {
+    for (size_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(s[i]);
+  } else {
+    for (size_t i = 0; i < n; ++i) dst[i] = f16_bits_to_f32(s[i]);
+  }
 }
 
 }  // namespace strata

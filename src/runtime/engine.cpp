@@ -41,40 +41,14 @@ uint64_t pool_bytes(uint64_t b) { return round_up(b, kHugePageSize); }
 
 }  // namespace
 
-void convert_to_f32(const void* src, DType dtype, uint64_t n, float* dst) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * 4);
-      return;
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(s[i]);
-      return;
-    }
-    default: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] = f16_bits_to_f32(s[i]);
-      return;
-    }
+// fp32 -> the compute dtype: cpu_optim's vectorized round-to-nearest-even
+// (the same bits as the optimizer's params_out), a copy for fp32.
+Status narrow_from_f32(const float* src, DType dtype, uint64_t n, void* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, n * 4);
+    return {};
   }
-}
-
-void convert_from_f32(const float* src, DType dtype, uint64_t n, void* dst) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, n * 4);
-      return;
-    case DType::kBF16: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (uint64_t i = 0; i < n; ++i) d[i] = f32_to_bf16_bits(src[i]);
-      return;
-    }
-    default: {
-      auto* d = static_cast<uint16_t*>(dst);
-      for (uint64_t i = 0; i < n; ++i) d[i] = f32_to_f16_bits(src[i]);
-      return;
-    }
-  }
+  return cpu_optim::convert(src, dst, dtype, n);
 }
 
 // ---------------------------------------------------------------- creation
@@ -563,7 +537,7 @@ Status Engine::Impl::refresh_compute(ParamId id) {
   for (uint64_t off = 0; off < n; off += piece_elems) {
     const uint64_t cnt = std::min(piece_elems, n - off);
     STRATA_RETURN_IF_ERROR(read_array(p.master, 4, off, cnt, f));
-    convert_from_f32(f, p.dtype, cnt, c);
+    STRATA_RETURN_IF_ERROR(narrow_from_f32(f, p.dtype, cnt, c));
     STRATA_RETURN_IF_ERROR(write_array(p.compute, esz, off, cnt, c));
   }
   return {};
@@ -631,21 +605,11 @@ Status Engine::load_param(ParamId id, const void* src, DType dtype) {
   const uint64_t n = p.shard.size();
   for (uint64_t off = 0; off < n; off += I.piece_elems) {
     const uint64_t cnt = std::min(I.piece_elems, n - off);
-    convert_to_f32(static_cast<const char*>(src) + (p.shard.begin + off) * in_sz, dtype, cnt, f);
+    widen_to_f32(static_cast<const char*>(src) + (p.shard.begin + off) * in_sz, dtype, cnt, f);
     Status st = I.write_array(p.master, 4, off, cnt, f);
-    if (st.ok()) {
-      convert_from_f32(f, p.dtype, cnt, c);
-      st = I.write_array(p.compute, esz, off, cnt, c);
-    }
+    if (st.ok()) st = narrow_from_f32(f, p.dtype, cnt, c);
+    if (st.ok()) st = I.write_array(p.compute, esz, off, cnt, c);
     if (!st.ok()) return st.with_context(fmt::format("engine: load_param({})", p.name));
-  }
-  // A cached device copy of the group is stale now.
-  GroupState& g = I.groups[p.group];
-  if (g.slot >= 0) {
-    std::lock_guard<std::mutex> lock(I.mu);
-    I.slots[g.slot].state = DeviceSlot::kFree;
-    I.slots[g.slot].group = -1;
-    g.slot = -1;
   }
   return {};
 }
@@ -664,7 +628,8 @@ Status Engine::read_param(ParamId id, void* dst, DType dtype) {
     const uint64_t cnt = std::min(I.piece_elems, n - off);
     Status st = I.read_array(p.master, 4, off, cnt, f);
     if (!st.ok()) return st.with_context(fmt::format("engine: read_param({})", p.name));
-    convert_from_f32(f, dtype, cnt, static_cast<char*>(dst) + off * out_sz);
+    st = narrow_from_f32(f, dtype, cnt, static_cast<char*>(dst) + off * out_sz);
+    if (!st.ok()) return st.with_context(fmt::format("engine: read_param({})", p.name));
   }
   return {};
 }

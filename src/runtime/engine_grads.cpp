@@ -66,7 +66,7 @@ Status Engine::Impl::accumulate(const AccumJob& j) {
   TraceSpan span(tracer.get(), "accumulate", trace_cat::kOptim, {{"elements", j.count}, {"first", int{j.first}}});
   if (p.grad.tier == Tier::kHost) {
     float* dst = static_cast<float*>(p.grad.ptr) + j.offset;
-    if (j.first) convert_to_f32(src, j.dtype, j.count, dst);
+    if (j.first) widen_to_f32(src, j.dtype, j.count, dst);
     else add_f32(dst, src, j.dtype, j.count);
     return {};
   }
@@ -74,7 +74,7 @@ Status Engine::Impl::accumulate(const AccumJob& j) {
   float* buf = scratch.as<float>();
   const uint64_t bytes = j.count * 4;
   if (j.first) {
-    convert_to_f32(src, j.dtype, j.count, buf);
+    widen_to_f32(src, j.dtype, j.count, buf);
   } else {
     const uint64_t t0 = Tracer::now_ns();
     Status st = sync_io(store->read(p.grad.swap, j.offset * 4, bytes, buf), false, bytes);

@@ -221,8 +221,8 @@ struct Engine::Impl {
   Status traced_copy(void* dst, const void* src, size_t bytes, CopyKind kind, DeviceStream* s);
 };
 
-// fp32 <-> compute dtype conversions (round to nearest even, float_convert.h).
-void convert_to_f32(const void* src, DType dtype, uint64_t n, float* dst);
-void convert_from_f32(const float* src, DType dtype, uint64_t n, void* dst);
+// fp32 -> compute dtype (cpu_optim::convert's round to nearest even; fp32 copies).
+// The other way is widen_to_f32 (common/float_convert.h).
+Status narrow_from_f32(const float* src, DType dtype, uint64_t n, void* dst);
 
 }  // namespace strata

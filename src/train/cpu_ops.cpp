@@ -239,12 +239,7 @@ class CpuOps final : public ModelOps {
   }
 
   static void convert(const void* src, DType d, int64_t offset, int64_t count, float* dst) {
-    const uint16_t* s = static_cast<const uint16_t*>(src) + offset;
-    if (d == DType::kBF16) {
-      for (int64_t i = 0; i < count; ++i) dst[i] = bf16_bits_to_f32(s[i]);
-    } else {
-      for (int64_t i = 0; i < count; ++i) dst[i] = f16_bits_to_f32(s[i]);
-    }
+    widen_to_f32(static_cast<const uint16_t*>(src) + offset, d, static_cast<size_t>(count), dst);
   }
 
   // fp32: the pointer itself; otherwise converted into conv_ at *cursor.
