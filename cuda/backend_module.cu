@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "kernels.cuh"
-#include "device/cuda_module.h"
+#include "cuda/module_abi.h"
 
 namespace {
 

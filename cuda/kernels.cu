@@ -1,6 +1,6 @@
 // Elementwise kernels of the CUDA backend: cast/scale, fp32 accumulate,
 // squared norm with inf/NaN count, AdamW. The per-element arithmetic is
-// src/device/numeric.h, shared with the host backend's loops, and this file
+// common/device_numeric.h, shared with the host backend's loops, and this file
 // is compiled with --fmad=false (cuda/CMakeLists.txt) so that both give the
 // same bits; only the norm's cross-block sum order differs.
 //
@@ -12,7 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "device/numeric.h"
+#include "common/device_numeric.h"
 #include "kernels.cuh"
 
 namespace strata_cuda {

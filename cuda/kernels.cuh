@@ -7,7 +7,7 @@
 
 #include <cstddef>
 
-#include "device/cuda_module.h"
+#include "cuda/module_abi.h"
 
 namespace strata_cuda {
 

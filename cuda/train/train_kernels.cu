@@ -10,7 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "device/numeric.h"
+#include "common/device_numeric.h"
 #include "train_kernels.cuh"
 
 namespace strata_cuda_train {

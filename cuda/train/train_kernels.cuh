@@ -11,7 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "train/cuda_train_module.h"
+#include "cuda/train/train_module_abi.h"
 
 namespace strata_cuda_train {
 

@@ -1,5 +1,5 @@
 // libstrata_cuda_train.so: the trainer's model ops on CUDA, loaded by
-// train/cuda_ops.cpp with dlopen (ABI: train/cuda_train_module.h). Exports
+// train/cuda_ops.cpp with dlopen (ABI: cuda/train/train_module_abi.h). Exports
 // only strata_cuda_train_api_v1.
 //
 // Matrix products go through cuBLAS (cublasGemmEx). With bf16 or fp16
@@ -26,7 +26,7 @@
 #include <new>
 #include <vector>
 
-#include "train/cuda_train_module.h"
+#include "cuda/train/train_module_abi.h"
 #include "train_kernels.cuh"
 
 namespace k = strata_cuda_train;

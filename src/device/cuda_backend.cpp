@@ -7,7 +7,7 @@
 #include "common/log.h"
 #include "common/units.h"
 #include "device/caching_allocator.h"
-#include "device/numeric.h"
+#include "common/device_numeric.h"
 
 namespace strata {
 namespace {

@@ -1,5 +1,5 @@
 // CudaBackend: the DeviceBackend over the CUDA module's C table
-// (device/cuda_module.h), which cuda_loader.cpp loads at run time. Nothing
+// (cuda/module_abi.h), which cuda_loader.cpp loads at run time. Nothing
 // here links CUDA: a build with this file runs where no driver exists.
 //
 // - Device memory: the caching allocator (caching_allocator.h) over the

@@ -5,7 +5,7 @@
 
 #include "common/host_memory.h"
 #include "common/status.h"
-#include "device/cuda_module.h"
+#include "cuda/module_abi.h"
 
 namespace strata {
 

@@ -7,7 +7,7 @@
 //
 // Why an abstract C++ class and not a ggml-style table of function pointers:
 // the one C ABI boundary that matters (a module loaded with dlopen) already
-// is such a table (device/cuda_module.h); above it the runtime wants Status,
+// is such a table (cuda/module_abi.h); above it the runtime wants Status,
 // Result<T>, std::function callbacks and RAII, which a C table cannot carry.
 // A virtual call costs nanoseconds next to a microsecond kernel launch, and
 // "optional entries defaulted" becomes plain default methods (scale_async).
@@ -99,7 +99,7 @@ static_assert(sizeof(NormStats) == 16);
 
 // One AdamW step over `count` elements held in device memory (torch.optim.
 // AdamW's math: bias correction, eps added after the sqrt, decoupled weight
-// decay; the per-element formula is device/numeric.h's adamw_element and is
+// decay; the per-element formula is common/device_numeric.h's adamw_element and is
 // bit-identical to cpu_optim's AdamW). Constants are computed in double on
 // the host from these fields.
 struct AdamWArgs {

@@ -12,7 +12,7 @@
 
 #include "common/log.h"
 #include "device/caching_allocator.h"
-#include "device/numeric.h"
+#include "common/device_numeric.h"
 
 namespace strata {
 namespace {

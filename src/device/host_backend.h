@@ -10,7 +10,7 @@
 //   is a copy thread. Events are (stream progress, sequence number) pairs: a
 //   wait blocks the waiting stream's worker until the other stream's worker
 //   has finished that many items.
-// - Kernels are the plain loops over device/numeric.h's element functions
+// - Kernels are the plain loops over common/device_numeric.h's element functions
 //   (bit-identical to the CUDA kernels' per-element results).
 // - Errors inside a stream's work are recorded on the stream (the first one
 //   is kept); the stream then skips its remaining work, and the error is

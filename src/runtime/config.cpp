@@ -268,7 +268,7 @@ Status read_uint(Obj& o, std::string_view key, T* out, uint64_t min, uint64_t ma
   return expected(o.child(key), fmt::format("an integer from {} to {}", min, max), *v);
 }
 
-// A byte count: an integer, or a string such as "24GiB" (src/common/units.h).
+// A byte count: an integer, or a string such as "24GiB" (common/units.h).
 Status read_size(Obj& o, std::string_view key, uint64_t* out) {
   const json* v = o.take(key);
   if (!v) return Status::ok_status();

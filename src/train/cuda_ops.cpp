@@ -12,7 +12,7 @@
 #include "common/log.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
-#include "train/cuda_train_module.h"
+#include "cuda/train/train_module_abi.h"
 
 namespace strata::train {
 namespace {

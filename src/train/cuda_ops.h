@@ -1,5 +1,5 @@
 // CudaOps: ModelOps (train/model_ops.h) on a CUDA device, through the module
-// libstrata_cuda_train.so (cuda/train/, ABI train/cuda_train_module.h) that
+// libstrata_cuda_train.so (cuda/train/, ABI cuda/train/train_module_abi.h) that
 // this file loads with dlopen at run time. Nothing here links CUDA: a CUDA
 // build of Strata starts where no driver or cuBLAS exists and
 // create_cuda_ops() then says why it cannot run (kUnavailable).

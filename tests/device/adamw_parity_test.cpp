@@ -1,5 +1,5 @@
 // The two AdamW element formulas must stay one: cpu_optim's kernels (what the
-// CPU optimizer and the NVMe step run) and device/numeric.h's adamw_element
+// CPU optimizer and the NVMe step run) and common/device_numeric.h's adamw_element
 // (what the host device backend and the CUDA kernels run). The engine may put
 // one group's optimizer state on the GPU and another's on the host, so the
 // same data must give the same bits on both paths. This test runs both over
@@ -15,7 +15,7 @@
 #include "common/float_convert.h"
 #include "cpu_optim/dispatch.h"
 #include "cpu_optim/optimizer.h"
-#include "device/numeric.h"
+#include "common/device_numeric.h"
 
 namespace strata {
 namespace {

@@ -23,7 +23,7 @@
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
 #include "device/host_backend.h"
-#include "device/numeric.h"
+#include "common/device_numeric.h"
 
 #ifndef STRATA_TEST_DEVICE_KIND
 #define STRATA_TEST_DEVICE_KIND "host"
@@ -36,7 +36,7 @@ namespace {
 namespace dm = device_math;
 
 // ---------------------------------------------------------------- references
-// Written independently of device/numeric.h: rounding by comparing distances
+// Written independently of common/device_numeric.h: rounding by comparing distances
 // in double rather than by the bit trick.
 uint32_t bits_of(float f) {
   uint32_t u;

@@ -1,4 +1,4 @@
-// parse_bytes / format_bytes (src/common/units.h): every accepted form and
+// parse_bytes / format_bytes (common/units.h): every accepted form and
 // every refusal, with the exact byte counts.
 #include "common/units.h"
 

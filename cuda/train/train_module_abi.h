@@ -10,7 +10,7 @@
 // the CUDA backend, and a missing libcublas is reported only to the trainer,
 // as the reason create_cuda_ops() returns kUnavailable.
 //
-// Like device/cuda_module.h: the module exports one C symbol,
+// Like cuda/module_abi.h: the module exports one C symbol,
 // strata_cuda_train_api_v1, returning a table of plain C function pointers
 // that starts with its size and ABI version; a loader reads only fields that
 // lie within struct_size. Every function returns 0 on success or a nonzero
@@ -30,7 +30,7 @@
 // context at a time.
 //
 // Every activation is fp32 row-major [n = B*T, width]; weights are in
-// `dtype` (STRATA_CUDA_DTYPE_*, device/cuda_module.h) in Hugging Face's
+// `dtype` (STRATA_CUDA_DTYPE_*, cuda/module_abi.h) in Hugging Face's
 // shapes; gradients are fp32 and overwritten (see train/model_ops.h, whose
 // semantics these functions implement one for one).
 #pragma once
@@ -38,7 +38,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "device/cuda_module.h"
+#include "cuda/module_abi.h"
 
 #ifdef __cplusplus
 extern "C" {
