@@ -9,6 +9,8 @@
 #include <set>
 #include <sstream>
 
+#include "common/json.h"
+
 namespace strata::model {
 namespace {
 
@@ -47,6 +49,24 @@ Status validate_llama_config(const LlamaConfig& c) {
   if (c.num_attention_heads == 0) return bad("num_attention_heads", "must be positive");
   if (c.num_key_value_heads == 0) return bad("num_key_value_heads", "must be positive");
   if (c.vocab_size == 0) return bad("vocab_size", "must be positive");
+  // Bounds before anything is sized from the config: a config.json alone must
+  // not make Strata (or `strata plan`) allocate without limit. Both are far
+  // above any real model (the largest open ones have ~130 layers, ~1e12
+  // parameters).
+  constexpr uint64_t kMaxLayers = 4096;
+  constexpr double kMaxParams = 1e14;
+  if (c.num_hidden_layers > kMaxLayers)
+    return bad("num_hidden_layers", fmt::format("{} is more than {}: no real model has that many layers (a damaged "
+                                                "config?)", c.num_hidden_layers, kMaxLayers));
+  {
+    const double dim = double(c.hidden_size), ffn = double(c.intermediate_size), vocab = double(c.vocab_size);
+    const double per_layer = 4 * dim * dim + 3 * dim * ffn + 2 * dim;  // upper bound (GQA shrinks k/v)
+    const double total = double(c.num_hidden_layers) * per_layer + 2 * vocab * dim + dim;
+    if (!(total <= kMaxParams))
+      return bad("hidden_size", fmt::format("with intermediate_size {}, vocab_size {} and {} layers the model would "
+                                            "have about {:.3g} parameters, more than {:.0e}: a damaged config?",
+                                            c.intermediate_size, c.vocab_size, c.num_hidden_layers, total, kMaxParams));
+  }
   if (c.hidden_size % c.num_attention_heads != 0)
     return bad("hidden_size",
                fmt::format("{} is not divisible by num_attention_heads {}", c.hidden_size, c.num_attention_heads));
@@ -63,8 +83,9 @@ Status validate_llama_config(const LlamaConfig& c) {
 }
 
 Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string& source, bool allow_rope_scaling) {
-  json root = json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return Status(StatusCode::kCorrupt, source + ": malformed JSON");
+  json root;
+  JsonError jerr;
+  if (!parse_json(text, &root, &jerr)) return Status(StatusCode::kCorrupt, source + ": " + jerr.message());
   if (!root.is_object()) return Status(StatusCode::kCorrupt, source + ": not a JSON object");
   LlamaConfig c;
 

@@ -13,6 +13,7 @@
 #include <set>
 
 #include "common/float_convert.h"
+#include "common/json.h"
 #include "io/io_engine.h"
 
 namespace strata::model {
@@ -234,32 +235,23 @@ Result<SafetensorsHeader> parse_safetensors_header(std::string_view text, uint64
   if (n == 0 || text[0] != '{')
     return corrupt(path, "header does not start with '{' (not a safetensors file, or a corrupt header length)");
 
-  // Duplicate top-level names: nlohmann would keep the last silently.
-  std::set<std::string> keys;
-  std::string duplicate;
-  auto cb = [&](int depth, json::parse_event_t ev, json& parsed) {
-    if (ev == json::parse_event_t::key && depth == 1) {
-      std::string k = parsed.get<std::string>();
-      if (!keys.insert(k).second && duplicate.empty()) duplicate = k;
-    }
-    return true;
-  };
+  // Duplicate names (nlohmann would keep the last silently) and absurd
+  // nesting are refused by parse_json.
   json root;
-  try {
-    root = json::parse(text.begin(), text.end(), cb, /*allow_exceptions=*/true);
-  } catch (const json::parse_error& e) {
-    std::string what = e.what();
-    auto p = what.find("parse error");
-    if (p != std::string::npos) {
-      auto colon = what.find(": ", p);
-      if (colon != std::string::npos) what = what.substr(colon + 2);
+  JsonError jerr;
+  if (!parse_json(text, &root, &jerr)) {
+    switch (jerr.kind) {
+      case JsonError::kSyntax:
+        return corrupt(path, fmt::format("malformed header JSON at header byte {} (file offset {}): {}", jerr.byte,
+                                         jerr.byte + 7, jerr.what));
+      case JsonError::kDuplicateKey:
+        if (jerr.path == jerr.key)
+          return corrupt(path, fmt::format("tensor \"{}\" is listed twice in the header", jerr.key));
+        [[fallthrough]];
+      default:
+        return corrupt(path, "header " + jerr.message());
     }
-    return corrupt(
-        path, fmt::format("malformed header JSON at header byte {} (file offset {}): {}", e.byte, e.byte + 7, what));
-  } catch (const std::exception& e) {
-    return corrupt(path, fmt::format("malformed header JSON: {}", e.what()));
   }
-  if (!duplicate.empty()) return corrupt(path, fmt::format("tensor \"{}\" is listed twice in the header", duplicate));
   if (!root.is_object()) return corrupt(path, "header is not a JSON object");
 
   SafetensorsHeader h;
@@ -633,8 +625,9 @@ Result<SafetensorsIndex> read_safetensors_index(const std::string& path) {
     }
   }
   ::close(fd);
-  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return corrupt(path, "malformed JSON");
+  json root;
+  JsonError jerr;
+  if (!parse_json(text, &root, &jerr)) return corrupt(path, jerr.message());
   if (!root.is_object()) return corrupt(path, "not a JSON object");
   SafetensorsIndex idx;
   if (auto m = root.find("metadata"); m != root.end() && !m->is_null()) {

@@ -14,6 +14,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/json.h"
 #include "common/log.h"
 #include "common/units.h"
 
@@ -716,89 +717,15 @@ Status read_root(Obj& o, Config* c) {
   return Status::ok_status();
 }
 
-// Reports the first duplicate key (DeepSpeed refuses them too; nlohmann would
-// silently keep the last). Builds the path of containers as it goes.
-struct DuplicateFinder {
-  struct Frame {
-    bool is_array = false;
-    std::string path;
-    std::set<std::string> keys;
-    std::string pending_key;
-    size_t index = 0;
-  };
-  std::vector<Frame> stack;
-  std::string error;
-
-  std::string child_path() {
-    if (stack.empty()) return "";
-    Frame& top = stack.back();
-    if (top.is_array) return fmt::format("{}[{}]", top.path, top.index++);
-    return join_path(top.path, top.pending_key);
-  }
-
-  bool operator()(int /*depth*/, json::parse_event_t ev, json& parsed) {
-    switch (ev) {
-      case json::parse_event_t::object_start:
-      case json::parse_event_t::array_start: {
-        Frame f;
-        f.is_array = ev == json::parse_event_t::array_start;
-        f.path = child_path();
-        stack.push_back(std::move(f));
-        break;
-      }
-      case json::parse_event_t::object_end:
-      case json::parse_event_t::array_end:
-        if (!stack.empty()) stack.pop_back();
-        break;
-      case json::parse_event_t::key:
-        if (!stack.empty()) {
-          Frame& top = stack.back();
-          top.pending_key = parsed.get<std::string>();
-          if (!top.keys.insert(top.pending_key).second && error.empty())
-            error = join_path(top.path, top.pending_key) + ": duplicate key (only one value may be given)";
-        }
-        break;
-      case json::parse_event_t::value:
-        if (!stack.empty() && stack.back().is_array) stack.back().index++;
-        break;
-    }
-    return true;
-  }
-};
-
 }  // namespace
 
 Result<Config> parse_config(std::string_view text, std::string_view origin, ConfigNotes* notes) {
+  // Duplicate keys are refused (DeepSpeed refuses them too; nlohmann would
+  // silently keep the last), and so is nesting no config needs.
   json root;
-  DuplicateFinder dups;
-  try {
-    root = json::parse(text.begin(), text.end(), std::ref(dups), /*allow_exceptions=*/true, /*ignore_comments=*/true);
-  } catch (const json::parse_error& e) {
-    // nlohmann's text starts "[json.exception.parse_error.101] parse error at
-    // line 1, column 5: "; keep what follows and say where ourselves.
-    std::string what = e.what();
-    auto p = what.find("parse error");
-    if (p != std::string::npos) {
-      auto colon = what.find(": ", p);
-      if (colon != std::string::npos) what = what.substr(colon + 2);
-    }
-    // e.byte counts characters read, so the offending one is at index byte-1.
-    const size_t at = e.byte == 0 ? 0 : std::min<size_t>(e.byte - 1, text.size());
-    size_t line = 1, col = 1;
-    for (size_t i = 0; i < at; ++i) {
-      if (text[i] == '\n') {
-        ++line;
-        col = 1;
-      } else {
-        ++col;
-      }
-    }
-    return Status(StatusCode::kInvalidArgument, fmt::format("{}: malformed JSON at byte {} (line {}, column {}): {}",
-                                                            origin, e.byte, line, col, what));
-  } catch (const std::exception& e) {
-    return Status(StatusCode::kInvalidArgument, fmt::format("{}: malformed JSON: {}", origin, e.what()));
-  }
-  if (!dups.error.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", origin, dups.error));
+  JsonError jerr;
+  if (!parse_json(text, &root, &jerr, JsonParseOptions{.allow_comments = true}))
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", origin, jerr.message()));
   if (!root.is_object())
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("{}: expected a JSON object at the top, got {}", origin, show(root)));

@@ -148,5 +148,20 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
   expect_error(load_llama_config("/nonexistent/config.json"), "/nonexistent/config.json");
 }
 
+// Issue 10: a small config.json that would make Strata allocate without bound,
+// or that says one thing twice, is refused before anything is sized from it.
+TEST(LlamaConfig, HostileConfigsAreRefused) {
+  const std::string rest = R"("intermediate_size":160,"num_attention_heads":4,"vocab_size":256)";
+  expect_error(parse_llama_config(R"({"hidden_size":64,"num_hidden_layers":4294967295,)" + rest + "}"),
+               "\"num_hidden_layers\" 4294967295 is more than 4096");
+  expect_error(parse_llama_config(R"({"hidden_size":4294967296,"num_hidden_layers":2,)" + rest + "}"),
+               "parameters, more than 1e+14");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_size":128,"num_hidden_layers":2,)" + rest + "}"),
+               "hidden_size: duplicate key");
+  std::string deep = R"({"hidden_size":64,"num_hidden_layers":2,)" + rest + R"(,"x":)";
+  for (int i = 0; i < 100000; ++i) deep += "[";
+  expect_error(parse_llama_config(deep), "nested deeper than 64 levels");
+}
+
 }  // namespace
 }  // namespace strata::model

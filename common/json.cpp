@@ -1,0 +1,146 @@
+#include "common/json.h"
+
+#include <fmt/format.h>
+
+#include <set>
+#include <vector>
+
+namespace strata {
+
+using json = nlohmann::json;
+
+std::string clip_for_message(std::string_view s, size_t max) {
+  if (s.size() <= max) return std::string(s);
+  return fmt::format("{}...({} bytes)", s.substr(0, max), s.size());
+}
+
+std::string JsonError::message() const {
+  switch (kind) {
+    case kNone:
+      return "no error";
+    case kSyntax:
+      return fmt::format("malformed JSON at byte {} (line {}, column {}): {}", byte, line, column, what);
+    case kDuplicateKey:
+      return fmt::format("{}: duplicate key (only one value may be given)", path);
+    case kTooDeep:
+      return fmt::format("{}: nested deeper than {} levels", path.empty() ? "(top)" : path, kMaxJsonDepth);
+  }
+  return "?";
+}
+
+namespace {
+
+std::string join_path(const std::string& parent, std::string_view key) {
+  std::string k = clip_for_message(key, 60);
+  return parent.empty() ? k : parent + "." + k;
+}
+
+// Walks the parse events: refuses a duplicate key in any object and nesting
+// beyond the limit. Paths are built only for the open containers (at most
+// max_depth of them, each part clipped), so memory stays linear in the input.
+struct Guard {
+  struct Frame {
+    bool is_array = false;
+    std::string path;
+    std::set<std::string> keys;
+    std::string pending_key;
+    size_t index = 0;
+  };
+  int max_depth;
+  std::vector<Frame> stack;
+  int skipped = 0;  // containers opened past the limit (not tracked)
+  JsonError* err;
+
+  std::string child_path() {
+    if (stack.empty()) return "";
+    Frame& top = stack.back();
+    if (top.is_array) return fmt::format("{}[{}]", top.path, top.index++);
+    return join_path(top.path, top.pending_key);
+  }
+
+  bool operator()(int /*depth*/, json::parse_event_t ev, json& parsed) {
+    switch (ev) {
+      case json::parse_event_t::object_start:
+      case json::parse_event_t::array_start: {
+        if (skipped > 0 || static_cast<int>(stack.size()) >= max_depth) {
+          if (skipped++ == 0 && err->kind == JsonError::kNone) {
+            err->kind = JsonError::kTooDeep;
+            err->path = child_path();
+          }
+          return false;
+        }
+        Frame f;
+        f.is_array = ev == json::parse_event_t::array_start;
+        f.path = child_path();
+        stack.push_back(std::move(f));
+        return true;
+      }
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+        if (skipped > 0) {
+          --skipped;
+          return false;
+        }
+        if (!stack.empty()) stack.pop_back();
+        return true;
+      case json::parse_event_t::key:
+        if (skipped > 0) return false;
+        if (!stack.empty()) {
+          Frame& top = stack.back();
+          top.pending_key = parsed.get<std::string>();
+          if (!top.keys.insert(top.pending_key).second && err->kind == JsonError::kNone) {
+            err->kind = JsonError::kDuplicateKey;
+            err->path = join_path(top.path, top.pending_key);
+            err->key = clip_for_message(top.pending_key);
+          }
+        }
+        return true;
+      case json::parse_event_t::value:
+        if (skipped > 0) return false;
+        if (!stack.empty() && stack.back().is_array) stack.back().index++;
+        return true;
+    }
+    return true;
+  }
+};
+
+}  // namespace
+
+bool parse_json(std::string_view text, json* out, JsonError* err, const JsonParseOptions& options) {
+  *err = JsonError{};
+  Guard guard{options.max_depth, {}, 0, err};
+  try {
+    *out = json::parse(text.begin(), text.end(), std::ref(guard), /*allow_exceptions=*/true,
+                       /*ignore_comments=*/options.allow_comments);
+  } catch (const json::parse_error& e) {
+    if (err->kind != JsonError::kNone) return false;  // found first; the syntax error came after
+    // nlohmann's text starts "[json.exception.parse_error.101] parse error at
+    // line 1, column 5: "; keep what follows and say where ourselves.
+    std::string what = e.what();
+    if (auto p = what.find("parse error"); p != std::string::npos) {
+      if (auto colon = what.find(": ", p); colon != std::string::npos) what = what.substr(colon + 2);
+    }
+    err->kind = JsonError::kSyntax;
+    err->what = clip_for_message(what, 200);
+    // e.byte counts characters read, so the offending one is at index byte-1.
+    const size_t at = e.byte == 0 ? 0 : std::min<size_t>(e.byte - 1, text.size());
+    err->byte = e.byte;
+    err->line = err->column = 1;
+    for (size_t i = 0; i < at; ++i) {
+      if (text[i] == '\n') {
+        ++err->line;
+        err->column = 1;
+      } else {
+        ++err->column;
+      }
+    }
+    return false;
+  } catch (const std::exception& e) {
+    err->kind = JsonError::kSyntax;
+    err->what = clip_for_message(e.what(), 200);
+    return false;
+  }
+  return err->kind == JsonError::kNone;
+}
+
+}  // namespace strata
