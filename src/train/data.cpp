@@ -1,14 +1,15 @@
 #include "train/data.h"
 
 #include <fcntl.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cassert>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace strata::train {
 
@@ -64,24 +65,37 @@ uint64_t permute_index(uint64_t i, uint64_t n, uint64_t key) {
 }
 
 TokenDataset::~TokenDataset() {
-  if (map_) munmap(const_cast<uint8_t*>(map_), map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status TokenDataset::read_tokens(uint64_t first, uint64_t count, void* dst) const {
+  const uint64_t off = first * token_bytes_, bytes = count * token_bytes_;
+  uint64_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd_, static_cast<uint8_t*>(dst) + done, bytes - done, static_cast<off_t>(off + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      return Status::from_errno(errno, "data file " + options_.path + ": read of " + std::to_string(bytes) +
+                                           " bytes at offset " + std::to_string(off) + " failed");
+    if (n == 0) {
+      struct stat st {};
+      const uint64_t now = ::fstat(fd_, &st) == 0 ? static_cast<uint64_t>(st.st_size) : 0;
+      return Status(StatusCode::kIoError,
+                    "data file " + options_.path + " shrank while in use: it was " +
+                        std::to_string(tokens_ * token_bytes_) + " bytes at start, now " + std::to_string(now) +
+                        " (a read at offset " + std::to_string(off + done) +
+                        " found its end); was it truncated or rewritten in place?");
+    }
+    done += static_cast<uint64_t>(n);
+  }
+  return {};
 }
 
 uint32_t TokenDataset::token(uint64_t i) const {
   assert(i < tokens_);
-  switch (token_bytes_) {
-    case 1: return map_[i];
-    case 2: {
-      uint16_t v;
-      std::memcpy(&v, map_ + 2 * i, 2);
-      return v;
-    }
-    default: {
-      uint32_t v;
-      std::memcpy(&v, map_ + 4 * i, 4);
-      return v;
-    }
-  }
+  uint32_t v = 0;
+  if (!read_tokens(i, 1, &v).ok()) return 0;
+  return token_bytes_ == 1 ? (v & 0xFFu) : token_bytes_ == 2 ? (v & 0xFFFFu) : v;  // little-endian
 }
 
 Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
@@ -96,53 +110,49 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   d->options_ = o;
   d->token_bytes_ = o.format == DataFormat::kText ? 1 : o.format == DataFormat::kU16 ? 2 : 4;
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Status::from_errno(errno, "data file " + path + ": cannot open");
+  // O_NONBLOCK: opening a FIFO for reading would otherwise wait for a writer
+  // forever; it is refused below as not a regular file.
+  d->fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (d->fd_ < 0) return Status::from_errno(errno, "data file " + path + ": cannot open");
   struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    const int err = errno;
-    ::close(fd);
-    return Status::from_errno(err, "data file " + path + ": stat failed");
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
+  if (fstat(d->fd_, &st) != 0) return Status::from_errno(errno, "data file " + path + ": stat failed");
+  if (!S_ISREG(st.st_mode))
     return Status(StatusCode::kInvalidArgument, "data file " + path + " is not a regular file");
-  }
   const uint64_t size = static_cast<uint64_t>(st.st_size);
-  if (size == 0) {
-    ::close(fd);
-    return Status(StatusCode::kInvalidArgument, "data file " + path + " is empty");
-  }
+  if (size == 0) return Status(StatusCode::kInvalidArgument, "data file " + path + " is empty");
   if (size % d->token_bytes_ != 0) {
-    ::close(fd);
     return Status(StatusCode::kInvalidArgument,
                   "data file " + path + ": " + std::to_string(size) + " bytes is not a whole number of " +
                       data_format_name(o.format) + " tokens (" + std::to_string(d->token_bytes_) +
                       " bytes each; " + std::to_string(size % d->token_bytes_) + " trailing bytes)");
   }
-  void* m = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  const int map_err = errno;
-  ::close(fd);  // the mapping keeps the file
-  if (m == MAP_FAILED) return Status::from_errno(map_err, "data file " + path + ": mmap of " +
-                                                              std::to_string(size) + " bytes failed");
-  d->map_ = static_cast<const uint8_t*>(m);
-  d->map_bytes_ = size;
   d->tokens_ = size / d->token_bytes_;
 
-  // One sequential pass checks every id; the page cache, not our heap, holds
-  // the pages, and the kernel drops them as it likes.
+  // Read, not mapped: a file truncated while mapped kills the process with
+  // SIGBUS; a short read is an error naming the file. One sequential pass
+  // checks every id through a bounded buffer.
   if (o.format != DataFormat::kText || o.vocab < 256) {
-    madvise(m, size, MADV_SEQUENTIAL);
-    for (uint64_t i = 0; i < d->tokens_; ++i) {
-      const uint32_t t = d->token(i);
-      if (t >= o.vocab)
-        return Status(StatusCode::kInvalidArgument,
-                      "data file " + path + ": token id " + std::to_string(t) + " at byte offset " +
-                          std::to_string(i * d->token_bytes_) + " (token " + std::to_string(i) +
-                          ") is not below the vocabulary size " + std::to_string(o.vocab));
+    posix_fadvise(d->fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+    constexpr uint64_t kChunk = 1 << 18;  // tokens per read
+    std::vector<uint32_t> buf(kChunk);
+    for (uint64_t first = 0; first < d->tokens_; first += kChunk) {
+      const uint64_t n = std::min(kChunk, d->tokens_ - first);
+      STRATA_RETURN_IF_ERROR(d->read_tokens(first, n, buf.data()));
+      for (uint64_t k = 0; k < n; ++k) {
+        const uint8_t* b = reinterpret_cast<const uint8_t*>(buf.data()) + k * d->token_bytes_;
+        uint32_t t = 0;
+        std::memcpy(&t, b, d->token_bytes_);  // little-endian, as written
+        if (t >= o.vocab) {
+          const uint64_t i = first + k;
+          return Status(StatusCode::kInvalidArgument,
+                        "data file " + path + ": token id " + std::to_string(t) + " at byte offset " +
+                            std::to_string(i * d->token_bytes_) + " (token " + std::to_string(i) +
+                            ") is not below the vocabulary size " + std::to_string(o.vocab));
+        }
+      }
     }
   }
-  madvise(m, size, MADV_RANDOM);
+  posix_fadvise(d->fd_, 0, 0, POSIX_FADV_RANDOM);
 
   const uint64_t need = uint64_t{o.seq} + 1;
   const uint64_t val = static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
@@ -164,9 +174,19 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   return d;
 }
 
-void TokenDataset::copy_window(uint64_t begin, int32_t* out) const {
+Status TokenDataset::copy_window(uint64_t begin, int32_t* out) const {
   const uint64_t n = uint64_t{options_.seq} + 1;
-  for (uint64_t t = 0; t < n; ++t) out[t] = static_cast<int32_t>(token(begin + t));
+  // Read the n ids into the tail of `out`, then widen forward in place: id t
+  // moves from byte n*(4-b) + t*b to byte 4t, never past an unread id.
+  uint8_t* bytes = reinterpret_cast<uint8_t*>(out);
+  const uint64_t src = n * (4 - token_bytes_);
+  STRATA_RETURN_IF_ERROR(read_tokens(begin, n, bytes + src));
+  for (uint64_t t = 0; t < n; ++t) {
+    uint32_t v = 0;
+    std::memcpy(&v, bytes + src + t * token_bytes_, token_bytes_);
+    out[t] = static_cast<int32_t>(v);
+  }
+  return {};
 }
 
 uint64_t TokenDataset::train_sample_offset(uint64_t s) const {
@@ -186,7 +206,8 @@ Status TokenDataset::train_batch(uint64_t first_sample, uint32_t batch, std::spa
   if (out.size() != batch * n)
     return Status(StatusCode::kInvalidArgument, "train_batch: output holds " + std::to_string(out.size()) +
                                                     " tokens, batch needs " + std::to_string(batch * n));
-  for (uint32_t b = 0; b < batch; ++b) copy_window(train_sample_offset(first_sample + b), out.data() + b * n);
+  for (uint32_t b = 0; b < batch; ++b)
+    STRATA_RETURN_IF_ERROR(copy_window(train_sample_offset(first_sample + b), out.data() + b * n));
   return {};
 }
 
@@ -204,7 +225,7 @@ Status TokenDataset::val_batch(uint64_t j, uint32_t batch, std::span<int32_t> ou
                                                     " tokens, batch needs " + std::to_string(batch * n));
   for (uint32_t b = 0; b < batch; ++b) {
     const uint64_t w = (j * batch + b) % val_windows_;
-    copy_window(train_tokens_ + w * options_.seq, out.data() + b * n);
+    STRATA_RETURN_IF_ERROR(copy_window(train_tokens_ + w * options_.seq, out.data() + b * n));
   }
   return {};
 }

@@ -65,7 +65,8 @@ struct DataOptions {
 
 class TokenDataset {
  public:
-  // Maps and validates the file. Errors: kNotFound (missing file),
+  // Opens and validates the file (read with pread, never mapped: a file
+  // truncated in place mid-run gives kIoError naming it, not SIGBUS). Errors: kNotFound (missing file),
   // kPermission / kIoError (naming the path and errno text),
   // kInvalidArgument (empty file; size not a multiple of the token size;
   // an id >= vocab, naming its byte offset; a part shorter than one sequence;
@@ -82,14 +83,16 @@ class TokenDataset {
   uint64_t train_windows() const { return train_windows_; }
   uint64_t val_windows() const { return val_windows_; }
 
-  // Token at index i of the whole file (no bounds check beyond an assert).
+  // Token at index i of the whole file (no bounds check beyond an assert;
+  // 0 if the file can no longer be read there). For tests and tools.
   uint32_t token(uint64_t i) const;
 
   // The first token of training sample `s` (see the header comment).
   uint64_t train_sample_offset(uint64_t s) const;
   // Fills out[b * (seq+1) + t] for b < batch, t <= seq with samples
   // first_sample .. first_sample + batch - 1. out.size() must be batch*(seq+1)
-  // (kInvalidArgument otherwise). Never blocks beyond page faults.
+  // (kInvalidArgument otherwise). Reads the file (one pread per sample);
+  // kIoError if it shrank since open.
   Status train_batch(uint64_t first_sample, uint32_t batch, std::span<int32_t> out) const;
   // Validation batch j (see the header comment); kInvalidArgument when there
   // is no validation part.
@@ -99,11 +102,11 @@ class TokenDataset {
 
  private:
   TokenDataset() = default;
-  void copy_window(uint64_t begin, int32_t* out) const;
+  Status copy_window(uint64_t begin, int32_t* out) const;
+  Status read_tokens(uint64_t first, uint64_t count, void* dst) const;  // pread, whole or an error
 
   DataOptions options_;
-  const uint8_t* map_ = nullptr;
-  uint64_t map_bytes_ = 0;
+  int fd_ = -1;
   uint32_t token_bytes_ = 1;
   uint64_t tokens_ = 0;
   uint64_t train_tokens_ = 0;

@@ -4,6 +4,7 @@
 #include "train/data.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -171,6 +172,33 @@ TEST_F(DataTest, Errors) {
   EXPECT_FALSE(TokenDataset::open(o).ok());
   EXPECT_FALSE(parse_data_format("u8").ok());
   EXPECT_EQ(parse_data_format("u32").value(), DataFormat::kU32);
+}
+
+// Issue 10: a FIFO given as data used to block forever at open; a data file
+// truncated in place mid-run killed the process with SIGBUS (it was mapped).
+TEST_F(DataTest, FifoIsRefusedAndTruncationIsAnError) {
+  DataOptions o;
+  o.seq = 8;
+  o.val_fraction = 0;
+  o.path = dir_ + "/fifo";
+  ASSERT_EQ(mkfifo(o.path.c_str(), 0600), 0);
+  auto d = TokenDataset::open(o);  // returns at once (no writer needed)
+  ASSERT_FALSE(d.ok());
+  EXPECT_NE(d.status().message().find("is not a regular file"), std::string::npos) << d.status().message();
+
+  std::string t(4096, 'y');
+  o.path = write("shrinks.txt", t.data(), t.size());
+  d = TokenDataset::open(o);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  std::vector<int32_t> out(4 * 9);
+  ASSERT_TRUE((*d)->train_batch(0, 4, out).ok());
+  ASSERT_EQ(truncate(o.path.c_str(), 0), 0);
+  Status st;
+  for (uint64_t s = 0; s < 64 && st.ok(); s += 4) st = (*d)->train_batch(s, 4, out);
+  ASSERT_FALSE(st.ok());
+  EXPECT_EQ(st.code(), StatusCode::kIoError);
+  EXPECT_NE(st.message().find("shrank while in use"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("shrinks.txt"), std::string::npos) << st.message();
 }
 
 TEST(DataShuffle, PermuteIndexIsABijection) {
