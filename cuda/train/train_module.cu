@@ -60,7 +60,11 @@ using Ctx = strata_cuda_train_ctx_s;
 
 constexpr size_t kBlasWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper
 constexpr int64_t kLogitsElems = 1 << 24;     // fp32 logits of one head chunk: 64 MiB
-constexpr int kBlasErrorBase = 1000;
+static_assert(cudaErrorInvalidValue == STRATA_CUDA_ERR_INVALID_VALUE &&
+                  cudaErrorMemoryAllocation == STRATA_CUDA_ERR_MEMORY_ALLOCATION,
+              "cuda/module_abi.h's error codes are cudaError_t values");
+static_assert(STRATA_CUDA_ERR_BLAS_BASE + CUBLAS_STATUS_ALLOC_FAILED == STRATA_CUDA_ERR_BLAS_ALLOC_FAILED,
+              "cuda/module_abi.h's cuBLAS codes are STRATA_CUDA_ERR_BLAS_BASE + cublasStatus_t");
 
 int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
   if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
@@ -68,7 +72,7 @@ int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
 }
 int blas_fail(cublasStatus_t s, const char* what, char* err, size_t err_len) {
   if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cublasGetStatusString(s), cublasGetStatusName(s));
-  return kBlasErrorBase + static_cast<int>(s);
+  return STRATA_CUDA_ERR_BLAS_BASE + static_cast<int>(s);
 }
 int invalid(const char* what, char* err, size_t err_len) { return fail(cudaErrorInvalidValue, what, err, err_len); }
 bool bad_dtype(int dtype) { return dtype < STRATA_CUDA_DTYPE_F32 || dtype > STRATA_CUDA_DTYPE_F16; }

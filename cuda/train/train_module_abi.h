@@ -14,8 +14,9 @@
 // strata_cuda_train_api_v1, returning a table of plain C function pointers
 // that starts with its size and ABI version; a loader reads only fields that
 // lie within struct_size. Every function returns 0 on success or a nonzero
-// CUDA (cudaError_t) or cuBLAS (1000 + cublasStatus_t) code and writes the
-// text to err (NUL-terminated, truncated to err_len).
+// STRATA_CUDA_ERR_* code (cuda/module_abi.h: a cudaError_t, or
+// STRATA_CUDA_ERR_BLAS_BASE + a cublasStatus_t) and writes the text to err
+// (NUL-terminated, truncated to err_len).
 //
 // Memory: the module allocates no device memory per call. The caller asks
 // workspace_bytes() for a configuration, allocates that much device memory

@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "common/log.h"
+#include "cuda/train/train_module_abi.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
-#include "cuda/train/train_module_abi.h"
+#include "device/cuda_status.h"
 
 namespace strata::train {
 namespace {
@@ -86,11 +87,7 @@ Result<TrainModule> load_module() {
 
 // A module return code and its text as a Status.
 Status module_status(int rc, const char* err, const std::string& what) {
-  constexpr int kCudaInvalidValue = 1, kCudaMemoryAllocation = 2, kBlasAllocFailed = 1000 + 3;
-  const StatusCode code = rc == kCudaMemoryAllocation || rc == kBlasAllocFailed ? StatusCode::kOutOfMemory
-                          : rc == kCudaInvalidValue                             ? StatusCode::kInvalidArgument
-                                                                                : StatusCode::kInternal;
-  return Status(code, "cuda train ops: " + what + " failed: " + (err[0] ? std::string(err) : "error " + std::to_string(rc)));
+  return cuda_module_status(rc, err, "cuda train ops: " + what);
 }
 
 #define STRATA_TRAIN_CALL(what, fn, ...)                            \
