@@ -67,16 +67,22 @@ TEST(LlamaConfig, RopeScalingRefusedUnlessAllowed) {
   EXPECT_EQ(param_count(*c), 8'030'261'248ull);  // published count of Llama-3.1-8B
 }
 
-// The Hugging Face names and shapes, spelled out independently of
-// llama_model_spec, for a small GQA model.
-TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
+// A small GQA model: 64 wide, 8 heads of 8 over 2 kv heads, FFN 160, vocab 100.
+LlamaConfig small_gqa_config(uint32_t layers) {
   LlamaConfig c;
   c.hidden_size = 64;
   c.intermediate_size = 160;
-  c.num_hidden_layers = 2;
+  c.num_hidden_layers = layers;
   c.num_attention_heads = 8;
   c.num_key_value_heads = 2;
   c.vocab_size = 100;
+  return c;
+}
+
+// The Hugging Face names and shapes, spelled out independently of
+// llama_model_spec, for a small GQA model.
+TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
+  const LlamaConfig c = small_gqa_config(2);
   std::vector<std::pair<std::string, std::vector<uint64_t>>> want = {{"model.embed_tokens.weight", {100, 64}}};
   for (int i = 0; i < 2; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
@@ -108,13 +114,7 @@ TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
 // index by, names and shapes every tensor exactly as llama_model_spec lists
 // them (the runtime spells its own list; this keeps the two one).
 TEST(LlamaConfig, WeightTableMatchesTheModelSpec) {
-  LlamaConfig c;
-  c.hidden_size = 64;
-  c.intermediate_size = 160;
-  c.num_hidden_layers = 3;
-  c.num_attention_heads = 8;
-  c.num_key_value_heads = 2;
-  c.vocab_size = 100;
+  LlamaConfig c = small_gqa_config(3);
   const LlamaExtents x{.dim = 64, .q_dim = 64, .kv_dim = 16, .ffn_dim = 160, .vocab = 100};
   for (bool tied : {false, true}) {
     c.tie_word_embeddings = tied;
