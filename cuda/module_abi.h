@@ -8,8 +8,9 @@
 // appended without breaking older loaders: a loader reads only fields that lie
 // within struct_size.
 //
-// Every function returns 0 on success or a nonzero CUDA error code; on error,
-// the text is written to err (NUL-terminated, truncated to err_len).
+// Every function returns 0 on success or a nonzero STRATA_CUDA_ERR_* code
+// (below); on error, the text is written to err (NUL-terminated, truncated to
+// err_len).
 #pragma once
 
 #include <stddef.h>
@@ -20,6 +21,17 @@ extern "C" {
 #endif
 
 #define STRATA_CUDA_ABI_VERSION 1u
+
+// Return codes of both CUDA modules (this one and cuda/train/), decoded in
+// one place on the host (device/cuda_status.h). A CUDA runtime error is its
+// cudaError_t value (1 .. STRATA_CUDA_ERR_BLAS_BASE - 1); a cuBLAS error
+// (the train module only) is STRATA_CUDA_ERR_BLAS_BASE + its cublasStatus_t.
+// The modules static_assert the values they name against CUDA's headers.
+#define STRATA_CUDA_OK 0
+#define STRATA_CUDA_ERR_INVALID_VALUE 1      // cudaErrorInvalidValue; also a module's own argument checks
+#define STRATA_CUDA_ERR_MEMORY_ALLOCATION 2  // cudaErrorMemoryAllocation
+#define STRATA_CUDA_ERR_BLAS_BASE 1000
+#define STRATA_CUDA_ERR_BLAS_ALLOC_FAILED (STRATA_CUDA_ERR_BLAS_BASE + 3)  // CUBLAS_STATUS_ALLOC_FAILED
 
 #define STRATA_CUDA_DTYPE_F32 0
 #define STRATA_CUDA_DTYPE_BF16 1

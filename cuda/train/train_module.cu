@@ -60,7 +60,11 @@ using Ctx = strata_cuda_train_ctx_s;
 
 constexpr size_t kBlasWorkspace = 32u << 20;  // cuBLAS's recommendation for Hopper
 constexpr int64_t kLogitsElems = 1 << 24;     // fp32 logits of one head chunk: 64 MiB
-constexpr int kBlasErrorBase = 1000;
+static_assert(cudaErrorInvalidValue == STRATA_CUDA_ERR_INVALID_VALUE &&
+                  cudaErrorMemoryAllocation == STRATA_CUDA_ERR_MEMORY_ALLOCATION,
+              "cuda/module_abi.h's error codes are cudaError_t values");
+static_assert(STRATA_CUDA_ERR_BLAS_BASE + CUBLAS_STATUS_ALLOC_FAILED == STRATA_CUDA_ERR_BLAS_ALLOC_FAILED,
+              "cuda/module_abi.h's cuBLAS codes are STRATA_CUDA_ERR_BLAS_BASE + cublasStatus_t");
 
 int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
   if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
@@ -68,7 +72,7 @@ int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
 }
 int blas_fail(cublasStatus_t s, const char* what, char* err, size_t err_len) {
   if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cublasGetStatusString(s), cublasGetStatusName(s));
-  return kBlasErrorBase + static_cast<int>(s);
+  return STRATA_CUDA_ERR_BLAS_BASE + static_cast<int>(s);
 }
 int invalid(const char* what, char* err, size_t err_len) { return fail(cudaErrorInvalidValue, what, err, err_len); }
 bool bad_dtype(int dtype) { return dtype < STRATA_CUDA_DTYPE_F32 || dtype > STRATA_CUDA_DTYPE_F16; }
@@ -220,10 +224,15 @@ int linear_bwd_w(Ctx* c, Mat dy, Mat x, int64_t n, int64_t in, int64_t out, floa
 
 // ---- the layer
 
+template <typename P>
+bool any_null(P* const (&tensors)[STRATA_CUDA_TRAIN_LAYER_TENSORS]) {
+  for (P* p : tensors)
+    if (!p) return true;
+  return false;
+}
+
 int check_layer(const Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, char* err, size_t err_len) {
-  if (!w || !w->input_layernorm || !w->q_proj || !w->k_proj || !w->v_proj || !w->o_proj ||
-      !w->post_attention_layernorm || !w->gate_proj || !w->up_proj || !w->down_proj)
-    return invalid("null layer weight", err, err_len);
+  if (!w || any_null(w->tensors)) return invalid("null layer weight", err, err_len);
   if (bad_dtype(w->dtype)) return invalid("weight dtype outside fp32/bf16/fp16", err, err_len);
   if (B < 1 || T < 1 || T > c->d.max_seq || B * T > c->d.max_tokens)
     return invalid("B, T beyond the workspace", err, err_len);
@@ -238,12 +247,13 @@ int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int
   const int dt = w->dtype;
   const int64_t n = B * T, D = d.dim, Q = d.heads * d.head_dim, K = d.kv_heads * d.head_dim, F = d.ffn_dim;
   cudaStream_t s = c->stream;
-  CUDA_TRY(k::rmsnorm_forward(x, w->input_layernorm, dt, c->n1, c->rstd1, n, D, static_cast<float>(d.rms_eps), s));
+  CUDA_TRY(k::rmsnorm_forward(x, w->tensors[STRATA_CUDA_TRAIN_INPUT_NORM], dt, c->n1, c->rstd1, n, D,
+                              static_cast<float>(d.rms_eps), s));
   Mat x1;
   TRY(act(c, c->n1, n, D, dt, 0, &x1, err, err_len));
-  TRY(linear_fwd(c, x1, w->q_proj, dt, n, D, Q, c->q, 0.0f, err, err_len));
-  TRY(linear_fwd(c, x1, w->k_proj, dt, n, D, K, c->k, 0.0f, err, err_len));
-  TRY(linear_fwd(c, x1, w->v_proj, dt, n, D, K, c->v, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x1, w->tensors[STRATA_CUDA_TRAIN_Q_PROJ], dt, n, D, Q, c->q, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x1, w->tensors[STRATA_CUDA_TRAIN_K_PROJ], dt, n, D, K, c->k, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x1, w->tensors[STRATA_CUDA_TRAIN_V_PROJ], dt, n, D, K, c->v, 0.0f, err, err_len));
   CUDA_TRY(k::rope(c->q, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, false, s));
   CUDA_TRY(k::rope(c->k, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, false, s));
   CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->P, B, T, d.heads, d.kv_heads, d.head_dim, s));
@@ -251,19 +261,19 @@ int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int
   CUDA_TRY(cudaMemcpyAsync(c->h, x, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
   Mat at;
   TRY(act(c, c->att, n, Q, dt, 0, &at, err, err_len));
-  TRY(linear_fwd(c, at, w->o_proj, dt, n, Q, D, c->h, 1.0f, err, err_len));
-  CUDA_TRY(k::rmsnorm_forward(c->h, w->post_attention_layernorm, dt, c->n2, c->rstd2, n, D,
+  TRY(linear_fwd(c, at, w->tensors[STRATA_CUDA_TRAIN_O_PROJ], dt, n, Q, D, c->h, 1.0f, err, err_len));
+  CUDA_TRY(k::rmsnorm_forward(c->h, w->tensors[STRATA_CUDA_TRAIN_POST_NORM], dt, c->n2, c->rstd2, n, D,
                               static_cast<float>(d.rms_eps), s));
   Mat x2;
   TRY(act(c, c->n2, n, D, dt, 0, &x2, err, err_len));
-  TRY(linear_fwd(c, x2, w->gate_proj, dt, n, D, F, c->g, 0.0f, err, err_len));
-  TRY(linear_fwd(c, x2, w->up_proj, dt, n, D, F, c->u, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x2, w->tensors[STRATA_CUDA_TRAIN_GATE_PROJ], dt, n, D, F, c->g, 0.0f, err, err_len));
+  TRY(linear_fwd(c, x2, w->tensors[STRATA_CUDA_TRAIN_UP_PROJ], dt, n, D, F, c->u, 0.0f, err, err_len));
   CUDA_TRY(k::swiglu_forward(c->g, c->u, c->a, static_cast<size_t>(n * F), s));
   if (!y) return 0;
   CUDA_TRY(cudaMemcpyAsync(y, c->h, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
   Mat am;
   TRY(act(c, c->a, n, F, dt, 0, &am, err, err_len));
-  TRY(linear_fwd(c, am, w->down_proj, dt, n, F, D, y, 1.0f, err, err_len));
+  TRY(linear_fwd(c, am, w->tensors[STRATA_CUDA_TRAIN_DOWN_PROJ], dt, n, F, D, y, 1.0f, err, err_len));
   return 0;
 }
 
@@ -278,8 +288,7 @@ int layer_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t
 int layer_backward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, const float* x, const float* dy,
                    float* dx, const strata_cuda_train_layer_grads_t* g, char* err, size_t err_len) {
   TRY(check_layer(c, w, B, T, err, err_len));
-  if (!x || !dy || !dx || !g || !g->input_layernorm || !g->q_proj || !g->k_proj || !g->v_proj || !g->o_proj ||
-      !g->post_attention_layernorm || !g->gate_proj || !g->up_proj || !g->down_proj)
+  if (!x || !dy || !dx || !g || any_null(g->tensors))
     return invalid("null activation or gradient", err, err_len);
   CUDA_TRY(cudaSetDevice(c->device));
   TRY(layer_run_forward(c, w, B, T, x, nullptr, err, err_len));
@@ -290,45 +299,45 @@ int layer_backward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_
   // MLP: y = h + down(a), a = silu(g) * u.
   Mat dym, am;
   TRY(act(c, dy, n, D, dt, 0, &dym, err, err_len));
-  TRY(linear_bwd_x(c, dym, w->down_proj, dt, n, F, D, c->dbig, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dym, w->tensors[STRATA_CUDA_TRAIN_DOWN_PROJ], dt, n, F, D, c->dbig, 0.0f, err, err_len));
   TRY(act(c, c->a, n, F, dt, 1, &am, err, err_len));
-  TRY(linear_bwd_w(c, dym, am, n, F, D, g->down_proj, 0.0f, err, err_len));
+  TRY(linear_bwd_w(c, dym, am, n, F, D, g->tensors[STRATA_CUDA_TRAIN_DOWN_PROJ], 0.0f, err, err_len));
   CUDA_TRY(k::swiglu_backward(c->g, c->u, c->dbig, static_cast<size_t>(n * F), s));  // g, u := dg, du
   Mat dgm, dum, x2;
   TRY(act(c, c->g, n, F, dt, 0, &dgm, err, err_len));
-  TRY(linear_bwd_x(c, dgm, w->gate_proj, dt, n, D, F, c->dn, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dgm, w->tensors[STRATA_CUDA_TRAIN_GATE_PROJ], dt, n, D, F, c->dn, 0.0f, err, err_len));
   TRY(act(c, c->n2, n, D, dt, 1, &x2, err, err_len));
-  TRY(linear_bwd_w(c, dgm, x2, n, D, F, g->gate_proj, 0.0f, err, err_len));
+  TRY(linear_bwd_w(c, dgm, x2, n, D, F, g->tensors[STRATA_CUDA_TRAIN_GATE_PROJ], 0.0f, err, err_len));
   TRY(act(c, c->u, n, F, dt, 0, &dum, err, err_len));
-  TRY(linear_bwd_x(c, dum, w->up_proj, dt, n, D, F, c->dn, 1.0f, err, err_len));
-  TRY(linear_bwd_w(c, dum, x2, n, D, F, g->up_proj, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dum, w->tensors[STRATA_CUDA_TRAIN_UP_PROJ], dt, n, D, F, c->dn, 1.0f, err, err_len));
+  TRY(linear_bwd_w(c, dum, x2, n, D, F, g->tensors[STRATA_CUDA_TRAIN_UP_PROJ], 0.0f, err, err_len));
   // dh = dy + d(post-attention norm)
-  CUDA_TRY(k::rmsnorm_backward(c->h, w->post_attention_layernorm, dt, c->rstd2, c->dn, dy, c->dh,
-                               g->post_attention_layernorm, c->partial, n, D, s));
+  CUDA_TRY(k::rmsnorm_backward(c->h, w->tensors[STRATA_CUDA_TRAIN_POST_NORM], dt, c->rstd2, c->dn, dy, c->dh,
+                               g->tensors[STRATA_CUDA_TRAIN_POST_NORM], c->partial, n, D, s));
   // Attention: h = x + o(attn(rope(q), rope(k), v)).
   Mat dhm, atm;
   TRY(act(c, c->dh, n, D, dt, 0, &dhm, err, err_len));
-  TRY(linear_bwd_x(c, dhm, w->o_proj, dt, n, Q, D, c->datt, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dhm, w->tensors[STRATA_CUDA_TRAIN_O_PROJ], dt, n, Q, D, c->datt, 0.0f, err, err_len));
   TRY(act(c, c->att, n, Q, dt, 1, &atm, err, err_len));
-  TRY(linear_bwd_w(c, dhm, atm, n, Q, D, g->o_proj, 0.0f, err, err_len));
-  CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->P, c->datt, c->dS, c->dq, c->dk, c->dv, B, T, d.heads,
-                                 d.kv_heads, d.head_dim, s));
+  TRY(linear_bwd_w(c, dhm, atm, n, Q, D, g->tensors[STRATA_CUDA_TRAIN_O_PROJ], 0.0f, err, err_len));
+  CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->P, c->datt, c->dS, c->dq, c->dk, c->dv, B, T, d.heads, d.kv_heads,
+                                 d.head_dim, s));
   CUDA_TRY(k::rope(c->dq, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   CUDA_TRY(k::rope(c->dk, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   Mat x1, dqm, dkm, dvm;
   TRY(act(c, c->n1, n, D, dt, 1, &x1, err, err_len));
   TRY(act(c, c->dq, n, Q, dt, 0, &dqm, err, err_len));
-  TRY(linear_bwd_x(c, dqm, w->q_proj, dt, n, D, Q, c->dn, 0.0f, err, err_len));
-  TRY(linear_bwd_w(c, dqm, x1, n, D, Q, g->q_proj, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dqm, w->tensors[STRATA_CUDA_TRAIN_Q_PROJ], dt, n, D, Q, c->dn, 0.0f, err, err_len));
+  TRY(linear_bwd_w(c, dqm, x1, n, D, Q, g->tensors[STRATA_CUDA_TRAIN_Q_PROJ], 0.0f, err, err_len));
   TRY(act(c, c->dk, n, K, dt, 0, &dkm, err, err_len));
-  TRY(linear_bwd_x(c, dkm, w->k_proj, dt, n, D, K, c->dn, 1.0f, err, err_len));
-  TRY(linear_bwd_w(c, dkm, x1, n, D, K, g->k_proj, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dkm, w->tensors[STRATA_CUDA_TRAIN_K_PROJ], dt, n, D, K, c->dn, 1.0f, err, err_len));
+  TRY(linear_bwd_w(c, dkm, x1, n, D, K, g->tensors[STRATA_CUDA_TRAIN_K_PROJ], 0.0f, err, err_len));
   TRY(act(c, c->dv, n, K, dt, 0, &dvm, err, err_len));
-  TRY(linear_bwd_x(c, dvm, w->v_proj, dt, n, D, K, c->dn, 1.0f, err, err_len));
-  TRY(linear_bwd_w(c, dvm, x1, n, D, K, g->v_proj, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dvm, w->tensors[STRATA_CUDA_TRAIN_V_PROJ], dt, n, D, K, c->dn, 1.0f, err, err_len));
+  TRY(linear_bwd_w(c, dvm, x1, n, D, K, g->tensors[STRATA_CUDA_TRAIN_V_PROJ], 0.0f, err, err_len));
   // dx = dh + d(input norm); dx may equal dy, which is no longer read.
-  CUDA_TRY(k::rmsnorm_backward(x, w->input_layernorm, dt, c->rstd1, c->dn, c->dh, dx, g->input_layernorm, c->partial,
-                               n, D, s));
+  CUDA_TRY(k::rmsnorm_backward(x, w->tensors[STRATA_CUDA_TRAIN_INPUT_NORM], dt, c->rstd1, c->dn, c->dh, dx,
+                               g->tensors[STRATA_CUDA_TRAIN_INPUT_NORM], c->partial, n, D, s));
   return 0;
 }
 

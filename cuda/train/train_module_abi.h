@@ -14,8 +14,9 @@
 // strata_cuda_train_api_v1, returning a table of plain C function pointers
 // that starts with its size and ABI version; a loader reads only fields that
 // lie within struct_size. Every function returns 0 on success or a nonzero
-// CUDA (cudaError_t) or cuBLAS (1000 + cublasStatus_t) code and writes the
-// text to err (NUL-terminated, truncated to err_len).
+// STRATA_CUDA_ERR_* code (cuda/module_abi.h: a cudaError_t, or
+// STRATA_CUDA_ERR_BLAS_BASE + a cublasStatus_t) and writes the text to err
+// (NUL-terminated, truncated to err_len).
 //
 // Memory: the module allocates no device memory per call. The caller asks
 // workspace_bytes() for a configuration, allocates that much device memory
@@ -69,29 +70,29 @@ typedef struct strata_cuda_train_report_s {
   uint32_t reserved;
 } strata_cuda_train_report_t;
 
+// The tensors of one decoder layer, in the order of the weight table
+// (model/llama_weights.h's LayerTensor; train/cuda_ops.cpp static_asserts
+// that every value matches).
+enum strata_cuda_train_layer_tensor {
+  STRATA_CUDA_TRAIN_INPUT_NORM = 0,  // input_layernorm [dim]
+  STRATA_CUDA_TRAIN_Q_PROJ,          // [heads*head_dim, dim]
+  STRATA_CUDA_TRAIN_K_PROJ,          // [kv_heads*head_dim, dim]
+  STRATA_CUDA_TRAIN_V_PROJ,          // [kv_heads*head_dim, dim]
+  STRATA_CUDA_TRAIN_O_PROJ,          // [dim, heads*head_dim]
+  STRATA_CUDA_TRAIN_POST_NORM,       // post_attention_layernorm [dim]
+  STRATA_CUDA_TRAIN_GATE_PROJ,       // [ffn_dim, dim]
+  STRATA_CUDA_TRAIN_UP_PROJ,         // [ffn_dim, dim]
+  STRATA_CUDA_TRAIN_DOWN_PROJ,       // [dim, ffn_dim]
+  STRATA_CUDA_TRAIN_LAYER_TENSORS
+};
+
 typedef struct strata_cuda_train_layer_s {
   int dtype;
-  const void* input_layernorm;
-  const void* q_proj;
-  const void* k_proj;
-  const void* v_proj;
-  const void* o_proj;
-  const void* post_attention_layernorm;
-  const void* gate_proj;
-  const void* up_proj;
-  const void* down_proj;
+  const void* tensors[STRATA_CUDA_TRAIN_LAYER_TENSORS];  // indexed by strata_cuda_train_layer_tensor
 } strata_cuda_train_layer_t;
 
 typedef struct strata_cuda_train_layer_grads_s {
-  float* input_layernorm;
-  float* q_proj;
-  float* k_proj;
-  float* v_proj;
-  float* o_proj;
-  float* post_attention_layernorm;
-  float* gate_proj;
-  float* up_proj;
-  float* down_proj;
+  float* tensors[STRATA_CUDA_TRAIN_LAYER_TENSORS];  // indexed by strata_cuda_train_layer_tensor
 } strata_cuda_train_layer_grads_t;
 
 // One head call: forward only (dx == NULL: loss), forward and backward

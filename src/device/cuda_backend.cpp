@@ -7,20 +7,16 @@
 #include "common/log.h"
 #include "common/units.h"
 #include "device/caching_allocator.h"
+#include "device/cuda_status.h"
 #include "common/device_numeric.h"
 
 namespace strata {
 namespace {
 
-constexpr int kCudaErrorMemoryAllocation = 2;  // cudaErrorMemoryAllocation
-
 // One call into the table: err text and code to a Status.
 struct Err {
   char text[512] = {0};
-  Status status(int rc, const std::string& what) const {
-    return Status(rc == kCudaErrorMemoryAllocation ? StatusCode::kOutOfMemory : StatusCode::kInternal,
-                  "cuda: " + what + " failed: " + (text[0] ? text : ("error " + std::to_string(rc))));
-  }
+  Status status(int rc, const std::string& what) const { return cuda_module_status(rc, text, "cuda: " + what); }
 };
 
 #define STRATA_CUDA_CALL(what, fn, ...)                            \

@@ -7,8 +7,9 @@
 //   pool is warm.
 // - Streams are non-blocking CUDA streams; events are timing-free CUDA events.
 // - Pinned host memory: alloc_host() + cudaHostRegister (CudaHostRegistrar).
-// - Errors: a CUDA error code becomes kOutOfMemory (cudaErrorMemoryAllocation)
-//   or kInternal, with CUDA's name and text and the operation. A failing host
+// - Errors: a CUDA error code becomes kOutOfMemory (cudaErrorMemoryAllocation),
+//   kInvalidArgument (cudaErrorInvalidValue) or kInternal (device/cuda_status.h),
+//   with CUDA's name and text and the operation. A failing host
 //   function (host_func_async) is recorded on its stream and returned by that
 //   stream's synchronize/query; unlike the host backend, CUDA does not skip
 //   the stream's later work or fail streams waiting on it.

@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "common/json.h"
+#include "model/llama_weights.h"
 
 namespace strata::model {
 namespace {
@@ -275,7 +276,7 @@ Result<ModelDir> open_model_dir(const std::string& dir) {
   LlamaConfig untied = m.config;
   untied.tie_word_embeddings = false;
   for (const auto& d : llama_tensor_decls(untied, StDType::kF32)) {
-    const bool optional = m.config.tie_word_embeddings && d.name == "lm_head.weight";
+    const bool optional = m.config.tie_word_embeddings && d.name == weight_row(kLmHead).name;
     auto it = by_name.find(d.name);
     if (it == by_name.end()) {
       if (!optional) missing.push_back(d.name);

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <vector>
 
+#include "model/llama_weights.h"
+
 namespace strata::model {
 namespace {
 
@@ -35,7 +37,13 @@ float init_normal(uint64_t seed, uint64_t stream, uint64_t i) {
 }
 
 bool is_norm_weight(std::string_view name) {
-  return name.ends_with("norm.weight");
+  for (const WeightRow& r : kModelWeights)
+    if (r.norm && name == r.name) return true;
+  // A layer row's name follows "model.layers.<i>.".
+  for (const WeightRow& r : kLayerWeights)
+    if (r.norm && name.size() > r.name.size() && name.ends_with(r.name) && name[name.size() - r.name.size() - 1] == '.')
+      return true;
+  return false;
 }
 
 void llama_init_values(std::string_view name, uint64_t seed, double stddev, uint64_t begin, uint64_t count,

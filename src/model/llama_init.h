@@ -21,7 +21,9 @@ namespace strata::model {
 // Standard normal sample number `i` of stream `stream` under `seed`.
 float init_normal(uint64_t seed, uint64_t stream, uint64_t i);
 
-// True for the weights initialised to ones (names ending in "norm.weight").
+// True for the weights initialised to ones: the RMSNorm weights of the weight
+// table (model/llama_weights.h), "model.norm.weight" and a layer's
+// "model.layers.<i>.input_layernorm.weight" / "...post_attention_layernorm.weight".
 bool is_norm_weight(std::string_view name);
 
 // Elements [begin, begin + count) of tensor `name`'s initial value, as fp32.

@@ -403,20 +403,20 @@ LayerMath<S>::LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_s
 template <typename S>
 void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T) {
   const int64_t n = B * T, D = d_.dim, qd = d_.q_dim(), kvd = d_.kv_dim(), F = d_.ffn_dim;
-  rmsnorm_forward(x, p.input_layernorm, n1_.data(), rstd1_.data(), n, D, d_.rms_eps);
-  linear_forward(n1_.data(), p.q_proj, q_.data(), n, D, qd);
-  linear_forward(n1_.data(), p.k_proj, k_.data(), n, D, kvd);
-  linear_forward(n1_.data(), p.v_proj, v_.data(), n, D, kvd);
+  rmsnorm_forward(x, p[kInputNorm], n1_.data(), rstd1_.data(), n, D, d_.rms_eps);
+  linear_forward(n1_.data(), p[kQProj], q_.data(), n, D, qd);
+  linear_forward(n1_.data(), p[kKProj], k_.data(), n, D, kvd);
+  linear_forward(n1_.data(), p[kVProj], v_.data(), n, D, kvd);
   rope_apply(q_.data(), n, T, d_.heads, d_.head_dim, rope_, false);
   rope_apply(k_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, false);
   attention_forward(q_.data(), k_.data(), v_.data(), att_.data(), B, T, d_.heads, d_.kv_heads,
                     d_.head_dim, scratch_);
-  linear_forward(att_.data(), p.o_proj, h_.data(), n, qd, D);
+  linear_forward(att_.data(), p[kOProj], h_.data(), n, qd, D);
   add_into(h_.data(), x, n * D);  // h = x + attn
-  rmsnorm_forward(h_.data(), p.post_attention_layernorm, n2_.data(), rstd2_.data(), n, D,
+  rmsnorm_forward(h_.data(), p[kPostNorm], n2_.data(), rstd2_.data(), n, D,
                   d_.rms_eps);
-  linear_forward(n2_.data(), p.gate_proj, g_.data(), n, D, F);
-  linear_forward(n2_.data(), p.up_proj, u_.data(), n, D, F);
+  linear_forward(n2_.data(), p[kGateProj], g_.data(), n, D, F);
+  linear_forward(n2_.data(), p[kUpProj], u_.data(), n, D, F);
   swiglu_forward(g_.data(), u_.data(), a_.data(), n * F);
 }
 
@@ -425,7 +425,7 @@ void LayerMath<S>::forward(const LayerParams<S>& p, const S* x, S* y, int64_t B,
   run_forward(p, x, B, T);
   const int64_t n = B * T;
   // x is not read again, so y may be x.
-  linear_forward(a_.data(), p.down_proj, y, n, d_.ffn_dim, d_.dim);
+  linear_forward(a_.data(), p[kDownProj], y, n, d_.ffn_dim, d_.dim);
   add_into(y, h_.data(), n * d_.dim);  // y = h + mlp
 }
 
@@ -439,31 +439,31 @@ void LayerMath<S>::backward(const LayerParams<S>& p, const S* x, const S* dy, S*
   // MLP: y = h + down(a), a = silu(gate(n2)) * up(n2).
   S* da = dbig_.data();
   S* dgate = dbig2_.data();
-  linear_backward_input(dh, p.down_proj, da, n, F, D, false);
-  linear_backward_weight(dh, a_.data(), g.down_proj, n, F, D);
+  linear_backward_input(dh, p[kDownProj], da, n, F, D, false);
+  linear_backward_weight(dh, a_.data(), g[kDownProj], n, F, D);
   swiglu_backward(g_.data(), u_.data(), da, dgate, /*du=*/da, n * F);
   S* dn = dn_.data();
-  linear_backward_input(dgate, p.gate_proj, dn, n, D, F, false);
-  linear_backward_input(da, p.up_proj, dn, n, D, F, true);
-  linear_backward_weight(dgate, n2_.data(), g.gate_proj, n, D, F);
-  linear_backward_weight(da, n2_.data(), g.up_proj, n, D, F);
-  rmsnorm_backward(h_.data(), p.post_attention_layernorm, rstd2_.data(), dn, dh,
-                   g.post_attention_layernorm, n, D, /*accumulate_dx=*/true);
+  linear_backward_input(dgate, p[kGateProj], dn, n, D, F, false);
+  linear_backward_input(da, p[kUpProj], dn, n, D, F, true);
+  linear_backward_weight(dgate, n2_.data(), g[kGateProj], n, D, F);
+  linear_backward_weight(da, n2_.data(), g[kUpProj], n, D, F);
+  rmsnorm_backward(h_.data(), p[kPostNorm], rstd2_.data(), dn, dh,
+                   g[kPostNorm], n, D, /*accumulate_dx=*/true);
   // Attention: h = x + o_proj(att).
-  linear_backward_input(dh, p.o_proj, datt_.data(), n, qd, D, false);
-  linear_backward_weight(dh, att_.data(), g.o_proj, n, qd, D);
+  linear_backward_input(dh, p[kOProj], datt_.data(), n, qd, D, false);
+  linear_backward_weight(dh, att_.data(), g[kOProj], n, qd, D);
   attention_backward(q_.data(), k_.data(), v_.data(), datt_.data(), dq_.data(), dk_.data(),
                      dv_.data(), B, T, d_.heads, d_.kv_heads, d_.head_dim, scratch_);
   rope_apply(dq_.data(), n, T, d_.heads, d_.head_dim, rope_, true);
   rope_apply(dk_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, true);
-  linear_backward_input(dq_.data(), p.q_proj, dn, n, D, qd, false);
-  linear_backward_input(dk_.data(), p.k_proj, dn, n, D, kvd, true);
-  linear_backward_input(dv_.data(), p.v_proj, dn, n, D, kvd, true);
-  linear_backward_weight(dq_.data(), n1_.data(), g.q_proj, n, D, qd);
-  linear_backward_weight(dk_.data(), n1_.data(), g.k_proj, n, D, kvd);
-  linear_backward_weight(dv_.data(), n1_.data(), g.v_proj, n, D, kvd);
+  linear_backward_input(dq_.data(), p[kQProj], dn, n, D, qd, false);
+  linear_backward_input(dk_.data(), p[kKProj], dn, n, D, kvd, true);
+  linear_backward_input(dv_.data(), p[kVProj], dn, n, D, kvd, true);
+  linear_backward_weight(dq_.data(), n1_.data(), g[kQProj], n, D, qd);
+  linear_backward_weight(dk_.data(), n1_.data(), g[kKProj], n, D, kvd);
+  linear_backward_weight(dv_.data(), n1_.data(), g[kVProj], n, D, kvd);
   copy(dx, dh, n * D);
-  rmsnorm_backward(x, p.input_layernorm, rstd1_.data(), dn, dx, g.input_layernorm, n, D,
+  rmsnorm_backward(x, p[kInputNorm], rstd1_.data(), dn, dx, g[kInputNorm], n, D,
                    /*accumulate_dx=*/true);
 }
 

@@ -123,30 +123,11 @@ void cross_entropy_rows(S* logits, const int32_t* targets, const uint8_t* mask, 
                         int64_t vocab, bool write_grad, S grad_scale, double* row_loss);
 
 // ---- a whole decoder layer
+// Indexed by LayerTensor (p[kQProj]); shapes as in the weight table.
 template <typename S>
-struct LayerParams {
-  const S* input_layernorm;
-  const S* q_proj;
-  const S* k_proj;
-  const S* v_proj;
-  const S* o_proj;
-  const S* post_attention_layernorm;
-  const S* gate_proj;
-  const S* up_proj;
-  const S* down_proj;
-};
+using LayerParams = LayerArray<const S*>;
 template <typename S>
-struct LayerParamGrads {
-  S* input_layernorm;
-  S* q_proj;
-  S* k_proj;
-  S* v_proj;
-  S* o_proj;
-  S* post_attention_layernorm;
-  S* gate_proj;
-  S* up_proj;
-  S* down_proj;
-};
+using LayerParamGrads = LayerArray<S*>;
 
 // Activations and scratch of one layer for up to max_tokens tokens. Not
 // thread-safe: one call at a time.

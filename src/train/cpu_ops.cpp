@@ -41,6 +41,13 @@ namespace {
 
 Status bad_arg(const std::string& what) { return Status(StatusCode::kInvalidArgument, what); }
 
+template <typename P>
+bool any_null(const LayerArray<P>& a) {
+  for (P p : a)
+    if (!p) return true;
+  return false;
+}
+
 class CpuOps final : public ModelOps {
  public:
   CpuOps(const CpuOpsOptions& o, int threads)
@@ -120,16 +127,9 @@ class CpuOps final : public ModelOps {
                         const float* dy, float* dx, const LayerGrads& g) override {
     STRATA_RETURN_IF_ERROR(check_shape("layer_backward", B, T));
     STRATA_RETURN_IF_ERROR(check_layer("layer_backward", w));
-    if (!x_in || !dy || !dx || !g.input_layernorm || !g.q_proj || !g.k_proj || !g.v_proj ||
-        !g.o_proj || !g.post_attention_layernorm || !g.gate_proj || !g.up_proj || !g.down_proj)
-      return null_arg("layer_backward");
+    if (!x_in || !dy || !dx || any_null(g)) return null_arg("layer_backward");
     STRATA_RETURN_IF_ERROR(ensure_conv(w.dtype));
-    run([&] {
-      const cpu::LayerParamGrads<float> pg{g.input_layernorm, g.q_proj,  g.k_proj,
-                                           g.v_proj,          g.o_proj,  g.post_attention_layernorm,
-                                           g.gate_proj,       g.up_proj, g.down_proj};
-      layer_->backward(layer_params(w), x_in, dy, dx, pg, B, T);
-    });
+    run([&] { layer_->backward(layer_params(w), x_in, dy, dx, g, B, T); });
     return Status::ok_status();
   }
 
@@ -201,8 +201,7 @@ class CpuOps final : public ModelOps {
   }
   Status check_layer(const char* op, const LayerWeights& w) const {
     STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
-    if (!w.input_layernorm || !w.q_proj || !w.k_proj || !w.v_proj || !w.o_proj ||
-        !w.post_attention_layernorm || !w.gate_proj || !w.up_proj || !w.down_proj)
+    if (any_null(w.ptr))
       return bad_arg(fmt::format("{}: a layer weight pointer is null", op));
     return Status::ok_status();
   }
@@ -228,7 +227,7 @@ class CpuOps final : public ModelOps {
   // The conversion buffer, allocated once, by the first non-fp32 call.
   Status ensure_conv(DType d) {
     if (d == DType::kF32 || !conv_.empty()) return Status::ok_status();
-    const int64_t need = std::max(dims_.layer_params(), dims_.vocab * dims_.dim + dims_.dim);
+    const int64_t need = std::max(dims_.layer_params(), dims_.numel(kLmHead) + dims_.numel(kFinalNorm));
     try {
       conv_.resize(static_cast<size_t>(need));
     } catch (const std::bad_alloc&) {
@@ -257,26 +256,18 @@ class CpuOps final : public ModelOps {
     return dst;
   }
 
+  // Every tensor in table order, each converted into conv_ after the last.
   cpu::LayerParams<float> layer_params(const LayerWeights& w) {
-    const int64_t D = dims_.dim, qd = dims_.q_dim(), kvd = dims_.kv_dim(), F = dims_.ffn_dim;
     int64_t c = 0;
-    cpu::LayerParams<float> p{};
-    p.input_layernorm = as_f32(w.input_layernorm, w.dtype, D, &c);
-    p.q_proj = as_f32(w.q_proj, w.dtype, qd * D, &c);
-    p.k_proj = as_f32(w.k_proj, w.dtype, kvd * D, &c);
-    p.v_proj = as_f32(w.v_proj, w.dtype, kvd * D, &c);
-    p.o_proj = as_f32(w.o_proj, w.dtype, D * qd, &c);
-    p.post_attention_layernorm = as_f32(w.post_attention_layernorm, w.dtype, D, &c);
-    p.gate_proj = as_f32(w.gate_proj, w.dtype, F * D, &c);
-    p.up_proj = as_f32(w.up_proj, w.dtype, F * D, &c);
-    p.down_proj = as_f32(w.down_proj, w.dtype, D * F, &c);
+    cpu::LayerParams<float> p;
+    for (LayerTensor t : kAllLayerTensors) p[t] = as_f32(w[t], w.dtype, dims_.numel(t), &c);
     return p;
   }
 
   std::pair<const float*, const float*> head_params(const HeadWeights& w) {
     int64_t c = 0;
-    const float* nw = as_f32(w.norm, w.dtype, dims_.dim, &c);
-    const float* lm = as_f32(w.lm_head, w.dtype, dims_.vocab * dims_.dim, &c);
+    const float* nw = as_f32(w.norm, w.dtype, dims_.numel(kFinalNorm), &c);
+    const float* lm = as_f32(w.lm_head, w.dtype, dims_.numel(kLmHead), &c);
     return {nw, lm};
   }
 

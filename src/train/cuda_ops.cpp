@@ -10,9 +10,10 @@
 #include <vector>
 
 #include "common/log.h"
+#include "cuda/train/train_module_abi.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
-#include "cuda/train/train_module_abi.h"
+#include "device/cuda_status.h"
 
 namespace strata::train {
 namespace {
@@ -84,13 +85,25 @@ Result<TrainModule> load_module() {
   return result;
 }
 
+// The module's layer tensors are the weight table's, in the same order.
+constexpr bool same(int module_index, int table_index) { return module_index == table_index; }
+static_assert(same(STRATA_CUDA_TRAIN_LAYER_TENSORS, kLayerTensorCount));
+static_assert(same(STRATA_CUDA_TRAIN_INPUT_NORM, kInputNorm) && same(STRATA_CUDA_TRAIN_Q_PROJ, kQProj) &&
+              same(STRATA_CUDA_TRAIN_K_PROJ, kKProj) && same(STRATA_CUDA_TRAIN_V_PROJ, kVProj) &&
+              same(STRATA_CUDA_TRAIN_O_PROJ, kOProj) && same(STRATA_CUDA_TRAIN_POST_NORM, kPostNorm) &&
+              same(STRATA_CUDA_TRAIN_GATE_PROJ, kGateProj) && same(STRATA_CUDA_TRAIN_UP_PROJ, kUpProj) &&
+              same(STRATA_CUDA_TRAIN_DOWN_PROJ, kDownProj));
+
 // A module return code and its text as a Status.
 Status module_status(int rc, const char* err, const std::string& what) {
-  constexpr int kCudaInvalidValue = 1, kCudaMemoryAllocation = 2, kBlasAllocFailed = 1000 + 3;
-  const StatusCode code = rc == kCudaMemoryAllocation || rc == kBlasAllocFailed ? StatusCode::kOutOfMemory
-                          : rc == kCudaInvalidValue                             ? StatusCode::kInvalidArgument
-                                                                                : StatusCode::kInternal;
-  return Status(code, "cuda train ops: " + what + " failed: " + (err[0] ? std::string(err) : "error " + std::to_string(rc)));
+  return cuda_module_status(rc, err, "cuda train ops: " + what);
+}
+
+template <typename P>
+bool any_null(const LayerArray<P>& a) {
+  for (P p : a)
+    if (!p) return true;
+  return false;
 }
 
 #define STRATA_TRAIN_CALL(what, fn, ...)                            \
@@ -200,12 +213,10 @@ class CudaOps final : public ModelOps {
     constexpr const char* op = "layer_backward";
     STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
     STRATA_RETURN_IF_ERROR(check_layer(op, w));
-    if (!x_in || !dy || !dx || !g.input_layernorm || !g.q_proj || !g.k_proj || !g.v_proj || !g.o_proj ||
-        !g.post_attention_layernorm || !g.gate_proj || !g.up_proj || !g.down_proj)
-      return null_arg(op);
+    if (!x_in || !dy || !dx || any_null(g)) return null_arg(op);
     const strata_cuda_train_layer_t lw = layer(w);
-    const strata_cuda_train_layer_grads_t lg{g.input_layernorm, g.q_proj,    g.k_proj,  g.v_proj,   g.o_proj,
-                                             g.post_attention_layernorm, g.gate_proj, g.up_proj, g.down_proj};
+    strata_cuda_train_layer_grads_t lg{};
+    for (LayerTensor t : kAllLayerTensors) lg.tensors[t] = g[t];
     STRATA_TRAIN_CALL(op, layer_backward, ctx_, &lw, B, T, x_in, dy, dx, &lg);
     return Status::ok_status();
   }
@@ -265,8 +276,7 @@ class CudaOps final : public ModelOps {
   static Status null_arg(const char* op) { return bad_arg(fmt::format("{}: a required pointer is null", op)); }
   static Status check_layer(const char* op, const LayerWeights& w) {
     STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
-    if (!w.input_layernorm || !w.q_proj || !w.k_proj || !w.v_proj || !w.o_proj || !w.post_attention_layernorm ||
-        !w.gate_proj || !w.up_proj || !w.down_proj)
+    if (any_null(w.ptr))
       return bad_arg(fmt::format("{}: a layer weight pointer is null", op));
     return Status::ok_status();
   }
@@ -278,11 +288,10 @@ class CudaOps final : public ModelOps {
   }
 
   static strata_cuda_train_layer_t layer(const LayerWeights& w) {
-    return strata_cuda_train_layer_t{static_cast<int>(w.dtype), w.input_layernorm,
-                                     w.q_proj,                  w.k_proj,
-                                     w.v_proj,                  w.o_proj,
-                                     w.post_attention_layernorm, w.gate_proj,
-                                     w.up_proj,                 w.down_proj};
+    strata_cuda_train_layer_t lw{};
+    lw.dtype = static_cast<int>(w.dtype);
+    for (LayerTensor t : kAllLayerTensors) lw.tensors[t] = w[t];
+    return lw;
   }
   static strata_cuda_train_head_t head(const HeadWeights& w, const float* x, int64_t B, int64_t T) {
     strata_cuda_train_head_t h{};

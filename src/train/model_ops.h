@@ -22,11 +22,14 @@
 //           row of the batch is one sequence of T tokens.
 //
 // Layouts. Every activation is fp32, row-major [B*T, width] with token
-// (b, t) in row b*T + t. Weights are row-major in HF's shapes:
+// (b, t) in row b*T + t. Weights are row-major in HF's shapes, as the weight
+// table (model/llama_weights.h) gives them:
 //   q_proj [heads*head_dim, dim]   k_proj, v_proj [kv_heads*head_dim, dim]
 //   o_proj [dim, heads*head_dim]   gate_proj, up_proj [ffn_dim, dim]
 //   down_proj [dim, ffn_dim]       input_layernorm, post_attention_layernorm,
 //   norm [dim]                     embed_tokens, lm_head [vocab, dim]
+// A layer's weights and gradients are LayerArrays indexed by LayerTensor
+// (w[kQProj]), never filled by position.
 // Weights come in their compute dtype (fp32/bf16/fp16, one dtype per call);
 // an op converts them to fp32 once per call (exactly: bf16/fp16 -> fp32 is
 // exact) and computes and accumulates in fp32. Gradients are fp32 buffers of
@@ -87,6 +90,7 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "model/llama_weights.h"
 
 namespace strata::train {
 
@@ -103,9 +107,16 @@ struct LlamaDims {
 
   int64_t q_dim() const { return heads * head_dim; }
   int64_t kv_dim() const { return kv_heads * head_dim; }
-  // Elements per parameter of one decoder layer, the head and the embedding.
+  // The sizes the weight table's shapes are made of.
+  LlamaExtents extents() const { return {dim, q_dim(), kv_dim(), ffn_dim, vocab}; }
+  // Elements of one tensor.
+  int64_t numel(LayerTensor t) const { return weight_row(t).numel(extents()); }
+  int64_t numel(ModelTensor t) const { return weight_row(t).numel(extents()); }
+  // Elements of all the tensors of one decoder layer.
   int64_t layer_params() const {
-    return 2 * dim + 2 * q_dim() * dim + 2 * kv_dim() * dim + 3 * ffn_dim * dim;
+    int64_t n = 0;
+    for (LayerTensor t : kAllLayerTensors) n += numel(t);
+    return n;
   }
   // kInvalidArgument naming the offending field (non-positive sizes, heads
   // not a multiple of kv_heads, odd head_dim, eps <= 0, theta <= 0).
@@ -114,33 +125,21 @@ struct LlamaDims {
 };
 
 // One decoder layer's parameters as the engine hands them out (pointers into
-// the acquired group; not owned), all in `dtype`.
+// the acquired group; not owned), all in `dtype`, indexed by LayerTensor:
+// w[kQProj] is [heads*head_dim, dim] (shapes: the weight table).
 struct LayerWeights {
   DType dtype = DType::kF32;
-  const void* input_layernorm = nullptr;           // [dim]
-  const void* q_proj = nullptr;                    // [heads*head_dim, dim]
-  const void* k_proj = nullptr;                    // [kv_heads*head_dim, dim]
-  const void* v_proj = nullptr;                    // [kv_heads*head_dim, dim]
-  const void* o_proj = nullptr;                    // [dim, heads*head_dim]
-  const void* post_attention_layernorm = nullptr;  // [dim]
-  const void* gate_proj = nullptr;                 // [ffn_dim, dim]
-  const void* up_proj = nullptr;                   // [ffn_dim, dim]
-  const void* down_proj = nullptr;                 // [dim, ffn_dim]
+  LayerArray<const void*> ptr;
+  const void*& operator[](LayerTensor t) { return ptr[t]; }
+  const void* operator[](LayerTensor t) const { return ptr[t]; }
 };
 
 // The same parameters' gradients: fp32, caller-owned, overwritten.
-struct LayerGrads {
-  float* input_layernorm = nullptr;
-  float* q_proj = nullptr;
-  float* k_proj = nullptr;
-  float* v_proj = nullptr;
-  float* o_proj = nullptr;
-  float* post_attention_layernorm = nullptr;
-  float* gate_proj = nullptr;
-  float* up_proj = nullptr;
-  float* down_proj = nullptr;
-};
+using LayerGrads = LayerArray<float*>;
 
+// The tensors outside the layers (kEmbedTokens, kFinalNorm, kLmHead in the
+// weight table) keep named fields; callers fill them with designated
+// initializers ({.dtype = ..., .norm = ..., .lm_head = ...}).
 struct EmbedWeights {
   DType dtype = DType::kF32;
   const void* embed_tokens = nullptr;  // [vocab, dim]

@@ -37,12 +37,6 @@ using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// The nine parameters of a decoder layer, in LayerWeights/LayerGrads order.
-constexpr std::array<const char*, 9> kLayerParams = {
-    "input_layernorm.weight", "self_attn.q_proj.weight", "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight", "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-    "mlp.gate_proj.weight",   "mlp.up_proj.weight",      "mlp.down_proj.weight"};
-
 Status make_dirs(const std::string& dir, const std::string& what) {
   std::error_code ec;
   fs::create_directories(dir, ec);
@@ -157,7 +151,7 @@ struct Trainer::Impl {
   GroupId embed_group = 0, head_group = 0;
   std::vector<GroupId> layer_groups;
   ParamId embed_param = 0, norm_param = 0, lm_head_param = 0;
-  std::vector<std::array<ParamId, 9>> layer_param_ids;
+  std::vector<LayerArray<ParamId>> layer_param_ids;
 
   // Buffers, all from backend->alloc (device memory; RAM on the host
   // backend). grad_buf: the largest group's fp32 gradients (reduce_grad
@@ -222,6 +216,9 @@ struct Trainer::Impl {
   Status micro_batch(bool last, LossStats* loss);
   Result<GroupView> acquire(GroupId g);
   const void* ptr_of(const GroupView& v, ParamId p) const;
+  LayerWeights layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const;
+  // ev: the embedding's view (read only when embeddings are tied).
+  HeadWeights head_weights(const GroupView& ev, const GroupView& hv) const;
   void write_metrics(const json& j);
   std::string extra_json() const;
   json stats_json() const;
@@ -331,7 +328,7 @@ Status Trainer::Impl::setup() {
       const uint64_t n = group_numel[ps.group] += ps.numel();
       largest = std::max(largest, n);
       largest_compute = std::max(largest_compute, n * dtype_size(compute_dtype));
-      if (ps.name == "model.embed_tokens.weight") embed_numel = ps.numel();
+      if (ps.name == weight_row(kEmbedTokens).name) embed_numel = ps.numel();
     }
     grad_buf_elems = largest;
     z.reserve_base = (largest + (dims.tied ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
@@ -354,20 +351,19 @@ Status Trainer::Impl::setup() {
   // Groups and parameter ids by Hugging Face name.
   STRATA_ASSIGN_OR_RETURN(embed_group, engine->find_group("embed"));
   STRATA_ASSIGN_OR_RETURN(head_group, engine->find_group("head"));
-  STRATA_ASSIGN_OR_RETURN(embed_param, engine->find_param("model.embed_tokens.weight"));
-  STRATA_ASSIGN_OR_RETURN(norm_param, engine->find_param("model.norm.weight"));
+  STRATA_ASSIGN_OR_RETURN(embed_param, engine->find_param(model_weight_name(kEmbedTokens)));
+  STRATA_ASSIGN_OR_RETURN(norm_param, engine->find_param(model_weight_name(kFinalNorm)));
   if (dims.tied) {
     lm_head_param = embed_param;
   } else {
-    STRATA_ASSIGN_OR_RETURN(lm_head_param, engine->find_param("lm_head.weight"));
+    STRATA_ASSIGN_OR_RETURN(lm_head_param, engine->find_param(model_weight_name(kLmHead)));
   }
   for (uint32_t l = 0; l < mc.num_hidden_layers; ++l) {
     STRATA_ASSIGN_OR_RETURN(GroupId g, engine->find_group("layers." + std::to_string(l)));
     layer_groups.push_back(g);
-    std::array<ParamId, 9> ids{};
-    for (size_t i = 0; i < kLayerParams.size(); ++i) {
-      STRATA_ASSIGN_OR_RETURN(ids[i],
-                              engine->find_param("model.layers." + std::to_string(l) + "." + kLayerParams[i]));
+    LayerArray<ParamId> ids;
+    for (LayerTensor t : kAllLayerTensors) {
+      STRATA_ASSIGN_OR_RETURN(ids[t], engine->find_param(layer_weight_name(l, t)));
     }
     layer_param_ids.push_back(ids);
   }
@@ -628,6 +624,19 @@ const void* Trainer::Impl::ptr_of(const GroupView& v, ParamId p) const {
   return nullptr;
 }
 
+LayerWeights Trainer::Impl::layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const {
+  LayerWeights w;
+  w.dtype = compute_dtype;
+  for (LayerTensor t : kAllLayerTensors) w[t] = ptr_of(v, ids[t]);
+  return w;
+}
+
+HeadWeights Trainer::Impl::head_weights(const GroupView& ev, const GroupView& hv) const {
+  return {.dtype = compute_dtype,
+          .norm = ptr_of(hv, norm_param),
+          .lm_head = dims.tied ? ptr_of(ev, embed_param) : ptr_of(hv, lm_head_param)};
+}
+
 // Embedding and layers; acts[l] = input of layer l, acts[L] = input of the head.
 Status Trainer::Impl::forward(const int32_t* tokens, bool) {
   const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
@@ -635,7 +644,7 @@ Status Trainer::Impl::forward(const int32_t* tokens, bool) {
   {
     engine->trace_begin("embed_forward");
     STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(embed_group));
-    EmbedWeights w{compute_dtype, ptr_of(v, embed_param)};
+    const EmbedWeights w{.dtype = compute_dtype, .embed_tokens = ptr_of(v, embed_param)};
     Status st = ops->embed_forward(w, tokens, B, T, acts);
     STRATA_RETURN_IF_ERROR(engine->release(embed_group, stream));
     engine->trace_end();
@@ -644,9 +653,7 @@ Status Trainer::Impl::forward(const int32_t* tokens, bool) {
   for (size_t l = 0; l < layer_groups.size(); ++l) {
     engine->trace_begin("layer_forward");
     STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(layer_groups[l]));
-    const auto& id = layer_param_ids[l];
-    LayerWeights w{compute_dtype,        ptr_of(v, id[0]), ptr_of(v, id[1]), ptr_of(v, id[2]), ptr_of(v, id[3]),
-                   ptr_of(v, id[4]),     ptr_of(v, id[5]), ptr_of(v, id[6]), ptr_of(v, id[7]), ptr_of(v, id[8])};
+    const LayerWeights w = layer_weights(v, layer_param_ids[l]);
     Status st = ops->layer_forward(w, B, T, acts + l * act, acts + (l + 1) * act);
     STRATA_RETURN_IF_ERROR(engine->release(layer_groups[l], stream));
     engine->trace_end();
@@ -671,10 +678,9 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
       STRATA_ASSIGN_OR_RETURN(ev, acquire(embed_group));
     }
     STRATA_ASSIGN_OR_RETURN(GroupView hv, acquire(head_group));
-    HeadWeights w{compute_dtype, ptr_of(hv, norm_param),
-                  dims.tied ? ptr_of(ev, embed_param) : ptr_of(hv, lm_head_param)};
+    const HeadWeights w = head_weights(ev, hv);
     const uint64_t dim = static_cast<uint64_t>(dims.dim);
-    HeadGrads g{grad_buf, dims.tied ? tied_grad : grad_buf + dim};
+    const HeadGrads g{.norm = grad_buf, .lm_head = dims.tied ? tied_grad : grad_buf + dim};
     Status st = ops->head_forward_backward(w, acts + L * act, targets, nullptr, B, T, dloss, loss, dx_a, g);
     if (st.ok()) st = engine->reduce_grad(norm_param, grad_buf, DType::kF32, stream);
     if (st.ok() && !dims.tied) st = engine->reduce_grad(lm_head_param, grad_buf + dim, DType::kF32, stream);
@@ -691,17 +697,19 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
     engine->trace_begin("layer_backward");
     STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(layer_groups[l]));
     const auto& id = layer_param_ids[l];
-    LayerWeights w{compute_dtype,    ptr_of(v, id[0]), ptr_of(v, id[1]), ptr_of(v, id[2]), ptr_of(v, id[3]),
-                   ptr_of(v, id[4]), ptr_of(v, id[5]), ptr_of(v, id[6]), ptr_of(v, id[7]), ptr_of(v, id[8])};
-    std::array<float*, 9> gp{};
+    const LayerWeights w = layer_weights(v, id);
+    // The layer's gradients one after the other in grad_buf, in table order.
+    LayerGrads g;
     float* cursor = grad_buf;
-    for (size_t i = 0; i < 9; ++i) {
-      gp[i] = cursor;
-      cursor += spec.params[id[i]].numel();
+    for (LayerTensor t : kAllLayerTensors) {
+      g[t] = cursor;
+      cursor += spec.params[id[t]].numel();
     }
-    LayerGrads g{gp[0], gp[1], gp[2], gp[3], gp[4], gp[5], gp[6], gp[7], gp[8]};
     Status st = ops->layer_backward(w, B, T, acts + l * act, dx_a, dx_b, g);
-    for (size_t i = 0; i < 9 && st.ok(); ++i) st = engine->reduce_grad(id[i], gp[i], DType::kF32, stream);
+    for (LayerTensor t : kAllLayerTensors) {
+      if (!st.ok()) break;
+      st = engine->reduce_grad(id[t], g[t], DType::kF32, stream);
+    }
     Status rel = engine->release(layer_groups[l], stream);
     engine->trace_end();
     STRATA_RETURN_IF_ERROR(st);
@@ -778,8 +786,7 @@ Result<double> Trainer::evaluate() {
       STRATA_ASSIGN_OR_RETURN(ev, m.acquire(m.embed_group));
     }
     STRATA_ASSIGN_OR_RETURN(GroupView hv, m.acquire(m.head_group));
-    HeadWeights w{m.compute_dtype, m.ptr_of(hv, m.norm_param),
-                  m.dims.tied ? m.ptr_of(ev, m.embed_param) : m.ptr_of(hv, m.lm_head_param)};
+    const HeadWeights w = m.head_weights(ev, hv);
     m.losses[j] = LossStats{};
     Status st = m.ops->head_loss(w, m.acts + L * act, m.targets, nullptr, B, T, &m.losses[j]);
     Status rel = m.engine->release(m.head_group, m.stream);

@@ -5,6 +5,8 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include "model/llama_weights.h"
+
 namespace strata::model {
 namespace {
 
@@ -65,16 +67,22 @@ TEST(LlamaConfig, RopeScalingRefusedUnlessAllowed) {
   EXPECT_EQ(param_count(*c), 8'030'261'248ull);  // published count of Llama-3.1-8B
 }
 
-// The Hugging Face names and shapes, spelled out independently of
-// llama_model_spec, for a small GQA model.
-TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
+// A small GQA model: 64 wide, 8 heads of 8 over 2 kv heads, FFN 160, vocab 100.
+LlamaConfig small_gqa_config(uint32_t layers) {
   LlamaConfig c;
   c.hidden_size = 64;
   c.intermediate_size = 160;
-  c.num_hidden_layers = 2;
+  c.num_hidden_layers = layers;
   c.num_attention_heads = 8;
   c.num_key_value_heads = 2;
   c.vocab_size = 100;
+  return c;
+}
+
+// The Hugging Face names and shapes, spelled out independently of
+// llama_model_spec, for a small GQA model.
+TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
+  const LlamaConfig c = small_gqa_config(2);
   std::vector<std::pair<std::string, std::vector<uint64_t>>> want = {{"model.embed_tokens.weight", {100, 64}}};
   for (int i = 0; i < 2; ++i) {
     const std::string p = fmt::format("model.layers.{}.", i);
@@ -100,6 +108,33 @@ TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
   auto spec = llama_model_spec(c.shape());
   ASSERT_TRUE(spec.ok());
   EXPECT_EQ(spec->group_names(), (std::vector<std::string>{"embed", "layers.0", "layers.1", "head"}));
+}
+
+// The weight table (model/llama_weights.h), which the ops and the trainer
+// index by, names and shapes every tensor exactly as llama_model_spec lists
+// them (the runtime spells its own list; this keeps the two one).
+TEST(LlamaConfig, WeightTableMatchesTheModelSpec) {
+  LlamaConfig c = small_gqa_config(3);
+  const LlamaExtents x{.dim = 64, .q_dim = 64, .kv_dim = 16, .ffn_dim = 160, .vocab = 100};
+  for (bool tied : {false, true}) {
+    c.tie_word_embeddings = tied;
+    std::vector<std::pair<std::string, std::vector<uint64_t>>> want = {
+        {model_weight_name(kEmbedTokens), weight_row(kEmbedTokens).shape(x)}};
+    for (uint32_t l = 0; l < c.num_hidden_layers; ++l)
+      for (LayerTensor t : kAllLayerTensors) want.push_back({layer_weight_name(l, t), weight_row(t).shape(x)});
+    want.push_back({model_weight_name(kFinalNorm), weight_row(kFinalNorm).shape(x)});
+    if (!tied) want.push_back({model_weight_name(kLmHead), weight_row(kLmHead).shape(x)});
+    auto spec = llama_model_spec(c.shape());
+    ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+    ASSERT_EQ(spec->params.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) {
+      EXPECT_EQ(spec->params[i].name, want[i].first);
+      EXPECT_EQ(spec->params[i].shape, want[i].second) << want[i].first;
+    }
+  }
+  // The norms the table marks are the ones Hugging Face initialises to ones.
+  EXPECT_TRUE(weight_row(kInputNorm).norm && weight_row(kPostNorm).norm && weight_row(kFinalNorm).norm);
+  EXPECT_EQ(layer_weight_name(7, kQProj), "model.layers.7.self_attn.q_proj.weight");
 }
 
 TEST(LlamaConfig, DefaultsAndRoundTrip) {

@@ -28,6 +28,7 @@
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
 #include "device/device_backend.h"
+#include "small_model.h"
 #include "train/cuda_ops.h"
 #include "train/model_ops.h"
 
@@ -43,19 +44,7 @@ const bool kModuleSet = [] { return setenv("STRATA_CUDA_MODULE", STRATA_TEST_CUD
 constexpr double kTolF32 = 1e-4;
 constexpr double kTolBf16 = 2e-2;
 
-LlamaDims test_dims(bool tied = false) {
-  LlamaDims d;
-  d.dim = 64;
-  d.heads = 4;
-  d.kv_heads = 2;
-  d.head_dim = 16;
-  d.ffn_dim = 172;
-  d.vocab = 97;
-  d.rms_eps = 1e-5;
-  d.rope_theta = 10000.0;
-  d.tied = tied;
-  return d;
-}
+LlamaDims test_dims(bool tied = false) { return testing::small_dims(/*ffn_dim=*/172, /*vocab=*/97, tied); }
 constexpr int64_t kMaxBatch = 3, kMaxSeq = 16;
 
 double tol_for(DType dt) { return dt == DType::kF32 ? kTolF32 : kTolBf16; }
@@ -69,10 +58,7 @@ struct Blob {
 };
 
 std::vector<float> randn(std::mt19937_64& rng, int64_t n, double scale, double offset = 0.0) {
-  std::normal_distribution<double> dist(0.0, 1.0);
-  std::vector<float> v(static_cast<size_t>(n));
-  for (auto& x : v) x = static_cast<float>(offset + scale * dist(rng));
-  return v;
+  return testing::random_vec<float>(rng, n, scale, offset);
 }
 
 std::vector<uint8_t> encode(const std::vector<float>& v, DType dt) {
@@ -185,64 +171,67 @@ class CudaOpsTest : public ::testing::Test {
     EXPECT_TRUE(st.ok()) << st.to_string();
     return v;
   }
-  Blob blob(std::mt19937_64& rng, int64_t n, DType dt, double scale, double offset = 0.0) {
+  Blob blob(const std::vector<float>& values, DType dt) {
     Blob b;
     b.dtype = dt;
-    b.bytes = encode(randn(rng, n, scale, offset), dt);
+    b.bytes = encode(values, dt);
     b.dev = up(b.bytes);
     return b;
   }
+  Blob blob(std::mt19937_64& rng, int64_t n, DType dt, double scale, double offset = 0.0) {
+    return blob(randn(rng, n, scale, offset), dt);
+  }
 
   struct Layer {
-    Blob in_ln, q, k, v, o, post_ln, gate, up, down;
+    DType dtype = DType::kF32;
+    LayerArray<Blob> t;
     LayerWeights weights(bool device) const {
-      auto p = [device](const Blob& b) -> const void* { return device ? b.dev : b.host(); };
-      return LayerWeights{in_ln.dtype, p(in_ln), p(q), p(k), p(v), p(o), p(post_ln), p(gate), p(up), p(down)};
+      LayerWeights w;
+      w.dtype = dtype;
+      for (LayerTensor i : kAllLayerTensors) w[i] = device ? t[i].dev : t[i].host();
+      return w;
     }
   };
+  // The shared small model's layer (filled through the weight table), with
+  // scales for this test: larger q, k (peakier attention), down_proj by
+  // 1/sqrt(ffn_dim), the rest by 1/sqrt(dim); norms near 1.
   Layer make_layer(std::mt19937_64& rng, const LlamaDims& d, DType dt) {
     const double ws = 1.0 / std::sqrt(static_cast<double>(d.dim));
     const double ws_f = 1.0 / std::sqrt(static_cast<double>(d.ffn_dim));
+    testing::LayerBlob<float> host;
+    host.init_scaled(rng, d, [&](LayerTensor t) -> testing::InitScale {
+      if (weight_row(t).norm) return {0.1, 1.0};
+      if (t == kQProj || t == kKProj) return {2 * ws};
+      return {t == kDownProj ? ws_f : ws};
+    });
     Layer l;
-    l.in_ln = blob(rng, d.dim, dt, 0.1, 1.0);
-    l.q = blob(rng, d.q_dim() * d.dim, dt, 2 * ws);  // larger q, k: peakier attention
-    l.k = blob(rng, d.kv_dim() * d.dim, dt, 2 * ws);
-    l.v = blob(rng, d.kv_dim() * d.dim, dt, ws);
-    l.o = blob(rng, d.dim * d.q_dim(), dt, ws);
-    l.post_ln = blob(rng, d.dim, dt, 0.1, 1.0);
-    l.gate = blob(rng, d.ffn_dim * d.dim, dt, ws);
-    l.up = blob(rng, d.ffn_dim * d.dim, dt, ws);
-    l.down = blob(rng, d.dim * d.ffn_dim, dt, ws_f);
+    l.dtype = dt;
+    for (LayerTensor t : kAllLayerTensors) l.t[t] = blob(host[t], dt);
     return l;
   }
 
   // Gradient buffers of one layer: NaN-filled on the device, on the host.
   struct Grads {
-    std::vector<std::vector<float>> host;
-    std::vector<float*> dev;
-    static constexpr const char* kNames[9] = {"input_layernorm", "q_proj",    "k_proj",  "v_proj",   "o_proj",
-                                              "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"};
+    LayerArray<std::vector<float>> host;
+    LayerArray<float*> dev;
     LayerGrads view(bool device) {
-      float* p[9];
-      for (int i = 0; i < 9; ++i) p[i] = device ? dev[i] : host[i].data();
-      return LayerGrads{p[0], p[1], p[2], p[3], p[4], p[5], p[6], p[7], p[8]};
+      LayerGrads g;
+      for (LayerTensor t : kAllLayerTensors) g[t] = device ? dev[t] : host[t].data();
+      return g;
     }
   };
   Grads make_grads(const LlamaDims& d) {
-    const int64_t sizes[9] = {d.dim,           d.q_dim() * d.dim,  d.kv_dim() * d.dim,
-                              d.kv_dim() * d.dim, d.dim * d.q_dim(), d.dim,
-                              d.ffn_dim * d.dim, d.ffn_dim * d.dim,  d.dim * d.ffn_dim};
     Grads g;
-    for (int64_t n : sizes) {
-      g.host.emplace_back(static_cast<size_t>(n), 0.0f);
-      g.dev.push_back(nan_buffer(n));
+    for (LayerTensor t : kAllLayerTensors) {
+      g.host[t].assign(static_cast<size_t>(d.numel(t)), 0.0f);
+      g.dev[t] = nan_buffer(d.numel(t));
     }
     return g;
   }
   void expect_grads(Grads& g, double tol, const std::string& what) {
-    for (int i = 0; i < 9; ++i)
-      EXPECT_CLOSE(down(g.dev[i], static_cast<int64_t>(g.host[i].size())), g.host[i], tol,
-                   what + " grad " + Grads::kNames[i]);
+    for (LayerTensor t : kAllLayerTensors)
+      EXPECT_CLOSE(down(g.dev[t], static_cast<int64_t>(g.host[t].size())), g.host[t], tol,
+                   what + " grad " + testing::label(t));
   }
 
   std::vector<int32_t> random_ids(std::mt19937_64& rng, int64_t n, int64_t vocab) {
@@ -274,9 +263,10 @@ TEST_F(CudaOpsTest, EmbeddingForwardAndBackward) {
     const int32_t* tok_d = up(tokens);
 
     std::vector<float> want(static_cast<size_t>(n * d.dim));
-    ASSERT_TRUE(cpu_->embed_forward({dt, table.host()}, tokens.data(), B, T, want.data()).ok());
+    ASSERT_TRUE(
+        cpu_->embed_forward({.dtype = dt, .embed_tokens = table.host()}, tokens.data(), B, T, want.data()).ok());
     float* x_d = nan_buffer(n * d.dim);
-    ASSERT_TRUE(gpu_->embed_forward({dt, table.dev}, tok_d, B, T, x_d).ok());
+    ASSERT_TRUE(gpu_->embed_forward({.dtype = dt, .embed_tokens = table.dev}, tok_d, B, T, x_d).ok());
     EXPECT_EQ(down(x_d, n * d.dim), want) << "embedding rows are copies: they must match exactly";
 
     const std::vector<float> dx = randn(rng, n * d.dim, 1.0);
@@ -358,7 +348,7 @@ TEST_F(CudaOpsTest, LayerBackwardIsDeterministic) {
     float* dx_d = nan_buffer(n * d.dim);
     ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dy_d, dx_d, g.view(true)).ok());
     std::vector<std::vector<float>> got{down(dx_d, n * d.dim)};
-    for (int i = 0; i < 9; ++i) got.push_back(down(g.dev[i], static_cast<int64_t>(g.host[i].size())));
+    for (LayerTensor t : kAllLayerTensors) got.push_back(down(g.dev[t], static_cast<int64_t>(g.host[t].size())));
     if (run == 0) {
       first = got;
     } else {
@@ -390,7 +380,8 @@ TEST_P(CudaOpsHeadTest, LossLogitsAndGradientsMatchCpu) {
   const float* x_d = up(x);
   const int32_t* t_d = up(targets);
   const uint8_t* m_d = up(mask);
-  const HeadWeights hw_c{dt, norm.host(), lm.host()}, hw_g{dt, norm.dev, lm.dev};
+  const HeadWeights hw_c{.dtype = dt, .norm = norm.host(), .lm_head = lm.host()},
+      hw_g{.dtype = dt, .norm = norm.dev, .lm_head = lm.dev};
   const double loss_tol = dt == DType::kF32 ? 1e-5 : 5e-3;
 
   for (bool with_mask : {false, true}) {
@@ -401,14 +392,16 @@ TEST_P(CudaOpsHeadTest, LossLogitsAndGradientsMatchCpu) {
     LossStats lc, lg;
     std::vector<float> dx(x.size()), gn(static_cast<size_t>(d.dim)), glm(static_cast<size_t>(d.vocab * d.dim));
     ASSERT_TRUE(cpu_->head_forward_backward(hw_c, x.data(), targets.data(), mc, B, T, dloss, &lc, dx.data(),
-                                            HeadGrads{gn.data(), glm.data()})
+                                            HeadGrads{.norm = gn.data(), .lm_head = glm.data()})
                     .ok());
     float* dx_d = nan_buffer(n * d.dim);
     float* gn_d = nan_buffer(d.dim);
     float* glm_d = nan_buffer(d.vocab * d.dim);
     lg.sum = -1;
     lg.count = -1;
-    ASSERT_TRUE(gpu_->head_forward_backward(hw_g, x_d, t_d, mg, B, T, dloss, &lg, dx_d, HeadGrads{gn_d, glm_d}).ok());
+    ASSERT_TRUE(gpu_->head_forward_backward(hw_g, x_d, t_d, mg, B, T, dloss, &lg, dx_d,
+                                            HeadGrads{.norm = gn_d, .lm_head = glm_d})
+                    .ok());
     ASSERT_TRUE(backend_->synchronize(stream_).ok());
     EXPECT_EQ(lg.count, lc.count);
     EXPECT_EQ(lc.count, with_mask ? n - 5 : n - 2);
@@ -449,8 +442,8 @@ TEST_F(CudaOpsTest, HeadWithNoCountedPositionGivesZeroLossAndGradients) {
   float* gn_d = nan_buffer(d.dim);
   float* glm_d = nan_buffer(d.vocab * d.dim);
   LossStats l{-1, -1};
-  ASSERT_TRUE(gpu_->head_forward_backward({DType::kF32, norm.dev, lm.dev}, x_d, t_d, nullptr, B, T, 1.0f, &l, dx_d,
-                                          {gn_d, glm_d})
+  ASSERT_TRUE(gpu_->head_forward_backward({.dtype = DType::kF32, .norm = norm.dev, .lm_head = lm.dev}, x_d, t_d,
+                                          nullptr, B, T, 1.0f, &l, dx_d, {.norm = gn_d, .lm_head = glm_d})
                   .ok());
   ASSERT_TRUE(backend_->synchronize(stream_).ok());
   EXPECT_EQ(l.count, 0);
@@ -493,11 +486,12 @@ TEST_P(CudaOpsModelTest, TwoLayerForwardBackwardMatchesCpu) {
       gemb(glm.size(), 0.0f);
   Grads g[2] = {make_grads(d), make_grads(d)};
   LossStats lc;
-  ASSERT_TRUE(cpu_->embed_forward({dt, embed.host()}, inputs.data(), B, T, x0.data()).ok());
+  ASSERT_TRUE(cpu_->embed_forward({.dtype = dt, .embed_tokens = embed.host()}, inputs.data(), B, T, x0.data()).ok());
   ASSERT_TRUE(cpu_->layer_forward(layers[0].weights(false), B, T, x0.data(), x1.data()).ok());
   ASSERT_TRUE(cpu_->layer_forward(layers[1].weights(false), B, T, x1.data(), x2.data()).ok());
-  ASSERT_TRUE(cpu_->head_forward_backward({dt, norm.host(), lm.host()}, x2.data(), targets.data(), nullptr, B, T, 1.0f,
-                                          &lc, dx.data(), {gn.data(), glm.data()})
+  ASSERT_TRUE(cpu_->head_forward_backward({.dtype = dt, .norm = norm.host(), .lm_head = lm.host()}, x2.data(),
+                                          targets.data(), nullptr, B, T, 1.0f, &lc, dx.data(),
+                                          {.norm = gn.data(), .lm_head = glm.data()})
                   .ok());
   ASSERT_TRUE(cpu_->layer_backward(layers[1].weights(false), B, T, x1.data(), dx.data(), dx.data(), g[1].view(false)).ok());
   ASSERT_TRUE(cpu_->layer_backward(layers[0].weights(false), B, T, x0.data(), dx.data(), dxa.data(), g[0].view(false)).ok());
@@ -514,11 +508,11 @@ TEST_P(CudaOpsModelTest, TwoLayerForwardBackwardMatchesCpu) {
   float* glm_d = nan_buffer(d.vocab * d.dim);
   float* gemb_d = tied ? nullptr : nan_buffer(d.vocab * d.dim);
   LossStats lg;
-  ASSERT_TRUE(gpu_->embed_forward({dt, embed.dev}, in_d, B, T, x0_d).ok());
+  ASSERT_TRUE(gpu_->embed_forward({.dtype = dt, .embed_tokens = embed.dev}, in_d, B, T, x0_d).ok());
   ASSERT_TRUE(gpu_->layer_forward(layers[0].weights(true), B, T, x0_d, x1_d).ok());
   ASSERT_TRUE(gpu_->layer_forward(layers[1].weights(true), B, T, x1_d, x2_d).ok());
-  ASSERT_TRUE(gpu_->head_forward_backward({dt, norm.dev, lm.dev}, x2_d, tg_d, nullptr, B, T, 1.0f, &lg, dx_d,
-                                          {gn_d, glm_d})
+  ASSERT_TRUE(gpu_->head_forward_backward({.dtype = dt, .norm = norm.dev, .lm_head = lm.dev}, x2_d, tg_d, nullptr, B,
+                                          T, 1.0f, &lg, dx_d, {.norm = gn_d, .lm_head = glm_d})
                   .ok());
   ASSERT_TRUE(gpu_->layer_backward(layers[1].weights(true), B, T, x1_d, dx_d, dx_d, g[1].view(true)).ok());
   ASSERT_TRUE(gpu_->layer_backward(layers[0].weights(true), B, T, x0_d, dx_d, dxa_d, g[0].view(true)).ok());
@@ -562,8 +556,8 @@ TEST_F(CudaOpsTest, HostVisibleArgumentErrorsAreReturned) {
   const Blob norm = blob(rng, d.dim, DType::kF32, 1.0);
   const int32_t* t_d = up(std::vector<int32_t>(4, 1));
   LossStats l;
-  EXPECT_EQ(gpu_->head_forward_backward({DType::kF32, norm.dev, x_d}, x_d, t_d, nullptr, 1, 4, 1.0f, &l, x_d,
-                                        {x_d, x_d})
+  EXPECT_EQ(gpu_->head_forward_backward({.dtype = DType::kF32, .norm = norm.dev, .lm_head = x_d}, x_d, t_d, nullptr, 1,
+                                        4, 1.0f, &l, x_d, {.norm = x_d, .lm_head = x_d})
                 .code(),
             StatusCode::kInvalidArgument)
       << "dx aliasing x must be refused";
@@ -578,7 +572,8 @@ TEST_F(CudaOpsTest, TokenOutsideVocabFailsTheStream) {
   tokens[2] = static_cast<int32_t>(d.vocab);  // one past the end
   const int32_t* t_d = up(tokens);
   float* x_d = nan_buffer(4 * d.dim);
-  ASSERT_TRUE(gpu_->embed_forward({DType::kF32, table.dev}, t_d, 1, 4, x_d).ok()) << "the call cannot see the ids";
+  ASSERT_TRUE(gpu_->embed_forward({.dtype = DType::kF32, .embed_tokens = table.dev}, t_d, 1, 4, x_d).ok())
+      << "the call cannot see the ids";
   expect_stream_error_ = true;
   Status st = backend_->synchronize(stream_);
   EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();

@@ -15,11 +15,13 @@
 #include <random>
 #include <vector>
 
+#include "small_model.h"
 #include "train/cpu_kernels.h"
 #include "train/cpu_ops.h"
 
 using namespace strata;
 using namespace strata::train;
+namespace fixture = strata::train::testing;
 
 namespace {
 
@@ -63,19 +65,17 @@ int main(int argc, char** argv) {
   ModelOps& ops = **r;
   std::mt19937_64 rng(1);
   const int64_t D = d.dim, qd = d.q_dim(), kvd = d.kv_dim(), F = d.ffn_dim;
-  auto in_norm = rnd(rng, D, 1.f), post = rnd(rng, D, 1.f);
-  auto q = rnd(rng, qd * D, .05f), k = rnd(rng, kvd * D, .05f), v = rnd(rng, kvd * D, .05f),
-       o = rnd(rng, D * qd, .05f), g = rnd(rng, F * D, .05f), u = rnd(rng, F * D, .05f),
-       dn = rnd(rng, D * F, .05f);
-  LayerWeights w{DType::kF32, in_norm.data(), q.data(), k.data(), v.data(), o.data(),
-                 post.data(), g.data(), u.data(), dn.data()};
+  // The test fixture's layer (weights through the weight table): norms
+  // normal(0, 1), the rest normal(0, 0.05).
+  fixture::LayerBlob<float> weights, grads;
+  weights.init_scaled(rng, d, [](LayerTensor t) {
+    return fixture::InitScale{weight_row(t).norm ? 1.0 : 0.05};
+  });
+  grads.zeros_like(weights);
+  const LayerWeights w = weights.weights();
+  const LayerGrads lg = grads.grads();
   auto x = rnd(rng, n * D, 1.f), dy = rnd(rng, n * D, 1e-3f);
   std::vector<float> y(n * D), dx(n * D);
-  std::vector<std::vector<float>> gb;
-  for (int64_t sz : {D, qd * D, kvd * D, kvd * D, D * qd, D, F * D, F * D, D * F})
-    gb.emplace_back(static_cast<size_t>(sz));
-  LayerGrads lg{gb[0].data(), gb[1].data(), gb[2].data(), gb[3].data(), gb[4].data(),
-                gb[5].data(), gb[6].data(), gb[7].data(), gb[8].data()};
 
   // FLOPs as executed: the linears, and attention over the full T x T score
   // matrix (the causal half is computed and discarded).
@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
   auto a = rnd(rng, n * D, 1.f);
   std::vector<float> c(n * F);
   const double tg = time_it([&] {
-    cpu::gemm<float>(false, true, n, F, D, a.data(), D, g.data(), D, c.data(), F, false);
+    cpu::gemm<float>(false, true, n, F, D, a.data(), D, weights[kGateProj].data(), D, c.data(), F, false);
   });
   const int conc = threads > 0 ? threads : tbb::this_task_arena::max_concurrency();
   const double ceil1 = 2.0 * n * D * F / tg / 1e9;

@@ -10,8 +10,8 @@
 #include <vector>
 
 #include "cpu_optim/dispatch.h"
-#include "ops_model_util.h"
 #include "ops_test_util.h"
+#include "small_model.h"
 #include "train/cpu_kernels.h"
 #include "train/cpu_ops.h"
 
@@ -34,19 +34,7 @@ using testing::random_vec;
 using testing::run_step;
 using testing::StepResult;
 
-LlamaDims mid_dims(bool tied) {
-  LlamaDims d;
-  d.dim = 64;
-  d.heads = 4;
-  d.kv_heads = 2;
-  d.head_dim = 16;
-  d.ffn_dim = 160;
-  d.vocab = 300;
-  d.rms_eps = 1e-5;
-  d.rope_theta = 10000.0;
-  d.tied = tied;
-  return d;
-}
+LlamaDims mid_dims(bool tied) { return testing::small_dims(/*ffn_dim=*/160, /*vocab=*/300, tied); }
 
 std::unique_ptr<ModelOps> make_ops(const LlamaDims& d, int64_t B, int64_t T, int threads) {
   auto r = create_cpu_ops({.dims = d, .max_batch = B, .max_seq = T, .threads = threads});
@@ -168,16 +156,11 @@ TEST(CpuOps, FloatMatchesDouble) {
   testing::LayerBlob<float> g;
   g.zeros_like(m.layer[0]);
   ASSERT_TRUE(ops->layer_forward(w.layer(0), B, T, x.data(), y.data()).ok());
-  ASSERT_TRUE(ops->layer_backward(w.layer(0), B, T, x.data(), dy.data(), dx.data(),
-                                  {g.in_norm.data(), g.q.data(), g.k.data(), g.v.data(), g.o.data(),
-                                   g.post_norm.data(), g.gate.data(), g.up.data(), g.down.data()})
-                  .ok());
+  ASSERT_TRUE(ops->layer_backward(w.layer(0), B, T, x.data(), dy.data(), dx.data(), g.grads()).ok());
 
   auto to_d = [](const std::vector<float>& v) { return std::vector<double>(v.begin(), v.end()); };
   testing::LayerBlob<double> wd, gd;
-  auto src = const_cast<testing::LayerBlob<float>&>(m.layer[0]).all();
-  auto dst = wd.all();
-  for (size_t i = 0; i < src.size(); ++i) *dst[i] = to_d(*src[i]);
+  for (LayerTensor t : kAllLayerTensors) wd[t] = to_d(m.layer[0][t]);
   gd.zeros_like(wd);
   cpu::LayerMath<double> layer(d, n, T, tbb::this_task_arena::max_concurrency());
   std::vector<double> xd = to_d(x), dyd = to_d(dy), yd(n * D), dxd(n * D);
@@ -185,10 +168,7 @@ TEST(CpuOps, FloatMatchesDouble) {
   layer.backward(wd.params(), xd.data(), dyd.data(), dxd.data(), gd.grads(), B, T);
   EXPECT_LT(max_rel_diff(y, yd), 2e-5);
   EXPECT_LT(max_rel_diff(dx, dxd), 2e-5);
-  auto gf = g.all();
-  auto gdd = gd.all();
-  const auto names = testing::LayerBlob<float>::names();
-  for (size_t i = 0; i < gf.size(); ++i) EXPECT_LT(max_rel_diff(*gf[i], *gdd[i]), 2e-5) << names[i];
+  for (LayerTensor t : kAllLayerTensors) EXPECT_LT(max_rel_diff(g[t], gd[t]), 2e-5) << testing::label(t);
 }
 
 // Every GEMM build this CPU runs, all four transpose cases, odd sizes and
@@ -262,7 +242,7 @@ TEST(CpuOps, RejectsBadInput) {
   EXPECT_EQ(ops->head_loss(w.head(m), x.data(), tgt.data(), nullptr, 2, 16, &loss).code(), StatusCode::kInvalidArgument);
   // Null pointers, a bad dtype, dx aliasing x in the head.
   LayerWeights lw = w.layer(0);
-  lw.v_proj = nullptr;
+  lw[kVProj] = nullptr;
   EXPECT_EQ(ops->layer_forward(lw, 1, 16, x.data(), y.data()).code(), StatusCode::kInvalidArgument);
   lw = w.layer(0);
   lw.dtype = static_cast<DType>(9);
@@ -270,7 +250,7 @@ TEST(CpuOps, RejectsBadInput) {
   tgt[31] = 0;
   std::vector<float> gn(d.dim), gl(d.vocab * d.dim);
   EXPECT_EQ(ops->head_forward_backward(w.head(m), x.data(), tgt.data(), nullptr, 2, 16, 1.0f, &loss,
-                                       x.data(), {gn.data(), gl.data()})
+                                       x.data(), {.norm = gn.data(), .lm_head = gl.data()})
                 .code(),
             StatusCode::kInvalidArgument);
   // Bad dims and sizes at creation.

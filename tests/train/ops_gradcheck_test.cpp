@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "ops_test_util.h"
+#include "small_model.h"
 #include "train/cpu_kernels.h"
 
 namespace strata::train {
@@ -20,6 +21,7 @@ using testing::check_grad;
 using testing::dot;
 using testing::LayerBlob;
 using testing::random_vec;
+using testing::tiny_dims;
 using V = std::vector<double>;
 
 int slots() { return tbb::this_task_arena::max_concurrency(); }
@@ -214,22 +216,9 @@ TEST(OpsGradCheck, CrossEntropyMasked) {
   STRATA_CHECK_GRAD("cross-entropy dlogits", logits, grad, f);
 }
 
-LlamaDims small_dims(int64_t kv_heads = 2) {
-  LlamaDims d;
-  d.dim = 16;
-  d.heads = 4;
-  d.kv_heads = kv_heads;
-  d.head_dim = 4;
-  d.ffn_dim = 24;
-  d.vocab = 23;
-  d.rms_eps = 1e-5;
-  d.rope_theta = 10000.0;
-  return d;
-}
-
 TEST(OpsGradCheck, WholeLayer) {
   std::mt19937_64 rng(8);
-  const LlamaDims dims = small_dims();
+  const LlamaDims dims = tiny_dims();
   const int64_t B = 2, T = 5, n = B * T;
   cpu::LayerMath<double> layer(dims, n, T, slots());
   LayerBlob<double> w, gw;
@@ -244,10 +233,7 @@ TEST(OpsGradCheck, WholeLayer) {
   V dx(n * dims.dim);
   layer.backward(w.params(), x.data(), r.data(), dx.data(), gw.grads(), B, T);
   STRATA_CHECK_GRAD("layer dx", x, dx, f);
-  auto ws = w.all();
-  auto gs = gw.all();
-  const auto names = LayerBlob<double>::names();
-  for (size_t i = 0; i < ws.size(); ++i) STRATA_CHECK_GRAD(std::string("layer d") + names[i], *ws[i], *gs[i], f);
+  for (LayerTensor t : kAllLayerTensors) STRATA_CHECK_GRAD("layer d" + testing::label(t), w[t], gw[t], f);
 
   // In place: y may be x, dx may be dy; the results are the same bits.
   f();
@@ -259,12 +245,12 @@ TEST(OpsGradCheck, WholeLayer) {
   gw2.zeros_like(w);
   layer.backward(w.params(), x.data(), d_inplace.data(), d_inplace.data(), gw2.grads(), B, T);
   EXPECT_EQ(d_inplace, dx);
-  EXPECT_EQ(gw2.q, gw.q);
+  EXPECT_EQ(gw2[kQProj], gw[kQProj]);
 }
 
 TEST(OpsGradCheck, WholeLayerMultiQuery) {
   std::mt19937_64 rng(9);
-  const LlamaDims dims = small_dims(/*kv_heads=*/1);
+  const LlamaDims dims = tiny_dims(/*kv_heads=*/1);
   const int64_t B = 1, T = 6, n = B * T;
   cpu::LayerMath<double> layer(dims, n, T, slots());
   LayerBlob<double> w, gw;
@@ -278,14 +264,14 @@ TEST(OpsGradCheck, WholeLayerMultiQuery) {
   };
   layer.backward(w.params(), x.data(), r.data(), dx.data(), gw.grads(), B, T);
   STRATA_CHECK_GRAD("mqa layer dx", x, dx, f);
-  STRATA_CHECK_GRAD("mqa layer dk", w.k, gw.k, f);
-  STRATA_CHECK_GRAD("mqa layer dv", w.v, gw.v, f);
-  STRATA_CHECK_GRAD("mqa layer dq", w.q, gw.q, f);
+  STRATA_CHECK_GRAD("mqa layer dk", w[kKProj], gw[kKProj], f);
+  STRATA_CHECK_GRAD("mqa layer dv", w[kVProj], gw[kVProj], f);
+  STRATA_CHECK_GRAD("mqa layer dq", w[kQProj], gw[kQProj], f);
 }
 
 TEST(OpsGradCheck, HeadChunkedMasked) {
   std::mt19937_64 rng(10);
-  const LlamaDims dims = small_dims();
+  const LlamaDims dims = tiny_dims();
   const int64_t n = 10;
   // Chunks of 3 rows: 4 chunks, the last one short.
   cpu::HeadMath<double> head(dims, n, /*chunk_rows=*/3);
@@ -339,7 +325,7 @@ TEST(OpsGradCheck, HeadChunkedMasked) {
 // gradient that flows through every op and through the tied path.
 TEST(OpsGradCheck, TiedModelEndToEnd) {
   std::mt19937_64 rng(11);
-  LlamaDims dims = small_dims();
+  LlamaDims dims = tiny_dims();
   dims.tied = true;
   const int64_t B = 2, T = 4, n = B * T, D = dims.dim;
   cpu::LayerMath<double> layer(dims, n, T, slots());
@@ -376,8 +362,8 @@ TEST(OpsGradCheck, TiedModelEndToEnd) {
   cpu::embed_backward(tokens.data(), dx0.data(), g_embed.data(), n, D, dims.vocab, true);
   STRATA_CHECK_GRAD("tied embed", embed, g_embed, f);
   STRATA_CHECK_GRAD("model norm", norm, dnorm, f);
-  STRATA_CHECK_GRAD("layer0 gate", l0.gate, g0.gate, f);
-  STRATA_CHECK_GRAD("layer0 input_layernorm", l0.in_norm, g0.in_norm, f);
+  STRATA_CHECK_GRAD("layer0 gate", l0[kGateProj], g0[kGateProj], f);
+  STRATA_CHECK_GRAD("layer0 input_layernorm", l0[kInputNorm], g0[kInputNorm], f);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 // Helpers of the train-ops tests: random tensors and a central
-// finite-difference gradient check.
+// finite-difference gradient check. The shared small model (dims, weights,
+// a training step) is small_model.h.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -76,42 +77,5 @@ inline GradCheckResult check_grad(const std::string& name, std::vector<double>& 
     EXPECT_EQ(_r.failures, 0) << name << ": max abs err " << _r.max_abs_err     \
                               << " max rel err " << _r.max_rel_err;             \
   } while (0)
-
-// A small Llama layer's parameters in one owner.
-template <typename S>
-struct LayerBlob {
-  std::vector<S> in_norm, q, k, v, o, post_norm, gate, up, down;
-  void init(std::mt19937_64& rng, const LlamaDims& d, double wscale = 0.25) {
-    in_norm = random_vec<S>(rng, d.dim, 0.1, 1.0);
-    q = random_vec<S>(rng, d.q_dim() * d.dim, wscale);
-    k = random_vec<S>(rng, d.kv_dim() * d.dim, wscale);
-    v = random_vec<S>(rng, d.kv_dim() * d.dim, wscale);
-    o = random_vec<S>(rng, d.dim * d.q_dim(), wscale);
-    post_norm = random_vec<S>(rng, d.dim, 0.1, 1.0);
-    gate = random_vec<S>(rng, d.ffn_dim * d.dim, wscale);
-    up = random_vec<S>(rng, d.ffn_dim * d.dim, wscale);
-    down = random_vec<S>(rng, d.dim * d.ffn_dim, wscale);
-  }
-  void zeros_like(const LayerBlob& o_) {
-    auto z = [](std::vector<S>& dst, const std::vector<S>& src) { dst.assign(src.size(), S(0)); };
-    z(in_norm, o_.in_norm); z(q, o_.q); z(k, o_.k); z(v, o_.v); z(o, o_.o);
-    z(post_norm, o_.post_norm); z(gate, o_.gate); z(up, o_.up); z(down, o_.down);
-  }
-  std::vector<std::vector<S>*> all() {
-    return {&in_norm, &q, &k, &v, &o, &post_norm, &gate, &up, &down};
-  }
-  static std::vector<const char*> names() {
-    return {"input_layernorm", "q_proj", "k_proj", "v_proj", "o_proj",
-            "post_attention_layernorm", "gate_proj", "up_proj", "down_proj"};
-  }
-  cpu::LayerParams<S> params() const {
-    return {in_norm.data(), q.data(), k.data(), v.data(), o.data(),
-            post_norm.data(), gate.data(), up.data(), down.data()};
-  }
-  cpu::LayerParamGrads<S> grads() {
-    return {in_norm.data(), q.data(), k.data(), v.data(), o.data(),
-            post_norm.data(), gate.data(), up.data(), down.data()};
-  }
-};
 
 }  // namespace strata::train::testing

@@ -18,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "ops_model_util.h"
+#include "small_model.h"
 #include "train/model_ops.h"
 
 namespace strata::train {
@@ -63,16 +63,7 @@ TEST_P(OpsVsTorch, LogitsLossAndGradients) {
     GTEST_SKIP() << python << " cannot import torch";
 
   const bool tied = GetParam();
-  LlamaDims d;
-  d.dim = 64;
-  d.heads = 4;
-  d.kv_heads = 2;
-  d.head_dim = 16;
-  d.ffn_dim = 160;
-  d.vocab = 97;
-  d.rms_eps = 1e-5;
-  d.rope_theta = 10000.0;
-  d.tied = tied;
+  const LlamaDims d = testing::small_dims(/*ffn_dim=*/160, /*vocab=*/97, tied);
   const int64_t layers = 2, B = 2, T = 24, n = B * T;
   std::mt19937_64 rng(tied ? 31 : 32);
   HostModel m;
@@ -144,13 +135,8 @@ TEST_P(OpsVsTorch, LogitsLossAndGradients) {
   for (size_t i = 0; i < tensors.size(); ++i) {
     const size_t sz = tensors[i]->size();
     const double e = rel_err(ours.grads[i].data(), p, sz);
-    const std::string name =
-        i == 0 ? "embed_tokens"
-        : i <= static_cast<size_t>(layers) * 9
-            ? "layer" + std::to_string((i - 1) / 9) + "." + testing::LayerBlob<float>::names()[(i - 1) % 9]
-        : i == static_cast<size_t>(layers) * 9 + 1 ? "norm"
-                                                   : "lm_head";
-    std::printf("  grad %-34s rel err %.2e\n", name.c_str(), e);
+    const std::string name = m.tensor_name(i);
+    std::printf("  grad %-46s rel err %.2e\n", name.c_str(), e);
     EXPECT_LT(e, 2e-4) << name;
     p += sz;
   }

@@ -29,6 +29,7 @@
 
 #include "model/llama_config.h"
 #include "model/llama_init.h"
+#include "small_model.h"
 #include "train/demo_data.h"
 
 namespace strata::train {
@@ -55,16 +56,8 @@ class TrainerTest : public ::testing::Test {
 
   // A small random Llama model (fp32 on disk) in dir_/name.
   std::string make_model(const std::string& name, bool tied, uint32_t layers = 2) {
-    model::LlamaConfig c;
-    c.num_hidden_layers = layers;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.intermediate_size = 160;
-    c.vocab_size = 256;
+    model::LlamaConfig c = testing::small_config(layers, tied);
     c.max_position_embeddings = 256;
-    c.tie_word_embeddings = tied;
-    c.torch_dtype = DType::kF32;
     const std::string d = dir_ + "/" + name;
     fs::create_directories(d);
     Status st = model::write_random_llama(d, c, model::StDType::kF32, 3);
@@ -288,15 +281,7 @@ TEST_F(TrainerTest, RunWritesMetricsCheckpointsAndModel) {
 // about 1.0; the grammar's entropy is about 0.35).
 TEST_F(TrainerTest, LossFallsOnDemoData) {
   const auto t0 = std::chrono::steady_clock::now();
-  model::LlamaConfig c;
-  c.num_hidden_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.intermediate_size = 160;
-  c.vocab_size = 256;
-  c.tie_word_embeddings = true;
-  c.torch_dtype = DType::kF32;
+  const model::LlamaConfig c = testing::small_config(/*layers=*/2, /*tied=*/true);
   const std::string m = dir_ + "/demo-model";
   fs::create_directories(m);
   ASSERT_TRUE(model::write_random_llama(m, c, model::StDType::kF32, 1).ok());

@@ -1,0 +1,148 @@
+// The Llama weight table: every tensor of a Llama-architecture decoder, its
+// Hugging Face name and its shape as a function of the model's dimensions.
+// The one place these are spelled: the model files (llama_model_spec's order
+// is checked against it in tests/model), the CPU and CUDA ops, the CUDA
+// module's C ABI (static_asserted in train/cuda_ops.cpp) and the trainer's
+// wiring of engine parameters to ops all index by these enums.
+//
+// Code indexes per-layer tensors by name, never by position:
+//   LayerArray<const void*> w;  w[kQProj] = ...;
+// LayerArray accepts only a LayerTensor as index and cannot be brace-
+// initialised positionally, so a wrong order does not compile. A new
+// architecture's tensors (Qwen2's q/k/v biases, Qwen3's q/k norms) are new
+// rows here, not new structs.
+//
+// Pure constexpr data; no state; usable from any thread.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace strata {
+
+// The tensors of one decoder layer, in Hugging Face's order (also the
+// engine's parameter order within a layer group and the order of the CUDA
+// module's strata_cuda_train_layer_t::tensors).
+enum LayerTensor : int {
+  kInputNorm,  // input_layernorm
+  kQProj,
+  kKProj,
+  kVProj,
+  kOProj,
+  kPostNorm,  // post_attention_layernorm
+  kGateProj,
+  kUpProj,
+  kDownProj,
+  kLayerTensorCount
+};
+
+// The tensors outside the layers.
+enum ModelTensor : int { kEmbedTokens, kFinalNorm, kLmHead, kModelTensorCount };
+
+// The model dimensions a shape is made of.
+enum class Extent : uint8_t {
+  kOne,    // a 1-D tensor's missing second dimension
+  kDim,    // hidden_size
+  kQDim,   // num_attention_heads * head_dim
+  kKvDim,  // num_key_value_heads * head_dim
+  kFfnDim, // intermediate_size
+  kVocab,  // vocab_size
+};
+
+struct LlamaExtents {
+  int64_t dim = 0, q_dim = 0, kv_dim = 0, ffn_dim = 0, vocab = 0;
+  constexpr int64_t of(Extent e) const {
+    switch (e) {
+      case Extent::kOne: return 1;
+      case Extent::kDim: return dim;
+      case Extent::kQDim: return q_dim;
+      case Extent::kKvDim: return kv_dim;
+      case Extent::kFfnDim: return ffn_dim;
+      case Extent::kVocab: return vocab;
+    }
+    return 0;
+  }
+};
+
+struct WeightRow {
+  int id;                 // the row's LayerTensor / ModelTensor (checked below)
+  std::string_view name;  // Hugging Face name; for layer rows the part after "model.layers.<i>."
+  Extent rows, cols;      // row-major [rows, cols]; cols == kOne: 1-D [rows]
+  bool norm;              // an RMSNorm weight (Hugging Face initialises it to ones)
+
+  constexpr int64_t numel(const LlamaExtents& x) const { return x.of(rows) * x.of(cols); }
+  // [rows] or [rows, cols], as safetensors and the engine spell shapes.
+  std::vector<uint64_t> shape(const LlamaExtents& x) const {
+    if (cols == Extent::kOne) return {static_cast<uint64_t>(x.of(rows))};
+    return {static_cast<uint64_t>(x.of(rows)), static_cast<uint64_t>(x.of(cols))};
+  }
+};
+
+inline constexpr std::array<WeightRow, kLayerTensorCount> kLayerWeights = {{
+    {kInputNorm, "input_layernorm.weight", Extent::kDim, Extent::kOne, true},
+    {kQProj, "self_attn.q_proj.weight", Extent::kQDim, Extent::kDim, false},
+    {kKProj, "self_attn.k_proj.weight", Extent::kKvDim, Extent::kDim, false},
+    {kVProj, "self_attn.v_proj.weight", Extent::kKvDim, Extent::kDim, false},
+    {kOProj, "self_attn.o_proj.weight", Extent::kDim, Extent::kQDim, false},
+    {kPostNorm, "post_attention_layernorm.weight", Extent::kDim, Extent::kOne, true},
+    {kGateProj, "mlp.gate_proj.weight", Extent::kFfnDim, Extent::kDim, false},
+    {kUpProj, "mlp.up_proj.weight", Extent::kFfnDim, Extent::kDim, false},
+    {kDownProj, "mlp.down_proj.weight", Extent::kDim, Extent::kFfnDim, false},
+}};
+
+inline constexpr std::array<WeightRow, kModelTensorCount> kModelWeights = {{
+    {kEmbedTokens, "model.embed_tokens.weight", Extent::kVocab, Extent::kDim, false},
+    {kFinalNorm, "model.norm.weight", Extent::kDim, Extent::kOne, true},
+    {kLmHead, "lm_head.weight", Extent::kVocab, Extent::kDim, false},
+}};
+
+namespace llama_weights_detail {
+template <size_t N>
+constexpr bool rows_in_enum_order(const std::array<WeightRow, N>& t) {
+  for (size_t i = 0; i < N; ++i)
+    if (t[i].id != static_cast<int>(i)) return false;
+  return true;
+}
+}  // namespace llama_weights_detail
+static_assert(llama_weights_detail::rows_in_enum_order(kLayerWeights), "kLayerWeights rows out of enum order");
+static_assert(llama_weights_detail::rows_in_enum_order(kModelWeights), "kModelWeights rows out of enum order");
+
+constexpr const WeightRow& weight_row(LayerTensor t) { return kLayerWeights[static_cast<size_t>(t)]; }
+constexpr const WeightRow& weight_row(ModelTensor t) { return kModelWeights[static_cast<size_t>(t)]; }
+
+// Every LayerTensor in order, for loops: for (LayerTensor t : kAllLayerTensors).
+inline constexpr std::array<LayerTensor, kLayerTensorCount> kAllLayerTensors = [] {
+  std::array<LayerTensor, kLayerTensorCount> a{};
+  for (int i = 0; i < kLayerTensorCount; ++i) a[static_cast<size_t>(i)] = static_cast<LayerTensor>(i);
+  return a;
+}();
+
+// "model.layers.<layer>.self_attn.q_proj.weight"
+inline std::string layer_weight_name(int64_t layer, LayerTensor t) {
+  return "model.layers." + std::to_string(layer) + "." + std::string(weight_row(t).name);
+}
+inline std::string model_weight_name(ModelTensor t) { return std::string(weight_row(t).name); }
+
+// One value per layer tensor, indexed only by LayerTensor. Not an aggregate:
+// it cannot be filled by position.
+template <typename T>
+class LayerArray {
+ public:
+  constexpr LayerArray() = default;
+  constexpr T& operator[](LayerTensor t) { return v_[static_cast<size_t>(t)]; }
+  constexpr const T& operator[](LayerTensor t) const { return v_[static_cast<size_t>(t)]; }
+  constexpr auto begin() { return v_.begin(); }
+  constexpr auto end() { return v_.end(); }
+  constexpr auto begin() const { return v_.begin(); }
+  constexpr auto end() const { return v_.end(); }
+  static constexpr size_t size() { return kLayerTensorCount; }
+
+ private:
+  std::array<T, kLayerTensorCount> v_{};
+};
+
+}  // namespace strata
