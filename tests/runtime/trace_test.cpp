@@ -7,7 +7,9 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
+#include <new>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -17,6 +19,20 @@
 #include <thread>
 #include <vector>
 #include "test_util/temp_dir.h"
+
+// Every allocation of this test program, counted (SpansAllocateOnlyPerChunk).
+// gcc pairs the replaced operator new with free() below and warns; they match.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+#endif
+std::atomic<uint64_t> g_allocations{0};
+void* operator new(std::size_t n) {
+  g_allocations.fetch_add(1, std::memory_order_relaxed);
+  if (void* p = std::malloc(n ? n : 1)) return p;
+  throw std::bad_alloc();
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 
 namespace strata {
 namespace {
@@ -245,28 +261,27 @@ TEST(Trace, UncreatableFileIsAStatusNamingThePath) {
   EXPECT_FALSE(fs::exists(bad));
 }
 
-TEST(Trace, SpanCostIsSmall) {
-  // Not a benchmark: a loose bound that catches a lock or allocation per
-  // event creeping in (a span is ~2 clock reads + a store here).
+// A span must cost no lock and no allocation per event (events go into
+// fixed chunks of the thread's buffer). Counted, not timed: a timed bound
+// failed under load (issue 10), and speed is for benchmarks.
+TEST(Trace, SpansAllocateOnlyPerChunk) {
   TempDir tmp;
   ASSERT_TRUE(tmp.ok());
   auto t = Tracer::open(tmp.file("t.json"));
   ASSERT_TRUE(t.ok());
+  { TraceSpan warm(**t, "warm", trace_cat::kIo); }  // registers this thread's buffer
   constexpr int kN = 200000;
-  const uint64_t t0 = Tracer::now_ns();
+  const uint64_t a0 = g_allocations.load();
   for (int i = 0; i < kN; ++i) TraceSpan s(**t, "x", trace_cat::kIo, {{"i", i}});
-  const double enabled_ns = double(Tracer::now_ns() - t0) / kN;
+  const uint64_t enabled = g_allocations.load() - a0;
   Tracer off;
-  const uint64_t t1 = Tracer::now_ns();
+  const uint64_t a1 = g_allocations.load();
   for (int i = 0; i < kN; ++i) TraceSpan s(off, "x", trace_cat::kIo, {{"i", i}});
-  const double disabled_ns = double(Tracer::now_ns() - t1) / kN;
-  std::printf("span cost: enabled %.1f ns, disabled %.2f ns\n", enabled_ns, disabled_ns);
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-  std::printf("sanitizer build: bounds not checked\n");
-#else
-  EXPECT_LT(enabled_ns, 2000.0);
-  EXPECT_LT(disabled_ns, 50.0);
-#endif
+  const uint64_t disabled = g_allocations.load() - a1;
+  std::printf("allocations for %d spans: enabled %llu, disabled %llu\n", kN, (unsigned long long)enabled,
+              (unsigned long long)disabled);
+  EXPECT_LE(enabled, uint64_t(kN) / 1000) << "an allocation per span crept in";
+  EXPECT_EQ(disabled, 0u);
   ASSERT_TRUE((*t)->close().ok());
 }
 
