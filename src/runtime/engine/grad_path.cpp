@@ -60,7 +60,9 @@ void GradPath::start(std::function<void(GroupId)> on_group_done) {
   queue_.start([this](const Job& j) { accumulator_main(j); });
 }
 
-void GradPath::stop() { queue_.stop(); }
+void GradPath::stop() {
+  queue_.stop();
+}
 
 GradPath::~GradPath() {
   stop();
@@ -97,8 +99,10 @@ Status GradPath::accumulate(const Job& j) {
   TraceSpan span(tracer, "accumulate", trace_cat::kOptim, {{"elements", j.count}, {"first", int{j.first}}});
   if (p.grad.tier == Tier::kHost) {
     float* dst = static_cast<float*>(p.grad.ptr) + j.offset;
-    if (j.first) widen_to_f32(src, j.dtype, j.count, dst);
-    else add_f32(dst, src, j.dtype, j.count);
+    if (j.first)
+      widen_to_f32(src, j.dtype, j.count, dst);
+    else
+      add_f32(dst, src, j.dtype, j.count);
     return {};
   }
   // NVMe: the same arithmetic through the scratch buffer.
@@ -109,15 +113,17 @@ Status GradPath::accumulate(const Job& j) {
   } else {
     const uint64_t t0 = Tracer::now_ns();
     Status st = reg_.sync_io(reg_.store->read(p.grad.swap, j.offset * 4, bytes, buf), false, bytes);
-    if (!st.ok()) return st.with_context(fmt::format("engine: reading the gradient of {} (elements {}..{})", p.name,
-                                                    j.offset, j.offset + j.count));
+    if (!st.ok())
+      return st.with_context(
+          fmt::format("engine: reading the gradient of {} (elements {}..{})", p.name, j.offset, j.offset + j.count));
     if (tracer) tracer->complete("nvme_read", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", bytes}});
     add_f32(buf, src, j.dtype, j.count);
   }
   const uint64_t t0 = Tracer::now_ns();
   Status st = reg_.sync_io(reg_.store->write(p.grad.swap, j.offset * 4, bytes, buf), true, bytes);
-  if (!st.ok()) return st.with_context(fmt::format("engine: writing the gradient of {} (elements {}..{})", p.name,
-                                                  j.offset, j.offset + j.count));
+  if (!st.ok())
+    return st.with_context(
+        fmt::format("engine: writing the gradient of {} (elements {}..{})", p.name, j.offset, j.offset + j.count));
   if (tracer) tracer->complete("nvme_write", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", bytes}});
   return {};
 }
@@ -163,8 +169,9 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
       slot = dl_free_.back();
       dl_free_.pop_back();
     }
-    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dl_[slot].data(), static_cast<const char*>(grad) + (p.shard.begin + off) * esz,
-                                            cnt * esz, CopyKind::kDeviceToHost, download_));
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dl_[slot].data(),
+                                            static_cast<const char*>(grad) + (p.shard.begin + off) * esz, cnt * esz,
+                                            CopyKind::kDeviceToHost, download_));
     reg_.traffic.d2h += cnt * esz;
     Job j;
     j.kind = Job::kAccum;

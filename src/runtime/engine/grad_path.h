@@ -81,7 +81,7 @@ class GradPath {
     bool first = false;
   };
   struct ParamGrad {
-    bool written = false;       // a micro-batch of this step wrote the accumulator
+    bool written = false;        // a micro-batch of this step wrote the accumulator
     int64_t reduced_micro = -1;  // micro-batch index of the last reduce
   };
 

@@ -18,8 +18,10 @@ void LossScaler::configure(const Fp16Config& f) {
 
 void LossScaler::update(bool overflow, const Fp16Config& f) {
   if (overflow) {
-    if (f.hysteresis <= 1 || hysteresis <= 1) scale = std::max(scale / 2, f.min_loss_scale);
-    else --hysteresis;
+    if (f.hysteresis <= 1 || hysteresis <= 1)
+      scale = std::max(scale / 2, f.min_loss_scale);
+    else
+      --hysteresis;
     last_overflow_iter = iter;
   } else {
     if (f.consecutive_hysteresis) hysteresis = f.hysteresis;

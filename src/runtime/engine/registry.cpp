@@ -29,7 +29,9 @@ uint64_t free_space(const std::string& path) {
 }
 
 // Bytes the pinned pool maps for one buffer (see PinnedPool::allocate).
-uint64_t pool_bytes(uint64_t b) { return round_up(b, kHugePageSize); }
+uint64_t pool_bytes(uint64_t b) {
+  return round_up(b, kHugePageSize);
+}
 
 }  // namespace
 
@@ -115,7 +117,8 @@ Status Registry::make_plan_for_budgets() {
   const PlanBudgets& ov = options.budgets_override;
   b.device_bytes = ov.device_bytes ? ov.device_bytes
                                    : (cfg.strata.device_memory ? cfg.strata.device_memory : dev->memory_stats().budget);
-  b.host_bytes = ov.host_bytes ? ov.host_bytes : (cfg.strata.host_memory ? cfg.strata.host_memory : host_memory_available());
+  b.host_bytes =
+      ov.host_bytes ? ov.host_bytes : (cfg.strata.host_memory ? cfg.strata.host_memory : host_memory_available());
   b.pinned_bytes = ov.pinned_bytes ? ov.pinned_bytes : cfg.strata.pinned_memory;
   b.nvme = !ov.nvme.empty() ? ov.nvme : cfg.nvme_dirs();
   for (auto& d : b.nvme)
@@ -264,13 +267,14 @@ Status Registry::create_pinned_pool(const PinnedNeeds& n) {
   uint64_t pool_total = kHugePageSize + pool_bytes(n.piece_bytes) * n.pieces + pool_bytes(n.ring_slot) * n.ring +
                         pool_bytes(n.staging_bytes) * n.staging;
   if (plan.budgets.pinned_bytes > 0 && pool_total > plan.budgets.pinned_bytes)
-    return Status(StatusCode::kOutOfBudget,
-                  fmt::format("engine: pinned buffers need {} (optimizer ring {} x {}, {} upload staging x {}, {} "
-                              "gradient pieces of {}) but the pinned budget is {}: {} short; lower "
-                              "strata.optimizer_chunk or offload_optimizer.buffer_count, or raise strata.pinned_memory",
-                              format_bytes(pool_total), n.ring, format_bytes(n.ring_slot), n.staging,
-                              format_bytes(n.staging_bytes), n.pieces, format_bytes(n.piece_bytes),
-                              format_bytes(plan.budgets.pinned_bytes), format_bytes(pool_total - plan.budgets.pinned_bytes)));
+    return Status(
+        StatusCode::kOutOfBudget,
+        fmt::format("engine: pinned buffers need {} (optimizer ring {} x {}, {} upload staging x {}, {} "
+                    "gradient pieces of {}) but the pinned budget is {}: {} short; lower "
+                    "strata.optimizer_chunk or offload_optimizer.buffer_count, or raise strata.pinned_memory",
+                    format_bytes(pool_total), n.ring, format_bytes(n.ring_slot), n.staging,
+                    format_bytes(n.staging_bytes), n.pieces, format_bytes(n.piece_bytes),
+                    format_bytes(plan.budgets.pinned_bytes), format_bytes(pool_total - plan.budgets.pinned_bytes)));
   io::PinnedPoolOptions ppo;
   ppo.budget_bytes = pool_total;
   ppo.slab_bytes = kHugePageSize;
@@ -363,7 +367,9 @@ Status Registry::write_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64
   }
 }
 
-Status Registry::wait_released(ParamId id) { return dev->wait(upload, groups[params[id].group].release_event); }
+Status Registry::wait_released(ParamId id) {
+  return dev->wait(upload, groups[params[id].group].release_event);
+}
 
 // The compute copy rebuilt from the master (round to nearest even, as the
 // optimizer's params_out): device-homed and fp32 compute copies.

@@ -30,7 +30,9 @@
 
 namespace strata::engine {
 
-inline uint64_t round_up(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+inline uint64_t round_up(uint64_t v, uint64_t a) {
+  return (v + a - 1) / a * a;
+}
 
 // One array of one parameter's shard on its home tier.
 struct ArrayLoc {

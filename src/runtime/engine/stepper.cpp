@@ -15,8 +15,8 @@ namespace strata::engine {
 
 void Stepper::configure() {
   const Config& cfg = reg_.cfg;
-  opt_config_.kind = cfg.optimizer.decoupled_weight_decay() ? cpu_optim::OptimizerKind::kAdamW
-                                                            : cpu_optim::OptimizerKind::kAdam;
+  opt_config_.kind =
+      cfg.optimizer.decoupled_weight_decay() ? cpu_optim::OptimizerKind::kAdamW : cpu_optim::OptimizerKind::kAdam;
   opt_config_.lr = cfg.optimizer.lr;
   opt_config_.beta1 = cfg.optimizer.beta1;
   opt_config_.beta2 = cfg.optimizer.beta2;
@@ -66,7 +66,9 @@ void Stepper::start() {
   if (reg_.cfg.strata.overlap_backward) queue_.start([this](const GroupId& g) { run_group_update(g); });
 }
 
-void Stepper::stop() { queue_.stop(); }
+void Stepper::stop() {
+  queue_.stop();
+}
 
 Stepper::~Stepper() {
   stop();
@@ -170,7 +172,8 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
     r.grad_norm = std::sqrt(sum);
     if (nonfinite) {
       r.skipped = true;
-      if (scaler_.dynamic) scaler_.update(true, reg_.cfg.fp16);
+      if (scaler_.dynamic)
+        scaler_.update(true, reg_.cfg.fp16);
       else if (!reg_.cfg.fp16.enabled)
         log_warn("engine: step {}: non-finite gradients; the step is skipped", steps_ + 1);
     } else {

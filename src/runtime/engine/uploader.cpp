@@ -40,7 +40,9 @@ void Uploader::lay_out() {
   }
 }
 
-uint32_t Uploader::staging_count() const { return any_nvme_compute_ ? 1 + reg_.plan.prefetch_groups : 0; }
+uint32_t Uploader::staging_count() const {
+  return any_nvme_compute_ ? 1 + reg_.plan.prefetch_groups : 0;
+}
 
 Status Uploader::allocate_staging() {
   const uint32_t nstaging = staging_count();
@@ -84,7 +86,9 @@ void Uploader::start() {
   queue_.start([this](const int& s) { upload_main(s); });
 }
 
-void Uploader::stop() { queue_.stop(); }
+void Uploader::stop() {
+  queue_.stop();
+}
 
 Uploader::~Uploader() {
   stop();
@@ -264,9 +268,10 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
     ++order_changes_;
     if (!order_change_logged_) {
       order_change_logged_ = true;
-      log_info("engine: the acquire order changed (acquire #{} is {}, recorded {}); prefetch drops what was not "
-               "asked for and records the new order (logged once)",
-               pos + 1, info.name, pos < order_.size() ? reg_.groups[order_[pos]].name : std::string("nothing"));
+      log_info(
+          "engine: the acquire order changed (acquire #{} is {}, recorded {}); prefetch drops what was not "
+          "asked for and records the new order (logged once)",
+          pos + 1, info.name, pos < order_.size() ? reg_.groups[order_[pos]].name : std::string("nothing"));
     }
   }
   current_.push_back(gid);

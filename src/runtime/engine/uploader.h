@@ -35,10 +35,10 @@ class Uploader {
   // ---- create()
   // Per-group slot and staging layouts (after the registry placed the arrays).
   void lay_out();
-  uint32_t staging_count() const;                     // pinned staging buffers wanted
+  uint32_t staging_count() const;                          // pinned staging buffers wanted
   uint64_t staging_bytes() const { return max_staging_; }  // each
-  Status allocate_staging();  // from the registry's pool
-  Status allocate_slots();    // device slots: one in use, prefetch_groups prefetched, one cached
+  Status allocate_staging();                               // from the registry's pool
+  Status allocate_slots();  // device slots: one in use, prefetch_groups prefetched, one cached
   void start();
   void stop();  // finishes queued uploads, joins the thread
 
@@ -85,8 +85,8 @@ class Uploader {
     bool acquired = false;
   };
 
-  void upload_main(int slot);     // uploader thread
-  Status upload_group(int slot);  // uploader thread
+  void upload_main(int slot);                         // uploader thread
+  Status upload_group(int slot);                      // uploader thread
   int find_victim(const std::vector<GroupId>& keep);  // mu_ held
   Status start_upload(GroupId g, bool prefetch);      // mu_ held
   void issue_prefetch();
