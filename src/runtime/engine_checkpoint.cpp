@@ -2,6 +2,11 @@
 // per parameter shard and kind, plus "engine.meta" (step, loss-scale state,
 // model summary, optimizer settings) as JSON. NVMe-resident arrays are
 // streamed file to file through SwapStore::file_ranges.
+//
+// The checkpointing part owns no state of its own: it runs on the driving
+// thread while the engine is idle (wait_idle) and borrows the registry's
+// arrays and swap store, the stepper's step/loss-scale/lr state, and the
+// uploader's slots (dropped on load: the compute copies change).
 #include <fmt/format.h>
 
 #include <cmath>
@@ -12,6 +17,8 @@
 #include "runtime/engine_impl.h"
 
 namespace strata {
+
+using engine::ArrayLoc;
 
 namespace {
 
@@ -25,7 +32,7 @@ struct ArrayRef {
   uint64_t count;
 };
 
-std::vector<ArrayRef> arrays_of(const Engine::Impl& I) {
+std::vector<ArrayRef> arrays_of(const engine::Registry& I) {
   std::vector<ArrayRef> out;
   const DType sd = I.cfg.strata.optimizer_state_dtype;
   for (const auto& p : I.params) {
@@ -56,27 +63,29 @@ nlohmann::json model_json(const ModelSpec& m) {
 
 Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_json) {
   Impl& I = *impl_;
-  if (I.acquired_count > 0 || I.micro_index >= 0)
+  engine::Registry& R = I.reg;
+  const engine::Stepper& S = I.stepper;
+  if (I.uploader.acquired_count() > 0 || I.micro_index >= 0)
     return Status(StatusCode::kInvalidArgument,
                   "engine: save_checkpoint only between steps (no group acquired, no micro-batch begun)");
   STRATA_RETURN_IF_ERROR(I.wait_idle());
-  STRATA_RETURN_IF_ERROR(I.take_async_error());
+  STRATA_RETURN_IF_ERROR(I.errors.take());
   if (I.broken)
     return Status(StatusCode::kInvalidArgument,
                   "engine: save_checkpoint after a failed step would save torn state; load a checkpoint first");
-  TraceSpan span(I.tracer.get(), "save_checkpoint", trace_cat::kRuntime);
+  TraceSpan span(R.tracer.get(), "save_checkpoint", trace_cat::kRuntime);
   CheckpointInfo info;
-  info.step = static_cast<uint64_t>(I.steps);
-  info.loss_scale = I.scaler.scale;
-  info.world_size = I.plan.world_size;
-  info.rank = I.plan.rank;
+  info.step = static_cast<uint64_t>(S.steps());
+  info.loss_scale = S.scaler().scale;
+  info.world_size = R.plan.world_size;
+  info.rank = R.plan.rank;
   info.extra_json = std::string(extra_json);
   CheckpointWriteOptions wo;
-  wo.rank = I.plan.rank;
-  wo.world_size = I.plan.world_size;
+  wo.rank = R.plan.rank;
+  wo.world_size = R.plan.world_size;
   STRATA_ASSIGN_OR_RETURN(auto w, CheckpointWriter::create(dir, info, wo));
   std::vector<uint8_t> tmp;
-  for (const auto& a : arrays_of(I)) {
+  for (const auto& a : arrays_of(R)) {
     const size_t esz = dtype_size(a.dtype);
     const uint64_t bytes = a.count * esz;
     const CkDType ck = ck_dtype_from(a.dtype);
@@ -85,37 +94,37 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
         STRATA_RETURN_IF_ERROR(w->add_buffer(a.name, ck, a.count, a.loc->ptr, bytes));
         break;
       case Tier::kNvme: {
-        STRATA_ASSIGN_OR_RETURN(auto ranges, file_ranges(*I.store, a.loc->swap, bytes));
+        STRATA_ASSIGN_OR_RETURN(auto ranges, file_ranges(*R.store, a.loc->swap, bytes));
         STRATA_RETURN_IF_ERROR(w->add_file_ranges(a.name, ck, a.count, ranges));
-        I.nvme_read += bytes;
+        R.traffic.nvme_read += bytes;
         break;
       }
       default:  // device: through host memory (compute copies only)
         tmp.resize(bytes);
-        STRATA_RETURN_IF_ERROR(I.read_array(*a.loc, esz, 0, a.count, tmp.data()));
+        STRATA_RETURN_IF_ERROR(R.read_array(*a.loc, esz, 0, a.count, tmp.data()));
         STRATA_RETURN_IF_ERROR(w->add_buffer(a.name, ck, a.count, tmp.data(), bytes));
         break;
     }
   }
   nlohmann::json meta = {
       {"version", kMetaVersion},
-      {"step", I.steps},
+      {"step", S.steps()},
       {"loss_scaler",
-       {{"dynamic", I.scaler.dynamic},
-        {"scale", I.scaler.scale},
-        {"iter", I.scaler.iter},
-        {"last_overflow_iter", I.scaler.last_overflow_iter},
-        {"hysteresis", I.scaler.hysteresis}}},
-      {"prev_norm", I.prev_norm},
-      {"lr", I.current_lr},
+       {{"dynamic", S.scaler().dynamic},
+        {"scale", S.scaler().scale},
+        {"iter", S.scaler().iter},
+        {"last_overflow_iter", S.scaler().last_overflow_iter},
+        {"hysteresis", S.scaler().hysteresis}}},
+      {"prev_norm", S.prev_norm()},
+      {"lr", S.current_lr()},
       {"optimizer",
-       {{"type", I.opt_config.kind == cpu_optim::OptimizerKind::kAdamW ? "adamw" : "adam"},
-        {"beta1", I.opt_config.beta1},
-        {"beta2", I.opt_config.beta2},
-        {"eps", I.opt_config.eps},
-        {"weight_decay", I.opt_config.weight_decay},
-        {"state_dtype", dtype_name(I.cfg.strata.optimizer_state_dtype)}}},
-      {"model", model_json(I.options.model)},
+       {{"type", S.optimizer_config().kind == cpu_optim::OptimizerKind::kAdamW ? "adamw" : "adam"},
+        {"beta1", S.optimizer_config().beta1},
+        {"beta2", S.optimizer_config().beta2},
+        {"eps", S.optimizer_config().eps},
+        {"weight_decay", S.optimizer_config().weight_decay},
+        {"state_dtype", dtype_name(R.cfg.strata.optimizer_state_dtype)}}},
+      {"model", model_json(R.options.model)},
   };
   const std::string text = meta.dump();
   STRATA_RETURN_IF_ERROR(w->add_buffer(kMetaEntry, CkDType::kU8, text.size(), text.data(), text.size()));
@@ -124,14 +133,15 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
 
 Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) {
   Impl& I = *impl_;
-  if (I.acquired_count > 0)
+  engine::Registry& R = I.reg;
+  if (I.uploader.acquired_count() > 0)
     return Status(StatusCode::kInvalidArgument, "engine: load_checkpoint with groups still acquired");
   STRATA_RETURN_IF_ERROR(I.wait_idle());
-  I.invalidate_slots();  // no prefetch may read the compute copies while they are restored
-  (void)I.take_async_error();  // the state is being replaced
-  TraceSpan span(I.tracer.get(), "load_checkpoint", trace_cat::kRuntime);
+  I.uploader.invalidate_slots();  // no prefetch may read the compute copies while they are restored
+  (void)I.errors.take();          // the state is being replaced
+  TraceSpan span(R.tracer.get(), "load_checkpoint", trace_cat::kRuntime);
   CheckpointOpenOptions oo;
-  oo.rank = I.plan.rank;
+  oo.rank = R.plan.rank;
   oo.verify_all = true;  // every checksum before anything is restored
   STRATA_ASSIGN_OR_RETURN(auto r, CheckpointReader::open(dir, oo));
   const CheckpointEntry* me = r->find(kMetaEntry);
@@ -145,7 +155,7 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
     return Status(StatusCode::kCorrupt, fmt::format("engine: checkpoint {}: {} is not valid engine metadata", dir,
                                                     kMetaEntry));
   // The model must match: names, shapes, dtypes, in order.
-  const nlohmann::json want = model_json(I.options.model);
+  const nlohmann::json want = model_json(R.options.model);
   const nlohmann::json& got = meta["model"];
   if (!got.is_array() || got.size() != want.size())
     return Status(StatusCode::kInvalidArgument,
@@ -156,7 +166,7 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("engine: checkpoint {}: parameter {} is {} there but {} in the model", dir, i,
                                 got[i].dump(), want[i].dump()));
-  const auto arrays = arrays_of(I);
+  const auto arrays = arrays_of(R);
   for (const auto& a : arrays) {
     const CheckpointEntry* e = r->find(a.name);
     if (e == nullptr || e->count != a.count || e->dtype != ck_dtype_from(a.dtype))
@@ -178,9 +188,9 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
         st = r->read(a.name, a.loc->ptr, bytes);
         break;
       case Tier::kNvme: {
-        auto ranges = file_ranges(*I.store, a.loc->swap, bytes);
+        auto ranges = file_ranges(*R.store, a.loc->swap, bytes);
         st = ranges.ok() ? r->read_to_file_ranges(a.name, *ranges) : ranges.status();
-        if (st.ok()) I.nvme_write += bytes;
+        if (st.ok()) R.traffic.nvme_write += bytes;
         break;
       }
       default:
@@ -188,10 +198,10 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
         st = r->read(a.name, tmp.data(), bytes);
         if (st.ok()) {
           if (a.loc->tier == Tier::kDevice) {
-            const ParamState& p = I.params[static_cast<size_t>(&a - arrays.data()) / 4];
-            st = I.dev->wait(I.upload, I.groups[p.group].release_event);
+            const ParamId p = static_cast<ParamId>(static_cast<size_t>(&a - arrays.data()) / 4);
+            st = R.wait_released(p);
           }
-          if (st.ok()) st = I.write_array(*a.loc, esz, 0, a.count, tmp.data());
+          if (st.ok()) st = R.write_array(*a.loc, esz, 0, a.count, tmp.data());
         }
         break;
     }
@@ -201,23 +211,16 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
     }
   }
   const auto& ls = meta["loss_scaler"];
-  I.steps = meta.value("step", int64_t{0});
-  I.scaler.dynamic = ls.value("dynamic", false);
-  I.scaler.scale = ls.value("scale", 1.0);
-  I.scaler.iter = ls.value("iter", int64_t{0});
-  I.scaler.last_overflow_iter = ls.value("last_overflow_iter", int64_t{-1});
-  I.scaler.hysteresis = ls.value("hysteresis", 1);
-  I.prev_norm = meta.value("prev_norm", -1.0);
-  I.current_lr = meta.value("lr", I.current_lr);
-  I.opt->set_completed_step(I.steps);
-  I.steps_atomic.store(I.steps, std::memory_order_relaxed);
-  I.invalidate_slots();
-  for (auto& p : I.params) {
-    p.grad_written = false;
-    p.reduced_micro = -1;
-  }
-  I.micro_index = -1;
-  I.overlap_running = false;
+  engine::LossScaler scaler;
+  scaler.dynamic = ls.value("dynamic", false);
+  scaler.scale = ls.value("scale", 1.0);
+  scaler.iter = ls.value("iter", int64_t{0});
+  scaler.last_overflow_iter = ls.value("last_overflow_iter", int64_t{-1});
+  scaler.hysteresis = ls.value("hysteresis", 1);
+  I.stepper.restore(meta.value("step", int64_t{0}), scaler, meta.value("prev_norm", -1.0),
+                    meta.value("lr", I.stepper.current_lr()));
+  I.uploader.invalidate_slots();
+  I.reset_step();
   I.broken = false;
   I.broken_status = Status();
   if (extra_json != nullptr) *extra_json = r->info().extra_json;

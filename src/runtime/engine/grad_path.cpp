@@ -1,0 +1,238 @@
+// The gradient path: reduce_grad's downloads and the accumulator thread
+// (see grad_path.h).
+#include "runtime/engine/grad_path.h"
+
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "common/float_convert.h"
+
+namespace strata::engine {
+
+namespace {
+// dst[i] += float(src[i]): the one accumulation formula of every tier.
+void add_f32(float* dst, const void* src, DType dtype, uint64_t n) {
+  switch (dtype) {
+    case DType::kF32: {
+      const float* s = static_cast<const float*>(src);
+      for (uint64_t i = 0; i < n; ++i) dst[i] = dst[i] + s[i];
+      return;
+    }
+    case DType::kBF16: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (uint64_t i = 0; i < n; ++i) dst[i] = dst[i] + bf16_bits_to_f32(s[i]);
+      return;
+    }
+    default: {
+      const auto* s = static_cast<const uint16_t*>(src);
+      for (uint64_t i = 0; i < n; ++i) dst[i] = dst[i] + f16_bits_to_f32(s[i]);
+      return;
+    }
+  }
+}
+}  // namespace
+
+// ---------------------------------------------------------------- creation
+
+Status GradPath::prepare() {
+  params_.resize(reg_.params.size());
+  piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20), 2048);
+  STRATA_ASSIGN_OR_RETURN(download_, reg_.dev->create_stream("strata download"));
+  STRATA_ASSIGN_OR_RETURN(ev_caller_, reg_.dev->create_event());
+  STRATA_ASSIGN_OR_RETURN(ev_download_, reg_.dev->create_event());
+  return {};
+}
+
+Status GradPath::allocate() {
+  for (uint32_t i = 0; i < kPieces; ++i) {
+    STRATA_ASSIGN_OR_RETURN(auto buf, reg_.pool->allocate(piece_elems_ * 4));
+    dl_.push_back(std::move(buf));
+    dl_free_.push_back(i);
+  }
+  STRATA_ASSIGN_OR_RETURN(scratch_, reg_.pool->allocate(piece_elems_ * 4));
+  return {};
+}
+
+void GradPath::start(std::function<void(GroupId)> on_group_done) {
+  on_group_done_ = std::move(on_group_done);
+  queue_.start([this](const Job& j) { accumulator_main(j); });
+}
+
+void GradPath::stop() {
+  queue_.stop();
+}
+
+GradPath::~GradPath() {
+  stop();
+  dl_.clear();
+  scratch_.reset();
+  if (reg_.dev != nullptr) {
+    reg_.dev->destroy_event(ev_caller_);
+    reg_.dev->destroy_event(ev_download_);
+    if (download_) (void)reg_.dev->destroy_stream(download_);
+  }
+}
+
+// ---------------------------------------------------------------- the accumulator thread
+
+void GradPath::accumulator_main(const Job& j) {
+  Status st;
+  if (j.kind == Job::kAccum) st = accumulate(j);
+  errors_.set(st);  // before the piece is free: whoever sees the piece sees the error
+  if (j.kind == Job::kAccum) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dl_free_.push_back(j.slot);
+    }
+    cv_.notify_all();
+  } else {
+    on_group_done_(j.group);  // every accumulation of the group is done
+  }
+}
+
+Status GradPath::accumulate(const Job& j) {
+  ParamState& p = reg_.params[j.param];
+  const void* src = dl_[j.slot].data();
+  Tracer* tracer = reg_.tracer.get();
+  TraceSpan span(tracer, "accumulate", trace_cat::kOptim, {{"elements", j.count}, {"first", int{j.first}}});
+  if (p.grad.tier == Tier::kHost) {
+    float* dst = static_cast<float*>(p.grad.ptr) + j.offset;
+    if (j.first)
+      widen_to_f32(src, j.dtype, j.count, dst);
+    else
+      add_f32(dst, src, j.dtype, j.count);
+    return {};
+  }
+  // NVMe: the same arithmetic through the scratch buffer.
+  float* buf = scratch_.as<float>();
+  const uint64_t bytes = j.count * 4;
+  if (j.first) {
+    widen_to_f32(src, j.dtype, j.count, buf);
+  } else {
+    const uint64_t t0 = Tracer::now_ns();
+    Status st = reg_.sync_io(reg_.store->read(p.grad.swap, j.offset * 4, bytes, buf), false, bytes);
+    if (!st.ok())
+      return st.with_context(
+          fmt::format("engine: reading the gradient of {} (elements {}..{})", p.name, j.offset, j.offset + j.count));
+    if (tracer) tracer->complete("nvme_read", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", bytes}});
+    add_f32(buf, src, j.dtype, j.count);
+  }
+  const uint64_t t0 = Tracer::now_ns();
+  Status st = reg_.sync_io(reg_.store->write(p.grad.swap, j.offset * 4, bytes, buf), true, bytes);
+  if (!st.ok())
+    return st.with_context(
+        fmt::format("engine: writing the gradient of {} (elements {}..{})", p.name, j.offset, j.offset + j.count));
+  if (tracer) tracer->complete("nvme_write", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", bytes}});
+  return {};
+}
+
+// ---------------------------------------------------------------- driving thread
+
+// A host function on the download stream queues the job once the stream got
+// there (the piece's copy is done; a marker follows every piece before it).
+Status GradPath::queue_from_stream(const Job& j) {
+  WorkQueue<Job>* q = &queue_;
+  return reg_.dev->host_func_async(download_, [q, j] {
+    q->push(j);
+    return Status();
+  });
+}
+
+Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream* stream, int64_t micro_index) {
+  ParamState& p = reg_.params[id];
+  ParamGrad& pg = params_[id];
+  if (pg.reduced_micro == micro_index)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: reduce_grad({}): reduced twice in micro-batch {}", p.name, micro_index));
+  pg.reduced_micro = micro_index;
+  const bool first = !pg.written;
+  pg.written = true;
+  STRATA_RETURN_IF_ERROR(reg_.dev->record(ev_caller_, stream));
+  STRATA_RETURN_IF_ERROR(reg_.dev->wait(download_, ev_caller_));
+  const size_t esz = dtype_size(dtype);
+  const uint64_t n = p.shard.size();
+  for (uint64_t off = 0; off < n; off += piece_elems_) {
+    const uint64_t cnt = std::min(piece_elems_, n - off);
+    uint32_t slot;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      while (dl_free_.empty()) {
+        if (cv_.wait_for(lock, std::chrono::milliseconds(50)) == std::cv_status::timeout) {
+          lock.unlock();
+          auto q = reg_.dev->query(download_);
+          if (!q.ok()) return q.status().with_context(fmt::format("engine: reduce_grad({})", p.name));
+          lock.lock();
+        }
+      }
+      slot = dl_free_.back();
+      dl_free_.pop_back();
+    }
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dl_[slot].data(),
+                                            static_cast<const char*>(grad) + (p.shard.begin + off) * esz, cnt * esz,
+                                            CopyKind::kDeviceToHost, download_));
+    reg_.traffic.d2h += cnt * esz;
+    Job j;
+    j.kind = Job::kAccum;
+    j.slot = slot;
+    j.param = id;
+    j.group = p.group;
+    j.offset = off;
+    j.count = cnt;
+    j.dtype = dtype;
+    j.first = first;
+    STRATA_RETURN_IF_ERROR(queue_from_stream(j));
+  }
+  return {};
+}
+
+Status GradPath::queue_group_done(GroupId g) {
+  Job j;
+  j.kind = Job::kGroupDone;
+  j.group = g;
+  return queue_from_stream(j);
+}
+
+Status GradPath::end_reduce(DeviceStream* stream) {
+  STRATA_RETURN_IF_ERROR(reg_.dev->record(ev_download_, download_));
+  return reg_.dev->wait(stream, ev_download_);
+}
+
+Status GradPath::wait_idle() {
+  Status st = reg_.dev->synchronize(download_);
+  queue_.wait_idle();
+  return st;
+}
+
+Status GradPath::zero_grad(ParamId id) {
+  ParamState& p = reg_.params[id];
+  const uint64_t n = p.shard.size();
+  if (p.grad.tier == Tier::kHost) {
+    std::memset(p.grad.ptr, 0, n * 4);
+    return {};
+  }
+  std::memset(dl_[0].data(), 0, piece_elems_ * 4);
+  for (uint64_t off = 0; off < n; off += piece_elems_)
+    STRATA_RETURN_IF_ERROR(reg_.write_array(p.grad, 4, off, std::min(piece_elems_, n - off), dl_[0].data()));
+  return {};
+}
+
+// A parameter no micro-batch reduced has a zero gradient this step.
+Status GradPath::zero_unwritten() {
+  for (ParamId id = 0; id < params_.size(); ++id)
+    if (!params_[id].written) {
+      Status z = zero_grad(id);
+      if (!z.ok()) return z.with_context("engine: zeroing an unreduced gradient");
+    }
+  return {};
+}
+
+void GradPath::reset_step() {
+  for (auto& pg : params_) {
+    pg.written = false;
+    pg.reduced_micro = -1;
+  }
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,112 @@
+// GradPath: the gradients' way from the trainer's device buffers into each
+// parameter's fp32 accumulator.
+//
+// Owns: the download stream and its two events, the pinned download pieces
+// (kPieces buffers of piece_elems() fp32 elements) and their free list, the
+// accumulation scratch buffer, every parameter's per-step gradient state
+// (reduced in which micro-batch, written this step), and the accumulator
+// thread with its queue.
+// Thread: reduce()/queue_group_done()/end_reduce() on the driving thread (one
+// copy per piece on the download stream, then a host function on that stream
+// queues the piece); the accumulator thread writes float(g) (first
+// micro-batch) or adds float(g) into the host-tier accumulator, or does the
+// same arithmetic as an NVMe read-add-write through the scratch buffer.
+// Borrows: the registry (params, device, swap store, tracer, counters, pool),
+// the engine's AsyncError (an accumulation's I/O error), and the
+// on_group_done callback (overlap mode: the stepper's update queue), called
+// on the accumulator thread after every piece of the group was added.
+// Must not: change the accumulation order or arithmetic (host and NVMe
+// results are bit-identical); allocate per reduce (the pieces are the
+// back-pressure: reduce() waits for a free one).
+#pragma once
+
+#include <condition_variable>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "runtime/engine/async_error.h"
+#include "runtime/engine/registry.h"
+#include "runtime/engine/work_queue.h"
+
+namespace strata::engine {
+
+class GradPath {
+ public:
+  static constexpr uint32_t kPieces = 4;  // download pieces in flight (plus one scratch buffer)
+
+  GradPath(Registry& reg, AsyncError& errors) : reg_(reg), errors_(errors) {}
+  ~GradPath();
+  GradPath(const GradPath&) = delete;
+  GradPath& operator=(const GradPath&) = delete;
+
+  // ---- create()
+  // Sizes the pieces (up to 4 Mi elements) and creates the download stream
+  // and its events.
+  Status prepare();
+  uint64_t piece_elems() const { return piece_elems_; }
+  Status allocate();  // pieces and scratch, from the registry's pool
+  void start(std::function<void(GroupId)> on_group_done);
+  void stop();  // finishes queued accumulations, joins the thread
+  DeviceStream* download() const { return download_; }
+
+  // ---- driving thread
+  // Checks that p was not reduced in `micro_index` yet, then copies its
+  // shard of `grad` piece by piece (device -> pinned, download stream, after
+  // `stream`'s current point) and queues each piece for the accumulator.
+  Status reduce(ParamId p, const void* grad, DType dtype, DeviceStream* stream, int64_t micro_index);
+  // Overlap mode: a marker behind the group's pieces; the accumulator hands
+  // the group to on_group_done once it gets there.
+  Status queue_group_done(GroupId g);
+  // `stream` waits for the downloads queued so far (the caller may then
+  // reuse its gradient buffer).
+  Status end_reduce(DeviceStream* stream);
+  // Synchronizes the download stream, then waits for the accumulator.
+  Status wait_idle();
+  // step(): accumulators no micro-batch wrote this step are zeroed.
+  Status zero_unwritten();
+  // Forgets the step's per-parameter state.
+  void reset_step();
+  // Pieces 0 and 1 as bounce buffers (driving thread, path idle).
+  Bounce bounce() const { return Bounce{dl_[0].as<float>(), dl_[1].data(), piece_elems_}; }
+
+ private:
+  struct Job {
+    enum Kind { kAccum, kGroupDone } kind = kAccum;
+    uint32_t slot = 0;  // download piece
+    ParamId param = 0;
+    GroupId group = 0;
+    uint64_t offset = 0, count = 0;  // elements of the shard
+    DType dtype = DType::kF32;
+    bool first = false;
+  };
+  struct ParamGrad {
+    bool written = false;        // a micro-batch of this step wrote the accumulator
+    int64_t reduced_micro = -1;  // micro-batch index of the last reduce
+  };
+
+  void accumulator_main(const Job& j);  // accumulator thread
+  Status accumulate(const Job& j);      // accumulator thread
+  Status queue_from_stream(const Job& j);
+  Status zero_grad(ParamId p);
+
+  Registry& reg_;
+  AsyncError& errors_;
+  std::function<void(GroupId)> on_group_done_;
+  std::vector<ParamGrad> params_;  // driving thread
+
+  DeviceStream* download_ = nullptr;
+  DeviceEvent* ev_caller_ = nullptr;    // caller's stream point before a download
+  DeviceEvent* ev_download_ = nullptr;  // download done: the caller's stream waits
+
+  // Download pieces and scratch (elements of fp32 each).
+  uint64_t piece_elems_ = 0;
+  std::vector<io::PinnedBuffer> dl_;
+  std::mutex mu_;
+  std::condition_variable cv_;     // a piece was freed
+  std::vector<uint32_t> dl_free_;  // guarded by mu_
+  io::PinnedBuffer scratch_;       // accumulator thread: fp32 read-add-write
+  WorkQueue<Job> queue_;
+};
+
+}  // namespace strata::engine

@@ -1,0 +1,392 @@
+// The registry: validation, budgets and the plan, the parameter and group
+// lists, and the storage behind every array (see registry.h).
+#include "runtime/engine/registry.h"
+
+#include <fmt/format.h>
+#include <sys/statvfs.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+
+#include "common/log.h"
+#include "common/units.h"
+
+namespace strata::engine {
+
+namespace {
+
+// Free bytes of the filesystem that holds `path` (or would: the nearest
+// existing ancestor, since the swap store creates missing directories).
+uint64_t free_space(const std::string& path) {
+  std::filesystem::path p = std::filesystem::absolute(path);
+  std::error_code ec;
+  while (!p.empty() && !std::filesystem::exists(p, ec) && p != p.parent_path()) p = p.parent_path();
+  struct statvfs s {};
+  if (::statvfs(p.c_str(), &s) != 0) return 0;
+  return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
+}
+
+// Bytes the pinned pool maps for one buffer (see PinnedPool::allocate).
+uint64_t pool_bytes(uint64_t b) {
+  return round_up(b, kHugePageSize);
+}
+
+}  // namespace
+
+// fp32 -> the compute dtype: cpu_optim's vectorized round-to-nearest-even
+// (the same bits as the optimizer's params_out), a copy for fp32.
+Status narrow_from_f32(const float* src, DType dtype, uint64_t n, void* dst) {
+  if (dtype == DType::kF32) {
+    std::memcpy(dst, src, n * 4);
+    return {};
+  }
+  return cpu_optim::convert(src, dst, dtype, n);
+}
+
+// ---------------------------------------------------------------- creation
+
+Status Registry::init(const EngineOptions& opts) {
+  options = opts;
+  STRATA_RETURN_IF_ERROR(validate());
+
+  // ---- device
+  if (options.device != nullptr) {
+    dev = options.device;
+  } else {
+    DeviceBackendOptions d;
+    d.kind = options.device_kind;
+    d.device = options.device_ordinal;
+    d.budget_bytes = cfg.strata.device_memory;  // 0: detect (free device memory)
+    STRATA_ASSIGN_OR_RETURN(owned_device, create_device_backend(d));
+    dev = owned_device.get();
+  }
+  STRATA_RETURN_IF_ERROR(make_plan_for_budgets());
+
+  // ---- tracer, I/O
+  if (!cfg.strata.trace.empty()) {
+    STRATA_ASSIGN_OR_RETURN(tracer, Tracer::open(cfg.strata.trace));
+    trace_h2d = tracer->add_track("engine upload stream (h2d)");
+    trace_d2h = tracer->add_track("engine download stream (d2h)");
+  }
+  io::IoEngineOptions io_opts;
+  io_opts.backend = cfg.strata.io_backend == IoBackendChoice::kAuto ? "" : io_backend_name(cfg.strata.io_backend);
+  io_opts.queue_depth = static_cast<unsigned>(cfg.aio.queue_depth);
+  io_opts.block_bytes = cfg.aio.block_size;
+  STRATA_ASSIGN_OR_RETURN(io, io::make_io_engine(io_opts));
+  list_params_and_groups();
+  return {};
+}
+
+Status Registry::validate() {
+  const ModelSpec& model = options.model;
+  STRATA_RETURN_IF_ERROR(validate_model_spec(model));
+  if (model.params.empty()) return Status(StatusCode::kInvalidArgument, "engine: the model has no parameters");
+  const uint32_t ws = std::max(model.world_size, cfg.strata.world_size);
+  if (ws > 1)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("engine: world_size {} needs the collective layer (all-gather in acquire, "
+                              "reduce-scatter in reduce_grad), which is not built yet; run with world_size 1",
+                              ws));
+  if (cfg.strata.overlap_backward && cfg.fp16.enabled && cfg.fp16.loss_scale == 0)
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: strata.overlap_backward cannot be combined with fp16 dynamic loss scaling (an overflow "
+                  "found after some groups were updated could not skip the step); use bf16, a fixed "
+                  "fp16.loss_scale, or turn overlap_backward off");
+  if (!cfg.optimizer.bias_correction)
+    return Status(StatusCode::kUnavailable,
+                  "engine: optimizer.params.bias_correction=false is not supported by the CPU optimizer");
+  bool has_bf16 = false, has_f16 = false;
+  for (const auto& p : model.params) {
+    has_bf16 |= p.compute_dtype == DType::kBF16;
+    has_f16 |= p.compute_dtype == DType::kF16;
+  }
+  if (has_bf16 && has_f16)
+    return Status(StatusCode::kUnavailable,
+                  "engine: a model mixing bf16 and fp16 compute dtypes is not supported (one optimizer pass "
+                  "writes one compute dtype)");
+  out_dtype = has_f16 ? DType::kF16 : DType::kBF16;
+  return {};
+}
+
+// Budgets left at 0 ("detect") are measured; the plan must keep master,
+// optimizer states and gradients off the device.
+Status Registry::make_plan_for_budgets() {
+  PlanBudgets b;
+  const PlanBudgets& ov = options.budgets_override;
+  b.device_bytes = ov.device_bytes ? ov.device_bytes
+                                   : (cfg.strata.device_memory ? cfg.strata.device_memory : dev->memory_stats().budget);
+  b.host_bytes =
+      ov.host_bytes ? ov.host_bytes : (cfg.strata.host_memory ? cfg.strata.host_memory : host_memory_available());
+  b.pinned_bytes = ov.pinned_bytes ? ov.pinned_bytes : cfg.strata.pinned_memory;
+  b.nvme = !ov.nvme.empty() ? ov.nvme : cfg.nvme_dirs();
+  for (auto& d : b.nvme)
+    if (d.capacity == 0) d.capacity = free_space(d.path);
+  PlanOptions po = plan_options_from_config(cfg);
+  STRATA_ASSIGN_OR_RETURN(plan, make_plan(options.model, b, po));
+  for (const auto& g : plan.groups)
+    for (StateKind k : {StateKind::kMaster, StateKind::kOptimizer, StateKind::kGrad})
+      if (g.tier[static_cast<int>(k)] == Tier::kDevice)
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("engine: group {}: the plan puts the {} on the device, but the device-side "
+                                  "optimizer is not wired into the engine yet; place master, optimizer states and "
+                                  "gradients on host or nvme (offload_optimizer.device cpu/nvme)",
+                                  g.name, state_kind_name(k)));
+  return {};
+}
+
+void Registry::list_params_and_groups() {
+  const ModelSpec& model = options.model;
+  group_names = model.group_names();
+  std::map<std::string, GroupId, std::less<>> gid;
+  groups.resize(group_names.size());
+  for (GroupId g = 0; g < group_names.size(); ++g) {
+    gid[group_names[g]] = g;
+    groups[g].name = group_names[g];
+  }
+  std::map<std::string, const GroupPlan*, std::less<>> gplan;
+  for (const auto& g : plan.groups) gplan[g.name] = &g;
+  params.resize(model.params.size());
+  for (ParamId i = 0; i < model.params.size(); ++i) {
+    const ParamSpec& s = model.params[i];
+    ParamState& p = params[i];
+    p.name = s.name;
+    p.group = gid.at(s.group);
+    p.numel = s.numel();
+    p.dtype = s.compute_dtype;
+    p.shard = shard_range(p.numel, plan.world_size, plan.rank, cfg.strata.shard_alignment);
+    const GroupPlan* gp = gplan.at(s.group);
+    p.compute.tier = gp->tier[static_cast<int>(StateKind::kCompute)];
+    p.master.tier = gp->tier[static_cast<int>(StateKind::kMaster)];
+    p.state[0].tier = p.state[1].tier = gp->tier[static_cast<int>(StateKind::kOptimizer)];
+    p.grad.tier = gp->tier[static_cast<int>(StateKind::kGrad)];
+    groups[p.group].params.push_back(i);
+    groups[p.group].compute_tier = p.compute.tier;
+  }
+}
+
+Status Registry::allocate_arrays() {
+  const size_t state_size = dtype_size(cfg.strata.optimizer_state_dtype);
+  bool any_nvme = false;
+  for (const auto& p : params)
+    any_nvme |= p.compute.tier == Tier::kNvme || p.master.tier == Tier::kNvme || p.state[0].tier == Tier::kNvme ||
+                p.grad.tier == Tier::kNvme;
+  if (any_nvme) {
+    io::SwapStoreOptions so;
+    for (const auto& d : cfg.nvme_dirs()) so.dirs.push_back(d.path);
+    for (const auto& d : options.budgets_override.nvme)
+      if (std::find(so.dirs.begin(), so.dirs.end(), d.path) == so.dirs.end()) so.dirs.push_back(d.path);
+    if (so.dirs.empty())
+      return Status(StatusCode::kInvalidArgument, "engine: state is planned to NVMe but no NVMe directory is set");
+    so.rank = static_cast<int>(plan.rank);
+    STRATA_ASSIGN_OR_RETURN(store, io::SwapStore::create(*io, so));
+  }
+
+  // Host arena: every host-tier array, 4 KiB aligned.
+  uint64_t host_bytes = 0, pinned_bytes = 0;
+  const bool pin_compute = cfg.zero.offload_param.pin_memory;
+  auto host_size = [&](const ArrayLoc& a, uint64_t bytes, bool compute) {
+    if (a.tier != Tier::kHost) return;
+    uint64_t& total = compute && pin_compute ? pinned_bytes : host_bytes;
+    total += round_up(std::max<uint64_t>(bytes, 1), 4096);
+  };
+  for (const auto& p : params) {
+    const uint64_t n = p.shard.padded;
+    host_size(p.compute, n * dtype_size(p.dtype), true);
+    host_size(p.master, n * 4, false);
+    host_size(p.state[0], n * state_size, false);
+    host_size(p.state[1], n * state_size, false);
+    host_size(p.grad, n * 4, false);
+  }
+  if (host_bytes > 0) {
+    STRATA_ASSIGN_OR_RETURN(host_arena, alloc_host(host_bytes));
+  }
+  if (pinned_bytes > 0) {
+    STRATA_ASSIGN_OR_RETURN(pinned_arena, dev->alloc_pinned(pinned_bytes));
+  }
+  uint64_t host_off = 0, pinned_off = 0;
+  auto place = [&](ParamState& p, ArrayLoc& a, uint64_t bytes, const char* kind, bool compute) -> Status {
+    bytes = std::max<uint64_t>(bytes, 1);
+    switch (a.tier) {
+      case Tier::kHost: {
+        if (compute && pin_compute) {
+          a.ptr = static_cast<char*>(pinned_arena.ptr) + pinned_off;
+          pinned_off += round_up(bytes, 4096);
+        } else {
+          a.ptr = static_cast<char*>(host_arena.ptr) + host_off;
+          host_off += round_up(bytes, 4096);
+        }
+        return {};
+      }
+      case Tier::kNvme: {
+        auto t = store->add_tensor(p.name + "." + kind, round_up(bytes, 4096));
+        if (!t.ok()) return t.status().with_context(fmt::format("engine: placing {} of {} on NVMe", kind, p.name));
+        a.swap = *t;
+        return {};
+      }
+      case Tier::kDevice: {
+        auto d = dev->alloc(bytes);
+        if (!d.ok())
+          return d.status().with_context(fmt::format("engine: placing the {} of {} on the device", kind, p.name));
+        a.ptr = *d;
+        device_blocks.push_back(*d);
+        // Fresh device memory is poisoned on the host backend: start from zeros like every other tier.
+        STRATA_RETURN_IF_ERROR(dev->fill_zero_async(a.ptr, bytes, upload));
+        return {};
+      }
+      default:
+        return Status(StatusCode::kInternal, fmt::format("engine: {} of {} has no tier", kind, p.name));
+    }
+  };
+  STRATA_ASSIGN_OR_RETURN(upload, dev->create_stream("strata upload"));
+  for (auto& p : params) {
+    const uint64_t n = p.shard.padded;
+    STRATA_RETURN_IF_ERROR(place(p, p.compute, n * dtype_size(p.dtype), "compute", true));
+    STRATA_RETURN_IF_ERROR(place(p, p.master, n * 4, "master", false));
+    STRATA_RETURN_IF_ERROR(place(p, p.state[0], n * state_size, "exp_avg", false));
+    STRATA_RETURN_IF_ERROR(place(p, p.state[1], n * state_size, "exp_avg_sq", false));
+    STRATA_RETURN_IF_ERROR(place(p, p.grad, n * 4, "grad", false));
+    p.refresh_from_master = p.compute.tier == Tier::kDevice || p.dtype == DType::kF32;
+  }
+  STRATA_RETURN_IF_ERROR(dev->synchronize(upload));
+  for (auto& g : groups) {
+    STRATA_ASSIGN_OR_RETURN(g.release_event, dev->create_event());
+  }
+  return {};
+}
+
+uint64_t Registry::max_shard_elems() const {
+  uint64_t m = 0;
+  for (const auto& p : params) m = std::max(m, p.shard.padded);
+  return m;
+}
+
+// Pinned pool: upload staging, download pieces, accumulation scratch, optimizer ring.
+Status Registry::create_pinned_pool(const PinnedNeeds& n) {
+  uint64_t pool_total = kHugePageSize + pool_bytes(n.piece_bytes) * n.pieces + pool_bytes(n.ring_slot) * n.ring +
+                        pool_bytes(n.staging_bytes) * n.staging;
+  if (plan.budgets.pinned_bytes > 0 && pool_total > plan.budgets.pinned_bytes)
+    return Status(
+        StatusCode::kOutOfBudget,
+        fmt::format("engine: pinned buffers need {} (optimizer ring {} x {}, {} upload staging x {}, {} "
+                    "gradient pieces of {}) but the pinned budget is {}: {} short; lower "
+                    "strata.optimizer_chunk or offload_optimizer.buffer_count, or raise strata.pinned_memory",
+                    format_bytes(pool_total), n.ring, format_bytes(n.ring_slot), n.staging,
+                    format_bytes(n.staging_bytes), n.pieces, format_bytes(n.piece_bytes),
+                    format_bytes(plan.budgets.pinned_bytes), format_bytes(pool_total - plan.budgets.pinned_bytes)));
+  io::PinnedPoolOptions ppo;
+  ppo.budget_bytes = pool_total;
+  ppo.slab_bytes = kHugePageSize;
+  if (dev->host_registrar() != nullptr) ppo.registrars.push_back(dev->host_registrar());
+  ppo.registrars.push_back(io->buffer_registrar());
+  STRATA_ASSIGN_OR_RETURN(pool, io::PinnedPool::create(ppo));
+  return {};
+}
+
+Registry::~Registry() {
+  // The parts have returned their pinned buffers and device blocks by now.
+  pool.reset();
+  if (dev != nullptr) {
+    for (auto& g : groups) dev->destroy_event(g.release_event);
+    if (upload) (void)dev->destroy_stream(upload);
+    for (void* p : device_blocks) (void)dev->free(p);
+    if (pinned_arena.ptr) dev->free_pinned(pinned_arena);
+  }
+  if (host_arena.ptr) free_host(host_arena);
+  if (store) {
+    Status st = store->close();
+    if (!st.ok()) log_error("engine: closing the swap store: {}", st.message());
+  }
+  store.reset();
+  io.reset();
+  if (tracer) {
+    Status st = tracer->close();
+    if (!st.ok()) log_error("engine: writing the trace: {}", st.message());
+  }
+}
+
+// ---------------------------------------------------------------- array helpers
+
+Status Registry::sync_io(io::IoHandle h, bool write, uint64_t bytes) {
+  Status st = h.wait();
+  if (st.ok()) (write ? traffic.nvme_write : traffic.nvme_read) += bytes;
+  return st;
+}
+
+Status Registry::traced_copy(void* dst, const void* src, size_t bytes, CopyKind kind, DeviceStream* s) {
+  if (tracer == nullptr || !tracer->enabled()) return dev->copy_async(dst, src, bytes, kind, s);
+  auto t0 = std::make_shared<uint64_t>(0);
+  STRATA_RETURN_IF_ERROR(dev->host_func_async(s, [t0] {
+    *t0 = Tracer::now_ns();
+    return Status();
+  }));
+  STRATA_RETURN_IF_ERROR(dev->copy_async(dst, src, bytes, kind, s));
+  Tracer* tr = tracer.get();
+  const bool up = kind == CopyKind::kHostToDevice;
+  const uint32_t track = up ? trace_h2d : trace_d2h;
+  return dev->host_func_async(s, [tr, t0, bytes, up, track] {
+    tr->complete(up ? "h2d" : "d2h", trace_cat::kCopy, *t0, Tracer::now_ns(), {{"bytes", uint64_t{bytes}}}, track);
+    return Status();
+  });
+}
+
+Status Registry::read_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64_t count, void* dst) {
+  const uint64_t bytes = count * esz;
+  switch (a.tier) {
+    case Tier::kHost:
+      std::memcpy(dst, static_cast<const char*>(a.ptr) + off * esz, bytes);
+      return {};
+    case Tier::kNvme:
+      return sync_io(store->read(a.swap, off * esz, bytes, dst), false, bytes);
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(
+          traced_copy(dst, static_cast<const char*>(a.ptr) + off * esz, bytes, CopyKind::kDeviceToHost, upload));
+      traffic.d2h += bytes;
+      return dev->synchronize(upload);
+    default:
+      return Status(StatusCode::kInternal, "engine: array without a tier");
+  }
+}
+
+Status Registry::write_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64_t count, const void* src) {
+  const uint64_t bytes = count * esz;
+  switch (a.tier) {
+    case Tier::kHost:
+      std::memcpy(static_cast<char*>(a.ptr) + off * esz, src, bytes);
+      return {};
+    case Tier::kNvme:
+      return sync_io(store->write(a.swap, off * esz, bytes, src), true, bytes);
+    case Tier::kDevice:
+      STRATA_RETURN_IF_ERROR(
+          traced_copy(static_cast<char*>(a.ptr) + off * esz, src, bytes, CopyKind::kHostToDevice, upload));
+      traffic.h2d += bytes;
+      return dev->synchronize(upload);
+    default:
+      return Status(StatusCode::kInternal, "engine: array without a tier");
+  }
+}
+
+Status Registry::wait_released(ParamId id) {
+  return dev->wait(upload, groups[params[id].group].release_event);
+}
+
+// The compute copy rebuilt from the master (round to nearest even, as the
+// optimizer's params_out): device-homed and fp32 compute copies.
+Status Registry::refresh_compute(ParamId id, const Bounce& b) {
+  ParamState& p = params[id];
+  const size_t esz = dtype_size(p.dtype);
+  if (p.compute.tier == Tier::kDevice) STRATA_RETURN_IF_ERROR(wait_released(id));
+  float* f = b.f32;
+  void* c = b.compute;
+  const uint64_t n = p.shard.size();
+  for (uint64_t off = 0; off < n; off += b.elems) {
+    const uint64_t cnt = std::min(b.elems, n - off);
+    STRATA_RETURN_IF_ERROR(read_array(p.master, 4, off, cnt, f));
+    STRATA_RETURN_IF_ERROR(narrow_from_f32(f, p.dtype, cnt, c));
+    STRATA_RETURN_IF_ERROR(write_array(p.compute, esz, off, cnt, c));
+  }
+  return {};
+}
+
+}  // namespace strata::engine

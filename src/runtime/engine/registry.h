@@ -1,0 +1,153 @@
+// Registry: what the engine's state is and where each byte of it lives.
+//
+// Owns: the config, model and plan; every parameter's shard and its arrays
+// (compute copy, fp32 master, two optimizer states, fp32 gradient accumulator)
+// with their home tier and storage (the host arena, the pinned arena of host
+// compute copies, the device blocks of device-homed compute copies, the swap
+// store's tensors); the groups; the shared services the parts borrow (the
+// device backend, the tracer, the I/O engine, the swap store, the pinned pool,
+// the upload stream) and the traffic counters.
+// Thread: built by create() on the creating thread; afterwards the layout is
+// read-only and any thread may read it. The array helpers run on the driving
+// thread while the engine is idle (they use the upload stream and borrowed
+// bounce buffers).
+// Must not: run work of its own or keep per-step state; the pinned pool is
+// created here but its buffers belong to the parts that allocate them.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/host_memory.h"
+#include "io/io_engine.h"
+#include "io/pinned_pool.h"
+#include "io/swap_store.h"
+#include "runtime/engine.h"
+#include "runtime/nvme_optimizer.h"
+#include "runtime/trace.h"
+
+namespace strata::engine {
+
+inline uint64_t round_up(uint64_t v, uint64_t a) {
+  return (v + a - 1) / a * a;
+}
+
+// One array of one parameter's shard on its home tier.
+struct ArrayLoc {
+  Tier tier = Tier::kAuto;  // kDevice, kHost or kNvme once allocated
+  void* ptr = nullptr;      // kHost: host memory; kDevice: device memory
+  io::SwapTensor swap;      // kNvme
+  Placement placement() const {
+    if (tier == Tier::kNvme) return Placement::in_swap(swap);
+    return Placement::in_host(ptr);
+  }
+};
+
+struct ParamState {
+  std::string name;
+  GroupId group = 0;
+  uint64_t numel = 0;
+  DType dtype = DType::kBF16;  // compute dtype
+  ShardRange shard;
+  ArrayLoc compute, master, state[2], grad;
+  bool refresh_from_master = false;  // compute copy rebuilt from the master after a step
+};
+
+struct GroupInfo {
+  std::string name;
+  std::vector<ParamId> params;
+  Tier compute_tier = Tier::kAuto;
+  // Device-homed groups: recorded by release(); whoever rewrites the compute
+  // copy on the upload stream waits on it first.
+  DeviceEvent* release_event = nullptr;
+};
+
+// Cumulative traffic (relaxed atomics; stats() may read them on any thread).
+struct TrafficCounters {
+  std::atomic<uint64_t> nvme_read{0}, nvme_write{0}, h2d{0}, d2h{0};
+};
+
+// The pinned buffers every part asks for, so the pool is sized (and checked
+// against strata.pinned_memory) once, with one message naming each.
+struct PinnedNeeds {
+  unsigned ring = 0;           // optimizer ring buffers (stepper)
+  uint64_t ring_slot = 0;      // bytes each
+  uint32_t staging = 0;        // upload staging buffers (uploader)
+  uint64_t staging_bytes = 0;  // bytes each
+  uint32_t pieces = 0;         // gradient pieces + accumulation scratch (gradient path)
+  uint64_t piece_bytes = 0;    // bytes each
+};
+
+// Two pinned buffers of `elems` elements of 4 bytes, borrowed from the
+// gradient path while it is idle, for conversions between tiers.
+struct Bounce {
+  float* f32 = nullptr;
+  void* compute = nullptr;
+  uint64_t elems = 0;
+};
+
+struct Registry {
+  EngineOptions options;
+  Config& cfg = options.config;
+  Plan plan;
+  DType out_dtype = DType::kBF16;  // the compute dtype the optimizer writes
+  std::vector<std::string> group_names;
+  std::vector<GroupInfo> groups;
+  std::vector<ParamState> params;
+
+  std::unique_ptr<DeviceBackend> owned_device;
+  DeviceBackend* dev = nullptr;
+  std::unique_ptr<Tracer> tracer;
+  uint32_t trace_h2d = 0, trace_d2h = 0;  // tracer tracks of the two streams
+  std::unique_ptr<io::IoEngine> io;
+  std::unique_ptr<io::SwapStore> store;
+  std::unique_ptr<io::PinnedPool> pool;
+  // Host tier arena and device-resident compute copies.
+  HostAllocation host_arena;
+  HostAllocation pinned_arena;  // host compute copies with offload_param.pin_memory
+  std::vector<void*> device_blocks;
+  // Uploads and the array helpers' device copies.
+  DeviceStream* upload = nullptr;
+
+  TrafficCounters traffic;
+
+  Registry() = default;
+  Registry(const Registry&) = delete;
+  Registry& operator=(const Registry&) = delete;
+  ~Registry();
+
+  // Validates config and model, creates the device (if not given), resolves
+  // budgets, plans, opens the tracer and I/O engine, lists params and groups.
+  Status init(const EngineOptions& opts);
+  // The swap store, the arenas, the upload stream; every array placed
+  // (zeroed) on its home tier; the release events of the groups.
+  Status allocate_arrays();
+  // Checks `needs` against the pinned budget and creates the pool.
+  Status create_pinned_pool(const PinnedNeeds& needs);
+  // Largest padded shard of any parameter (elements).
+  uint64_t max_shard_elems() const;
+
+  // ---- array helpers (driving thread, engine idle)
+  Status read_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64_t count, void* dst);
+  Status write_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64_t count, const void* src);
+  // The compute copy rebuilt from the master (device-homed and fp32 copies).
+  Status refresh_compute(ParamId p, const Bounce& b);
+  // The upload stream waits for the last release of p's (device-homed) group.
+  Status wait_released(ParamId p);
+  Status sync_io(io::IoHandle h, bool write, uint64_t bytes);
+  // copy_async with h2d/d2h trace events timed by host functions (only when tracing).
+  Status traced_copy(void* dst, const void* src, size_t bytes, CopyKind kind, DeviceStream* s);
+
+ private:
+  Status validate();
+  Status make_plan_for_budgets();
+  void list_params_and_groups();
+};
+
+// fp32 -> compute dtype (cpu_optim::convert's round to nearest even; fp32 copies).
+// The other way is widen_to_f32 (common/float_convert.h).
+Status narrow_from_f32(const float* src, DType dtype, uint64_t n, void* dst);
+
+}  // namespace strata::engine

@@ -1,0 +1,222 @@
+// The stepper: norm, loss scaling, clipping, the optimizer per group, the
+// overlap-with-backward thread and the compute-copy refresh (see stepper.h).
+#include "runtime/engine/stepper.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "common/log.h"
+
+namespace strata::engine {
+
+// ---------------------------------------------------------------- creation
+
+void Stepper::configure() {
+  const Config& cfg = reg_.cfg;
+  opt_config_.kind =
+      cfg.optimizer.decoupled_weight_decay() ? cpu_optim::OptimizerKind::kAdamW : cpu_optim::OptimizerKind::kAdam;
+  opt_config_.lr = cfg.optimizer.lr;
+  opt_config_.beta1 = cfg.optimizer.beta1;
+  opt_config_.beta2 = cfg.optimizer.beta2;
+  opt_config_.eps = cfg.optimizer.eps;
+  opt_config_.weight_decay = cfg.optimizer.weight_decay;
+  current_lr_ = cfg.optimizer.lr;
+  // DeepSpeed's DynamicLossScaler / static scale.
+  scaler_.configure(cfg.fp16);
+
+  const size_t state_size = dtype_size(cfg.strata.optimizer_state_dtype);
+  const int nstates = cpu_optim::state_count(opt_config_);
+  chunk_ = round_up(std::min<uint64_t>(cfg.strata.optimizer_chunk, reg_.max_shard_elems()), 2048);
+  ring_ = static_cast<unsigned>(std::clamp<uint64_t>(cfg.zero.offload_optimizer.buffer_count, 2, 64));
+  ring_slot_ = round_up(chunk_ * 4, 4096) * 2 + round_up(chunk_ * state_size, 4096) * nstates +
+               round_up(chunk_ * dtype_size(reg_.out_dtype), 4096);
+}
+
+Status Stepper::allocate() {
+  NvmeOptimizerOptions oo;
+  oo.chunk_elems = chunk_;
+  oo.ring_buffers = ring_;
+  oo.state_dtype = reg_.cfg.strata.optimizer_state_dtype;
+  oo.out_dtype = reg_.out_dtype;
+  oo.tracer = reg_.tracer.get();
+  STRATA_ASSIGN_OR_RETURN(opt_, NvmeOptimizer::create(reg_.store.get(), *reg_.pool, opt_config_, oo));
+
+  // Optimizer tensors per group (names borrowed from ParamState::name: params never reallocates now).
+  const int nstates = cpu_optim::state_count(opt_config_);
+  groups_.resize(reg_.groups.size());
+  for (GroupId gi = 0; gi < reg_.groups.size(); ++gi) {
+    for (ParamId id : reg_.groups[gi].params) {
+      ParamState& p = reg_.params[id];
+      OptimizerTensor t;
+      t.name = p.name;
+      t.count = p.shard.size();
+      t.master = p.master.placement();
+      t.grads = p.grad.placement();
+      for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
+      if (!p.refresh_from_master) t.params_out = p.compute.placement();
+      groups_[gi].tensors.push_back(t);
+    }
+  }
+  return {};
+}
+
+void Stepper::start() {
+  if (reg_.cfg.strata.overlap_backward) queue_.start([this](const GroupId& g) { run_group_update(g); });
+}
+
+void Stepper::stop() {
+  queue_.stop();
+}
+
+Stepper::~Stepper() {
+  stop();
+  opt_.reset();
+}
+
+// ---------------------------------------------------------------- overlap with backward
+
+void Stepper::begin_overlap(int64_t micro_batches) {
+  overlap_scale_ = 1.0 / (static_cast<double>(micro_batches) * scaler_.scale);
+  const double clip = reg_.cfg.gradient_clipping;
+  overlap_coef_ = clip > 0 && prev_norm_ >= 0 ? std::min(1.0, clip / (prev_norm_ + 1e-6)) : 1.0;
+  overlap_step_ = steps_ + 1;
+  overlap_lr_ = current_lr_;
+  for (auto& g : groups_) {
+    g.reduced_last = 0;
+    g.queued = g.updated = g.skipped = g.nonfinite = false;
+    g.sum_sq = 0;
+  }
+}
+
+bool Stepper::count_reduced(GroupId gi) {
+  GroupUpdate& g = groups_[gi];
+  if (++g.reduced_last != reg_.groups[gi].params.size()) return false;
+  g.queued = true;
+  return true;
+}
+
+cpu_optim::OptimizerConfig Stepper::optimizer_config(double lr, double grad_scale) const {
+  cpu_optim::OptimizerConfig c = opt_config_;
+  c.lr = lr;
+  c.grad_scale = grad_scale;
+  return c;
+}
+
+Status Stepper::group_stats(GroupId gi, double scale) {
+  GroupUpdate& g = groups_[gi];
+  auto r = opt_->grad_stats(g.tensors, scale);
+  if (!r.ok()) return r.status().with_context(fmt::format("engine: gradient norm of group {}", reg_.groups[gi].name));
+  g.sum_sq = r->sum_sq;
+  g.nonfinite = r->has_inf_nan;
+  return {};
+}
+
+// Overlap mode: one group's update with the scale and clipping coefficient
+// fixed when the last micro-batch began.
+void Stepper::run_group_update(GroupId gi) {
+  GroupUpdate& g = groups_[gi];
+  Status st = group_stats(gi, overlap_scale_);
+  if (st.ok()) {
+    if (g.nonfinite) {
+      g.skipped = true;
+    } else {
+      st = opt_->step_part(optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_, g.tensors);
+      if (!st.ok())
+        st = st.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
+    }
+  }
+  g.updated = true;
+  if (!st.ok()) errors_.set(st);
+}
+
+// ---------------------------------------------------------------- step
+
+double Stepper::begin_step(bool overlap, double lr) {
+  const double lr_used = overlap ? overlap_lr_ : (lr >= 0 ? lr : current_lr_);
+  if (lr >= 0) current_lr_ = lr;
+  return lr_used;
+}
+
+Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce& bounce, StepResult& r) {
+  r.lr = lr_used;
+  bool updated_any = false;
+  if (overlap) {
+    for (GroupId g = 0; g < groups_.size(); ++g)
+      if (!groups_[g].updated) run_group_update(g);
+    Status e = errors_.take();
+    if (!e.ok()) return e;
+    double sum = 0;
+    for (auto& g : groups_) {
+      sum += g.sum_sq;
+      if (g.skipped) ++r.skipped_groups;
+    }
+    r.grad_norm = std::sqrt(sum);
+    r.clip_coef = overlap_coef_;
+    updated_any = r.skipped_groups < groups_.size();
+    r.skipped = !updated_any;
+    if (std::isfinite(r.grad_norm)) prev_norm_ = r.grad_norm;
+    if (r.skipped_groups > 0)
+      log_warn("engine: step {}: {} group(s) had non-finite gradients and were not updated", overlap_step_,
+               r.skipped_groups);
+  } else {
+    const double scale = 1.0 / (static_cast<double>(micro) * scaler_.scale);
+    double sum = 0;
+    bool nonfinite = false;
+    for (GroupId g = 0; g < groups_.size(); ++g) {
+      STRATA_RETURN_IF_ERROR(group_stats(g, scale));
+      sum += groups_[g].sum_sq;
+      nonfinite = nonfinite || groups_[g].nonfinite;
+    }
+    r.grad_norm = std::sqrt(sum);
+    if (nonfinite) {
+      r.skipped = true;
+      if (scaler_.dynamic)
+        scaler_.update(true, reg_.cfg.fp16);
+      else if (!reg_.cfg.fp16.enabled)
+        log_warn("engine: step {}: non-finite gradients; the step is skipped", steps_ + 1);
+    } else {
+      const double clip = reg_.cfg.gradient_clipping;
+      r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
+      const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
+      for (GroupId g = 0; g < groups_.size(); ++g) {
+        Status s = opt_->step_part(oc, steps_ + 1, groups_[g].tensors);
+        if (!s.ok())
+          return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
+      }
+      updated_any = true;
+      if (scaler_.dynamic) scaler_.update(false, reg_.cfg.fp16);
+      prev_norm_ = r.grad_norm;
+    }
+  }
+  if (updated_any) {
+    ++steps_;
+    for (ParamId id = 0; id < reg_.params.size(); ++id) {
+      if (!reg_.params[id].refresh_from_master) continue;
+      if (overlap && groups_[reg_.params[id].group].skipped) continue;
+      Status s = reg_.refresh_compute(id, bounce);
+      if (!s.ok()) return s.with_context("engine: updating the compute copy of " + reg_.params[id].name);
+    }
+  } else {
+    ++skipped_steps_;
+  }
+  return {};
+}
+
+void Stepper::finish_step(StepResult& r) {
+  steps_atomic_.store(steps_, std::memory_order_relaxed);
+  r.step = steps_;
+  r.loss_scale = scaler_.scale;
+}
+
+void Stepper::restore(int64_t steps, const LossScaler& scaler, double prev_norm, double lr) {
+  steps_ = steps;
+  scaler_ = scaler;
+  prev_norm_ = prev_norm;
+  current_lr_ = lr;
+  opt_->set_completed_step(steps_);
+  steps_atomic_.store(steps_, std::memory_order_relaxed);
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,124 @@
+// Stepper: what step() does to the accumulated gradients.
+//
+// Owns: the optimizer hyper-parameters and the NvmeOptimizer (its pinned
+// ring), each group's optimizer tensors, the loss scaler, the step count,
+// the learning rate, the previous step's norm (overlap clipping), the
+// overlap-with-backward bookkeeping of every group, and the optimizer thread
+// (overlap mode only) with its queue.
+// Thread: update()/begin_overlap()/count_reduced() on the driving thread;
+// run_group_update() on the optimizer thread for groups the accumulator hands
+// over (queue_update, called on the accumulator thread), and on the driving
+// thread in step() for groups that were not complete.
+// Borrows: the registry (params, groups, swap store, pool, tracer, the array
+// helpers for the compute-copy refresh), the engine's AsyncError, and bounce
+// buffers from the gradient path (passed to update()).
+// Must not: change the order of the norm's summation (chunks in order, groups
+// in order) or of the per-group updates; touch device slots (the uploader
+// drops them after the step).
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "runtime/engine/async_error.h"
+#include "runtime/engine/loss_scaler.h"
+#include "runtime/engine/registry.h"
+#include "runtime/engine/work_queue.h"
+
+namespace strata::engine {
+
+class Stepper {
+ public:
+  Stepper(Registry& reg, AsyncError& errors) : reg_(reg), errors_(errors) {}
+  ~Stepper();
+  Stepper(const Stepper&) = delete;
+  Stepper& operator=(const Stepper&) = delete;
+
+  // ---- create()
+  // Hyper-parameters, lr and loss scale from the config; the ring's size.
+  void configure();
+  unsigned ring_buffers() const { return ring_; }
+  uint64_t ring_slot_bytes() const { return ring_slot_; }
+  Status allocate();  // the NvmeOptimizer (ring from the registry's pool) and the group tensors
+  void start();       // the optimizer thread, with strata.overlap_backward
+  void stop();        // finishes queued group updates, joins the thread
+  void wait_idle() { queue_.wait_idle(); }
+
+  // ---- overlap with backward
+  // begin_micro_batch(last): fixes the scale, lr and clipping coefficient of
+  // the step's group updates; `micro_batches` counts the step's micro-batches.
+  void begin_overlap(int64_t micro_batches);
+  bool update_started(GroupId g) const { return groups_[g].queued; }
+  // One more parameter of g reduced in the last micro-batch; true (and the
+  // group counts as queued) when that was its last one.
+  bool count_reduced(GroupId g);
+  // Accumulator thread: every gradient of g is in; update it.
+  void queue_update(GroupId g) { queue_.push(g); }
+
+  // ---- step() (driving thread, engine idle)
+  // The lr of this step (overlap: the one fixed by begin_overlap); lr >= 0
+  // also becomes the current lr.
+  double begin_step(bool overlap, double lr);
+  // Norm, loss scaling, clipping and the optimizer over every group, then the
+  // refreshed compute copies. Fills r's norm, coefficient, skip fields.
+  // Errors are the step's failure (the engine turns broken).
+  Status update(bool overlap, double lr_used, int64_t micro_batches, const Bounce& bounce, StepResult& r);
+  // Publishes the step count; r.step and r.loss_scale.
+  void finish_step(StepResult& r);
+
+  void set_lr(double lr) {
+    if (lr >= 0) current_lr_ = lr;
+  }
+  double loss_scale() const { return scaler_.scale; }
+  int64_t steps() const { return steps_; }
+  int64_t steps_published() const { return steps_atomic_.load(std::memory_order_relaxed); }
+  int64_t skipped_steps() const { return skipped_steps_.load(std::memory_order_relaxed); }
+
+  // ---- checkpoints
+  const LossScaler& scaler() const { return scaler_; }
+  double prev_norm() const { return prev_norm_; }
+  double current_lr() const { return current_lr_; }
+  const cpu_optim::OptimizerConfig& optimizer_config() const { return opt_config_; }
+  // The restored state of a checkpoint at step `steps`.
+  void restore(int64_t steps, const LossScaler& scaler, double prev_norm, double lr);
+
+ private:
+  struct GroupUpdate {
+    std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState
+    // Overlap mode, per step.
+    uint32_t reduced_last = 0;  // params reduced in the last micro-batch
+    bool queued = false;        // handed to the optimizer thread
+    bool updated = false;       // optimizer ran (or was skipped for non-finite grads)
+    bool skipped = false;
+    double sum_sq = 0;
+    bool nonfinite = false;
+  };
+
+  cpu_optim::OptimizerConfig optimizer_config(double lr, double grad_scale) const;
+  Status group_stats(GroupId g, double scale);
+  void run_group_update(GroupId g);  // optimizer thread, or driving thread in step()
+
+  Registry& reg_;
+  AsyncError& errors_;
+  cpu_optim::OptimizerConfig opt_config_;
+  uint64_t chunk_ = 0;
+  unsigned ring_ = 0;
+  uint64_t ring_slot_ = 0;
+  std::unique_ptr<NvmeOptimizer> opt_;
+  std::vector<GroupUpdate> groups_;
+  WorkQueue<GroupId> queue_;  // overlap: groups whose gradients are complete
+
+  LossScaler scaler_;
+  int64_t steps_ = 0;
+  std::atomic<int64_t> steps_atomic_{0};  // mirror of steps_ for stats()
+  std::atomic<int64_t> skipped_steps_{0};
+  double current_lr_ = 0;  // config lr, then the last set_lr()/step(lr)
+  double prev_norm_ = -1;  // overlap clipping: the previous step's norm (< 0: none yet)
+  // Overlap: fixed by begin_overlap for this step's group updates.
+  double overlap_lr_ = 0;
+  double overlap_coef_ = 1, overlap_scale_ = 1;
+  int64_t overlap_step_ = 0;
+};
+
+}  // namespace strata::engine

@@ -1,0 +1,329 @@
+// The uploader: acquire/release with the device-slot cache, prefetch by
+// recorded order, and the uploader thread (see uploader.h).
+#include "runtime/engine/uploader.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "common/log.h"
+#include "common/units.h"
+
+namespace strata::engine {
+
+// ---------------------------------------------------------------- creation
+
+void Uploader::lay_out() {
+  // Group layouts: device slots (256-byte aligned params) and upload staging (4 KiB aligned).
+  groups_.resize(reg_.groups.size());
+  for (GroupId gi = 0; gi < reg_.groups.size(); ++gi) {
+    const GroupInfo& info = reg_.groups[gi];
+    GroupSlots& g = groups_[gi];
+    g.view.resize(info.params.size());
+    for (ParamId id : info.params) {
+      const ParamState& p = reg_.params[id];
+      g.slot_offset.push_back(g.slot_bytes);
+      g.slot_bytes += round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 256);
+      g.staging_offset.push_back(g.staging_bytes);
+      g.staging_bytes += round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 4096);
+    }
+    if (info.compute_tier == Tier::kDevice) {
+      for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = reg_.params[info.params[i]].compute.ptr;
+    } else {
+      any_off_device_ = true;
+      slot_bytes_ = std::max(slot_bytes_, g.slot_bytes);
+    }
+    if (info.compute_tier == Tier::kNvme) {
+      any_nvme_compute_ = true;
+      max_staging_ = std::max(max_staging_, g.staging_bytes);
+    }
+  }
+}
+
+uint32_t Uploader::staging_count() const {
+  return any_nvme_compute_ ? 1 + reg_.plan.prefetch_groups : 0;
+}
+
+Status Uploader::allocate_staging() {
+  const uint32_t nstaging = staging_count();
+  for (uint32_t i = 0; i < nstaging; ++i) {
+    STRATA_ASSIGN_OR_RETURN(auto buf, reg_.pool->allocate(max_staging_));
+    staging_.push_back(std::move(buf));
+    STRATA_ASSIGN_OR_RETURN(auto ev, reg_.dev->create_event());
+    staging_event_.push_back(ev);
+  }
+  return {};
+}
+
+Status Uploader::allocate_slots() {
+  // Device slots for gathered groups: one in use, `depth` prefetched, one more
+  // to keep the last released group (backward starts with it).
+  const uint32_t depth = reg_.plan.prefetch_groups;
+  if (any_off_device_) {
+    const uint32_t want = 2 + depth;
+    for (uint32_t i = 0; i < want; ++i) {
+      auto d = reg_.dev->alloc(slot_bytes_);
+      if (!d.ok()) {
+        if (d.status().code() == StatusCode::kOutOfBudget && i >= 1 + depth && i > 0) break;
+        return d.status().with_context(fmt::format("engine: device buffer {} of {} for gathered groups ({} each)",
+                                                   i + 1, want, format_bytes(slot_bytes_)));
+      }
+      Slot s;
+      s.ptr = *d;
+      slots_.push_back(s);  // before the events: the destructor frees ptr even if an event fails
+      STRATA_ASSIGN_OR_RETURN(slots_.back().ready_event, reg_.dev->create_event());
+      STRATA_ASSIGN_OR_RETURN(slots_.back().release_event, reg_.dev->create_event());
+    }
+  }
+  size_t max_group_params = 0;
+  for (const auto& g : reg_.groups) max_group_params = std::max(max_group_params, g.params.size());
+  upload_handles_.reserve(max_group_params);
+  keep_scratch_.reserve(reg_.plan.prefetch_groups + 1);
+  return {};
+}
+
+void Uploader::start() {
+  queue_.start([this](const int& s) { upload_main(s); });
+}
+
+void Uploader::stop() {
+  queue_.stop();
+}
+
+Uploader::~Uploader() {
+  stop();
+  staging_.clear();
+  if (reg_.dev != nullptr) {
+    for (auto& s : slots_) {
+      reg_.dev->destroy_event(s.ready_event);
+      reg_.dev->destroy_event(s.release_event);
+      (void)reg_.dev->free(s.ptr);
+    }
+    for (auto* e : staging_event_) reg_.dev->destroy_event(e);
+  }
+}
+
+// ---------------------------------------------------------------- the uploader thread
+
+void Uploader::upload_main(int s) {
+  Status st = upload_group(s);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    slots_[s].error = st;
+    slots_[s].enqueued = true;
+  }
+  slot_cv_.notify_all();
+}
+
+Status Uploader::upload_group(int si) {
+  Slot& s = slots_[si];
+  int gi;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    gi = s.group;
+  }
+  const GroupInfo& info = reg_.groups[gi];
+  const GroupSlots& g = groups_[gi];
+  TraceSpan span(reg_.tracer.get(), "upload_group", trace_cat::kRuntime, {{"group", info.name.c_str()}});
+  char* stage = nullptr;
+  size_t stage_index = 0;
+  if (info.compute_tier == Tier::kNvme) {
+    stage_index = next_staging_++ % staging_.size();
+    // The staging buffer is free once the copies out of it (last use) are done.
+    STRATA_RETURN_IF_ERROR(reg_.dev->synchronize(staging_event_[stage_index]));
+    stage = static_cast<char*>(staging_[stage_index].data());
+    const uint64_t t0 = Tracer::now_ns();
+    uint64_t total = 0;
+    std::vector<io::IoHandle>& handles = upload_handles_;
+    handles.clear();
+    for (size_t i = 0; i < info.params.size(); ++i) {
+      const ParamState& p = reg_.params[info.params[i]];
+      const uint64_t len = round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 4096);
+      handles.push_back(reg_.store->read(p.compute.swap, 0, len, stage + g.staging_offset[i]));
+      total += len;
+    }
+    Status first;
+    for (size_t i = 0; i < handles.size(); ++i) {
+      Status st = handles[i].wait();
+      if (!st.ok() && first.ok())
+        first = st.with_context(
+            fmt::format("engine: reading the compute copy of {} from NVMe", reg_.params[info.params[i]].name));
+    }
+    handles.clear();
+    STRATA_RETURN_IF_ERROR(first);
+    reg_.traffic.nvme_read += total;
+    if (reg_.tracer) reg_.tracer->complete("nvme_read", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", total}});
+  }
+  STRATA_RETURN_IF_ERROR(reg_.dev->wait(reg_.upload, s.release_event));
+  for (size_t i = 0; i < info.params.size(); ++i) {
+    const ParamState& p = reg_.params[info.params[i]];
+    const uint64_t bytes = p.numel * dtype_size(p.dtype);
+    const void* src = stage ? stage + g.staging_offset[i] : p.compute.ptr;
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(static_cast<char*>(s.ptr) + g.slot_offset[i], src, bytes,
+                                            CopyKind::kHostToDevice, reg_.upload));
+    reg_.traffic.h2d += bytes;
+  }
+  if (stage) STRATA_RETURN_IF_ERROR(reg_.dev->record(staging_event_[stage_index], reg_.upload));
+  return reg_.dev->record(s.ready_event, reg_.upload);
+}
+
+// ---------------------------------------------------------------- slots and prefetch
+
+// A slot to upload into: free first, else the least recently used cached
+// group outside `keep` (the prefetch window). Caller holds mu_.
+int Uploader::find_victim(const std::vector<GroupId>& keep) {
+  int best = -1;
+  for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
+    const Slot& s = slots_[i];
+    if (s.state == Slot::kFree) return i;
+    if (s.state != Slot::kCached || !s.enqueued) continue;
+    if (std::find(keep.begin(), keep.end(), static_cast<GroupId>(s.group)) != keep.end()) continue;
+    if (best < 0 || s.lru < slots_[best].lru) best = i;
+  }
+  return best;
+}
+
+// Caller holds mu_. Puts group g into a slot and queues its upload.
+Status Uploader::start_upload(GroupId g, bool prefetch) {
+  std::vector<GroupId>& keep = keep_scratch_;
+  keep.clear();
+  if (!recording_ && !order_broken_) {
+    const size_t pos = current_.size();
+    for (size_t i = pos; i < order_.size() && i < pos + reg_.plan.prefetch_groups; ++i) keep.push_back(order_[i]);
+  }
+  keep.push_back(g);
+  const int v = find_victim(keep);
+  if (v < 0) {
+    if (prefetch) return Status(StatusCode::kOutOfBudget, "no free device buffer");
+    return Status(StatusCode::kOutOfBudget,
+                  fmt::format("engine: acquire({}): all {} device buffers for gathered groups ({} each) are in use or "
+                              "loading; release a group first, or raise the device budget",
+                              reg_.groups[g].name, slots_.size(), format_bytes(slot_bytes_)));
+  }
+  Slot& s = slots_[v];
+  if (s.group >= 0) groups_[s.group].slot = -1;
+  s.group = static_cast<int>(g);
+  s.state = Slot::kCached;
+  s.enqueued = false;
+  s.prefetched = prefetch;
+  s.error = Status();
+  s.lru = ++lru_clock_;
+  groups_[g].slot = v;
+  queue_.push(v);
+  return {};
+}
+
+void Uploader::issue_prefetch() {
+  if (recording_ || order_broken_ || reg_.plan.prefetch_groups == 0) return;
+  const size_t pos = current_.size();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (size_t i = pos; i < order_.size() && i < pos + reg_.plan.prefetch_groups; ++i) {
+    const GroupId h = order_[i];
+    if (reg_.groups[h].compute_tier == Tier::kDevice || groups_[h].slot >= 0 || groups_[h].acquired) continue;
+    if (!start_upload(h, true).ok()) break;
+  }
+}
+
+void Uploader::invalidate_slots() {
+  // Queued or running uploads (prefetches issued at the end of the last
+  // step) finish first: the uploader must not mark a slot "enqueued" after
+  // the slot was handed to another group. Only this (driving) thread queues
+  // uploads, so none can start between the wait and the lock.
+  queue_.wait_idle();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& s : slots_) {
+    if (s.state == Slot::kInUse) continue;
+    if (s.group >= 0) groups_[s.group].slot = -1;
+    s.group = -1;
+    s.state = Slot::kFree;
+    s.prefetched = false;
+  }
+}
+
+void Uploader::end_step() {
+  // Cached device copies are stale now; the acquires of this step become the order.
+  invalidate_slots();
+  if (!current_.empty()) {
+    if (!recording_ && !order_broken_ && current_ != order_) ++order_changes_;
+    if (recording_ || order_broken_ || current_ != order_) order_ = current_;
+    recording_ = false;
+  }
+  order_broken_ = false;
+  current_.clear();
+  // The next step's first groups start uploading now (from the updated
+  // compute copies), so its first acquire does not wait for them.
+  issue_prefetch();
+}
+
+// ---------------------------------------------------------------- acquire / release
+
+Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
+  const GroupInfo& info = reg_.groups[gid];
+  GroupSlots& g = groups_[gid];
+  ++acquires_;
+  // The order: compare with the recorded one.
+  const size_t pos = current_.size();
+  if (!recording_ && !order_broken_ && (pos >= order_.size() || order_[pos] != gid)) {
+    order_broken_ = true;
+    ++order_changes_;
+    if (!order_change_logged_) {
+      order_change_logged_ = true;
+      log_info(
+          "engine: the acquire order changed (acquire #{} is {}, recorded {}); prefetch drops what was not "
+          "asked for and records the new order (logged once)",
+          pos + 1, info.name, pos < order_.size() ? reg_.groups[order_[pos]].name : std::string("nothing"));
+    }
+  }
+  current_.push_back(gid);
+  if (info.compute_tier == Tier::kDevice) {
+    g.acquired = true;
+    ++acquired_count_;
+    return GroupView{gid, g.view, info.params};
+  }
+  int si;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (g.slot >= 0) {
+      ++hits_;
+    } else {
+      ++misses_;
+      STRATA_RETURN_IF_ERROR(start_upload(gid, false));
+    }
+    si = g.slot;
+    slots_[si].state = Slot::kInUse;
+  }
+  issue_prefetch();
+  Status err;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    slot_cv_.wait(lock, [&] { return slots_[si].enqueued; });
+    err = slots_[si].error;
+    if (!err.ok()) {
+      slots_[si].state = Slot::kFree;
+      slots_[si].group = -1;
+      g.slot = -1;
+    }
+  }
+  if (!err.ok()) return err.with_context(fmt::format("engine: acquire({})", info.name));
+  STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, slots_[si].ready_event));
+  for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = static_cast<char*>(slots_[si].ptr) + g.slot_offset[i];
+  g.acquired = true;
+  ++acquired_count_;
+  return GroupView{gid, g.view, info.params};
+}
+
+Status Uploader::release(GroupId gid, DeviceStream* stream) {
+  GroupSlots& g = groups_[gid];
+  g.acquired = false;
+  --acquired_count_;
+  if (reg_.groups[gid].compute_tier == Tier::kDevice) return reg_.dev->record(reg_.groups[gid].release_event, stream);
+  std::lock_guard<std::mutex> lock(mu_);
+  Slot& s = slots_[g.slot];
+  Status st = reg_.dev->record(s.release_event, stream);
+  s.state = Slot::kCached;
+  s.prefetched = false;
+  s.lru = ++lru_clock_;
+  return st;
+}
+
+}  // namespace strata::engine

@@ -1,0 +1,125 @@
+// Uploader: the device copies of the groups the trainer acquires.
+//
+// Owns: the device slots for gathered (off-device) groups with their ready and
+// release events and LRU cache, the pinned upload staging buffers of
+// NVMe-homed compute copies, the acquire state of every group (view pointers,
+// acquired flag, slot), the prefetch order (recorded and current), the
+// acquire/hit/miss/order-change counters, and the uploader thread.
+// Thread: acquire/release/prefetch/end_step run on the driving thread; the
+// uploader thread runs upload_group(): the NVMe read of a compute copy into
+// staging (waiting for the reads) and the host -> device copies on the upload
+// stream. Slot state is guarded by mu_ (lock order: mu_, then the queue's).
+// Borrows: the registry (groups, params, device, swap store, upload stream,
+// tracer, traffic counters, the pinned pool for staging).
+// Must not: touch masters, optimizer states or gradients; block acquire longer
+// than until its upload is enqueued.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
+#include <vector>
+
+#include "runtime/engine/registry.h"
+#include "runtime/engine/work_queue.h"
+
+namespace strata::engine {
+
+class Uploader {
+ public:
+  explicit Uploader(Registry& reg) : reg_(reg) {}
+  ~Uploader();
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+
+  // ---- create()
+  // Per-group slot and staging layouts (after the registry placed the arrays).
+  void lay_out();
+  uint32_t staging_count() const;                          // pinned staging buffers wanted
+  uint64_t staging_bytes() const { return max_staging_; }  // each
+  Status allocate_staging();                               // from the registry's pool
+  Status allocate_slots();  // device slots: one in use, prefetch_groups prefetched, one cached
+  void start();
+  void stop();  // finishes queued uploads, joins the thread
+
+  // ---- driving thread
+  bool acquired(GroupId g) const { return groups_[g].acquired; }
+  uint32_t acquired_count() const { return acquired_count_; }
+  // Records the acquire in the order, finds or uploads the group's slot,
+  // queues prefetches and makes `stream` wait for the upload.
+  Result<GroupView> acquire(GroupId g, DeviceStream* stream);
+  Status release(GroupId g, DeviceStream* stream);
+  // Blocks until queued and running uploads are done.
+  void wait_idle() { queue_.wait_idle(); }
+  // Waits for uploads, then drops every slot not in use (compute copies changed).
+  void invalidate_slots();
+  // step(): the slots are stale; this step's acquires become the order; the
+  // next step's first groups start uploading.
+  void end_step();
+
+  // ---- stats (any thread)
+  uint64_t device_buffer_bytes() const { return slots_.size() * slot_bytes_; }
+  uint64_t acquires() const { return acquires_.load(std::memory_order_relaxed); }
+  uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
+  uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
+  uint64_t order_changes() const { return order_changes_.load(std::memory_order_relaxed); }
+
+ private:
+  struct Slot {
+    void* ptr = nullptr;
+    int group = -1;
+    enum State { kFree, kLoading, kCached, kInUse } state = kFree;
+    bool enqueued = false;  // the upload is on the upload stream (ready_event recorded)
+    bool prefetched = false;
+    uint64_t lru = 0;
+    Status error;
+    DeviceEvent* ready_event = nullptr;
+    DeviceEvent* release_event = nullptr;
+  };
+  struct GroupSlots {
+    std::vector<uint64_t> slot_offset;     // per param: offset in a device slot
+    std::vector<uint64_t> staging_offset;  // per param: offset in an upload staging buffer
+    uint64_t slot_bytes = 0, staging_bytes = 0;
+    std::vector<void*> view;  // pointers handed out by acquire()
+    int slot = -1;            // device slot holding the group (off-device homes; mu_)
+    bool acquired = false;
+  };
+
+  void upload_main(int slot);                         // uploader thread
+  Status upload_group(int slot);                      // uploader thread
+  int find_victim(const std::vector<GroupId>& keep);  // mu_ held
+  Status start_upload(GroupId g, bool prefetch);      // mu_ held
+  void issue_prefetch();
+
+  Registry& reg_;
+  std::vector<GroupSlots> groups_;
+  uint32_t acquired_count_ = 0;
+
+  std::mutex mu_;
+  std::condition_variable slot_cv_;  // a slot's upload was enqueued (or failed)
+  std::vector<Slot> slots_;
+  uint64_t slot_bytes_ = 0;
+  uint64_t lru_clock_ = 0;
+  WorkQueue<int> queue_;  // slot indices to upload
+
+  // Upload staging (NVMe-homed compute copies).
+  uint64_t max_staging_ = 0;
+  bool any_off_device_ = false, any_nvme_compute_ = false;
+  std::vector<io::PinnedBuffer> staging_;
+  std::vector<DeviceEvent*> staging_event_;
+  size_t next_staging_ = 0;  // uploader thread only
+  // Scratch kept between calls so acquire and the uploader allocate nothing:
+  std::vector<io::IoHandle> upload_handles_;  // uploader thread only
+  std::vector<GroupId> keep_scratch_;         // start_upload, under mu_
+
+  // Prefetch order (driving thread).
+  std::vector<GroupId> order_;    // recorded
+  std::vector<GroupId> current_;  // this step's acquires
+  bool recording_ = true;         // no usable order yet
+  bool order_broken_ = false;     // this step deviated
+  bool order_change_logged_ = false;
+
+  std::atomic<uint64_t> acquires_{0}, hits_{0}, misses_{0}, order_changes_{0};
+};
+
+}  // namespace strata::engine
