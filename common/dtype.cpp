@@ -10,6 +10,10 @@ const char* dtype_name(DType d) {
     case DType::kF32: return "fp32";
     case DType::kBF16: return "bf16";
     case DType::kF16: return "fp16";
+    case DType::kU8: return "u8";
+    case DType::kF64: return "fp64";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
   }
   return "?";
 }

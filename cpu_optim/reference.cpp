@@ -12,6 +12,8 @@ double load(const void* base, DType d, std::size_t i) {
     case DType::kF32: return static_cast<const float*>(base)[i];
     case DType::kBF16: return bf16_bits_to_f32(static_cast<const uint16_t*>(base)[i]);
     case DType::kF16: return f16_bits_to_f32(static_cast<const uint16_t*>(base)[i]);
+    // Storage-only kinds: step() refuses them before any element is loaded.
+    case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: break;
   }
   return 0.0;
 }
@@ -22,6 +24,7 @@ void store(void* base, DType d, std::size_t i, double x) {
     case DType::kF32: static_cast<float*>(base)[i] = f; break;
     case DType::kBF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16_bits(f); break;
     case DType::kF16: static_cast<uint16_t*>(base)[i] = f32_to_f16_bits(f); break;
+    case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: break;  // refused by step()
   }
 }
 

@@ -259,6 +259,7 @@ StepFn pick_out(const StepArgs& a) {
     case DType::kBF16: return pick_kind<G, S, Bf16>(a);
     case DType::kF16: return pick_kind<G, S, F16>(a);
     case DType::kF32: return nullptr;
+    case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: return nullptr;  // storage only
   }
   return nullptr;
 }
@@ -269,6 +270,7 @@ StepFn pick_state(const StepArgs& a) {
     case DType::kF32: return pick_out<G, float>(a);
     case DType::kBF16: return pick_out<G, Bf16>(a);
     case DType::kF16: return nullptr;  // fp16 moments underflow (v ~ g^2): not offered
+    case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: return nullptr;  // storage only
   }
   return nullptr;
 }
@@ -278,6 +280,7 @@ inline StepFn select_step(const StepArgs& a) {
     case DType::kF32: return pick_state<float>(a);
     case DType::kBF16: return pick_state<Bf16>(a);
     case DType::kF16: return pick_state<F16>(a);
+    case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: return nullptr;  // storage only
   }
   return nullptr;
 }

@@ -14,6 +14,7 @@
 
 #include "common/float_convert.h"
 #include "common/json.h"
+#include "common/posix_file.h"
 #include "io/io_engine.h"
 
 namespace strata::model {
@@ -82,13 +83,6 @@ Status write_full(int fd, const void* buf, uint64_t len, const std::string& path
   return Status::ok_status();
 }
 
-std::string dir_of(const std::string& path) {
-  auto slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 Status fsync_dir(const std::string& dir) {
   int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return Status::from_errno(errno, "open of directory " + dir + " failed");
@@ -148,6 +142,11 @@ void store_from_f32(DType d, void* out, uint64_t i, float f) {
       std::memcpy(static_cast<char*>(out) + 2 * i, &h, 2);
       break;
     }
+    case DType::kU8:
+    case DType::kF64:
+    case DType::kI32:
+    case DType::kI64:
+      break;  // storage-only kinds: read() and write_from() refuse them first
   }
 }
 
@@ -202,6 +201,14 @@ StDType from_dtype(DType d) {
       return StDType::kBF16;
     case DType::kF16:
       return StDType::kF16;
+    case DType::kU8:
+      return StDType::kU8;
+    case DType::kF64:
+      return StDType::kF64;
+    case DType::kI32:
+      return StDType::kI32;
+    case DType::kI64:
+      return StDType::kI64;
   }
   return StDType::kF32;
 }
@@ -421,6 +428,9 @@ Status TensorReader::read_raw(const TensorInfo& t, uint64_t byte_begin, uint64_t
 }
 
 Status TensorReader::read(const TensorInfo& t, DType out_dtype, void* out, uint64_t elem_begin, uint64_t count) {
+  if (!is_compute_dtype(out_dtype))
+    return Status(StatusCode::kInvalidArgument, fmt::format("tensor \"{}\": read converts to fp32, bf16 or fp16, not {}",
+                                                            t.name, dtype_name(out_dtype)));
   const uint64_t numel = t.numel();
   if (elem_begin > numel)
     return Status(StatusCode::kInvalidArgument,
@@ -483,7 +493,7 @@ Status write_file_atomic(const std::string& path, std::string_view content) {
     ::unlink(tmp.c_str());
     return st;
   }
-  return fsync_dir(dir_of(path));
+  return fsync_dir(parent_of(path));
 }
 
 Result<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::create(const std::string& path,
@@ -556,6 +566,9 @@ Status SafetensorsWriter::write(const void* data, uint64_t bytes) {
 }
 
 Status SafetensorsWriter::write_from(DType src_dtype, const void* src, uint64_t count) {
+  if (!is_compute_dtype(src_dtype))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: write_from converts from fp32, bf16 or fp16, not {}", path_, dtype_name(src_dtype)));
   const TensorDecl* t = current();
   if (t == nullptr) return Status(StatusCode::kInvalidArgument, path_ + ": every declared tensor is already written");
   auto dst = to_dtype(t->dtype);
@@ -599,7 +612,7 @@ Status SafetensorsWriter::finish() {
   if (::rename(tmp_path_.c_str(), path_.c_str()) != 0)
     return Status::from_errno(errno, "rename of " + tmp_path_ + " to " + path_ + " failed");
   finished_ = true;
-  return fsync_dir(dir_of(path_));
+  return fsync_dir(parent_of(path_));
 }
 
 // ------------------------------------------------------------------ sharded

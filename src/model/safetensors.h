@@ -61,6 +61,7 @@ const char* st_dtype_name(StDType d);  // "BF16", "F32", ...
 Result<StDType> parse_st_dtype(std::string_view name);
 // The float types Strata computes with: F32, BF16, F16 (nullopt otherwise).
 std::optional<DType> to_dtype(StDType d);
+// The same element kind under its safetensors name (U8, F32, F64, I32, ...).
 StDType from_dtype(DType d);
 
 // Largest header accepted (the reference implementation's limit).

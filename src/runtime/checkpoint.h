@@ -23,13 +23,11 @@
 // leftover sibling that cleanup_checkpoint_leftovers() removes. A failed save
 // removes its staging directory and leaves <dir> untouched.
 //
-// Streaming. NVMe-resident state is copied file to file, never whole into RAM:
-// by reflink (FICLONERANGE) where the filesystem shares extents and the range
-// is block-aligned, else copy_file_range, else a read/write loop through one
-// bounded buffer. The CRC32C is computed by reading the bytes that landed in
-// the destination through that buffer (for a reflink: the clone; for
-// copy_file_range: the range just copied, still in the page cache), so the
-// checksum describes what the checkpoint file holds.
+// Streaming. NVMe-resident state is copied file to file, never whole into RAM
+// (runtime/file_copy.h: reflink, else copy_file_range, else a read/write loop
+// through one bounded buffer). The CRC32C is computed by reading the bytes
+// that landed in the destination through that buffer, so the checksum
+// describes what the checkpoint file holds.
 //
 // Ranks. Each of N ranks writes its own manifest and data files into one
 // shared staging directory named by a token all ranks agree on; after all
@@ -41,6 +39,11 @@
 // system, naming the path), kCorrupt (a damaged checkpoint, naming the
 // checkpoint, the file and what is wrong, e.g. "checkpoint /ck/step-20:
 // layers.0.master.rank0.bin: checksum 0x1234abcd, manifest says 0x9f00ee12").
+//
+// Code: checkpoint_writer.cpp (CheckpointWriter, abort_checkpoint_staging),
+// checkpoint_reader.cpp (CheckpointReader), checkpoint_cleanup.cpp
+// (cleanup_checkpoint_leftovers), checkpoint_manifest.{h,cpp} (the JSON
+// files), file_copy.{h,cpp} (the copy engine), common/posix_file.h.
 #pragma once
 
 #include <cstdint>
@@ -51,51 +54,24 @@
 #include <string_view>
 #include <vector>
 
+#include "common/dtype.h"
 #include "common/status.h"
-#include "runtime/model_spec.h"
+#include "runtime/file_copy.h"
 
 namespace strata {
 
 inline constexpr uint32_t kCheckpointFormatVersion = 1;
 
-// Element type of an entry (what the bytes are; the checkpoint never converts).
-enum class CkDType : uint8_t { kU8 = 0, kFp32, kBf16, kFp16, kFp64, kI32, kI64 };
-const char* ck_dtype_name(CkDType t);  // "u8", "fp32", "bf16", "fp16", "fp64", "i32", "i64"
-uint64_t ck_dtype_size(CkDType t);
-CkDType ck_dtype_from(DType t);
-
-// A byte range of a file: by path (opened and closed by the checkpoint code)
-// or by an open descriptor (fd >= 0; borrowed, never closed; an O_DIRECT
-// descriptor is reopened buffered through /proc/self/fd). A tensor striped
-// over several swap files is a list of ranges, read or written in order.
-struct FileRange {
-  std::string path;
-  int fd = -1;
-  uint64_t offset = 0;
-  uint64_t length = 0;
-};
-
-// How file-to-file copies move bytes. kAuto tries reflink, then
-// copy_file_range, then read/write, falling back per copy when one is refused
-// (EOPNOTSUPP, EXDEV, EINVAL, ...). The others force a method (still falling
-// back if it is refused): for tests and benchmarks.
-enum class CopyMethod : uint8_t { kAuto = 0, kReflink, kCopyFileRange, kReadWrite };
-const char* copy_method_name(CopyMethod m);
-
-// Bytes moved by each method, summed over a writer's or reader's copies.
-struct CopyStats {
-  uint64_t reflink_bytes = 0;
-  uint64_t copy_file_range_bytes = 0;
-  uint64_t read_write_bytes = 0;
-  uint64_t buffer_bytes = 0;  // entries added from memory / read into memory
-};
-
+// An entry's element type is a DType (common/dtype.h), any of them: it says
+// what the bytes are; the checkpoint never converts. Manifests store
+// dtype_name(): "u8", "fp32", "bf16", "fp16", "fp64", "i32", "i64".
+// FileRange, CopyMethod and CopyStats come from runtime/file_copy.h.
 struct CheckpointEntry {
   std::string name;  // logical name, unique within a rank
   std::string file;  // data file name inside the checkpoint directory
-  CkDType dtype = CkDType::kU8;
+  DType dtype = DType::kU8;
   uint64_t count = 0;  // elements
-  uint64_t bytes = 0;  // count * ck_dtype_size(dtype)
+  uint64_t bytes = 0;  // count * dtype_size(dtype)
   uint32_t crc32c = 0;
 };
 
@@ -149,12 +125,12 @@ class CheckpointWriter {
   // Adds an entry from memory: `bytes` must equal count * size(dtype).
   // Errors: kInvalidArgument (empty/duplicate/over-long name, NUL in it,
   // size mismatch), I/O errors naming the file.
-  Status add_buffer(std::string_view name, CkDType dtype, uint64_t count, const void* data, uint64_t bytes);
+  Status add_buffer(std::string_view name, DType dtype, uint64_t count, const void* data, uint64_t bytes);
   // Adds an entry streamed from file ranges (concatenated in order), never
   // holding more than buffer_bytes in memory. The ranges' total length must
   // equal count * size(dtype); a range past the end of its file is kIoError
   // ("... ends at byte N of /x, which has M bytes").
-  Status add_file_ranges(std::string_view name, CkDType dtype, uint64_t count, std::span<const FileRange> ranges);
+  Status add_file_ranges(std::string_view name, DType dtype, uint64_t count, std::span<const FileRange> ranges);
 
   // Writes this rank's manifest, fsyncs it, every data file and the staging
   // directory. After this, no add_*; with N ranks the caller then waits until
@@ -174,8 +150,7 @@ class CheckpointWriter {
 
  private:
   CheckpointWriter() = default;
-  Status add_entry_file(std::string_view name, CkDType dtype, uint64_t count, uint64_t bytes, std::string* file,
-                        int* fd);
+  Status add_entry_file(std::string_view name, DType dtype, uint64_t count, uint64_t bytes, std::string* file, int* fd);
   Status fail(Status st);  // marks the writer failed and cleans up
   void cleanup();
 
@@ -253,13 +228,5 @@ class CheckpointReader {
   std::vector<uint8_t> buffer_;
   CopyStats stats_;
 };
-
-// Low-level: copies `length` bytes from the concatenation of `src` ranges to
-// the concatenation of `dst` ranges (same total length), returning the
-// CRC32C of the bytes that landed in `dst`. Uses `buffer` (>= 4096 bytes) as
-// the only staging memory. Blocking; thread-safe for distinct files.
-// Destination paths are created (0600) if missing, never truncated.
-Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<const FileRange> dst, CopyMethod method,
-                                  std::span<uint8_t> buffer, CopyStats* stats);
 
 }  // namespace strata

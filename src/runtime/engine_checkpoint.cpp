@@ -88,7 +88,7 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
   for (const auto& a : arrays_of(R)) {
     const size_t esz = dtype_size(a.dtype);
     const uint64_t bytes = a.count * esz;
-    const CkDType ck = ck_dtype_from(a.dtype);
+    const DType ck = a.dtype;
     switch (a.loc->tier) {
       case Tier::kHost:
         STRATA_RETURN_IF_ERROR(w->add_buffer(a.name, ck, a.count, a.loc->ptr, bytes));
@@ -127,7 +127,7 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
       {"model", model_json(R.options.model)},
   };
   const std::string text = meta.dump();
-  STRATA_RETURN_IF_ERROR(w->add_buffer(kMetaEntry, CkDType::kU8, text.size(), text.data(), text.size()));
+  STRATA_RETURN_IF_ERROR(w->add_buffer(kMetaEntry, DType::kU8, text.size(), text.data(), text.size()));
   return w->commit();
 }
 
@@ -169,10 +169,10 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
   const auto arrays = arrays_of(R);
   for (const auto& a : arrays) {
     const CheckpointEntry* e = r->find(a.name);
-    if (e == nullptr || e->count != a.count || e->dtype != ck_dtype_from(a.dtype))
+    if (e == nullptr || e->count != a.count || e->dtype != a.dtype)
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("engine: checkpoint {}: entry {} is {} (want {} elements of {})", dir, a.name,
-                                e ? fmt::format("{} elements of {}", e->count, ck_dtype_name(e->dtype)) : "missing",
+                                e ? fmt::format("{} elements of {}", e->count, dtype_name(e->dtype)) : "missing",
                                 a.count, dtype_name(a.dtype)));
   }
   // Restore. A failure from here on leaves mixed state: steps are refused until a load succeeds.

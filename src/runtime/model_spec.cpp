@@ -55,6 +55,10 @@ Status validate_model_spec(const ModelSpec& model) {
       return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} has no group", p.name));
     if (!names.insert(p.name).second)
       return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} is listed twice", p.name));
+    if (!is_compute_dtype(p.compute_dtype))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("model: parameter {} has compute dtype {} (fp32, bf16 or fp16 only)", p.name,
+                                dtype_name(p.compute_dtype)));
     // Keep numel * 4 bytes far from overflow: 2^60 elements is beyond any model.
     uint64_t n = 1;
     for (uint64_t d : p.shape) {

@@ -41,7 +41,7 @@ Result<std::unique_ptr<NvmeOptimizer>> NvmeOptimizer::create(io::SwapStore* stor
                   fmt::format("nvme optimizer: chunk_elems {}: expected 1..2^32", o.chunk_elems));
   if (o.state_dtype != DType::kF32 && o.state_dtype != DType::kBF16)
     return Status(StatusCode::kInvalidArgument, "nvme optimizer: state_dtype must be fp32 or bf16");
-  if (o.out_dtype == DType::kF32)
+  if (o.out_dtype != DType::kBF16 && o.out_dtype != DType::kF16)
     return Status(StatusCode::kInvalidArgument, "nvme optimizer: out_dtype must be bf16 or fp16");
   const int nstates = cpu_optim::state_count(config);
   std::unique_ptr<NvmeOptimizer> opt(new NvmeOptimizer(store, o, nstates));

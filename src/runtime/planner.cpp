@@ -175,8 +175,9 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   if (opt.optimizer_chunk == 0) return Status(StatusCode::kInvalidArgument, "plan: optimizer_chunk must be at least 1");
   if (opt.optimizer_ring_buffers == 0)
     return Status(StatusCode::kInvalidArgument, "plan: optimizer_ring_buffers must be at least 1");
-  if (opt.optimizer_state_dtype == DType::kF16)
-    return Status(StatusCode::kInvalidArgument, "plan: optimizer states are fp32 or bf16, not fp16");
+  if (opt.optimizer_state_dtype != DType::kF32 && opt.optimizer_state_dtype != DType::kBF16)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("plan: optimizer states are fp32 or bf16, not {}", dtype_name(opt.optimizer_state_dtype)));
 
   Plan plan;
   plan.world_size = model.world_size;

@@ -47,6 +47,7 @@ struct Buf {
       case DType::kF32: { float f; std::memcpy(&f, bytes.data() + 4 * i, 4); return f; }
       case DType::kBF16: { std::uint16_t h; std::memcpy(&h, bytes.data() + 2 * i, 2); return bf16_bits_to_f32(h); }
       case DType::kF16: { std::uint16_t h; std::memcpy(&h, bytes.data() + 2 * i, 2); return f16_bits_to_f32(h); }
+      case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: break;  // storage only: never built here
     }
     return 0;
   }
@@ -55,6 +56,7 @@ struct Buf {
       case DType::kF32: std::memcpy(bytes.data() + 4 * i, &f, 4); break;
       case DType::kBF16: { std::uint16_t h = f32_to_bf16_bits(f); std::memcpy(bytes.data() + 2 * i, &h, 2); break; }
       case DType::kF16: { std::uint16_t h = f32_to_f16_bits(f); std::memcpy(bytes.data() + 2 * i, &h, 2); break; }
+      case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: break;  // storage only: never built here
     }
   }
 };

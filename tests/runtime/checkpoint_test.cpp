@@ -91,7 +91,7 @@ std::vector<std::string> leftovers(const std::string& dir) {
 
 struct Saved {
   std::string name;
-  CkDType dtype;
+  DType dtype;
   std::vector<uint8_t> bytes;
 };
 
@@ -104,17 +104,17 @@ Status save_buffers(const std::string& dir, uint64_t step, const std::vector<Sav
   STRATA_ASSIGN_OR_RETURN(auto w, CheckpointWriter::create(dir, info, options));
   for (const auto& e : entries) {
     STRATA_RETURN_IF_ERROR(
-        w->add_buffer(e.name, e.dtype, e.bytes.size() / ck_dtype_size(e.dtype), e.bytes.data(), e.bytes.size()));
+        w->add_buffer(e.name, e.dtype, e.bytes.size() / dtype_size(e.dtype), e.bytes.data(), e.bytes.size()));
   }
   return w->commit();
 }
 
 std::vector<Saved> small_model() {
-  return {{"layers.0.attn.q.master", CkDType::kFp32, pattern(4 * 1001, 1)},
-          {"layers.0.attn.q.exp_avg", CkDType::kFp32, pattern(4 * 1001, 2)},
-          {"layers.0.attn.q.compute", CkDType::kBf16, pattern(2 * 4097, 3)},
-          {"empty", CkDType::kFp16, {}},
-          {"odd", CkDType::kU8, pattern(3, 4)}};
+  return {{"layers.0.attn.q.master", DType::kF32, pattern(4 * 1001, 1)},
+          {"layers.0.attn.q.exp_avg", DType::kF32, pattern(4 * 1001, 2)},
+          {"layers.0.attn.q.compute", DType::kBF16, pattern(2 * 4097, 3)},
+          {"empty", DType::kF16, {}},
+          {"odd", DType::kU8, pattern(3, 4)}};
 }
 
 // Re-signs a manifest (and the index's record of it) after a test edited it,
@@ -217,7 +217,7 @@ TEST(Checkpoint, RoundTripFromBuffers) {
   ASSERT_TRUE(w.ok()) << w.status().to_string();
   for (const auto& e : model) {
     ASSERT_TRUE(
-        (*w)->add_buffer(e.name, e.dtype, e.bytes.size() / ck_dtype_size(e.dtype), e.bytes.data(), e.bytes.size())
+        (*w)->add_buffer(e.name, e.dtype, e.bytes.size() / dtype_size(e.dtype), e.bytes.data(), e.bytes.size())
             .ok());
   }
   const std::string staging = (*w)->staging_dir();
@@ -245,7 +245,7 @@ TEST(Checkpoint, RoundTripFromBuffers) {
     ASSERT_NE(ce, nullptr) << e.name;
     EXPECT_EQ(ce->dtype, e.dtype);
     EXPECT_EQ(ce->bytes, e.bytes.size());
-    EXPECT_EQ(ce->count, e.bytes.size() / ck_dtype_size(e.dtype));
+    EXPECT_EQ(ce->count, e.bytes.size() / dtype_size(e.dtype));
     EXPECT_EQ(ce->crc32c, crc32c(e.bytes.data(), e.bytes.size()));
     std::vector<uint8_t> back(e.bytes.size());
     ASSERT_TRUE((*r)->read(e.name, back.data(), back.size()).ok()) << e.name;
@@ -262,15 +262,15 @@ TEST(Checkpoint, WriterRefusesBadEntries) {
   auto w = CheckpointWriter::create(tmp.file("ck"), CheckpointInfo{});
   ASSERT_TRUE(w.ok());
   uint8_t b[8] = {};
-  EXPECT_EQ((*w)->add_buffer("", CkDType::kU8, 1, b, 1).code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ((*w)->add_buffer("x", CkDType::kFp32, 3, b, 8).code(), StatusCode::kInvalidArgument);
-  ASSERT_TRUE((*w)->add_buffer("x", CkDType::kFp32, 2, b, 8).ok());
-  EXPECT_EQ((*w)->add_buffer("x", CkDType::kFp32, 2, b, 8).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*w)->add_buffer("", DType::kU8, 1, b, 1).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*w)->add_buffer("x", DType::kF32, 3, b, 8).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*w)->add_buffer("x", DType::kF32, 2, b, 8).ok());
+  EXPECT_EQ((*w)->add_buffer("x", DType::kF32, 2, b, 8).code(), StatusCode::kInvalidArgument);
   // Names that sanitize to the same file get distinct files.
-  ASSERT_TRUE((*w)->add_buffer("a/b", CkDType::kU8, 1, b, 1).ok());
-  ASSERT_TRUE((*w)->add_buffer("a_b", CkDType::kU8, 1, b, 1).ok());
-  ASSERT_TRUE((*w)->add_buffer("../../etc/passwd", CkDType::kU8, 1, b, 1).ok());
-  ASSERT_TRUE((*w)->add_buffer("extra", CkDType::kU8, 1, b, 1).ok());
+  ASSERT_TRUE((*w)->add_buffer("a/b", DType::kU8, 1, b, 1).ok());
+  ASSERT_TRUE((*w)->add_buffer("a_b", DType::kU8, 1, b, 1).ok());
+  ASSERT_TRUE((*w)->add_buffer("../../etc/passwd", DType::kU8, 1, b, 1).ok());
+  ASSERT_TRUE((*w)->add_buffer("extra", DType::kU8, 1, b, 1).ok());
   std::set<std::string> files;
   for (const auto& e : (*w)->entries()) {
     EXPECT_TRUE(files.insert(e.file).second) << e.file;
@@ -324,10 +324,10 @@ TEST_P(CopyMethodTest, RoundTripFromFileRanges) {
   wo.buffer_bytes = 4096;  // many pieces
   auto w = CheckpointWriter::create(tmp.file("ck"), CheckpointInfo{}, wo);
   ASSERT_TRUE(w.ok()) << w.status().to_string();
-  ASSERT_TRUE((*w)->add_file_ranges("striped", CkDType::kU8, expect.size(), src).ok());
-  ASSERT_TRUE((*w)->add_file_ranges("by_fd", CkDType::kU8, 999, by_fd).ok());
-  ASSERT_TRUE((*w)->add_file_ranges("empty", CkDType::kFp32, 0, {}).ok());
-  EXPECT_EQ((*w)->add_file_ranges("short", CkDType::kFp32, 1000, by_fd).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*w)->add_file_ranges("striped", DType::kU8, expect.size(), src).ok());
+  ASSERT_TRUE((*w)->add_file_ranges("by_fd", DType::kU8, 999, by_fd).ok());
+  ASSERT_TRUE((*w)->add_file_ranges("empty", DType::kF32, 0, {}).ok());
+  EXPECT_EQ((*w)->add_file_ranges("short", DType::kF32, 1000, by_fd).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE((*w)->commit().ok());
   ::close(fd);
   const CopyStats s = (*w)->copy_stats();
@@ -396,17 +396,17 @@ TEST(Checkpoint, SourceRangePastEndOfFileIsAnError) {
   auto w = CheckpointWriter::create(tmp.file("ck"), CheckpointInfo{});
   ASSERT_TRUE(w.ok());
   std::vector<FileRange> src = {{tmp.file("src"), -1, 500, 600}};
-  Status st = (*w)->add_file_ranges("x", CkDType::kU8, 600, src);
+  Status st = (*w)->add_file_ranges("x", DType::kU8, 600, src);
   EXPECT_EQ(st.code(), StatusCode::kIoError);
   EXPECT_TRUE(contains(st.message(), "which has 1000 bytes")) << st.message();
   std::vector<FileRange> missing = {{tmp.file("nope"), -1, 0, 1}};
-  EXPECT_EQ((*w)->add_file_ranges("y", CkDType::kU8, 1, missing).code(), StatusCode::kInvalidArgument)
+  EXPECT_EQ((*w)->add_file_ranges("y", DType::kU8, 1, missing).code(), StatusCode::kInvalidArgument)
       << "a failed writer refuses further entries";
   w = Status(StatusCode::kCancelled, "dropped");  // destroys the writer
   EXPECT_TRUE(leftovers(tmp.file("ck")).empty());
   auto w2 = CheckpointWriter::create(tmp.file("ck"), CheckpointInfo{});
   ASSERT_TRUE(w2.ok());
-  Status ms = (*w2)->add_file_ranges("y", CkDType::kU8, 1, missing);
+  Status ms = (*w2)->add_file_ranges("y", DType::kU8, 1, missing);
   EXPECT_EQ(ms.code(), StatusCode::kNotFound);
   EXPECT_TRUE(contains(ms.message(), tmp.file("nope"))) << ms.message();
   w2 = Status(StatusCode::kCancelled, "dropped");
@@ -431,7 +431,7 @@ TEST(Checkpoint, BorrowedDirectAndWriteOnlyDescriptors) {
     auto w = CheckpointWriter::create(dir, CheckpointInfo{}, wo);
     ASSERT_TRUE(w.ok());
     std::vector<FileRange> src = {{"", fd, 5, 10000}};
-    Status st = (*w)->add_file_ranges("x", CkDType::kU8, 10000, src);
+    Status st = (*w)->add_file_ranges("x", DType::kU8, 10000, src);
     ASSERT_TRUE(st.ok()) << st.to_string();
     ASSERT_TRUE((*w)->commit().ok());
     auto r = CheckpointReader::open(dir, {.copy_method = m});
@@ -461,7 +461,7 @@ TEST(Checkpoint, StreamsA64MiBEntryThroughASmallBuffer) {
   auto w = CheckpointWriter::create(tmp.file("ck"), CheckpointInfo{}, wo);
   ASSERT_TRUE(w.ok());
   std::vector<FileRange> src = {{tmp.file("big.swap"), -1, 0, n}};
-  ASSERT_TRUE((*w)->add_file_ranges("big", CkDType::kU8, n, src).ok());
+  ASSERT_TRUE((*w)->add_file_ranges("big", DType::kU8, n, src).ok());
   ASSERT_TRUE((*w)->commit().ok());
   EXPECT_EQ((*w)->entries()[0].crc32c, want);
 
@@ -505,7 +505,7 @@ TEST(Checkpoint, ReflinkOnAnXfsLoopImage) {
   auto w = CheckpointWriter::create(mnt + "/ck", CheckpointInfo{}, wo);
   ASSERT_TRUE(w.ok()) << w.status().to_string();
   std::vector<FileRange> src = {{mnt + "/swap", -1, 0, n}};
-  ASSERT_TRUE((*w)->add_file_ranges("cloned", CkDType::kU8, n, src).ok());
+  ASSERT_TRUE((*w)->add_file_ranges("cloned", DType::kU8, n, src).ok());
   ASSERT_TRUE((*w)->commit().ok());
   EXPECT_EQ((*w)->copy_stats().reflink_bytes, n);
   EXPECT_EQ((*w)->entries()[0].crc32c, crc32c(data.data(), n)) << "the clone was read for its checksum";
@@ -695,7 +695,7 @@ TEST(Checkpoint, ReplacesAnExistingCheckpointAtomically) {
   ASSERT_TRUE(tmp.ok());
   const std::string dir = tmp.file("latest");
   ASSERT_TRUE(save_buffers(dir, 1, small_model()).ok());
-  std::vector<Saved> v2 = {{"only", CkDType::kFp32, pattern(4 * 5, 99)}};
+  std::vector<Saved> v2 = {{"only", DType::kF32, pattern(4 * 5, 99)}};
   ASSERT_TRUE(save_buffers(dir, 2, v2).ok());
   auto r = CheckpointReader::open(dir);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
@@ -743,7 +743,7 @@ TEST(Checkpoint, FailedSaveUnderAFileSizeLimitLeavesTheOldOneIntact) {
   struct rlimit lim = old;
   lim.rlim_cur = 1 << 20;
   ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &lim), 0);
-  std::vector<Saved> big = {{"big", CkDType::kU8, pattern(3 << 20, 5)}};
+  std::vector<Saved> big = {{"big", DType::kU8, pattern(3 << 20, 5)}};
   Status st = save_buffers(dir, 2, big);
   // And a streamed entry, through every method.
   write_text(tmp.file("dummy"), "");
@@ -757,7 +757,7 @@ TEST(Checkpoint, FailedSaveUnderAFileSizeLimitLeavesTheOldOneIntact) {
     auto w = CheckpointWriter::create(dir, CheckpointInfo{}, wo);
     ASSERT_TRUE(w.ok());
     std::vector<FileRange> src = {{tmp.file("src"), -1, 0, 3 << 20}};
-    st2 = (*w)->add_file_ranges("big", CkDType::kU8, 3 << 20, src);
+    st2 = (*w)->add_file_ranges("big", DType::kU8, 3 << 20, src);
   }
   setrlimit(RLIMIT_FSIZE, &old);
   signal(SIGXFSZ, old_handler);
@@ -774,7 +774,7 @@ TEST(Checkpoint, FailedSaveOnAFullFilesystemLeavesTheOldOneIntact) {
   if (!tmp.mount_tmpfs("small", "size=2m")) GTEST_SKIP() << "cannot mount a tmpfs here (needs CAP_SYS_ADMIN)";
   const std::string dir = tmp.file("small/ck");
   ASSERT_TRUE(save_buffers(dir, 1, small_model()).ok());
-  std::vector<Saved> big = {{"big", CkDType::kU8, pattern(3 << 20, 5)}};
+  std::vector<Saved> big = {{"big", DType::kU8, pattern(3 << 20, 5)}};
   Status st = save_buffers(dir, 2, big);
   EXPECT_EQ(st.code(), StatusCode::kNoSpace) << st.to_string();
   EXPECT_TRUE(contains(st.message(), "big.rank0.bin")) << st.message();
@@ -815,7 +815,7 @@ TEST(Checkpoint, CrashAtEveryCommitStageLeavesOneCompleteCheckpoint) {
       wo.stage_hook = [stage](std::string_view at) {
         if (at == stage) _exit(0);
       };
-      std::vector<Saved> v2 = {{"only", CkDType::kFp32, pattern(40, 9)}};
+      std::vector<Saved> v2 = {{"only", DType::kF32, pattern(40, 9)}};
       (void)save_buffers(dir, 2, v2, wo);
       _exit(3);  // the hook should have fired
     }
@@ -859,7 +859,7 @@ TEST(Checkpoint, AbandonedWriterLeavesNothing) {
     auto w = CheckpointWriter::create(dir, CheckpointInfo{});
     ASSERT_TRUE(w.ok());
     auto d = pattern(100, 1);
-    ASSERT_TRUE((*w)->add_buffer("x", CkDType::kU8, 100, d.data(), 100).ok());
+    ASSERT_TRUE((*w)->add_buffer("x", DType::kU8, 100, d.data(), 100).ok());
     ASSERT_TRUE((*w)->finish_shard().ok());
   }
   EXPECT_FALSE(fs::exists(dir));
@@ -890,7 +890,7 @@ TEST(Checkpoint, TwoRanksWriteOneCheckpoint) {
   // Both ranks hold a shard of the same parameter under the same name.
   for (uint32_t r = 0; r < 2; ++r) {
     auto d = pattern(4 * 10, 100 + r);
-    ASSERT_TRUE(w[r]->add_buffer("layers.0.master", CkDType::kFp32, 10, d.data(), d.size()).ok());
+    ASSERT_TRUE(w[r]->add_buffer("layers.0.master", DType::kF32, 10, d.data(), d.size()).ok());
   }
   ASSERT_TRUE(w[0]->finish_shard().ok());
   // Rank 1 has not finished: rank 0 cannot commit.
