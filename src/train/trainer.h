@@ -145,7 +145,6 @@ inline const char* train_device_name(TrainDevice device) { return enum_name(devi
 
 // Typed values only: the tools parse the command line (tools/finetune_flags.h)
 // and the trainer checks what they parsed (create()'s errors).
-
 struct TrainerOptions {
   std::string model_dir;  // config.json + model.safetensors (or sharded)
   // Data file and split. data.vocab 0: the model's vocab_size (text: at most 256).
