@@ -26,6 +26,7 @@
 #include "model/safetensors.h"
 #include "runtime/model_spec.h"
 #include "train/cuda_ops.h"
+#include "train/progress.h"
 
 namespace strata::train {
 namespace {
@@ -68,21 +69,6 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
   }
   std::sort(out.begin(), out.end());
   return out;
-}
-
-std::string human_count(double v) {
-  if (v >= 1e9) return fmt::format("{:.2f}G", v / 1e9);
-  if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
-  if (v >= 1e3) return fmt::format("{:.1f}k", v / 1e3);
-  return fmt::format("{:.0f}", v);
-}
-
-std::string human_seconds(double s) {
-  if (!(s >= 0) || s > 1e8) return "?";
-  const int64_t t = static_cast<int64_t>(s + 0.5);
-  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60);
-  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
-  return fmt::format("{}s", t);
 }
 
 // Device-pool bytes a buffer of `bytes` may take: the caching allocator
@@ -842,45 +828,6 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
 }
 
 // ---------------------------------------------------------------- run()
-
-namespace {
-
-// What run() shows on stdout: a bar rewritten in place, lines, or nothing.
-class Progress {
- public:
-  explicit Progress(ProgressMode mode) : mode_(mode) {
-    if (mode_ == ProgressMode::kAuto) mode_ = ::isatty(STDOUT_FILENO) != 0 ? ProgressMode::kBar : ProgressMode::kLines;
-  }
-  ProgressMode mode() const { return mode_; }
-  // A line of its own (over the bar, which the next step redraws).
-  void say(const std::string& line) const {
-    if (mode_ == ProgressMode::kQuiet) return;
-    if (mode_ == ProgressMode::kBar) std::printf("\r\033[K");
-    std::printf("%s\n", line.c_str());
-    std::fflush(stdout);
-  }
-  // A step's line: the bar (with the estimated time left), or a line when
-  // `as_line` (lines mode's every log_every steps).
-  void step(const std::string& line, double eta_seconds, bool as_line) const {
-    if (mode_ == ProgressMode::kBar) {
-      std::printf("\r\033[K%s  eta %s", line.c_str(), human_seconds(eta_seconds).c_str());
-      std::fflush(stdout);
-    } else if (mode_ == ProgressMode::kLines && as_line) {
-      say(line);
-    }
-  }
-  // Ends the bar's line.
-  void end() const {
-    if (mode_ != ProgressMode::kBar) return;
-    std::printf("\n");
-    std::fflush(stdout);
-  }
-
- private:
-  ProgressMode mode_;
-};
-
-}  // namespace
 
 // One run(): the result so far, the progress display and the throughput
 // totals. Each member does one part of the job (trainer.h, run()).
