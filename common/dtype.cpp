@@ -2,26 +2,33 @@
 
 #include "common/dtype.h"
 #include "common/dtype_parse.h"
+#include "common/enum_names.h"
 
 namespace strata {
 
-const char* dtype_name(DType d) {
-  switch (d) {
-    case DType::kF32: return "fp32";
-    case DType::kBF16: return "bf16";
-    case DType::kF16: return "fp16";
-    case DType::kU8: return "u8";
-    case DType::kF64: return "fp64";
-    case DType::kI32: return "i32";
-    case DType::kI64: return "i64";
-  }
-  return "?";
-}
+// The first row of a value is its name; the rows after are aliases
+// find_enum() accepts. The storage-only kinds (u8, fp64, i32, i64) have names
+// (checkpoint manifests spell them) but parse_dtype() refuses them.
+template <>
+inline constexpr auto kEnumNames<DType> = std::to_array<EnumName<DType>>({
+    {DType::kF32, "fp32"},
+    {DType::kBF16, "bf16"},
+    {DType::kF16, "fp16"},
+    {DType::kU8, "u8"},
+    {DType::kF64, "fp64"},
+    {DType::kI32, "i32"},
+    {DType::kI64, "i64"},
+    {DType::kF32, "f32"},
+    {DType::kF32, "float32"},
+    {DType::kBF16, "bfloat16"},
+    {DType::kF16, "f16"},
+    {DType::kF16, "float16"},
+});
+
+const char* dtype_name(DType d) { return enum_name(d); }
 
 Result<DType> parse_dtype(std::string_view n) {
-  if (n == "fp32" || n == "f32" || n == "float32") return DType::kF32;
-  if (n == "bf16" || n == "bfloat16") return DType::kBF16;
-  if (n == "fp16" || n == "f16" || n == "float16") return DType::kF16;
+  if (std::optional<DType> d = find_enum<DType>(n); d && is_compute_dtype(*d)) return *d;
   return Status(StatusCode::kInvalidArgument, "unknown dtype '" + std::string(n) + "' (expected fp32|bf16|fp16)");
 }
 

@@ -6,6 +6,8 @@
 #include <set>
 #include <string>
 
+#include "common/enum_names.h"
+#include "common/status.h"
 #include "common/tunables.h"
 
 namespace strata {
@@ -14,17 +16,11 @@ namespace {
 std::atomic<int> g_level{-1};
 std::mutex g_mu;
 
-const char* level_tag(LogLevel level) {
-  switch (level) {
-    case LogLevel::kError: return "error";
-    case LogLevel::kWarn: return "warn";
-    case LogLevel::kInfo: return "info";
-    case LogLevel::kDebug: return "debug";
-  }
-  return "?";
-}
-
 }  // namespace
+
+template <>
+inline constexpr auto kEnumNames<LogLevel> = std::to_array<EnumName<LogLevel>>(
+    {{LogLevel::kError, "error"}, {LogLevel::kWarn, "warn"}, {LogLevel::kInfo, "info"}, {LogLevel::kDebug, "debug"}});
 
 LogLevel log_level() {
   int v = g_level.load(std::memory_order_relaxed);
@@ -39,7 +35,22 @@ void set_log_level(LogLevel level) { g_level.store(static_cast<int>(level)); }
 
 void log_message(LogLevel level, std::string_view text) {
   std::lock_guard<std::mutex> lock(g_mu);
-  std::fprintf(stderr, "strata %s: %.*s\n", level_tag(level), static_cast<int>(text.size()), text.data());
+  std::fprintf(stderr, "strata %s: %.*s\n", enum_name(level), static_cast<int>(text.size()), text.data());
+}
+
+void log_status(LogLevel level, std::string_view what, const Status& status) {
+  if (log_level() < level) return;
+  std::string text(what);
+  text += ": ";
+  text += status.message();
+  if (log_level() >= LogLevel::kDebug) {
+    const std::string trace = status.trace_string();
+    if (!trace.empty()) {
+      text += '\n';
+      text.append(trace, 0, trace.size() - 1);  // log_message ends the line
+    }
+  }
+  log_message(level, text);
 }
 
 bool log_once(LogLevel level, std::string_view key, std::string_view text) {

@@ -1,6 +1,8 @@
 // Minimal leveled logging to stderr. Level from STRATA_LOG_LEVEL
 // (error|warn|info|debug; default warn). log_once() prints a message the first
 // time a key is seen, for fallbacks that would otherwise repeat per request.
+// log_status() prints an error Status, and at level debug the file:line
+// frames it passed (Status::trace_string()).
 #pragma once
 
 #include <fmt/format.h>
@@ -10,6 +12,8 @@
 
 namespace strata {
 
+class Status;
+
 enum class LogLevel { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 LogLevel log_level();
@@ -17,6 +21,9 @@ void set_log_level(LogLevel level);
 void log_message(LogLevel level, std::string_view text);
 // Returns true if this call printed (the first one for `key`).
 bool log_once(LogLevel level, std::string_view key, std::string_view text);
+// "<what>: <message>" at `level`; when the log level is debug, followed by
+// the Status's trace ("  at src/runtime/engine.cpp:812" lines).
+void log_status(LogLevel level, std::string_view what, const Status& status);
 
 template <typename... Args>
 void log_error(fmt::format_string<Args...> f, Args&&... args) {

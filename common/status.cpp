@@ -1,28 +1,31 @@
 #include "common/status.h"
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 
+#include "common/enum_names.h"
+
 namespace strata {
 
-const char* status_code_name(StatusCode code) {
-  switch (code) {
-    case StatusCode::kOk: return "OK";
-    case StatusCode::kInvalidArgument: return "InvalidArgument";
-    case StatusCode::kIoError: return "IoError";
-    case StatusCode::kNoSpace: return "NoSpace";
-    case StatusCode::kOutOfBudget: return "OutOfBudget";
-    case StatusCode::kOutOfMemory: return "OutOfMemory";
-    case StatusCode::kNotFound: return "NotFound";
-    case StatusCode::kPermission: return "Permission";
-    case StatusCode::kUnavailable: return "Unavailable";
-    case StatusCode::kCorrupt: return "Corrupt";
-    case StatusCode::kAlreadyExists: return "AlreadyExists";
-    case StatusCode::kCancelled: return "Cancelled";
-    case StatusCode::kInternal: return "Internal";
-  }
-  return "Unknown";
-}
+template <>
+inline constexpr auto kEnumNames<StatusCode> = std::to_array<EnumName<StatusCode>>({
+    {StatusCode::kOk, "OK"},
+    {StatusCode::kInvalidArgument, "InvalidArgument"},
+    {StatusCode::kIoError, "IoError"},
+    {StatusCode::kNoSpace, "NoSpace"},
+    {StatusCode::kOutOfBudget, "OutOfBudget"},
+    {StatusCode::kOutOfMemory, "OutOfMemory"},
+    {StatusCode::kNotFound, "NotFound"},
+    {StatusCode::kPermission, "Permission"},
+    {StatusCode::kUnavailable, "Unavailable"},
+    {StatusCode::kCorrupt, "Corrupt"},
+    {StatusCode::kAlreadyExists, "AlreadyExists"},
+    {StatusCode::kCancelled, "Cancelled"},
+    {StatusCode::kInternal, "Internal"},
+});
+
+const char* status_code_name(StatusCode code) { return enum_name(code, "Unknown"); }
 
 StatusCode status_code_from_errno(int err) {
   switch (err) {
@@ -60,7 +63,81 @@ std::string Status::to_string() const {
 
 Status Status::with_context(const std::string& context) const {
   if (ok()) return *this;
-  return Status(code_, context + ": " + message_);
+  Status out(code_, context + ": " + message_);
+  out.trace_ = copy_trace();
+  return out;
+}
+
+// ------------------------------------------------------------------ trace
+
+struct Status::Trace {
+  struct Frame {
+    const char* file;  // __FILE__: a string literal, never freed
+    int line;
+  };
+  std::array<Frame, kMaxTraceFrames> frames;
+  uint32_t count = 0;
+  uint32_t dropped = 0;
+};
+
+void Status::TraceDeleter::operator()(Trace* t) const { delete t; }
+
+std::unique_ptr<Status::Trace, Status::TraceDeleter> Status::copy_trace() const {
+  if (!trace_) return nullptr;
+  return std::unique_ptr<Trace, TraceDeleter>(new Trace(*trace_));
+}
+
+void Status::add_frame(const char* file, int line) {
+  if (ok()) return;
+  if (!trace_) trace_.reset(new Trace());
+  if (trace_->count < kMaxTraceFrames) {
+    trace_->frames[trace_->count++] = {file, line};
+  } else {
+    ++trace_->dropped;
+  }
+}
+
+namespace {
+
+// __FILE__ is the path the compiler was given: absolute, or relative to the
+// build directory (ccache's base_dir rewrites it so). Every file of the tree
+// is given the same way, so this file's own __FILE__ less "common/status.cpp"
+// is the prefix to drop.
+std::string_view source_relative(std::string_view file) {
+  static constexpr std::string_view kSelf = __FILE__;
+  static constexpr std::string_view kSuffix = "common/status.cpp";
+  static const std::string_view root =
+      kSelf.size() >= kSuffix.size() && kSelf.substr(kSelf.size() - kSuffix.size()) == kSuffix
+          ? kSelf.substr(0, kSelf.size() - kSuffix.size())
+          : std::string_view();
+  if (!root.empty() && file.substr(0, root.size()) == root) file.remove_prefix(root.size());
+  return file;
+}
+
+}  // namespace
+
+std::vector<StatusFrame> Status::trace() const {
+  std::vector<StatusFrame> out;
+  if (!trace_) return out;
+  out.reserve(trace_->count);
+  for (uint32_t i = 0; i < trace_->count; ++i)
+    out.push_back({source_relative(trace_->frames[i].file), trace_->frames[i].line});
+  return out;
+}
+
+uint32_t Status::trace_frames_dropped() const { return trace_ ? trace_->dropped : 0; }
+
+std::string Status::trace_string() const {
+  std::string s;
+  for (const StatusFrame& f : trace()) {
+    s += "  at ";
+    s += f.file;
+    s += ':';
+    s += std::to_string(f.line);
+    s += '\n';
+  }
+  if (uint32_t d = trace_frames_dropped(); d > 0) s += "  ... " + std::to_string(d) + " more\n";
+  return s;
 }
 
 }  // namespace strata

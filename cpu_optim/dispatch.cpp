@@ -2,6 +2,7 @@
 
 #include <string>
 
+#include "common/enum_names.h"
 #include "common/log.h"
 #include "common/tunables.h"
 #include "cpu_optim/arch/kernel_table.h"
@@ -12,6 +13,17 @@
 #else
 #define STRATA_CPU_OPTIM_X86 0
 #endif
+
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<cpu_optim::Isa> = std::to_array<EnumName<cpu_optim::Isa>>({
+    {cpu_optim::Isa::kAuto, "auto"},
+    {cpu_optim::Isa::kScalar, "scalar"},
+    {cpu_optim::Isa::kAvx2, "avx2"},
+    {cpu_optim::Isa::kAvx512, "avx512"},
+    {cpu_optim::Isa::kNeon, "neon"},
+});
+}  // namespace strata
 
 namespace strata::cpu_optim {
 namespace {
@@ -94,22 +106,12 @@ const CpuFeatures& cpu_features() {
   return f;
 }
 
-const char* isa_name(Isa isa) {
-  switch (isa) {
-    case Isa::kAuto: return "auto";
-    case Isa::kScalar: return "scalar";
-    case Isa::kAvx2: return "avx2";
-    case Isa::kAvx512: return "avx512";
-    case Isa::kNeon: return "neon";
-  }
-  return "?";
-}
+const char* isa_name(Isa isa) { return enum_name(isa); }
 
 Result<Isa> parse_isa(std::string_view name) {
-  for (Isa i : {Isa::kAuto, Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kNeon})
-    if (name == isa_name(i)) return i;
+  if (std::optional<Isa> i = find_enum<Isa>(name)) return *i;
   return Status(StatusCode::kInvalidArgument,
-                "unknown CPU ISA '" + std::string(name) + "' (expected auto|scalar|avx2|avx512|neon)");
+                "unknown CPU ISA '" + std::string(name) + "' (expected " + enum_name_list<Isa>("|") + ")");
 }
 
 bool isa_supported(Isa isa) {

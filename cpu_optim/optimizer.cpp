@@ -16,9 +16,21 @@
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
 
+#include "common/enum_names.h"
 #include "common/tunables.h"
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/dispatch.h"
+
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<cpu_optim::OptimizerKind> = std::to_array<EnumName<cpu_optim::OptimizerKind>>({
+    {cpu_optim::OptimizerKind::kAdamW, "adamw"},
+    {cpu_optim::OptimizerKind::kAdam, "adam"},
+    {cpu_optim::OptimizerKind::kAdagrad, "adagrad"},
+    {cpu_optim::OptimizerKind::kLion, "lion"},
+    {cpu_optim::OptimizerKind::kSgd, "sgd"},
+});
+}  // namespace strata
 
 namespace strata::cpu_optim {
 namespace detail {
@@ -264,23 +276,12 @@ Status convert(const float* src, void* dst, DType dst_dtype, std::size_t count, 
   return Status::ok_status();
 }
 
-const char* optimizer_name(OptimizerKind k) {
-  switch (k) {
-    case OptimizerKind::kAdamW: return "adamw";
-    case OptimizerKind::kAdam: return "adam";
-    case OptimizerKind::kAdagrad: return "adagrad";
-    case OptimizerKind::kLion: return "lion";
-    case OptimizerKind::kSgd: return "sgd";
-  }
-  return "?";
-}
+const char* optimizer_name(OptimizerKind k) { return enum_name(k); }
 
 Result<OptimizerKind> parse_optimizer(const char* name) {
   std::string n = name ? name : "";
-  for (OptimizerKind k : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kAdagrad, OptimizerKind::kLion,
-                          OptimizerKind::kSgd})
-    if (n == optimizer_name(k)) return k;
-  return invalid("unknown optimizer '" + n + "' (expected adamw|adam|adagrad|lion|sgd)");
+  if (std::optional<OptimizerKind> k = find_enum<OptimizerKind>(n)) return *k;
+  return invalid("unknown optimizer '" + n + "' (expected " + enum_name_list<OptimizerKind>("|") + ")");
 }
 
 }  // namespace strata::cpu_optim

@@ -260,8 +260,4 @@ void register_bench_adam(CLI::App& bench) {
   cmd->callback([o] { set_exit_code(run(*o)); });
 }
 
-std::string cpu_optim_runtime_summary() {
-  return "  cpu optimizer ISA    " + cpu_isa_summary() + "\n";
-}
-
 }  // namespace strata::tools

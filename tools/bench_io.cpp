@@ -423,18 +423,4 @@ void register_bench_io(CLI::App& bench) {
   cmd->callback([o] { run_bench_io(*o); });
 }
 
-std::string io_runtime_summary() {
-  std::string line;
-  for (const auto& b : io::io_backends_built()) {
-    Status s = io::io_backend_probe(b);
-    if (!line.empty()) line += ", ";
-    line += b + (s.ok() ? " yes" : " no (" + s.message() + ")");
-  }
-  for (const char* b : {"uring", "aio"}) {
-    auto built = io::io_backends_built();
-    if (std::find(built.begin(), built.end(), b) == built.end()) line += std::string(", ") + b + " not built";
-  }
-  return fmt::format("  {:<21}{}\n", "io backends here", line);
-}
-
 }  // namespace strata::tools

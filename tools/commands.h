@@ -5,10 +5,18 @@
 
 #include <CLI/CLI.hpp>
 
+#include <string_view>
+
+#include "common/status.h"
+
 namespace strata::tools {
 
 void set_exit_code(int code);
 int exit_code();
+
+// "<command>: <message>" on stderr; at log level debug (STRATA_LOG_LEVEL=debug)
+// followed by the file:line frames the error passed ("  at src/...:N").
+void print_error(std::string_view command, const Status& st);
 
 // `strata bench io ...` (tools/bench_io.cpp)
 void register_bench_io(CLI::App& bench);
@@ -28,10 +36,5 @@ void register_demo(CLI::App& app);
 // `strata init-model ...` (tools/init_model.cpp) and `strata plan ...` (tools/plan.cpp)
 void register_init_model(CLI::App& app);
 void register_plan(CLI::App& app);
-
-// Lines for `strata --version` about what this machine offers at run time.
-std::string io_runtime_summary();         // tools/bench_io.cpp: which I/O backends work here
-std::string cpu_optim_runtime_summary();  // tools/bench_adam.cpp: CPU ISA chosen
-std::string device_runtime_summary();     // tools/strata_main.cpp: CUDA backend loaded?
 
 }  // namespace strata::tools

@@ -23,6 +23,7 @@
 #include "commands.h"
 #include "common/units.h"
 #include "finetune.h"
+#include "finetune_flags.h"
 #include "model/llama_config.h"
 #include "model/llama_init.h"
 #include "train/demo_data.h"
@@ -99,7 +100,7 @@ int run_demo(const DemoFlags& f) {
     std::fprintf(stderr, "strata demo: --steps must be at least 1\n");
     return 1;
   }
-  auto device = train::parse_train_device(f.device);
+  auto device = parse_train_device(f.device);
   if (!device.ok()) {
     std::fprintf(stderr, "strata demo: --device: %s\n", device.status().message().c_str());
     return 1;
@@ -107,7 +108,7 @@ int run_demo(const DemoFlags& f) {
   StopSignals signals;  // before anything is created: Ctrl-C always cleans up
   TempDir tmp(f.keep);
   if (Status st = tmp.make(parent); !st.ok()) {
-    std::fprintf(stderr, "strata demo: %s\n", st.message().c_str());
+    print_error("strata demo", st);
     return 1;
   }
   const std::string& d = tmp.path();
@@ -125,7 +126,7 @@ int run_demo(const DemoFlags& f) {
   const std::string data = d + "/data.txt";
   constexpr uint64_t kDataBytes = 400000;
   if (Status st = train::write_demo_text(data, kDataBytes); !st.ok()) {
-    std::fprintf(stderr, "strata demo: %s\n", st.message().c_str());
+    print_error("strata demo", st);
     return exit_code_for(st);
   }
   const std::string sample = train::demo_text(160).substr(0, 120);
@@ -173,7 +174,7 @@ int run_demo(const DemoFlags& f) {
   o.stop = signals.flag();
   auto t = train::Trainer::create(o);
   if (!t.ok()) {
-    std::fprintf(stderr, "strata demo: %s\n", t.status().message().c_str());
+    print_error("strata demo", t.status());
     return exit_code_for(t.status());
   }
   const EngineStats s = t.value()->engine().stats();
@@ -188,7 +189,7 @@ int run_demo(const DemoFlags& f) {
   std::fflush(stdout);
   auto r = t.value()->run();
   if (!r.ok()) {
-    std::fprintf(stderr, "strata demo: %s\n", r.status().message().c_str());
+    print_error("strata demo", r.status());
     return exit_code_for(r.status());
   }
   if (r->interrupted) {

@@ -3,9 +3,8 @@
 #include <string>
 
 #include "commands.h"
-#include "common/build_info.h"
-#include "common/tunables.h"
-#include "device/cuda_loader.h"
+#include "common/log.h"
+#include "version.h"
 
 namespace strata::tools {
 namespace {
@@ -15,18 +14,9 @@ int g_exit_code = 0;
 void set_exit_code(int code) { g_exit_code = code; }
 int exit_code() { return g_exit_code; }
 
-std::string device_runtime_summary() {
-  auto cuda = load_cuda_backend();
-  if (!cuda.ok()) return "  device backend       host (" + cuda.status().message() + ")\n";
-  std::string s = "  device backend       cuda (" + cuda->module_path + ")\n";
-  for (int d = 0; d < cuda->device_count; ++d) {
-    char desc[256] = {0}, err[256] = {0};
-    if (cuda->api->device_describe(d, desc, sizeof(desc), err, sizeof(err)) == 0)
-      s += "  gpu " + std::to_string(d) + "                " + desc + "\n";
-    else
-      s += "  gpu " + std::to_string(d) + "                (" + err + ")\n";
-  }
-  return s;
+void print_error(std::string_view command, const Status& st) {
+  std::fprintf(stderr, "%.*s: %s\n", static_cast<int>(command.size()), command.data(), st.message().c_str());
+  if (log_level() >= LogLevel::kDebug) std::fprintf(stderr, "%s", st.trace_string().c_str());
 }
 
 }  // namespace strata::tools
@@ -56,9 +46,7 @@ int main(int argc, char** argv) {
     return app.exit(e) == 0 ? 0 : 1;
   }
   if (version) {
-    std::printf("strata %s\nbuilt with:\n%s", strata::version_string(), strata::build_feature_summary().c_str());
-    std::printf("on this machine:\n%s%s%s", io_runtime_summary().c_str(), cpu_optim_runtime_summary().c_str(),
-                device_runtime_summary().c_str());
+    std::printf("%s", version_text().c_str());
     return 0;
   }
   if (app.get_subcommands().empty()) {

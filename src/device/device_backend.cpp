@@ -1,7 +1,9 @@
 #include "device/device_backend.h"
 
 #include <algorithm>
+#include <array>
 
+#include "common/enum_names.h"
 #include "common/log.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
@@ -9,21 +11,21 @@
 
 namespace strata {
 
+template <>
+inline constexpr auto kEnumNames<CopyKind> = std::to_array<EnumName<CopyKind>>({
+    {CopyKind::kHostToDevice, "host-to-device"},
+    {CopyKind::kDeviceToHost, "device-to-host"},
+    {CopyKind::kDeviceToDevice, "device-to-device"},
+});
+template <>
+inline constexpr auto kEnumNames<DeviceBackendKind> = std::to_array<EnumName<DeviceBackendKind>>(
+    {{DeviceBackendKind::kAuto, "auto"}, {DeviceBackendKind::kCuda, "cuda"}, {DeviceBackendKind::kHost, "host"}});
+
 const char* device_kind_name(DeviceKind kind) {
   return kind == DeviceKind::kCuda ? "cuda" : "host";
 }
 
-const char* copy_kind_name(CopyKind kind) {
-  switch (kind) {
-    case CopyKind::kHostToDevice:
-      return "host-to-device";
-    case CopyKind::kDeviceToHost:
-      return "device-to-host";
-    case CopyKind::kDeviceToDevice:
-      return "device-to-device";
-  }
-  return "unknown-copy";
-}
+const char* copy_kind_name(CopyKind kind) { return enum_name(kind, "unknown-copy"); }
 
 Result<HostAllocation> DeviceBackend::alloc_pinned(std::size_t bytes) {
   STRATA_ASSIGN_OR_RETURN(HostAllocation a, alloc_host(bytes));
@@ -49,11 +51,10 @@ Result<DeviceStream*> DeviceBackend::wrap_native_stream(void*, std::string_view 
 }
 
 Result<DeviceBackendKind> parse_device_backend_kind(std::string_view text) {
-  if (text == "auto" || text.empty()) return DeviceBackendKind::kAuto;
-  if (text == "cuda") return DeviceBackendKind::kCuda;
-  if (text == "host") return DeviceBackendKind::kHost;
-  return Status(StatusCode::kInvalidArgument,
-                "unknown device backend \"" + std::string(text) + "\" (expected auto, cuda or host)");
+  if (text.empty()) return DeviceBackendKind::kAuto;
+  if (std::optional<DeviceBackendKind> k = find_enum<DeviceBackendKind>(text)) return *k;
+  return Status(StatusCode::kInvalidArgument, "unknown device backend \"" + std::string(text) + "\" (expected " +
+                                                  enum_name_list<DeviceBackendKind>(", ", "", " or ") + ")");
 }
 
 Result<std::unique_ptr<DeviceBackend>> create_device_backend(const DeviceBackendOptions& options) {

@@ -12,27 +12,47 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/enum_names.h"
 #include "common/float_convert.h"
 #include "common/json.h"
 #include "common/posix_file.h"
 #include "io/io_engine.h"
+
+// The file format's spellings of its dtypes.
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<model::StDType> = std::to_array<EnumName<model::StDType>>({
+    {model::StDType::kBOOL, "BOOL"},
+    {model::StDType::kU8, "U8"},
+    {model::StDType::kI8, "I8"},
+    {model::StDType::kI16, "I16"},
+    {model::StDType::kU16, "U16"},
+    {model::StDType::kF16, "F16"},
+    {model::StDType::kBF16, "BF16"},
+    {model::StDType::kI32, "I32"},
+    {model::StDType::kU32, "U32"},
+    {model::StDType::kF32, "F32"},
+    {model::StDType::kF64, "F64"},
+    {model::StDType::kI64, "I64"},
+    {model::StDType::kU64, "U64"},
+    {model::StDType::kF8_E4M3, "F8_E4M3"},
+    {model::StDType::kF8_E5M2, "F8_E5M2"},
+});
+}  // namespace strata
 
 namespace strata::model {
 namespace {
 
 using json = nlohmann::json;
 
-struct DTypeRow {
+struct DTypeSize {
   StDType d;
-  const char* name;
   size_t size;
 };
-constexpr DTypeRow kDTypes[] = {
-    {StDType::kBOOL, "BOOL", 1}, {StDType::kU8, "U8", 1},           {StDType::kI8, "I8", 1},
-    {StDType::kI16, "I16", 2},   {StDType::kU16, "U16", 2},         {StDType::kF16, "F16", 2},
-    {StDType::kBF16, "BF16", 2}, {StDType::kI32, "I32", 4},         {StDType::kU32, "U32", 4},
-    {StDType::kF32, "F32", 4},   {StDType::kF64, "F64", 8},         {StDType::kI64, "I64", 8},
-    {StDType::kU64, "U64", 8},   {StDType::kF8_E4M3, "F8_E4M3", 1}, {StDType::kF8_E5M2, "F8_E5M2", 1},
+constexpr DTypeSize kDTypeSizes[] = {
+    {StDType::kBOOL, 1}, {StDType::kU8, 1},  {StDType::kI8, 1},  {StDType::kI16, 2},     {StDType::kU16, 2},
+    {StDType::kF16, 2},  {StDType::kBF16, 2}, {StDType::kI32, 4}, {StDType::kU32, 4},     {StDType::kF32, 4},
+    {StDType::kF64, 8},  {StDType::kI64, 8},  {StDType::kU64, 8}, {StDType::kF8_E4M3, 1}, {StDType::kF8_E5M2, 1},
 };
 
 bool mul_overflows(uint64_t a, uint64_t b, uint64_t* out) {
@@ -163,20 +183,15 @@ struct AlignedFree {
 // ------------------------------------------------------------------ dtypes
 
 size_t st_dtype_size(StDType d) {
-  for (const auto& r : kDTypes)
+  for (const auto& r : kDTypeSizes)
     if (r.d == d) return r.size;
   return 0;
 }
 
-const char* st_dtype_name(StDType d) {
-  for (const auto& r : kDTypes)
-    if (r.d == d) return r.name;
-  return "?";
-}
+const char* st_dtype_name(StDType d) { return enum_name(d); }
 
 Result<StDType> parse_st_dtype(std::string_view name) {
-  for (const auto& r : kDTypes)
-    if (name == r.name) return r.d;
+  if (std::optional<StDType> d = find_enum<StDType>(name)) return *d;
   return Status(StatusCode::kInvalidArgument, fmt::format("unknown safetensors dtype \"{}\"", name));
 }
 

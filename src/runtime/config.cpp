@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <array>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -14,6 +15,7 @@
 #include <set>
 #include <sstream>
 
+#include "common/enum_names.h"
 #include "common/json.h"
 #include "common/log.h"
 #include "common/units.h"
@@ -22,47 +24,29 @@ namespace strata {
 
 using json = nlohmann::json;
 
-const char* tier_name(Tier t) {
-  switch (t) {
-    case Tier::kAuto:
-      return "auto";
-    case Tier::kDevice:
-      return "device";
-    case Tier::kHost:
-      return "host";
-    case Tier::kNvme:
-      return "nvme";
-  }
-  return "?";
-}
+// The names, in the order error messages list them.
+template <>
+inline constexpr auto kEnumNames<Tier> = std::to_array<EnumName<Tier>>(
+    {{Tier::kAuto, "auto"}, {Tier::kDevice, "device"}, {Tier::kHost, "host"}, {Tier::kNvme, "nvme"}});
+template <>
+inline constexpr auto kEnumNames<OffloadDevice> = std::to_array<EnumName<OffloadDevice>>(
+    {{OffloadDevice::kNone, "none"},
+     {OffloadDevice::kCpu, "cpu"},
+     {OffloadDevice::kNvme, "nvme"},
+     {OffloadDevice::kAuto, "auto"}});
+template <>
+inline constexpr auto kEnumNames<IoBackendChoice> = std::to_array<EnumName<IoBackendChoice>>(
+    {{IoBackendChoice::kAuto, "auto"},
+     {IoBackendChoice::kUring, "uring"},
+     {IoBackendChoice::kAio, "aio"},
+     {IoBackendChoice::kPosix, "posix"}});
+template <>
+inline constexpr auto kEnumNames<OptimizerType> =
+    std::to_array<EnumName<OptimizerType>>({{OptimizerType::kAdam, "Adam"}, {OptimizerType::kAdamW, "AdamW"}});
 
-const char* offload_device_name(OffloadDevice d) {
-  switch (d) {
-    case OffloadDevice::kAuto:
-      return "auto";
-    case OffloadDevice::kNone:
-      return "none";
-    case OffloadDevice::kCpu:
-      return "cpu";
-    case OffloadDevice::kNvme:
-      return "nvme";
-  }
-  return "?";
-}
-
-const char* io_backend_name(IoBackendChoice b) {
-  switch (b) {
-    case IoBackendChoice::kAuto:
-      return "auto";
-    case IoBackendChoice::kUring:
-      return "uring";
-    case IoBackendChoice::kAio:
-      return "aio";
-    case IoBackendChoice::kPosix:
-      return "posix";
-  }
-  return "?";
-}
+const char* tier_name(Tier t) { return enum_name(t); }
+const char* offload_device_name(OffloadDevice d) { return enum_name(d); }
+const char* io_backend_name(IoBackendChoice b) { return enum_name(b); }
 
 DType Config::compute_dtype() const {
   if (bf16) return DType::kBF16;
@@ -320,14 +304,11 @@ Status read_string(Obj& o, std::string_view key, std::string* out, bool allow_em
   return Status::ok_status();
 }
 
-template <typename E>
-struct EnumName {
-  const char* name;
-  E value;
-};
-
+// A string naming one of `names` (an enum's kEnumNames table, or a subset of
+// one); the error lists them: "auto", "device", "host" or "nvme".
 template <typename E, size_t N>
-Status read_enum(Obj& o, std::string_view key, E* out, const EnumName<E> (&names)[N], bool ignore_case = false) {
+Status read_enum(Obj& o, std::string_view key, E* out, const std::array<EnumName<E>, N>& names,
+                 bool ignore_case = false) {
   const json* v = o.take(key);
   if (!v) return Status::ok_status();
   std::string choices;
@@ -358,24 +339,18 @@ Status read_object(Obj& parent, std::string_view key, Fn&& fn, bool allow_auto) 
 
 // ------------------------------------------------------------------ sections
 
-constexpr EnumName<OffloadDevice> kOffloadDevices[] = {{"none", OffloadDevice::kNone},
-                                                       {"cpu", OffloadDevice::kCpu},
-                                                       {"nvme", OffloadDevice::kNvme},
-                                                       {"auto", OffloadDevice::kAuto}};
-
 Status read_offload_device(Obj& o, OffloadDevice* out) {
   // "auto" here is Strata's own value (the planner decides), not DeepSpeed's
   // "keep the default" placeholder, so read it without take()'s filter.
   const json* v = o.take_raw("device");
   if (!v) return Status::ok_status();
   if (v->is_string()) {
-    for (const auto& n : kOffloadDevices)
-      if (v->get_ref<const std::string&>() == n.name) {
-        *out = n.value;
-        return Status::ok_status();
-      }
+    if (std::optional<OffloadDevice> d = find_enum<OffloadDevice>(v->get_ref<const std::string&>())) {
+      *out = *d;
+      return Status::ok_status();
+    }
   }
-  return expected(o.child("device"), "\"none\", \"cpu\", \"nvme\" or \"auto\"", *v);
+  return expected(o.child("device"), enum_name_list<OffloadDevice>(", ", "\"", " or "), *v);
 }
 
 Status read_offload_param(Obj& o, OffloadParamConfig* c) {
@@ -525,8 +500,7 @@ Status read_fp16(Obj& o, Fp16Config* f) {
 }
 
 Status read_optimizer(Obj& o, OptimizerConfig* c) {
-  constexpr EnumName<OptimizerType> kTypes[] = {{"Adam", OptimizerType::kAdam}, {"AdamW", OptimizerType::kAdamW}};
-  STRATA_RETURN_IF_ERROR(read_enum(o, "type", &c->type, kTypes, /*ignore_case=*/true));
+  STRATA_RETURN_IF_ERROR(read_enum(o, "type", &c->type, kEnumNames<OptimizerType>, /*ignore_case=*/true));
   bool amsgrad = false;
   bool has_mode = false;
   STRATA_RETURN_IF_ERROR(read_object(
@@ -560,9 +534,6 @@ Status read_optimizer(Obj& o, OptimizerConfig* c) {
   if (c->type == OptimizerType::kAdamW) c->adam_w_mode = true;
   return Status::ok_status();
 }
-
-constexpr EnumName<Tier> kTiers[] = {
-    {"auto", Tier::kAuto}, {"device", Tier::kDevice}, {"host", Tier::kHost}, {"nvme", Tier::kNvme}};
 
 Status read_strata(Obj& o, StrataConfig* s) {
   STRATA_RETURN_IF_ERROR(read_size(o, "device_memory", &s->device_memory));
@@ -599,13 +570,9 @@ Status read_strata(Obj& o, StrataConfig* s) {
   }
   STRATA_RETURN_IF_ERROR(read_uint(o, "prefetch_depth", &s->prefetch_depth, 0, 64));
   STRATA_RETURN_IF_ERROR(read_size(o, "prefetch_bytes", &s->prefetch_bytes));
-  constexpr EnumName<DType> kStateDtypes[] = {{"fp32", DType::kF32}, {"bf16", DType::kBF16}};
+  constexpr auto kStateDtypes = std::to_array<EnumName<DType>>({{DType::kF32, "fp32"}, {DType::kBF16, "bf16"}});
   STRATA_RETURN_IF_ERROR(read_enum(o, "optimizer_state_dtype", &s->optimizer_state_dtype, kStateDtypes));
-  constexpr EnumName<IoBackendChoice> kBackends[] = {{"auto", IoBackendChoice::kAuto},
-                                                     {"uring", IoBackendChoice::kUring},
-                                                     {"aio", IoBackendChoice::kAio},
-                                                     {"posix", IoBackendChoice::kPosix}};
-  STRATA_RETURN_IF_ERROR(read_enum(o, "io_backend", &s->io_backend, kBackends));
+  STRATA_RETURN_IF_ERROR(read_enum(o, "io_backend", &s->io_backend, kEnumNames<IoBackendChoice>));
   STRATA_RETURN_IF_ERROR(read_bool(o, "overlap_backward", &s->overlap_backward));
   STRATA_RETURN_IF_ERROR(read_string(o, "trace", &s->trace));
   STRATA_RETURN_IF_ERROR(read_uint(o, "world_size", &s->world_size, 1, 1u << 20));
@@ -625,10 +592,10 @@ Status read_strata(Obj& o, StrataConfig* s) {
       GroupTierRule r;
       if (!eo.has("match")) return key_error(ep + ".match", "required");
       STRATA_RETURN_IF_ERROR(read_string(eo, "match", &r.match, false));
-      STRATA_RETURN_IF_ERROR(read_enum(eo, "compute", &r.compute, kTiers));
-      STRATA_RETURN_IF_ERROR(read_enum(eo, "master", &r.master, kTiers));
-      STRATA_RETURN_IF_ERROR(read_enum(eo, "optimizer", &r.optimizer, kTiers));
-      STRATA_RETURN_IF_ERROR(read_enum(eo, "grad", &r.grad, kTiers));
+      STRATA_RETURN_IF_ERROR(read_enum(eo, "compute", &r.compute, kEnumNames<Tier>));
+      STRATA_RETURN_IF_ERROR(read_enum(eo, "master", &r.master, kEnumNames<Tier>));
+      STRATA_RETURN_IF_ERROR(read_enum(eo, "optimizer", &r.optimizer, kEnumNames<Tier>));
+      STRATA_RETURN_IF_ERROR(read_enum(eo, "grad", &r.grad, kEnumNames<Tier>));
       STRATA_RETURN_IF_ERROR(eo.finish());
       s->groups.push_back(std::move(r));
     }

@@ -4,25 +4,23 @@
 #include <fnmatch.h>
 
 #include <algorithm>
+#include <array>
 #include <unordered_map>
 
+#include "common/enum_names.h"
 #include "common/units.h"
 
 namespace strata {
 
-const char* state_kind_name(StateKind k) {
-  switch (k) {
-    case StateKind::kCompute:
-      return "compute copy";
-    case StateKind::kMaster:
-      return "fp32 master";
-    case StateKind::kOptimizer:
-      return "optimizer states";
-    case StateKind::kGrad:
-      return "fp32 grad accumulator";
-  }
-  return "?";
-}
+template <>
+inline constexpr auto kEnumNames<StateKind> = std::to_array<EnumName<StateKind>>({
+    {StateKind::kCompute, "compute copy"},
+    {StateKind::kMaster, "fp32 master"},
+    {StateKind::kOptimizer, "optimizer states"},
+    {StateKind::kGrad, "fp32 grad accumulator"},
+});
+
+const char* state_kind_name(StateKind k) { return enum_name(k); }
 
 LinkBytes& LinkBytes::operator+=(const LinkBytes& o) {
   nvme_read += o.nvme_read;

@@ -19,7 +19,6 @@
 #include <optional>
 #include <type_traits>
 
-#include "common/dtype_parse.h"
 #include "common/log.h"
 #include "common/units.h"
 #include "device/cuda_loader.h"
@@ -27,6 +26,7 @@
 #include "model/safetensors.h"
 #include "runtime/model_spec.h"
 #include "train/cuda_ops.h"
+#include "train/progress.h"
 
 namespace strata::train {
 namespace {
@@ -65,21 +65,6 @@ std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string&
   return out;
 }
 
-std::string human_count(double v) {
-  if (v >= 1e9) return fmt::format("{:.2f}G", v / 1e9);
-  if (v >= 1e6) return fmt::format("{:.2f}M", v / 1e6);
-  if (v >= 1e3) return fmt::format("{:.1f}k", v / 1e3);
-  return fmt::format("{:.0f}", v);
-}
-
-std::string human_seconds(double s) {
-  if (!(s >= 0) || s > 1e8) return "?";
-  const int64_t t = static_cast<int64_t>(s + 0.5);
-  if (t >= 3600) return fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60);
-  if (t >= 60) return fmt::format("{}m{:02}s", t / 60, t % 60);
-  return fmt::format("{}s", t);
-}
-
 // Device-pool bytes a buffer of `bytes` may take: the caching allocator
 // rounds up to a size class, at most 25% over (device/caching_allocator.h).
 uint64_t pool_bytes(uint64_t bytes) { return bytes + bytes / 4 + 512; }
@@ -92,40 +77,6 @@ struct DeviceSizes {
 };
 
 }  // namespace
-
-Status parse_offload_flag(std::string_view text, OffloadDevice* device, std::string* nvme_path) {
-  if (text == "cpu") {
-    *device = OffloadDevice::kCpu;
-  } else if (text == "none") {
-    *device = OffloadDevice::kNone;
-  } else if (text == "auto") {
-    *device = OffloadDevice::kAuto;
-  } else if (text.rfind("nvme:", 0) == 0 && text.size() > 5) {
-    *device = OffloadDevice::kNvme;
-    *nvme_path = std::string(text.substr(5));
-  } else {
-    return Status(StatusCode::kInvalidArgument, "offload target \"" + std::string(text) +
-                                                    "\" is not one of nvme:DIR, cpu, none, auto");
-  }
-  return {};
-}
-
-Result<TrainDevice> parse_train_device(std::string_view text) {
-  if (text == "auto") return TrainDevice::kAuto;
-  if (text == "cuda") return TrainDevice::kCuda;
-  if (text == "cpu") return TrainDevice::kCpu;
-  return Status(StatusCode::kInvalidArgument,
-                "device \"" + std::string(text) + "\" is not one of auto, cuda, cpu");
-}
-
-const char* train_device_name(TrainDevice device) {
-  switch (device) {
-    case TrainDevice::kAuto: return "auto";
-    case TrainDevice::kCuda: return "cuda";
-    case TrainDevice::kCpu: return "cpu";
-  }
-  return "?";
-}
 
 // ---------------------------------------------------------------- Impl
 
@@ -205,7 +156,18 @@ struct Trainer::Impl {
     backend.reset();
   }
 
+  // create(): setup() runs the parts below in order.
   Status setup();
+  Status check_options();
+  Status open_model();
+  Status open_data();
+  Status check_output_dirs();
+  Result<EngineOptions> engine_options();
+  DeviceSizes device_sizes(const ModelSpec& spec);
+  Status create_engine(EngineOptions eo);
+  Status find_params();
+  Status alloc_buffers();
+  Status open_metrics();
   Status load_weights();
   Status resume(const std::string& dir);
   Status choose_device(const DeviceSizes& z, Config* cfg);
@@ -240,7 +202,32 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) 
   return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
 }
 
+// Each step names the part it checks or builds in its errors (trainer.h,
+// create()). The order matters: the device is chosen from the sizes of the
+// engine's model, the engine is built on that device, the buffers come from
+// its pool, and the weights need the engine.
 Status Trainer::Impl::setup() {
+  STRATA_RETURN_IF_ERROR(check_options());
+  STRATA_RETURN_IF_ERROR(open_model());
+  STRATA_RETURN_IF_ERROR(open_data());
+  STRATA_RETURN_IF_ERROR(check_output_dirs());
+  STRATA_ASSIGN_OR_RETURN(EngineOptions eo, engine_options());
+  const DeviceSizes z = device_sizes(eo.model);
+  STRATA_RETURN_IF_ERROR(choose_device(z, &eo.config));
+  STRATA_RETURN_IF_ERROR(create_engine(std::move(eo)));
+  STRATA_RETURN_IF_ERROR(find_params());
+  STRATA_RETURN_IF_ERROR(alloc_buffers());
+  // Weights: from the checkpoint, or from the model's safetensors.
+  if (!opt.resume_dir.empty()) {
+    STRATA_RETURN_IF_ERROR(resume(opt.resume_dir));
+  } else {
+    STRATA_RETURN_IF_ERROR(load_weights());
+  }
+  return open_metrics();
+}
+
+// The values the tool parsed, checked against each other.
+Status Trainer::Impl::check_options() {
   if (opt.batch < 1) return Status(StatusCode::kInvalidArgument, "batch must be at least 1");
   if (opt.steps < 0) return Status(StatusCode::kInvalidArgument, "steps must be >= 0");
   if (opt.out_dir.empty()) return Status(StatusCode::kInvalidArgument, "no output directory given");
@@ -248,9 +235,13 @@ Status Trainer::Impl::setup() {
     return Status(StatusCode::kInvalidArgument, "gradient accumulation steps must be at least 1");
   accum = opt.config.gradient_accumulation_steps;
   seq = opt.data.seq;
-
-  // The model directory: config and tensor list (headers only).
   if (opt.model_dir.empty()) return Status(StatusCode::kInvalidArgument, "no model directory given (--model)");
+  return {};
+}
+
+// The model directory: config and tensor list (headers only), and the
+// dimensions the ops compute with.
+Status Trainer::Impl::open_model() {
   {
     auto m = model::open_model_dir(opt.model_dir);
     if (!m.ok()) return m.status().with_context("model " + opt.model_dir);
@@ -270,8 +261,12 @@ Status Trainer::Impl::setup() {
   if (static_cast<uint64_t>(seq) > mc.max_position_embeddings)
     log_warn("sequence length {} is longer than the model's max_position_embeddings {}", seq,
              mc.max_position_embeddings);
+  return {};
+}
 
-  // Data: ids must fit the model's vocabulary.
+// The data file; its ids must fit the model's vocabulary.
+Status Trainer::Impl::open_data() {
+  const model::LlamaConfig& mc = model.config;
   DataOptions dopt = opt.data;
   if (dopt.vocab == 0)
     dopt.vocab = dopt.format == DataFormat::kText ? static_cast<uint32_t>(std::min<uint64_t>(256, mc.vocab_size))
@@ -286,7 +281,12 @@ Status Trainer::Impl::setup() {
     data = std::move(d).value();
   }
   opt.data = dopt;
+  return {};
+}
 
+// The out dir (created, writable) and every NVMe directory (an existing,
+// writable directory) before hours of training depend on them.
+Status Trainer::Impl::check_output_dirs() {
   STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir"));
   for (const NvmeDir& nd : opt.config.nvme_dirs()) {
     struct stat st {};
@@ -296,8 +296,12 @@ Status Trainer::Impl::setup() {
       return Status(StatusCode::kInvalidArgument, "NVMe directory " + nd.path + " is not a directory");
     if (::access(nd.path.c_str(), W_OK) != 0) return Status::from_errno(errno, "NVMe directory " + nd.path);
   }
+  return {};
+}
 
-  // The engine. Only CPU ops exist: the host backend, whatever the machine has.
+// The engine's config and model spec (the device fields come later, from
+// choose_device()).
+Result<EngineOptions> Trainer::Impl::engine_options() {
   // The engine has no device-side optimizer yet: "auto" for the optimizer's
   // state means host RAM (an explicit nvme:DIR or a config's rules still win).
   if (opt.config.zero.offload_optimizer.device == OffloadDevice::kAuto) {
@@ -307,48 +311,52 @@ Status Trainer::Impl::setup() {
     if (!ruled) opt.config.zero.offload_optimizer.device = OffloadDevice::kCpu;
   }
   compute_dtype = opt.config.compute_dtype();
-  LlamaShape shape = mc.shape();
+  LlamaShape shape = model.config.shape();
   shape.dtype = compute_dtype;
   EngineOptions eo;
   eo.config = opt.config;
-  {
-    auto spec = llama_model_spec(shape);
-    if (!spec.ok()) return spec.status().with_context("model " + opt.model_dir);
-    eo.model = std::move(spec).value();
-  }
-  // What the trainer takes from the device pool next to the engine: the
-  // gradient buffers (the largest group in fp32, plus the tied embedding's)
-  // with a 64 MiB margin, and the activations and token buffers; and the
-  // engine's group buffers.
-  DeviceSizes z;
-  {
-    std::map<std::string, uint64_t> group_numel;
-    uint64_t embed_numel = 0, largest = 0, largest_compute = 0;
-    for (const ParamSpec& ps : eo.model.params) {
-      const uint64_t n = group_numel[ps.group] += ps.numel();
-      largest = std::max(largest, n);
-      largest_compute = std::max(largest_compute, n * dtype_size(compute_dtype));
-      if (ps.name == weight_row(kEmbedTokens).name) embed_numel = ps.numel();
-    }
-    grad_buf_elems = largest;
-    z.reserve_base = (largest + (dims.tied ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
-    tokens_per_micro = static_cast<int64_t>(opt.batch) * seq;
-    const uint64_t act = static_cast<uint64_t>(tokens_per_micro) * static_cast<uint64_t>(dims.dim) * sizeof(float);
-    const uint64_t tok = static_cast<uint64_t>(tokens_per_micro) * sizeof(int32_t);
-    z.extra = pool_bytes(act * (mc.num_hidden_layers + 1)) + 2 * pool_bytes(act) + 2 * pool_bytes(tok);
-    z.group_buffers = 2 * (opt.config.strata.prefetch_depth + 2) * largest_compute;
-  }
-  STRATA_RETURN_IF_ERROR(choose_device(z, &eo.config));
-  {
-    eo.device = backend.get();
-    eo.budgets_override = opt.budgets_override;
-    auto e = Engine::create(eo);
-    if (!e.ok()) return e.status().with_context("creating the offload engine");
-    engine = std::move(e).value();
-  }
-  DeviceBackend& dev = *backend;
+  auto spec = llama_model_spec(shape);
+  if (!spec.ok()) return spec.status().with_context("model " + opt.model_dir);
+  eo.model = std::move(spec).value();
+  return eo;
+}
 
-  // Groups and parameter ids by Hugging Face name.
+// What the trainer takes from the device pool next to the engine: the
+// gradient buffers (the largest group in fp32, plus the tied embedding's)
+// with a 64 MiB margin, and the activations and token buffers; and the
+// engine's group buffers. Sets grad_buf_elems and tokens_per_micro.
+DeviceSizes Trainer::Impl::device_sizes(const ModelSpec& spec) {
+  DeviceSizes z;
+  std::map<std::string, uint64_t> group_numel;
+  uint64_t embed_numel = 0, largest = 0, largest_compute = 0;
+  for (const ParamSpec& ps : spec.params) {
+    const uint64_t n = group_numel[ps.group] += ps.numel();
+    largest = std::max(largest, n);
+    largest_compute = std::max(largest_compute, n * dtype_size(compute_dtype));
+    if (ps.name == weight_row(kEmbedTokens).name) embed_numel = ps.numel();
+  }
+  grad_buf_elems = largest;
+  z.reserve_base = (largest + (dims.tied ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
+  tokens_per_micro = static_cast<int64_t>(opt.batch) * seq;
+  const uint64_t act = static_cast<uint64_t>(tokens_per_micro) * static_cast<uint64_t>(dims.dim) * sizeof(float);
+  const uint64_t tok = static_cast<uint64_t>(tokens_per_micro) * sizeof(int32_t);
+  z.extra = pool_bytes(act * (model.config.num_hidden_layers + 1)) + 2 * pool_bytes(act) + 2 * pool_bytes(tok);
+  z.group_buffers = 2 * (opt.config.strata.prefetch_depth + 2) * largest_compute;
+  return z;
+}
+
+// The engine, on the backend choose_device() picked.
+Status Trainer::Impl::create_engine(EngineOptions eo) {
+  eo.device = backend.get();
+  eo.budgets_override = opt.budgets_override;
+  auto e = Engine::create(eo);
+  if (!e.ok()) return e.status().with_context("creating the offload engine");
+  engine = std::move(e).value();
+  return {};
+}
+
+// Groups and parameter ids by Hugging Face name.
+Status Trainer::Impl::find_params() {
   STRATA_ASSIGN_OR_RETURN(embed_group, engine->find_group("embed"));
   STRATA_ASSIGN_OR_RETURN(head_group, engine->find_group("head"));
   STRATA_ASSIGN_OR_RETURN(embed_param, engine->find_param(model_weight_name(kEmbedTokens)));
@@ -358,7 +366,7 @@ Status Trainer::Impl::setup() {
   } else {
     STRATA_ASSIGN_OR_RETURN(lm_head_param, engine->find_param(model_weight_name(kLmHead)));
   }
-  for (uint32_t l = 0; l < mc.num_hidden_layers; ++l) {
+  for (uint32_t l = 0; l < model.config.num_hidden_layers; ++l) {
     STRATA_ASSIGN_OR_RETURN(GroupId g, engine->find_group("layers." + std::to_string(l)));
     layer_groups.push_back(g);
     LayerArray<ParamId> ids;
@@ -367,9 +375,13 @@ Status Trainer::Impl::setup() {
     }
     layer_param_ids.push_back(ids);
   }
+  return {};
+}
 
-  // Buffers. New pool memory is undefined (0xFF on the host backend): the
-  // activations start zeroed, so nothing depends on what was there.
+// Buffers. New pool memory is undefined (0xFF on the host backend): the
+// activations start zeroed, so nothing depends on what was there.
+Status Trainer::Impl::alloc_buffers() {
+  DeviceBackend& dev = *backend;
   const ModelSpec& spec = engine->model();
   const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
   auto alloc = [&](size_t bytes, const char* what, auto** out) -> Status {
@@ -402,15 +414,11 @@ Status Trainer::Impl::setup() {
   if (Status st = dev.synchronize(stream); !st.ok()) return st.with_context("zeroing the trainer's buffers");
   batch_tokens.assign(static_cast<size_t>(opt.batch) * (seq + 1), 0);
   losses.assign(std::max<uint64_t>({uint64_t{accum}, uint64_t{opt.eval_batches}, 1}), LossStats{});
+  return {};
+}
 
-  // Weights: from the checkpoint, or from the model's safetensors.
-  if (!opt.resume_dir.empty()) {
-    STRATA_RETURN_IF_ERROR(resume(opt.resume_dir));
-  } else {
-    STRATA_RETURN_IF_ERROR(load_weights());
-  }
-
-  // Metrics: a fresh file for a fresh run; a resumed run appends.
+// Metrics: a fresh file for a fresh run; a resumed run appends.
+Status Trainer::Impl::open_metrics() {
   const std::string mpath = opt.metrics_path.empty() ? opt.out_dir + "/metrics.jsonl" : opt.metrics_path;
   metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");
   if (!metrics) return Status::from_errno(errno, "metrics file " + mpath + ": cannot open for writing");
@@ -826,146 +834,168 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
   return w->finish();
 }
 
-Result<TrainResult> Trainer::run() {
-  Impl& m = *impl_;
-  TrainResult res;
-  const bool tty = ::isatty(STDOUT_FILENO) != 0;
-  ProgressMode mode = m.opt.progress;
-  if (mode == ProgressMode::kAuto) mode = tty ? ProgressMode::kBar : ProgressMode::kLines;
-  auto say = [&](const std::string& line) {
-    if (mode == ProgressMode::kQuiet) return;
-    if (mode == ProgressMode::kBar) std::printf("\r\033[K");
-    std::printf("%s\n", line.c_str());
-    std::fflush(stdout);
-  };
-  const bool has_val = m.data->val_batches(m.opt.batch) > 0;
-  const uint64_t eval_n = std::min<uint64_t>(m.opt.eval_batches, m.data->val_batches(m.opt.batch));
-  auto eval = [&]() -> Result<double> {
+// ---------------------------------------------------------------- run()
+
+// One run(): the result so far, the progress display and the throughput
+// totals. Each member does one part of the job (trainer.h, run()).
+class Trainer::Run {
+ public:
+  explicit Run(Trainer& t)
+      : t_(t),
+        m_(*t.impl_),
+        progress_(m_.opt.progress),
+        has_val_(m_.data->val_batches(m_.opt.batch) > 0),
+        eval_n_(std::min<uint64_t>(m_.opt.eval_batches, m_.data->val_batches(m_.opt.batch))),
+        first_step_(m_.step),
+        tokens_per_step_(static_cast<uint64_t>(m_.tokens_per_micro) * m_.accum),
+        prev_(m_.engine->stats()) {}
+
+  Result<TrainResult> execute() {
+    if (has_val_) {
+      STRATA_ASSIGN_OR_RETURN(res_.initial_val_loss, evaluate());
+    }
+    STRATA_RETURN_IF_ERROR(train());
+    progress_.end();
+    finish_totals();
+    if (res_.interrupted) return res_;
+    if (has_val_) {
+      STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
+    }
+    if (m_.opt.export_model) STRATA_RETURN_IF_ERROR(export_model());
+    return res_;
+  }
+
+ private:
+  // Steps until opt.steps, a stop request, or an error; evaluations and
+  // checkpoints on their schedules.
+  Status train() {
+    while (m_.step < m_.opt.steps) {
+      if (m_.opt.stop && m_.opt.stop->load()) {  // stopped before this run's first step
+        STRATA_RETURN_IF_ERROR(checkpoint());
+        res_.interrupted = true;
+        break;
+      }
+      STRATA_ASSIGN_OR_RETURN(StepReport r, t_.train_step());
+      report_step(r);
+      const bool stop = m_.opt.stop && m_.opt.stop->load();
+      if (has_val_ && m_.opt.eval_every > 0 && r.step % m_.opt.eval_every == 0 && r.step < m_.opt.steps && !stop) {
+        STRATA_ASSIGN_OR_RETURN(double v, evaluate());
+        (void)v;
+      }
+      if (stop) {
+        STRATA_RETURN_IF_ERROR(checkpoint());
+        res_.interrupted = true;
+        break;
+      }
+      if (m_.opt.save_every > 0 && r.step % m_.opt.save_every == 0) STRATA_RETURN_IF_ERROR(checkpoint());
+    }
+    return {};
+  }
+
+  // The step's totals, its metrics line and its progress line.
+  void report_step(const StepReport& r) {
+    train_seconds_ += r.seconds;
+    train_tokens_ += tokens_per_step_;
+    if (r.step > first_step_ + 1) {
+      warm_seconds_ += r.seconds;
+      ++warm_steps_;
+    }
+    res_.train_losses.push_back(r.loss);
+    const EngineStats s = m_.engine->stats();
+    const uint64_t io = (s.nvme_read_bytes - prev_.nvme_read_bytes) + (s.nvme_write_bytes - prev_.nvme_write_bytes);
+    prev_ = s;
+    const double tps = static_cast<double>(tokens_per_step_) / r.seconds;
+    const double io_gbps = static_cast<double>(io) / r.seconds / 1e9;
+    json j = {{"event", "train"},         {"step", r.step},
+              {"loss", r.loss},           {"lr", r.lr},
+              {"grad_norm", r.engine.grad_norm}, {"clip_coef", r.engine.clip_coef},
+              {"loss_scale", r.engine.loss_scale}, {"skipped", r.engine.skipped},
+              {"tokens", m_.tokens_seen}, {"step_s", r.seconds},
+              {"tokens_per_s", tps},      {"io_gbps", io_gbps}};
+    j.update(m_.stats_json());
+    m_.write_metrics(j);
+    const uint64_t dev_b = s.tier_bytes[static_cast<int>(Tier::kDevice)];
+    const uint64_t host_b = s.tier_bytes[static_cast<int>(Tier::kHost)];
+    const uint64_t nvme_b = s.tier_bytes[static_cast<int>(Tier::kNvme)];
+    const double eta = (train_seconds_ / static_cast<double>(r.step - first_step_)) *
+                       static_cast<double>(m_.opt.steps - r.step);
+    const std::string line = fmt::format(
+        "step {:>6}/{}  loss {:.4f}  lr {:.2e}  {} tok/s  dev {}  host {}  nvme {}  io {:.2f} GB/s{}", r.step,
+        m_.opt.steps, r.loss, r.lr, human_count(tps), format_bytes(dev_b), format_bytes(host_b),
+        format_bytes(nvme_b), io_gbps, r.engine.skipped ? "  (skipped: non-finite gradients)" : "");
+    progress_.step(line, eta,
+                   r.step == first_step_ + 1 || r.step == m_.opt.steps ||
+                       r.step % std::max<int64_t>(1, m_.opt.log_every) == 0);
+  }
+
+  // The validation loss, logged to the metrics file and the progress display.
+  Result<double> evaluate() {
     const auto t0 = Clock::now();
-    STRATA_ASSIGN_OR_RETURN(double v, evaluate());
-    m.write_metrics({{"event", "eval"},
-                     {"step", m.step},
-                     {"val_loss", v},
-                     {"batches", eval_n},
-                     {"tokens", eval_n * static_cast<uint64_t>(m.tokens_per_micro)},
-                     {"seconds", seconds_since(t0)}});
-    say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m.step, v, eval_n,
-                    seconds_since(t0)));
+    STRATA_ASSIGN_OR_RETURN(double v, t_.evaluate());
+    m_.write_metrics({{"event", "eval"},
+                      {"step", m_.step},
+                      {"val_loss", v},
+                      {"batches", eval_n_},
+                      {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro)},
+                      {"seconds", seconds_since(t0)}});
+    progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
+                              seconds_since(t0)));
     return v;
-  };
-  auto checkpoint = [&]() -> Status {
+  }
+
+  // out_dir/checkpoint-<step>, then the oldest beyond `keep` removed.
+  Status checkpoint() {
     const auto t0 = Clock::now();
-    const std::string dir = m.opt.out_dir + "/checkpoint-" + std::to_string(m.step);
-    STRATA_RETURN_IF_ERROR(save_checkpoint(dir));
-    res.last_checkpoint = dir;
-    m.write_metrics({{"event", "checkpoint"}, {"step", m.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
-    if (m.opt.keep > 0) {
-      auto cks = list_checkpoints(m.opt.out_dir);
-      for (size_t i = 0; i + m.opt.keep < cks.size(); ++i) {
+    const std::string dir = m_.opt.out_dir + "/checkpoint-" + std::to_string(m_.step);
+    STRATA_RETURN_IF_ERROR(t_.save_checkpoint(dir));
+    res_.last_checkpoint = dir;
+    m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
+    if (m_.opt.keep > 0) {
+      auto cks = list_checkpoints(m_.opt.out_dir);
+      for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {
         if (cks[i].second == dir) continue;
         std::error_code ec;
         fs::remove_all(cks[i].second, ec);
         if (ec) log_warn("could not remove old checkpoint {}: {}", cks[i].second, ec.message());
       }
     }
-    say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m.step, dir, seconds_since(t0)));
+    progress_.say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m_.step, dir, seconds_since(t0)));
     return {};
-  };
+  }
 
-  if (has_val) {
-    STRATA_ASSIGN_OR_RETURN(res.initial_val_loss, eval());
+  void finish_totals() {
+    res_.steps_done = m_.step;
+    res_.steps_this_run = m_.step - first_step_;
+    res_.train_seconds = train_seconds_;
+    res_.tokens_per_s = train_seconds_ > 0 ? static_cast<double>(train_tokens_) / train_seconds_ : 0;
+    res_.mean_step_seconds = warm_steps_ > 0 ? warm_seconds_ / static_cast<double>(warm_steps_)
+                                             : (res_.steps_this_run > 0 ? train_seconds_ / res_.steps_this_run : 0);
   }
-  const int64_t first_step = m.step;
-  const auto train_t0 = Clock::now();
-  double train_seconds = 0, warm_seconds = 0;
-  int64_t warm_steps = 0;
-  uint64_t train_tokens = 0;
-  const uint64_t tokens_per_step = static_cast<uint64_t>(m.tokens_per_micro) * m.accum;
-  EngineStats prev = m.engine->stats();
-  while (m.step < m.opt.steps) {
-    if (m.opt.stop && m.opt.stop->load()) {  // stopped before this run's first step
-      STRATA_RETURN_IF_ERROR(checkpoint());
-      res.interrupted = true;
-      break;
-    }
-    STRATA_ASSIGN_OR_RETURN(StepReport r, train_step());
-    train_seconds += r.seconds;
-    train_tokens += tokens_per_step;
-    if (r.step > first_step + 1) {
-      warm_seconds += r.seconds;
-      ++warm_steps;
-    }
-    res.train_losses.push_back(r.loss);
-    const EngineStats s = m.engine->stats();
-    const uint64_t io = (s.nvme_read_bytes - prev.nvme_read_bytes) + (s.nvme_write_bytes - prev.nvme_write_bytes);
-    prev = s;
-    const double tps = static_cast<double>(tokens_per_step) / r.seconds;
-    const double io_gbps = static_cast<double>(io) / r.seconds / 1e9;
-    json j = {{"event", "train"},         {"step", r.step},
-              {"loss", r.loss},           {"lr", r.lr},
-              {"grad_norm", r.engine.grad_norm}, {"clip_coef", r.engine.clip_coef},
-              {"loss_scale", r.engine.loss_scale}, {"skipped", r.engine.skipped},
-              {"tokens", m.tokens_seen},  {"step_s", r.seconds},
-              {"tokens_per_s", tps},      {"io_gbps", io_gbps}};
-    j.update(m.stats_json());
-    m.write_metrics(j);
-    const uint64_t dev_b = s.tier_bytes[static_cast<int>(Tier::kDevice)];
-    const uint64_t host_b = s.tier_bytes[static_cast<int>(Tier::kHost)];
-    const uint64_t nvme_b = s.tier_bytes[static_cast<int>(Tier::kNvme)];
-    const double eta = (train_seconds / static_cast<double>(r.step - first_step)) *
-                       static_cast<double>(m.opt.steps - r.step);
-    const std::string line = fmt::format(
-        "step {:>6}/{}  loss {:.4f}  lr {:.2e}  {} tok/s  dev {}  host {}  nvme {}  io {:.2f} GB/s{}", r.step,
-        m.opt.steps, r.loss, r.lr, human_count(tps), format_bytes(dev_b), format_bytes(host_b),
-        format_bytes(nvme_b), io_gbps, r.engine.skipped ? "  (skipped: non-finite gradients)" : "");
-    if (mode == ProgressMode::kBar) {
-      std::printf("\r\033[K%s  eta %s", line.c_str(), human_seconds(eta).c_str());
-      std::fflush(stdout);
-    } else if (mode == ProgressMode::kLines &&
-               (r.step == first_step + 1 || r.step == m.opt.steps || r.step % std::max<int64_t>(1, m.opt.log_every) == 0)) {
-      say(line);
-    }
-    const bool stop = m.opt.stop && m.opt.stop->load();
-    if (has_val && m.opt.eval_every > 0 && r.step % m.opt.eval_every == 0 && r.step < m.opt.steps && !stop) {
-      STRATA_ASSIGN_OR_RETURN(double v, eval());
-      (void)v;
-    }
-    if (stop) {
-      STRATA_RETURN_IF_ERROR(checkpoint());
-      res.interrupted = true;
-      break;
-    }
-    if (m.opt.save_every > 0 && r.step % m.opt.save_every == 0) STRATA_RETURN_IF_ERROR(checkpoint());
-  }
-  if (mode == ProgressMode::kBar) {
-    std::printf("\n");
-    std::fflush(stdout);
-  }
-  (void)train_t0;
-  res.steps_done = m.step;
-  res.steps_this_run = m.step - first_step;
-  res.train_seconds = train_seconds;
-  res.tokens_per_s = train_seconds > 0 ? static_cast<double>(train_tokens) / train_seconds : 0;
-  res.mean_step_seconds = warm_steps > 0 ? warm_seconds / static_cast<double>(warm_steps)
-                                         : (res.steps_this_run > 0 ? train_seconds / res.steps_this_run : 0);
-  if (res.interrupted) return res;
 
-  if (has_val) {
-    STRATA_ASSIGN_OR_RETURN(res.final_val_loss, eval());
+  // out_dir/model in opt.export_dtype (the model's own dtype when unset).
+  Status export_model() {
+    const DType dt = m_.opt.export_dtype.value_or(m_.model.config.torch_dtype);
+    const std::string dir = m_.opt.out_dir + "/model";
+    if (Status st = t_.export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
+    res_.exported_model = dir;
+    progress_.say(fmt::format("exported the model ({}) to {}", dtype_name(dt), dir));
+    return {};
   }
-  if (m.opt.export_model) {
-    DType dt = m.model.config.torch_dtype;
-    if (!m.opt.export_dtype.empty()) {
-      auto p = parse_dtype(m.opt.export_dtype);
-      if (!p.ok()) return p.status();
-      dt = p.value();
-    }
-    const std::string dir = m.opt.out_dir + "/model";
-    if (Status st = export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
-    res.exported_model = dir;
-    say(fmt::format("exported the model ({}) to {}", dtype_name(dt), dir));
-  }
-  return res;
-}
+
+  Trainer& t_;
+  Impl& m_;
+  TrainResult res_;
+  Progress progress_;
+  const bool has_val_;     // the data has a validation part
+  const uint64_t eval_n_;  // validation batches per evaluation
+  const int64_t first_step_;
+  const uint64_t tokens_per_step_;
+  EngineStats prev_;  // the engine's counters after the previous step
+  double train_seconds_ = 0, warm_seconds_ = 0;
+  int64_t warm_steps_ = 0;
+  uint64_t train_tokens_ = 0;
+};
+
+Result<TrainResult> Trainer::run() { return Run(*this).execute(); }
 
 }  // namespace strata::train

@@ -93,10 +93,12 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
-#include <string_view>
 #include <vector>
 
+#include "common/dtype.h"
+#include "common/enum_names.h"
 #include "common/status.h"
 #include "runtime/config.h"
 #include "runtime/engine.h"
@@ -120,10 +122,29 @@ enum class ProgressMode : uint8_t {
 // Where the model ops run: kAuto the GPU when one is usable, else the CPU;
 // kCuda the GPU or an error; kCpu the CPU (host backend).
 enum class TrainDevice : uint8_t { kAuto, kCuda, kCpu };
-// "auto" | "cuda" | "cpu"; kInvalidArgument naming the text otherwise.
-Result<TrainDevice> parse_train_device(std::string_view text);
-const char* train_device_name(TrainDevice device);
 
+}  // namespace strata::train
+
+// Their names ("auto", "bar", ...; "auto", "cuda", "cpu"): enum_name() gives
+// them, the tools parse flags with parse_enum() (common/enum_names.h).
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<train::ProgressMode> = std::to_array<EnumName<train::ProgressMode>>(
+    {{train::ProgressMode::kAuto, "auto"},
+     {train::ProgressMode::kBar, "bar"},
+     {train::ProgressMode::kLines, "lines"},
+     {train::ProgressMode::kQuiet, "quiet"}});
+template <>
+inline constexpr auto kEnumNames<train::TrainDevice> = std::to_array<EnumName<train::TrainDevice>>(
+    {{train::TrainDevice::kAuto, "auto"}, {train::TrainDevice::kCuda, "cuda"}, {train::TrainDevice::kCpu, "cpu"}});
+}  // namespace strata
+
+namespace strata::train {
+
+inline const char* train_device_name(TrainDevice device) { return enum_name(device); }
+
+// Typed values only: the tools parse the command line (tools/finetune_flags.h)
+// and the trainer checks what they parsed (create()'s errors).
 struct TrainerOptions {
   std::string model_dir;  // config.json + model.safetensors (or sharded)
   // Data file and split. data.vocab 0: the model's vocab_size (text: at most 256).
@@ -143,7 +164,7 @@ struct TrainerOptions {
   std::string resume_dir;     // a checkpoint-<step> dir, or a dir holding them (the newest is taken)
   std::string metrics_path;   // "": out_dir/metrics.jsonl
   bool export_model = true;   // write out_dir/model (config.json + safetensors) at the end
-  std::string export_dtype;   // "fp32"|"bf16"|"fp16"; "": the model's torch_dtype
+  std::optional<DType> export_dtype;  // unset: the model's torch_dtype
   ProgressMode progress = ProgressMode::kAuto;
   int64_t log_every = 10;     // kLines: a line every N steps (and the first and last)
   int threads = 0;            // CPU ops threads; 0: TBB's default
@@ -212,12 +233,9 @@ class Trainer {
 
  private:
   struct Impl;
+  class Run;  // run()'s state and parts (trainer.cpp)
   explicit Trainer(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
-
-// "nvme:DIR" | "cpu" | "none" | "auto" (an --offload-* flag) applied to an
-// offload device and nvme_path. kInvalidArgument naming the text otherwise.
-Status parse_offload_flag(std::string_view text, OffloadDevice* device, std::string* nvme_path);
 
 }  // namespace strata::train

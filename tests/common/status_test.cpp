@@ -5,6 +5,8 @@
 #include <cerrno>
 #include <string>
 
+#include "common/enum_names.h"
+
 namespace strata {
 namespace {
 
@@ -53,6 +55,108 @@ TEST(Result, CarriesValueOrStatus) {
   Result<std::string> c = a;
   c = b;
   EXPECT_FALSE(c.ok());
+}
+
+// ---- trace: the macros add file:line on the error path only.
+
+Status fail_here() { return Status(StatusCode::kIoError, "disk on fire"); }
+constexpr int kFailLine = __LINE__ + 2;  // the STRATA_RETURN_IF_ERROR below
+Status pass_once() {
+  STRATA_RETURN_IF_ERROR(fail_here());
+  return Status();
+}
+constexpr int kAssignLine = __LINE__ + 2;
+Result<int> pass_twice() {
+  STRATA_ASSIGN_OR_RETURN(int unused, Result<int>(pass_once()));
+  return unused;
+}
+Status recurse(int depth) {
+  if (depth == 0) return fail_here();
+  STRATA_RETURN_IF_ERROR(recurse(depth - 1));
+  return Status();
+}
+
+TEST(StatusTrace, MacrosRecordFileAndLine) {
+  Status s = pass_once();
+  ASSERT_FALSE(s.ok());
+  // The message and to_string() read as without a trace.
+  EXPECT_EQ(s.message(), "disk on fire");
+  EXPECT_EQ(s.to_string(), "IoError: disk on fire");
+  std::vector<StatusFrame> t = s.trace();
+  ASSERT_EQ(t.size(), 1u);
+  // Relative to the source root, not an absolute or build-relative path.
+  EXPECT_EQ(t[0].file, "tests/common/status_test.cpp");
+  EXPECT_EQ(t[0].line, kFailLine);
+
+  Result<int> r = pass_twice();
+  ASSERT_FALSE(r.ok());
+  t = r.status().trace();
+  ASSERT_EQ(t.size(), 2u);
+  EXPECT_EQ(t[0].line, kFailLine);  // innermost first
+  EXPECT_EQ(t[1].line, kAssignLine);
+  EXPECT_EQ(r.status().trace_string(), "  at tests/common/status_test.cpp:" + std::to_string(kFailLine) +
+                                           "\n  at tests/common/status_test.cpp:" + std::to_string(kAssignLine) +
+                                           "\n");
+}
+
+TEST(StatusTrace, KeptThroughCopiesAndContext) {
+  Status s = pass_once();
+  Status copy = s;
+  EXPECT_EQ(copy.trace().size(), 1u);
+  Status ctx = s.with_context("loading x");
+  EXPECT_EQ(ctx.message(), "loading x: disk on fire");
+  EXPECT_EQ(ctx.trace().size(), 1u);
+  Status assigned;
+  assigned = ctx;
+  EXPECT_EQ(assigned.trace_string(), s.trace_string());
+}
+
+TEST(StatusTrace, OkStatusHasNone) {
+  Status ok;
+  ok.add_frame(__FILE__, __LINE__);  // ignored: nothing went wrong
+  EXPECT_TRUE(ok.trace().empty());
+  EXPECT_EQ(ok.trace_string(), "");
+  EXPECT_TRUE(Status(StatusCode::kNotFound, "x").trace().empty());
+}
+
+TEST(StatusTrace, BoundedAndCounted) {
+  Status s = recurse(Status::kMaxTraceFrames + 3);
+  EXPECT_EQ(s.trace().size(), Status::kMaxTraceFrames);
+  EXPECT_EQ(s.trace_frames_dropped(), 3u);
+  const std::string text = s.trace_string();
+  EXPECT_NE(text.find("  ... 3 more\n"), std::string::npos) << text;
+}
+
+// ---- enum names (common/enum_names.h)
+
+enum class Color { kRed, kGreen, kBlue, kUnnamed };
+
+}  // namespace
+
+template <>
+inline constexpr auto kEnumNames<Color> = std::to_array<EnumName<Color>>(
+    {{Color::kRed, "red"}, {Color::kGreen, "green"}, {Color::kBlue, "blue"}, {Color::kRed, "rouge"}});
+
+namespace {
+
+TEST(EnumNames, NamesAliasesAndErrors) {
+  static_assert(enum_name(Color::kGreen) == std::string_view("green"));
+  EXPECT_STREQ(enum_name(Color::kRed), "red");  // the first row, not the alias
+  EXPECT_STREQ(enum_name(Color::kUnnamed), "?");
+  EXPECT_STREQ(enum_name(Color::kUnnamed, "Unknown"), "Unknown");
+  EXPECT_EQ(find_enum<Color>("rouge"), Color::kRed);
+  EXPECT_EQ(find_enum<Color>("BLUE"), std::nullopt);
+  EXPECT_EQ(find_enum<Color>("BLUE", /*ignore_case=*/true), Color::kBlue);
+  EXPECT_EQ(enum_name_list<Color>(), "red, green, blue");
+  EXPECT_EQ(enum_name_list<Color>("|"), "red|green|blue");
+  EXPECT_EQ(enum_name_list<Color>(", ", "\"", " or "), "\"red\", \"green\" or \"blue\"");
+  EXPECT_EQ(parse_enum<Color>("green", "color").value(), Color::kGreen);
+  Result<Color> bad = parse_enum<Color>("mauve", "--color");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(), "--color \"mauve\" is not one of red, green, blue");
+  EXPECT_STREQ(status_code_name(StatusCode::kNoSpace), "NoSpace");
+  EXPECT_STREQ(status_code_name(static_cast<StatusCode>(99)), "Unknown");
 }
 
 }  // namespace

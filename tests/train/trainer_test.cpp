@@ -312,14 +312,8 @@ TEST_F(TrainerTest, LossFallsOnDemoData) {
 
 // --device: cpu always works on the host backend; cuda either runs the CUDA
 // ops or fails with kUnavailable naming the reason (no GPU, no module).
+// (Parsing the flag: tests/tools/finetune_flags_test.cpp.)
 TEST_F(TrainerTest, DeviceChoice) {
-  EXPECT_EQ(parse_train_device("auto").value(), TrainDevice::kAuto);
-  EXPECT_EQ(parse_train_device("cuda").value(), TrainDevice::kCuda);
-  EXPECT_EQ(parse_train_device("cpu").value(), TrainDevice::kCpu);
-  auto bad = parse_train_device("gpu");
-  ASSERT_FALSE(bad.ok());
-  EXPECT_NE(bad.status().message().find("\"gpu\""), std::string::npos) << bad.status().message();
-
   const std::string m = make_model("m", /*tied=*/true, 1);
   TrainerOptions o = base(m, dir_ + "/cpu");
   o.device = TrainDevice::kCpu;

@@ -1,0 +1,60 @@
+// The command line's flag parsing (tools/finetune_flags.h): every user string
+// becomes a typed trainer option, or an error naming the flag and the value.
+#include "finetune_flags.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+
+namespace strata::tools {
+namespace {
+
+// Moved from tests/train/trainer_test.cpp (DeviceChoice) with the parser.
+TEST(FinetuneFlags, DeviceNames) {
+  EXPECT_EQ(parse_train_device("auto").value(), train::TrainDevice::kAuto);
+  EXPECT_EQ(parse_train_device("cuda").value(), train::TrainDevice::kCuda);
+  EXPECT_EQ(parse_train_device("cpu").value(), train::TrainDevice::kCpu);
+  auto bad = parse_train_device("gpu");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("\"gpu\""), std::string::npos) << bad.status().message();
+  EXPECT_EQ(bad.status().message(), "device \"gpu\" is not one of auto, cuda, cpu");
+}
+
+TEST(FinetuneFlags, OffloadTargets) {
+  OffloadDevice d = OffloadDevice::kAuto;
+  std::string path;
+  ASSERT_TRUE(parse_offload_flag("nvme:/mnt/x", &d, &path).ok());
+  EXPECT_EQ(d, OffloadDevice::kNvme);
+  EXPECT_EQ(path, "/mnt/x");
+  ASSERT_TRUE(parse_offload_flag("cpu", &d, &path).ok());
+  EXPECT_EQ(d, OffloadDevice::kCpu);
+  Status bad = parse_offload_flag("nvme:", &d, &path);
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.message(), "offload target \"nvme:\" is not one of nvme:DIR, cpu, none, auto");
+}
+
+// Parsed into typed options: the trainer gets enums, numbers and a dtype.
+TEST(FinetuneFlags, TypedOptions) {
+  CLI::App app;
+  CLI::App* cmd = app.add_subcommand("finetune");
+  FinetuneFlags f;
+  add_finetune_flags(cmd, &f);
+  app.parse("finetune --model m --data d --device cpu --export-dtype bf16 --progress bar --host-mem 64GiB",
+            /*program_name_included=*/false);
+  train::TrainerOptions o;
+  ASSERT_TRUE(build_trainer_options(f, &o).ok());
+  EXPECT_EQ(o.config.strata.host_memory, uint64_t{64} << 30);
+  EXPECT_EQ(o.progress, train::ProgressMode::kBar);
+  EXPECT_EQ(o.export_dtype, DType::kBF16);
+  EXPECT_EQ(o.device, train::TrainDevice::kCpu);
+
+  FinetuneFlags g = f;
+  g.progress = "loud";
+  EXPECT_EQ(build_trainer_options(g, &o).message(), "--progress \"loud\" is not one of auto, bar, lines, quiet");
+  g = f;
+  g.export_dtype = "fp8";
+  EXPECT_EQ(build_trainer_options(g, &o).message(), "unknown dtype 'fp8' (expected fp32|bf16|fp16)");
+}
+
+}  // namespace
+}  // namespace strata::tools

@@ -1,0 +1,182 @@
+#include "finetune_flags.h"
+
+#include <algorithm>
+#include <string>
+
+#include "common/dtype_parse.h"
+#include "common/enum_names.h"
+#include "common/units.h"
+
+namespace strata::tools {
+
+Status parse_offload_flag(std::string_view text, OffloadDevice* device, std::string* nvme_path) {
+  if (text == "cpu") {
+    *device = OffloadDevice::kCpu;
+  } else if (text == "none") {
+    *device = OffloadDevice::kNone;
+  } else if (text == "auto") {
+    *device = OffloadDevice::kAuto;
+  } else if (text.rfind("nvme:", 0) == 0 && text.size() > 5) {
+    *device = OffloadDevice::kNvme;
+    *nvme_path = std::string(text.substr(5));
+  } else {
+    return Status(StatusCode::kInvalidArgument, "offload target \"" + std::string(text) +
+                                                    "\" is not one of nvme:DIR, cpu, none, auto");
+  }
+  return {};
+}
+
+Result<train::TrainDevice> parse_train_device(std::string_view text) {
+  return parse_enum<train::TrainDevice>(text, "device");
+}
+
+void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
+  cmd->add_option("--model", f->model, "Model directory (config.json + model.safetensors)")->required();
+  cmd->add_option("--data", f->data, "Training data file")->required();
+  cmd->add_option("--data-format", f->data_format, "text (bytes are tokens) | u16 | u32 (token ids)")
+      ->capture_default_str();
+  cmd->add_option("--vocab", f->vocab, "Token ids must be below this (0: the model's vocab_size; text: <= 256)")
+      ->capture_default_str();
+  cmd->add_option("--val-fraction", f->val_fraction, "Last fraction of the file held out for validation (0: none)")
+      ->capture_default_str();
+  cmd->add_option("--seed", f->seed, "Shuffling seed")->capture_default_str();
+  cmd->add_option("--config", f->config, "Offload config (DeepSpeed JSON; docs/config.md)");
+  f->o_offp = cmd->add_option("--offload-params", f->offload_params,
+                              "Compute copies of the parameters: nvme:DIR | cpu | none | auto")
+                  ->capture_default_str();
+  f->o_offo = cmd->add_option("--offload-optimizer", f->offload_optimizer,
+                              "Master weights and optimizer states: nvme:DIR | cpu | none | auto")
+                  ->capture_default_str();
+  cmd->add_option("--steps", f->steps, "Optimizer steps in total")->capture_default_str();
+  cmd->add_option("--batch", f->batch, "Sequences per micro-batch")->capture_default_str();
+  cmd->add_option("--seq", f->seq, "Tokens per sequence")->capture_default_str();
+  f->o_lr = cmd->add_option("--lr", f->lr, "Peak learning rate")->capture_default_str();
+  cmd->add_option("--min-lr", f->min_lr, "Learning rate at the end of a linear/cosine decay")->capture_default_str();
+  cmd->add_option("--warmup", f->warmup, "Linear warm-up steps")->capture_default_str();
+  cmd->add_option("--schedule", f->schedule, "constant | linear | cosine (after the warm-up)")->capture_default_str();
+  f->o_grad_accum =
+      cmd->add_option("--grad-accum", f->grad_accum, "Micro-batches per optimizer step")->capture_default_str();
+  f->o_clip = cmd->add_option("--clip", f->clip, "Clip the global gradient norm to this (0: off)")
+                  ->capture_default_str();
+  f->o_wd = cmd->add_option("--weight-decay", f->weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  f->o_fp16 = cmd->add_flag("--fp16", f->fp16, "fp16 compute copies with dynamic loss scaling (default: fp32)");
+  f->o_bf16 = cmd->add_flag("--bf16", f->bf16, "bf16 compute copies (default: fp32)");
+  cmd->add_option("--save-every", f->save_every, "Save OUT/checkpoint-<step> every N steps (0: never)")
+      ->capture_default_str();
+  cmd->add_option("--keep", f->keep, "Checkpoints kept (the newest; 0: all)")->capture_default_str();
+  cmd->add_option("--eval-every", f->eval_every, "Validation loss every N steps (0: before and after only)")
+      ->capture_default_str();
+  cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation")->capture_default_str();
+  cmd->add_option("--out", f->out, "Output directory: metrics, checkpoints, the model")->capture_default_str();
+  cmd->add_option("--resume", f->resume, "Continue from a checkpoint dir (or a dir holding checkpoint-<step>)");
+  cmd->add_option("--trace", f->trace, "Write a Chrome/Perfetto trace of the engine and the compute");
+  cmd->add_option("--metrics", f->metrics, "JSON-lines metrics file (default OUT/metrics.jsonl)");
+  cmd->add_flag("--no-export", f->no_export, "Do not write OUT/model at the end");
+  cmd->add_option("--export-dtype", f->export_dtype, "fp32 | bf16 | fp16 for OUT/model (default: the model's)");
+  cmd->add_option("--device-mem", f->device_mem, "Device memory budget (e.g. 20GiB; default: detect)");
+  cmd->add_option("--host-mem", f->host_mem, "Host memory budget (e.g. 64GiB; default: detect)");
+  cmd->add_option("--progress", f->progress, "auto | bar | lines | quiet")->capture_default_str();
+  cmd->add_option("--log-every", f->log_every, "A progress line every N steps (lines mode)")->capture_default_str();
+  cmd->add_option("--threads", f->threads, "CPU compute threads (0: all)")->capture_default_str();
+  cmd->add_option("--device", f->device,
+                  "Where the model math runs: auto (the GPU when CUDA model ops can run there, else the CPU) | "
+                  "cuda (the GPU or exit 1 with the reason) | cpu")
+      ->capture_default_str();
+}
+
+namespace {
+
+// The engine's config: the built-in defaults, then --config FILE, then the
+// flags given explicitly.
+Result<Config> config_from_flags(const FinetuneFlags& f) {
+  Config c;
+  if (!f.config.empty()) {
+    if (f.o_offp->count() || f.o_offo->count())
+      return Status(StatusCode::kInvalidArgument,
+                    "--config and --offload-params/--offload-optimizer are alternatives: put the offload targets "
+                    "in the config file (zero_optimization.offload_param / offload_optimizer) or drop --config");
+    auto r = load_config_file(f.config);
+    if (!r.ok()) return r.status();
+    c = r.value();
+  }
+  if (f.config.empty() || f.o_offp->count())
+    STRATA_RETURN_IF_ERROR(
+        parse_offload_flag(f.offload_params, &c.zero.offload_param.device, &c.zero.offload_param.nvme_path)
+            .with_context("--offload-params"));
+  if (f.config.empty() || f.o_offo->count())
+    STRATA_RETURN_IF_ERROR(parse_offload_flag(f.offload_optimizer, &c.zero.offload_optimizer.device,
+                                                     &c.zero.offload_optimizer.nvme_path)
+                               .with_context("--offload-optimizer"));
+  if (f.config.empty() || f.o_grad_accum->count()) c.gradient_accumulation_steps = f.grad_accum;
+  if (f.config.empty() || f.o_clip->count()) c.gradient_clipping = f.clip;
+  if (f.config.empty() || f.o_wd->count()) c.optimizer.weight_decay = f.weight_decay;
+  if (f.fp16 && f.bf16) return Status(StatusCode::kInvalidArgument, "--fp16 and --bf16 exclude each other");
+  if (f.o_fp16->count()) {
+    c.fp16.enabled = true;
+    c.bf16 = false;
+  }
+  if (f.o_bf16->count()) {
+    c.bf16 = true;
+    c.fp16.enabled = false;
+  }
+  if (!f.trace.empty()) c.strata.trace = f.trace;
+  if (!f.device_mem.empty()) {
+    auto b = parse_bytes(f.device_mem);
+    if (!b.ok()) return b.status().with_context("--device-mem");
+    c.strata.device_memory = b.value();
+  }
+  if (!f.host_mem.empty()) {
+    auto b = parse_bytes(f.host_mem);
+    if (!b.ok()) return b.status().with_context("--host-mem");
+    c.strata.host_memory = b.value();
+  }
+  if (c.gradient_accumulation_steps < 1)
+    return Status(StatusCode::kInvalidArgument, "--grad-accum must be at least 1");
+  if (!(c.gradient_clipping >= 0)) return Status(StatusCode::kInvalidArgument, "--clip must be >= 0 (0: off)");
+  return c;
+}
+
+}  // namespace
+
+Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
+  o->model_dir = f.model;
+  o->data.path = f.data;
+  STRATA_ASSIGN_OR_RETURN(o->data.format, train::parse_data_format(f.data_format));
+  o->data.vocab = f.vocab;
+  o->data.val_fraction = f.val_fraction;
+  o->data.seed = f.seed;
+  o->data.seq = f.seq;
+
+  STRATA_ASSIGN_OR_RETURN(o->config, config_from_flags(f));
+
+  // --lr wins; else the config file's optimizer.lr; else --lr's default.
+  o->schedule.lr = !f.config.empty() && !f.o_lr->count() ? o->config.optimizer.lr : f.lr;
+  STRATA_ASSIGN_OR_RETURN(o->schedule.kind, train::parse_schedule_kind(f.schedule));
+  o->schedule.min_lr = f.min_lr;
+  o->schedule.warmup = f.warmup;
+  o->schedule.total = std::max<int64_t>(1, f.steps);
+  if (f.steps < 0) return Status(StatusCode::kInvalidArgument, "--steps must be >= 0");
+  if (f.steps > 0) STRATA_RETURN_IF_ERROR(train::validate_schedule(o->schedule).with_context("--lr/--min-lr/--warmup"));
+  o->steps = f.steps;
+  if (f.batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
+  if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
+  o->batch = f.batch;
+  o->eval_every = f.eval_every;
+  o->eval_batches = f.eval_batches;
+  o->save_every = f.save_every;
+  o->keep = f.keep;
+  o->out_dir = f.out;
+  o->resume_dir = f.resume;
+  o->metrics_path = f.metrics;
+  o->export_model = !f.no_export;
+  if (!f.export_dtype.empty()) {
+    STRATA_ASSIGN_OR_RETURN(o->export_dtype, parse_dtype(f.export_dtype));
+  }
+  o->log_every = f.log_every;
+  o->threads = f.threads;
+  STRATA_ASSIGN_OR_RETURN(o->device, parse_train_device(f.device));
+  STRATA_ASSIGN_OR_RETURN(o->progress, parse_enum<train::ProgressMode>(f.progress, "--progress"));
+  return {};
+}
+
+}  // namespace strata::tools

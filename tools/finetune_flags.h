@@ -1,0 +1,61 @@
+// `strata finetune`'s flags and their parsing: every user string of the
+// fine-tuning command line (sizes "24GiB", offload targets "nvme:/path",
+// schedule, data format, dtype, device and progress names) becomes a typed
+// value here, so train::TrainerOptions carries enums, numbers and paths and
+// the trainer only checks them. Precedence: built-in defaults < --config
+// FILE < flags given explicitly; --config and the --offload-* flags are
+// alternatives. Pure functions of their arguments; main thread.
+// Errors: kInvalidArgument naming the flag and the value, or a config file's
+// error (load_config_file()).
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "runtime/config.h"
+#include "train/trainer.h"
+
+namespace strata::tools {
+
+// "nvme:DIR" | "cpu" | "none" | "auto" (an --offload-* flag) applied to an
+// offload device and nvme_path. kInvalidArgument naming the text otherwise.
+Status parse_offload_flag(std::string_view text, OffloadDevice* device, std::string* nvme_path);
+
+// "auto" | "cuda" | "cpu" (--device of finetune and demo); kInvalidArgument
+// 'device "<text>" is not one of auto, cuda, cpu' otherwise.
+Result<train::TrainDevice> parse_train_device(std::string_view text);
+
+// The flags as given (strings where the user writes text), and which of
+// them were given (they override --config).
+struct FinetuneFlags {
+  std::string model, data, data_format = "text", config, offload_params = "auto", offload_optimizer = "auto";
+  uint32_t vocab = 0;
+  double val_fraction = 0.05;
+  uint64_t seed = 1234;
+  int64_t steps = 100;
+  uint32_t batch = 4, seq = 256, grad_accum = 1;
+  double lr = 1e-4, min_lr = 0, clip = 1.0, weight_decay = 0.0;
+  int64_t warmup = 0;
+  std::string schedule = "cosine";
+  bool fp16 = false, bf16 = false;
+  int64_t save_every = 0, eval_every = 0, log_every = 10;
+  uint32_t keep = 2, eval_batches = 8;
+  std::string out = "finetune-out", resume, trace, metrics, export_dtype, progress = "auto";
+  bool no_export = false;
+  std::string device_mem, host_mem, device = "auto";
+  int threads = 0;
+  CLI::Option *o_grad_accum = nullptr, *o_clip = nullptr, *o_wd = nullptr, *o_lr = nullptr, *o_fp16 = nullptr,
+              *o_bf16 = nullptr, *o_offp = nullptr, *o_offo = nullptr;
+};
+
+// Declares the flags on `cmd` (the `finetune` subcommand), bound to *f.
+void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f);
+
+// The parsed flags (after CLI11 ran) as trainer options, --config merged in.
+Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o);
+
+}  // namespace strata::tools
