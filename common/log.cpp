@@ -18,10 +18,6 @@ std::mutex g_mu;
 
 }  // namespace
 
-template <>
-inline constexpr auto kEnumNames<LogLevel> = std::to_array<EnumName<LogLevel>>(
-    {{LogLevel::kError, "error"}, {LogLevel::kWarn, "warn"}, {LogLevel::kInfo, "info"}, {LogLevel::kDebug, "debug"}});
-
 LogLevel log_level() {
   int v = g_level.load(std::memory_order_relaxed);
   if (v < 0) {

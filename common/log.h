@@ -10,11 +10,16 @@
 #include <string>
 #include <string_view>
 
+#include "common/enum_names.h"
+
 namespace strata {
 
 class Status;
 
 enum class LogLevel { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
+template <>
+inline constexpr auto kEnumNames<LogLevel> = std::to_array<EnumName<LogLevel>>(
+    {{LogLevel::kError, "error"}, {LogLevel::kWarn, "warn"}, {LogLevel::kInfo, "info"}, {LogLevel::kDebug, "debug"}});
 
 LogLevel log_level();
 void set_log_level(LogLevel level);

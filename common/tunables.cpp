@@ -35,11 +35,8 @@ bool parse_bool(const char* name, bool fallback) {
 void parse() {
   Tunables t;
   if (const char* v = env("STRATA_LOG_LEVEL")) {
-    if (!std::strcmp(v, "error")) t.log_level = LogLevel::kError;
-    else if (!std::strcmp(v, "warn")) t.log_level = LogLevel::kWarn;
-    else if (!std::strcmp(v, "info")) t.log_level = LogLevel::kInfo;
-    else if (!std::strcmp(v, "debug")) t.log_level = LogLevel::kDebug;
-    else bad_value("STRATA_LOG_LEVEL", v, "error|warn|info|debug");
+    if (auto level = find_enum<LogLevel>(v)) t.log_level = *level;
+    else bad_value("STRATA_LOG_LEVEL", v, enum_name_list<LogLevel>("|").c_str());
   }
   if (const char* v = env("STRATA_IO_BACKEND")) {
     if (!std::strcmp(v, "uring") || !std::strcmp(v, "aio") || !std::strcmp(v, "posix")) t.io_backend = v;

@@ -18,16 +18,21 @@
 #include <set>
 #include <thread>
 
+#include "common/enum_names.h"
 #include "common/log.h"
 #include "common/tunables.h"
 #include "io/fault_injection.h"
 #include "io/io_backend.h"
 
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<io::IoOpKind> =
+    std::to_array<EnumName<io::IoOpKind>>({{io::IoOpKind::kRead, "read"}, {io::IoOpKind::kWrite, "write"}});
+}  // namespace strata
+
 namespace strata::io {
 
-const char* io_op_name(IoOpKind op) {
-  return op == IoOpKind::kRead ? "read" : "write";
-}
+const char* io_op_name(IoOpKind op) { return enum_name(op); }
 
 namespace detail {
 struct RequestState {

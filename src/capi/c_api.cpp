@@ -2,6 +2,7 @@
 
 #include "capi/c_api_util.h"
 #include "common/build_info.h"
+#include "common/enum_names.h"
 #include "strata/strata.h"
 
 namespace strata::capi {
@@ -39,25 +40,29 @@ strata_status_t invalid(const std::string& message) { return fail(Status(StatusC
 
 }  // namespace strata::capi
 
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<strata_status_t> = std::to_array<EnumName<strata_status_t>>({
+    {STRATA_OK, "STRATA_OK"},
+    {STRATA_ERR_INVALID_ARGUMENT, "STRATA_ERR_INVALID_ARGUMENT"},
+    {STRATA_ERR_IO, "STRATA_ERR_IO"},
+    {STRATA_ERR_NO_SPACE, "STRATA_ERR_NO_SPACE"},
+    {STRATA_ERR_OUT_OF_BUDGET, "STRATA_ERR_OUT_OF_BUDGET"},
+    {STRATA_ERR_OUT_OF_MEMORY, "STRATA_ERR_OUT_OF_MEMORY"},
+    {STRATA_ERR_NOT_FOUND, "STRATA_ERR_NOT_FOUND"},
+    {STRATA_ERR_PERMISSION, "STRATA_ERR_PERMISSION"},
+    {STRATA_ERR_UNAVAILABLE, "STRATA_ERR_UNAVAILABLE"},
+    {STRATA_ERR_CORRUPT, "STRATA_ERR_CORRUPT"},
+    {STRATA_ERR_ALREADY_EXISTS, "STRATA_ERR_ALREADY_EXISTS"},
+    {STRATA_ERR_CANCELLED, "STRATA_ERR_CANCELLED"},
+    {STRATA_ERR_INTERNAL, "STRATA_ERR_INTERNAL"},
+});
+}  // namespace strata
+
 extern "C" {
 
 const char* strata_status_string(strata_status_t status) {
-  switch (status) {
-    case STRATA_OK: return "STRATA_OK";
-    case STRATA_ERR_INVALID_ARGUMENT: return "STRATA_ERR_INVALID_ARGUMENT";
-    case STRATA_ERR_IO: return "STRATA_ERR_IO";
-    case STRATA_ERR_NO_SPACE: return "STRATA_ERR_NO_SPACE";
-    case STRATA_ERR_OUT_OF_BUDGET: return "STRATA_ERR_OUT_OF_BUDGET";
-    case STRATA_ERR_OUT_OF_MEMORY: return "STRATA_ERR_OUT_OF_MEMORY";
-    case STRATA_ERR_NOT_FOUND: return "STRATA_ERR_NOT_FOUND";
-    case STRATA_ERR_PERMISSION: return "STRATA_ERR_PERMISSION";
-    case STRATA_ERR_UNAVAILABLE: return "STRATA_ERR_UNAVAILABLE";
-    case STRATA_ERR_CORRUPT: return "STRATA_ERR_CORRUPT";
-    case STRATA_ERR_ALREADY_EXISTS: return "STRATA_ERR_ALREADY_EXISTS";
-    case STRATA_ERR_CANCELLED: return "STRATA_ERR_CANCELLED";
-    case STRATA_ERR_INTERNAL: return "STRATA_ERR_INTERNAL";
-  }
-  return "STRATA_ERR_UNKNOWN";
+  return strata::enum_name(status, "STRATA_ERR_UNKNOWN");
 }
 
 const char* strata_last_error(void) { return strata::capi::t_last_error.c_str(); }

@@ -21,9 +21,11 @@ template <>
 inline constexpr auto kEnumNames<DeviceBackendKind> = std::to_array<EnumName<DeviceBackendKind>>(
     {{DeviceBackendKind::kAuto, "auto"}, {DeviceBackendKind::kCuda, "cuda"}, {DeviceBackendKind::kHost, "host"}});
 
-const char* device_kind_name(DeviceKind kind) {
-  return kind == DeviceKind::kCuda ? "cuda" : "host";
-}
+template <>
+inline constexpr auto kEnumNames<DeviceKind> =
+    std::to_array<EnumName<DeviceKind>>({{DeviceKind::kHost, "host"}, {DeviceKind::kCuda, "cuda"}});
+
+const char* device_kind_name(DeviceKind kind) { return enum_name(kind); }
 
 const char* copy_kind_name(CopyKind kind) { return enum_name(kind, "unknown-copy"); }
 

@@ -1,7 +1,7 @@
-// The engine facade: creation wires the parts (runtime/engine_impl.h), and the
+// The engine facade: creation wires the parts (runtime/engine/engine_impl.h), and the
 // protocol (begin_micro_batch, acquire/release, reduce_grad, step, parameters,
 // stats) checks each call, then hands it to the part that owns the work.
-// Checkpoints: engine_checkpoint.cpp.
+// Checkpoints: engine/checkpointing.cpp.
 #include "runtime/engine.h"
 
 #include <fmt/format.h>
@@ -13,7 +13,7 @@
 #include "common/float_convert.h"
 #include "common/log.h"
 #include "common/units.h"
-#include "runtime/engine_impl.h"
+#include "runtime/engine/engine_impl.h"
 
 namespace strata {
 

@@ -239,7 +239,7 @@ class Engine {
   void trace_begin(const char* name);
   void trace_end();
 
-  struct Impl;  // internal (runtime/engine_impl.h)
+  struct Impl;  // internal (runtime/engine/engine_impl.h)
 
  private:
   explicit Engine(std::unique_ptr<Impl> impl);

@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/enum_names.h"
 #include "common/log.h"
 #include "common/posix_file.h"
 #include "runtime/crc32c.h"
@@ -79,19 +80,13 @@ Status crc32c_of_file(int fd, uint64_t off, uint64_t n, std::span<uint8_t> buf, 
   return {};
 }
 
-const char* copy_method_name(CopyMethod m) {
-  switch (m) {
-    case CopyMethod::kAuto:
-      return "auto";
-    case CopyMethod::kReflink:
-      return "reflink";
-    case CopyMethod::kCopyFileRange:
-      return "copy_file_range";
-    case CopyMethod::kReadWrite:
-      return "read/write";
-  }
-  return "?";
-}
+template <>
+inline constexpr auto kEnumNames<CopyMethod> = std::to_array<EnumName<CopyMethod>>({{CopyMethod::kAuto, "auto"},
+                                                                                   {CopyMethod::kReflink, "reflink"},
+                                                                                   {CopyMethod::kCopyFileRange, "copy_file_range"},
+                                                                                   {CopyMethod::kReadWrite, "read/write"}});
+
+const char* copy_method_name(CopyMethod m) { return enum_name(m); }
 
 Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<const FileRange> dst, CopyMethod method,
                                   std::span<uint8_t> buffer, CopyStats* stats) {

@@ -11,23 +11,22 @@
 #include <cstring>
 #include <vector>
 
+#include "common/enum_names.h"
+
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<train::DataFormat> = std::to_array<EnumName<train::DataFormat>>(
+    {{train::DataFormat::kText, "text"}, {train::DataFormat::kU16, "u16"}, {train::DataFormat::kU32, "u32"}});
+}  // namespace strata
+
 namespace strata::train {
 
-const char* data_format_name(DataFormat f) {
-  switch (f) {
-    case DataFormat::kText: return "text";
-    case DataFormat::kU16: return "u16";
-    case DataFormat::kU32: return "u32";
-  }
-  return "?";
-}
+const char* data_format_name(DataFormat f) { return enum_name(f); }
 
 Result<DataFormat> parse_data_format(std::string_view text) {
-  if (text == "text") return DataFormat::kText;
-  if (text == "u16") return DataFormat::kU16;
-  if (text == "u32") return DataFormat::kU32;
+  if (auto f = find_enum<DataFormat>(text)) return *f;
   return Status(StatusCode::kInvalidArgument,
-                "data format \"" + std::string(text) + "\" is not one of text, u16, u32");
+                "data format \"" + std::string(text) + "\" is not one of " + enum_name_list<DataFormat>());
 }
 
 uint64_t mix64(uint64_t x) {

@@ -5,23 +5,22 @@
 #include <numbers>
 #include <string>
 
+#include "common/enum_names.h"
+
+namespace strata {
+template <>
+inline constexpr auto kEnumNames<train::ScheduleKind> = std::to_array<EnumName<train::ScheduleKind>>(
+    {{train::ScheduleKind::kConstant, "constant"}, {train::ScheduleKind::kLinear, "linear"}, {train::ScheduleKind::kCosine, "cosine"}});
+}  // namespace strata
+
 namespace strata::train {
 
-const char* schedule_kind_name(ScheduleKind k) {
-  switch (k) {
-    case ScheduleKind::kConstant: return "constant";
-    case ScheduleKind::kLinear: return "linear";
-    case ScheduleKind::kCosine: return "cosine";
-  }
-  return "?";
-}
+const char* schedule_kind_name(ScheduleKind k) { return enum_name(k); }
 
 Result<ScheduleKind> parse_schedule_kind(std::string_view text) {
-  if (text == "constant") return ScheduleKind::kConstant;
-  if (text == "linear") return ScheduleKind::kLinear;
-  if (text == "cosine") return ScheduleKind::kCosine;
+  if (auto k = find_enum<ScheduleKind>(text)) return *k;
   return Status(StatusCode::kInvalidArgument,
-                "schedule \"" + std::string(text) + "\" is not one of constant, linear, cosine");
+                "schedule \"" + std::string(text) + "\" is not one of " + enum_name_list<ScheduleKind>());
 }
 
 Status validate_schedule(const Schedule& s) {

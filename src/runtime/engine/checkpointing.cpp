@@ -14,7 +14,7 @@
 
 #include "common/log.h"
 #include "runtime/checkpoint.h"
-#include "runtime/engine_impl.h"
+#include "runtime/engine/engine_impl.h"
 
 namespace strata {
 

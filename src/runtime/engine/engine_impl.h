@@ -1,5 +1,5 @@
 // Engine::Impl: the parts of one engine wired together, and the protocol
-// state the facade (engine.cpp, engine_checkpoint.cpp) keeps between calls.
+// state the facade (engine.cpp, engine/checkpointing.cpp) keeps between calls.
 // Not a public header.
 //
 // The parts, each with its own header under runtime/engine/ saying what it
