@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <system_error>
 #include <thread>
 
 #include "common/enum_names.h"
@@ -153,7 +154,11 @@ class IoEngineImpl final : public IoEngine {
     free_.reserve(qd_);
     for (auto& s : slots_) free_.push_back(&s);
     auto fut = started_.get_future();
-    thread_ = std::thread([this] { run(started_); });
+    try {
+      thread_ = std::thread([this] { run(started_); });
+    } catch (const std::system_error& e) {
+      return Status(StatusCode::kOutOfMemory, std::string("I/O engine: cannot start its thread: ") + e.what());
+    }
     Status st = fut.get();
     if (!st.ok()) {
       thread_.join();

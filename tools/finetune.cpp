@@ -32,9 +32,10 @@ namespace {
 std::atomic<bool> g_stop{false};
 std::atomic<int> g_signal{0};
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free);
-constexpr std::array<int, 2> kStopSignals = {SIGINT, SIGTERM};
-std::array<struct sigaction, 2> g_old{};
-std::array<bool, 2> g_installed{};
+// SIGHUP (the terminal went away) stops like SIGTERM: with a checkpoint.
+constexpr std::array<int, 3> kStopSignals = {SIGINT, SIGTERM, SIGHUP};
+std::array<struct sigaction, 3> g_old{};
+std::array<bool, 3> g_installed{};
 
 void on_stop_signal(int sig) {
   if (g_stop.exchange(true)) {
@@ -43,7 +44,8 @@ void on_stop_signal(int sig) {
     return;
   }
   g_signal.store(sig);
-  static const char msg[] = "\nstopping after this step (a checkpoint is saved); signal again to abort now\n";
+  static const char msg[] =
+      "\nstopping after this step (a checkpoint is saved, also after the last step); signal again to abort now\n";
   ssize_t n = ::write(STDERR_FILENO, msg, sizeof(msg) - 1);
   (void)n;
 }

@@ -1,11 +1,16 @@
 #include "finetune_flags.h"
 
+#include <fmt/format.h>
+
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "common/dtype_parse.h"
 #include "common/enum_names.h"
 #include "common/units.h"
+#include "cpu_optim/dispatch.h"
 
 namespace strata::tools {
 
@@ -68,7 +73,13 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
       ->capture_default_str();
   cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation")->capture_default_str();
   cmd->add_option("--out", f->out, "Output directory: metrics, checkpoints, the model")->capture_default_str();
-  cmd->add_option("--resume", f->resume, "Continue from a checkpoint dir (or a dir holding checkpoint-<step>)");
+  cmd->add_option("--resume", f->resume,
+                  "Continue a run: its out dir (its newest checkpoint) or one checkpoint-<step> dir");
+  cmd->add_flag("--overwrite", f->overwrite,
+                "Start a new run in an out dir that holds an earlier run (removes its checkpoints, metrics, model)");
+  cmd->add_option("--max-skipped-steps", f->max_skipped_steps,
+                  "Stop with an error after this many steps in a row skipped for non-finite gradients (0: never)")
+      ->capture_default_str();
   cmd->add_option("--trace", f->trace, "Write a Chrome/Perfetto trace of the engine and the compute");
   cmd->add_option("--metrics", f->metrics, "JSON-lines metrics file (default OUT/metrics.jsonl)");
   cmd->add_flag("--no-export", f->no_export, "Do not write OUT/model at the end");
@@ -160,7 +171,33 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->steps = f.steps;
   if (f.batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
   if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
+  // Counts a user may mistype: refused by name before any expensive work.
+  auto in_range = [](const char* flag, int64_t v, int64_t lo, int64_t hi) -> Status {
+    if (v < lo || v > hi)
+      return Status(StatusCode::kInvalidArgument, fmt::format("{} {} is outside [{}, {}]", flag, v, lo, hi));
+    return {};
+  };
+  STRATA_RETURN_IF_ERROR(in_range("--save-every", f.save_every, 0, INT64_MAX));
+  STRATA_RETURN_IF_ERROR(in_range("--eval-every", f.eval_every, 0, INT64_MAX));
+  STRATA_RETURN_IF_ERROR(in_range("--log-every", f.log_every, 1, INT64_MAX));
+  STRATA_RETURN_IF_ERROR(in_range("--grad-accum", f.grad_accum, 1, 1 << 16));
+  STRATA_RETURN_IF_ERROR(in_range("--eval-batches", f.eval_batches, 1, 1 << 20));
+  STRATA_RETURN_IF_ERROR(in_range("--threads", f.threads, 0, 1 << 16));
+  STRATA_RETURN_IF_ERROR(in_range("--max-skipped-steps", f.max_skipped_steps, 0, INT64_MAX));
+  auto finite_nonneg = [](const char* flag, double v) -> Status {
+    if (!std::isfinite(v) || v < 0)
+      return Status(StatusCode::kInvalidArgument, fmt::format("{} {} must be finite and >= 0", flag, v));
+    return {};
+  };
+  STRATA_RETURN_IF_ERROR(finite_nonneg("--weight-decay", o->config.optimizer.weight_decay));
+  STRATA_RETURN_IF_ERROR(finite_nonneg("--clip", o->config.gradient_clipping));
+  if (!(f.val_fraction >= 0 && f.val_fraction <= 0.9))
+    return Status(StatusCode::kInvalidArgument, fmt::format("--val-fraction {} is outside [0, 0.9]", f.val_fraction));
+  // STRATA_CPU_ISA naming an ISA this CPU lacks fails here, not at step 1.
+  STRATA_RETURN_IF_ERROR(cpu_optim::resolve_isa(cpu_optim::Isa::kAuto).status().with_context("STRATA_CPU_ISA"));
   o->batch = f.batch;
+  o->overwrite = f.overwrite;
+  o->max_skipped_steps = f.max_skipped_steps;
   o->eval_every = f.eval_every;
   o->eval_batches = f.eval_batches;
   o->save_every = f.save_every;

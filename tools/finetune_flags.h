@@ -45,7 +45,8 @@ struct FinetuneFlags {
   int64_t save_every = 0, eval_every = 0, log_every = 10;
   uint32_t keep = 2, eval_batches = 8;
   std::string out = "finetune-out", resume, trace, metrics, export_dtype, progress = "auto";
-  bool no_export = false;
+  bool no_export = false, overwrite = false;
+  int64_t max_skipped_steps = 20;
   std::string device_mem, host_mem, device = "auto";
   int threads = 0;
   CLI::Option *o_grad_accum = nullptr, *o_clip = nullptr, *o_wd = nullptr, *o_lr = nullptr, *o_fp16 = nullptr,

@@ -1,4 +1,6 @@
 // The `strata` command line.
+#include <signal.h>
+
 #include <cstdio>
 #include <string>
 
@@ -23,6 +25,9 @@ void print_error(std::string_view command, const Status& st) {
 
 int main(int argc, char** argv) {
   using namespace strata::tools;
+  // A write past `ulimit -f` fails with EFBIG, which every command reports as
+  // an error naming the file, instead of SIGXFSZ killing the process mid-save.
+  ::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"strata: offload engine for fine-tuning models larger than GPU memory"};
   app.require_subcommand(0, 1);
   bool version = false;

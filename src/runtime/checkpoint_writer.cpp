@@ -234,7 +234,16 @@ Status CheckpointWriter::add_file_ranges(std::string_view name, DType dtype, uin
   int fd = -1;
   STRATA_RETURN_IF_ERROR(add_entry_file(name, dtype, count, total, &file, &fd));
   Fd guard(fd, true);
-  if (buffer_.empty()) buffer_.resize(options_.buffer_bytes);
+  if (buffer_.empty()) {
+    // The copy buffer (8 MiB by default): refused cleanly, not std::bad_alloc,
+    // under a small `ulimit -v`.
+    try {
+      buffer_.resize(options_.buffer_bytes);
+    } catch (const std::bad_alloc&) {
+      return fail(Status(StatusCode::kOutOfMemory,
+                         fmt::format("checkpoint {}: cannot allocate a {}-byte copy buffer", dir_, options_.buffer_bytes)));
+    }
+  }
   FileRange dst;
   dst.path = join_path(staging_, file);
   dst.fd = fd;

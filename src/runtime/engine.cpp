@@ -55,9 +55,9 @@ Status Engine::Impl::init(const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(uploader.allocate_slots());
 
   // ---- threads
-  uploader.start();
-  grads.start([this](GroupId g) { stepper.queue_update(g); });
-  stepper.start();
+  STRATA_RETURN_IF_ERROR(uploader.start());
+  STRATA_RETURN_IF_ERROR(grads.start([this](GroupId g) { stepper.queue_update(g); }));
+  STRATA_RETURN_IF_ERROR(stepper.start());
   const Plan& plan = reg.plan;
   log_info("engine: {} parameters in {} groups on {} ({} on device, {} host, {} NVMe)", reg.params.size(),
            reg.groups.size(), reg.dev->name(), format_bytes(plan.tier_bytes(Tier::kDevice)),

@@ -1,45 +1,16 @@
 #include "train/trainer.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <fmt/format.h>
-
-#include <algorithm>
-#include <array>
-#include <cerrno>
-#include <chrono>
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#include <filesystem>
-#include <nlohmann/json.hpp>
-#include <map>
-#include <optional>
-#include <type_traits>
-
-#include "common/log.h"
-#include "common/units.h"
-#include "device/cuda_loader.h"
-#include "model/llama_config.h"
-#include "model/safetensors.h"
-#include "runtime/model_spec.h"
-#include "train/cuda_ops.h"
-#include "train/progress.h"
+#include "train/trainer_impl.h"
 
 namespace strata::train {
-namespace {
 
 namespace fs = std::filesystem;
-using json = nlohmann::json;
-using Clock = std::chrono::steady_clock;
 
-double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+namespace trainer_detail {
 
 Status make_dirs(const std::string& dir, const std::string& what) {
   std::error_code ec;
-  fs::create_directories(dir, ec);
+  std::filesystem::create_directories(dir, ec);
   if (ec) return Status::from_errno(ec.value(), what + " " + dir + ": cannot create it");
   // Writable? A probe file says so before hours of training do.
   const std::string probe = dir + "/.strata-write-probe";
@@ -50,141 +21,9 @@ Status make_dirs(const std::string& dir, const std::string& what) {
   return {};
 }
 
-// checkpoint-<n> directories under `dir`, sorted by n.
-std::vector<std::pair<int64_t, std::string>> list_checkpoints(const std::string& dir) {
-  std::vector<std::pair<int64_t, std::string>> out;
-  std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.rfind("checkpoint-", 0) != 0 || !it->is_directory()) continue;
-    const std::string num = name.substr(11);
-    if (num.empty() || num.find_first_not_of("0123456789") != std::string::npos) continue;
-    out.emplace_back(std::stoll(num), it->path().string());
-  }
-  std::sort(out.begin(), out.end());
-  return out;
-}
+}  // namespace trainer_detail
 
-// Device-pool bytes a buffer of `bytes` may take: the caching allocator
-// rounds up to a size class, at most 25% over (device/caching_allocator.h).
-uint64_t pool_bytes(uint64_t bytes) { return bytes + bytes / 4 + 512; }
-
-// Device-memory figures the trainer sizes the engine's budget and reserve by.
-struct DeviceSizes {
-  uint64_t reserve_base = 0;   // gradient buffers + 64 MiB (the reserve before activations moved to the pool)
-  uint64_t extra = 0;          // activations, dx, tokens and targets, as the pool rounds them
-  uint64_t group_buffers = 0;  // the engine's compute buffers for prefetch_depth + 2 groups, double-buffered
-};
-
-}  // namespace
-
-// ---------------------------------------------------------------- Impl
-
-struct Trainer::Impl {
-  TrainerOptions opt;
-  model::ModelDir model;
-  LlamaDims dims;
-  uint32_t accum = 1;
-  int64_t seq = 0;
-  int64_t tokens_per_micro = 0;  // B*T
-  std::unique_ptr<TokenDataset> data;
-  // The engine's device (not owned by the engine: declared before it, and
-  // ~Impl resets the engine first).
-  std::unique_ptr<DeviceBackend> backend;
-  std::string device_description;
-  std::unique_ptr<Engine> engine;
-  std::unique_ptr<ModelOps> ops;
-  bool sync_ops = true;  // ops->synchronous(): synchronize before computing
-  DeviceStream* stream = nullptr;
-  DType compute_dtype = DType::kF32;
-
-  // Groups and where each parameter sits in its group's view.
-  GroupId embed_group = 0, head_group = 0;
-  std::vector<GroupId> layer_groups;
-  ParamId embed_param = 0, norm_param = 0, lm_head_param = 0;
-  std::vector<LayerArray<ParamId>> layer_param_ids;
-
-  // Buffers, all from backend->alloc (device memory; RAM on the host
-  // backend). grad_buf: the largest group's fp32 gradients (reduce_grad
-  // copies from it); tied_grad: the embedding's [vocab, dim] gradient, kept
-  // through the backward when embeddings are tied; acts: (layers + 1) x
-  // [B*T, dim], each layer's input, then the head's; dx_a, dx_b: [B*T, dim];
-  // inputs, targets: [B*T] token ids.
-  float* grad_buf = nullptr;
-  uint64_t grad_buf_elems = 0;
-  float* tied_grad = nullptr;
-  float* acts = nullptr;
-  float* dx_a = nullptr;
-  float* dx_b = nullptr;
-  int32_t* inputs = nullptr;
-  int32_t* targets = nullptr;
-  // Host side of the token upload: pinned [inputs | targets], rewritten only
-  // once `upload_done` (recorded after the copies) has completed.
-  HostAllocation staging;
-  int32_t* inputs_host = nullptr;
-  int32_t* targets_host = nullptr;
-  DeviceEvent* upload_done = nullptr;
-  std::vector<int32_t> batch_tokens;  // B x (T+1)
-  // One per micro-batch / evaluation batch, written by the ops (on CUDA from
-  // a host function, possibly after the call returned): never resized after
-  // setup, read only after the stream is synchronized.
-  std::vector<LossStats> losses;
-
-  int64_t step = 0;  // optimizer steps done
-  uint64_t tokens_seen = 0;
-  double last_loss = 0;
-  FILE* metrics = nullptr;
-  bool warned_order = false;
-
-  ~Impl() {
-    if (metrics) std::fclose(metrics);
-    if (!backend) return;
-    // Work still queued (after an error mid-step) reads these buffers and
-    // writes `losses`: drain it first. The ops go next (CudaOps synchronizes
-    // the stream and frees its workspace to the backend), the stream before
-    // the engine, the engine before its backend.
-    if (stream) (void)backend->synchronize(stream);
-    ops.reset();
-    for (void* p : {static_cast<void*>(grad_buf), static_cast<void*>(tied_grad), static_cast<void*>(acts),
-                    static_cast<void*>(dx_a), static_cast<void*>(dx_b), static_cast<void*>(inputs),
-                    static_cast<void*>(targets)})
-      if (p) (void)backend->free(p);
-    if (upload_done) backend->destroy_event(upload_done);
-    if (staging.ptr) backend->free_pinned(staging);
-    if (stream) (void)backend->destroy_stream(stream);
-    engine.reset();
-    backend.reset();
-  }
-
-  // create(): setup() runs the parts below in order.
-  Status setup();
-  Status check_options();
-  Status open_model();
-  Status open_data();
-  Status check_output_dirs();
-  Result<EngineOptions> engine_options();
-  DeviceSizes device_sizes(const ModelSpec& spec);
-  Status create_engine(EngineOptions eo);
-  Status find_params();
-  Status alloc_buffers();
-  Status open_metrics();
-  Status load_weights();
-  Status resume(const std::string& dir);
-  Status choose_device(const DeviceSizes& z, Config* cfg);
-  Status try_cuda(const DeviceSizes& z, Config* cfg);
-  Status use_host(const DeviceSizes& z, Config* cfg);
-  Status stage_tokens();
-  Status forward(const int32_t* tokens, bool keep_for_backward);
-  Status micro_batch(bool last, LossStats* loss);
-  Result<GroupView> acquire(GroupId g);
-  const void* ptr_of(const GroupView& v, ParamId p) const;
-  LayerWeights layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const;
-  // ev: the embedding's view (read only when embeddings are tied).
-  HeadWeights head_weights(const GroupView& ev, const GroupView& hv) const;
-  void write_metrics(const json& j);
-  std::string extra_json() const;
-  json stats_json() const;
-};
+using namespace trainer_detail;
 
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
@@ -219,11 +58,12 @@ Status Trainer::Impl::setup() {
   STRATA_RETURN_IF_ERROR(alloc_buffers());
   // Weights: from the checkpoint, or from the model's safetensors.
   if (!opt.resume_dir.empty()) {
-    STRATA_RETURN_IF_ERROR(resume(opt.resume_dir));
+    STRATA_RETURN_IF_ERROR(resume(resume_from));
   } else {
     STRATA_RETURN_IF_ERROR(load_weights());
   }
-  return open_metrics();
+  STRATA_RETURN_IF_ERROR(open_metrics());
+  return run_dir->record(settings_json());
 }
 
 // The values the tool parsed, checked against each other.
@@ -288,6 +128,16 @@ Status Trainer::Impl::open_data() {
 // writable directory) before hours of training depend on them.
 Status Trainer::Impl::check_output_dirs() {
   STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir"));
+  // OUT: locked, a dead job's leftovers removed, and which run it continues
+  // decided now, before hours of work depend on it (run_dir.h).
+  STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
+  if (opt.resume_dir.empty()) {
+    STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite));
+  } else {
+    STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));
+    STRATA_ASSIGN_OR_RETURN(std::string id, checkpoint_run_id(resume_from));
+    STRATA_RETURN_IF_ERROR(run_dir->continue_run(id));
+  }
   for (const NvmeDir& nd : opt.config.nvme_dirs()) {
     struct stat st {};
     if (::stat(nd.path.c_str(), &st) != 0)
@@ -413,13 +263,16 @@ Status Trainer::Impl::alloc_buffers() {
   }
   if (Status st = dev.synchronize(stream); !st.ok()) return st.with_context("zeroing the trainer's buffers");
   batch_tokens.assign(static_cast<size_t>(opt.batch) * (seq + 1), 0);
-  losses.assign(std::max<uint64_t>({uint64_t{accum}, uint64_t{opt.eval_batches}, 1}), LossStats{});
+  losses.assign(std::max<uint64_t>({uint64_t{accum}, std::min<uint64_t>(opt.eval_batches, data->val_batches(opt.batch)), 1}),
+                LossStats{});
   return {};
 }
 
 // Metrics: a fresh file for a fresh run; a resumed run appends.
 Status Trainer::Impl::open_metrics() {
   const std::string mpath = opt.metrics_path.empty() ? opt.out_dir + "/metrics.jsonl" : opt.metrics_path;
+  // A resumed run continues the file as if it had never stopped.
+  if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step));
   metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");
   if (!metrics) return Status::from_errno(errno, "metrics file " + mpath + ": cannot open for writing");
   return {};
@@ -518,16 +371,22 @@ Status Trainer::Impl::load_weights() {
     buf.resize(ps.numel());
     if (Status st = reader->read(*t, DType::kF32, buf.data()); !st.ok())
       return st.with_context("model " + opt.model_dir + ": tensor " + ps.name);
+    // A NaN/Inf weight would make every step skip and the run "succeed".
+    const auto bad = std::find_if(buf.begin(), buf.end(), [](float v) { return !std::isfinite(v); });
+    if (bad != buf.end())
+      return Status(StatusCode::kCorrupt,
+                    fmt::format("model {}: tensor {} holds a non-finite value ({}) at element {} of {}: the "
+                                "weights are damaged",
+                                opt.model_dir, ps.name, *bad, bad - buf.begin(), buf.size()));
     STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
   }
   return {};
 }
 
-std::string Trainer::Impl::extra_json() const {
+// What must stay the same for the whole run (run_dir.h, check_same_settings).
+std::string Trainer::Impl::settings_json() const {
+  const OptimizerConfig& o = opt.config.optimizer;
   json t;
-  t["step"] = step;
-  t["tokens"] = tokens_seen;
-  t["last_loss"] = last_loss;
   t["seed"] = opt.data.seed;
   t["batch"] = opt.batch;
   t["seq"] = seq;
@@ -540,21 +399,45 @@ std::string Trainer::Impl::extra_json() const {
                    {"min_lr", opt.schedule.min_lr},
                    {"warmup", opt.schedule.warmup},
                    {"total", opt.steps}};
+  t["optimizer"] = {{"beta1", o.beta1},
+                    {"beta2", o.beta2},
+                    {"eps", o.eps},
+                    {"weight_decay", o.weight_decay},
+                    {"gradient_clipping", opt.config.gradient_clipping}};
+  return t.dump();
+}
+
+std::string Trainer::Impl::extra_json() const {
+  json t = json::parse(settings_json());
+  t["step"] = step;
+  t["tokens"] = tokens_seen;
+  t["last_loss"] = last_loss;
+  t["run_id"] = run_dir ? run_dir->run_id() : std::string();
   return json{{"trainer", t}}.dump();
 }
 
-Status Trainer::Impl::resume(const std::string& dir_in) {
-  std::string dir = dir_in;
-  std::error_code ec;
-  if (!fs::exists(dir + "/index.json", ec)) {
-    auto cks = list_checkpoints(dir);
-    if (cks.empty())
-      return Status(StatusCode::kNotFound, "resume: " + dir + " is neither a checkpoint nor a directory holding "
-                                           "checkpoint-<step> directories");
-    dir = cks.back().second;
-  }
+Status Trainer::Impl::resume(const std::string& dir) {
   std::string extra;
-  if (Status st = engine->load_checkpoint(dir, &extra); !st.ok()) return st.with_context("resume from " + dir);
+  if (Status st = engine->load_checkpoint(dir, &extra); !st.ok()) {
+    st = st.with_context("resume from " + dir);
+    if (st.code() != StatusCode::kCorrupt) return st;
+    // Name the newest older checkpoint of this run that verifies, if any
+    // (the user decides whether to go back to it).
+    const auto cks = list_checkpoint_dirs(parent_of(dir));
+    bool older = false;
+    for (auto it = cks.rbegin(); it != cks.rend(); ++it) {
+      if (!older) {
+        older = it->path == dir || base_of(it->path) == base_of(dir);
+        continue;
+      }
+      auto id = checkpoint_run_id(it->path);
+      if (!id.ok() || *id != run_dir->run_id()) continue;
+      if (CheckpointReader::open(it->path).ok())
+        return Status(st.code(),
+                      st.message() + fmt::format("; {} is intact: resume from it with --resume {}", it->path, it->path));
+    }
+    return st;
+  }
   json j = json::parse(extra, nullptr, false);
   if (j.is_discarded() || !j.contains("trainer") || !j["trainer"].is_object())
     return Status(StatusCode::kCorrupt, "resume from " + dir + ": the checkpoint has no trainer state "
@@ -572,13 +455,11 @@ Status Trainer::Impl::resume(const std::string& dir_in) {
   STRATA_RETURN_IF_ERROR(mismatch("seq", seq));
   STRATA_RETURN_IF_ERROR(mismatch("grad_accum", accum));
   STRATA_RETURN_IF_ERROR(mismatch("seed", opt.data.seed));
-  if (t.value("data", std::string()) != opt.data.path)
-    log_warn("resume: the checkpoint was trained on {}, this run reads {}", t.value("data", std::string()),
-             opt.data.path);
+  STRATA_RETURN_IF_ERROR(check_same_settings(t.dump(), settings_json(), dir));
   step = t.value("step", int64_t{0});
   tokens_seen = t.value("tokens", uint64_t{0});
   last_loss = t.value("last_loss", 0.0);
-  log_info("resumed from {} at step {}", dir, step);
+  log_info("resumed run {} from {} at step {}", run_dir->run_id(), dir, step);
   return {};
 }
 
@@ -833,169 +714,5 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
   }
   return w->finish();
 }
-
-// ---------------------------------------------------------------- run()
-
-// One run(): the result so far, the progress display and the throughput
-// totals. Each member does one part of the job (trainer.h, run()).
-class Trainer::Run {
- public:
-  explicit Run(Trainer& t)
-      : t_(t),
-        m_(*t.impl_),
-        progress_(m_.opt.progress),
-        has_val_(m_.data->val_batches(m_.opt.batch) > 0),
-        eval_n_(std::min<uint64_t>(m_.opt.eval_batches, m_.data->val_batches(m_.opt.batch))),
-        first_step_(m_.step),
-        tokens_per_step_(static_cast<uint64_t>(m_.tokens_per_micro) * m_.accum),
-        prev_(m_.engine->stats()) {}
-
-  Result<TrainResult> execute() {
-    if (has_val_) {
-      STRATA_ASSIGN_OR_RETURN(res_.initial_val_loss, evaluate());
-    }
-    STRATA_RETURN_IF_ERROR(train());
-    progress_.end();
-    finish_totals();
-    if (res_.interrupted) return res_;
-    if (has_val_) {
-      STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
-    }
-    if (m_.opt.export_model) STRATA_RETURN_IF_ERROR(export_model());
-    return res_;
-  }
-
- private:
-  // Steps until opt.steps, a stop request, or an error; evaluations and
-  // checkpoints on their schedules.
-  Status train() {
-    while (m_.step < m_.opt.steps) {
-      if (m_.opt.stop && m_.opt.stop->load()) {  // stopped before this run's first step
-        STRATA_RETURN_IF_ERROR(checkpoint());
-        res_.interrupted = true;
-        break;
-      }
-      STRATA_ASSIGN_OR_RETURN(StepReport r, t_.train_step());
-      report_step(r);
-      const bool stop = m_.opt.stop && m_.opt.stop->load();
-      if (has_val_ && m_.opt.eval_every > 0 && r.step % m_.opt.eval_every == 0 && r.step < m_.opt.steps && !stop) {
-        STRATA_ASSIGN_OR_RETURN(double v, evaluate());
-        (void)v;
-      }
-      if (stop) {
-        STRATA_RETURN_IF_ERROR(checkpoint());
-        res_.interrupted = true;
-        break;
-      }
-      if (m_.opt.save_every > 0 && r.step % m_.opt.save_every == 0) STRATA_RETURN_IF_ERROR(checkpoint());
-    }
-    return {};
-  }
-
-  // The step's totals, its metrics line and its progress line.
-  void report_step(const StepReport& r) {
-    train_seconds_ += r.seconds;
-    train_tokens_ += tokens_per_step_;
-    if (r.step > first_step_ + 1) {
-      warm_seconds_ += r.seconds;
-      ++warm_steps_;
-    }
-    res_.train_losses.push_back(r.loss);
-    const EngineStats s = m_.engine->stats();
-    const uint64_t io = (s.nvme_read_bytes - prev_.nvme_read_bytes) + (s.nvme_write_bytes - prev_.nvme_write_bytes);
-    prev_ = s;
-    const double tps = static_cast<double>(tokens_per_step_) / r.seconds;
-    const double io_gbps = static_cast<double>(io) / r.seconds / 1e9;
-    json j = {{"event", "train"},         {"step", r.step},
-              {"loss", r.loss},           {"lr", r.lr},
-              {"grad_norm", r.engine.grad_norm}, {"clip_coef", r.engine.clip_coef},
-              {"loss_scale", r.engine.loss_scale}, {"skipped", r.engine.skipped},
-              {"tokens", m_.tokens_seen}, {"step_s", r.seconds},
-              {"tokens_per_s", tps},      {"io_gbps", io_gbps}};
-    j.update(m_.stats_json());
-    m_.write_metrics(j);
-    const uint64_t dev_b = s.tier_bytes[static_cast<int>(Tier::kDevice)];
-    const uint64_t host_b = s.tier_bytes[static_cast<int>(Tier::kHost)];
-    const uint64_t nvme_b = s.tier_bytes[static_cast<int>(Tier::kNvme)];
-    const double eta = (train_seconds_ / static_cast<double>(r.step - first_step_)) *
-                       static_cast<double>(m_.opt.steps - r.step);
-    const std::string line = fmt::format(
-        "step {:>6}/{}  loss {:.4f}  lr {:.2e}  {} tok/s  dev {}  host {}  nvme {}  io {:.2f} GB/s{}", r.step,
-        m_.opt.steps, r.loss, r.lr, human_count(tps), format_bytes(dev_b), format_bytes(host_b),
-        format_bytes(nvme_b), io_gbps, r.engine.skipped ? "  (skipped: non-finite gradients)" : "");
-    progress_.step(line, eta,
-                   r.step == first_step_ + 1 || r.step == m_.opt.steps ||
-                       r.step % std::max<int64_t>(1, m_.opt.log_every) == 0);
-  }
-
-  // The validation loss, logged to the metrics file and the progress display.
-  Result<double> evaluate() {
-    const auto t0 = Clock::now();
-    STRATA_ASSIGN_OR_RETURN(double v, t_.evaluate());
-    m_.write_metrics({{"event", "eval"},
-                      {"step", m_.step},
-                      {"val_loss", v},
-                      {"batches", eval_n_},
-                      {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro)},
-                      {"seconds", seconds_since(t0)}});
-    progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
-                              seconds_since(t0)));
-    return v;
-  }
-
-  // out_dir/checkpoint-<step>, then the oldest beyond `keep` removed.
-  Status checkpoint() {
-    const auto t0 = Clock::now();
-    const std::string dir = m_.opt.out_dir + "/checkpoint-" + std::to_string(m_.step);
-    STRATA_RETURN_IF_ERROR(t_.save_checkpoint(dir));
-    res_.last_checkpoint = dir;
-    m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
-    if (m_.opt.keep > 0) {
-      auto cks = list_checkpoints(m_.opt.out_dir);
-      for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {
-        if (cks[i].second == dir) continue;
-        std::error_code ec;
-        fs::remove_all(cks[i].second, ec);
-        if (ec) log_warn("could not remove old checkpoint {}: {}", cks[i].second, ec.message());
-      }
-    }
-    progress_.say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m_.step, dir, seconds_since(t0)));
-    return {};
-  }
-
-  void finish_totals() {
-    res_.steps_done = m_.step;
-    res_.steps_this_run = m_.step - first_step_;
-    res_.train_seconds = train_seconds_;
-    res_.tokens_per_s = train_seconds_ > 0 ? static_cast<double>(train_tokens_) / train_seconds_ : 0;
-    res_.mean_step_seconds = warm_steps_ > 0 ? warm_seconds_ / static_cast<double>(warm_steps_)
-                                             : (res_.steps_this_run > 0 ? train_seconds_ / res_.steps_this_run : 0);
-  }
-
-  // out_dir/model in opt.export_dtype (the model's own dtype when unset).
-  Status export_model() {
-    const DType dt = m_.opt.export_dtype.value_or(m_.model.config.torch_dtype);
-    const std::string dir = m_.opt.out_dir + "/model";
-    if (Status st = t_.export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
-    res_.exported_model = dir;
-    progress_.say(fmt::format("exported the model ({}) to {}", dtype_name(dt), dir));
-    return {};
-  }
-
-  Trainer& t_;
-  Impl& m_;
-  TrainResult res_;
-  Progress progress_;
-  const bool has_val_;     // the data has a validation part
-  const uint64_t eval_n_;  // validation batches per evaluation
-  const int64_t first_step_;
-  const uint64_t tokens_per_step_;
-  EngineStats prev_;  // the engine's counters after the previous step
-  double train_seconds_ = 0, warm_seconds_ = 0;
-  int64_t warm_steps_ = 0;
-  uint64_t train_tokens_ = 0;
-};
-
-Result<TrainResult> Trainer::run() { return Run(*this).execute(); }
 
 }  // namespace strata::train

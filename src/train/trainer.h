@@ -161,7 +161,11 @@ struct TrainerOptions {
   int64_t save_every = 0;     // 0: no periodic checkpoints
   uint32_t keep = 2;          // periodic checkpoints kept (the newest); 0: keep all
   std::string out_dir;        // created if missing
-  std::string resume_dir;     // a checkpoint-<step> dir, or a dir holding them (the newest is taken)
+  std::string resume_dir;     // a checkpoint-<step> dir, or a run's out dir (its newest checkpoint is taken)
+  bool overwrite = false;     // a fresh run into an out dir holding an earlier run removes that run's files
+  // Consecutive steps skipped for non-finite gradients after which the run
+  // stops with an error (a NaN model never "succeeds"); 0: never.
+  int64_t max_skipped_steps = 20;
   std::string metrics_path;   // "": out_dir/metrics.jsonl
   bool export_model = true;   // write out_dir/model (config.json + safetensors) at the end
   std::optional<DType> export_dtype;  // unset: the model's torch_dtype

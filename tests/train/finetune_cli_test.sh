@@ -103,6 +103,10 @@ else
   b=$(train_lines "$dir/killed/metrics.jsonl")
   [[ $(wc -l <<<"$a") -eq 30 ]] || fail "the uninterrupted run logged $(wc -l <<<"$a") steps, not 30"
   [[ -n $a && $a == "$b" ]] || fail "the resumed run differs from the uninterrupted one: $(diff <(echo "$a") <(echo "$b") | head -5)"
+  # The resumed run's metrics file reads as if it had never stopped: the
+  # lines the killed job wrote after its checkpoint are gone, none twice.
+  n=$(grep -c '"event":"train"' "$dir/killed/metrics.jsonl")
+  [[ $n -eq 30 ]] || fail "the resumed run's metrics hold $n train lines, not 30"
 fi
 
 # ---- Ctrl-C / SIGTERM: finish the step, save, exit 130; resume to the end.

@@ -137,7 +137,7 @@ TEST_F(TrainerTest, RamAndNvmeGiveIdenticalLosses) {
     const std::string m = make_model(tied ? "tied" : "untied", tied);
     RunLog logs[2];
     for (int k = 0; k < 2; ++k) {
-      TrainerOptions o = base(m, dir_ + "/out" + std::to_string(k));
+      TrainerOptions o = base(m, dir_ + "/out" + std::to_string(k) + (tied ? "-tied" : "-untied"));
       o.config.gradient_accumulation_steps = 2;
       const std::string nvme = dir_ + "/nvme" + std::to_string(k);
       fs::create_directories(nvme);

@@ -55,9 +55,9 @@ Status GradPath::allocate() {
   return {};
 }
 
-void GradPath::start(std::function<void(GroupId)> on_group_done) {
+Status GradPath::start(std::function<void(GroupId)> on_group_done) {
   on_group_done_ = std::move(on_group_done);
-  queue_.start([this](const Job& j) { accumulator_main(j); });
+  return queue_.start("accumulator", [this](const Job& j) { accumulator_main(j); });
 }
 
 void GradPath::stop() {

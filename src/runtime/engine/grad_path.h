@@ -46,7 +46,7 @@ class GradPath {
   Status prepare();
   uint64_t piece_elems() const { return piece_elems_; }
   Status allocate();  // pieces and scratch, from the registry's pool
-  void start(std::function<void(GroupId)> on_group_done);
+  Status start(std::function<void(GroupId)> on_group_done);
   void stop();  // finishes queued accumulations, joins the thread
   DeviceStream* download() const { return download_; }
 

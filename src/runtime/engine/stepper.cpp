@@ -62,8 +62,9 @@ Status Stepper::allocate() {
   return {};
 }
 
-void Stepper::start() {
-  if (reg_.cfg.strata.overlap_backward) queue_.start([this](const GroupId& g) { run_group_update(g); });
+Status Stepper::start() {
+  if (!reg_.cfg.strata.overlap_backward) return {};
+  return queue_.start("optimizer", [this](const GroupId& g) { run_group_update(g); });
 }
 
 void Stepper::stop() {

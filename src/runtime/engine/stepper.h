@@ -41,7 +41,7 @@ class Stepper {
   unsigned ring_buffers() const { return ring_; }
   uint64_t ring_slot_bytes() const { return ring_slot_; }
   Status allocate();  // the NvmeOptimizer (ring from the registry's pool) and the group tensors
-  void start();       // the optimizer thread, with strata.overlap_backward
+  Status start();     // the optimizer thread, with strata.overlap_backward
   void stop();        // finishes queued group updates, joins the thread
   void wait_idle() { queue_.wait_idle(); }
 

@@ -82,8 +82,8 @@ Status Uploader::allocate_slots() {
   return {};
 }
 
-void Uploader::start() {
-  queue_.start([this](const int& s) { upload_main(s); });
+Status Uploader::start() {
+  return queue_.start("uploader", [this](const int& s) { upload_main(s); });
 }
 
 void Uploader::stop() {

@@ -39,7 +39,7 @@ class Uploader {
   uint64_t staging_bytes() const { return max_staging_; }  // each
   Status allocate_staging();                               // from the registry's pool
   Status allocate_slots();  // device slots: one in use, prefetch_groups prefetched, one cached
-  void start();
+  Status start();
   void stop();  // finishes queued uploads, joins the thread
 
   // ---- driving thread

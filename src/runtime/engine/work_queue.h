@@ -21,8 +21,12 @@
 #include <deque>
 #include <functional>
 #include <mutex>
+#include <string>
+#include <system_error>
 #include <thread>
 #include <utility>
+
+#include "common/status.h"
 
 namespace strata::engine {
 
@@ -36,10 +40,17 @@ class WorkQueue {
   WorkQueue& operator=(const WorkQueue&) = delete;
   ~WorkQueue() { stop(); }
 
-  // Starts the worker thread. Call once.
-  void start(Handler handler) {
+  // Starts the worker thread. Call once. kOutOfMemory naming `name` when
+  // the system cannot start a thread (RLIMIT_NPROC, ulimit -v, no memory).
+  Status start(const char* name, Handler handler) {
     handler_ = std::move(handler);
-    thread_ = std::thread([this] { run(); });
+    try {
+      thread_ = std::thread([this] { run(); });
+    } catch (const std::system_error& e) {
+      return Status(StatusCode::kOutOfMemory,
+                    std::string("engine: cannot start the ") + name + " thread: " + e.what());
+    }
+    return {};
   }
 
   void push(T item) {

@@ -1,0 +1,101 @@
+// OUT, the output directory of one training run: which job owns it, which run
+// it holds, its checkpoints, and what crashed processes left in it. The
+// trainer opens it before any expensive work and holds it for the whole run.
+//
+// What it guarantees (RELIABILITY.md):
+//  - One job per OUT: open() takes an advisory lock (flock, released by the
+//    kernel when the process dies, kill -9 included) on OUT/.strata.lock; a
+//    second job fails at once with kAlreadyExists naming the first one's pid.
+//  - A fresh run never mixes with another run's files: start_fresh() refuses
+//    an OUT that holds any (run.json, checkpoint-*, metrics.jsonl, model/)
+//    unless told to overwrite, which removes them first. It writes
+//    OUT/run.json with a new run id; every checkpoint carries that id.
+//  - A resume takes only this run's checkpoints (select_checkpoint()).
+//  - What dead processes left in OUT is removed at open: checkpoint staging
+//    and replaced directories (cleanup_checkpoint_leftovers) and export temp
+//    files (model/*.tmp.<pid> of processes no longer alive on this host).
+//
+// Not thread-safe; one RunDir per process and OUT.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace strata::train {
+
+struct CheckpointDirEntry {
+  uint64_t step = 0;
+  std::string path;
+};
+
+// checkpoint-<n> directories directly under `dir`, sorted by n. Names whose
+// number does not fit 63 bits, or that are not directories, are skipped.
+std::vector<CheckpointDirEntry> list_checkpoint_dirs(const std::string& dir);
+
+class RunDir {
+ public:
+  // Creates OUT if needed, checks it is writable, takes the lock and removes
+  // dead processes' leftovers. Errors name OUT and the cause; kAlreadyExists
+  // (another job holds the lock, naming its pid and host).
+  static Result<std::unique_ptr<RunDir>> open(const std::string& out);
+  ~RunDir();  // releases the lock
+  RunDir(const RunDir&) = delete;
+  RunDir& operator=(const RunDir&) = delete;
+
+  // A new run: refuses (kAlreadyExists, listing what is there) when OUT holds
+  // files of an earlier run, unless `overwrite`, which removes them; then
+  // takes a new run id. (A run.json alone or an empty metrics file is what a
+  // run that failed before its first step leaves: not an earlier run.)
+  Status start_fresh(bool overwrite);
+  // Continuing a run whose checkpoint carries `run_id` ("" for checkpoints
+  // older than run ids): OUT's run.json must name the same run, or OUT must
+  // hold no run yet (it takes that id).
+  Status continue_run(const std::string& run_id);
+  // Writes OUT/run.json (run id, host, time, `settings_json`: the run's
+  // settings as a JSON object), once the run is set up.
+  Status record(const std::string& settings_json);
+
+  const std::string& path() const { return path_; }
+  const std::string& run_id() const { return run_id_; }
+
+ private:
+  RunDir() = default;
+  Status remove_leftovers();
+  Status write_run_json(const std::string& settings_json);
+  std::string path_;
+  std::string run_id_;
+  int lock_fd_ = -1;
+};
+
+// The checkpoint a `--resume FROM` continues from. FROM is a checkpoint
+// directory (index.json), taken as given; or a run's OUT, whose newest
+// checkpoint of the run in FROM/run.json is taken (checkpoints of other runs
+// are skipped, with a warning naming them). kNotFound naming FROM when it
+// holds no checkpoint of its run.
+Result<std::string> select_checkpoint(const std::string& from);
+
+// The run id in a checkpoint's trainer state ("" for one made before run
+// ids). Reads its index and manifest only.
+Result<std::string> checkpoint_run_id(const std::string& checkpoint);
+
+// What a run keeps from start to end (checkpoints and run.json carry it): a
+// resumed run with other values would be another run. JSON object text.
+// `settings` and `now` are such texts; returns kInvalidArgument naming the
+// first key whose value differs (keys absent from `saved`, written by older
+// versions, are not compared; "data" only warns: a moved file is fine).
+Status check_same_settings(const std::string& saved, const std::string& now, const std::string& checkpoint);
+
+// Rewrites the metrics file of a run resumed at `step` without the lines of
+// later steps (written after the checkpoint by the run that died), so the
+// file reads as if the run had never stopped. Atomic (temp + rename). A
+// missing file is fine.
+Status trim_metrics(const std::string& path, int64_t step);
+
+// The run id in DIR/run.json; "" when there is none. kCorrupt for a damaged one.
+Result<std::string> read_run_id(const std::string& dir);
+
+}  // namespace strata::train

@@ -1,0 +1,178 @@
+// Trainer internals shared by trainer.cpp (set-up, weights, checkpoints,
+// the forward/backward of a step) and trainer_run.cpp (the run loop: steps,
+// evaluations, checkpoints, export, progress). Not a public header.
+#pragma once
+
+#include "train/trainer.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <map>
+#include <optional>
+#include <type_traits>
+
+#include "common/log.h"
+#include "common/posix_file.h"
+#include "common/units.h"
+#include "device/cuda_loader.h"
+#include "model/llama_config.h"
+#include "model/safetensors.h"
+#include "runtime/checkpoint.h"
+#include "runtime/model_spec.h"
+#include "train/cuda_ops.h"
+#include "train/progress.h"
+#include "train/run_dir.h"
+
+namespace strata::train {
+namespace trainer_detail {
+
+using Clock = std::chrono::steady_clock;
+
+inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Creates `dir` and checks it is writable (a probe file); `what` names it in errors.
+Status make_dirs(const std::string& dir, const std::string& what);
+
+// Device-pool bytes a buffer of `bytes` may take: the caching allocator
+// rounds up to a size class, at most 25% over (device/caching_allocator.h).
+inline uint64_t pool_bytes(uint64_t bytes) { return bytes + bytes / 4 + 512; }
+
+// Device-memory figures the trainer sizes the engine's budget and reserve by.
+struct DeviceSizes {
+  uint64_t reserve_base = 0;   // gradient buffers + 64 MiB (the reserve before activations moved to the pool)
+  uint64_t extra = 0;          // activations, dx, tokens and targets, as the pool rounds them
+  uint64_t group_buffers = 0;  // the engine's compute buffers for prefetch_depth + 2 groups, double-buffered
+};
+
+}  // namespace trainer_detail
+
+using trainer_detail::Clock;
+using trainer_detail::DeviceSizes;
+using json = nlohmann::json;
+
+// ---------------------------------------------------------------- Impl
+
+struct Trainer::Impl {
+  TrainerOptions opt;
+  model::ModelDir model;
+  LlamaDims dims;
+  uint32_t accum = 1;
+  int64_t seq = 0;
+  int64_t tokens_per_micro = 0;  // B*T
+  std::unique_ptr<TokenDataset> data;
+  // The engine's device (not owned by the engine: declared before it, and
+  // ~Impl resets the engine first).
+  std::unique_ptr<DeviceBackend> backend;
+  std::string device_description;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<ModelOps> ops;
+  bool sync_ops = true;  // ops->synchronous(): synchronize before computing
+  DeviceStream* stream = nullptr;
+  DType compute_dtype = DType::kF32;
+
+  // Groups and where each parameter sits in its group's view.
+  GroupId embed_group = 0, head_group = 0;
+  std::vector<GroupId> layer_groups;
+  ParamId embed_param = 0, norm_param = 0, lm_head_param = 0;
+  std::vector<LayerArray<ParamId>> layer_param_ids;
+
+  // Buffers, all from backend->alloc (device memory; RAM on the host
+  // backend). grad_buf: the largest group's fp32 gradients (reduce_grad
+  // copies from it); tied_grad: the embedding's [vocab, dim] gradient, kept
+  // through the backward when embeddings are tied; acts: (layers + 1) x
+  // [B*T, dim], each layer's input, then the head's; dx_a, dx_b: [B*T, dim];
+  // inputs, targets: [B*T] token ids.
+  float* grad_buf = nullptr;
+  uint64_t grad_buf_elems = 0;
+  float* tied_grad = nullptr;
+  float* acts = nullptr;
+  float* dx_a = nullptr;
+  float* dx_b = nullptr;
+  int32_t* inputs = nullptr;
+  int32_t* targets = nullptr;
+  // Host side of the token upload: pinned [inputs | targets], rewritten only
+  // once `upload_done` (recorded after the copies) has completed.
+  HostAllocation staging;
+  int32_t* inputs_host = nullptr;
+  int32_t* targets_host = nullptr;
+  DeviceEvent* upload_done = nullptr;
+  std::vector<int32_t> batch_tokens;  // B x (T+1)
+  // One per micro-batch / evaluation batch, written by the ops (on CUDA from
+  // a host function, possibly after the call returned): never resized after
+  // setup, read only after the stream is synchronized.
+  std::vector<LossStats> losses;
+
+  int64_t step = 0;  // optimizer steps done
+  uint64_t tokens_seen = 0;
+  double last_loss = 0;
+  FILE* metrics = nullptr;
+  bool warned_order = false;
+  std::unique_ptr<RunDir> run_dir;  // OUT, locked for the whole run
+  std::string resume_from;          // the checkpoint resume() loads
+  int64_t skipped_in_a_row = 0;     // consecutive skipped steps
+
+  ~Impl() {
+    if (metrics) std::fclose(metrics);
+    if (!backend) return;
+    // Work still queued (after an error mid-step) reads these buffers and
+    // writes `losses`: drain it first. The ops go next (CudaOps synchronizes
+    // the stream and frees its workspace to the backend), the stream before
+    // the engine, the engine before its backend.
+    if (stream) (void)backend->synchronize(stream);
+    ops.reset();
+    for (void* p : {static_cast<void*>(grad_buf), static_cast<void*>(tied_grad), static_cast<void*>(acts),
+                    static_cast<void*>(dx_a), static_cast<void*>(dx_b), static_cast<void*>(inputs),
+                    static_cast<void*>(targets)})
+      if (p) (void)backend->free(p);
+    if (upload_done) backend->destroy_event(upload_done);
+    if (staging.ptr) backend->free_pinned(staging);
+    if (stream) (void)backend->destroy_stream(stream);
+    engine.reset();
+    backend.reset();
+  }
+
+  // create(): setup() runs the parts below in order.
+  Status setup();
+  Status check_options();
+  Status open_model();
+  Status open_data();
+  Status check_output_dirs();
+  Result<EngineOptions> engine_options();
+  DeviceSizes device_sizes(const ModelSpec& spec);
+  Status create_engine(EngineOptions eo);
+  Status find_params();
+  Status alloc_buffers();
+  Status open_metrics();
+  Status load_weights();
+  Status resume(const std::string& dir);
+  Status choose_device(const DeviceSizes& z, Config* cfg);
+  Status try_cuda(const DeviceSizes& z, Config* cfg);
+  Status use_host(const DeviceSizes& z, Config* cfg);
+  Status stage_tokens();
+  Status forward(const int32_t* tokens, bool keep_for_backward);
+  Status micro_batch(bool last, LossStats* loss);
+  Result<GroupView> acquire(GroupId g);
+  const void* ptr_of(const GroupView& v, ParamId p) const;
+  LayerWeights layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const;
+  // ev: the embedding's view (read only when embeddings are tied).
+  HeadWeights head_weights(const GroupView& ev, const GroupView& hv) const;
+  void write_metrics(const json& j);
+  std::string extra_json() const;
+  std::string settings_json() const;
+  json stats_json() const;
+};
+
+}  // namespace strata::train

@@ -1,0 +1,204 @@
+// The run loop of Trainer::run(): steps until the end or a stop request,
+// evaluations and checkpoints on their schedules, the final export, the
+// metrics file and the progress display (trainer.h, run()).
+#include "train/trainer_impl.h"
+
+namespace strata::train {
+
+using namespace trainer_detail;
+namespace fs = std::filesystem;
+
+// ---------------------------------------------------------------- run()
+
+// One run(): the result so far, the progress display and the throughput
+// totals. Each member does one part of the job (trainer.h, run()).
+class Trainer::Run {
+ public:
+  explicit Run(Trainer& t)
+      : t_(t),
+        m_(*t.impl_),
+        progress_(m_.opt.progress),
+        has_val_(m_.data->val_batches(m_.opt.batch) > 0),
+        eval_n_(std::min<uint64_t>(m_.opt.eval_batches, m_.data->val_batches(m_.opt.batch))),
+        first_step_(m_.step),
+        tokens_per_step_(static_cast<uint64_t>(m_.tokens_per_micro) * m_.accum),
+        prev_(m_.engine->stats()) {}
+
+  Result<TrainResult> execute() {
+    if (has_val_) {
+      // A resumed run's file already holds this evaluation (metrics read as
+      // if the run never stopped): printed, not written again.
+      STRATA_ASSIGN_OR_RETURN(res_.initial_val_loss, evaluate(/*record=*/m_.opt.resume_dir.empty()));
+    }
+    STRATA_RETURN_IF_ERROR(train());
+    // A stop request that came after the last step: the work is saved, as the
+    // signal handler promised, and the final evaluation and export skipped.
+    if (!res_.interrupted && m_.opt.stop && m_.opt.stop->load() && m_.step > 0) {
+      if (res_.last_checkpoint != checkpoint_dir()) STRATA_RETURN_IF_ERROR(checkpoint());
+      res_.interrupted = true;
+    }
+    progress_.end();
+    finish_totals();
+    if (res_.interrupted) return res_;
+    if (has_val_) {
+      STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
+    }
+    if (m_.opt.export_model) STRATA_RETURN_IF_ERROR(export_model());
+    return res_;
+  }
+
+ private:
+  // Steps until opt.steps, a stop request, or an error; evaluations and
+  // checkpoints on their schedules.
+  Status train() {
+    while (m_.step < m_.opt.steps) {
+      if (m_.opt.stop && m_.opt.stop->load()) {  // stopped before this run's first step
+        STRATA_RETURN_IF_ERROR(checkpoint());
+        res_.interrupted = true;
+        break;
+      }
+      STRATA_ASSIGN_OR_RETURN(StepReport r, t_.train_step());
+      report_step(r);
+      STRATA_RETURN_IF_ERROR(check_skipped(r));
+      const bool stop = m_.opt.stop && m_.opt.stop->load();
+      if (has_val_ && m_.opt.eval_every > 0 && r.step % m_.opt.eval_every == 0 && r.step < m_.opt.steps && !stop) {
+        STRATA_ASSIGN_OR_RETURN(double v, evaluate());
+        (void)v;
+      }
+      if (stop) {
+        STRATA_RETURN_IF_ERROR(checkpoint());
+        res_.interrupted = true;
+        break;
+      }
+      if (m_.opt.save_every > 0 && r.step % m_.opt.save_every == 0) STRATA_RETURN_IF_ERROR(checkpoint());
+    }
+    return {};
+  }
+
+  // The step's totals, its metrics line and its progress line.
+  void report_step(const StepReport& r) {
+    train_seconds_ += r.seconds;
+    train_tokens_ += tokens_per_step_;
+    if (r.step > first_step_ + 1) {
+      warm_seconds_ += r.seconds;
+      ++warm_steps_;
+    }
+    res_.train_losses.push_back(r.loss);
+    const EngineStats s = m_.engine->stats();
+    const uint64_t io = (s.nvme_read_bytes - prev_.nvme_read_bytes) + (s.nvme_write_bytes - prev_.nvme_write_bytes);
+    prev_ = s;
+    const double tps = static_cast<double>(tokens_per_step_) / r.seconds;
+    const double io_gbps = static_cast<double>(io) / r.seconds / 1e9;
+    json j = {{"event", "train"},         {"step", r.step},
+              {"loss", r.loss},           {"lr", r.lr},
+              {"grad_norm", r.engine.grad_norm}, {"clip_coef", r.engine.clip_coef},
+              {"loss_scale", r.engine.loss_scale}, {"skipped", r.engine.skipped},
+              {"tokens", m_.tokens_seen}, {"step_s", r.seconds},
+              {"tokens_per_s", tps},      {"io_gbps", io_gbps}};
+    j.update(m_.stats_json());
+    m_.write_metrics(j);
+    const uint64_t dev_b = s.tier_bytes[static_cast<int>(Tier::kDevice)];
+    const uint64_t host_b = s.tier_bytes[static_cast<int>(Tier::kHost)];
+    const uint64_t nvme_b = s.tier_bytes[static_cast<int>(Tier::kNvme)];
+    const double eta = (train_seconds_ / static_cast<double>(r.step - first_step_)) *
+                       static_cast<double>(m_.opt.steps - r.step);
+    const std::string line = fmt::format(
+        "step {:>6}/{}  loss {:.4f}  lr {:.2e}  {} tok/s  dev {}  host {}  nvme {}  io {:.2f} GB/s{}", r.step,
+        m_.opt.steps, r.loss, r.lr, human_count(tps), format_bytes(dev_b), format_bytes(host_b),
+        format_bytes(nvme_b), io_gbps, r.engine.skipped ? "  (skipped: non-finite gradients)" : "");
+    progress_.step(line, eta,
+                   r.step == first_step_ + 1 || r.step == m_.opt.steps ||
+                       r.step % std::max<int64_t>(1, m_.opt.log_every) == 0);
+  }
+
+  // A run whose every step is skipped for non-finite gradients must not end
+  // "successfully" with an unchanged (or NaN) model. fp16's dynamic loss
+  // scaler skips steps while it searches for a scale: those count only once
+  // the scale is at its minimum.
+  Status check_skipped(const StepReport& r) {
+    const bool counts = r.engine.skipped && (!m_.opt.config.fp16.enabled ||
+                                             r.engine.loss_scale <= m_.opt.config.fp16.min_loss_scale);
+    m_.skipped_in_a_row = counts ? m_.skipped_in_a_row + 1 : (r.engine.skipped ? m_.skipped_in_a_row : 0);
+    if (m_.opt.max_skipped_steps <= 0 || m_.skipped_in_a_row < m_.opt.max_skipped_steps) return {};
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("step {}: {} steps in a row were skipped because the gradients were not finite (norm "
+                              "{}): the model or the learning rate ({:.3g}) diverged, or the weights hold NaN/Inf; "
+                              "the run stops here{}",
+                              r.step, m_.skipped_in_a_row, r.engine.grad_norm, r.lr,
+                              res_.last_checkpoint.empty() ? "" : "; the last checkpoint is " + res_.last_checkpoint));
+  }
+
+  // The validation loss, logged to the metrics file and the progress display.
+  Result<double> evaluate(bool record = true) {
+    const auto t0 = Clock::now();
+    STRATA_ASSIGN_OR_RETURN(double v, t_.evaluate());
+    if (record)
+      m_.write_metrics({{"event", "eval"},
+                      {"step", m_.step},
+                      {"val_loss", v},
+                      {"batches", eval_n_},
+                      {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro)},
+                      {"seconds", seconds_since(t0)}});
+    progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
+                              seconds_since(t0)));
+    return v;
+  }
+
+  std::string checkpoint_dir() const { return m_.opt.out_dir + "/checkpoint-" + std::to_string(m_.step); }
+
+  // out_dir/checkpoint-<step>, then the oldest beyond `keep` removed.
+  Status checkpoint() {
+    const auto t0 = Clock::now();
+    const std::string dir = checkpoint_dir();
+    STRATA_RETURN_IF_ERROR(t_.save_checkpoint(dir));
+    res_.last_checkpoint = dir;
+    m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
+    if (m_.opt.keep > 0) {
+      auto cks = list_checkpoint_dirs(m_.opt.out_dir);
+      for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {
+        if (cks[i].path == dir) continue;
+        std::error_code ec;
+        fs::remove_all(cks[i].path, ec);
+        if (ec) log_warn("could not remove old checkpoint {}: {}", cks[i].path, ec.message());
+      }
+    }
+    progress_.say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m_.step, dir, seconds_since(t0)));
+    return {};
+  }
+
+  void finish_totals() {
+    res_.steps_done = m_.step;
+    res_.steps_this_run = m_.step - first_step_;
+    res_.train_seconds = train_seconds_;
+    res_.tokens_per_s = train_seconds_ > 0 ? static_cast<double>(train_tokens_) / train_seconds_ : 0;
+    res_.mean_step_seconds = warm_steps_ > 0 ? warm_seconds_ / static_cast<double>(warm_steps_)
+                                             : (res_.steps_this_run > 0 ? train_seconds_ / res_.steps_this_run : 0);
+  }
+
+  // out_dir/model in opt.export_dtype (the model's own dtype when unset).
+  Status export_model() {
+    const DType dt = m_.opt.export_dtype.value_or(m_.model.config.torch_dtype);
+    const std::string dir = m_.opt.out_dir + "/model";
+    if (Status st = t_.export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
+    res_.exported_model = dir;
+    progress_.say(fmt::format("exported the model ({}) to {}", dtype_name(dt), dir));
+    return {};
+  }
+
+  Trainer& t_;
+  Impl& m_;
+  TrainResult res_;
+  Progress progress_;
+  const bool has_val_;     // the data has a validation part
+  const uint64_t eval_n_;  // validation batches per evaluation
+  const int64_t first_step_;
+  const uint64_t tokens_per_step_;
+  EngineStats prev_;  // the engine's counters after the previous step
+  double train_seconds_ = 0, warm_seconds_ = 0;
+  int64_t warm_steps_ = 0;
+  uint64_t train_tokens_ = 0;
+};
+
+Result<TrainResult> Trainer::run() { return Run(*this).execute(); }
+
+}  // namespace strata::train

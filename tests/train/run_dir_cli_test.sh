@@ -1,0 +1,98 @@
+#!/usr/bin/env bash
+# The out dir of `strata finetune` as an unlucky user meets it (issue 10):
+#   - a fresh run into an out dir holding another run is refused (--overwrite
+#     starts over); --resume continues only its own run's checkpoints;
+#   - a resumed run with another lr/steps is refused, naming the setting;
+#   - two jobs on one out dir: the second fails at once, naming the first's pid;
+#   - what a dead job left (checkpoint staging, export temp files) is removed
+#     at start; odd names in the out dir do not crash it;
+#   - counts that make no sense are refused by name before any work;
+#   - a run whose every step is skipped (non-finite gradients) fails, not "done".
+#   run_dir_cli_test.sh STRATA_BINARY
+# Exit 0 pass, 1 fail.
+set -uo pipefail
+strata=${1:?usage: run_dir_cli_test.sh STRATA_BINARY}
+root=${STRATA_TEST_DIR:-/tmp}
+dir=$(mktemp -d "$root/strata-run-dir-cli.XXXXXX") || exit 1
+pids=()
+cleanup() {
+  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null; done
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
+cli_command "$strata" finetune
+
+"$strata" init-model --layers 2 --dim 32 --heads 2 --kv-heads 1 --ffn-dim 64 --vocab 256 --dtype fp32 \
+  --seed 3 --out "$dir/model" >/dev/null || { echo "init-model failed"; exit 1; }
+for ((i = 0; i < 800; i++)); do echo "line $i of the run-dir test: $((i * 7 % 13)) apples and $((i % 5)) pears."; done >"$dir/data.txt"
+common=(--model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 4 --progress quiet --no-export)
+run() { "$strata" finetune "${common[@]}" "$@" >"$dir/last.log" 2>&1; }
+
+# ---- another run's out dir
+run --steps 8 --save-every 4 --lr 1e-3 --out "$dir/a" || fail "run A failed: $(cat "$dir/last.log")"
+[[ -f $dir/a/run.json ]] || fail "run A wrote no run.json"
+expect_error "holds an earlier run" "${common[@]}" --steps 8 --lr 2e-3 --out "$dir/a"
+[[ -d $dir/a/checkpoint-8 ]] || fail "the refused run touched run A's checkpoints"
+# --resume continues the same run only: another lr or step count is another run.
+expect_error "schedule.lr = 0.001, this run has 0.002" "${common[@]}" --steps 8 --lr 2e-3 --out "$dir/a" --resume "$dir/a"
+expect_error "schedule.total = 8, this run has 12" "${common[@]}" --steps 12 --lr 1e-3 --out "$dir/a" --resume "$dir/a"
+# --overwrite starts over; then --resume of A's dir takes B's checkpoints, never A's.
+id_a=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/a/run.json")
+cp -r "$dir/a/checkpoint-8" "$dir/a-checkpoint-8"
+run --steps 4 --save-every 4 --lr 2e-3 --out "$dir/a" --overwrite || fail "--overwrite failed: $(cat "$dir/last.log")"
+id_b=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/a/run.json")
+[[ -n $id_b && $id_a != "$id_b" ]] || fail "--overwrite kept the run id ($id_a -> $id_b)"
+[[ ! -e $dir/a/checkpoint-8 ]] || fail "--overwrite left run A's checkpoint-8"
+mv "$dir/a-checkpoint-8" "$dir/a/checkpoint-8"  # another run's checkpoint, newer than B's
+run --steps 4 --save-every 4 --lr 2e-3 --out "$dir/a" --resume "$dir/a" || fail "resume of B failed: $(cat "$dir/last.log")"
+grep -q "skipped checkpoint-8" "$dir/last.log" || fail "resume did not say it skipped run A's checkpoint-8: $(cat "$dir/last.log")"
+# And a resume into a dir of another run, from a checkpoint of A: refused.
+expect_error "the checkpoint belongs to run $id_a" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/a" \
+  --resume "$dir/a/checkpoint-8"
+
+# ---- two jobs, one out dir: the second fails at once, naming the first.
+"$strata" finetune "${common[@]}" --steps 100000 --out "$dir/busy" >"$dir/busy.log" 2>&1 &
+pid=$!
+pids+=("$pid")
+for ((i = 0; i < 600; i++)); do
+  grep -q "pid $pid" "$dir/busy/.strata.lock" 2>/dev/null && break
+  sleep 0.05
+done
+expect_error "is in use by another strata job (pid $pid" "${common[@]}" --steps 4 --out "$dir/busy" --overwrite
+kill -9 "$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+# The lock died with the job: the next one gets the dir.
+run --steps 2 --out "$dir/busy" --overwrite || fail "the out dir stayed locked after kill -9: $(cat "$dir/last.log")"
+
+# ---- leftovers of a dead job, odd names
+mkdir -p "$dir/a/checkpoint-4.tmp-deadbeef/junk" "$dir/a/model" "$dir/a/checkpoint-99999999999999999999"
+echo x >"$dir/a/checkpoint-4.tmp-deadbeef/junk/file"
+echo x >"$dir/a/model/model.safetensors.tmp.999999999"
+run --steps 4 --save-every 4 --lr 2e-3 --out "$dir/a" --resume "$dir/a" || fail "resume with leftovers failed: $(cat "$dir/last.log")"
+[[ ! -e $dir/a/checkpoint-4.tmp-deadbeef ]] || fail "the dead save's staging dir was not removed"
+[[ ! -e $dir/a/model/model.safetensors.tmp.999999999 ]] || fail "the dead export's temp file was not removed"
+
+# ---- counts that make no sense: refused by name, before any work
+for bad in "--save-every -1" "--eval-every -3" "--log-every -3" "--grad-accum 4294967295" \
+  "--eval-batches 4294967295" "--threads -2"; do
+  read -r flag value <<<"$bad"
+  expect_error "$flag $value is outside" "${common[@]}" "$flag" "$value" --out "$dir/o-bad"
+done
+expect_error "--weight-decay nan must be finite" "${common[@]}" --weight-decay nan --out "$dir/o-bad"
+cli_command env STRATA_CPU_ISA=neon "$strata" finetune
+[[ $(uname -m) == aarch64 ]] || expect_error "STRATA_CPU_ISA" "${common[@]}" --out "$dir/o-bad"
+cli_command "$strata" finetune
+
+# ---- a NaN in the weights: refused at load, naming the tensor and the element
+cp -r "$dir/model" "$dir/nan-model"
+hl=$(od -An -t u8 -N8 "$dir/nan-model/model.safetensors" | tr -d ' ')
+printf '\x00\x00\xc0\x7f' | dd of="$dir/nan-model/model.safetensors" bs=1 seek=$((8 + hl + 4 * 5)) conv=notrunc status=none
+expect_error "holds a non-finite value (nan) at element" --model "$dir/nan-model" --data "$dir/data.txt" --seq 32 \
+  --batch 4 --out "$dir/o-nan"
+
+# ---- every step skipped: an error naming why, not a NaN model and exit 0
+expect_error "steps in a row were skipped" "${common[@]}" --steps 30 --lr 1e30 --warmup 0 --schedule constant \
+  --max-skipped-steps 3 --clip 0 --out "$dir/nan"
+
+cli_finish "run dir"
