@@ -11,6 +11,8 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 
 #include "common/log.h"
@@ -21,6 +23,8 @@ namespace {
 
 constexpr const char* kScratchMarker = ".strata-scratch";
 constexpr const char* kRunMarker = ".strata-run";
+// "<prefix><pid>-<run name>": a run directory being made (see add below).
+constexpr const char* kStagingPrefix = ".strata-run-staging-";
 
 Result<std::vector<std::string>> list_dir(const std::string& dir) {
   DIR* d = opendir(dir.c_str());
@@ -184,6 +188,16 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
     uint64_t freed = 0;
     int removed = 0;
     for (const auto& n : names) {
+      if (n.rfind(kStagingPrefix, 0) == 0) {
+        // A run directory its maker never finished: removed once that
+        // process is gone (the pid is in the name; the marker may be absent).
+        const long pid = std::strtol(n.c_str() + std::strlen(kStagingPrefix), nullptr, 10);
+        if (pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+          std::error_code ec;
+          std::filesystem::remove_all(dir + "/" + n, ec);
+        }
+        continue;
+      }
       if (n.rfind("strata-run-", 0) != 0 || n == options_.run_name) continue;
       const std::string path = dir + "/" + n;
       if (run_dir_is_stale(path)) {
@@ -208,18 +222,38 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
           "remove them when those runs are gone to free the space",
           dir, kept.size(), kept.size() == 1 ? "y" : "ies", kept.front());
   }
+  // The run directory appears with its marker or not at all: it is made
+  // under a staging name, marked, then renamed. A process killed in between
+  // leaves only a staging directory whose name carries its pid (removed
+  // below by the next run), never an unmarked run directory that no later
+  // run could tell from a live one.
   s->run_dir = dir + "/" + options_.run_name;
-  if (::mkdir(s->run_dir.c_str(), 0700) != 0) {
+  const std::string staging = fmt::format("{}/{}{}-{}", dir, kStagingPrefix, ::getpid(), options_.run_name);
+  if (::mkdir(staging.c_str(), 0700) != 0) {
     const int err = errno;
+    s->run_dir.clear();
+    return Status::from_errno(err, "creating run directory " + staging + " failed");
+  }
+  if (Status st = write_run_marker(staging + "/" + kRunMarker); !st.ok()) {
+    std::error_code ec;
+    std::filesystem::remove_all(staging, ec);
+    s->run_dir.clear();
+    return st.with_context("swap store");
+  }
+  if (::rename(staging.c_str(), s->run_dir.c_str()) != 0) {
+    const int err = errno;
+    std::error_code ec;
+    std::filesystem::remove_all(staging, ec);
     // Ranks of one job may share a run name: the directory is then theirs.
-    bool shared = err == EEXIST && ::access((s->run_dir + "/" + kRunMarker).c_str(), F_OK) == 0;
+    const bool shared =
+        (err == EEXIST || err == ENOTEMPTY) && ::access((s->run_dir + "/" + kRunMarker).c_str(), F_OK) == 0;
     if (!shared) {
       std::string path = s->run_dir;
       s->run_dir.clear();
       return Status::from_errno(err, "creating run directory " + path + " failed");
     }
   }
-  return write_run_marker(s->run_dir + "/" + kRunMarker).with_context("swap store");
+  return {};
 }
 
 std::uint64_t SwapStore::file_bytes_for(std::size_t i, std::uint64_t space) const {

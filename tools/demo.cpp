@@ -7,6 +7,7 @@
 //   4. the directory removed (also on Ctrl-C / SIGTERM), unless --keep.
 // Sized to finish in about a minute on two CPU cores with no GPU; with a GPU
 // (--device auto, the default) the model math runs there (train/trainer.h).
+#include <signal.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -59,16 +60,53 @@ model::LlamaConfig demo_model_config() {
   return c;
 }
 
+constexpr const char* kOwnerFile = ".strata-demo-owner";  // "<pid> <host>" of the demo using the directory
+
+std::string host_name() {
+  char buf[256] = {};
+  return ::gethostname(buf, sizeof(buf) - 1) == 0 ? buf : "?";
+}
+
+// Directories of earlier demos under `parent` whose process died without
+// removing them (SIGKILL, a crash): removed, as the swap store reclaims its
+// run directories. Only this host's, only dead pids, never a --keep one
+// (those have no owner file).
+void reclaim_dead_demos(const std::string& parent) {
+  std::error_code ec;
+  for (fs::directory_iterator it(parent, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.rfind("strata-demo-", 0) != 0) continue;
+    std::FILE* f = std::fopen((it->path() / kOwnerFile).c_str(), "r");
+    if (!f) continue;
+    long pid = 0;
+    char host[256] = {};
+    const int n = std::fscanf(f, "%ld %255s", &pid, host);
+    std::fclose(f);
+    if (n != 2 || pid <= 0 || host_name() != host) continue;
+    if (::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM) continue;  // alive
+    std::error_code rec;
+    fs::remove_all(it->path(), rec);
+    if (!rec) std::printf("removed %s, left by a demo that died (pid %ld)\n", it->path().c_str(), pid);
+  }
+}
+
 class TempDir {
  public:
   explicit TempDir(bool keep) : keep_(keep) {}
   ~TempDir() { remove(); }
   Status make(const std::string& parent) {
+    reclaim_dead_demos(parent);
     std::string tmpl = parent + "/strata-demo-XXXXXX";
     std::vector<char> buf(tmpl.begin(), tmpl.end());
     buf.push_back('\0');
     if (!mkdtemp(buf.data())) return Status::from_errno(errno, "demo: cannot make a directory under " + parent);
     path_ = buf.data();
+    if (!keep_) {
+      if (std::FILE* f = std::fopen((path_ + "/" + kOwnerFile).c_str(), "w")) {
+        std::fprintf(f, "%ld %s\n", static_cast<long>(::getpid()), host_name().c_str());
+        std::fclose(f);
+      }
+    }
     return {};
   }
   void remove() {

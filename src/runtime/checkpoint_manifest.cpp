@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "common/json.h"
 #include "common/posix_file.h"
 #include "runtime/crc32c.h"
 
@@ -41,6 +42,8 @@ bool parse_hex32(const std::string& s, uint32_t* v) {
 
 // ---------------------------------------------------------------- self-checksummed JSON
 
+}  // namespace
+
 // A manifest carries the CRC32C of its own canonical form: the compact dump of
 // the object without "self_crc32c", keys sorted (nlohmann::json's std::map
 // order). Parsing and re-dumping is stable (integers exact, doubles shortest
@@ -49,6 +52,8 @@ uint32_t canonical_crc(const json& without_self) {
   const std::string text = without_self.dump();
   return crc32c(text.data(), text.size());
 }
+
+namespace {
 
 std::string with_self_crc(const ordered_json& doc) {
   json sorted = json::parse(doc.dump());
@@ -124,7 +129,8 @@ class ObjReader {
 Result<json> load_checked_json(const std::string& dir, const std::string& file, const char* format,
                                const std::string& prefix, uint32_t* self_crc) {
   const std::string path = join_path(dir, file);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in place of the file is refused below, not waited on.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) {
@@ -136,6 +142,7 @@ Result<json> load_checked_json(const std::string& dir, const std::string& file, 
   Fd guard(fd, true);
   struct stat st {};
   if (::fstat(fd, &st) != 0) return Status::from_errno(errno, prefix + ": stat of " + file);
+  if (!S_ISREG(st.st_mode)) return Status(StatusCode::kCorrupt, prefix + ": " + file + " is not a regular file");
   const uint64_t size = static_cast<uint64_t>(st.st_size);
   if (size == 0) return Status(StatusCode::kCorrupt, prefix + ": " + file + ": empty file");
   if (size > kMaxJsonBytes) {
@@ -145,11 +152,12 @@ Result<json> load_checked_json(const std::string& dir, const std::string& file, 
   std::string text(size, '\0');
   STRATA_RETURN_IF_ERROR(pread_full(fd, text.data(), size, 0, path).with_context(prefix));
   json doc;
-  try {
-    doc = json::parse(text);
-  } catch (const json::parse_error& e) {
-    return Status(StatusCode::kCorrupt, fmt::format("{}: {}: not valid JSON at byte {} of {} (truncated or damaged)",
-                                                    prefix, file, e.byte, size));
+  JsonError jerr;
+  if (!parse_json(text, &doc, &jerr)) {
+    if (jerr.kind == JsonError::kSyntax)
+      return Status(StatusCode::kCorrupt, fmt::format("{}: {}: not valid JSON at byte {} of {} (truncated or damaged)",
+                                                      prefix, file, jerr.byte, size));
+    return Status(StatusCode::kCorrupt, fmt::format("{}: {}: {}", prefix, file, jerr.message()));
   }
   const std::string where = prefix + ": " + file;
   if (!doc.is_object()) return Status(StatusCode::kCorrupt, where + ": expected a JSON object");

@@ -15,6 +15,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "runtime/checkpoint.h"
@@ -29,6 +30,9 @@ inline constexpr std::size_t kMaxNameBytes = 1024;
 
 // "0x" and 8 lower-case hex digits: how checksums are stored and named in errors.
 std::string hex32(uint32_t v);
+// The CRC32C of a manifest's or index's canonical form (the compact dump of
+// the object without "self_crc32c", keys sorted): what "self_crc32c" holds.
+uint32_t canonical_crc(const nlohmann::json& without_self);
 // "manifest.rank<R>.json".
 std::string manifest_file_name(uint32_t rank);
 

@@ -159,9 +159,18 @@ TEST_F(SwapStoreTest, RemovesRunDirectoriesOfDeadProcessesOnly) {
   mark("strata-run-dead", host, child);
   mark("strata-run-live", host, ::getpid());
   mark("strata-run-other-host", std::string(host) + "-elsewhere", child);
+  // A run killed while making its run directory (found by the crash
+  // campaign: before the marker was written): only a staging directory
+  // naming its pid remains, removed once that pid is gone; a live one stays.
+  const std::string dead_staging = ".strata-run-staging-" + std::to_string(child) + "-strata-run-x";
+  const std::string live_staging = ".strata-run-staging-" + std::to_string(::getpid()) + "-strata-run-y";
+  fs::create_directory(d + "/" + dead_staging);
+  fs::create_directory(d + "/" + live_staging);
 
   auto second = make_store({d});
   ASSERT_TRUE(second);
+  EXPECT_FALSE(fs::exists(d + "/" + dead_staging));
+  EXPECT_TRUE(fs::exists(d + "/" + live_staging));
   EXPECT_FALSE(fs::exists(d + "/strata-run-dead"));
   EXPECT_TRUE(fs::exists(d + "/strata-run-live"));
   EXPECT_TRUE(fs::exists(d + "/strata-run-other-host"));

@@ -95,4 +95,20 @@ expect_error "holds a non-finite value (nan) at element" --model "$dir/nan-model
 expect_error "steps in a row were skipped" "${common[@]}" --steps 30 --lr 1e30 --warmup 0 --schedule constant \
   --max-skipped-steps 3 --clip 0 --out "$dir/nan"
 
+# ---- a demo killed with SIGKILL: its temp dir is reclaimed by the next demo
+mkdir -p "$dir/demos"
+"$strata" demo --dir "$dir/demos" --quiet --steps 100000 >/dev/null 2>&1 &
+pid=$!
+pids+=("$pid")
+for ((i = 0; i < 600; i++)); do
+  compgen -G "$dir/demos/strata-demo-*/.strata-demo-owner" >/dev/null && break
+  sleep 0.05
+done
+kill -9 "$pid" 2>/dev/null
+wait "$pid" 2>/dev/null
+dead=$(ls "$dir/demos")
+"$strata" demo --dir "$dir/demos" --quiet --steps 20 >"$dir/demo.log" 2>&1 || fail "demo failed: $(tail -3 "$dir/demo.log")"
+[[ -z $(ls "$dir/demos") ]] || fail "the killed demo's directory $dead was not reclaimed: $(ls "$dir/demos")"
+grep -q "left by a demo that died" "$dir/demo.log" || fail "the demo did not say what it reclaimed: $(head -3 "$dir/demo.log")"
+
 cli_finish "run dir"
