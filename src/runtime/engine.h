@@ -96,6 +96,10 @@
 #include "runtime/model_spec.h"
 #include "runtime/planner.h"
 
+namespace strata::io {
+class FaultInjector;
+}
+
 namespace strata {
 
 class Tracer;
@@ -115,6 +119,9 @@ struct EngineOptions {
   // memory (the backend's budget), MemAvailable, statvfs free space.
   // Set here to override the measurement (tests): 0 keeps detection.
   PlanBudgets budgets_override;
+  // Tests: every NVMe I/O of the engine passes through this fault injector
+  // (io/fault_injection.h), so each one can be made to fail in turn.
+  std::shared_ptr<io::FaultInjector> io_faults;
 };
 
 // What the trainer gets from acquire(): one device pointer per parameter of

@@ -74,6 +74,7 @@ Status Registry::init(const EngineOptions& opts) {
   io_opts.backend = cfg.strata.io_backend == IoBackendChoice::kAuto ? "" : io_backend_name(cfg.strata.io_backend);
   io_opts.queue_depth = static_cast<unsigned>(cfg.aio.queue_depth);
   io_opts.block_bytes = cfg.aio.block_size;
+  io_opts.faults = options.io_faults;
   STRATA_ASSIGN_OR_RETURN(io, io::make_io_engine(io_opts));
   list_params_and_groups();
   return {};
