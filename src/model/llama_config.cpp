@@ -17,8 +17,9 @@ namespace {
 
 using json = nlohmann::json;
 
+// `why` may quote the file's value: clipped, so a 5 MB string is not echoed whole.
 Status key_error(const std::string& source, const std::string& key, const std::string& why) {
-  return Status(StatusCode::kInvalidArgument, fmt::format("{}: \"{}\" {}", source, key, why));
+  return Status(StatusCode::kInvalidArgument, fmt::format("{}: \"{}\" {}", source, key, clip_for_message(why, 300)));
 }
 
 std::string shape_str(const std::vector<uint64_t>& s) {

@@ -68,8 +68,10 @@ bool shape_numel(const std::vector<uint64_t>& shape, uint64_t* out) {
   return true;
 }
 
+// `what` may quote a tensor name or value from the file: clipped, so a name of
+// megabytes is not echoed whole.
 Status corrupt(const std::string& path, const std::string& what) {
-  return Status(StatusCode::kCorrupt, fmt::format("{}: {}", path, what));
+  return Status(StatusCode::kCorrupt, fmt::format("{}: {}", path, clip_for_message(what, 1000)));
 }
 
 Status pread_full(int fd, void* buf, uint64_t len, uint64_t off, const std::string& path) {

@@ -196,6 +196,11 @@ TEST(LlamaConfig, HostileConfigsAreRefused) {
   std::string deep = R"({"hidden_size":64,"num_hidden_layers":2,)" + rest + R"(,"x":)";
   for (int i = 0; i < 100000; ++i) deep += "[";
   expect_error(parse_llama_config(deep), "nested deeper than 64 levels");
+  // A 5 MB value is not echoed whole.
+  auto big = parse_llama_config(R"({"hidden_size":64,"num_hidden_layers":2,"torch_dtype":")" +
+                                std::string(5 << 20, 'k') + "\"," + rest + "}");
+  expect_error(big, "\"torch_dtype\" is");
+  EXPECT_LT(big.status().message().size(), 1000u);
 }
 
 }  // namespace
