@@ -255,13 +255,20 @@ Result<std::string> select_checkpoint(const std::string& from) {
     return Status(StatusCode::kNotFound, "resume: " + from + " is neither a checkpoint nor a directory holding "
                                          "checkpoint-<step> directories");
   std::vector<std::string> others;
+  Status damaged;  // the newest checkpoint's, when its index or manifest is damaged
   for (auto it = cks.rbegin(); it != cks.rend(); ++it) {
     if (run.empty()) return it->path;  // a run made before run ids: the newest
     auto id = checkpoint_run_id(it->path);
     if (!id.ok()) {
       if (id.status().code() == StatusCode::kNotFound) continue;  // an uncommitted directory
-      return id.status().with_context("resume: reading " + it->path);
+      if (id.status().code() != StatusCode::kCorrupt) return id.status().with_context("resume: reading " + it->path);
+      if (damaged.ok()) damaged = id.status();
+      continue;
     }
+    if (*id == run && !damaged.ok() && CheckpointReader::open(it->path).ok())
+      return Status(damaged.code(), fmt::format("resume: the newest checkpoint is damaged ({}); {} is intact: "
+                                                "resume from it with --resume {}",
+                                                damaged.message(), it->path, it->path));
     if (*id == run) {
       if (!others.empty())
         log_warn("resume: skipped {} (another run's checkpoints in {})", fmt::join(others, ", "), from);

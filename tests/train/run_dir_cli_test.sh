@@ -51,6 +51,15 @@ grep -q "skipped checkpoint-8" "$dir/last.log" || fail "resume did not say it sk
 expect_error "the checkpoint belongs to run $id_a" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/a" \
   --resume "$dir/a/checkpoint-8"
 
+# ---- a damaged newest checkpoint: the error names the older one that is intact
+run --steps 8 --save-every 4 --keep 0 --lr 1e-3 --out "$dir/dmg" || fail "run dmg failed: $(cat "$dir/last.log")"
+victim=$(find "$dir/dmg/checkpoint-8" -type f ! -name '*.json' | head -n 1)
+printf 'XXXX' | dd of="$victim" bs=1 seek=16 conv=notrunc status=none
+expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+echo garbage >"$dir/dmg/checkpoint-8/manifest.rank0.json"
+expect_error "the newest checkpoint is damaged" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+
 # ---- two jobs, one out dir: the second fails at once, naming the first.
 "$strata" finetune "${common[@]}" --steps 100000 --out "$dir/busy" >"$dir/busy.log" 2>&1 &
 pid=$!
