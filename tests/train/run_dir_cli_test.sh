@@ -116,7 +116,11 @@ done
 kill -9 "$pid" 2>/dev/null
 wait "$pid" 2>/dev/null
 dead=$(ls "$dir/demos")
-"$strata" demo --dir "$dir/demos" --quiet --steps 20 >"$dir/demo.log" 2>&1 || fail "demo failed: $(tail -3 "$dir/demo.log")"
+# One step (kept short for the sanitizer builds): the demo then reports that
+# the loss did not fall (exit 2); what matters here is what it reclaimed.
+"$strata" demo --dir "$dir/demos" --quiet --steps 1 >"$dir/demo.log" 2>&1
+rc=$?
+((rc == 0 || rc == 2)) || fail "demo exited $rc: $(tail -3 "$dir/demo.log")"
 [[ -z $(ls "$dir/demos") ]] || fail "the killed demo's directory $dead was not reclaimed: $(ls "$dir/demos")"
 grep -q "left by a demo that died" "$dir/demo.log" || fail "the demo did not say what it reclaimed: $(head -3 "$dir/demo.log")"
 
