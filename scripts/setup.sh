@@ -9,8 +9,10 @@ PKGS=(
   liburing-dev libaio-dev libtbb-dev libeigen3-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
-  fio clang
+  fio clang libclang-rt-14-dev
 )
+# clang with libclang-rt-14-dev (libFuzzer's runtime: only recommended by clang,
+# and this script installs without recommends) builds the fuzz targets.
 # Optional extras (CI sets STRATA_SETUP_EXTRAS=1):
 #  - g++-aarch64-linux-gnu + qemu-user: the NEON optimizer kernel is not only
 #    compiled but run against the scalar one under qemu;
