@@ -1,6 +1,7 @@
 #include "model/llama_config.h"
 
 #include <fmt/format.h>
+#include <sys/stat.h>
 
 #include <cmath>
 #include <fstream>
@@ -204,6 +205,10 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
 }
 
 Result<LlamaConfig> load_llama_config(const std::string& path, bool allow_rope_scaling) {
+  // A FIFO or device would block the read (or never end): refused.
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode))
+    return Status(StatusCode::kInvalidArgument, path + " is not a regular file");
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::from_errno(errno, "open of " + path + " failed");
   std::ostringstream ss;

@@ -382,7 +382,8 @@ Result<SafetensorsHeader> parse_safetensors_file_bytes(std::string_view bytes, c
 }
 
 Result<SafetensorsHeader> read_safetensors_header(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO in place of the file is refused below, not waited on.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Status::from_errno(errno, "open of " + path + " failed");
   struct Closer {
     int fd;
@@ -635,8 +636,12 @@ Status SafetensorsWriter::finish() {
 // ------------------------------------------------------------------ sharded
 
 Result<SafetensorsIndex> read_safetensors_index(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Status::from_errno(errno, "open of " + path + " failed");
+  if (struct stat st {}; ::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status(StatusCode::kInvalidArgument, path + " is not a regular file");
+  }
   std::string text;
   char buf[65536];
   for (;;) {

@@ -729,6 +729,9 @@ Result<Config> load_config_file(const std::string& path, ConfigNotes* notes) {
   }
   if (S_ISDIR(sb.st_mode))
     return Status(StatusCode::kInvalidArgument, fmt::format("config file {} is a directory", path));
+  // A FIFO or device would block the read (or never end): refused.
+  if (!S_ISREG(sb.st_mode))
+    return Status(StatusCode::kInvalidArgument, fmt::format("config file {} is not a regular file", path));
   std::ifstream in(path, std::ios::binary);
   if (!in) return Status::from_errno(errno, fmt::format("cannot open config file {}", path));
   std::ostringstream ss;

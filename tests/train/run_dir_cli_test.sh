@@ -100,6 +100,16 @@ printf '\x00\x00\xc0\x7f' | dd of="$dir/nan-model/model.safetensors" bs=1 seek=$
 expect_error "holds a non-finite value (nan) at element" --model "$dir/nan-model" --data "$dir/data.txt" --seq 32 \
   --batch 4 --out "$dir/o-nan"
 
+# ---- FIFOs where files belong: refused at once, never waited on
+mkdir -p "$dir/fifo-model" "$dir/fifo-weights"
+mkfifo "$dir/fifo-model/config.json" "$dir/fifo.json"
+cp "$dir/model/model.safetensors" "$dir/fifo-model/"
+cp "$dir/model/config.json" "$dir/fifo-weights/"
+mkfifo "$dir/fifo-weights/model.safetensors"
+expect_error "config.json is not a regular file" --model "$dir/fifo-model" --data "$dir/data.txt" --out "$dir/o-fifo"
+expect_error "model.safetensors is not a regular file" --model "$dir/fifo-weights" --data "$dir/data.txt" --out "$dir/o-fifo"
+expect_error "config file $dir/fifo.json is not a regular file" "${common[@]}" --config "$dir/fifo.json" --out "$dir/o-fifo"
+
 # ---- every step skipped: an error naming why, not a NaN model and exit 0
 expect_error "steps in a row were skipped" "${common[@]}" --steps 30 --lr 1e30 --warmup 0 --schedule constant \
   --max-skipped-steps 3 --clip 0 --out "$dir/nan"
