@@ -65,6 +65,7 @@ std::uint64_t align_up(std::uint64_t v, std::uint64_t a) {
 struct Pending {
   std::shared_ptr<detail::RequestState> state;
   IoCallback callback;
+  IoCheck check;
   std::vector<IoRequest> parts;
   std::size_t part = 0;      // next part to issue pieces from
   std::uint64_t cursor = 0;  // bytes of parts[part] already issued
@@ -181,9 +182,14 @@ class IoEngineImpl final : public IoEngine {
   }
 
   IoHandle submit_group(std::span<const IoRequest> requests, IoCallback callback) override {
+    return submit_checked(requests, {}, std::move(callback));
+  }
+
+  IoHandle submit_checked(std::span<const IoRequest> requests, IoCheck check, IoCallback callback) override {
     auto p = std::make_unique<Pending>();
     p->state = std::make_shared<detail::RequestState>();
     p->callback = std::move(callback);
+    p->check = std::move(check);
     p->parts.reserve(requests.size());
     for (const IoRequest& r : requests) {
       if (!r.file || (!r.buffer && r.length > 0)) {
@@ -522,6 +528,13 @@ class IoEngineImpl final : public IoEngine {
   }
 
   void complete(Pending* r) {
+    if (r->error.ok() && r->check) {
+      try {
+        r->error = r->check();
+      } catch (const std::exception& e) {
+        r->error = Status(StatusCode::kInternal, std::string("an I/O check threw: ") + e.what());
+      }
+    }
     if (r->callback) {
       try {
         r->callback(r->error);

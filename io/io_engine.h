@@ -138,6 +138,10 @@ struct IoRequest {
 
 // Called once, on the I/O thread, when a request (or group) completes.
 using IoCallback = std::function<void(const Status&)>;
+// Runs on the I/O thread once every byte of a request moved, before its
+// callback; an error it returns becomes the request's status (handle and
+// callback). The swap store verifies block checksums of what was read with it.
+using IoCheck = std::function<Status()>;
 
 namespace detail {
 struct RequestState;
@@ -198,6 +202,8 @@ class IoEngine {
   // no further pieces of the group are issued; pieces already in flight
   // finish before the group completes (the same holds for one request).
   virtual IoHandle submit_group(std::span<const IoRequest> requests, IoCallback callback = {}) = 0;
+  // The same with a check run when every byte moved (see IoCheck).
+  virtual IoHandle submit_checked(std::span<const IoRequest> requests, IoCheck check, IoCallback callback = {}) = 0;
   // A request that completes with `status` (not ok) through the same path as
   // real ones (callback on the I/O thread); for layers above that find an
   // error before any I/O.

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "common/crc32c.h"
 #include "common/log.h"
 #include "common/units.h"
 
@@ -132,6 +133,10 @@ Result<std::unique_ptr<SwapStore>> SwapStore::create(IoEngine& engine, const Swa
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("swap store: stripe size {} is not a positive multiple of 4096", options.stripe_bytes));
   if (options.rank < 0) return Status(StatusCode::kInvalidArgument, "swap store: negative rank");
+  const std::uint64_t cb = options.checksum_block;
+  if (cb != 0 && (cb < 4096 || (cb & (cb - 1)) != 0))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("swap store: checksum block {} is not a power of two of at least 4096 bytes", cb));
   SwapStoreOptions o = options;
   if (o.run_name.empty()) o.run_name = default_run_name();
   if (o.run_name.find('/') != std::string::npos || o.run_name == "." || o.run_name == "..")
@@ -284,13 +289,90 @@ Result<SwapTensor> SwapStore::add_tensor(std::string_view name, std::uint64_t by
     if (!st.ok()) return st.with_context(fmt::format("swap store: adding tensor '{}' of {} bytes", name, bytes));
     s.size = need;
   }
+  TensorInfo info;
+  info.name = name;
+  if (const std::uint64_t b = options_.checksum_block; b != 0) {
+    // Unwritten blocks read as the zeros preallocation leaves.
+    info.blocks = (bytes + b - 1) / b;
+    try {
+      info.crcs = std::make_unique<std::uint32_t[]>(info.blocks);
+    } catch (const std::bad_alloc&) {
+      return Status(StatusCode::kOutOfMemory,
+                    fmt::format("swap store: no memory for the {} checksums of tensor '{}'", info.blocks, name));
+    }
+    const std::vector<char> zeros(b, 0);
+    const std::uint32_t zero_crc = crc32c(zeros.data(), b);
+    std::fill_n(info.crcs.get(), info.blocks, zero_crc);
+    if (bytes % b != 0) info.crcs[info.blocks - 1] = crc32c(zeros.data(), bytes % b);
+  }
   end_ = new_end;
   SwapTensor t;
   t.id = next_id_++;
   t.base = base;
   t.bytes = bytes;
-  names_.emplace_back(name);
+  tensors_.push_back(std::move(info));
   return t;
+}
+
+std::uint32_t* SwapStore::crcs_of(const SwapTensor& t) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return t.id < tensors_.size() ? tensors_[t.id].crcs.get() : nullptr;
+}
+
+std::uint64_t SwapStore::block_count(const SwapTensor& t) const {
+  const std::uint64_t b = options_.checksum_block;
+  return b == 0 ? 0 : (t.bytes + b - 1) / b;
+}
+
+std::uint64_t SwapStore::checksum_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::uint64_t n = 0;
+  for (const TensorInfo& i : tensors_) n += i.blocks * sizeof(std::uint32_t);
+  return n;
+}
+
+std::string SwapStore::place_of(std::uint64_t v) const {
+  const std::uint64_t stripe = options_.stripe_bytes;
+  const std::uint64_t n = stripes_.size();
+  const std::uint64_t chunk = v / stripe;
+  return fmt::format("{} offset {}", stripes_[chunk % n].path, chunk / n * stripe + v % stripe);
+}
+
+Status SwapStore::mismatch(const SwapTensor& t, std::uint64_t block, std::uint32_t found, std::uint32_t expected,
+                           const char* what) const {
+  const std::uint64_t b = options_.checksum_block;
+  const std::uint64_t begin = block * b, end = std::min(t.bytes, begin + b);
+  std::string name;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (t.id < tensors_.size()) name = tensors_[t.id].name;
+  }
+  return Status(StatusCode::kCorrupt,
+                fmt::format("swap store: {} bytes [{}, {}) of tensor '{}' ({}): CRC32C 0x{:08x}, but Strata wrote "
+                            "bytes with CRC32C 0x{:08x}; the swap file changed after it was written (a failing "
+                            "disk, or another process writing to it)",
+                            what, begin, end, name, place_of(t.base + begin), found, expected));
+}
+
+Status SwapStore::verify_checksums(const SwapTensor& t, std::span<const std::uint32_t> crcs) const {
+  const std::uint32_t* table = crcs_of(t);
+  if (!table || crcs.size() != block_count(t))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("swap store: verify_checksums with {} checksums for tensor {} ({} blocks{})", crcs.size(),
+                              t.id, block_count(t), table ? "" : ", checksums off"));
+  for (std::size_t i = 0; i < crcs.size(); ++i)
+    if (crcs[i] != table[i]) return mismatch(t, i, crcs[i], table[i], "copying");
+  return {};
+}
+
+Status SwapStore::set_checksums(const SwapTensor& t, std::span<const std::uint32_t> crcs) {
+  std::uint32_t* table = crcs_of(t);
+  if (!table || crcs.size() != block_count(t))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("swap store: set_checksums with {} checksums for tensor {} ({} blocks{})", crcs.size(),
+                              t.id, block_count(t), table ? "" : ", checksums off"));
+  std::copy(crcs.begin(), crcs.end(), table);
+  return {};
 }
 
 std::uint64_t SwapStore::reserved_bytes() const {
@@ -306,6 +388,22 @@ IoHandle SwapStore::transfer(IoOpKind op, const SwapTensor& t, std::uint64_t off
                fmt::format("swap store: {} of {} bytes at offset {} is outside tensor {} ({} bytes)", io_op_name(op),
                            length, offset, t.id, t.bytes)),
         std::move(callback));
+  }
+  std::uint32_t* table = nullptr;
+  if (const std::uint64_t b = options_.checksum_block; b != 0 && length > 0) {
+    table = crcs_of(t);
+    if (offset % b != 0 || (length % b != 0 && offset + length != t.bytes) || !table) {
+      return engine_.submit_failed(
+          Status(StatusCode::kInvalidArgument,
+                 fmt::format("swap store: {} of {} bytes at offset {} in tensor {} does not cover whole {}-byte "
+                             "checksum blocks",
+                             io_op_name(op), length, offset, t.id, b)),
+          std::move(callback));
+    }
+    // The table says what Strata last meant the disk to hold, from the moment
+    // the write is submitted: a write that fails leaves blocks that no longer
+    // match, so a later read of them fails instead of returning stale bytes.
+    if (op == IoOpKind::kWrite) crc32c_blocks(buffer, length, b, table + offset / b);
   }
   const std::uint64_t stripe = options_.stripe_bytes;
   const std::uint64_t n = stripes_.size();
@@ -333,7 +431,25 @@ IoHandle SwapStore::transfer(IoOpKind op, const SwapTensor& t, std::uint64_t off
   // I/O thread after close() has seen zero and the store is gone.
   inflight_->fetch_add(1);
   auto counter = inflight_;
-  return engine_.submit_group(parts, [counter, cb = std::move(callback)](const Status& st) {
+  IoCheck check;
+  if (table && op == IoOpKind::kRead) {
+    check = [this, t, offset, length, buffer, table]() -> Status {
+      const std::uint64_t b = options_.checksum_block;
+      const char* p = static_cast<const char*>(buffer);
+      std::uint32_t got[48];  // a multiple of 3: crc32c_blocks runs three blocks at once
+      for (std::uint64_t done = 0; done < length;) {
+        const std::uint64_t n = std::min<std::uint64_t>(length - done, b * 48);
+        crc32c_blocks(p + done, n, b, got);
+        for (std::uint64_t i = 0; i < (n + b - 1) / b; ++i) {
+          const std::uint64_t block = (offset + done) / b + i;
+          if (got[i] != table[block]) return mismatch(t, block, got[i], table[block], "reading");
+        }
+        done += n;
+      }
+      return {};
+    };
+  }
+  return engine_.submit_checked(parts, std::move(check), [counter, cb = std::move(callback)](const Status& st) {
     if (cb) cb(st);
     if (counter->fetch_sub(1) == 1) counter->notify_all();
   });

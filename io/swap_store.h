@@ -18,6 +18,21 @@
 // destructor) remove the run directories and their files; D and its marker
 // stay for the next run.
 //
+// Checksums. With checksum_block = B (a power of two, 4096 or more), the
+// store keeps the CRC32C of every B-byte block of every tensor (the last
+// block of a tensor may be shorter) in host memory, 4 bytes per block:
+// write() computes them from the buffer as it submits, read() verifies them
+// on the I/O thread before the request completes, so bytes that changed on
+// disk after Strata wrote them (a failing SSD, a stray writer, a torn write)
+// fail the read that meets them with kCorrupt naming the tensor, the file
+// and the offset, and are never used or checkpointed. Blocks never written
+// hold the zeros preallocation gives them. With checksums on, every read
+// and write must start on a block boundary and end on one or at the
+// tensor's end (kInvalidArgument otherwise: a partial block cannot be
+// verified or re-checksummed). Byte-for-byte copies that bypass read/write
+// (checkpoints, through file_ranges) use block_checksums/verify_checksums/
+// set_checksums.
+//
 // Thread-safety: add_tensor, read and write may be called from any thread.
 // read/write are asynchronous (see IoEngine); the engine must outlive the
 // store, and the store must outlive its requests (close() waits for them).
@@ -25,7 +40,9 @@
 
 #include <atomic>
 #include <cstdint>
+#include <deque>
 #include <memory>
+#include <span>
 #include <mutex>
 #include <string>
 #include <string_view>
@@ -42,6 +59,7 @@ struct SwapStoreOptions {
   int rank = 0;                             // goes into file names
   std::string run_name;                     // "" = "strata-run-<pid>-<n>"; the same on all ranks of a job is fine
   bool reuse_nonempty_dirs = false;         // accept a non-empty directory Strata did not create
+  std::uint64_t checksum_block = 0;         // 0: no checksums; else a power of two >= 4096 (see above)
 };
 
 // One piece of a tensor's bytes in one stripe file (see file_ranges()).
@@ -94,6 +112,22 @@ class SwapStore {
   Result<std::vector<SwapFileRange>> file_ranges(const SwapTensor& t, std::uint64_t offset,
                                                  std::uint64_t length) const;
 
+  // Checksums (see the header comment); all need checksum_block != 0.
+  std::uint64_t checksum_block() const { return options_.checksum_block; }
+  // Number of blocks of tensor `t` (ceil(bytes / checksum_block)).
+  std::uint64_t block_count(const SwapTensor& t) const;
+  // kCorrupt naming the first block whose CRC differs from crcs[i] (the
+  // CRCs of the tensor's bytes from offset 0, as crc32c_blocks computes
+  // them), with the tensor, file and offset; kInvalidArgument if crcs does
+  // not have block_count(t) entries.
+  Status verify_checksums(const SwapTensor& t, std::span<const std::uint32_t> crcs) const;
+  // Records crcs as the tensor's block checksums (after the caller put those
+  // bytes into the files itself, e.g. a checkpoint load). Not concurrent with
+  // read/write of the same tensor.
+  Status set_checksums(const SwapTensor& t, std::span<const std::uint32_t> crcs);
+  // Host memory the checksums take.
+  std::uint64_t checksum_bytes() const;
+
   // Waits for this store's requests, then removes its files and run
   // directories.
   // Idempotent. Errors: the first removal failure (kIoError).
@@ -117,6 +151,12 @@ class SwapStore {
   std::uint64_t file_bytes_for(std::size_t i, std::uint64_t space) const;
   IoHandle transfer(IoOpKind op, const SwapTensor& t, std::uint64_t offset, std::uint64_t length, void* buffer,
                     IoCallback callback);
+  // The tensor's CRC table (null without checksums or for an unknown id).
+  std::uint32_t* crcs_of(const SwapTensor& t) const;
+  // Where virtual byte v lies: "<file> offset <o>".
+  std::string place_of(std::uint64_t v) const;
+  Status mismatch(const SwapTensor& t, std::uint64_t block, std::uint32_t found, std::uint32_t expected,
+                  const char* what) const;
 
   IoEngine& engine_;
   SwapStoreOptions options_;
@@ -124,7 +164,12 @@ class SwapStore {
   mutable std::mutex mu_;
   std::uint64_t end_ = 0;  // end of the striped space in use
   std::uint32_t next_id_ = 0;
-  std::vector<std::string> names_;
+  struct TensorInfo {
+    std::string name;
+    std::unique_ptr<std::uint32_t[]> crcs;  // checksum_block != 0: one per block
+    std::uint64_t blocks = 0;
+  };
+  std::deque<TensorInfo> tensors_;  // by id; elements never move (deque)
   bool closed_ = false;
   std::shared_ptr<std::atomic<std::size_t>> inflight_ = std::make_shared<std::atomic<std::size_t>>(0);
 };

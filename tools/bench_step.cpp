@@ -13,7 +13,10 @@
 //          RAM (a ring as large as the step's), alone;
 //   write  the NVMe write of everything the step writes (master, m, v, bf16
 //          copy), alone;
-//   step   the full pipelined step (runtime/nvme_optimizer), wall time.
+//   step   the full pipelined step (runtime/nvme_optimizer), wall time, with
+//          the swap store's block checksums off and on (--checksums both,
+//          the default: two copies of the state, each step run on both in
+//          every rep); the parts run on the copy without checksums.
 //   rw     the step's reads and writes issued at once, no update: the I/O
 //          ceiling of the step on this device (on a disk whose reads and writes
 //          share one bandwidth, it is about read + write, not max(read, write));
@@ -38,6 +41,7 @@
 
 #include "bench_util.h"
 #include "commands.h"
+#include "common/crc32c.h"
 #include "common/units.h"
 #include "cpu_optim/optimizer.h"
 #include "io/io_engine.h"
@@ -63,6 +67,8 @@ struct BenchStepOptions {
   int reps = 3;
   int threads = 0;
   std::string trace;
+  std::string checksums = "both";  // off | on | both
+  std::string checksum_block = "64KiB";
   bool json = false;
 };
 
@@ -200,20 +206,41 @@ void fill(io::SwapStore& store, const io::SwapTensor& t, std::uint64_t bytes, co
 }
 
 struct Figures {
-  std::vector<double> read, optim, write, rw, step;
+  std::vector<double> read, optim, write, rw;
+  std::vector<double> step[2];  // without, with block checksums
   std::size_t chunk_elems = 0;  // as rounded by the optimizer
 };
 
+// One copy of the step's state: a store (checksums on or off), its tensors
+// and an optimizer over them.
+struct StateCopy {
+  bool checksums = false;
+  std::unique_ptr<io::SwapStore> store;
+  std::vector<Tensors> ts;
+  std::vector<std::string> names;
+  std::vector<OptimizerTensor> ots;
+  std::unique_ptr<NvmeOptimizer> opt;
+};
+
 Status run(const BenchStepOptions& o, std::uint64_t params, std::uint64_t chunk, std::uint64_t tensor_elems,
-           std::uint64_t block, DType sdt, const std::string& run_dir, Figures* f) {
+           std::uint64_t block, DType sdt, std::uint64_t checksum_block, const std::string& run_dir, Figures* f) {
   io::IoEngineOptions eo;
   eo.backend = o.backend;
   eo.queue_depth = o.qd;
   eo.block_bytes = block;
   STRATA_ASSIGN_OR_RETURN(auto engine, io::make_io_engine(eo));
-  io::SwapStoreOptions so;
-  so.dirs = {run_dir};
-  STRATA_ASSIGN_OR_RETURN(auto store, io::SwapStore::create(*engine, so));
+  std::unique_ptr<io::PinnedPool> pool;  // outlives the copies' optimizers (their rings)
+  std::vector<StateCopy> copies;
+  for (bool on : {false, true}) {
+    if ((on && o.checksums == "off") || (!on && o.checksums == "on")) continue;
+    StateCopy c;
+    c.checksums = on;
+    io::SwapStoreOptions so;
+    so.dirs = {run_dir + (on ? "/checked" : "/plain")};
+    so.checksum_block = on ? checksum_block : 0;
+    STRATA_ASSIGN_OR_RETURN(c.store, io::SwapStore::create(*engine, so));
+    copies.push_back(std::move(c));
+  }
   Status st = [&]() -> Status {
     const std::size_t ss = dtype_size(sdt);
     const std::size_t rounded = (chunk + 2047) / 2048 * 2048;  // as the optimizer rounds it
@@ -223,9 +250,9 @@ Status run(const BenchStepOptions& o, std::uint64_t params, std::uint64_t chunk,
     // The optimizer's ring, the parts' two rings, the fill patterns, and one
     // slab of slack for what the slabs' rounding leaves unused.
     po.slab_bytes = std::max<std::size_t>(slot, 64ull << 20);
-    po.budget_bytes = 3 * o.buffers * slot + 2 * pattern_bytes + po.slab_bytes + (16ull << 20);
+    po.budget_bytes = (2 + copies.size()) * o.buffers * slot + 2 * pattern_bytes + po.slab_bytes + (16ull << 20);
     po.registrars = {engine->buffer_registrar()};
-    STRATA_ASSIGN_OR_RETURN(auto pool, io::PinnedPool::create(po));
+    STRATA_ASSIGN_OR_RETURN(pool, io::PinnedPool::create(po));
 
     std::unique_ptr<Tracer> tracer;
     if (!o.trace.empty()) {
@@ -239,12 +266,22 @@ Status run(const BenchStepOptions& o, std::uint64_t params, std::uint64_t chunk,
     no.state_dtype = sdt;
     no.exec.threads = o.threads;
     no.tracer = tracer.get();
-    STRATA_ASSIGN_OR_RETURN(auto opt, NvmeOptimizer::create(store.get(), *pool, cfg, no));
-
-    // Untimed setup: the state on disk.
-    std::vector<Tensors> ts;
-    std::vector<OptimizerTensor> ots;
-    std::vector<std::string> names;
+    // Untimed setup: the state on disk, once per copy.
+    STRATA_ASSIGN_OR_RETURN(auto random, pool->allocate(pattern_bytes));
+    STRATA_ASSIGN_OR_RETURN(auto zeros, pool->allocate(pattern_bytes));
+    std::memset(zeros.data(), 0, pattern_bytes);
+    {
+      std::mt19937 rng(1);
+      std::normal_distribution<float> d(0.f, 0.02f);
+      auto* r = random.as<float>();
+      for (std::size_t i = 0; i < pattern_bytes / 4; ++i) r[i] = d(rng);
+    }
+    for (StateCopy& c : copies) {
+    STRATA_ASSIGN_OR_RETURN(c.opt, NvmeOptimizer::create(c.store.get(), *pool, cfg, no));
+    io::SwapStore* store = c.store.get();
+    std::vector<Tensors>& ts = c.ts;
+    std::vector<OptimizerTensor>& ots = c.ots;
+    std::vector<std::string>& names = c.names;
     for (std::uint64_t done = 0; done < params; done += tensor_elems) {
       Tensors t;
       t.count = std::min(tensor_elems, params - done);
@@ -269,13 +306,6 @@ Status run(const BenchStepOptions& o, std::uint64_t params, std::uint64_t chunk,
       ots.push_back(ot);
     }
     {
-      STRATA_ASSIGN_OR_RETURN(auto random, pool->allocate(pattern_bytes));
-      STRATA_ASSIGN_OR_RETURN(auto zeros, pool->allocate(pattern_bytes));
-      std::memset(zeros.data(), 0, pattern_bytes);
-      std::mt19937 rng(1);
-      std::normal_distribution<float> d(0.f, 0.02f);
-      auto* r = random.as<float>();
-      for (std::size_t i = 0; i < pattern_bytes / 4; ++i) r[i] = d(rng);
       std::vector<io::IoHandle> hs;
       for (const auto& t : ts) {
         fill(*store, t.master, t.count * 4, random, &hs);
@@ -291,16 +321,19 @@ Status run(const BenchStepOptions& o, std::uint64_t params, std::uint64_t chunk,
       }
       for (auto& h : hs) STRATA_RETURN_IF_ERROR(h.wait());
     }
-    f->chunk_elems = opt->chunk_elems();
-    Parts parts(*store, ts, opt->chunk_elems(), o.buffers, sdt);
+    }
+    const StateCopy& first = copies.front();
+    f->chunk_elems = first.opt->chunk_elems();
+    Parts parts(*first.store, first.ts, first.opt->chunk_elems(), o.buffers, sdt);
     STRATA_RETURN_IF_ERROR(parts.allocate(*pool));
     ::sync();
     if (!o.json)
       std::printf("%s params in %zu tensors, %s states on NVMe, chunk %s elements, %u buffers (%s pinned), qd %u, "
-                  "block %s, %s backend\n",
-                  o.params.c_str(), ts.size(), dtype_name(sdt), o.chunk.c_str(), o.buffers,
-                  format_bytes(opt->ring_bytes()).c_str(), o.qd, format_bytes(block).c_str(),
-                  engine->backend_name());
+                  "block %s, %s backend, block checksums %s (%s blocks, CRC32C %s)\n",
+                  o.params.c_str(), first.ts.size(), dtype_name(sdt), o.chunk.c_str(), o.buffers,
+                  format_bytes(first.opt->ring_bytes()).c_str(), o.qd, format_bytes(block).c_str(),
+                  engine->backend_name(), o.checksums.c_str(), format_bytes(checksum_block).c_str(),
+                  crc32c_impl_name());
     cpu_optim::ExecOptions ex;
     ex.threads = o.threads;
     for (int rep = 0; rep < o.reps; ++rep) {
@@ -308,22 +341,38 @@ Status run(const BenchStepOptions& o, std::uint64_t params, std::uint64_t chunk,
       STRATA_ASSIGN_OR_RETURN(double os, parts.optimize(cfg, rep + 1, ex));
       STRATA_ASSIGN_OR_RETURN(double ws, parts.stream(io::IoOpKind::kWrite));
       STRATA_ASSIGN_OR_RETURN(double rws, parts.both());
-      auto t0 = std::chrono::steady_clock::now();
-      STRATA_RETURN_IF_ERROR(opt->step(cfg, rep + 1, ots));
-      const double step_s = seconds_since(t0);
+      double step_s[2] = {0, 0};
+      // Alternate which copy goes first, so neither always meets a cooler disk.
+      for (std::size_t k = 0; k < copies.size(); ++k) {
+        StateCopy& c = copies[(k + rep) % copies.size()];
+        auto t0 = std::chrono::steady_clock::now();
+        STRATA_RETURN_IF_ERROR(c.opt->step(cfg, rep + 1, c.ots));
+        step_s[c.checksums] = seconds_since(t0);
+        f->step[c.checksums].push_back(step_s[c.checksums]);
+      }
       f->read.push_back(rs), f->optim.push_back(os), f->write.push_back(ws), f->rw.push_back(rws);
-      f->step.push_back(step_s);
-      if (!o.json)
+      const double main_step = step_s[copies.front().checksums];
+      if (!o.json) {
         std::printf("  rep %d: read %.3f s  optim %.3f s  write %.3f s  read+write at once %.3f s  step %.3f s  "
-                    "efficiency %.3f\n",
-                    rep + 1, rs, os, ws, rws, step_s, std::max({rs, os, ws}) / step_s);
+                    "efficiency %.3f",
+                    rep + 1, rs, os, ws, rws, main_step, std::max({rs, os, ws}) / main_step);
+        if (copies.size() == 2) std::printf("  step with checksums %.3f s (x%.3f)", step_s[1], step_s[1] / step_s[0]);
+        std::printf("\n");
+      }
       std::fflush(stdout);
     }
     if (tracer) STRATA_RETURN_IF_ERROR(tracer->close());
     return {};
   }();
-  Status cs = store->close();
-  if (st.ok() && !cs.ok()) return cs;
+  for (StateCopy& c : copies) {
+    c.opt.reset();
+    Status cs = c.store->close();
+    if (st.ok() && !cs.ok()) st = cs;
+  }
+  for (const char* sub : {"/plain", "/checked"}) {
+    ::unlink((run_dir + sub + "/.strata-scratch").c_str());
+    ::rmdir((run_dir + sub).c_str());
+  }
   return st;
 }
 
@@ -355,26 +404,35 @@ void run_bench_step(const BenchStepOptions& o) {
   if (o.reps < 1 || o.reps > 100) return fail(1, fmt::format("--reps {}: expected 1..100", o.reps));
   if (o.backend != "auto" && o.backend != "uring" && o.backend != "aio" && o.backend != "posix")
     return fail(1, "--backend " + o.backend + ": expected auto, uring, aio or posix");
+  if (o.checksums != "off" && o.checksums != "on" && o.checksums != "both")
+    return fail(1, "--checksums " + o.checksums + ": expected off, on or both");
+  auto cblock = parse_bytes(o.checksum_block);
+  if (!cblock.ok() || *cblock < 4096 || (*cblock & (*cblock - 1)) != 0)
+    return fail(1, "--checksum-block " + o.checksum_block + ": a power of two of at least 4 KiB");
+  const std::uint64_t copies = o.checksums == "both" ? 2 : 1;
   const std::size_t ss = dtype_size(*sdt);
   const std::uint64_t disk = *params * (4 + 2 * ss + 4 + 2);
   struct statvfs vfs {};
   if (::statvfs(o.dir.c_str(), &vfs) == 0 &&
-      static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize < disk + (512ull << 20))
+      static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize < copies * disk + (512ull << 20))
     return fail(1, fmt::format("{} has {} free; {} params with {} states need {} on disk", o.dir,
                                format_bytes(static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize), o.params,
-                               o.states_dtype, format_bytes(disk)));
+                               o.states_dtype, format_bytes(copies * disk)));
 
   // A directory of our own under --dir (the swap store refuses a non-empty
   // directory it did not create), removed at the end whatever happens.
   const std::string run_dir = fmt::format("{}/strata-bench-step-{}", o.dir, ::getpid());
   Figures f;
-  Status st = run(o, *params, *chunk, *tensor, *block, *sdt, run_dir, &f);
+  Status st = run(o, *params, *chunk, *tensor, *block, *sdt, *cblock, run_dir, &f);
   ::unlink((run_dir + "/.strata-scratch").c_str());
   ::rmdir(run_dir.c_str());
   if (!st.ok()) return fail(st.code() == StatusCode::kInternal ? 2 : 1, st.to_string());
 
+  const bool off = o.checksums != "on";
   const double r = median(f.read), op = median(f.optim), w = median(f.write), rw = median(f.rw),
-               d = median(f.step);
+               d = median(f.step[off ? 0 : 1]);
+  const bool both = o.checksums == "both";
+  const double d_on = both ? median(f.step[1]) : 0;
   const double eff = std::max({r, op, w}) / d, io_eff = std::max(rw, op) / d;
   const std::uint64_t rbytes = *params * (4 + 2 * ss + 4), wbytes = *params * (4 + 2 * ss + 2);
   if (o.json) {
@@ -394,8 +452,18 @@ void run_bench_step(const BenchStepOptions& o) {
     j["efficiency"] = eff;
     j["rw_s"] = rw;
     j["io_efficiency"] = io_eff;
-    j["samples"] = {
-        {"wall_s", f.step}, {"read_s", f.read}, {"optim_s", f.optim}, {"write_s", f.write}, {"rw_s", f.rw}};
+    j["checksums"] = o.checksums;
+    j["checksum_block"] = *cblock;
+    j["samples"] = {{"wall_s", f.step[off ? 0 : 1]},
+                    {"read_s", f.read},
+                    {"optim_s", f.optim},
+                    {"write_s", f.write},
+                    {"rw_s", f.rw}};
+    if (both) {
+      j["wall_checksums_s"] = d_on;
+      j["checksums_ratio"] = d_on / d;
+      j["samples"]["wall_checksums_s"] = f.step[1];
+    }
     std::printf("%s\n", j.dump(2).c_str());
     return;
   }
@@ -406,6 +474,9 @@ void run_bench_step(const BenchStepOptions& o) {
   std::printf("step (pipelined) %.3f s: efficiency max(read, optim, write) / step = %.3f (target >= 0.85); "
               "max(read and write at once, optim) / step = %.3f\n",
               d, eff, io_eff);
+  if (both)
+    std::printf("step with block checksums %.3f s: x%.3f the step without (median of each; ratio of medians)\n",
+                d_on, d_on / d);
 }
 
 }  // namespace
@@ -428,6 +499,10 @@ void register_bench_step(CLI::App& bench) {
   cmd->add_option("--reps", o->reps, "Repetitions (medians reported)")->capture_default_str();
   cmd->add_option("--threads", o->threads, "Optimizer threads (0: the CPUs available)");
   cmd->add_option("--trace", o->trace, "Write a Perfetto trace of the steps to this file");
+  cmd->add_option("--checksums", o->checksums,
+                  "off|on|both: the swap store's block CRC32C (both: the step measured with and without)")
+      ->capture_default_str();
+  cmd->add_option("--checksum-block", o->checksum_block, "Bytes per checksummed block")->capture_default_str();
   cmd->add_flag("--json", o->json, "One JSON object");
   cmd->callback([o] { run_bench_step(*o); });
 }

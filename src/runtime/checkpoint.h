@@ -129,8 +129,11 @@ class CheckpointWriter {
   // Adds an entry streamed from file ranges (concatenated in order), never
   // holding more than buffer_bytes in memory. The ranges' total length must
   // equal count * size(dtype); a range past the end of its file is kIoError
-  // ("... ends at byte N of /x, which has M bytes").
-  Status add_file_ranges(std::string_view name, DType dtype, uint64_t count, std::span<const FileRange> ranges);
+  // ("... ends at byte N of /x, which has M bytes"). With `blocks`, also the
+  // CRC of each blocks->block bytes copied (the engine checks them against
+  // the swap store's before the checkpoint can count).
+  Status add_file_ranges(std::string_view name, DType dtype, uint64_t count, std::span<const FileRange> ranges,
+                         BlockCrcs* blocks = nullptr);
 
   // Writes this rank's manifest, fsyncs it, every data file and the staging
   // directory. After this, no add_*; with N ranks the caller then waits until
@@ -208,8 +211,9 @@ class CheckpointReader {
   Status read(std::string_view name, void* dst, uint64_t dst_bytes);
   // Streams an entry into file ranges (total length == entry size), reflink /
   // copy_file_range / read-write as for saves, checking the checksum of the
-  // bytes that landed. On kCorrupt the ranges hold unverified bytes.
-  Status read_to_file_ranges(std::string_view name, std::span<const FileRange> ranges);
+  // bytes that landed. On kCorrupt the ranges hold unverified bytes. With
+  // `blocks`, also the CRC of each blocks->block bytes that landed.
+  Status read_to_file_ranges(std::string_view name, std::span<const FileRange> ranges, BlockCrcs* blocks = nullptr);
   // Re-reads every data file and checks sizes and checksums (what open()
   // does with verify_all).
   Status verify_all();

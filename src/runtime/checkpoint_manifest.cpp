@@ -13,7 +13,7 @@
 
 #include "common/json.h"
 #include "common/posix_file.h"
-#include "runtime/crc32c.h"
+#include "common/crc32c.h"
 
 namespace strata {
 

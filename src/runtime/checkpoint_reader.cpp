@@ -12,7 +12,7 @@
 #include "common/posix_file.h"
 #include "runtime/checkpoint.h"
 #include "runtime/checkpoint_manifest.h"
-#include "runtime/crc32c.h"
+#include "common/crc32c.h"
 
 namespace strata {
 
@@ -152,7 +152,8 @@ Status CheckpointReader::read(std::string_view name, void* dst, uint64_t dst_byt
   return {};
 }
 
-Status CheckpointReader::read_to_file_ranges(std::string_view name, std::span<const FileRange> ranges) {
+Status CheckpointReader::read_to_file_ranges(std::string_view name, std::span<const FileRange> ranges,
+                                             BlockCrcs* blocks) {
   const CheckpointEntry* e = find(name);
   if (!e) {
     return Status(StatusCode::kNotFound,
@@ -164,7 +165,7 @@ Status CheckpointReader::read_to_file_ranges(std::string_view name, std::span<co
   FileRange src;
   src.path = join_path(dir_, e->file);
   src.length = e->bytes;
-  auto crc = copy_file_ranges(std::span<const FileRange>(&src, 1), ranges, options_.copy_method, buffer_, &stats_);
+  auto crc = copy_file_ranges(std::span<const FileRange>(&src, 1), ranges, options_.copy_method, buffer_, &stats_, blocks);
   if (!crc.ok()) return crc.status().with_context(prefix);
   if (*crc != e->crc32c) return checksum_mismatch(prefix, *crc, e->crc32c);
   return {};

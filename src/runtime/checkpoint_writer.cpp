@@ -21,7 +21,7 @@
 #include "common/posix_file.h"
 #include "runtime/checkpoint.h"
 #include "runtime/checkpoint_manifest.h"
-#include "runtime/crc32c.h"
+#include "common/crc32c.h"
 
 namespace strata {
 
@@ -221,7 +221,7 @@ Status CheckpointWriter::add_buffer(std::string_view name, DType dtype, uint64_t
 }
 
 Status CheckpointWriter::add_file_ranges(std::string_view name, DType dtype, uint64_t count,
-                                         std::span<const FileRange> ranges) {
+                                         std::span<const FileRange> ranges, BlockCrcs* blocks) {
   uint64_t total = 0;
   for (const auto& r : ranges) {
     if (r.length > kMaxEntryBytes || total + r.length > kMaxEntryBytes) {
@@ -248,7 +248,7 @@ Status CheckpointWriter::add_file_ranges(std::string_view name, DType dtype, uin
   dst.path = join_path(staging_, file);
   dst.fd = fd;
   dst.length = total;
-  auto crc = copy_file_ranges(ranges, std::span<const FileRange>(&dst, 1), options_.copy_method, buffer_, &stats_);
+  auto crc = copy_file_ranges(ranges, std::span<const FileRange>(&dst, 1), options_.copy_method, buffer_, &stats_, blocks);
   if (!crc.ok()) return fail(crc.status().with_context("checkpoint " + dir_ + ": entry \"" + std::string(name) + "\""));
   entries_.push_back({std::string(name), file, dtype, count, total, *crc});
   return {};

@@ -581,6 +581,7 @@ Status read_strata(Obj& o, StrataConfig* s) {
     return key_error(o.child("rank"), fmt::format("{} is out of range for world_size {}", s->rank, s->world_size));
   STRATA_RETURN_IF_ERROR(read_uint(o, "shard_alignment", &s->shard_alignment, 1, uint64_t{1} << 30));
   STRATA_RETURN_IF_ERROR(read_uint(o, "optimizer_chunk", &s->optimizer_chunk, 1, uint64_t{1} << 40));
+  STRATA_RETURN_IF_ERROR(read_bool(o, "swap_checksums", &s->swap_checksums));
   if (const json* g = o.take("groups")) {
     if (!g->is_array()) return expected(o.child("groups"), "an array of {\"match\": ..., \"compute\": ...}", *g);
     s->groups.clear();
@@ -816,6 +817,7 @@ std::string config_to_json(const Config& c) {
                  {"rank", s.rank},
                  {"shard_alignment", s.shard_alignment},
                  {"optimizer_chunk", s.optimizer_chunk},
+                 {"swap_checksums", s.swap_checksums},
                  {"groups", groups}};
   return j.dump(2) + "\n";
 }

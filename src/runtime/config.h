@@ -153,6 +153,7 @@ struct StrataConfig {
   uint32_t rank = 0;
   uint64_t shard_alignment = 2048;         // elements; each shard is padded to a multiple
   uint64_t optimizer_chunk = 16ull << 20;  // elements per optimizer-step chunk (Strata default)
+  bool swap_checksums = true;              // CRC32C of every block of NVMe-resident state, verified on read
   std::vector<GroupTierRule> groups;       // per-group tier overrides
   bool operator==(const StrataConfig&) const = default;
 };

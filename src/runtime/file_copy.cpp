@@ -13,10 +13,10 @@
 #include <cstring>
 #include <vector>
 
+#include "common/crc32c.h"
 #include "common/enum_names.h"
 #include "common/log.h"
 #include "common/posix_file.h"
-#include "runtime/crc32c.h"
 
 namespace strata {
 
@@ -66,6 +66,62 @@ bool method_refused(int err) {
          err == ETXTBSY || err == EISDIR || err == EPERM;
 }
 
+// The CRC of a stream fed in pieces, and optionally of each block of it.
+class StreamCrc {
+ public:
+  explicit StreamCrc(BlockCrcs* blocks) : blocks_(blocks && blocks->block ? blocks : nullptr) {
+    if (blocks_) blocks_->crcs.clear();
+  }
+  void add(const uint8_t* p, uint64_t n) {
+    if (!blocks_) {
+      whole_ = crc32c_extend(whole_, p, n);
+      return;
+    }
+    const uint64_t b = blocks_->block;
+    while (n > 0) {
+      const uint64_t in = pos_ % b;
+      if (in != 0 || n < b) {  // the current block, partly
+        const uint64_t k = std::min(n, b - in);
+        cur_ = crc32c_extend(cur_, p, k);
+        p += k, n -= k, pos_ += k;
+        if (pos_ % b == 0) end_block(b);
+        continue;
+      }
+      const uint64_t whole_blocks = n / b;  // several blocks at once (three CRC chains)
+      const std::size_t first = blocks_->crcs.size();
+      blocks_->crcs.resize(first + whole_blocks);
+      crc32c_blocks(p, whole_blocks * b, b, blocks_->crcs.data() + first);
+      for (uint64_t i = 0; i < whole_blocks; ++i) whole_ = crc32c_combine(whole_, blocks_->crcs[first + i], b);
+      p += whole_blocks * b, n -= whole_blocks * b, pos_ += whole_blocks * b;
+    }
+  }
+  uint32_t finish() {
+    if (blocks_ && pos_ % blocks_->block != 0) end_block(pos_ % blocks_->block);
+    return whole_;
+  }
+
+ private:
+  void end_block(uint64_t len) {
+    blocks_->crcs.push_back(cur_);
+    whole_ = crc32c_combine(whole_, cur_, len);
+    cur_ = 0;
+  }
+  BlockCrcs* blocks_;
+  uint32_t whole_ = 0, cur_ = 0;
+  uint64_t pos_ = 0;
+};
+
+Status crc_of_file(int fd, uint64_t off, uint64_t n, std::span<uint8_t> buf, const std::string& what, StreamCrc* crc) {
+  while (n > 0) {
+    const uint64_t k = std::min<uint64_t>(n, buf.size());
+    STRATA_RETURN_IF_ERROR(pread_full(fd, buf.data(), k, off, what));
+    crc->add(buf.data(), k);
+    off += k;
+    n -= k;
+  }
+  return {};
+}
+
 }  // namespace
 
 Status crc32c_of_file(int fd, uint64_t off, uint64_t n, std::span<uint8_t> buf, const std::string& what,
@@ -89,7 +145,7 @@ inline constexpr auto kEnumNames<CopyMethod> = std::to_array<EnumName<CopyMethod
 const char* copy_method_name(CopyMethod m) { return enum_name(m); }
 
 Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<const FileRange> dst, CopyMethod method,
-                                  std::span<uint8_t> buffer, CopyStats* stats) {
+                                  std::span<uint8_t> buffer, CopyStats* stats, BlockCrcs* blocks) {
   if (buffer.size() < 4096) return Status(StatusCode::kInvalidArgument, "copy buffer under 4096 bytes");
   uint64_t src_total = 0, dst_total = 0;
   for (const auto* side : {&src, &dst}) {
@@ -124,7 +180,7 @@ Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<cons
 
   bool try_reflink = method == CopyMethod::kAuto || method == CopyMethod::kReflink;
   bool try_cfr = method != CopyMethod::kReadWrite;
-  uint32_t crc = 0;
+  StreamCrc crc(blocks);
   std::size_t si = 0, di = 0;
   uint64_t sdone = 0, ddone = 0;  // bytes done within the current ranges
   CopyStats local;
@@ -146,7 +202,7 @@ Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<cons
       fcr.dest_offset = doff;
       if (::ioctl(d, FICLONERANGE, &fcr) == 0) {
         // The clone shares the source's extents: read it once for the checksum.
-        STRATA_RETURN_IF_ERROR(crc32c_of_file(d, doff, piece, buffer, dname, &crc));
+        STRATA_RETURN_IF_ERROR(crc_of_file(d, doff, piece, buffer, dname, &crc));
         local.reflink_bytes += piece;
         sdone += piece;
         ddone += piece;
@@ -167,7 +223,7 @@ Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<cons
       ssize_t r = ::copy_file_range(s, &a, d, &b, n, 0);
       if (r > 0) {
         // Checksum what landed: the pages were just written and are cached.
-        STRATA_RETURN_IF_ERROR(crc32c_of_file(d, doff, static_cast<uint64_t>(r), buffer, dname, &crc));
+        STRATA_RETURN_IF_ERROR(crc_of_file(d, doff, static_cast<uint64_t>(r), buffer, dname, &crc));
         local.copy_file_range_bytes += static_cast<uint64_t>(r);
         sdone += static_cast<uint64_t>(r);
         ddone += static_cast<uint64_t>(r);
@@ -188,7 +244,7 @@ Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<cons
       try_cfr = false;
     }
     STRATA_RETURN_IF_ERROR(pread_full(s, buffer.data(), n, soff, sname));
-    crc = crc32c_extend(crc, buffer.data(), n);
+    crc.add(buffer.data(), n);
     STRATA_RETURN_IF_ERROR(pwrite_full(d, buffer.data(), n, doff, dname));
     local.read_write_bytes += n;
     sdone += n;
@@ -199,7 +255,7 @@ Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<cons
     stats->copy_file_range_bytes += local.copy_file_range_bytes;
     stats->read_write_bytes += local.read_write_bytes;
   }
-  return crc;
+  return crc.finish();
 }
 
 }  // namespace strata

@@ -16,6 +16,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "common/status.h"
 
@@ -51,6 +52,15 @@ struct CopyStats {
   uint64_t buffer_bytes = 0;  // entries added from memory / read into memory
 };
 
+// The CRC32C of every `block`-byte piece of a copy's stream (the last may be
+// shorter), as crc32c_blocks gives them: the swap store's block checksums,
+// so a checkpoint save can check that the NVMe state it copied is what
+// Strata wrote, and a load can record what it put there.
+struct BlockCrcs {
+  uint64_t block = 0;           // in: bytes per block (0: none computed)
+  std::vector<uint32_t> crcs;  // out
+};
+
 // Copies `length` bytes from the concatenation of `src` ranges to the
 // concatenation of `dst` ranges (same total length), returning the CRC32C of
 // the bytes that landed in `dst`. Uses `buffer` (>= 4096 bytes) as the only
@@ -59,8 +69,10 @@ struct CopyStats {
 // kMaxCopyBytes, small buffer, read-only destination descriptor), kIoError
 // for a source range past the end of its file ("range [a, b) ends at byte b
 // of /x, which has M bytes"), and the file system's errors naming the files.
+// With `blocks`, also the CRC of each blocks->block bytes that landed (one
+// checksum pass still: the whole CRC is combined from the blocks').
 Result<uint32_t> copy_file_ranges(std::span<const FileRange> src, std::span<const FileRange> dst, CopyMethod method,
-                                  std::span<uint8_t> buffer, CopyStats* stats);
+                                  std::span<uint8_t> buffer, CopyStats* stats, BlockCrcs* blocks = nullptr);
 
 // Extends `*crc` (CRC32C) over `n` bytes of `fd` at `off`, reading through
 // `buf`; `what` names the file in errors.

@@ -1,19 +1,23 @@
 // The swap store on real directories: round trips, striping over three
 // directories (checked in the files themselves), scratch-directory rules,
-// cleanup, and the real failures: unwritable directories and a full disk.
+// cleanup, the real failures: unwritable directories and a full disk, and
+// the block checksums: corruption on disk found by the read that meets it.
 #include "io/swap_store.h"
 
 #include <gtest/gtest.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 
+#include "common/crc32c.h"
 #include "io_test_util.h"
 
 namespace strata::io {
@@ -320,6 +324,162 @@ TEST_F(SwapStoreTest, RankIsInTheFileNames) {
   EXPECT_TRUE(fs::exists(dir_.file("r/strata-run-job42")));  // rank 4 still uses it
   s2->reset();
   EXPECT_FALSE(fs::exists(dir_.file("r/strata-run-job42")));
+}
+
+// ---------------------------------------------------------------- checksums
+
+class SwapChecksumTest : public SwapStoreTest {
+ protected:
+  std::unique_ptr<SwapStore> make_checked(std::vector<std::string> dirs, std::uint64_t block = 8192,
+                                          std::uint64_t stripe = 64 << 10) {
+    SwapStoreOptions o;
+    o.dirs = std::move(dirs);
+    o.stripe_bytes = stripe;
+    o.checksum_block = block;
+    auto s = SwapStore::create(*engine_, o);
+    EXPECT_TRUE(s.ok()) << s.status().to_string();
+    return s.ok() ? std::move(s).value() : nullptr;
+  }
+  // Flips one byte of the files at virtual offset `v` behind the store's back.
+  static void flip_byte(const SwapStore& store, const SwapTensor& t, std::uint64_t at) {
+    auto r = store.file_ranges(t, at, 1);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    const int fd = ::open((*r)[0].path.c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    unsigned char c = 0;
+    ASSERT_EQ(::pread(fd, &c, 1, static_cast<off_t>((*r)[0].offset)), 1);
+    c ^= 0x40;
+    ASSERT_EQ(::pwrite(fd, &c, 1, static_cast<off_t>((*r)[0].offset)), 1);
+    ::close(fd);
+  }
+};
+
+TEST_F(SwapChecksumTest, RoundTripsAndNeverWrittenBlocksReadAsZeros) {
+  auto store = make_checked({dir_.file("a"), dir_.file("b")});
+  ASSERT_TRUE(store);
+  const std::uint64_t n = 5 * 8192 + 100;  // a short last block
+  auto t = store->add_tensor("layers.0.w.master", n);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(store->block_count(*t), 6u);
+  EXPECT_EQ(store->checksum_bytes(), 6u * 4);
+  std::vector<unsigned char> zeros(n, 1);
+  ASSERT_TRUE(store->read(*t, 0, n, zeros.data()).wait().ok());
+  EXPECT_TRUE(std::all_of(zeros.begin(), zeros.end(), [](unsigned char c) { return c == 0; }));
+  std::vector<unsigned char> data(n), back(n);
+  fill_pattern(data.data(), n, 7);
+  ASSERT_TRUE(store->write(*t, 0, 2 * 8192, data.data()).wait().ok());
+  ASSERT_TRUE(store->write(*t, 2 * 8192, n - 2 * 8192, data.data() + 2 * 8192).wait().ok());
+  ASSERT_TRUE(store->read(*t, 8192, n - 8192, back.data() + 8192).wait().ok());
+  ASSERT_TRUE(store->read(*t, 0, 8192, back.data()).wait().ok());
+  EXPECT_EQ(back, data);
+  // The table is the CRC of each block, as crc32c_blocks gives it.
+  std::vector<std::uint32_t> crcs(6);
+  crc32c_blocks(data.data(), n, 8192, crcs.data());
+  EXPECT_TRUE(store->verify_checksums(*t, crcs).ok());
+}
+
+TEST_F(SwapChecksumTest, ABitFlippedOnDiskFailsTheReadThatMeetsItNamingTensorFileAndOffset) {
+  auto store = make_checked({dir_.file("a")});
+  ASSERT_TRUE(store);
+  const std::uint64_t n = 8 * 8192;
+  auto other = store->add_tensor("other", 8192);
+  auto t = store->add_tensor("layers.3.mlp.up.exp_avg", n);
+  ASSERT_TRUE(t.ok() && other.ok());
+  std::vector<unsigned char> data(n), back(n);
+  fill_pattern(data.data(), n, 3);
+  ASSERT_TRUE(store->write(*t, 0, n, data.data()).wait().ok());
+  flip_byte(*store, *t, 5 * 8192 + 17);
+  // Reads of other blocks still work; the one holding the flip fails.
+  ASSERT_TRUE(store->read(*t, 0, 5 * 8192, back.data()).wait().ok());
+  bool called = false;
+  Status in_callback;
+  Status st = store->read(*t, 4 * 8192, 4 * 8192, back.data(), [&](const Status& s) {
+                     called = true;
+                     in_callback = s;
+                   }).wait();
+  EXPECT_EQ(st.code(), StatusCode::kCorrupt) << st.to_string();
+  EXPECT_TRUE(called);
+  EXPECT_EQ(in_callback.code(), StatusCode::kCorrupt);
+  const std::string m = st.to_string();
+  EXPECT_NE(m.find("layers.3.mlp.up.exp_avg"), std::string::npos) << m;
+  EXPECT_NE(m.find("bytes [40960, 49152)"), std::string::npos) << m;
+  EXPECT_NE(m.find(store->file_path(0)), std::string::npos) << m;
+  // t starts one 4 KiB-aligned tensor (8192 bytes) after `other`.
+  EXPECT_NE(m.find("offset " + std::to_string(8192 + 5 * 8192)), std::string::npos) << m;
+  // A checkpoint-style copy finds it too.
+  std::vector<std::uint32_t> crcs(8);
+  fill_pattern(data.data(), n, 3);
+  data[5 * 8192 + 17] ^= 0x40;
+  crc32c_blocks(data.data(), n, 8192, crcs.data());
+  EXPECT_EQ(store->verify_checksums(*t, crcs).code(), StatusCode::kCorrupt);
+  // Rewriting the block makes it good again.
+  fill_pattern(data.data(), n, 3);
+  ASSERT_TRUE(store->write(*t, 5 * 8192, 8192, data.data() + 5 * 8192).wait().ok());
+  ASSERT_TRUE(store->read(*t, 0, n, back.data()).wait().ok());
+  EXPECT_EQ(back, data);
+}
+
+TEST_F(SwapChecksumTest, GarbageInUnwrittenSpaceIsFoundToo) {
+  auto store = make_checked({dir_.file("a")}, 4096);
+  ASSERT_TRUE(store);
+  auto t = store->add_tensor("grads", 3 * 4096);
+  ASSERT_TRUE(t.ok());
+  flip_byte(*store, *t, 4096);
+  std::vector<unsigned char> back(3 * 4096);
+  EXPECT_EQ(store->read(*t, 0, 3 * 4096, back.data()).wait().code(), StatusCode::kCorrupt);
+}
+
+TEST_F(SwapChecksumTest, TransfersThatSplitABlockAreRefused) {
+  auto store = make_checked({dir_.file("a")});
+  ASSERT_TRUE(store);
+  const std::uint64_t n = 3 * 8192 + 10;
+  auto t = store->add_tensor("w", n);
+  ASSERT_TRUE(t.ok());
+  std::vector<unsigned char> buf(n);
+  for (auto [off, len] : {std::pair<std::uint64_t, std::uint64_t>{4096, 8192}, {0, 4096}, {8192, 8193}}) {
+    EXPECT_EQ(store->write(*t, off, len, buf.data()).wait().code(), StatusCode::kInvalidArgument) << off << "+" << len;
+    EXPECT_EQ(store->read(*t, off, len, buf.data()).wait().code(), StatusCode::kInvalidArgument) << off << "+" << len;
+  }
+  // Whole blocks, and a range that ends at the tensor's end, are fine.
+  EXPECT_TRUE(store->write(*t, 8192, n - 8192, buf.data()).wait().ok());
+  EXPECT_TRUE(store->read(*t, 2 * 8192, n - 2 * 8192, buf.data()).wait().ok());
+  EXPECT_TRUE(store->read(*t, 0, 0, buf.data()).wait().ok());
+}
+
+TEST_F(SwapChecksumTest, SetChecksumsAfterACopyBehindTheStore) {
+  auto store = make_checked({dir_.file("a"), dir_.file("b")}, 4096, 4096);
+  ASSERT_TRUE(store);
+  const std::uint64_t n = 5 * 4096;
+  auto t = store->add_tensor("w", n);
+  ASSERT_TRUE(t.ok());
+  std::vector<unsigned char> data(n), back(n);
+  fill_pattern(data.data(), n, 11);
+  // Put the bytes in place through file_ranges, as a checkpoint load does.
+  auto ranges = store->file_ranges(*t, 0, n);
+  ASSERT_TRUE(ranges.ok());
+  std::uint64_t at = 0;
+  for (const auto& r : *ranges) {
+    ASSERT_EQ(::pwrite(r.fd, data.data() + at, r.length, static_cast<off_t>(r.offset)),
+              static_cast<ssize_t>(r.length));
+    at += r.length;
+  }
+  EXPECT_EQ(store->read(*t, 0, n, back.data()).wait().code(), StatusCode::kCorrupt);
+  std::vector<std::uint32_t> crcs(5);
+  crc32c_blocks(data.data(), n, 4096, crcs.data());
+  ASSERT_TRUE(store->set_checksums(*t, crcs).ok());
+  ASSERT_TRUE(store->read(*t, 0, n, back.data()).wait().ok());
+  EXPECT_EQ(back, data);
+  EXPECT_EQ(store->set_checksums(*t, std::span<const std::uint32_t>(crcs.data(), 4)).code(),
+            StatusCode::kInvalidArgument);
+}
+
+TEST_F(SwapChecksumTest, BadBlockSizesAreRefused) {
+  for (std::uint64_t b : {std::uint64_t{1}, std::uint64_t{2048}, std::uint64_t{12288}}) {
+    SwapStoreOptions o;
+    o.dirs = {dir_.file("x")};
+    o.checksum_block = b;
+    EXPECT_EQ(SwapStore::create(*engine_, o).status().code(), StatusCode::kInvalidArgument) << b;
+  }
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// Checkpoints (src/runtime/checkpoint.h) and CRC32C (src/runtime/crc32c.h):
+// Checkpoints (src/runtime/checkpoint.h):
 // round trips from memory and from file ranges with every copy method, every
 // kind of damage refused with the file named, atomic replacement, failed and
 // crashed saves. Real files under STRATA_TEST_DIR (else /tmp): label nvme.
@@ -27,7 +27,7 @@
 #include <string>
 #include <vector>
 
-#include "runtime/crc32c.h"
+#include "common/crc32c.h"
 #include "test_util/temp_dir.h"
 
 namespace strata {
@@ -153,52 +153,6 @@ bool reflink_supported(const TempDir& tmp) {
 
 bool contains(const std::string& hay, const std::string& needle) {
   return hay.find(needle) != std::string::npos;
-}
-
-// ------------------------------------------------------------------ CRC32C
-
-TEST(Crc32c, KnownVectors) {
-  // RFC 3720 appendix B.4 and the classic check value.
-  std::vector<uint8_t> zeros(32, 0), ones(32, 0xFF), inc(32), dec(32);
-  for (int i = 0; i < 32; ++i) inc[i] = static_cast<uint8_t>(i), dec[i] = static_cast<uint8_t>(31 - i);
-  const char* check = "123456789";
-  for (auto fn : {&crc32c_extend_portable, &crc32c_extend_hw, &crc32c_extend}) {
-    EXPECT_EQ(fn(0, check, 9), 0xE3069283u);
-    EXPECT_EQ(fn(0, "", 0), 0u);
-    EXPECT_EQ(fn(0, zeros.data(), 32), 0x8A9136AAu);
-    EXPECT_EQ(fn(0, ones.data(), 32), 0x62A8AB43u);
-    EXPECT_EQ(fn(0, inc.data(), 32), 0x46DD794Eu);
-    EXPECT_EQ(fn(0, dec.data(), 32), 0x113FDB5Cu);
-  }
-  std::printf("crc32c implementation: %s\n", crc32c_impl_name());
-}
-
-TEST(Crc32c, HardwareAgreesWithPortableAtEveryLengthAndAlignment) {
-  if (!crc32c_hw_available()) GTEST_SKIP() << "this CPU has no CRC32C instructions";
-  auto data = pattern((1 << 20) + 64, 7);
-  for (std::size_t off = 0; off < 9; ++off) {
-    for (std::size_t len = 0; len < 600; ++len) {
-      ASSERT_EQ(crc32c_extend_hw(0x12345678u, data.data() + off, len),
-                crc32c_extend_portable(0x12345678u, data.data() + off, len))
-          << "offset " << off << " length " << len;
-    }
-  }
-  EXPECT_EQ(crc32c_extend_hw(0, data.data() + 3, 1 << 20), crc32c_extend_portable(0, data.data() + 3, 1 << 20));
-}
-
-TEST(Crc32c, ExtendChunkByChunkEqualsWhole) {
-  auto data = pattern(100003, 9);
-  const uint32_t whole = crc32c(data.data(), data.size());
-  for (std::size_t chunk : {1u, 7u, 64u, 4096u, 65536u}) {
-    uint32_t c = 0, p = 0;
-    for (std::size_t i = 0; i < data.size(); i += chunk) {
-      const std::size_t n = std::min(chunk, data.size() - i);
-      c = crc32c_extend(c, data.data() + i, n);
-      p = crc32c_extend_portable(p, data.data() + i, n);
-    }
-    EXPECT_EQ(c, whole) << chunk;
-    EXPECT_EQ(p, whole) << chunk;
-  }
 }
 
 // ------------------------------------------------------------------ round trips

@@ -832,6 +832,81 @@ TEST(EngineNvme, CheckpointResumeIsBitIdentical) {
   EXPECT_NE(st.message().find(std::filesystem::path(victim).filename().string()), std::string::npos)
       << st.message();
 }
+// Bytes of a swap file that change behind Strata's back (a failing SSD, a
+// stray writer) are caught by the block checksums: a checkpoint save refuses
+// to copy them (and leaves nothing behind), the step that reads them fails
+// naming the tensor and the file, and the checkpoint from before still
+// resumes bit-identically.
+TEST(EngineNvme, SwapFileCorruptionIsFoundNeverCheckpointedAndTheRunResumes) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.clip = 0.2;
+  const Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
+  ASSERT_TRUE(cfg.strata.swap_checksums);  // the default
+  constexpr int kBefore = 2, kTotal = 4;
+  RunResult straight = train(d.dev.get(), o, cfg, kTotal);
+  const std::string ck = dir.path() + "/ck", ck2 = dir.path() + "/ck2";
+  Trainer t(d.dev.get(), o);
+  t.expect_ok = false;
+  ASSERT_TRUE(t.init(cfg).ok());
+  for (int i = 0; i < kBefore; ++i) ASSERT_TRUE(t.run_step(i).ok());
+  ASSERT_TRUE(t.e->save_checkpoint(ck).ok());
+  // One byte in every 4 KiB of every swap file.
+  int files = 0;
+  for (const auto& f : std::filesystem::recursive_directory_iterator(dir.path() + "/swap")) {
+    if (f.path().extension() != ".swap") continue;
+    ++files;
+    std::fstream io(f.path(), std::ios::in | std::ios::out | std::ios::binary);
+    const auto size = static_cast<std::streamoff>(std::filesystem::file_size(f.path()));
+    for (std::streamoff at = 1234; at < size; at += 4096) {
+      char c = 0;
+      io.seekg(at);
+      io.read(&c, 1);
+      c = static_cast<char>(c ^ 0x10);
+      io.seekp(at);
+      io.write(&c, 1);
+    }
+  }
+  ASSERT_EQ(files, 1);
+  Status st = t.e->save_checkpoint(ck2);
+  EXPECT_EQ(st.code(), StatusCode::kCorrupt) << st.to_string();
+  EXPECT_NE(st.message().find("swap file changed after it was written"), std::string::npos) << st.message();
+  EXPECT_FALSE(std::filesystem::exists(ck2));
+  for (const auto& f : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(f.path().filename().string().find("ck2"), std::string::npos) << "left behind: " << f.path();
+  st = t.run_step(kBefore).status();
+  EXPECT_EQ(st.code(), StatusCode::kCorrupt) << st.to_string();
+  EXPECT_NE(st.message().find("rank00000.stripe0.swap offset"), std::string::npos) << st.message();
+  std::printf("the step's error: %s\n", st.to_string().c_str());
+
+  Trainer r2(d.dev.get(), o);
+  ASSERT_TRUE(r2.init(cfg, /*load_init=*/false).ok());
+  Status ls = r2.e->load_checkpoint(ck);
+  ASSERT_TRUE(ls.ok()) << ls.to_string();
+  for (int i = kBefore; i < kTotal; ++i) {
+    auto r = r2.run_step(i);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
+  }
+  EXPECT_TRUE(bits_equal(r2.params(), straight.params));
+}
+
+// Checksums off (strata.swap_checksums false) trains the same bits.
+TEST(EngineNvme, ChecksumsOffTrainsTheSameBits) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.micro = 2;
+  Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
+  RunResult on = train(d.dev.get(), o, cfg, 3);
+  cfg.strata.swap_checksums = false;
+  RunResult off = train(d.dev.get(), o, cfg, 3);
+  EXPECT_TRUE(bits_equal(on.params, off.params));
+}
+
 // The fault campaign (issue 10, RELIABILITY.md): every NVMe I/O of a step
 // fails in turn (EIO and ENOSPC on reads and writes), and separately every
 // piece is cut short. A failed I/O ends in a Status naming it (never a crash

@@ -95,8 +95,15 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
         break;
       case Tier::kNvme: {
         STRATA_ASSIGN_OR_RETURN(auto ranges, file_ranges(*R.store, a.loc->swap, bytes));
-        STRATA_RETURN_IF_ERROR(w->add_file_ranges(a.name, ck, a.count, ranges));
+        BlockCrcs blocks{R.store->checksum_block(), {}};
+        STRATA_RETURN_IF_ERROR(w->add_file_ranges(a.name, ck, a.count, ranges, &blocks));
         R.traffic.nvme_read += bytes;
+        // Swap bytes that are not what Strata wrote never make a checkpoint:
+        // the save fails and the staging directory goes (the writer's destructor).
+        if (blocks.block != 0) {
+          Status st = R.store->verify_checksums(a.loc->swap, blocks.crcs);
+          if (!st.ok()) return st.with_context(fmt::format("engine: saving {} to {}", a.name, dir));
+        }
         break;
       }
       default:  // device: through host memory (compute copies only)
@@ -189,7 +196,9 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
         break;
       case Tier::kNvme: {
         auto ranges = file_ranges(*R.store, a.loc->swap, bytes);
-        st = ranges.ok() ? r->read_to_file_ranges(a.name, *ranges) : ranges.status();
+        BlockCrcs blocks{R.store->checksum_block(), {}};
+        st = ranges.ok() ? r->read_to_file_ranges(a.name, *ranges, &blocks) : ranges.status();
+        if (st.ok() && blocks.block != 0) st = R.store->set_checksums(a.loc->swap, blocks.crcs);
         if (st.ok()) R.traffic.nvme_write += bytes;
         break;
       }

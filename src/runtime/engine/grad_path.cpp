@@ -38,7 +38,7 @@ void add_f32(float* dst, const void* src, DType dtype, uint64_t n) {
 
 Status GradPath::prepare() {
   params_.resize(reg_.params.size());
-  piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20), 2048);
+  piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20), reg_.io_quantum);
   STRATA_ASSIGN_OR_RETURN(download_, reg_.dev->create_stream("strata download"));
   STRATA_ASSIGN_OR_RETURN(ev_caller_, reg_.dev->create_event());
   STRATA_ASSIGN_OR_RETURN(ev_download_, reg_.dev->create_event());

@@ -63,6 +63,10 @@ Status Registry::init(const EngineOptions& opts) {
     dev = owned_device.get();
   }
   STRATA_RETURN_IF_ERROR(make_plan_for_budgets());
+  {
+    const uint64_t chunk = round_up(cfg.strata.optimizer_chunk, 2048);
+    io_quantum = std::min<uint64_t>(chunk & (~chunk + 1), 32768);  // lowest set bit
+  }
 
   // ---- tracer, I/O
   if (!cfg.strata.trace.empty()) {
@@ -181,6 +185,7 @@ Status Registry::allocate_arrays() {
     if (so.dirs.empty())
       return Status(StatusCode::kInvalidArgument, "engine: state is planned to NVMe but no NVMe directory is set");
     so.rank = static_cast<int>(plan.rank);
+    so.checksum_block = cfg.strata.swap_checksums ? io_quantum * 2 : 0;
     STRATA_ASSIGN_OR_RETURN(store, io::SwapStore::create(*io, so));
   }
 
@@ -207,7 +212,10 @@ Status Registry::allocate_arrays() {
     STRATA_ASSIGN_OR_RETURN(pinned_arena, dev->alloc_pinned(pinned_bytes));
   }
   uint64_t host_off = 0, pinned_off = 0;
+  // `bytes`: the padded shard's; NVMe tensors hold exactly the shard (every
+  // transfer of them then ends on a checksum block or at the tensor's end).
   auto place = [&](ParamState& p, ArrayLoc& a, uint64_t bytes, const char* kind, bool compute) -> Status {
+    const uint64_t exact = p.shard.padded ? bytes / p.shard.padded * p.shard.size() : 0;
     bytes = std::max<uint64_t>(bytes, 1);
     switch (a.tier) {
       case Tier::kHost: {
@@ -221,7 +229,7 @@ Status Registry::allocate_arrays() {
         return {};
       }
       case Tier::kNvme: {
-        auto t = store->add_tensor(p.name + "." + kind, round_up(bytes, 4096));
+        auto t = store->add_tensor(p.name + "." + kind, exact);
         if (!t.ok()) return t.status().with_context(fmt::format("engine: placing {} of {} on NVMe", kind, p.name));
         a.swap = *t;
         return {};

@@ -93,6 +93,12 @@ struct Registry {
   Config& cfg = options.config;
   Plan plan;
   DType out_dtype = DType::kBF16;  // the compute dtype the optimizer writes
+  // Every NVMe transfer starts at a multiple of this many elements of its
+  // array (optimizer chunks, gradient pieces, bounce pieces; uploads read
+  // whole tensors): a power of two, 2048..32768, dividing the optimizer
+  // chunk. The swap store's checksum block is io_quantum x 2 bytes, so no
+  // transfer splits a block of any array (2- or 4-byte elements).
+  uint64_t io_quantum = 2048;
   std::vector<std::string> group_names;
   std::vector<GroupInfo> groups;
   std::vector<ParamState> params;

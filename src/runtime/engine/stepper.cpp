@@ -28,7 +28,7 @@ void Stepper::configure() {
 
   const size_t state_size = dtype_size(cfg.strata.optimizer_state_dtype);
   const int nstates = cpu_optim::state_count(opt_config_);
-  chunk_ = round_up(std::min<uint64_t>(cfg.strata.optimizer_chunk, reg_.max_shard_elems()), 2048);
+  chunk_ = round_up(std::min<uint64_t>(cfg.strata.optimizer_chunk, reg_.max_shard_elems()), reg_.io_quantum);
   ring_ = static_cast<unsigned>(std::clamp<uint64_t>(cfg.zero.offload_optimizer.buffer_count, 2, 64));
   ring_slot_ = round_up(chunk_ * 4, 4096) * 2 + round_up(chunk_ * state_size, 4096) * nstates +
                round_up(chunk_ * dtype_size(reg_.out_dtype), 4096);

@@ -138,7 +138,7 @@ Status Uploader::upload_group(int si) {
     handles.clear();
     for (size_t i = 0; i < info.params.size(); ++i) {
       const ParamState& p = reg_.params[info.params[i]];
-      const uint64_t len = round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 4096);
+      const uint64_t len = p.compute.swap.bytes;  // the whole shard (<= its staging space)
       handles.push_back(reg_.store->read(p.compute.swap, 0, len, stage + g.staging_offset[i]));
       total += len;
     }

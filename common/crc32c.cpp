@@ -1,5 +1,6 @@
-#include "runtime/crc32c.h"
+#include "common/crc32c.h"
 
+#include <algorithm>
 #include <array>
 #include <cstring>
 
@@ -70,6 +71,28 @@ __attribute__((target("sse4.2"))) uint32_t extend_sse42(uint32_t crc, const unsi
     --n;
   }
   return ~static_cast<uint32_t>(c);
+}
+
+// Three equal blocks at once: three independent crc32 chains hide the
+// instruction's 3-cycle latency, so this runs ~3x faster than one chain.
+__attribute__((target("sse4.2"))) void three_sse42(const unsigned char* p, std::size_t n, uint32_t* out) {
+  const unsigned char* q = p + n;
+  const unsigned char* r = p + 2 * n;
+  uint64_t a = 0xFFFFFFFFu, b = 0xFFFFFFFFu, c = 0xFFFFFFFFu;
+  std::size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    a = _mm_crc32_u64(a, load_le64(p + i));
+    b = _mm_crc32_u64(b, load_le64(q + i));
+    c = _mm_crc32_u64(c, load_le64(r + i));
+  }
+  for (; i < n; ++i) {
+    a = _mm_crc32_u8(static_cast<uint32_t>(a), p[i]);
+    b = _mm_crc32_u8(static_cast<uint32_t>(b), q[i]);
+    c = _mm_crc32_u8(static_cast<uint32_t>(c), r[i]);
+  }
+  out[0] = ~static_cast<uint32_t>(a);
+  out[1] = ~static_cast<uint32_t>(b);
+  out[2] = ~static_cast<uint32_t>(c);
 }
 
 bool detect_hw() {
@@ -157,6 +180,52 @@ uint32_t crc32c_extend_hw(uint32_t crc, const void* data, std::size_t n) {
 uint32_t crc32c_extend(uint32_t crc, const void* data, std::size_t n) {
   // hw_available_cached() is a static local: one predictable branch per call.
   return crc32c_extend_hw(crc, data, n);
+}
+
+void crc32c_blocks(const void* data, std::size_t n, std::size_t block, uint32_t* out) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  if (block == 0) block = n > 0 ? n : 1;
+  std::size_t i = 0;
+#if STRATA_CRC32C_X86
+  if (hw_available_cached()) {
+    for (; n - i >= 3 * block; i += 3 * block, out += 3) three_sse42(p + i, block, out);
+  }
+#endif
+  for (; i < n; i += block) *out++ = crc32c(p + i, std::min(block, n - i));
+}
+
+// zlib's crc32_combine, for the Castagnoli polynomial: appending len2 zero
+// bytes to a CRC is linear over GF(2), a 32x32 bit matrix; squaring it
+// doubles the length, so len2 bytes cost O(log len2) matrix products.
+namespace {
+uint32_t gf2_times(const uint32_t* mat, uint32_t vec) {
+  uint32_t sum = 0;
+  for (; vec; vec >>= 1, ++mat)
+    if (vec & 1) sum ^= *mat;
+  return sum;
+}
+void gf2_square(uint32_t* square, const uint32_t* mat) {
+  for (int n = 0; n < 32; ++n) square[n] = gf2_times(mat, mat[n]);
+}
+}  // namespace
+
+uint32_t crc32c_combine(uint32_t crc1, uint32_t crc2, uint64_t len2) {
+  if (len2 == 0) return crc1;
+  uint32_t even[32], odd[32];
+  odd[0] = kPoly;  // the operator for one zero bit
+  for (int n = 1; n < 32; ++n) odd[n] = 1u << (n - 1);
+  gf2_square(even, odd);  // two zero bits
+  gf2_square(odd, even);  // four zero bits
+  do {
+    gf2_square(even, odd);  // first pass: one zero byte
+    if (len2 & 1) crc1 = gf2_times(even, crc1);
+    len2 >>= 1;
+    if (len2 == 0) break;
+    gf2_square(odd, even);
+    if (len2 & 1) crc1 = gf2_times(odd, crc1);
+    len2 >>= 1;
+  } while (len2 != 0);
+  return crc1 ^ crc2;
 }
 
 const char* crc32c_impl_name() {
