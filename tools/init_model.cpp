@@ -79,7 +79,7 @@ int run(const InitModelOptions& o) {
   c.vocab_size = o.vocab;
   c.max_position_embeddings = o.max_seq;
   c.tie_word_embeddings = o.tie_embeddings;
-  c.rope_theta = o.rope_theta;
+  c.rope.theta = o.rope_theta;
   c.rms_norm_eps = o.norm_eps;
   c.initializer_range = o.init_std;
   c.torch_dtype = *dt;

@@ -423,13 +423,16 @@ void rope_tables(const strata_cuda_train_dims_t& d, std::vector<float>& cos_t, s
   const int64_t half = d.head_dim / 2;
   cos_t.resize(static_cast<size_t>(d.max_seq * half));
   sin_t.resize(cos_t.size());
+  const float scale = d.rope_attention_scaling > 0 ? static_cast<float>(d.rope_attention_scaling) : 1.0f;
   for (int64_t i = 0; i < half; ++i) {
     const float inv_freq =
-        static_cast<float>(std::pow(d.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(d.head_dim)));
+        d.rope_inv_freq ? d.rope_inv_freq[i]
+                        : static_cast<float>(std::pow(d.rope_theta, -2.0 * static_cast<double>(i) /
+                                                                        static_cast<double>(d.head_dim)));
     for (int64_t p = 0; p < d.max_seq; ++p) {
       const float angle = static_cast<float>(p) * inv_freq;
-      cos_t[static_cast<size_t>(p * half + i)] = std::cos(angle);
-      sin_t[static_cast<size_t>(p * half + i)] = std::sin(angle);
+      cos_t[static_cast<size_t>(p * half + i)] = static_cast<float>(std::cos(static_cast<double>(angle))) * scale;
+      sin_t[static_cast<size_t>(p * half + i)] = static_cast<float>(std::sin(static_cast<double>(angle))) * scale;
     }
   }
 }
@@ -458,6 +461,7 @@ int ctx_create(int device, void* stream, const strata_cuda_train_dims_t* dims, v
   c->device = device;
   c->stream = static_cast<cudaStream_t>(stream);
   c->d = *dims;
+  c->d.rope_inv_freq = nullptr;  // the caller's array is read below, during this call only
   Carver cv;
   cv.base = static_cast<char*>(workspace);
   carve(*c, cv);

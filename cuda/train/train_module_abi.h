@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-#define STRATA_CUDA_TRAIN_ABI_VERSION 1u
+#define STRATA_CUDA_TRAIN_ABI_VERSION 2u
 
 // Bits of strata_cuda_train_report_t::bad_ids.
 #define STRATA_CUDA_TRAIN_BAD_TOKEN_FWD 1u  // embed_forward saw a token outside [0, vocab)
@@ -59,6 +59,11 @@ typedef struct strata_cuda_train_dims_s {
   int64_t max_seq;     // T capacity
   int32_t allow_tf32;  // fp32 GEMMs may use TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32)
   int32_t reserved;
+  // RoPE inverse frequencies (head_dim / 2 floats, model/rope.h), read only
+  // during ctx_create; NULL: rope_theta^(-2i/head_dim). The cos/sin tables
+  // are multiplied by rope_attention_scaling (1 except yarn).
+  const float* rope_inv_freq;
+  double rope_attention_scaling;
 } strata_cuda_train_dims_t;
 
 // Device-side results, copied to the host by report_copy_async. Same layout

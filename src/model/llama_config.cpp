@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "common/json.h"
+#include "common/log.h"
 #include "model/llama_weights.h"
 
 namespace strata::model {
@@ -78,12 +79,186 @@ Status validate_llama_config(const LlamaConfig& c) {
                                                   c.num_attention_heads, c.num_key_value_heads));
   if (!(c.rms_norm_eps > 0) || !std::isfinite(c.rms_norm_eps))
     return bad("rms_norm_eps", "must be positive and finite");
-  if (!(c.rope_theta > 0) || !std::isfinite(c.rope_theta)) return bad("rope_theta", "must be positive and finite");
+  if (!(c.rope.theta > 0) || !std::isfinite(c.rope.theta)) return bad("rope_theta", "must be positive and finite");
   if (c.max_position_embeddings == 0) return bad("max_position_embeddings", "must be positive");
   if (!(c.initializer_range >= 0) || !std::isfinite(c.initializer_range))
     return bad("initializer_range", "must be non-negative and finite");
   return Status::ok_status();
 }
+
+namespace {
+
+// RoPE as transformers 5 resolves it (RotaryEmbeddingConfigMixin): the
+// settings object is `rope_scaling` (4.x) if present, else `rope_parameters`
+// (5.x); rope_theta comes from that object, else the top level, else 10000;
+// the type from "rope_type", else "type", else default; llama3 and yarn take
+// original_max_position_embeddings from the top level if it is there, else
+// from the object, else max_position_embeddings. Every key of the object must
+// be one this type reads: anything else might change the math and is refused.
+Status parse_rope(const json& root, const std::string& source, bool allow_unsupported, LlamaConfig* c) {
+  const json* obj = nullptr;
+  std::string where;
+  for (const char* key : {"rope_scaling", "rope_parameters"}) {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) continue;
+    if (!it->is_object()) return key_error(source, key, fmt::format("must be an object or null, got {}", it->dump()));
+    if (it->empty()) continue;
+    obj = &*it;
+    where = key;
+    break;
+  }
+  RopeSettings& r = c->rope;
+  auto number = [&](const json& j, const std::string& key, double* out) -> Status {
+    if (!j.is_number()) return key_error(source, key, fmt::format("must be a number, got {}", j.dump()));
+    *out = j.get<double>();
+    if (!std::isfinite(*out)) return key_error(source, key, "must be finite");
+    return Status::ok_status();
+  };
+  if (auto it = root.find("rope_theta"); it != root.end() && !it->is_null())
+    STRATA_RETURN_IF_ERROR(number(*it, "rope_theta", &r.theta));
+  double partial = 1.0;
+  if (auto it = root.find("partial_rotary_factor"); it != root.end() && !it->is_null())
+    STRATA_RETURN_IF_ERROR(number(*it, "partial_rotary_factor", &partial));
+  if (!obj) {
+    if (partial != 1.0)
+      return key_error(source, "partial_rotary_factor",
+                       fmt::format("is {}; Llama rotates the whole head (only 1 is supported)", partial));
+    return Status::ok_status();
+  }
+  std::string type = "default";
+  for (const char* key : {"rope_type", "type"}) {
+    auto it = obj->find(key);
+    if (it == obj->end() || it->is_null()) continue;
+    if (!it->is_string())
+      return key_error(source, where + "." + key, fmt::format("must be a string, got {}", it->dump()));
+    type = it->get<std::string>();
+    break;
+  }
+  // Nested per layer type ({"full_attention": {...}, ...}): not a Llama layout.
+  for (auto it = obj->begin(); it != obj->end(); ++it)
+    if (it->is_object())
+      return key_error(source, where + "." + it.key(),
+                       "is an object: per-layer-type RoPE settings are not supported for Llama models");
+  if (type == "default") {
+    r.type = RopeType::kDefault;
+  } else if (type == "linear") {
+    r.type = RopeType::kLinear;
+  } else if (type == "llama3") {
+    r.type = RopeType::kLlama3;
+  } else if (type == "yarn") {
+    r.type = RopeType::kYarn;
+  } else {
+    if (allow_unsupported) {
+      c->rope_scaling = obj->dump();
+      return Status::ok_status();
+    }
+    return key_error(source, where + ".rope_type",
+                     fmt::format("is \"{}\"; Strata implements the RoPE types default, linear, llama3 and yarn",
+                                 clip_for_message(type, 100)));
+  }
+  std::set<std::string> allowed = {"rope_type", "type", "rope_theta", "partial_rotary_factor"};
+  std::set<std::string> required;
+  switch (r.type) {
+    case RopeType::kDefault: break;
+    case RopeType::kLinear: allowed.insert("factor"), required = {"factor"}; break;
+    case RopeType::kLlama3:
+      for (const char* k : {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"})
+        allowed.insert(k);
+      required = {"factor", "low_freq_factor", "high_freq_factor"};
+      break;
+    case RopeType::kYarn:
+      for (const char* k : {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
+                            "beta_slow", "mscale", "mscale_all_dim", "truncate"})
+        allowed.insert(k);
+      break;
+  }
+  for (auto it = obj->begin(); it != obj->end(); ++it) {
+    if (!allowed.count(it.key()))
+      return key_error(source, where + "." + clip_for_message(it.key(), 100),
+                       fmt::format("is not a setting of RoPE type \"{}\" that Strata knows; it may change the "
+                                   "math, so the config is refused",
+                                   type));
+  }
+  for (const auto& k : required) {
+    auto it = obj->find(k);
+    if (it == obj->end() || it->is_null())
+      return key_error(source, where + "." + k, fmt::format("is required for RoPE type \"{}\"", type));
+  }
+  auto get = [&](const char* key, double* out) -> Status {
+    auto it = obj->find(key);
+    if (it == obj->end() || it->is_null()) return Status::ok_status();
+    return number(*it, where + "." + key, out);
+  };
+  STRATA_RETURN_IF_ERROR(get("rope_theta", &r.theta));
+  STRATA_RETURN_IF_ERROR(get("partial_rotary_factor", &partial));
+  if (partial != 1.0)
+    return key_error(source, where + ".partial_rotary_factor",
+                     fmt::format("is {}; Llama rotates the whole head (only 1 is supported)", partial));
+  if (r.type == RopeType::kDefault) return Status::ok_status();
+
+  // original_max_position_embeddings: the top level wins (transformers' Phi-3
+  // exception), then the object, then max_position_embeddings.
+  if (r.type == RopeType::kLlama3 || r.type == RopeType::kYarn) {
+    r.original_max_position_embeddings = static_cast<double>(c->max_position_embeddings);
+    STRATA_RETURN_IF_ERROR(get("original_max_position_embeddings", &r.original_max_position_embeddings));
+    if (auto it = root.find("original_max_position_embeddings"); it != root.end() && !it->is_null())
+      STRATA_RETURN_IF_ERROR(number(*it, "original_max_position_embeddings", &r.original_max_position_embeddings));
+  }
+  bool factor_given = false;
+  if (auto it = obj->find("factor"); it != obj->end() && !it->is_null()) {
+    STRATA_RETURN_IF_ERROR(number(*it, where + ".factor", &r.factor));
+    factor_given = true;
+  }
+  if (r.type == RopeType::kYarn && !factor_given) {
+    if (r.original_max_position_embeddings <= 0)
+      return key_error(source, where + ".factor", "is missing and original_max_position_embeddings is not positive");
+    r.factor = static_cast<double>(c->max_position_embeddings) / r.original_max_position_embeddings;
+  }
+  if (!(r.factor > 0)) return key_error(source, where + ".factor", fmt::format("must be positive, got {}", r.factor));
+  if (r.factor < 1)
+    log_warn("{}: {}.factor is {}; transformers expects a factor of at least 1 (used as given)", source, where,
+             r.factor);
+  if (r.type == RopeType::kLlama3 || r.type == RopeType::kYarn) {
+    if (!(r.original_max_position_embeddings > 0))
+      return key_error(source, where + ".original_max_position_embeddings",
+                       fmt::format("must be positive, got {}", r.original_max_position_embeddings));
+  }
+  if (r.type == RopeType::kLlama3) {
+    STRATA_RETURN_IF_ERROR(get("low_freq_factor", &r.low_freq_factor));
+    STRATA_RETURN_IF_ERROR(get("high_freq_factor", &r.high_freq_factor));
+    if (!(r.low_freq_factor > 0) || !(r.high_freq_factor > r.low_freq_factor))
+      return key_error(source, where + ".high_freq_factor",
+                       fmt::format("is {} with low_freq_factor {}: need 0 < low_freq_factor < high_freq_factor",
+                                   r.high_freq_factor, r.low_freq_factor));
+  }
+  if (r.type == RopeType::kYarn) {
+    double v = 0;
+    if (auto it = obj->find("attention_factor"); it != obj->end() && !it->is_null()) {
+      STRATA_RETURN_IF_ERROR(number(*it, where + ".attention_factor", &v));
+      if (v < 0) return key_error(source, where + ".attention_factor", "must not be negative");
+      r.attention_factor = v;
+    }
+    // transformers: `beta_fast or 32`, `beta_slow or 1` (0 means the default too).
+    STRATA_RETURN_IF_ERROR(get("beta_fast", &r.beta_fast));
+    STRATA_RETURN_IF_ERROR(get("beta_slow", &r.beta_slow));
+    if (r.beta_fast == 0) r.beta_fast = 32;
+    if (r.beta_slow == 0) r.beta_slow = 1;
+    for (const char* k : {"mscale", "mscale_all_dim"}) {
+      if (auto it = obj->find(k); it != obj->end() && !it->is_null()) {
+        STRATA_RETURN_IF_ERROR(number(*it, where + "." + k, &v));
+        (std::string(k) == "mscale" ? r.mscale : r.mscale_all_dim) = v;
+      }
+    }
+    if (auto it = obj->find("truncate"); it != obj->end() && !it->is_null()) {
+      if (!it->is_boolean())
+        return key_error(source, where + ".truncate", fmt::format("must be true or false, got {}", it->dump()));
+      r.truncate = it->get<bool>();
+    }
+  }
+  return Status::ok_status();
+}
+
+}  // namespace
 
 Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string& source, bool allow_rope_scaling) {
   json root;
@@ -91,6 +266,7 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   if (!parse_json(text, &root, &jerr)) return Status(StatusCode::kCorrupt, source + ": " + jerr.message());
   if (!root.is_object()) return Status(StatusCode::kCorrupt, source + ": not a JSON object");
   LlamaConfig c;
+  c.source_json = root.dump();
 
   auto get_uint = [&](const char* key, bool required, uint64_t* out, uint64_t max) -> Status {
     auto it = root.find(key);
@@ -153,8 +329,8 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   c.num_key_value_heads = static_cast<uint32_t>(kv);
   STRATA_RETURN_IF_ERROR(get_uint("max_position_embeddings", false, &c.max_position_embeddings, kBig));
   STRATA_RETURN_IF_ERROR(get_double("rms_norm_eps", &c.rms_norm_eps));
-  STRATA_RETURN_IF_ERROR(get_double("rope_theta", &c.rope_theta));
   STRATA_RETURN_IF_ERROR(get_double("initializer_range", &c.initializer_range));
+  STRATA_RETURN_IF_ERROR(get_double("attention_dropout", &c.attention_dropout));
   STRATA_RETURN_IF_ERROR(get_bool("tie_word_embeddings", &c.tie_word_embeddings));
   STRATA_RETURN_IF_ERROR(get_token("bos_token_id", &c.bos_token_id));
   STRATA_RETURN_IF_ERROR(get_token("eos_token_id", &c.eos_token_id));
@@ -185,14 +361,7 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
     if (!it->is_string() || it->get<std::string>() != "silu")
       return key_error(source, "hidden_act", fmt::format("is {}; only \"silu\" (SwiGLU) is supported", it->dump()));
   }
-  if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null()) {
-    if (!allow_rope_scaling)
-      return key_error(source, "rope_scaling",
-                       fmt::format("is {}; scaled rotary embeddings are not supported (set it to null to train "
-                                   "with plain RoPE at max_position_embeddings)",
-                                   it->dump()));
-    c.rope_scaling = it->dump();
-  }
+  STRATA_RETURN_IF_ERROR(parse_rope(root, source, allow_rope_scaling, &c));
   STRATA_RETURN_IF_ERROR(validate_llama_config(c).with_context(source));
   if (auto it = root.find("head_dim"); it != root.end() && !it->is_null()) {
     if (!it->is_number_unsigned() || it->get<uint64_t>() != c.head_dim())
@@ -218,6 +387,32 @@ Result<LlamaConfig> load_llama_config(const std::string& path, bool allow_rope_s
 }
 
 std::string llama_config_to_json(const LlamaConfig& c) {
+  const char* dtype = c.torch_dtype == DType::kBF16 ? "bfloat16" : c.torch_dtype == DType::kF16 ? "float16" : "float32";
+  if (!c.source_json.empty()) {
+    // The model's own config: every field (RoPE in its layout, generation
+    // settings, ...) as it was; only the dtype follows the exported weights.
+    // Used only while the fields Strata reads still say what it says (a
+    // config edited after parsing is written from its fields).
+    json src = json::parse(c.source_json, nullptr, false);
+    auto same = parse_llama_config(c.source_json, "source", !c.rope_scaling.empty());
+    const bool unchanged =
+        same.ok() && same->hidden_size == c.hidden_size && same->intermediate_size == c.intermediate_size &&
+        same->num_hidden_layers == c.num_hidden_layers && same->num_attention_heads == c.num_attention_heads &&
+        same->num_key_value_heads == c.num_key_value_heads && same->vocab_size == c.vocab_size &&
+        same->rms_norm_eps == c.rms_norm_eps && same->rope == c.rope &&
+        same->max_position_embeddings == c.max_position_embeddings &&
+        same->tie_word_embeddings == c.tie_word_embeddings && same->bos_token_id == c.bos_token_id &&
+        same->eos_token_id == c.eos_token_id && same->initializer_range == c.initializer_range &&
+        same->attention_dropout == c.attention_dropout && same->rope_scaling == c.rope_scaling;
+    if (unchanged && src.is_object()) {
+      bool set = false;
+      for (const char* key : {"torch_dtype", "dtype"}) {
+        if (src.contains(key)) src[key] = dtype, set = true;
+      }
+      if (!set) src["torch_dtype"] = dtype;
+      return src.dump(2) + "\n";
+    }
+  }
   json j = {
       {"architectures", {"LlamaForCausalLM"}},
       {"model_type", "llama"},
@@ -229,7 +424,7 @@ std::string llama_config_to_json(const LlamaConfig& c) {
       {"head_dim", c.head_dim()},
       {"vocab_size", c.vocab_size},
       {"rms_norm_eps", c.rms_norm_eps},
-      {"rope_theta", c.rope_theta},
+      {"rope_theta", c.rope.theta},
       {"rope_scaling", nullptr},
       {"max_position_embeddings", c.max_position_embeddings},
       {"tie_word_embeddings", c.tie_word_embeddings},
@@ -240,13 +435,31 @@ std::string llama_config_to_json(const LlamaConfig& c) {
       {"initializer_range", c.initializer_range},
       {"pretraining_tp", 1},
       {"use_cache", true},
-      {"torch_dtype", c.torch_dtype == DType::kBF16  ? "bfloat16"
-                      : c.torch_dtype == DType::kF16 ? "float16"
-                                                     : "float32"},
+      {"torch_dtype", dtype},
   };
   j["bos_token_id"] = c.bos_token_id >= 0 ? json(c.bos_token_id) : json(nullptr);
   j["eos_token_id"] = c.eos_token_id >= 0 ? json(c.eos_token_id) : json(nullptr);
-  if (!c.rope_scaling.empty()) j["rope_scaling"] = json::parse(c.rope_scaling, nullptr, false);
+  if (!c.rope_scaling.empty()) {
+    j["rope_scaling"] = json::parse(c.rope_scaling, nullptr, false);
+  } else if (c.rope.type != RopeType::kDefault) {
+    const RopeSettings& r = c.rope;
+    json s = {{"rope_type", rope_type_name(r.type)}, {"factor", r.factor}};
+    if (r.type == RopeType::kLlama3) {
+      s["low_freq_factor"] = r.low_freq_factor;
+      s["high_freq_factor"] = r.high_freq_factor;
+    }
+    if (r.type == RopeType::kLlama3 || r.type == RopeType::kYarn)
+      s["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    if (r.type == RopeType::kYarn) {
+      s["beta_fast"] = r.beta_fast;
+      s["beta_slow"] = r.beta_slow;
+      s["truncate"] = r.truncate;
+      if (r.attention_factor) s["attention_factor"] = *r.attention_factor;
+      if (r.mscale) s["mscale"] = *r.mscale;
+      if (r.mscale_all_dim) s["mscale_all_dim"] = *r.mscale_all_dim;
+    }
+    j["rope_scaling"] = s;
+  }
   return j.dump(2) + "\n";
 }
 

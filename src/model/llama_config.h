@@ -16,6 +16,7 @@
 
 #include "common/dtype.h"
 #include "common/status.h"
+#include "model/rope.h"
 #include "model/safetensors.h"
 #include "runtime/model_spec.h"
 
@@ -29,17 +30,24 @@ struct LlamaConfig {
   uint32_t num_key_value_heads = 0;  // config default: num_attention_heads
   uint64_t vocab_size = 0;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
+  // RoPE from either layout: transformers 4.x (`rope_theta`, `rope_scaling`)
+  // or 5.x (`rope_parameters`), resolved as transformers resolves them.
+  RopeSettings rope;
   uint64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::kBF16;  // "bfloat16" | "float16" | "float32"
   int64_t bos_token_id = -1;         // -1: absent / null (a list: its first id)
   int64_t eos_token_id = -1;
   double initializer_range = 0.02;  // std of the normal init (init-model)
-  // JSON text of a non-null rope_scaling; only ever set when parsing with
-  // allow_rope_scaling (planning needs shapes only; the trainer does not
-  // implement scaled rotary embeddings and must refuse it).
+  double attention_dropout = 0.0;   // training-mode dropout in transformers; Strata has none (warned)
+  // JSON text of a RoPE scaling Strata does not implement (dynamic, longrope,
+  // ...); only ever set when parsing with allow_rope_scaling (planning needs
+  // shapes only; the trainer refuses it).
   std::string rope_scaling;
+  // The config.json object as read (compact JSON), so an export writes the
+  // model's own config back (same layout, same fields) with only the dtype
+  // changed. Empty for configs made by Strata.
+  std::string source_json;
 
   uint64_t head_dim() const { return num_attention_heads ? hidden_size / num_attention_heads : 0; }
   // The runtime's view: layers, dim, heads, kv_heads, ffn_dim, vocab, tied,
@@ -56,16 +64,21 @@ Status validate_llama_config(const LlamaConfig& c);
 // (kInvalidArgument / kCorrupt for bad JSON) name the key: missing required
 // key, wrong type, a model_type other than "llama" or architectures other
 // than LlamaForCausalLM, head_dim != hidden_size / num_attention_heads,
-// rope_scaling not null (not supported; allow_rope_scaling keeps its text in
-// LlamaConfig::rope_scaling instead), attention_bias / mlp_bias true,
-// hidden_act other than "silu", unknown torch_dtype (absent: float32, as
-// Hugging Face loads it). Unknown extra keys are ignored.
+// a RoPE type other than default/linear/llama3/yarn (allow_rope_scaling
+// keeps its text in LlamaConfig::rope_scaling instead), a missing or unknown
+// key in the RoPE settings, partial_rotary_factor other than 1, attention_bias
+// / mlp_bias true, hidden_act other than "silu", unknown torch_dtype (absent:
+// float32, as Hugging Face loads it). Other keys are ones Llama's modeling
+// code in transformers never reads (generation settings, token ids, ...):
+// ignored, as transformers ignores them.
 Result<LlamaConfig> parse_llama_config(std::string_view json_text, const std::string& source = "config.json",
                                        bool allow_rope_scaling = false);
 // Reads and parses a file. Blocking.
 Result<LlamaConfig> load_llama_config(const std::string& path, bool allow_rope_scaling = false);
-// config.json text in Hugging Face's layout (architectures, model_type,
-// every field above, head_dim, hidden_act "silu", rope_scaling null, ...).
+// config.json text: the source config (source_json) with its dtype set to
+// torch_dtype, or, for a config Strata made, Hugging Face's 4.x layout
+// (architectures, model_type, every field above, head_dim, hidden_act "silu",
+// rope_theta and rope_scaling, ...).
 std::string llama_config_to_json(const LlamaConfig& c);
 // Writes llama_config_to_json atomically (temp + fsync + rename). Blocking.
 Status save_llama_config(const LlamaConfig& c, const std::string& path);

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "model/rope.h"
+
 namespace strata::train::cpu {
 namespace {
 
@@ -147,21 +149,29 @@ void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx,
 // ---------------------------------------------------------------- RoPE
 
 template <typename S>
-void RopeTable<S>::init(int64_t max_seq_, int64_t head_dim, double theta) {
+void RopeTable<S>::init(int64_t max_seq_, int64_t head_dim, double theta, const std::vector<float>& inv_freq,
+                        float scaling) {
   max_seq = max_seq_;
   half = head_dim / 2;
   cos.assign(static_cast<size_t>(max_seq * half), S(0));
   sin.assign(static_cast<size_t>(max_seq * half), S(0));
+  // HF: the angles are pos * inv_freq in fp32 (inv_freq a float tensor, from
+  // model/rope.h here); cos/sin times the attention scaling. The double build
+  // uses the same rounded frequencies so both builds compute the same function.
+  std::vector<float> freqs = inv_freq;
+  if (freqs.empty()) {
+    model::RopeSettings r;
+    r.theta = theta;
+    freqs = model::rope_frequencies(r, head_dim).inv_freq;
+  }
   for (int64_t i = 0; i < half; ++i) {
-    // HF: inv_freq = 1 / theta^(arange(0, hd, 2) / hd), a float tensor; the
-    // angles are pos * inv_freq in fp32. The double build uses the same
-    // rounded values so both builds compute the same function.
-    const float inv_freq = static_cast<float>(
-        1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(head_dim)));
     for (int64_t t = 0; t < max_seq; ++t) {
-      const float angle = static_cast<float>(t) * inv_freq;
-      cos[t * half + i] = static_cast<S>(std::cos(static_cast<double>(angle)));
-      sin[t * half + i] = static_cast<S>(std::sin(static_cast<double>(angle)));
+      const float angle = static_cast<float>(t) * freqs[static_cast<size_t>(i)];
+      S c = static_cast<S>(std::cos(static_cast<double>(angle)));
+      S s = static_cast<S>(std::sin(static_cast<double>(angle)));
+      if (scaling != 1.0f) c = c * static_cast<S>(scaling), s = s * static_cast<S>(scaling);
+      cos[t * half + i] = c;
+      sin[t * half + i] = s;
     }
   }
 }
@@ -376,7 +386,7 @@ LayerMath<S>::LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_s
     : d_(dims), max_tokens_(max_tokens) {
   const int64_t n = max_tokens, D = dims.dim, qd = dims.q_dim(), kvd = dims.kv_dim(),
                 F = dims.ffn_dim;
-  rope_.init(max_seq, dims.head_dim, dims.rope_theta);
+  rope_.init(max_seq, dims.head_dim, dims.rope_theta, dims.rope_inv_freq, dims.rope_attention_scaling);
   scratch_.init(attn_slots, max_seq);
   resize(rstd1_, n);
   resize(n1_, n * D);

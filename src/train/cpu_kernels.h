@@ -63,7 +63,10 @@ template <typename S>
 struct RopeTable {
   int64_t max_seq = 0, half = 0;
   std::vector<S> cos, sin;  // [max_seq, half]
-  void init(int64_t max_seq, int64_t head_dim, double theta);
+  // inv_freq: head_dim / 2 values (LlamaDims::rope_inv_freq), empty: the
+  // default RoPE of `theta`; cos/sin are multiplied by `scaling`.
+  void init(int64_t max_seq, int64_t head_dim, double theta, const std::vector<float>& inv_freq = {},
+            float scaling = 1.0f);
 };
 // In place on x[n = B*T, heads * head_dim]; position of row r is r % T.
 // inverse = true applies the transposed rotation (the backward).

@@ -129,6 +129,8 @@ Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
   d.vocab = o.dims.vocab;
   d.rms_eps = o.dims.rms_eps;
   d.rope_theta = o.dims.rope_theta;
+  d.rope_inv_freq = o.dims.rope_inv_freq.empty() ? nullptr : o.dims.rope_inv_freq.data();
+  d.rope_attention_scaling = o.dims.rope_attention_scaling;
   d.max_tokens = o.max_batch * o.max_seq;
   d.max_seq = o.max_seq;
   d.allow_tf32 = o.allow_tf32 ? 1 : 0;

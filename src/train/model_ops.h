@@ -13,9 +13,10 @@
 //   head:   logits = rmsnorm(x, norm) @ lm_head^T;  loss = mean cross-entropy
 //   rmsnorm(x, w) = w * (x * rsqrt(mean(x^2) + rms_eps))   (weight applied last)
 //   rope:   HF rotate_half convention: element i pairs with i + head_dim/2;
-//           position ids 0..T-1 in every sequence; inv_freq[i] =
-//           rope_theta^(-2i/head_dim) computed in double, then rounded to
-//           float; angle = float(pos) * inv_freq[i] in fp32 (as HF does).
+//           position ids 0..T-1 in every sequence; inv_freq as
+//           model/rope.h computes it for the config's RoPE type (default:
+//           1 / rope_theta^(2i/head_dim)); angle = float(pos) * inv_freq[i]
+//           in fp32 and cos/sin times the attention scaling (as HF does).
 //   attn:   causal, grouped-query (query head h reads kv head
 //           h / (heads / kv_heads)), scale 1/sqrt(head_dim), softmax in fp32
 //           with max subtraction. No attention mask besides causality: every
@@ -87,6 +88,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common/dtype.h"
 #include "common/status.h"
@@ -103,6 +105,11 @@ struct LlamaDims {
   int64_t vocab = 0;     // vocab_size
   double rms_eps = 1e-6;       // rms_norm_eps
   double rope_theta = 10000.0; // rope_theta
+  // RoPE inverse frequencies (head_dim / 2; model/rope.h computes them for
+  // every supported type); empty: the default type's from rope_theta. cos and
+  // sin are multiplied by rope_attention_scaling (yarn's attention factor).
+  std::vector<float> rope_inv_freq;
+  float rope_attention_scaling = 1.0f;
   bool tied = false;           // tie_word_embeddings
 
   int64_t q_dim() const { return heads * head_dim; }

@@ -95,8 +95,19 @@ Status Trainer::Impl::open_model() {
   dims.ffn_dim = static_cast<int64_t>(mc.intermediate_size);
   dims.vocab = static_cast<int64_t>(mc.vocab_size);
   dims.rms_eps = mc.rms_norm_eps;
-  dims.rope_theta = mc.rope_theta;
+  dims.rope_theta = mc.rope.theta;
+  if (dims.head_dim > 0 && dims.head_dim % 2 == 0) {
+    model::RopeFrequencies f = model::rope_frequencies(mc.rope, dims.head_dim);
+    dims.rope_inv_freq = std::move(f.inv_freq);
+    dims.rope_attention_scaling = f.attention_scaling;
+  }
   dims.tied = mc.tie_word_embeddings;
+  if (mc.rope.type != model::RopeType::kDefault)
+    log_info("RoPE: {}", model::rope_describe(mc.rope));
+  if (mc.attention_dropout > 0)
+    log_warn("config.json sets attention_dropout {}; Strata trains without dropout (transformers would drop "
+             "attention probabilities in training mode)",
+             mc.attention_dropout);
   if (Status st = dims.validate(); !st.ok()) return st.with_context("model " + opt.model_dir);
   if (static_cast<uint64_t>(seq) > mc.max_position_embeddings)
     log_warn("sequence length {} is longer than the model's max_position_embeddings {}", seq,

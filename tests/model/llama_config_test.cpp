@@ -35,7 +35,7 @@ TEST(LlamaConfig, Llama2_70B) {
   EXPECT_EQ(c->vocab_size, 32000u);
   EXPECT_EQ(c->max_position_embeddings, 4096u);
   EXPECT_DOUBLE_EQ(c->rms_norm_eps, 1e-5);
-  EXPECT_DOUBLE_EQ(c->rope_theta, 10000.0);  // absent: the default
+  EXPECT_DOUBLE_EQ(c->rope.theta, 10000.0);  // absent: the default
   EXPECT_FALSE(c->tie_word_embeddings);
   EXPECT_EQ(c->torch_dtype, DType::kF16);
   EXPECT_EQ(c->bos_token_id, 1);
@@ -56,15 +56,125 @@ TEST(LlamaConfig, SmolLM135MTied) {
   EXPECT_EQ(decls.back().name, "model.norm.weight");
 }
 
-TEST(LlamaConfig, RopeScalingRefusedUnlessAllowed) {
-  auto refused = load_llama_config(kData + "/llama-3.1-8b-config.json");
-  expect_error(refused, "\"rope_scaling\"");
-  expect_error(refused, "not supported");
-  auto c = load_llama_config(kData + "/llama-3.1-8b-config.json", /*allow_rope_scaling=*/true);
+TEST(LlamaConfig, Llama31RopeIsRead) {
+  auto c = load_llama_config(kData + "/llama-3.1-8b-config.json");
   ASSERT_TRUE(c.ok()) << c.status().to_string();
-  EXPECT_NE(c->rope_scaling.find("llama3"), std::string::npos);
-  EXPECT_DOUBLE_EQ(c->rope_theta, 500000.0);
+  EXPECT_EQ(c->rope.type, RopeType::kLlama3);
+  EXPECT_DOUBLE_EQ(c->rope.theta, 500000.0);
+  EXPECT_DOUBLE_EQ(c->rope.factor, 8.0);
+  EXPECT_DOUBLE_EQ(c->rope.low_freq_factor, 1.0);
+  EXPECT_DOUBLE_EQ(c->rope.high_freq_factor, 4.0);
+  EXPECT_DOUBLE_EQ(c->rope.original_max_position_embeddings, 8192.0);
+  EXPECT_TRUE(c->rope_scaling.empty());
   EXPECT_EQ(param_count(*c), 8'030'261'248ull);  // published count of Llama-3.1-8B
+}
+
+// The 4.x and 5.x layouts of the same settings give the same RoPE; every
+// field that changes the math is read (theta inside rope_parameters was
+// ignored before: issue 11's silent wrong result).
+TEST(LlamaConfig, RopeInBothLayouts) {
+  const std::string base = R"("hidden_size":64,"intermediate_size":160,"num_hidden_layers":2,
+      "num_attention_heads":4,"vocab_size":256,"max_position_embeddings":4096)";
+  struct Case {
+    const char* v4;
+    const char* v5;
+    RopeSettings want;
+  };
+  RopeSettings def;
+  def.theta = 500000;
+  RopeSettings lin = def;
+  lin.type = RopeType::kLinear;
+  lin.factor = 2;
+  RopeSettings l3 = def;
+  l3.type = RopeType::kLlama3;
+  l3.factor = 8, l3.low_freq_factor = 1, l3.high_freq_factor = 4, l3.original_max_position_embeddings = 8192;
+  RopeSettings yarn;
+  yarn.theta = 1000000;
+  yarn.type = RopeType::kYarn;
+  yarn.factor = 4, yarn.original_max_position_embeddings = 1024, yarn.beta_fast = 16;
+  RopeSettings yarn_implicit = yarn;  // no factor: max_position_embeddings / original
+  yarn_implicit.beta_fast = 32;
+  const Case cases[] = {
+      {R"("rope_theta":500000,"rope_scaling":null)", R"("rope_parameters":{"rope_type":"default","rope_theta":500000})",
+       def},
+      {R"("rope_theta":500000,"rope_scaling":{"type":"linear","factor":2.0})",
+       R"("rope_parameters":{"rope_type":"linear","factor":2.0,"rope_theta":500000})", lin},
+      {R"("rope_theta":500000,"rope_scaling":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,
+          "high_freq_factor":4.0,"original_max_position_embeddings":8192})",
+       R"("rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+          "original_max_position_embeddings":8192,"rope_theta":500000.0})",
+       l3},
+      {R"("rope_theta":1000000,"rope_scaling":{"rope_type":"yarn","factor":4.0,"beta_fast":16,
+          "original_max_position_embeddings":1024})",
+       R"("rope_parameters":{"rope_type":"yarn","factor":4.0,"beta_fast":16,"original_max_position_embeddings":1024,
+          "rope_theta":1000000})",
+       yarn},
+      {R"("rope_theta":1000000,"rope_scaling":{"rope_type":"yarn","original_max_position_embeddings":1024})",
+       R"("rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":1024,"rope_theta":1000000})",
+       yarn_implicit},
+  };
+  for (const Case& k : cases) {
+    for (const char* layout : {k.v4, k.v5}) {
+      SCOPED_TRACE(layout);
+      const std::string text = "{" + base + "," + layout + "}";
+      auto c = parse_llama_config(text);
+      ASSERT_TRUE(c.ok()) << c.status().to_string();
+      EXPECT_TRUE(c->rope == k.want) << rope_describe(c->rope) << " vs " << rope_describe(k.want);
+      // The export writes the model's own config back: same layout, same
+      // RoPE (never a default theta in place of the model's).
+      c->torch_dtype = DType::kBF16;
+      const std::string out = llama_config_to_json(*c);
+      auto back = parse_llama_config(out, "export");
+      ASSERT_TRUE(back.ok()) << back.status().to_string();
+      EXPECT_TRUE(back->rope == k.want) << out;
+      EXPECT_EQ(back->torch_dtype, DType::kBF16);
+      EXPECT_EQ(out.find("rope_parameters") != std::string::npos, layout == k.v5) << out;
+    }
+  }
+  // rope_scaling wins over rope_parameters (transformers' priority), and
+  // theta inside the object over the top level.
+  auto c = parse_llama_config("{" + base + R"(,"rope_theta":10000,"rope_parameters":{"rope_type":"default",
+      "rope_theta":250000}})");
+  ASSERT_TRUE(c.ok());
+  EXPECT_DOUBLE_EQ(c->rope.theta, 250000.0);
+  // A top-level original_max_position_embeddings wins (transformers' exception).
+  c = parse_llama_config("{" + base + R"(,"original_max_position_embeddings":2048,"rope_parameters":{
+      "rope_type":"llama3","factor":8.0,"low_freq_factor":1.0,"high_freq_factor":4.0,
+      "original_max_position_embeddings":8192}})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_DOUBLE_EQ(c->rope.original_max_position_embeddings, 2048.0);
+}
+
+TEST(LlamaConfig, RopeSettingsStrataDoesNotImplementAreRefusedByName) {
+  const std::string base = R"({"hidden_size":64,"intermediate_size":160,"num_hidden_layers":2,
+      "num_attention_heads":4,"vocab_size":256,)";
+  struct Bad {
+    const char* tail;
+    const char* needle;
+  };
+  const Bad bad[] = {
+      {R"("rope_scaling":{"type":"dynamic","factor":2.0}})", "rope_scaling.rope_type\" is \"dynamic\""},
+      {R"("rope_parameters":{"rope_type":"longrope","short_factor":[1],"long_factor":[1]}})", "\"longrope\""},
+      {R"("rope_parameters":{"rope_type":"linear","factor":2.0,"mrope_section":[1,2]}})",
+       "rope_parameters.mrope_section"},
+      {R"("rope_parameters":{"rope_type":"default","factor":2.0}})", "rope_parameters.factor"},
+      {R"("rope_parameters":{"rope_type":"linear"}})", "is required for RoPE type \"linear\""},
+      {R"("rope_parameters":{"rope_type":"llama3","factor":8.0,"low_freq_factor":1.0}})", "high_freq_factor"},
+      {R"("rope_parameters":{"rope_type":"default","partial_rotary_factor":0.5}})", "partial_rotary_factor"},
+      {R"("partial_rotary_factor":0.5})", "partial_rotary_factor"},
+      {R"("rope_parameters":{"full_attention":{"rope_type":"default"}}})", "per-layer-type"},
+      {R"("rope_parameters":"yes"})", "must be an object or null"},
+      {R"("rope_parameters":{"rope_type":"default","rope_theta":"big"}})", "rope_parameters.rope_theta"},
+      {R"("rope_scaling":{"rope_type":"linear","factor":-2}})", "must be positive"},
+  };
+  for (const Bad& b : bad) {
+    SCOPED_TRACE(b.tail);
+    expect_error(parse_llama_config(base + b.tail), b.needle);
+  }
+  // Planning accepts a type it cannot train (shapes only) and keeps its text.
+  auto c = parse_llama_config(base + R"("rope_scaling":{"type":"dynamic","factor":2.0}})", "config.json", true);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_NE(c->rope_scaling.find("dynamic"), std::string::npos);
 }
 
 // A small GQA model: 64 wide, 8 heads of 8 over 2 kv heads, FFN 160, vocab 100.
@@ -146,7 +256,7 @@ TEST(LlamaConfig, DefaultsAndRoundTrip) {
   EXPECT_EQ(c->bos_token_id, -1);
   c->torch_dtype = DType::kBF16;
   c->tie_word_embeddings = true;
-  c->rope_theta = 500000;
+  c->rope.theta = 500000;
   c->eos_token_id = 7;
   auto back = parse_llama_config(llama_config_to_json(*c), "round trip");
   ASSERT_TRUE(back.ok()) << back.status().to_string();
@@ -154,7 +264,7 @@ TEST(LlamaConfig, DefaultsAndRoundTrip) {
   EXPECT_EQ(back->num_key_value_heads, 4u);
   EXPECT_EQ(back->torch_dtype, DType::kBF16);
   EXPECT_TRUE(back->tie_word_embeddings);
-  EXPECT_DOUBLE_EQ(back->rope_theta, 500000.0);
+  EXPECT_DOUBLE_EQ(back->rope.theta, 500000.0);
   EXPECT_EQ(back->eos_token_id, 7);
   EXPECT_EQ(back->bos_token_id, -1);
   EXPECT_NE(llama_config_to_json(*c).find("\"head_dim\": 16"), std::string::npos);

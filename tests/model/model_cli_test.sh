@@ -98,10 +98,17 @@ expect_error "2 sizes for 1 directories" --model "$cfg70" --gpu-mem 24GiB --nvme
 expect_error "--optimizer-states" --model "$cfg70" --gpu-mem 24GiB --optimizer-states fp16
 expect_error "--batch must be at least 1" --model "$cfg70" --gpu-mem 24GiB --batch 0
 expect_error "--h2d-gbps must be a positive number" --model "$cfg70" --gpu-mem 24GiB --h2d-gbps -3
-# rope_scaling does not change shapes: planning proceeds and says so.
+# Llama 3.1's llama3 RoPE is implemented: planning proceeds without a note.
 out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 80GB --host-mem 256GiB --no-measure 2>&1) ||
   fail "8B plan exited $?: $out"
-[[ $out == *"rope_scaling is ignored for planning"* ]] || fail "8B plan does not mention rope_scaling: $out"
+[[ $out != *"rope_scaling is ignored"* ]] || fail "8B plan calls its llama3 RoPE unsupported: $out"
+# A RoPE type Strata does not train (dynamic) does not change shapes: planning
+# proceeds and says so.
+sed 's/"rope_type": "llama3"/"rope_type": "dynamic"/' "$data/llama-3.1-8b-config.json" >"$dir/dynamic.json"
+grep -q '"dynamic"' "$dir/dynamic.json" || fail "could not make the dynamic-RoPE config"
+out=$("$strata" plan --model "$dir/dynamic.json" --gpu-mem 80GB --host-mem 256GiB --no-measure 2>&1) ||
+  fail "dynamic-RoPE plan exited $?: $out"
+[[ $out == *"rope_scaling is ignored for planning"* ]] || fail "dynamic-RoPE plan does not mention it: $out"
 echo '{"hidden_size": 64}' >"$dir/bad.json"
 expect_error "\"intermediate_size\" is missing" --model "$dir/bad.json" --gpu-mem 24GiB
 expect_error "--nope" --model "$cfg70" --nope

@@ -13,6 +13,7 @@
 #include "common/float_convert.h"
 #include "model/safetensors.h"
 #include "model_test_util.h"
+#include "test_util/reference_python.h"
 
 namespace strata::model {
 namespace {
@@ -295,22 +296,10 @@ TEST(SafetensorsFile, ShardsAndIndex) {
 
 // The reference implementation (Python safetensors + torch) reads what
 // Strata writes and Strata reads what it writes.
-std::string find_python() {
-  std::vector<std::string> candidates;
-  if (std::strlen(STRATA_TEST_PYTHON) > 0) candidates.push_back(STRATA_TEST_PYTHON);
-  candidates.push_back("/tmp/torchvenv/bin/python");  // where this project's set-up puts torch
-  candidates.push_back("python3");
-  for (const auto& py : candidates) {
-    std::string cmd = py + " -c 'import torch, safetensors.torch' >/dev/null 2>&1";
-    if (std::system(cmd.c_str()) == 0) return py;
-  }
-  return "";
-}
-
 TEST(SafetensorsFile, PythonReferenceInterop) {
-  const std::string py = find_python();
+  const std::string py = strata::testing::find_reference_python(STRATA_TEST_PYTHON, "torch, safetensors.torch");
   if (py.empty())
-    GTEST_SKIP() << "no Python with torch and safetensors (configure with -DSTRATA_TEST_PYTHON=/path/to/python)";
+    STRATA_REFERENCE_MISSING("no Python with torch and safetensors (configure with -DSTRATA_TEST_PYTHON=/path/to/python)");
   TempDir dir;
   ASSERT_TRUE(dir.ok());
   // Values exact in every dtype: (i % 17 - 8) / 4.

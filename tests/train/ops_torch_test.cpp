@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "small_model.h"
+#include "test_util/reference_python.h"
 #include "train/model_ops.h"
 
 namespace strata::train {
@@ -57,10 +58,10 @@ class OpsVsTorch : public ::testing::TestWithParam<bool> {};
 TEST_P(OpsVsTorch, LogitsLossAndGradients) {
   const std::string python = STRATA_OPS_TORCH_PYTHON;
   if (python.empty())
-    GTEST_SKIP() << "no Python that can import torch was found at configure time "
-                    "(set STRATA_TEST_PYTHON, or install torch for python3)";
+    STRATA_REFERENCE_MISSING("no Python that can import torch was found at configure time "
+                             "(set STRATA_TEST_PYTHON, or install torch for python3)");
   if (std::system((python + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0)
-    GTEST_SKIP() << python << " cannot import torch";
+    STRATA_REFERENCE_MISSING(python + " cannot import torch");
 
   const bool tied = GetParam();
   const LlamaDims d = testing::small_dims(/*ffn_dim=*/160, /*vocab=*/97, tied);
