@@ -1,0 +1,164 @@
+#!/usr/bin/env python3
+"""`strata finetune` against Hugging Face transformers on models transformers writes.
+
+For each case a tiny model is built with transformers (random init, fp32) and
+written with save_pretrained, in transformers 5's config layout
+(rope_parameters) and rewritten into the 4.x layout (rope_theta and
+rope_scaling at the top level). Strata fine-tunes it for one step on a u32 token
+file; its validation loss before training (the same windows Strata's data
+split defines: the validation part cut into seq+1-token windows at stride seq,
+batch 0) must equal transformers' float64 loss on those windows to fp32
+rounding (relative 1e-6). A negative control shows the check would catch the
+old bug: the same model with the RoPE settings dropped (theta 10000, no
+scaling) gives a loss that differs by far more than the tolerance. The export
+must load back in transformers with the same RoPE settings it was given.
+
+    hf_reference_test.py STRATA_BINARY
+
+Exit 0: every case passed; 1: a case failed; 77: torch/transformers missing
+(a failure instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+except ImportError as e:  # pragma: no cover - depends on the machine
+    msg = f"hf_reference_test: skipped: cannot import torch/transformers ({e})"
+    if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+        print(msg.replace("skipped", "FAILED") + " (STRATA_REQUIRE_REFERENCE=1)")
+        sys.exit(1)
+    print(msg)
+    sys.exit(77)
+
+SEQ, BATCH = 64, 2
+TOL = 1e-6  # relative: fp32 compute against float64 (issue 11: within 1e-6 on the loss)
+
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+             rms_norm_eps=1e-5, initializer_range=0.15)
+
+CASES = [
+    ("default_theta_10k", dict(rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    ("default_theta_500k", dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0})),
+    ("default_theta_500k_tied", dict(rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+                                     tie_word_embeddings=True)),
+    ("linear", dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 10000.0})),
+    ("llama3", dict(rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                     "rope_theta": 500000.0})),
+    ("yarn", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
+                                   "rope_theta": 10000.0})),
+]
+
+
+def to_v4_layout(config_path):
+    """Rewrites a transformers-5 config.json into the 4.x layout."""
+    with open(config_path) as f:
+        c = json.load(f)
+    rp = c.pop("rope_parameters")
+    c["rope_theta"] = rp.pop("rope_theta")
+    rp.pop("partial_rotary_factor", None)
+    c["rope_scaling"] = None if rp.get("rope_type") == "default" else rp
+    with open(config_path, "w") as f:
+        json.dump(c, f, indent=2)
+
+
+def val_windows(tokens, val_fraction):
+    n = len(tokens)
+    v = int(n * val_fraction)
+    val = tokens[n - v:]
+    wins = [val[i * SEQ:i * SEQ + SEQ + 1] for i in range((len(val) - 1) // SEQ)]
+    return torch.stack(wins[:BATCH])
+
+
+def hf_loss(model_dir, windows, drop_rope=False):
+    cfg = AutoConfig.from_pretrained(model_dir)
+    if drop_rope:
+        cfg.rope_parameters = {"rope_type": "default", "rope_theta": 10000.0}
+    m = AutoModelForCausalLM.from_pretrained(model_dir, config=cfg, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = m(input_ids=windows[:, :-1]).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                                 windows[:, 1:].reshape(-1)).item()
+
+
+def run_case(strata, work, name, extra, layout):
+    d = os.path.join(work, f"{name}.{layout}")
+    torch.manual_seed(1234)
+    cfg = LlamaConfig(**SHAPE, **extra)
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    model.save_pretrained(d + "/model")
+    if layout == "v4":
+        to_v4_layout(d + "/model/config.json")
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2 * (BATCH * SEQ + 1),), generator=g, dtype=torch.int64)
+    tokens.to(torch.int32).numpy().tofile(d + "/tokens.u32")
+    windows = val_windows(tokens, 0.5)
+    want = hf_loss(d + "/model", windows)
+    wrong = hf_loss(d + "/model", windows, drop_rope=True)
+    cmd = [strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32", "--data-format", "u32",
+           "--val-fraction", "0.5", "--seq", str(SEQ), "--batch", str(BATCH), "--eval-batches", "1",
+           "--steps", "1", "--lr", "1e-4", "--out", d + "/out", "--offload-params", "cpu",
+           "--offload-optimizer", "cpu", "--device", "cpu", "--progress", "quiet"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"strata finetune exited {r.returncode}: {r.stderr.strip()[-2000:]}"
+    got = None
+    with open(d + "/out/metrics.jsonl") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "eval":
+                got = e["val_loss"]
+                break
+    if got is None:
+        return "no eval line in metrics.jsonl"
+    rel = abs(got - want) / abs(want)
+    control = abs(wrong - want) / abs(want)
+    print(f"  {name:26s} {layout}: strata {got:.10f}  transformers (float64) {want:.10f}  rel {rel:.2e}"
+          f"   (RoPE ignored: rel {control:.2e})")
+    problems = []
+    if not rel <= TOL:
+        problems.append(f"loss differs by {rel:.3e} relative (tolerance {TOL})")
+    if name != "default_theta_10k" and not control > 10 * TOL:
+        problems.append(f"negative control too weak: ignoring RoPE changes the loss by only {control:.3e}")
+    # The export loads in transformers with the RoPE it was given.
+    ref = AutoConfig.from_pretrained(d + "/model").rope_parameters
+    exp = AutoConfig.from_pretrained(d + "/out/model").rope_parameters
+    if ref != exp:
+        problems.append(f"export changed the RoPE settings: {ref} -> {exp}")
+    AutoModelForCausalLM.from_pretrained(d + "/out/model")
+    return "; ".join(problems)
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__)
+        return 2
+    strata = os.path.abspath(sys.argv[1])
+    work = tempfile.mkdtemp(prefix="strata-hf-ref-")
+    print(f"hf_reference_test: torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"seq {SEQ}, batch {BATCH}")
+    failed = []
+    try:
+        for name, extra in CASES:
+            for layout in ("v5", "v4"):
+                err = run_case(strata, work, name, extra, layout)
+                if err:
+                    failed.append(f"{name} ({layout} layout): {err}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for f in failed:
+        print("FAILED " + f)
+    print(f"hf_reference_test: {2 * len(CASES) - len(failed)} of {2 * len(CASES)} cases passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
