@@ -258,7 +258,12 @@ Status parse_rope(const json& root, const std::string& source, bool allow_unsupp
   return Status::ok_status();
 }
 
+constexpr uint64_t kBigWindow = uint64_t{1} << 40;  // sliding_window's bound
+
 }  // namespace
+
+const char* model_arch_type(ModelArch a) { return a == ModelArch::kMistral ? "mistral" : "llama"; }
+const char* model_arch_class(ModelArch a) { return a == ModelArch::kMistral ? "MistralForCausalLM" : "LlamaForCausalLM"; }
 
 Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string& source, bool allow_rope_scaling) {
   json root;
@@ -303,16 +308,46 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
     return Status::ok_status();
   };
 
+  // The architecture: model_type and architectures must agree with each other.
+  bool typed = false;
   if (auto it = root.find("model_type"); it != root.end() && !it->is_null()) {
-    if (!it->is_string() || it->get<std::string>() != "llama")
-      return key_error(source, "model_type", fmt::format("is {}; only \"llama\" is supported", it->dump()));
+    const std::string v = it->is_string() ? it->get<std::string>() : "";
+    if (v == "llama") {
+      c.arch = ModelArch::kLlama;
+    } else if (v == "mistral") {
+      c.arch = ModelArch::kMistral;
+    } else {
+      return key_error(source, "model_type",
+                       fmt::format("is {}; supported: \"llama\", \"mistral\"", clip_for_message(it->dump(), 100)));
+    }
+    typed = true;
   }
   if (auto it = root.find("architectures"); it != root.end() && !it->is_null()) {
     if (!it->is_array()) return key_error(source, "architectures", "must be a list of names");
-    for (const auto& a : *it)
-      if (!a.is_string() || a.get<std::string>() != "LlamaForCausalLM")
+    for (const auto& a : *it) {
+      const std::string v = a.is_string() ? a.get<std::string>() : "";
+      const bool llama = v == "LlamaForCausalLM", mistral = v == "MistralForCausalLM";
+      if (!llama && !mistral)
         return key_error(source, "architectures",
-                         fmt::format("names {}; only LlamaForCausalLM is supported", a.dump()));
+                         fmt::format("names {}; supported: LlamaForCausalLM, MistralForCausalLM",
+                                     clip_for_message(a.dump(), 100)));
+      const ModelArch arch = llama ? ModelArch::kLlama : ModelArch::kMistral;
+      if (typed && arch != c.arch)
+        return key_error(source, "architectures",
+                         fmt::format("names {} but model_type is \"{}\"", v, model_arch_type(c.arch)));
+      c.arch = arch;
+      typed = true;
+    }
+  }
+  // Mistral's attention sees the last sliding_window tokens (null: all).
+  // Llama's modeling code never reads the key.
+  if (c.arch == ModelArch::kMistral) {
+    uint64_t w = 0;
+    STRATA_RETURN_IF_ERROR(get_uint("sliding_window", false, &w, kBigWindow));
+    if (auto it = root.find("sliding_window"); it != root.end() && !it->is_null()) {
+      if (w == 0) return key_error(source, "sliding_window", "must be positive or null");
+      c.sliding_window = w;
+    }
   }
   constexpr uint64_t k32 = UINT32_MAX;
   constexpr uint64_t kBig = uint64_t{1} << 40;
@@ -403,7 +438,8 @@ std::string llama_config_to_json(const LlamaConfig& c) {
         same->max_position_embeddings == c.max_position_embeddings &&
         same->tie_word_embeddings == c.tie_word_embeddings && same->bos_token_id == c.bos_token_id &&
         same->eos_token_id == c.eos_token_id && same->initializer_range == c.initializer_range &&
-        same->attention_dropout == c.attention_dropout && same->rope_scaling == c.rope_scaling;
+        same->attention_dropout == c.attention_dropout && same->rope_scaling == c.rope_scaling &&
+        same->arch == c.arch && same->sliding_window == c.sliding_window;
     if (unchanged && src.is_object()) {
       bool set = false;
       for (const char* key : {"torch_dtype", "dtype"}) {
@@ -414,8 +450,8 @@ std::string llama_config_to_json(const LlamaConfig& c) {
     }
   }
   json j = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {model_arch_class(c.arch)}},
+      {"model_type", model_arch_type(c.arch)},
       {"hidden_size", c.hidden_size},
       {"intermediate_size", c.intermediate_size},
       {"num_hidden_layers", c.num_hidden_layers},

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,7 +23,19 @@
 
 namespace strata::model {
 
+// The architectures of the Llama family Strata implements. They share the
+// weight table (model/llama_weights.h) and the ops; Mistral adds a sliding
+// attention window.
+enum class ModelArch : uint8_t { kLlama = 0, kMistral };
+const char* model_arch_type(ModelArch a);   // config.json model_type: "llama", "mistral"
+const char* model_arch_class(ModelArch a);  // architectures: "LlamaForCausalLM", ...
+
 struct LlamaConfig {
+  ModelArch arch = ModelArch::kLlama;
+  // Mistral: attention sees the last `sliding_window` tokens; unset (null):
+  // all. The trainer refuses a sequence longer than the window (sliding
+  // attention is not implemented), so it never changes the math silently.
+  std::optional<uint64_t> sliding_window;
   uint64_t hidden_size = 0;
   uint64_t intermediate_size = 0;
   uint32_t num_hidden_layers = 0;
@@ -62,8 +75,9 @@ Status validate_llama_config(const LlamaConfig& c);
 
 // Parses config.json text. `source` (a path) prefixes messages. Errors
 // (kInvalidArgument / kCorrupt for bad JSON) name the key: missing required
-// key, wrong type, a model_type other than "llama" or architectures other
-// than LlamaForCausalLM, head_dim != hidden_size / num_attention_heads,
+// key, wrong type, a model_type other than "llama"/"mistral" or architectures
+// other than LlamaForCausalLM/MistralForCausalLM (or the two disagreeing),
+// head_dim != hidden_size / num_attention_heads,
 // a RoPE type other than default/linear/llama3/yarn (allow_rope_scaling
 // keeps its text in LlamaConfig::rope_scaling instead), a missing or unknown
 // key in the RoPE settings, partial_rotary_factor other than 1, attention_bias

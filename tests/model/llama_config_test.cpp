@@ -177,6 +177,28 @@ TEST(LlamaConfig, RopeSettingsStrataDoesNotImplementAreRefusedByName) {
   EXPECT_NE(c->rope_scaling.find("dynamic"), std::string::npos);
 }
 
+TEST(LlamaConfig, MistralAndItsSlidingWindow) {
+  const std::string base = R"({"hidden_size":64,"intermediate_size":160,"num_hidden_layers":2,
+      "num_attention_heads":4,"vocab_size":256,)";
+  auto c = parse_llama_config(base + R"("model_type":"mistral","architectures":["MistralForCausalLM"],
+      "sliding_window":4096})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->arch, ModelArch::kMistral);
+  EXPECT_EQ(c->sliding_window, std::optional<uint64_t>(4096));
+  c = parse_llama_config(base + R"("model_type":"mistral","sliding_window":null})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_FALSE(c->sliding_window.has_value());
+  // Llama's modeling code never reads sliding_window.
+  c = parse_llama_config(base + R"("model_type":"llama","sliding_window":16})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_FALSE(c->sliding_window.has_value());
+  expect_error(parse_llama_config(base + R"("model_type":"llama","architectures":["MistralForCausalLM"]})"),
+               "but model_type is \"llama\"");
+  expect_error(parse_llama_config(base + R"("model_type":"qwen2"})"), "supported: \"llama\", \"mistral\"");
+  expect_error(parse_llama_config(base + R"("architectures":["GPT2LMHeadModel"]})"), "MistralForCausalLM");
+  expect_error(parse_llama_config(base + R"("model_type":"mistral","sliding_window":0})"), "sliding_window");
+}
+
 // A small GQA model: 64 wide, 8 heads of 8 over 2 kv heads, FFN 160, vocab 100.
 LlamaConfig small_gqa_config(uint32_t layers) {
   LlamaConfig c;
@@ -281,7 +303,7 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
   expect_error(parse_llama_config(R"({"hidden_size":64,"head_dim":32,)" + base + "}"), "\"head_dim\" is 32");
   EXPECT_TRUE(parse_llama_config(R"({"hidden_size":64,"head_dim":16,)" + base + "}").ok());
   expect_error(parse_llama_config(R"({"hidden_size":64,"torch_dtype":"int8",)" + base + "}"), "\"torch_dtype\"");
-  expect_error(parse_llama_config(R"({"hidden_size":64,"model_type":"mistral",)" + base + "}"), "\"model_type\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"model_type":"gpt2",)" + base + "}"), "\"model_type\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"architectures":["GPT2LMHeadModel"],)" + base + "}"),
                "\"architectures\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"attention_bias":true,)" + base + "}"), "\"attention_bias\"");

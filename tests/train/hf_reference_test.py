@@ -28,7 +28,8 @@ import tempfile
 try:
     import torch
     import transformers
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+    from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                              MistralForCausalLM)
 except ImportError as e:  # pragma: no cover - depends on the machine
     msg = f"hf_reference_test: skipped: cannot import torch/transformers ({e})"
     if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
@@ -55,6 +56,11 @@ CASES = [
                                      "rope_theta": 500000.0})),
     ("yarn", dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32,
                                    "rope_theta": 10000.0})),
+    # Mistral: Llama's math with a sliding attention window (longer than SEQ here).
+    ("mistral", dict(arch="mistral", sliding_window=4096,
+                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ("mistral_no_window_tied", dict(arch="mistral", sliding_window=None, tie_word_embeddings=True,
+                                    rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 ]
 
 
@@ -62,7 +68,7 @@ def to_v4_layout(config_path):
     """Rewrites a transformers-5 config.json into the 4.x layout."""
     with open(config_path) as f:
         c = json.load(f)
-    rp = c.pop("rope_parameters")
+    rp = dict(c.pop("rope_parameters"))
     c["rope_theta"] = rp.pop("rope_theta")
     rp.pop("partial_rotary_factor", None)
     c["rope_scaling"] = None if rp.get("rope_type") == "default" else rp
@@ -92,8 +98,10 @@ def hf_loss(model_dir, windows, drop_rope=False):
 def run_case(strata, work, name, extra, layout):
     d = os.path.join(work, f"{name}.{layout}")
     torch.manual_seed(1234)
-    cfg = LlamaConfig(**SHAPE, **extra)
-    model = LlamaForCausalLM(cfg).to(torch.float32)
+    extra = dict(extra)
+    mistral = extra.pop("arch", "llama") == "mistral"
+    cfg = (MistralConfig if mistral else LlamaConfig)(**SHAPE, **extra)
+    model = (MistralForCausalLM if mistral else LlamaForCausalLM)(cfg).to(torch.float32)
     model.save_pretrained(d + "/model")
     if layout == "v4":
         to_v4_layout(d + "/model/config.json")
@@ -133,8 +141,25 @@ def run_case(strata, work, name, extra, layout):
     exp = AutoConfig.from_pretrained(d + "/out/model").rope_parameters
     if ref != exp:
         problems.append(f"export changed the RoPE settings: {ref} -> {exp}")
-    AutoModelForCausalLM.from_pretrained(d + "/out/model")
+    back = AutoModelForCausalLM.from_pretrained(d + "/out/model")
+    if type(back) is not type(model):
+        problems.append(f"export loads as {type(back).__name__}, not {type(model).__name__}")
     return "; ".join(problems)
+
+
+def sliding_window_refused(strata, work):
+    """A Mistral window shorter than the sequence: refused by name, not ignored."""
+    d = os.path.join(work, "mistral_short_window")
+    torch.manual_seed(1)
+    MistralForCausalLM(MistralConfig(**SHAPE, sliding_window=SEQ // 2)).save_pretrained(d + "/model")
+    torch.randint(0, SHAPE["vocab_size"], (4 * SEQ,), dtype=torch.int64).to(torch.int32).numpy().tofile(
+        d + "/tokens.u32")
+    r = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32", "--data-format",
+                        "u32", "--seq", str(SEQ), "--batch", "1", "--steps", "1", "--out", d + "/out", "--device",
+                        "cpu", "--progress", "quiet"], capture_output=True, text=True)
+    ok = r.returncode == 1 and "sliding_window" in r.stderr and f"--seq {SEQ // 2}" in r.stderr
+    print(f"  mistral sliding_window {SEQ // 2} < seq {SEQ}: exit {r.returncode}: {r.stderr.strip()[:200]}")
+    return "" if ok else f"not refused as expected (exit {r.returncode}): {r.stderr.strip()[:500]}"
 
 
 def main():
@@ -152,11 +177,15 @@ def main():
                 err = run_case(strata, work, name, extra, layout)
                 if err:
                     failed.append(f"{name} ({layout} layout): {err}")
+        err = sliding_window_refused(strata, work)
+        if err:
+            failed.append(f"sliding window: {err}")
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for f in failed:
         print("FAILED " + f)
-    print(f"hf_reference_test: {2 * len(CASES) - len(failed)} of {2 * len(CASES)} cases passed")
+    total = 2 * len(CASES) + 1
+    print(f"hf_reference_test: {total - len(failed)} of {total} cases passed")
     return 1 if failed else 0
 
 
