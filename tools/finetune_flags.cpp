@@ -64,6 +64,8 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   f->o_clip = cmd->add_option("--clip", f->clip, "Clip the global gradient norm to this (0: off)")
                   ->capture_default_str();
   f->o_wd = cmd->add_option("--weight-decay", f->weight_decay, "AdamW decoupled weight decay")->capture_default_str();
+  cmd->add_flag("--weight-decay-all", f->weight_decay_all,
+                "Weight decay on every parameter (default: Hugging Face's convention: none on biases and norm weights)");
   f->o_fp16 = cmd->add_flag("--fp16", f->fp16, "fp16 compute copies with dynamic loss scaling (default: fp32)");
   f->o_bf16 = cmd->add_flag("--bf16", f->bf16, "bf16 compute copies (default: fp32)");
   cmd->add_option("--save-every", f->save_every, "Save OUT/checkpoint-<step> every N steps (0: never)")
@@ -169,6 +171,7 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   if (f.steps < 0) return Status(StatusCode::kInvalidArgument, "--steps must be >= 0");
   if (f.steps > 0) STRATA_RETURN_IF_ERROR(train::validate_schedule(o->schedule).with_context("--lr/--min-lr/--warmup"));
   o->steps = f.steps;
+  o->weight_decay_all = f.weight_decay_all;
   if (f.batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
   if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
   // Counts a user may mistype: refused by name before any expensive work.

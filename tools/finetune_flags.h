@@ -39,6 +39,7 @@ struct FinetuneFlags {
   int64_t steps = 100;
   uint32_t batch = 4, seq = 256, grad_accum = 1;
   double lr = 1e-4, min_lr = 0, clip = 1.0, weight_decay = 0.0;
+  bool weight_decay_all = false;
   int64_t warmup = 0;
   std::string schedule = "cosine";
   bool fp16 = false, bf16 = false;

@@ -1,5 +1,7 @@
 #include "runtime/model_spec.h"
 
+#include <cctype>
+
 #include <fmt/format.h>
 
 #include <cassert>
@@ -7,6 +9,21 @@
 #include <unordered_set>
 
 namespace strata {
+
+bool hf_no_decay(std::string_view name) {
+  std::string n(name);
+  for (char& c : n) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  if (n.find("bias") != std::string::npos || n.find("layernorm") != std::string::npos ||
+      n.find("rmsnorm") != std::string::npos)
+    return true;
+  // (?:^|\.)norm(?:$|\.) and _norm(?:$|\.)
+  for (size_t pos = n.find("norm"); pos != std::string::npos; pos = n.find("norm", pos + 1)) {
+    const bool end = pos + 4 == n.size() || n[pos + 4] == '.';
+    if (!end) continue;
+    if (pos == 0 || n[pos - 1] == '.' || n[pos - 1] == '_') return true;
+  }
+  return false;
+}
 
 uint64_t ParamSpec::numel() const {
   uint64_t n = 1;

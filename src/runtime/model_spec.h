@@ -22,8 +22,18 @@ struct ParamSpec {
   std::vector<uint64_t> shape;  // empty shape: a scalar (1 element)
   DType compute_dtype = DType::kBF16;
   std::string group;  // unit of acquire/release, e.g. "layers.3"
+  // false: the optimizer never decays this parameter (weight_decay 0 for it);
+  // Hugging Face's Trainer convention for biases and norm weights
+  // (hf_no_decay below).
+  bool weight_decay = true;
   uint64_t numel() const;
 };
+
+// Hugging Face Trainer's rule (get_decay_parameter_names): no weight decay
+// for parameters whose name contains "bias", "layernorm" or "rmsnorm", or has
+// a component "norm" or ending in "_norm" (case-insensitive): biases and the
+// RMSNorm weights of a Llama model; embeddings and projections are decayed.
+bool hf_no_decay(std::string_view param_name);
 
 // Parameters in the order the trainer first uses them; groups appear in that
 // order too (a group's parameters need not be contiguous in the list).

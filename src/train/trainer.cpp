@@ -186,6 +186,7 @@ Result<EngineOptions> Trainer::Impl::engine_options() {
   auto spec = llama_model_spec(shape);
   if (!spec.ok()) return spec.status().with_context("model " + opt.model_dir);
   eo.model = std::move(spec).value();
+  for (ParamSpec& p : eo.model.params) p.weight_decay = opt.weight_decay_all || !hf_no_decay(p.name);
   return eo;
 }
 
@@ -421,6 +422,7 @@ std::string Trainer::Impl::settings_json() const {
                     {"beta2", o.beta2},
                     {"eps", o.eps},
                     {"weight_decay", o.weight_decay},
+                    {"weight_decay_all", opt.weight_decay_all},
                     {"gradient_clipping", opt.config.gradient_clipping}};
   return t.dump();
 }

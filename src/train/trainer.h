@@ -155,6 +155,10 @@ struct TrainerOptions {
   Config config;
   Schedule schedule;  // total: set from `steps`
   int64_t steps = 100;  // optimizer steps for the whole run (a resumed run counts the earlier ones)
+  // Weight decay (config.optimizer.weight_decay) on every parameter; false:
+  // Hugging Face Trainer's convention, none on biases and norm weights
+  // (hf_no_decay in runtime/model_spec.h).
+  bool weight_decay_all = false;
   uint32_t batch = 4;   // sequences per micro-batch
   int64_t eval_every = 0;     // 0: only before training and at the end
   uint32_t eval_batches = 8;  // validation batches per evaluation (capped at the distinct ones)

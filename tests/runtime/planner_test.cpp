@@ -470,5 +470,16 @@ TEST(Planner70B, PredictedStepTime) {
   EXPECT_EQ(bad.status().message(), "step time: the plan moves data over NVMe read but its bandwidth is not positive");
 }
 
+// Hugging Face Trainer's no-decay rule (get_decay_parameter_names' patterns).
+TEST(ModelSpec, HfNoDecayNames) {
+  for (const char* n : {"model.layers.0.input_layernorm.weight", "model.layers.3.post_attention_layernorm.weight",
+                        "model.norm.weight", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.self_attn.q_norm.weight",
+                        "norm", "encoder.LayerNorm.weight", "model.layers.1.RMSNorm.weight"})
+    EXPECT_TRUE(hf_no_decay(n)) << n;
+  for (const char* n : {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.self_attn.q_proj.weight",
+                        "model.layers.0.mlp.down_proj.weight", "model.normalizer.weight", "abnorm.weight"})
+    EXPECT_FALSE(hf_no_decay(n)) << n;
+}
+
 }  // namespace
 }  // namespace strata

@@ -39,6 +39,8 @@ except ImportError as e:  # pragma: no cover - depends on the machine
     sys.exit(77)
 
 SEQ, BATCH = 64, 2
+STEPS, LR, WD, CLIP = 3, 1e-3, 0.1, 1.0
+STEP_TOL = 1e-3  # |strata - torch| / |torch - initial| over all weights after STEPS AdamW steps
 TOL = 1e-6  # relative: fp32 compute against float64 (issue 11: within 1e-6 on the loss)
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -84,6 +86,29 @@ def val_windows(tokens, val_fraction):
     return torch.stack(wins[:BATCH])
 
 
+def torch_adamw(model_dir, train_windows):
+    """STEPS AdamW steps in float64 with the Hugging Face Trainer's parameter
+    groups (no decay on biases and norm weights), clipping, a constant lr."""
+    m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).train()
+    # Trainer.get_decay_parameter_names (transformers 5.24) without building a
+    # Trainer (which needs accelerate): its patterns over its helper.
+    from transformers.trainer_pt_utils import get_parameter_names
+    patterns = [r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)"]
+    decay = set(get_parameter_names(m, [torch.nn.LayerNorm], patterns))
+    params = dict(m.named_parameters())
+    groups = [{"params": [p for n, p in params.items() if n in decay], "weight_decay": WD},
+              {"params": [p for n, p in params.items() if n not in decay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        logits = m(input_ids=train_windows[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), train_windows[:, 1:].reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
+        opt.step()
+    return {n: p.detach() for n, p in m.state_dict().items()}, sorted(set(params) - decay)
+
+
 def hf_loss(model_dir, windows, drop_rope=False):
     cfg = AutoConfig.from_pretrained(model_dir)
     if drop_rope:
@@ -113,7 +138,8 @@ def run_case(strata, work, name, extra, layout):
     wrong = hf_loss(d + "/model", windows, drop_rope=True)
     cmd = [strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32", "--data-format", "u32",
            "--val-fraction", "0.5", "--seq", str(SEQ), "--batch", str(BATCH), "--eval-batches", "1",
-           "--steps", "1", "--lr", "1e-4", "--out", d + "/out", "--offload-params", "cpu",
+           "--steps", str(STEPS), "--lr", str(LR), "--schedule", "constant", "--weight-decay", str(WD),
+           "--clip", str(CLIP), "--out", d + "/out", "--offload-params", "cpu",
            "--offload-optimizer", "cpu", "--device", "cpu", "--progress", "quiet"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -141,9 +167,35 @@ def run_case(strata, work, name, extra, layout):
     exp = AutoConfig.from_pretrained(d + "/out/model").rope_parameters
     if ref != exp:
         problems.append(f"export changed the RoPE settings: {ref} -> {exp}")
-    back = AutoModelForCausalLM.from_pretrained(d + "/out/model")
+    back = AutoModelForCausalLM.from_pretrained(d + "/out/model", dtype=torch.float64)
     if type(back) is not type(model):
         problems.append(f"export loads as {type(back).__name__}, not {type(model).__name__}")
+    # STRATA_STEPS AdamW steps against torch.optim.AdamW: the training part is
+    # exactly BATCH windows (no slack, so no shift), so every step's batch is
+    # those windows, in some order (the loss and gradients do not depend on it).
+    n = len(tokens) - int(len(tokens) * 0.5)
+    train = tokens[:n]
+    train_windows = torch.stack([train[i * SEQ:i * SEQ + SEQ + 1] for i in range((n - 1) // SEQ)])
+    assert train_windows.shape[0] == BATCH
+    want_w, undecayed = torch_adamw(d + "/model", train_windows)
+    init = {k: v.double() for k, v in model.state_dict().items()}
+    got_w = back.state_dict()
+    num = den = 0.0
+    worst = (0.0, "")
+    for k, w in want_w.items():
+        if k not in got_w:
+            continue  # a tied lm_head
+        diff = (got_w[k] - w).norm().item()
+        upd = (w - init[k]).norm().item()
+        num += diff ** 2
+        den += upd ** 2
+        if upd > 0 and diff / upd > worst[0]:
+            worst = (diff / upd, k)
+    ratio = (num ** 0.5) / (den ** 0.5)
+    print(f"  {'':26s}     {STEPS} AdamW steps vs torch.optim.AdamW (float64, HF no-decay groups: "
+          f"{len(undecayed)} tensors): |diff| / |update| = {ratio:.2e} (worst tensor {worst[0]:.2e} {worst[1]})")
+    if not ratio <= STEP_TOL:
+        problems.append(f"weights after {STEPS} steps differ from torch by {ratio:.3e} of the update (tolerance {STEP_TOL})")
     return "; ".join(problems)
 
 

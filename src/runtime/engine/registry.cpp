@@ -160,6 +160,7 @@ void Registry::list_params_and_groups() {
     p.group = gid.at(s.group);
     p.numel = s.numel();
     p.dtype = s.compute_dtype;
+    p.weight_decay = s.weight_decay;
     p.shard = shard_range(p.numel, plan.world_size, plan.rank, cfg.strata.shard_alignment);
     const GroupPlan* gp = gplan.at(s.group);
     p.compute.tier = gp->tier[static_cast<int>(StateKind::kCompute)];

@@ -50,6 +50,7 @@ struct ParamState {
   GroupId group = 0;
   uint64_t numel = 0;
   DType dtype = DType::kBF16;  // compute dtype
+  bool weight_decay = true;    // ParamSpec::weight_decay
   ShardRange shard;
   ArrayLoc compute, master, state[2], grad;
   bool refresh_from_master = false;  // compute copy rebuilt from the master after a step

@@ -57,6 +57,7 @@ Status Stepper::allocate() {
       for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
       if (!p.refresh_from_master) t.params_out = p.compute.placement();
       groups_[gi].tensors.push_back(t);
+      (p.weight_decay ? groups_[gi].decayed : groups_[gi].undecayed).push_back(t);
     }
   }
   return {};
@@ -105,6 +106,17 @@ cpu_optim::OptimizerConfig Stepper::optimizer_config(double lr, double grad_scal
   return c;
 }
 
+Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step) {
+  GroupUpdate& g = groups_[gi];
+  if (!g.decayed.empty()) STRATA_RETURN_IF_ERROR(opt_->step_part(c, step, g.decayed));
+  if (!g.undecayed.empty()) {
+    cpu_optim::OptimizerConfig nd = c;
+    nd.weight_decay = 0;
+    STRATA_RETURN_IF_ERROR(opt_->step_part(nd, step, g.undecayed));
+  }
+  return {};
+}
+
 Status Stepper::group_stats(GroupId gi, double scale) {
   GroupUpdate& g = groups_[gi];
   auto r = opt_->grad_stats(g.tensors, scale);
@@ -123,7 +135,7 @@ void Stepper::run_group_update(GroupId gi) {
     if (g.nonfinite) {
       g.skipped = true;
     } else {
-      st = opt_->step_part(optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_, g.tensors);
+      st = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_);
       if (!st.ok())
         st = st.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
     }
@@ -182,7 +194,7 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
       for (GroupId g = 0; g < groups_.size(); ++g) {
-        Status s = opt_->step_part(oc, steps_ + 1, groups_[g].tensors);
+        Status s = step_group(g, oc, steps_ + 1);
         if (!s.ok())
           return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
       }

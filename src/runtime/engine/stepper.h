@@ -85,7 +85,10 @@ class Stepper {
 
  private:
   struct GroupUpdate {
-    std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState
+    std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState (the norm runs over these)
+    // The same tensors split by weight decay (ParamSpec::weight_decay): the
+    // update runs once per non-empty part, the second with weight_decay 0.
+    std::vector<OptimizerTensor> decayed, undecayed;
     // Overlap mode, per step.
     uint32_t reduced_last = 0;  // params reduced in the last micro-batch
     bool queued = false;        // handed to the optimizer thread
@@ -96,6 +99,9 @@ class Stepper {
   };
 
   cpu_optim::OptimizerConfig optimizer_config(double lr, double grad_scale) const;
+  // The optimizer over group g's tensors: the decayed ones with `c`, the
+  // others with c.weight_decay = 0.
+  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step);
   Status group_stats(GroupId g, double scale);
   void run_group_update(GroupId g);  // optimizer thread, or driving thread in step()
 
