@@ -38,6 +38,8 @@ Result<train::TrainDevice> parse_train_device(std::string_view text) {
 void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   cmd->add_option("--model", f->model, "Model directory (config.json + model.safetensors)")->required();
   cmd->add_option("--data", f->data, "Training data file")->required();
+  cmd->add_option("--loss-mask", f->loss_mask,
+                  "One byte per token (0/1): train only on tokens marked 1 (tools/prepare_data.py writes it)");
   cmd->add_option("--data-format", f->data_format, "text (bytes are tokens) | u16 | u32 (token ids)")
       ->capture_default_str();
   cmd->add_option("--vocab", f->vocab, "Token ids must be below this (0: the model's vocab_size; text: <= 256)")
@@ -154,6 +156,7 @@ Result<Config> config_from_flags(const FinetuneFlags& f) {
 Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->model_dir = f.model;
   o->data.path = f.data;
+  o->data.loss_mask_path = f.loss_mask;
   STRATA_ASSIGN_OR_RETURN(o->data.format, train::parse_data_format(f.data_format));
   o->data.vocab = f.vocab;
   o->data.val_fraction = f.val_fraction;

@@ -33,6 +33,7 @@ Result<train::TrainDevice> parse_train_device(std::string_view text);
 // them were given (they override --config).
 struct FinetuneFlags {
   std::string model, data, data_format = "text", config, offload_params = "auto", offload_optimizer = "auto";
+  std::string loss_mask;
   uint32_t vocab = 0;
   double val_fraction = 0.05;
   uint64_t seed = 1234;

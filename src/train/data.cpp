@@ -65,6 +65,23 @@ uint64_t permute_index(uint64_t i, uint64_t n, uint64_t key) {
 
 TokenDataset::~TokenDataset() {
   if (fd_ >= 0) ::close(fd_);
+  if (mask_fd_ >= 0) ::close(mask_fd_);
+}
+
+Status TokenDataset::read_mask(uint64_t first, uint64_t count, uint8_t* dst) const {
+  uint64_t done = 0;
+  while (done < count) {
+    const ssize_t n = ::pread(mask_fd_, dst + done, count - done, static_cast<off_t>(first + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0)
+      return Status::from_errno(errno, "loss mask " + options_.loss_mask_path + ": read of " + std::to_string(count) +
+                                           " bytes at offset " + std::to_string(first) + " failed");
+    if (n == 0)
+      return Status(StatusCode::kIoError, "loss mask " + options_.loss_mask_path + ": the file ends before byte " +
+                                              std::to_string(first + count) + " (it shrank since it was opened)");
+    done += static_cast<uint64_t>(n);
+  }
+  return {};
 }
 
 Status TokenDataset::read_tokens(uint64_t first, uint64_t count, void* dst) const {
@@ -153,6 +170,37 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   }
   posix_fadvise(d->fd_, 0, 0, POSIX_FADV_RANDOM);
 
+  if (!o.loss_mask_path.empty()) {
+    const std::string& mp = o.loss_mask_path;
+    d->mask_fd_ = ::open(mp.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+    if (d->mask_fd_ < 0) return Status::from_errno(errno, "loss mask " + mp + ": cannot open");
+    struct stat ms {};
+    if (fstat(d->mask_fd_, &ms) != 0) return Status::from_errno(errno, "loss mask " + mp + ": stat failed");
+    if (!S_ISREG(ms.st_mode)) return Status(StatusCode::kInvalidArgument, "loss mask " + mp + " is not a regular file");
+    if (static_cast<uint64_t>(ms.st_size) != d->tokens_)
+      return Status(StatusCode::kInvalidArgument,
+                    "loss mask " + mp + " has " + std::to_string(ms.st_size) + " bytes but data file " + path +
+                        " holds " + std::to_string(d->tokens_) + " tokens: a mask has one byte per token (written "
+                        "together by tools/prepare_data.py)");
+    constexpr uint64_t kChunk = 1 << 20;
+    std::vector<uint8_t> buf(std::min<uint64_t>(kChunk, d->tokens_));
+    uint64_t ones = 0;
+    for (uint64_t first = 0; first < d->tokens_; first += kChunk) {
+      const uint64_t n = std::min(kChunk, d->tokens_ - first);
+      STRATA_RETURN_IF_ERROR(d->read_mask(first, n, buf.data()));
+      for (uint64_t k = 0; k < n; ++k) {
+        if (buf[k] > 1)
+          return Status(StatusCode::kInvalidArgument, "loss mask " + mp + ": byte " + std::to_string(first + k) +
+                                                          " is " + std::to_string(buf[k]) + "; expected 0 or 1");
+        ones += buf[k];
+      }
+    }
+    d->masked_tokens_ = d->tokens_ - ones;
+    if (ones == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    "loss mask " + mp + " masks every token: there is nothing to train on");
+  }
+
   const uint64_t need = uint64_t{o.seq} + 1;
   const uint64_t val = static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
   d->train_tokens_ = d->tokens_ - val;
@@ -173,8 +221,14 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   return d;
 }
 
-Status TokenDataset::copy_window(uint64_t begin, int32_t* out) const {
+Status TokenDataset::copy_window(uint64_t begin, int32_t* out, uint8_t* mask) const {
   const uint64_t n = uint64_t{options_.seq} + 1;
+  if (mask) {
+    if (mask_fd_ >= 0)
+      STRATA_RETURN_IF_ERROR(read_mask(begin, n, mask));
+    else
+      std::memset(mask, 1, n);
+  }
   // Read the n ids into the tail of `out`, then widen forward in place: id t
   // moves from byte n*(4-b) + t*b to byte 4t, never past an unread id.
   uint8_t* bytes = reinterpret_cast<uint8_t*>(out);
@@ -200,13 +254,16 @@ uint64_t TokenDataset::train_sample_offset(uint64_t s) const {
   return shift + window * options_.seq;
 }
 
-Status TokenDataset::train_batch(uint64_t first_sample, uint32_t batch, std::span<int32_t> out) const {
+Status TokenDataset::train_batch(uint64_t first_sample, uint32_t batch, std::span<int32_t> out,
+                                 std::span<uint8_t> mask) const {
   const uint64_t n = uint64_t{options_.seq} + 1;
-  if (out.size() != batch * n)
+  if (out.size() != batch * n || (!mask.empty() && mask.size() != out.size()))
     return Status(StatusCode::kInvalidArgument, "train_batch: output holds " + std::to_string(out.size()) +
-                                                    " tokens, batch needs " + std::to_string(batch * n));
+                                                    " tokens (mask " + std::to_string(mask.size()) +
+                                                    "), batch needs " + std::to_string(batch * n));
   for (uint32_t b = 0; b < batch; ++b)
-    STRATA_RETURN_IF_ERROR(copy_window(train_sample_offset(first_sample + b), out.data() + b * n));
+    STRATA_RETURN_IF_ERROR(copy_window(train_sample_offset(first_sample + b), out.data() + b * n,
+                                       mask.empty() ? nullptr : mask.data() + b * n));
   return {};
 }
 
@@ -215,16 +272,17 @@ uint64_t TokenDataset::val_batches(uint32_t batch) const {
   return (val_windows_ + batch - 1) / batch;
 }
 
-Status TokenDataset::val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out) const {
+Status TokenDataset::val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out, std::span<uint8_t> mask) const {
   const uint64_t n = uint64_t{options_.seq} + 1;
   if (val_windows_ == 0)
     return Status(StatusCode::kInvalidArgument, "data file " + options_.path + " has no validation part");
-  if (out.size() != batch * n)
+  if (out.size() != batch * n || (!mask.empty() && mask.size() != out.size()))
     return Status(StatusCode::kInvalidArgument, "val_batch: output holds " + std::to_string(out.size()) +
                                                     " tokens, batch needs " + std::to_string(batch * n));
   for (uint32_t b = 0; b < batch; ++b) {
     const uint64_t w = (j * batch + b) % val_windows_;
-    STRATA_RETURN_IF_ERROR(copy_window(train_tokens_ + w * options_.seq, out.data() + b * n));
+    STRATA_RETURN_IF_ERROR(copy_window(train_tokens_ + w * options_.seq, out.data() + b * n,
+                                       mask.empty() ? nullptr : mask.data() + b * n));
   }
   return {};
 }

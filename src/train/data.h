@@ -9,6 +9,13 @@
 // Every id must be < vocab: open() scans the whole file once and refuses the
 // first id that is not, naming its byte offset.
 //
+// Loss mask (optional, DataOptions::loss_mask_path; tools/prepare_data.py
+// writes it): one byte per token, 1 = the model is trained to predict this
+// token, 0 = it is context only (a chat's system and user turns, a prompt).
+// Masked tokens are still inputs; as targets they are ignored (the ops'
+// negative targets). open() checks that the mask has exactly one byte per
+// token and that every byte is 0 or 1, naming the first offset that is not.
+//
 // Reading. The file is memory-mapped read-only (MAP_SHARED, PROT_READ); the
 // kernel pages it in and out, so a file larger than RAM works and only the
 // pages a batch touches are resident. The scan in open() walks the mapping
@@ -61,6 +68,7 @@ struct DataOptions {
   double val_fraction = 0.05;  // [0, 0.9]
   uint64_t seed = 1234;        // shuffling of training windows
   uint32_t seq = 256;          // T: tokens per sequence (windows hold T + 1)
+  std::string loss_mask_path;  // "": every token is a target
 };
 
 class TokenDataset {
@@ -92,21 +100,28 @@ class TokenDataset {
   // Fills out[b * (seq+1) + t] for b < batch, t <= seq with samples
   // first_sample .. first_sample + batch - 1. out.size() must be batch*(seq+1)
   // (kInvalidArgument otherwise). Reads the file (one pread per sample);
-  // kIoError if it shrank since open.
-  Status train_batch(uint64_t first_sample, uint32_t batch, std::span<int32_t> out) const;
+  // kIoError if it shrank since open. A non-empty `mask` (same size) gets
+  // the loss mask of the same positions (all 1 without a mask file).
+  Status train_batch(uint64_t first_sample, uint32_t batch, std::span<int32_t> out,
+                     std::span<uint8_t> mask = {}) const;
   // Validation batch j (see the header comment); kInvalidArgument when there
   // is no validation part.
-  Status val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out) const;
+  Status val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out, std::span<uint8_t> mask = {}) const;
+  bool has_loss_mask() const { return mask_fd_ >= 0; }
+  uint64_t masked_tokens() const { return masked_tokens_; }  // mask bytes that are 0
   // Number of distinct validation batches of size `batch`: ceil(windows / batch).
   uint64_t val_batches(uint32_t batch) const;
 
  private:
   TokenDataset() = default;
-  Status copy_window(uint64_t begin, int32_t* out) const;
+  Status copy_window(uint64_t begin, int32_t* out, uint8_t* mask) const;
+  Status read_mask(uint64_t first, uint64_t count, uint8_t* dst) const;
   Status read_tokens(uint64_t first, uint64_t count, void* dst) const;  // pread, whole or an error
 
   DataOptions options_;
   int fd_ = -1;
+  int mask_fd_ = -1;
+  uint64_t masked_tokens_ = 0;
   uint32_t token_bytes_ = 1;
   uint64_t tokens_ = 0;
   uint64_t train_tokens_ = 0;

@@ -296,8 +296,8 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
         continue;
       }
       if (*it == bv) continue;
-      if (key == "data") {
-        log_warn("resume: the checkpoint was trained on {}, this run reads {}", it->dump(), bv.dump());
+      if (key == "data" || key == "loss_mask") {
+        log_warn("resume: the checkpoint was trained on {} {}, this run reads {}", key, it->dump(), bv.dump());
         continue;
       }
       return Status(StatusCode::kInvalidArgument,

@@ -282,6 +282,7 @@ Status Trainer::Impl::alloc_buffers() {
   }
   if (Status st = dev.synchronize(stream); !st.ok()) return st.with_context("zeroing the trainer's buffers");
   batch_tokens.assign(static_cast<size_t>(opt.batch) * (seq + 1), 0);
+  batch_mask.assign(batch_tokens.size(), 1);
   losses.assign(std::max<uint64_t>({uint64_t{accum}, std::min<uint64_t>(opt.eval_batches, data->val_batches(opt.batch)), 1}),
                 LossStats{});
   return {};
@@ -412,6 +413,7 @@ std::string Trainer::Impl::settings_json() const {
   t["grad_accum"] = accum;
   t["data"] = opt.data.path;
   t["data_format"] = data_format_name(opt.data.format);
+  t["loss_mask"] = opt.data.loss_mask_path;
   t["val_fraction"] = opt.data.val_fraction;
   t["schedule"] = {{"kind", schedule_kind_name(opt.schedule.kind)},
                    {"lr", opt.schedule.lr},
@@ -519,7 +521,8 @@ Status Trainer::Impl::stage_tokens() {
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < T; ++t) {
       inputs_host[b * T + t] = batch_tokens[b * (T + 1) + t];
-      targets_host[b * T + t] = batch_tokens[b * (T + 1) + t + 1];
+      // A masked target is ignored (negative), as HF's labels of -100.
+      targets_host[b * T + t] = batch_mask[b * (T + 1) + t + 1] ? batch_tokens[b * (T + 1) + t + 1] : -100;
     }
   const size_t bytes = static_cast<size_t>(tokens_per_micro) * sizeof(int32_t);
   STRATA_RETURN_IF_ERROR(backend->copy_async(inputs, inputs_host, bytes, CopyKind::kHostToDevice, stream));
@@ -646,7 +649,7 @@ Result<StepReport> Trainer::train_step() {
   const int64_t T = m.seq;
   for (uint32_t mb = 0; mb < m.accum; ++mb) {
     const uint64_t first = static_cast<uint64_t>(m.step) * S + static_cast<uint64_t>(mb) * m.opt.batch;
-    STRATA_RETURN_IF_ERROR(m.data->train_batch(first, m.opt.batch, m.batch_tokens));
+    STRATA_RETURN_IF_ERROR(m.data->train_batch(first, m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     m.losses[mb] = LossStats{};
     STRATA_RETURN_IF_ERROR(m.micro_batch(mb + 1 == m.accum, &m.losses[mb]));
@@ -687,7 +690,7 @@ Result<double> Trainer::evaluate() {
   const size_t act = static_cast<size_t>(m.tokens_per_micro * m.dims.dim);
   const size_t L = m.layer_groups.size();
   for (uint64_t j = 0; j < n; ++j) {
-    STRATA_RETURN_IF_ERROR(m.data->val_batch(j, m.opt.batch, m.batch_tokens));
+    STRATA_RETURN_IF_ERROR(m.data->val_batch(j, m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     STRATA_RETURN_IF_ERROR(m.forward(m.inputs, false));
     GroupView ev{};

@@ -110,6 +110,7 @@ struct Trainer::Impl {
   int32_t* targets_host = nullptr;
   DeviceEvent* upload_done = nullptr;
   std::vector<int32_t> batch_tokens;  // B x (T+1)
+  std::vector<uint8_t> batch_mask;    // B x (T+1): the loss mask of the same positions
   // One per micro-batch / evaluation batch, written by the ops (on CUDA from
   // a host function, possibly after the call returned): never resized after
   // setup, read only after the stream is synchronized.

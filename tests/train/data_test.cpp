@@ -9,6 +9,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -199,6 +200,55 @@ TEST_F(DataTest, FifoIsRefusedAndTruncationIsAnError) {
   EXPECT_EQ(st.code(), StatusCode::kIoError);
   EXPECT_NE(st.message().find("shrank while in use"), std::string::npos) << st.message();
   EXPECT_NE(st.message().find("shrinks.txt"), std::string::npos) << st.message();
+}
+
+TEST_F(DataTest, LossMaskComesWithItsWindowsAndBadMasksAreRefused) {
+  std::vector<uint32_t> ids(200);
+  std::vector<uint8_t> mask(200);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i), mask[i] = (i / 3) % 2;
+  DataOptions o;
+  o.path = write("t.u32", ids.data(), ids.size() * 4);
+  o.format = DataFormat::kU32;
+  o.vocab = 1000;
+  o.seq = 8;
+  o.val_fraction = 0.2;
+  o.loss_mask_path = write("t.mask", mask.data(), mask.size());
+  auto d = TokenDataset::open(o);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_TRUE((*d)->has_loss_mask());
+  EXPECT_EQ((*d)->masked_tokens(), 101u);  // (i / 3) % 2 == 0 for 101 of 0..199
+  std::vector<int32_t> tok(2 * 9);
+  std::vector<uint8_t> m(2 * 9, 7);
+  for (uint64_t s = 0; s < 20; ++s) {
+    ASSERT_TRUE((*d)->train_batch(s, 2, tok, m).ok());
+    for (size_t k = 0; k < tok.size(); ++k) ASSERT_EQ(m[k], mask[static_cast<size_t>(tok[k])]) << "sample " << s;
+  }
+  ASSERT_TRUE((*d)->val_batch(0, 2, tok, m).ok());
+  for (size_t k = 0; k < tok.size(); ++k) ASSERT_EQ(m[k], mask[static_cast<size_t>(tok[k])]);
+  // Without a mask file every position is a target.
+  o.loss_mask_path.clear();
+  d = TokenDataset::open(o);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE((*d)->train_batch(0, 2, tok, m).ok());
+  EXPECT_TRUE(std::all_of(m.begin(), m.end(), [](uint8_t v) { return v == 1; }));
+
+  auto refused = [&](const std::string& mask_path, const std::string& needle) {
+    DataOptions b = o;
+    b.loss_mask_path = mask_path;
+    auto r = TokenDataset::open(b);
+    ASSERT_FALSE(r.ok()) << needle;
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+  };
+  refused(write("short.mask", mask.data(), 199), "199 bytes but data file");
+  std::vector<uint8_t> two = mask;
+  two[57] = 2;
+  refused(write("two.mask", two.data(), two.size()), "byte 57 is 2");
+  std::vector<uint8_t> zeros(200, 0);
+  refused(write("zero.mask", zeros.data(), zeros.size()), "masks every token");
+  refused(dir_ + "/missing.mask", "cannot open");
+  const std::string fifo = dir_ + "/fifo.mask";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  refused(fifo, "not a regular file");
 }
 
 TEST(DataShuffle, PermuteIndexIsABijection) {

@@ -1,0 +1,215 @@
+#!/usr/bin/env python3
+"""tools/prepare_data.py against transformers' own tokenizer, and the loss mask end to end.
+
+A byte-level BPE tokenizer is trained here with `tokenizers` (no download),
+given a chat template, and saved with a tiny Llama model as a Hub-style model
+directory. Then:
+  * text files and {"text"} lines: the ids equal AutoTokenizer's, documents
+    packed with EOS after each;
+  * {"messages"} lines: the ids equal the chat template's rendering tokenized
+    by AutoTokenizer, and the mask is 1 exactly on the assistant turns (their
+    end-of-turn marker included);
+  * bad inputs fail naming the file and line (a line without messages, a
+    template that raises, a directory without a tokenizer), writing nothing;
+  * strata finetune --loss-mask: the validation loss before training equals
+    transformers' float64 loss with labels -100 at the masked targets.
+
+    prepare_data_test.py STRATA_BINARY PREPARE_DATA_PY
+Exit 0 pass, 1 fail, 77 skip (no torch/transformers/tokenizers; a failure
+under STRATA_REQUIRE_REFERENCE=1).
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, decoders, trainers
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, \
+        PreTrainedTokenizerFast
+except ImportError as e:  # pragma: no cover
+    msg = f"prepare_data_test: skipped: cannot import torch/transformers/tokenizers ({e})"
+    if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+        print(msg.replace("skipped", "FAILED") + " (STRATA_REQUIRE_REFERENCE=1)")
+        sys.exit(1)
+    print(msg)
+    sys.exit(77)
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+CORPUS = ["The quick brown fox jumps over the lazy dog. " * 3,
+          "Offload engines stream parameters between GPU memory, host RAM and NVMe.",
+          "Hello there! How are you today? I am fine, thank you for asking.",
+          "Strata fine-tunes models larger than GPU memory on one workstation."] * 20
+
+failures = []
+
+
+def check(cond, what):
+    print(("  ok    " if cond else "  FAIL  ") + what)
+    if not cond:
+        failures.append(what)
+
+
+def make_model_dir(d):
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<s>", "</s>", "<|start|>", "<|end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    from tokenizers.processors import TemplateProcessing
+    tk.post_processor = TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tk.token_to_id("<s>"))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                  additional_special_tokens=["<|start|>", "<|end|>"])
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(d)
+    torch.manual_seed(3)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1,
+                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(d)
+
+
+def run(cmd):
+    return subprocess.run(cmd, capture_output=True, text=True)
+
+
+def main():
+    if len(sys.argv) != 3:
+        print(__doc__)
+        return 2
+    strata, prep = os.path.abspath(sys.argv[1]), os.path.abspath(sys.argv[2])
+    w = tempfile.mkdtemp(prefix="strata-prep-")
+    model = os.path.join(w, "model")
+    make_model_dir(model)
+    tok = AutoTokenizer.from_pretrained(model)
+    eos = tok.eos_token_id
+
+    texts = ["Hello there! How are you today?\nSecond line of the first file.\n",
+             "The lazy dog sleeps; the fox does not."]
+    with open(os.path.join(w, "a.txt"), "w") as f:
+        f.write(texts[0])
+    with open(os.path.join(w, "b.jsonl"), "w") as f:
+        f.write(json.dumps({"text": texts[1]}) + "\n\n")
+    chats = [[{"role": "system", "content": "You are terse."},
+              {"role": "user", "content": "What is Strata?"},
+              {"role": "assistant", "content": "An offload engine."},
+              {"role": "user", "content": "And the fox?"},
+              {"role": "assistant", "content": "Quick and brown."}],
+             [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]]
+    with open(os.path.join(w, "c.jsonl"), "w") as f:
+        for c in chats:
+            f.write(json.dumps({"messages": c}) + "\n")
+
+    out = os.path.join(w, "out", "train")
+    r = run([sys.executable, prep, "--tokenizer", model, "--out", out, os.path.join(w, "a.txt"),
+             os.path.join(w, "b.jsonl"), os.path.join(w, "c.jsonl")])
+    check(r.returncode == 0, f"prepare_data runs ({r.stdout.strip()} {r.stderr.strip()[-500:]})")
+    ids = list(torch.frombuffer(bytearray(open(out + ".u32", "rb").read()), dtype=torch.int32).tolist())
+    mask = list(open(out + ".mask", "rb").read())
+    meta = json.load(open(out + ".json"))
+    want, want_mask = [], []
+    for t in texts:
+        e = tok(t)["input_ids"]
+        want += e + [eos]
+        want_mask += [1] * (len(e) + 1)
+    chat_ranges = []
+    for c in chats:
+        rendered = tok.apply_chat_template(c, tokenize=False)
+        e = tok(rendered, add_special_tokens=False)["input_ids"]
+        chat_ranges.append((len(want), len(want) + len(e)))
+        want += e + [eos]
+        want_mask += [None] * len(e) + [1]
+    check(ids == want, f"token ids equal AutoTokenizer's, EOS-packed ({len(ids)} tokens)")
+    check(len(mask) == len(ids), "one mask byte per token")
+    check(all(m == 1 for m, x in zip(mask, want_mask) if x == 1), "text documents and EOS are all trained on")
+    check(meta["tokens"] == len(ids) and meta["documents"] == 4 and meta["vocab_size"] == len(tok),
+          f"metadata ({meta['documents']} docs, {meta['tokens']} tokens)")
+    for (s, e), c in zip(chat_ranges, chats):
+        trained = tok.decode([ids[i] for i in range(s, e) if mask[i]])
+        context = tok.decode([ids[i] for i in range(s, e) if not mask[i]])
+        want_trained = "".join(m["content"] + "<|end|>\n" for m in c if m["role"] == "assistant")
+        check(trained == want_trained, f"chat mask covers exactly the assistant turns: {trained!r}")
+        check(all(m["content"] in context for m in c if m["role"] != "assistant"),
+              "system and user turns are context only")
+
+    # Bad inputs: named, exit 1, nothing written.
+    with open(os.path.join(w, "bad.jsonl"), "w") as f:
+        f.write(json.dumps({"text": "fine"}) + "\n" + json.dumps({"msgs": []}) + "\n")
+    r = run([sys.executable, prep, "--tokenizer", model, "--out", os.path.join(w, "bad"), os.path.join(w, "bad.jsonl")])
+    check(r.returncode == 1 and "bad.jsonl:2" in r.stderr and not os.path.exists(os.path.join(w, "bad.u32")),
+          f"a line without messages names file:line: {r.stderr.strip()}")
+    with open(os.path.join(w, "bad2.jsonl"), "w") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": 3}]}) + "\n")
+    r = run([sys.executable, prep, "--tokenizer", model, "--out", os.path.join(w, "bad2"), os.path.join(w, "bad2.jsonl")])
+    check(r.returncode == 1 and "bad2.jsonl:1" in r.stderr and "content" in r.stderr,
+          f"a malformed message names file:line: {r.stderr.strip()}")
+    os.makedirs(os.path.join(w, "notok"))
+    r = run([sys.executable, prep, "--tokenizer", os.path.join(w, "notok"), "--out", os.path.join(w, "x"),
+             os.path.join(w, "a.txt")])
+    check(r.returncode == 1 and "no tokenizer" in r.stderr, f"a directory without a tokenizer: {r.stderr.strip()}")
+    broken = os.path.join(w, "broken")
+    make_model_dir(broken)
+    cfg = json.load(open(os.path.join(broken, "tokenizer_config.json")))
+    cfg["chat_template"] = "{{ raise_exception('this template refuses') }}"
+    json.dump(cfg, open(os.path.join(broken, "tokenizer_config.json"), "w"))
+    for f in ("chat_template.jinja",):
+        p = os.path.join(broken, f)
+        if os.path.exists(p):
+            with open(p, "w") as fh:
+                fh.write(cfg["chat_template"])
+    r = run([sys.executable, prep, "--tokenizer", broken, "--out", os.path.join(w, "y"), os.path.join(w, "c.jsonl")])
+    check(r.returncode == 1 and "c.jsonl:1" in r.stderr and "template" in r.stderr,
+          f"a failing chat template names file:line: {r.stderr.strip()[:300]}")
+
+    # End to end: the masked loss against transformers with labels -100.
+    big = os.path.join(w, "big.jsonl")
+    with open(big, "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Question {i}: what is {i} plus {i}?"},
+                                             {"role": "assistant", "content": f"It is {2 * i}."}]}) + "\n")
+    pre = os.path.join(w, "big", "train")
+    r = run([sys.executable, prep, "--tokenizer", model, "--out", pre, big])
+    check(r.returncode == 0, f"prepare_data on 40 conversations: {r.stdout.strip()}")
+    seq, batch = 32, 2
+    r = run([strata, "finetune", "--model", model, "--data", pre + ".u32", "--data-format", "u32", "--loss-mask",
+             pre + ".mask", "--val-fraction", "0.5", "--seq", str(seq), "--batch", str(batch), "--eval-batches", "1",
+             "--steps", "1", "--out", os.path.join(w, "ft"), "--device", "cpu", "--offload-params", "cpu",
+             "--offload-optimizer", "cpu", "--progress", "quiet"])
+    check(r.returncode == 0, f"strata finetune --loss-mask runs ({r.stderr.strip()[-300:]})")
+    got = None
+    if r.returncode == 0:
+        for line in open(os.path.join(w, "ft", "metrics.jsonl")):
+            e = json.loads(line)
+            if e.get("event") == "eval":
+                got = e["val_loss"]
+                break
+    ids = torch.frombuffer(bytearray(open(pre + ".u32", "rb").read()), dtype=torch.int32).to(torch.int64)
+    m = torch.frombuffer(bytearray(open(pre + ".mask", "rb").read()), dtype=torch.uint8).to(torch.bool)
+    n = len(ids)
+    v = int(n * 0.5)
+    val, vm = ids[n - v:], m[n - v:]
+    wins = [(val[i * seq:i * seq + seq + 1], vm[i * seq:i * seq + seq + 1]) for i in range((v - 1) // seq)][:batch]
+    x = torch.stack([a for a, _ in wins])
+    labels = torch.stack([torch.where(b[1:], a[1:], torch.full_like(a[1:], -100)) for a, b in wins])
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = hf(input_ids=x[:, :-1]).logits
+        want_loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                      ignore_index=-100).item()
+        plain = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)).item()
+    counted = int((labels != -100).sum())
+    rel = abs(got - want_loss) / want_loss if got is not None else float("inf")
+    check(rel < 1e-6, f"masked validation loss {got} equals transformers' {want_loss:.10f} (rel {rel:.2e}; "
+                      f"{counted} of {labels.numel()} targets counted; unmasked loss would be {plain:.6f})")
+    import shutil
+    shutil.rmtree(w, ignore_errors=True)
+    print(f"prepare_data_test: {'FAILED ' + str(len(failures)) if failures else 'all passed'}")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

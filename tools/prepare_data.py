@@ -1,0 +1,228 @@
+#!/usr/bin/env python3
+"""Tokenize training data with a model's own tokenizer for `strata finetune`.
+
+    python3 tools/prepare_data.py --tokenizer MODEL_DIR --out data/train INPUT [INPUT ...]
+    strata finetune --model MODEL_DIR --data data/train.u32 --data-format u32 \\
+        --loss-mask data/train.mask ...
+
+The tokenizer is the model's own, loaded with transformers' AutoTokenizer from
+MODEL_DIR (tokenizer.json / tokenizer_config.json, as downloaded from the Hub):
+Strata never tokenizes by itself, so the ids are the ones the model was
+trained with.
+
+Inputs, one document each (the format is chosen per file, or per line of a
+JSONL file):
+  *.txt (or --format text)  the whole file is one document;
+  *.jsonl                   one JSON object per line:
+     {"text": "..."}                       a document;
+     {"messages": [{"role": ..., "content": ...}, ...]}
+                                           a conversation, rendered with the
+                                           tokenizer's chat template; only the
+                                           assistant turns are trained on.
+Documents are packed back to back with the tokenizer's EOS after each one
+(--no-eos: none). A text document's ids are exactly AutoTokenizer's
+tokenizer(text)["input_ids"] (with the BOS the tokenizer adds, if any).
+
+Outputs:
+  PREFIX.u32   little-endian uint32 token ids;
+  PREFIX.mask  one byte per token: 1 = a target the loss counts (text: every
+               token; chat: the tokens of assistant turns, their end-of-turn
+               markers included), 0 = context only;
+  PREFIX.json  what was done: tokenizer, vocab size, EOS id, documents, tokens,
+               trained tokens, library versions.
+
+Errors name the file and line and exit 1; nothing is written then (the
+outputs are written to temporary names and renamed at the end).
+"""
+import argparse
+import json
+import os
+import sys
+
+
+def fail(msg):
+    print(f"prepare_data: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def load_tokenizer(path):
+    try:
+        import transformers
+        from transformers import AutoTokenizer
+    except ImportError as e:
+        fail(f"needs transformers and tokenizers from PyPI ({e}); pip install transformers tokenizers")
+    if not os.path.isdir(path):
+        fail(f"{path}: not a directory (give the model directory holding tokenizer.json / tokenizer_config.json)")
+    has = [f for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+           if os.path.exists(os.path.join(path, f))]
+    if not has:
+        fail(f"{path}: no tokenizer here (none of tokenizer.json, tokenizer_config.json, tokenizer.model, "
+             f"vocab.json); copy the model's tokenizer files next to its config.json")
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types here
+        fail(f"{path}: transformers cannot load the tokenizer: {type(e).__name__}: {e}")
+    return tok, transformers.__version__
+
+
+class Packer:
+    def __init__(self, tok, eos):
+        self.tok = tok
+        self.eos = eos
+        self.ids = []
+        self.mask = []
+        self.docs = 0
+
+    def add(self, ids, mask, eos_trained):
+        assert len(ids) == len(mask)
+        self.ids.extend(ids)
+        self.mask.extend(mask)
+        if self.eos is not None:
+            self.ids.append(self.eos)
+            self.mask.append(1 if eos_trained else 0)
+        self.docs += 1
+
+
+def text_doc(tok, text):
+    ids = tok(text)["input_ids"]
+    return ids, [1] * len(ids)
+
+
+def chat_doc(tok, messages, where):
+    if not isinstance(messages, list) or not messages:
+        fail(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            fail(f"{where}: messages[{i}] must be an object with string \"role\" and \"content\", got "
+                 f"{json.dumps(m)[:200]}")
+    if not getattr(tok, "chat_template", None):
+        fail(f"{where}: the tokenizer has no chat template (tokenizer_config.json \"chat_template\"), so a "
+             f"conversation cannot be rendered as the model expects")
+    if not getattr(tok, "is_fast", False):
+        fail(f"{where}: the tokenizer is not a fast (Rust) tokenizer; the assistant mask needs its offsets")
+
+    def render(msgs, gen):
+        try:
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+        except Exception as e:
+            fail(f"{where}: the chat template failed: {type(e).__name__}: {e}")
+
+    full = render(messages, False)
+    # Character spans of the assistant turns: the text a turn adds after the
+    # generation prompt. Templates whose earlier text changes as turns are
+    # added cannot be masked this way: refused, never guessed.
+    spans = []
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = render(messages[:i], True) if i > 0 else ""
+        upto = render(messages[:i + 1], False)
+        if not upto.startswith(before) or not full.startswith(upto):
+            fail(f"{where}: the chat template renders earlier turns differently once later ones are added; "
+                 f"the assistant turns cannot be located (turn {i})")
+        spans.append((len(before), len(upto)))
+    if not spans:
+        fail(f"{where}: the conversation has no assistant turn: nothing to train on")
+    enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    mask = []
+    for (a, b) in offsets:
+        mask.append(1 if any(a < e and b > s for (s, e) in spans) else 0)
+    return ids, mask, messages[-1]["role"] == "assistant"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True, help="model directory with the tokenizer files")
+    ap.add_argument("--out", required=True, help="output prefix: PREFIX.u32, PREFIX.mask, PREFIX.json")
+    ap.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto",
+                    help="auto: *.jsonl is JSON lines, anything else text")
+    ap.add_argument("--no-eos", action="store_true", help="no EOS between documents")
+    ap.add_argument("inputs", nargs="+")
+    a = ap.parse_args()
+
+    tok, tf_version = load_tokenizer(a.tokenizer)
+    eos = None
+    if not a.no_eos:
+        eos = tok.eos_token_id
+        if eos is None:
+            fail(f"{a.tokenizer}: the tokenizer has no EOS token to put between documents (pass --no-eos to "
+                 f"pack without one)")
+    p = Packer(tok, eos)
+    for path in a.inputs:
+        if not os.path.isfile(path):
+            fail(f"{path}: not a regular file")
+        fmt = a.format if a.format != "auto" else ("jsonl" if path.endswith(".jsonl") else "text")
+        if fmt == "text":
+            try:
+                with open(path, encoding="utf-8") as f:
+                    text = f.read()
+            except UnicodeDecodeError as e:
+                fail(f"{path}: not UTF-8 text ({e})")
+            ids, mask = text_doc(tok, text)
+            p.add(ids, mask, True)
+            continue
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                where = f"{path}:{n}"
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    fail(f"{where}: not JSON: {e}")
+                if not isinstance(obj, dict):
+                    fail(f"{where}: expected an object with \"text\" or \"messages\"")
+                if "messages" in obj:
+                    ids, mask, last_assistant = chat_doc(tok, obj["messages"], where)
+                    p.add(ids, mask, last_assistant)
+                elif "text" in obj:
+                    if not isinstance(obj["text"], str):
+                        fail(f"{where}: \"text\" must be a string")
+                    ids, mask = text_doc(tok, obj["text"])
+                    p.add(ids, mask, True)
+                else:
+                    fail(f"{where}: the object has neither \"text\" nor \"messages\" (keys: "
+                         f"{', '.join(list(obj)[:10])})")
+    if not p.ids:
+        fail("no tokens: the inputs are empty")
+    vocab = len(tok)
+    big = max(p.ids)
+    if big >= 2 ** 32:
+        fail(f"token id {big} does not fit in uint32")
+    import array
+    ids = array.array("I", p.ids)
+    if sys.byteorder != "little":
+        ids.byteswap()
+    out_dir = os.path.dirname(os.path.abspath(a.out))
+    os.makedirs(out_dir, exist_ok=True)
+    meta = {
+        "tokenizer": os.path.abspath(a.tokenizer),
+        "vocab_size": vocab,
+        "eos_token_id": eos,
+        "documents": p.docs,
+        "tokens": len(p.ids),
+        "trained_tokens": sum(p.mask),
+        "inputs": [os.path.abspath(x) for x in a.inputs],
+        "transformers": tf_version,
+        "files": {"tokens": os.path.basename(a.out) + ".u32", "mask": os.path.basename(a.out) + ".mask"},
+        "finetune": f"--data {a.out}.u32 --data-format u32 --loss-mask {a.out}.mask",
+    }
+    tmp = f".tmp.{os.getpid()}"
+    with open(a.out + ".u32" + tmp, "wb") as f:
+        ids.tofile(f)
+    with open(a.out + ".mask" + tmp, "wb") as f:
+        f.write(bytes(p.mask))
+    with open(a.out + ".json" + tmp, "w") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+    for ext in (".u32", ".mask", ".json"):
+        os.replace(a.out + ext + tmp, a.out + ext)
+    print(f"prepare_data: {p.docs} documents, {len(p.ids)} tokens ({sum(p.mask)} trained on) -> {a.out}.u32, "
+          f"{a.out}.mask; then: strata finetune {meta['finetune']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
