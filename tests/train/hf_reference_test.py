@@ -199,6 +199,97 @@ def run_case(strata, work, name, extra, layout):
     return "; ".join(problems)
 
 
+# Every field of LlamaConfig and MistralConfig (transformers' own list: the
+# __init__ signature and to_dict()) is changed in turn; Strata must either
+# refuse the config naming the field, or give transformers' loss for the
+# model that config describes. A field Strata ignored while it changed the
+# math would fail here. Values per field: a change that matters if it is
+# read at all. dtype is left out: it picks the precision, checked apart.
+AUDIT_VALUES = {
+    "vocab_size": [80], "hidden_size": [96], "intermediate_size": [96], "num_hidden_layers": [1, 3],
+    "num_attention_heads": [2, 8], "num_key_value_heads": [1, 4], "hidden_act": ["gelu", "relu"],
+    "max_position_embeddings": [128], "initializer_range": [0.3], "rms_norm_eps": [1e-2, 1e-8],
+    "use_cache": [False], "pad_token_id": [0], "bos_token_id": [5], "eos_token_id": [6], "pretraining_tp": [2],
+    "tie_word_embeddings": [True], "attention_bias": [True], "attention_dropout": [0.1], "mlp_bias": [True],
+    "head_dim": [32, 8], "sliding_window": [SEQ // 2, 8 * SEQ, None],
+    "rope_parameters": [{"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+                        {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}],
+    "output_hidden_states": [True], "return_dict": [False], "chunk_size_feed_forward": [4],
+    "is_encoder_decoder": [True], "id2label": [{"0": "a", "1": "b", "2": "c"}], "label2id": [{"a": 0}],
+    "problem_type": ["regression"], "architectures": [None], "transformers_version": ["4.40.0"],
+    "output_attentions": [True], "_name_or_path": ["elsewhere"],
+}
+AUDIT_SKIP = {"dtype": "precision, tested apart (bf16 cases)"}
+
+
+def audit_fields(strata, work):
+    import inspect
+    problems, outcomes = [], []
+    for arch, C, M in (("llama", LlamaConfig, LlamaForCausalLM), ("mistral", MistralConfig, MistralForCausalLM)):
+        fields = set(C().to_dict()) | {n for n in inspect.signature(C.__init__).parameters if n not in ("self", "kwargs")}
+        fields -= {"model_type"}
+        for field in sorted(fields):
+            if field in AUDIT_SKIP:
+                continue
+            if field not in AUDIT_VALUES:
+                problems.append(f"{arch}: config field {field!r} has no audit value: add one (or a reason to skip)")
+                continue
+            for value in AUDIT_VALUES[field]:
+                if field == "sliding_window" and arch != "mistral":
+                    pass  # Llama ignores it (transformers and Strata alike): still checked below
+                d = os.path.join(work, f"audit.{arch}.{field}.{len(outcomes)}")
+                kw = dict(SHAPE)
+                kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+                kw[field] = value
+                try:
+                    torch.manual_seed(11)
+                    cfg = C(**kw)
+                    model = M(cfg).to(torch.float32)
+                    model.save_pretrained(d + "/model")
+                    # What transformers makes of the saved config (its loss is the truth).
+                    g = torch.Generator().manual_seed(5)
+                    vocab = AutoConfig.from_pretrained(d + "/model").vocab_size
+                    tokens = torch.randint(0, vocab, (2 * (BATCH * SEQ + 1),), generator=g, dtype=torch.int64)
+                    tokens.to(torch.int32).numpy().tofile(d + "/tokens.u32")
+                    want = hf_loss(d + "/model", val_windows(tokens, 0.5))
+                except Exception as e:  # transformers itself rejects the value
+                    outcomes.append(f"{arch}.{field}={value!r}: transformers refuses ({type(e).__name__})")
+                    continue
+                r = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
+                                    "--data-format", "u32", "--val-fraction", "0.5", "--seq", str(SEQ), "--batch",
+                                    str(BATCH), "--eval-batches", "1", "--steps", "1", "--out", d + "/out",
+                                    "--offload-params", "cpu", "--offload-optimizer", "cpu", "--device", "cpu",
+                                    "--progress", "quiet", "--no-export"], capture_output=True, text=True)
+                if r.returncode != 0:
+                    named = field in r.stderr or (field == "rope_parameters" and ("rope_type" in r.stderr or
+                                                                                  "partial_rotary_factor" in r.stderr))
+                    outcomes.append(f"{arch}.{field}={value!r}: refused" + ("" if named else " WITHOUT NAMING IT"))
+                    if not named:
+                        problems.append(f"{arch}.{field}={value!r}: refused without naming the field: "
+                                        f"{r.stderr.strip()[-300:]}")
+                    continue
+                got = None
+                for line in open(d + "/out/metrics.jsonl"):
+                    e = json.loads(line)
+                    if e.get("event") == "eval":
+                        got = e["val_loss"]
+                        break
+                rel = abs(got - want) / abs(want)
+                outcomes.append(f"{arch}.{field}={value!r}: trained, loss rel {rel:.1e}")
+                if not rel <= TOL:
+                    problems.append(f"{arch}.{field}={value!r}: Strata trained it with loss {got}, transformers' "
+                                    f"model gives {want} (rel {rel:.2e}): the field changes the math and Strata "
+                                    f"ignored it")
+                shutil.rmtree(d, ignore_errors=True)
+    for o in outcomes:
+        print("    audit " + o)
+    print(f"  config field audit: {len(outcomes)} settings of {len(AUDIT_VALUES)} fields: "
+          f"{sum('refused' in o and 'transformers' not in o for o in outcomes)} refused by name, "
+          f"{sum('trained' in o for o in outcomes)} trained to transformers' loss, "
+          f"{sum('transformers refuses' in o for o in outcomes)} refused by transformers itself")
+    return problems
+
+
 def sliding_window_refused(strata, work):
     """A Mistral window shorter than the sequence: refused by name, not ignored."""
     d = os.path.join(work, "mistral_short_window")
@@ -232,11 +323,14 @@ def main():
         err = sliding_window_refused(strata, work)
         if err:
             failed.append(f"sliding window: {err}")
+        audit = audit_fields(strata, work)
+        if audit:
+            failed.append("config field audit: " + "; ".join(audit))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     for f in failed:
         print("FAILED " + f)
-    total = 2 * len(CASES) + 1
+    total = 2 * len(CASES) + 2
     print(f"hf_reference_test: {total - len(failed)} of {total} cases passed")
     return 1 if failed else 0
 
