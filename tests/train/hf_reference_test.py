@@ -63,6 +63,13 @@ CASES = [
                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     ("mistral_no_window_tied", dict(arch="mistral", sliding_window=None, tie_word_embeddings=True,
                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # bf16 weights, bf16 compute copies (--bf16): the reference keeps float64
+    # masters and runs each forward/backward on their bf16 rounding, as Strata does.
+    ("bf16_llama3", dict(bf16=True, rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
+                                                     "rope_theta": 500000.0})),
+    ("bf16_mistral_tied", dict(arch="mistral", bf16=True, tie_word_embeddings=True, sliding_window=None,
+                               rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 ]
 
 
@@ -86,7 +93,7 @@ def val_windows(tokens, val_fraction):
     return torch.stack(wins[:BATCH])
 
 
-def torch_adamw(model_dir, train_windows):
+def torch_adamw(model_dir, train_windows, bf16=False):
     """STEPS AdamW steps in float64 with the Hugging Face Trainer's parameter
     groups (no decay on biases and norm weights), clipping, a constant lr."""
     m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64).train()
@@ -101,9 +108,18 @@ def torch_adamw(model_dir, train_windows):
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
     for _ in range(STEPS):
         opt.zero_grad()
+        masters = {n: p.detach().clone() for n, p in params.items()} if bf16 else None
+        if bf16:
+            with torch.no_grad():
+                for p in params.values():
+                    p.copy_(p.to(torch.bfloat16).to(torch.float64))
         logits = m(input_ids=train_windows[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), train_windows[:, 1:].reshape(-1))
         loss.backward()
+        if bf16:
+            with torch.no_grad():
+                for n, p in params.items():
+                    p.copy_(masters[n])
         torch.nn.utils.clip_grad_norm_(m.parameters(), CLIP)
         opt.step()
     return {n: p.detach() for n, p in m.state_dict().items()}, sorted(set(params) - decay)
@@ -125,8 +141,9 @@ def run_case(strata, work, name, extra, layout):
     torch.manual_seed(1234)
     extra = dict(extra)
     mistral = extra.pop("arch", "llama") == "mistral"
+    bf16 = extra.pop("bf16", False)
     cfg = (MistralConfig if mistral else LlamaConfig)(**SHAPE, **extra)
-    model = (MistralForCausalLM if mistral else LlamaForCausalLM)(cfg).to(torch.float32)
+    model = (MistralForCausalLM if mistral else LlamaForCausalLM)(cfg).to(torch.bfloat16 if bf16 else torch.float32)
     model.save_pretrained(d + "/model")
     if layout == "v4":
         to_v4_layout(d + "/model/config.json")
@@ -141,6 +158,8 @@ def run_case(strata, work, name, extra, layout):
            "--steps", str(STEPS), "--lr", str(LR), "--schedule", "constant", "--weight-decay", str(WD),
            "--clip", str(CLIP), "--out", d + "/out", "--offload-params", "cpu",
            "--offload-optimizer", "cpu", "--device", "cpu", "--progress", "quiet"]
+    if bf16:
+        cmd += ["--bf16", "--export-dtype", "fp32"]  # the fp32 masters, to compare with the reference's
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         return f"strata finetune exited {r.returncode}: {r.stderr.strip()[-2000:]}"
@@ -177,7 +196,7 @@ def run_case(strata, work, name, extra, layout):
     train = tokens[:n]
     train_windows = torch.stack([train[i * SEQ:i * SEQ + SEQ + 1] for i in range((n - 1) // SEQ)])
     assert train_windows.shape[0] == BATCH
-    want_w, undecayed = torch_adamw(d + "/model", train_windows)
+    want_w, undecayed = torch_adamw(d + "/model", train_windows, bf16)
     init = {k: v.double() for k, v in model.state_dict().items()}
     got_w = back.state_dict()
     num = den = 0.0
