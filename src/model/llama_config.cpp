@@ -40,6 +40,9 @@ LlamaShape LlamaConfig::shape() const {
   s.vocab = vocab_size;
   s.tied_embeddings = tie_word_embeddings;
   s.dtype = torch_dtype;
+  s.head_dim = head_dim_explicit;
+  s.qkv_bias = arch == ModelArch::kQwen2;
+  s.qk_norm = arch == ModelArch::kQwen3;
   return s;
 }
 
@@ -64,16 +67,19 @@ Status validate_llama_config(const LlamaConfig& c) {
                                                 "config?)", c.num_hidden_layers, kMaxLayers));
   {
     const double dim = double(c.hidden_size), ffn = double(c.intermediate_size), vocab = double(c.vocab_size);
-    const double per_layer = 4 * dim * dim + 3 * dim * ffn + 2 * dim;  // upper bound (GQA shrinks k/v)
+    const double q = std::max(dim, double(c.num_attention_heads) * double(c.head_dim()));
+    const double per_layer = 4 * dim * q + 3 * dim * ffn + 2 * dim + 3 * q;  // upper bound (GQA shrinks k/v)
     const double total = double(c.num_hidden_layers) * per_layer + 2 * vocab * dim + dim;
     if (!(total <= kMaxParams))
       return bad("hidden_size", fmt::format("with intermediate_size {}, vocab_size {} and {} layers the model would "
                                             "have about {:.3g} parameters, more than {:.0e}: a damaged config?",
                                             c.intermediate_size, c.vocab_size, c.num_hidden_layers, total, kMaxParams));
   }
-  if (c.hidden_size % c.num_attention_heads != 0)
-    return bad("hidden_size",
-               fmt::format("{} is not divisible by num_attention_heads {}", c.hidden_size, c.num_attention_heads));
+  if (c.head_dim_explicit == 0 && c.hidden_size % c.num_attention_heads != 0)
+    return bad("hidden_size", fmt::format("{} is not divisible by num_attention_heads {} (and no head_dim is given)",
+                                          c.hidden_size, c.num_attention_heads));
+  if (c.head_dim() % 2 != 0 || c.head_dim() == 0)
+    return bad("head_dim", fmt::format("is {}; rotary embeddings need an even head_dim", c.head_dim()));
   if (c.num_attention_heads % c.num_key_value_heads != 0)
     return bad("num_attention_heads", fmt::format("{} is not divisible by num_key_value_heads {}",
                                                   c.num_attention_heads, c.num_key_value_heads));
@@ -262,8 +268,20 @@ constexpr uint64_t kBigWindow = uint64_t{1} << 40;  // sliding_window's bound
 
 }  // namespace
 
-const char* model_arch_type(ModelArch a) { return a == ModelArch::kMistral ? "mistral" : "llama"; }
-const char* model_arch_class(ModelArch a) { return a == ModelArch::kMistral ? "MistralForCausalLM" : "LlamaForCausalLM"; }
+namespace {
+struct ArchName {
+  ModelArch arch;
+  const char* type;
+  const char* cls;
+};
+constexpr ArchName kArchNames[] = {{ModelArch::kLlama, "llama", "LlamaForCausalLM"},
+                                   {ModelArch::kMistral, "mistral", "MistralForCausalLM"},
+                                   {ModelArch::kQwen2, "qwen2", "Qwen2ForCausalLM"},
+                                   {ModelArch::kQwen3, "qwen3", "Qwen3ForCausalLM"}};
+}  // namespace
+
+const char* model_arch_type(ModelArch a) { return kArchNames[static_cast<int>(a)].type; }
+const char* model_arch_class(ModelArch a) { return kArchNames[static_cast<int>(a)].cls; }
 
 Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string& source, bool allow_rope_scaling) {
   json root;
@@ -312,26 +330,29 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   bool typed = false;
   if (auto it = root.find("model_type"); it != root.end() && !it->is_null()) {
     const std::string v = it->is_string() ? it->get<std::string>() : "";
-    if (v == "llama") {
-      c.arch = ModelArch::kLlama;
-    } else if (v == "mistral") {
-      c.arch = ModelArch::kMistral;
-    } else {
+    const ArchName* found = nullptr;
+    for (const ArchName& a : kArchNames)
+      if (v == a.type) found = &a;
+    if (!found)
       return key_error(source, "model_type",
-                       fmt::format("is {}; supported: \"llama\", \"mistral\"", clip_for_message(it->dump(), 100)));
-    }
+                       fmt::format("is {}; supported: \"llama\", \"mistral\", \"qwen2\", \"qwen3\"",
+                                   clip_for_message(it->dump(), 100)));
+    c.arch = found->arch;
     typed = true;
   }
   if (auto it = root.find("architectures"); it != root.end() && !it->is_null()) {
     if (!it->is_array()) return key_error(source, "architectures", "must be a list of names");
     for (const auto& a : *it) {
       const std::string v = a.is_string() ? a.get<std::string>() : "";
-      const bool llama = v == "LlamaForCausalLM", mistral = v == "MistralForCausalLM";
-      if (!llama && !mistral)
+      const ArchName* found = nullptr;
+      for (const ArchName& n : kArchNames)
+        if (v == n.cls) found = &n;
+      if (!found)
         return key_error(source, "architectures",
-                         fmt::format("names {}; supported: LlamaForCausalLM, MistralForCausalLM",
+                         fmt::format("names {}; supported: LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, "
+                                     "Qwen3ForCausalLM",
                                      clip_for_message(a.dump(), 100)));
-      const ModelArch arch = llama ? ModelArch::kLlama : ModelArch::kMistral;
+      const ModelArch arch = found->arch;
       if (typed && arch != c.arch)
         return key_error(source, "architectures",
                          fmt::format("names {} but model_type is \"{}\"", v, model_arch_type(c.arch)));
@@ -349,6 +370,43 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
       c.sliding_window = w;
     }
   }
+  // Qwen2/3 (transformers' __post_init__): sliding_window counts only with
+  // use_sliding_window; layer_types (written by transformers 5) says which
+  // layers slide, else those from max_window_layers on do.
+  if (c.arch == ModelArch::kQwen2 || c.arch == ModelArch::kQwen3) {
+    bool use = false;
+    STRATA_RETURN_IF_ERROR(get_bool("use_sliding_window", &use));
+    uint64_t w = 4096, max_window_layers = 28;
+    bool have_w = true;
+    if (auto it = root.find("sliding_window"); it != root.end() && it->is_null()) have_w = false;
+    STRATA_RETURN_IF_ERROR(get_uint("sliding_window", false, &w, kBigWindow));
+    STRATA_RETURN_IF_ERROR(get_uint("max_window_layers", false, &max_window_layers, kBigWindow));
+    if (have_w && w == 0) return key_error(source, "sliding_window", "must be positive or null");
+    const bool window = use && have_w;
+    bool any_sliding = false;
+    uint64_t n_layers = 0;
+    STRATA_RETURN_IF_ERROR(get_uint("num_hidden_layers", true, &n_layers, UINT32_MAX));
+    if (auto it = root.find("layer_types"); it != root.end() && !it->is_null()) {
+      if (!it->is_array() || it->size() != n_layers)
+        return key_error(source, "layer_types", fmt::format("must list num_hidden_layers ({}) layer types", n_layers));
+      for (const auto& t : *it) {
+        const std::string v = t.is_string() ? t.get<std::string>() : "";
+        if (v == "sliding_attention")
+          any_sliding = true;
+        else if (v != "full_attention")
+          return key_error(source, "layer_types",
+                           fmt::format("holds {}; known: \"full_attention\", \"sliding_attention\"",
+                                       clip_for_message(t.dump(), 100)));
+      }
+      if (any_sliding && !window)
+        return key_error(source, "layer_types",
+                         "marks sliding-attention layers but there is no sliding window (use_sliding_window is false "
+                         "or sliding_window null)");
+    } else {
+      any_sliding = window && n_layers > max_window_layers;
+    }
+    if (any_sliding) c.sliding_window = w;
+  }
   constexpr uint64_t k32 = UINT32_MAX;
   constexpr uint64_t kBig = uint64_t{1} << 40;
   uint64_t layers = 0, heads = 0, kv = 0;
@@ -357,7 +415,10 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   STRATA_RETURN_IF_ERROR(get_uint("num_hidden_layers", true, &layers, k32));
   STRATA_RETURN_IF_ERROR(get_uint("num_attention_heads", true, &heads, k32));
   STRATA_RETURN_IF_ERROR(get_uint("vocab_size", true, &c.vocab_size, kBig));
-  kv = heads;
+  // transformers' defaults when the key is absent: Mistral 8, Qwen2/3 32,
+  // Llama the head count; null means the head count everywhere.
+  kv = c.arch == ModelArch::kMistral ? 8 : (c.arch == ModelArch::kQwen2 || c.arch == ModelArch::kQwen3) ? 32 : heads;
+  if (auto it = root.find("num_key_value_heads"); it != root.end() && it->is_null()) kv = heads;
   STRATA_RETURN_IF_ERROR(get_uint("num_key_value_heads", false, &kv, k32));
   c.num_hidden_layers = static_cast<uint32_t>(layers);
   c.num_attention_heads = static_cast<uint32_t>(heads);
@@ -387,24 +448,36 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
                        fmt::format("is {}; expected \"bfloat16\", \"float16\" or \"float32\"", it->dump()));
     break;
   }
+  // Biases: Llama reads attention_bias (q/k/v/o) and mlp_bias, Qwen3
+  // attention_bias (q/k/v/o); Mistral's and Qwen2's layers fix theirs
+  // (Qwen2: q/k/v biases always) and ignore the keys, as transformers does.
   for (const char* key : {"attention_bias", "mlp_bias"}) {
+    const bool read = c.arch == ModelArch::kLlama || (c.arch == ModelArch::kQwen3 && std::string(key) == "attention_bias");
+    if (!read) continue;
     bool b = false;
     STRATA_RETURN_IF_ERROR(get_bool(key, &b));
-    if (b) return key_error(source, key, "is true; Llama layers with bias terms are not supported");
+    if (b)
+      return key_error(source, key,
+                       fmt::format("is true; {} layers with these bias terms are not supported", model_arch_class(c.arch)));
   }
   if (auto it = root.find("hidden_act"); it != root.end() && !it->is_null()) {
     if (!it->is_string() || it->get<std::string>() != "silu")
       return key_error(source, "hidden_act", fmt::format("is {}; only \"silu\" (SwiGLU) is supported", it->dump()));
   }
+  // head_dim: explicit (transformers 5 reads it for every one of these
+  // architectures), Qwen3's default 128 when absent, else hidden / heads.
+  if (auto it = root.find("head_dim"); it != root.end() && !it->is_null()) {
+    if (!it->is_number_unsigned() || it->get<uint64_t>() == 0 || it->get<uint64_t>() > 4096)
+      return key_error(source, "head_dim", fmt::format("must be an integer in 1..4096, got {}", it->dump()));
+    c.head_dim_explicit = it->get<uint64_t>();
+  } else if (it == root.end() && c.arch == ModelArch::kQwen3) {
+    c.head_dim_explicit = 128;
+  }
+  if (c.head_dim_explicit && c.head_dim_explicit == (c.num_attention_heads ? c.hidden_size / c.num_attention_heads : 0) &&
+      c.hidden_size % std::max<uint32_t>(c.num_attention_heads, 1) == 0)
+    c.head_dim_explicit = 0;  // the same as derived: one spelling
   STRATA_RETURN_IF_ERROR(parse_rope(root, source, allow_rope_scaling, &c));
   STRATA_RETURN_IF_ERROR(validate_llama_config(c).with_context(source));
-  if (auto it = root.find("head_dim"); it != root.end() && !it->is_null()) {
-    if (!it->is_number_unsigned() || it->get<uint64_t>() != c.head_dim())
-      return key_error(source, "head_dim",
-                       fmt::format("is {} but hidden_size / num_attention_heads = {}; a head_dim other than that "
-                                   "is not supported",
-                                   it->dump(), c.head_dim()));
-  }
   return c;
 }
 
@@ -439,7 +512,8 @@ std::string llama_config_to_json(const LlamaConfig& c) {
         same->tie_word_embeddings == c.tie_word_embeddings && same->bos_token_id == c.bos_token_id &&
         same->eos_token_id == c.eos_token_id && same->initializer_range == c.initializer_range &&
         same->attention_dropout == c.attention_dropout && same->rope_scaling == c.rope_scaling &&
-        same->arch == c.arch && same->sliding_window == c.sliding_window;
+        same->arch == c.arch && same->sliding_window == c.sliding_window &&
+        same->head_dim_explicit == c.head_dim_explicit;
     if (unchanged && src.is_object()) {
       bool set = false;
       for (const char* key : {"torch_dtype", "dtype"}) {

@@ -24,18 +24,22 @@
 namespace strata::model {
 
 // The architectures of the Llama family Strata implements. They share the
-// weight table (model/llama_weights.h) and the ops; Mistral adds a sliding
-// attention window.
-enum class ModelArch : uint8_t { kLlama = 0, kMistral };
-const char* model_arch_type(ModelArch a);   // config.json model_type: "llama", "mistral"
+// weight table (model/llama_weights.h) and the ops: Mistral adds a sliding
+// attention window, Qwen2 q/k/v biases (and Qwen2/3 per-layer sliding
+// windows), Qwen3 per-head q/k RMSNorm and an explicit head_dim.
+enum class ModelArch : uint8_t { kLlama = 0, kMistral, kQwen2, kQwen3 };
+const char* model_arch_type(ModelArch a);   // config.json model_type: "llama", "mistral", "qwen2", "qwen3"
 const char* model_arch_class(ModelArch a);  // architectures: "LlamaForCausalLM", ...
 
 struct LlamaConfig {
   ModelArch arch = ModelArch::kLlama;
-  // Mistral: attention sees the last `sliding_window` tokens; unset (null):
-  // all. The trainer refuses a sequence longer than the window (sliding
-  // attention is not implemented), so it never changes the math silently.
+  // Attention of some or all layers sees the last `sliding_window` tokens
+  // (Mistral: every layer; Qwen2/3: the layers layer_types marks
+  // "sliding_attention"); unset: none. The trainer refuses a sequence longer
+  // than the window (sliding attention is not implemented), so it never
+  // changes the math silently.
   std::optional<uint64_t> sliding_window;
+  uint64_t head_dim_explicit = 0;  // config.json head_dim (Qwen3's default 128); 0: hidden / heads
   uint64_t hidden_size = 0;
   uint64_t intermediate_size = 0;
   uint32_t num_hidden_layers = 0;
@@ -62,7 +66,10 @@ struct LlamaConfig {
   // changed. Empty for configs made by Strata.
   std::string source_json;
 
-  uint64_t head_dim() const { return num_attention_heads ? hidden_size / num_attention_heads : 0; }
+  uint64_t head_dim() const {
+    if (head_dim_explicit) return head_dim_explicit;
+    return num_attention_heads ? hidden_size / num_attention_heads : 0;
+  }
   // The runtime's view: layers, dim, heads, kv_heads, ffn_dim, vocab, tied,
   // dtype = torch_dtype.
   LlamaShape shape() const;

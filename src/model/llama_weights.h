@@ -24,9 +24,12 @@
 
 namespace strata {
 
-// The tensors of one decoder layer, in Hugging Face's order (also the
-// engine's parameter order within a layer group and the order of the CUDA
-// module's strata_cuda_train_layer_t::tensors).
+// The tensors of one decoder layer (also the engine's parameter order within
+// a layer group). The first kBaseLayerTensorCount are every architecture's
+// (and the CUDA module's strata_cuda_train_layer_t::tensors, in this order);
+// the rest belong to one architecture each (WeightRow::feature): Qwen2's
+// q/k/v biases, Qwen3's per-head q/k RMSNorm weights. A model without a
+// feature has no such tensor (LlamaDims::has, numel 0).
 enum LayerTensor : int {
   kInputNorm,  // input_layernorm
   kQProj,
@@ -37,7 +40,20 @@ enum LayerTensor : int {
   kGateProj,
   kUpProj,
   kDownProj,
+  kQBias,  // Qwen2
+  kKBias,
+  kVBias,
+  kQNorm,  // Qwen3: RMSNorm over each head's head_dim, before RoPE
+  kKNorm,
   kLayerTensorCount
+};
+inline constexpr int kBaseLayerTensorCount = kQBias;
+
+// Which models have a tensor.
+enum class Feature : uint8_t {
+  kAlways,
+  kQkvBias,  // Qwen2: q_proj/k_proj/v_proj have biases
+  kQkNorm,   // Qwen3: q_norm/k_norm per head
 };
 
 // The tensors outside the layers.
@@ -51,10 +67,11 @@ enum class Extent : uint8_t {
   kKvDim,  // num_key_value_heads * head_dim
   kFfnDim, // intermediate_size
   kVocab,  // vocab_size
+  kHeadDim,  // head_dim
 };
 
 struct LlamaExtents {
-  int64_t dim = 0, q_dim = 0, kv_dim = 0, ffn_dim = 0, vocab = 0;
+  int64_t dim = 0, q_dim = 0, kv_dim = 0, ffn_dim = 0, vocab = 0, head_dim = 0;
   constexpr int64_t of(Extent e) const {
     switch (e) {
       case Extent::kOne: return 1;
@@ -63,6 +80,7 @@ struct LlamaExtents {
       case Extent::kKvDim: return kv_dim;
       case Extent::kFfnDim: return ffn_dim;
       case Extent::kVocab: return vocab;
+      case Extent::kHeadDim: return head_dim;
     }
     return 0;
   }
@@ -73,6 +91,7 @@ struct WeightRow {
   std::string_view name;  // Hugging Face name; for layer rows the part after "model.layers.<i>."
   Extent rows, cols;      // row-major [rows, cols]; cols == kOne: 1-D [rows]
   bool norm;              // an RMSNorm weight (Hugging Face initialises it to ones)
+  Feature feature = Feature::kAlways;
 
   constexpr int64_t numel(const LlamaExtents& x) const { return x.of(rows) * x.of(cols); }
   // [rows] or [rows, cols], as safetensors and the engine spell shapes.
@@ -92,6 +111,11 @@ inline constexpr std::array<WeightRow, kLayerTensorCount> kLayerWeights = {{
     {kGateProj, "mlp.gate_proj.weight", Extent::kFfnDim, Extent::kDim, false},
     {kUpProj, "mlp.up_proj.weight", Extent::kFfnDim, Extent::kDim, false},
     {kDownProj, "mlp.down_proj.weight", Extent::kDim, Extent::kFfnDim, false},
+    {kQBias, "self_attn.q_proj.bias", Extent::kQDim, Extent::kOne, false, Feature::kQkvBias},
+    {kKBias, "self_attn.k_proj.bias", Extent::kKvDim, Extent::kOne, false, Feature::kQkvBias},
+    {kVBias, "self_attn.v_proj.bias", Extent::kKvDim, Extent::kOne, false, Feature::kQkvBias},
+    {kQNorm, "self_attn.q_norm.weight", Extent::kHeadDim, Extent::kOne, true, Feature::kQkNorm},
+    {kKNorm, "self_attn.k_norm.weight", Extent::kHeadDim, Extent::kOne, true, Feature::kQkNorm},
 }};
 
 inline constexpr std::array<WeightRow, kModelTensorCount> kModelWeights = {{

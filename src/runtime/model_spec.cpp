@@ -93,13 +93,14 @@ Result<ModelSpec> llama_model_spec(const LlamaShape& s, uint32_t world_size, uin
   if (s.layers == 0 || s.dim == 0 || s.heads == 0 || s.kv_heads == 0 || s.ffn_dim == 0 || s.vocab == 0)
     return Status(StatusCode::kInvalidArgument,
                   "llama shape: layers, dim, heads, kv_heads, ffn_dim and vocab must be positive");
-  if (s.dim % s.heads != 0)
+  if (s.head_dim == 0 && s.dim % s.heads != 0)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("llama shape: dim {} is not divisible by heads {}", s.dim, s.heads));
   if (s.heads % s.kv_heads != 0)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("llama shape: heads {} is not divisible by kv_heads {}", s.heads, s.kv_heads));
-  const uint64_t kv_dim = s.dim / s.heads * s.kv_heads;
+  const uint64_t hd = s.head_dim_or_default();
+  const uint64_t q_dim = hd * s.heads, kv_dim = hd * s.kv_heads;
   ModelSpec m;
   m.world_size = world_size;
   m.rank = rank;
@@ -111,14 +112,23 @@ Result<ModelSpec> llama_model_spec(const LlamaShape& s, uint32_t world_size, uin
     const std::string g = fmt::format("layers.{}", i);
     const std::string p = fmt::format("model.layers.{}.", i);
     add(p + "input_layernorm.weight", {s.dim}, g);
-    add(p + "self_attn.q_proj.weight", {s.dim, s.dim}, g);
+    add(p + "self_attn.q_proj.weight", {q_dim, s.dim}, g);
     add(p + "self_attn.k_proj.weight", {kv_dim, s.dim}, g);
     add(p + "self_attn.v_proj.weight", {kv_dim, s.dim}, g);
-    add(p + "self_attn.o_proj.weight", {s.dim, s.dim}, g);
+    add(p + "self_attn.o_proj.weight", {s.dim, q_dim}, g);
     add(p + "post_attention_layernorm.weight", {s.dim}, g);
     add(p + "mlp.gate_proj.weight", {s.ffn_dim, s.dim}, g);
     add(p + "mlp.up_proj.weight", {s.ffn_dim, s.dim}, g);
     add(p + "mlp.down_proj.weight", {s.dim, s.ffn_dim}, g);
+    if (s.qkv_bias) {
+      add(p + "self_attn.q_proj.bias", {q_dim}, g);
+      add(p + "self_attn.k_proj.bias", {kv_dim}, g);
+      add(p + "self_attn.v_proj.bias", {kv_dim}, g);
+    }
+    if (s.qk_norm) {
+      add(p + "self_attn.q_norm.weight", {hd}, g);
+      add(p + "self_attn.k_norm.weight", {hd}, g);
+    }
   }
   add("model.norm.weight", {s.dim}, "head");
   if (!s.tied_embeddings) add("lm_head.weight", {s.vocab, s.dim}, "head");

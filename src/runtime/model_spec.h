@@ -82,8 +82,15 @@ struct LlamaShape {
   uint64_t vocab = 0;
   bool tied_embeddings = false;
   DType dtype = DType::kBF16;
+  uint64_t head_dim = 0;  // 0: dim / heads (Qwen3 and others give it explicitly)
+  bool qkv_bias = false;  // Qwen2: q/k/v projection biases
+  bool qk_norm = false;   // Qwen3: per-head q/k RMSNorm weights
+  uint64_t head_dim_or_default() const { return head_dim ? head_dim : (heads ? dim / heads : 0); }
 };
-// kInvalidArgument when dim is not divisible by heads or heads by kv_heads.
+// The parameters in the weight table's order (model/llama_weights.h: per
+// layer the nine base tensors, then the architecture's extra ones).
+// kInvalidArgument when dim is not divisible by heads (without an explicit
+// head_dim) or heads by kv_heads.
 Result<ModelSpec> llama_model_spec(const LlamaShape& shape, uint32_t world_size = 1, uint32_t rank = 0);
 
 }  // namespace strata

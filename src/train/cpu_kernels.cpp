@@ -146,6 +146,25 @@ void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx,
   });
 }
 
+// ---------------------------------------------------------------- biases
+
+template <typename S>
+void add_bias(S* y, const S* b, int64_t n, int64_t cols) {
+  for_blocks(n, kRowBlock, [&](int64_t rb, int64_t re) {
+    for (int64_t r = rb; r < re; ++r)
+      for (int64_t j = 0; j < cols; ++j) y[r * cols + j] += b[j];
+  });
+}
+
+template <typename S>
+void bias_backward(const S* dy, S* db, int64_t n, int64_t cols) {
+  for_blocks(cols, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) db[j] = 0;
+    for (int64_t r = 0; r < n; ++r)
+      for (int64_t j = b; j < e; ++j) db[j] += dy[r * cols + j];
+  });
+}
+
 // ---------------------------------------------------------------- RoPE
 
 template <typename S>
@@ -408,6 +427,14 @@ LayerMath<S>::LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_s
   resize(dv_, n * kvd);
   resize(datt_, n * qd);
   resize(dn_, n * D);
+  if (dims.qk_norm) {
+    resize(q_raw_, n * qd);
+    resize(k_raw_, n * kvd);
+    resize(rstd_q_, n * dims.heads);
+    resize(rstd_k_, n * dims.kv_heads);
+    resize(dq_raw_, n * qd);
+    resize(dk_raw_, n * kvd);
+  }
 }
 
 template <typename S>
@@ -417,6 +444,17 @@ void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, i
   linear_forward(n1_.data(), p[kQProj], q_.data(), n, D, qd);
   linear_forward(n1_.data(), p[kKProj], k_.data(), n, D, kvd);
   linear_forward(n1_.data(), p[kVProj], v_.data(), n, D, kvd);
+  if (d_.qkv_bias) {  // Qwen2: q/k/v = n1 W^T + b
+    add_bias(q_.data(), p[kQBias], n, qd);
+    add_bias(k_.data(), p[kKBias], n, kvd);
+    add_bias(v_.data(), p[kVBias], n, kvd);
+  }
+  if (d_.qk_norm) {  // Qwen3: RMSNorm over each head's head_dim, before RoPE
+    copy(q_raw_.data(), q_.data(), n * qd);
+    copy(k_raw_.data(), k_.data(), n * kvd);
+    rmsnorm_forward(q_raw_.data(), p[kQNorm], q_.data(), rstd_q_.data(), n * d_.heads, d_.head_dim, d_.rms_eps);
+    rmsnorm_forward(k_raw_.data(), p[kKNorm], k_.data(), rstd_k_.data(), n * d_.kv_heads, d_.head_dim, d_.rms_eps);
+  }
   rope_apply(q_.data(), n, T, d_.heads, d_.head_dim, rope_, false);
   rope_apply(k_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, false);
   attention_forward(q_.data(), k_.data(), v_.data(), att_.data(), B, T, d_.heads, d_.kv_heads,
@@ -466,6 +504,19 @@ void LayerMath<S>::backward(const LayerParams<S>& p, const S* x, const S* dy, S*
                      dv_.data(), B, T, d_.heads, d_.kv_heads, d_.head_dim, scratch_);
   rope_apply(dq_.data(), n, T, d_.heads, d_.head_dim, rope_, true);
   rope_apply(dk_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, true);
+  if (d_.qk_norm) {  // through the per-head norms to the projections' outputs
+    rmsnorm_backward(q_raw_.data(), p[kQNorm], rstd_q_.data(), dq_.data(), dq_raw_.data(), g[kQNorm],
+                     n * d_.heads, d_.head_dim, false);
+    rmsnorm_backward(k_raw_.data(), p[kKNorm], rstd_k_.data(), dk_.data(), dk_raw_.data(), g[kKNorm],
+                     n * d_.kv_heads, d_.head_dim, false);
+    dq_.swap(dq_raw_);
+    dk_.swap(dk_raw_);
+  }
+  if (d_.qkv_bias) {
+    bias_backward(dq_.data(), g[kQBias], n, qd);
+    bias_backward(dk_.data(), g[kKBias], n, kvd);
+    bias_backward(dv_.data(), g[kVBias], n, kvd);
+  }
   linear_backward_input(dq_.data(), p[kQProj], dn, n, D, qd, false);
   linear_backward_input(dk_.data(), p[kKProj], dn, n, D, kvd, true);
   linear_backward_input(dv_.data(), p[kVProj], dn, n, D, kvd, true);
@@ -539,6 +590,8 @@ void HeadMath<S>::logits(const S* norm_w, const S* lm_head, const S* x, int64_t 
 // ---------------------------------------------------------------- instances
 
 #define STRATA_TRAIN_INSTANTIATE(S)                                                             \
+  template void add_bias<S>(S*, const S*, int64_t, int64_t);                                      \
+  template void bias_backward<S>(const S*, S*, int64_t, int64_t);                                \
   template void linear_forward<S>(const S*, const S*, S*, int64_t, int64_t, int64_t);          \
   template void linear_backward_input<S>(const S*, const S*, S*, int64_t, int64_t, int64_t,    \
                                          bool);                                                 \

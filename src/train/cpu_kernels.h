@@ -58,6 +58,15 @@ template <typename S>
 void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx, S* dw, int64_t n,
                       int64_t d, bool accumulate_dx);
 
+// ---- biases (Qwen2's q/k/v)
+// y[r, :] += b for r < n.
+template <typename S>
+void add_bias(S* y, const S* b, int64_t n, int64_t cols);
+// db = sum over rows of dy (overwrites), rows in order, split over columns:
+// the same bits for every thread count.
+template <typename S>
+void bias_backward(const S* dy, S* db, int64_t n, int64_t cols);
+
 // ---- rotary embeddings (HF rotate_half convention)
 template <typename S>
 struct RopeTable {
@@ -154,8 +163,10 @@ class LayerMath {
   AttnScratch<S> scratch_;
   // Saved by run_forward (per token): n1, q, k, v (roped), att, h, n2, g, u, a.
   std::vector<S> rstd1_, n1_, q_, k_, v_, att_, h_, rstd2_, n2_, g_, u_, a_;
+  // qk_norm (Qwen3): q and k before their per-head RMSNorm, and its rstd.
+  std::vector<S> q_raw_, k_raw_, rstd_q_, rstd_k_;
   // Backward scratch.
-  std::vector<S> dh_, dbig_, dbig2_, dq_, dk_, dv_, datt_, dn_;
+  std::vector<S> dh_, dbig_, dbig2_, dq_, dk_, dv_, datt_, dn_, dq_raw_, dk_raw_;
 };
 
 // The final norm, logits and cross-entropy, chunked over tokens so that only

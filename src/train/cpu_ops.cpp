@@ -42,9 +42,9 @@ namespace {
 Status bad_arg(const std::string& what) { return Status(StatusCode::kInvalidArgument, what); }
 
 template <typename P>
-bool any_null(const LayerArray<P>& a) {
-  for (P p : a)
-    if (!p) return true;
+bool any_null(const LayerArray<P>& a, const LlamaDims& d) {
+  for (LayerTensor t : kAllLayerTensors)
+    if (d.has(t) && !a[t]) return true;  // tensors the model does not have may be null
   return false;
 }
 
@@ -127,7 +127,7 @@ class CpuOps final : public ModelOps {
                         const float* dy, float* dx, const LayerGrads& g) override {
     STRATA_RETURN_IF_ERROR(check_shape("layer_backward", B, T));
     STRATA_RETURN_IF_ERROR(check_layer("layer_backward", w));
-    if (!x_in || !dy || !dx || any_null(g)) return null_arg("layer_backward");
+    if (!x_in || !dy || !dx || any_null(g, dims_)) return null_arg("layer_backward");
     STRATA_RETURN_IF_ERROR(ensure_conv(w.dtype));
     run([&] { layer_->backward(layer_params(w), x_in, dy, dx, g, B, T); });
     return Status::ok_status();
@@ -201,7 +201,7 @@ class CpuOps final : public ModelOps {
   }
   Status check_layer(const char* op, const LayerWeights& w) const {
     STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
-    if (any_null(w.ptr))
+    if (any_null(w.ptr, dims_))
       return bad_arg(fmt::format("{}: a layer weight pointer is null", op));
     return Status::ok_status();
   }
@@ -260,7 +260,7 @@ class CpuOps final : public ModelOps {
   cpu::LayerParams<float> layer_params(const LayerWeights& w) {
     int64_t c = 0;
     cpu::LayerParams<float> p;
-    for (LayerTensor t : kAllLayerTensors) p[t] = as_f32(w[t], w.dtype, dims_.numel(t), &c);
+    for (LayerTensor t : kAllLayerTensors) p[t] = dims_.has(t) ? as_f32(w[t], w.dtype, dims_.numel(t), &c) : nullptr;
     return p;
   }
 

@@ -85,9 +85,11 @@ Result<TrainModule> load_module() {
   return result;
 }
 
-// The module's layer tensors are the weight table's, in the same order.
+// The module's layer tensors are the weight table's base ones, in the same
+// order (Qwen2's biases and Qwen3's q/k norms are not in the module yet:
+// module_dims refuses models that have them).
 constexpr bool same(int module_index, int table_index) { return module_index == table_index; }
-static_assert(same(STRATA_CUDA_TRAIN_LAYER_TENSORS, kLayerTensorCount));
+static_assert(same(STRATA_CUDA_TRAIN_LAYER_TENSORS, kBaseLayerTensorCount));
 static_assert(same(STRATA_CUDA_TRAIN_INPUT_NORM, kInputNorm) && same(STRATA_CUDA_TRAIN_Q_PROJ, kQProj) &&
               same(STRATA_CUDA_TRAIN_K_PROJ, kKProj) && same(STRATA_CUDA_TRAIN_V_PROJ, kVProj) &&
               same(STRATA_CUDA_TRAIN_O_PROJ, kOProj) && same(STRATA_CUDA_TRAIN_POST_NORM, kPostNorm) &&
@@ -99,10 +101,11 @@ Status module_status(int rc, const char* err, const std::string& what) {
   return cuda_module_status(rc, err, "cuda train ops: " + what);
 }
 
+// The base tensors (the only ones the module takes) must all be given.
 template <typename P>
 bool any_null(const LayerArray<P>& a) {
-  for (P p : a)
-    if (!p) return true;
+  for (int t = 0; t < kBaseLayerTensorCount; ++t)
+    if (!a[static_cast<LayerTensor>(t)]) return true;
   return false;
 }
 
@@ -117,6 +120,11 @@ Status bad_arg(const std::string& what) { return Status(StatusCode::kInvalidArgu
 
 Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
   STRATA_RETURN_IF_ERROR(o.dims.validate());
+  if (o.dims.qkv_bias || o.dims.qk_norm)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("CUDA train ops: {} are not implemented on the GPU yet (the CPU ops have them: "
+                              "--device cpu)",
+                              o.dims.qkv_bias ? "Qwen2's q/k/v biases" : "Qwen3's per-head q/k norms"));
   if (o.max_batch < 1 || o.max_seq < 1 || o.max_batch > INT_MAX / o.max_seq)
     return bad_arg(fmt::format("CUDA train ops: max_batch {} and max_seq {} must be >= 1 with a product < 2^31",
                                o.max_batch, o.max_seq));
@@ -218,7 +226,7 @@ class CudaOps final : public ModelOps {
     if (!x_in || !dy || !dx || any_null(g)) return null_arg(op);
     const strata_cuda_train_layer_t lw = layer(w);
     strata_cuda_train_layer_grads_t lg{};
-    for (LayerTensor t : kAllLayerTensors) lg.tensors[t] = g[t];
+    for (int t = 0; t < kBaseLayerTensorCount; ++t) lg.tensors[t] = g[static_cast<LayerTensor>(t)];
     STRATA_TRAIN_CALL(op, layer_backward, ctx_, &lw, B, T, x_in, dy, dx, &lg);
     return Status::ok_status();
   }
@@ -292,7 +300,7 @@ class CudaOps final : public ModelOps {
   static strata_cuda_train_layer_t layer(const LayerWeights& w) {
     strata_cuda_train_layer_t lw{};
     lw.dtype = static_cast<int>(w.dtype);
-    for (LayerTensor t : kAllLayerTensors) lw.tensors[t] = w[t];
+    for (int t = 0; t < kBaseLayerTensorCount; ++t) lw.tensors[t] = w[static_cast<LayerTensor>(t)];
     return lw;
   }
   static strata_cuda_train_head_t head(const HeadWeights& w, const float* x, int64_t B, int64_t T) {

@@ -111,13 +111,24 @@ struct LlamaDims {
   std::vector<float> rope_inv_freq;
   float rope_attention_scaling = 1.0f;
   bool tied = false;           // tie_word_embeddings
+  bool qkv_bias = false;       // Qwen2: q/k/v projections add biases (kQBias, kKBias, kVBias)
+  bool qk_norm = false;        // Qwen3: RMSNorm of each q and k head before RoPE (kQNorm, kKNorm)
 
   int64_t q_dim() const { return heads * head_dim; }
   int64_t kv_dim() const { return kv_heads * head_dim; }
   // The sizes the weight table's shapes are made of.
-  LlamaExtents extents() const { return {dim, q_dim(), kv_dim(), ffn_dim, vocab}; }
-  // Elements of one tensor.
-  int64_t numel(LayerTensor t) const { return weight_row(t).numel(extents()); }
+  LlamaExtents extents() const { return {dim, q_dim(), kv_dim(), ffn_dim, vocab, head_dim}; }
+  // Whether this model has tensor t (its architecture's features).
+  bool has(LayerTensor t) const {
+    switch (weight_row(t).feature) {
+      case Feature::kAlways: return true;
+      case Feature::kQkvBias: return qkv_bias;
+      case Feature::kQkNorm: return qk_norm;
+    }
+    return false;
+  }
+  // Elements of one tensor (0 for a tensor this model does not have).
+  int64_t numel(LayerTensor t) const { return has(t) ? weight_row(t).numel(extents()) : 0; }
   int64_t numel(ModelTensor t) const { return weight_row(t).numel(extents()); }
   // Elements of all the tensors of one decoder layer.
   int64_t layer_params() const {

@@ -102,6 +102,8 @@ Status Trainer::Impl::open_model() {
     dims.rope_attention_scaling = f.attention_scaling;
   }
   dims.tied = mc.tie_word_embeddings;
+  dims.qkv_bias = mc.arch == model::ModelArch::kQwen2;
+  dims.qk_norm = mc.arch == model::ModelArch::kQwen3;
   if (mc.rope.type != model::RopeType::kDefault)
     log_info("RoPE: {}", model::rope_describe(mc.rope));
   if (mc.attention_dropout > 0)
@@ -240,6 +242,7 @@ Status Trainer::Impl::find_params() {
     layer_groups.push_back(g);
     LayerArray<ParamId> ids;
     for (LayerTensor t : kAllLayerTensors) {
+      if (!dims.has(t)) continue;
       STRATA_ASSIGN_OR_RETURN(ids[t], engine->find_param(layer_weight_name(l, t)));
     }
     layer_param_ids.push_back(ids);
@@ -539,7 +542,7 @@ const void* Trainer::Impl::ptr_of(const GroupView& v, ParamId p) const {
 LayerWeights Trainer::Impl::layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const {
   LayerWeights w;
   w.dtype = compute_dtype;
-  for (LayerTensor t : kAllLayerTensors) w[t] = ptr_of(v, ids[t]);
+  for (LayerTensor t : kAllLayerTensors) w[t] = dims.has(t) ? ptr_of(v, ids[t]) : nullptr;
   return w;
 }
 
@@ -614,12 +617,14 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
     LayerGrads g;
     float* cursor = grad_buf;
     for (LayerTensor t : kAllLayerTensors) {
+      if (!dims.has(t)) continue;
       g[t] = cursor;
       cursor += spec.params[id[t]].numel();
     }
     Status st = ops->layer_backward(w, B, T, acts + l * act, dx_a, dx_b, g);
     for (LayerTensor t : kAllLayerTensors) {
       if (!st.ok()) break;
+      if (!dims.has(t)) continue;
       st = engine->reduce_grad(id[t], g[t], DType::kF32, stream);
     }
     Status rel = engine->release(layer_groups[l], stream);

@@ -181,11 +181,11 @@ TEST(LlamaConfig, MistralAndItsSlidingWindow) {
   const std::string base = R"({"hidden_size":64,"intermediate_size":160,"num_hidden_layers":2,
       "num_attention_heads":4,"vocab_size":256,)";
   auto c = parse_llama_config(base + R"("model_type":"mistral","architectures":["MistralForCausalLM"],
-      "sliding_window":4096})");
+      "sliding_window":4096,"num_key_value_heads":2})");
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_EQ(c->arch, ModelArch::kMistral);
   EXPECT_EQ(c->sliding_window, std::optional<uint64_t>(4096));
-  c = parse_llama_config(base + R"("model_type":"mistral","sliding_window":null})");
+  c = parse_llama_config(base + R"("model_type":"mistral","sliding_window":null,"num_key_value_heads":4})");
   ASSERT_TRUE(c.ok()) << c.status().to_string();
   EXPECT_FALSE(c->sliding_window.has_value());
   // Llama's modeling code never reads sliding_window.
@@ -194,9 +194,11 @@ TEST(LlamaConfig, MistralAndItsSlidingWindow) {
   EXPECT_FALSE(c->sliding_window.has_value());
   expect_error(parse_llama_config(base + R"("model_type":"llama","architectures":["MistralForCausalLM"]})"),
                "but model_type is \"llama\"");
-  expect_error(parse_llama_config(base + R"("model_type":"qwen2"})"), "supported: \"llama\", \"mistral\"");
+  expect_error(parse_llama_config(base + R"("model_type":"gemma"})"), "supported: \"llama\", \"mistral\"");
   expect_error(parse_llama_config(base + R"("architectures":["GPT2LMHeadModel"]})"), "MistralForCausalLM");
   expect_error(parse_llama_config(base + R"("model_type":"mistral","sliding_window":0})"), "sliding_window");
+  // transformers' default num_key_value_heads for an absent key: Mistral 8.
+  expect_error(parse_llama_config(base + R"("model_type":"mistral"})"), "not divisible by num_key_value_heads 8");
 }
 
 // A small GQA model: 64 wide, 8 heads of 8 over 2 kv heads, FFN 160, vocab 100.
@@ -246,14 +248,25 @@ TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
 // index by, names and shapes every tensor exactly as llama_model_spec lists
 // them (the runtime spells its own list; this keeps the two one).
 TEST(LlamaConfig, WeightTableMatchesTheModelSpec) {
-  LlamaConfig c = small_gqa_config(3);
-  const LlamaExtents x{.dim = 64, .q_dim = 64, .kv_dim = 16, .ffn_dim = 160, .vocab = 100};
+  for (ModelArch arch : {ModelArch::kLlama, ModelArch::kMistral, ModelArch::kQwen2, ModelArch::kQwen3})
   for (bool tied : {false, true}) {
+    SCOPED_TRACE(model_arch_type(arch));
+    LlamaConfig c = small_gqa_config(3);
+    c.arch = arch;
+    // Qwen3: an explicit head_dim (12 x 8 = 96 wide queries on a 64-wide model).
+    if (arch == ModelArch::kQwen3) c.head_dim_explicit = 12;
+    const int64_t hd = static_cast<int64_t>(c.head_dim());
+    const LlamaExtents x{.dim = 64, .q_dim = 8 * hd, .kv_dim = 2 * hd, .ffn_dim = 160, .vocab = 100, .head_dim = hd};
     c.tie_word_embeddings = tied;
     std::vector<std::pair<std::string, std::vector<uint64_t>>> want = {
         {model_weight_name(kEmbedTokens), weight_row(kEmbedTokens).shape(x)}};
     for (uint32_t l = 0; l < c.num_hidden_layers; ++l)
-      for (LayerTensor t : kAllLayerTensors) want.push_back({layer_weight_name(l, t), weight_row(t).shape(x)});
+      for (LayerTensor t : kAllLayerTensors) {
+        const Feature f = weight_row(t).feature;
+        if ((f == Feature::kQkvBias && arch != ModelArch::kQwen2) || (f == Feature::kQkNorm && arch != ModelArch::kQwen3))
+          continue;
+        want.push_back({layer_weight_name(l, t), weight_row(t).shape(x)});
+      }
     want.push_back({model_weight_name(kFinalNorm), weight_row(kFinalNorm).shape(x)});
     if (!tied) want.push_back({model_weight_name(kLmHead), weight_row(kLmHead).shape(x)});
     auto spec = llama_model_spec(c.shape());
@@ -300,7 +313,12 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
   expect_error(parse_llama_config(R"({"hidden_size":66,)" + base + "}"), "not divisible by num_attention_heads");
   expect_error(parse_llama_config(R"({"hidden_size":64,"num_key_value_heads":3,)" + base + "}"),
                "not divisible by num_key_value_heads");
-  expect_error(parse_llama_config(R"({"hidden_size":64,"head_dim":32,)" + base + "}"), "\"head_dim\" is 32");
+  // An explicit head_dim is read (transformers 5 reads it for Llama too).
+  auto hd = parse_llama_config(R"({"hidden_size":64,"head_dim":32,)" + base + "}");
+  ASSERT_TRUE(hd.ok()) << hd.status().to_string();
+  EXPECT_EQ(hd->head_dim(), 32u);
+  EXPECT_EQ(llama_model_spec(hd->shape())->params[2].shape, (std::vector<uint64_t>{32 * hd->num_attention_heads, 64}));
+  expect_error(parse_llama_config(R"({"hidden_size":64,"head_dim":7,)" + base + "}"), "even head_dim");
   EXPECT_TRUE(parse_llama_config(R"({"hidden_size":64,"head_dim":16,)" + base + "}").ok());
   expect_error(parse_llama_config(R"({"hidden_size":64,"torch_dtype":"int8",)" + base + "}"), "\"torch_dtype\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"model_type":"gpt2",)" + base + "}"), "\"model_type\"");

@@ -29,7 +29,7 @@ try:
     import torch
     import transformers
     from transformers import (AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                              MistralForCausalLM)
+                              MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 except ImportError as e:  # pragma: no cover - depends on the machine
     msg = f"hf_reference_test: skipped: cannot import torch/transformers ({e})"
     if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
@@ -65,12 +65,28 @@ CASES = [
                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     # bf16 weights, bf16 compute copies (--bf16): the reference keeps float64
     # masters and runs each forward/backward on their bf16 rounding, as Strata does.
+    # Qwen2: q/k/v biases (random here, as trained models have them), tied.
+    ("qwen2_tied", dict(arch="qwen2", tie_word_embeddings=True,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ("qwen2_yarn", dict(arch="qwen2", rope_parameters={"rope_type": "yarn", "factor": 4.0,
+                                                       "original_max_position_embeddings": 32,
+                                                       "rope_theta": 1000000.0})),
+    # Qwen3: per-head q/k RMSNorm (random weights), head_dim 32 != 64 / 4.
+    ("qwen3", dict(arch="qwen3", head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    ("qwen3_tied_hd8", dict(arch="qwen3", head_dim=8, tie_word_embeddings=True,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    ("bf16_qwen3", dict(arch="qwen3", bf16=True, head_dim=32,
+                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
     ("bf16_llama3", dict(bf16=True, rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
                                                      "rope_theta": 500000.0})),
     ("bf16_mistral_tied", dict(arch="mistral", bf16=True, tie_word_embeddings=True, sliding_window=None,
                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 ]
+
+
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
+         "qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
 
 
 def to_v4_layout(config_path):
@@ -140,10 +156,15 @@ def run_case(strata, work, name, extra, layout):
     d = os.path.join(work, f"{name}.{layout}")
     torch.manual_seed(1234)
     extra = dict(extra)
-    mistral = extra.pop("arch", "llama") == "mistral"
+    C, M = ARCHS[extra.pop("arch", "llama")]
     bf16 = extra.pop("bf16", False)
-    cfg = (MistralConfig if mistral else LlamaConfig)(**SHAPE, **extra)
-    model = (MistralForCausalLM if mistral else LlamaForCausalLM)(cfg).to(torch.bfloat16 if bf16 else torch.float32)
+    cfg = C(**SHAPE, **extra)
+    model = M(cfg)
+    with torch.no_grad():  # biases and q/k norm weights start at 0 / 1: make them matter
+        for n, p in model.named_parameters():
+            if n.endswith(".bias") or "q_norm" in n or "k_norm" in n:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
+    model = model.to(torch.bfloat16 if bf16 else torch.float32)
     model.save_pretrained(d + "/model")
     if layout == "v4":
         to_v4_layout(d + "/model/config.json")
@@ -179,7 +200,8 @@ def run_case(strata, work, name, extra, layout):
     problems = []
     if not rel <= TOL:
         problems.append(f"loss differs by {rel:.3e} relative (tolerance {TOL})")
-    if name != "default_theta_10k" and not control > 10 * TOL:
+    plain_rope = extra.get("rope_parameters") == {"rope_type": "default", "rope_theta": 10000.0}
+    if not plain_rope and not control > 10 * TOL:
         problems.append(f"negative control too weak: ignoring RoPE changes the loss by only {control:.3e}")
     # The export loads in transformers with the RoPE it was given.
     ref = AutoConfig.from_pretrained(d + "/model").rope_parameters
@@ -237,6 +259,15 @@ AUDIT_VALUES = {
     "is_encoder_decoder": [True], "id2label": [{"0": "a", "1": "b", "2": "c"}], "label2id": [{"a": 0}],
     "problem_type": ["regression"], "architectures": [None], "transformers_version": ["4.40.0"],
     "output_attentions": [True], "_name_or_path": ["elsewhere"],
+    # Qwen2/3: sliding windows on some layers, Qwen3's attention_bias.
+    "use_sliding_window": [True], "max_window_layers": [0, 1],
+    "layer_types": [["full_attention", "sliding_attention"], ["full_attention", "full_attention"]],
+}
+# Combined settings (one field's value only matters with another's).
+AUDIT_COMBOS = {
+    "qwen2": [dict(use_sliding_window=True, sliding_window=SEQ // 2, max_window_layers=1),
+              dict(use_sliding_window=True, sliding_window=8 * SEQ, max_window_layers=0)],
+    "qwen3": [dict(use_sliding_window=True, sliding_window=SEQ // 2, max_window_layers=1)],
 }
 AUDIT_SKIP = {"dtype": "precision, tested apart (bf16 cases)"}
 
@@ -244,62 +275,70 @@ AUDIT_SKIP = {"dtype": "precision, tested apart (bf16 cases)"}
 def audit_fields(strata, work):
     import inspect
     problems, outcomes = [], []
-    for arch, C, M in (("llama", LlamaConfig, LlamaForCausalLM), ("mistral", MistralConfig, MistralForCausalLM)):
+    for arch, (C, M) in ARCHS.items():
         fields = set(C().to_dict()) | {n for n in inspect.signature(C.__init__).parameters if n not in ("self", "kwargs")}
         fields -= {"model_type"}
+        todo = []
         for field in sorted(fields):
             if field in AUDIT_SKIP:
                 continue
             if field not in AUDIT_VALUES:
                 problems.append(f"{arch}: config field {field!r} has no audit value: add one (or a reason to skip)")
                 continue
-            for value in AUDIT_VALUES[field]:
-                if field == "sliding_window" and arch != "mistral":
-                    pass  # Llama ignores it (transformers and Strata alike): still checked below
-                d = os.path.join(work, f"audit.{arch}.{field}.{len(outcomes)}")
-                kw = dict(SHAPE)
-                kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+            todo += [(field, v) for v in AUDIT_VALUES[field]]
+        todo += [("__combo__", v) for v in AUDIT_COMBOS.get(arch, [])]
+        for field, value in todo:
+            if field == "layer_types" and len(value) != SHAPE["num_hidden_layers"]:
+                continue
+            d = os.path.join(work, f"audit.{arch}.{field}.{len(outcomes)}")
+            kw = dict(SHAPE)
+            kw["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+            if field == "__combo__":
+                kw.update(value)
+            else:
                 kw[field] = value
-                try:
-                    torch.manual_seed(11)
-                    cfg = C(**kw)
-                    model = M(cfg).to(torch.float32)
-                    model.save_pretrained(d + "/model")
-                    # What transformers makes of the saved config (its loss is the truth).
-                    g = torch.Generator().manual_seed(5)
-                    vocab = AutoConfig.from_pretrained(d + "/model").vocab_size
-                    tokens = torch.randint(0, vocab, (2 * (BATCH * SEQ + 1),), generator=g, dtype=torch.int64)
-                    tokens.to(torch.int32).numpy().tofile(d + "/tokens.u32")
-                    want = hf_loss(d + "/model", val_windows(tokens, 0.5))
-                except Exception as e:  # transformers itself rejects the value
-                    outcomes.append(f"{arch}.{field}={value!r}: transformers refuses ({type(e).__name__})")
-                    continue
-                r = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
-                                    "--data-format", "u32", "--val-fraction", "0.5", "--seq", str(SEQ), "--batch",
-                                    str(BATCH), "--eval-batches", "1", "--steps", "1", "--out", d + "/out",
-                                    "--offload-params", "cpu", "--offload-optimizer", "cpu", "--device", "cpu",
-                                    "--progress", "quiet", "--no-export"], capture_output=True, text=True)
-                if r.returncode != 0:
-                    named = field in r.stderr or (field == "rope_parameters" and ("rope_type" in r.stderr or
-                                                                                  "partial_rotary_factor" in r.stderr))
-                    outcomes.append(f"{arch}.{field}={value!r}: refused" + ("" if named else " WITHOUT NAMING IT"))
-                    if not named:
-                        problems.append(f"{arch}.{field}={value!r}: refused without naming the field: "
-                                        f"{r.stderr.strip()[-300:]}")
-                    continue
-                got = None
-                for line in open(d + "/out/metrics.jsonl"):
-                    e = json.loads(line)
-                    if e.get("event") == "eval":
-                        got = e["val_loss"]
-                        break
-                rel = abs(got - want) / abs(want)
-                outcomes.append(f"{arch}.{field}={value!r}: trained, loss rel {rel:.1e}")
-                if not rel <= TOL:
-                    problems.append(f"{arch}.{field}={value!r}: Strata trained it with loss {got}, transformers' "
-                                    f"model gives {want} (rel {rel:.2e}): the field changes the math and Strata "
-                                    f"ignored it")
-                shutil.rmtree(d, ignore_errors=True)
+            try:
+                torch.manual_seed(11)
+                cfg = C(**kw)
+                model = M(cfg).to(torch.float32)
+                model.save_pretrained(d + "/model")
+                # What transformers makes of the saved config (its loss is the truth).
+                g = torch.Generator().manual_seed(5)
+                vocab = AutoConfig.from_pretrained(d + "/model").vocab_size
+                tokens = torch.randint(0, vocab, (2 * (BATCH * SEQ + 1),), generator=g, dtype=torch.int64)
+                tokens.to(torch.int32).numpy().tofile(d + "/tokens.u32")
+                want = hf_loss(d + "/model", val_windows(tokens, 0.5))
+            except Exception as e:  # transformers itself rejects the value
+                outcomes.append(f"{arch}.{field}={value!r}: transformers refuses ({type(e).__name__})")
+                continue
+            r = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
+                                "--data-format", "u32", "--val-fraction", "0.5", "--seq", str(SEQ), "--batch",
+                                str(BATCH), "--eval-batches", "1", "--steps", "1", "--out", d + "/out",
+                                "--offload-params", "cpu", "--offload-optimizer", "cpu", "--device", "cpu",
+                                "--progress", "quiet", "--no-export"], capture_output=True, text=True)
+            if r.returncode != 0:
+                named = field in r.stderr or (field == "rope_parameters" and ("rope_type" in r.stderr or
+                                                                              "partial_rotary_factor" in r.stderr))
+                if field == "__combo__":
+                    named = any(k in r.stderr for k in value)
+                outcomes.append(f"{arch}.{field}={value!r}: refused" + ("" if named else " WITHOUT NAMING IT"))
+                if not named:
+                    problems.append(f"{arch}.{field}={value!r}: refused without naming the field: "
+                                    f"{r.stderr.strip()[-300:]}")
+                continue
+            got = None
+            for line in open(d + "/out/metrics.jsonl"):
+                e = json.loads(line)
+                if e.get("event") == "eval":
+                    got = e["val_loss"]
+                    break
+            rel = abs(got - want) / abs(want)
+            outcomes.append(f"{arch}.{field}={value!r}: trained, loss rel {rel:.1e}")
+            if not rel <= TOL:
+                problems.append(f"{arch}.{field}={value!r}: Strata trained it with loss {got}, transformers' "
+                                f"model gives {want} (rel {rel:.2e}): the field changes the math and Strata "
+                                f"ignored it")
+            shutil.rmtree(d, ignore_errors=True)
     for o in outcomes:
         print("    audit " + o)
     print(f"  config field audit: {len(outcomes)} settings of {len(AUDIT_VALUES)} fields: "

@@ -216,6 +216,43 @@ TEST(OpsGradCheck, CrossEntropyMasked) {
   STRATA_CHECK_GRAD("cross-entropy dlogits", logits, grad, f);
 }
 
+// Qwen2's q/k/v biases and Qwen3's per-head q/k norms with a head_dim that
+// is not dim / heads: every gradient, biases and norm weights included,
+// against central differences.
+TEST(OpsGradCheck, WholeLayerWithBiasesQkNormsAndAnExplicitHeadDim) {
+  for (int variant = 0; variant < 2; ++variant) {
+    SCOPED_TRACE(variant == 0 ? "qwen2: q/k/v biases" : "qwen3: q/k norms, head_dim 6");
+    std::mt19937_64 rng(19 + variant);
+    LlamaDims dims = tiny_dims();
+    if (variant == 0) {
+      dims.qkv_bias = true;
+    } else {
+      dims.qk_norm = true;
+      dims.head_dim = 6;  // q_dim 24 != dim 16
+    }
+    const int64_t B = 2, T = 5, n = B * T;
+    cpu::LayerMath<double> layer(dims, n, T, slots());
+    LayerBlob<double> w, gw;
+    w.init(rng, dims, 0.3);
+    V x = random_vec<double>(rng, n * dims.dim), r = random_vec<double>(rng, n * dims.dim), y(n * dims.dim);
+    auto f = [&] {
+      layer.forward(w.params(), x.data(), y.data(), B, T);
+      return dot(r, y);
+    };
+    gw.zeros_like(w);
+    V dx(n * dims.dim);
+    layer.backward(w.params(), x.data(), r.data(), dx.data(), gw.grads(), B, T);
+    STRATA_CHECK_GRAD("layer dx", x, dx, f);
+    int extra = 0;
+    for (LayerTensor t : kAllLayerTensors) {
+      if (!dims.has(t)) continue;
+      if (static_cast<int>(t) >= kBaseLayerTensorCount) ++extra;
+      STRATA_CHECK_GRAD("layer d" + testing::label(t), w[t], gw[t], f);
+    }
+    EXPECT_EQ(extra, variant == 0 ? 3 : 2);
+  }
+}
+
 TEST(OpsGradCheck, WholeLayer) {
   std::mt19937_64 rng(8);
   const LlamaDims dims = tiny_dims();
