@@ -144,7 +144,7 @@ Status Engine::load_param(ParamId id, const void* src, DType dtype) {
   for (uint64_t off = 0; off < n; off += b.elems) {
     const uint64_t cnt = std::min(b.elems, n - off);
     widen_to_f32(static_cast<const char*>(src) + (p.shard.begin + off) * in_sz, dtype, cnt, f);
-    Status st = I.reg.write_array(p.master, 4, off, cnt, f);
+    Status st = p.trainable ? I.reg.write_array(p.master, 4, off, cnt, f) : Status();  // frozen: no master
     if (st.ok()) st = narrow_from_f32(f, p.dtype, cnt, c);
     if (st.ok()) st = I.reg.write_array(p.compute, esz, off, cnt, c);
     if (!st.ok()) return st.with_context(fmt::format("engine: load_param({})", p.name));
@@ -165,7 +165,10 @@ Status Engine::read_param(ParamId id, void* dst, DType dtype) {
   const uint64_t n = p.shard.size();
   for (uint64_t off = 0; off < n; off += b.elems) {
     const uint64_t cnt = std::min(b.elems, n - off);
-    Status st = I.reg.read_array(p.master, 4, off, cnt, f);
+    // A frozen parameter's value is its compute copy (it has no master).
+    Status st = p.trainable ? I.reg.read_array(p.master, 4, off, cnt, f)
+                            : I.reg.read_array(p.compute, dtype_size(p.dtype), off, cnt, b.compute);
+    if (st.ok() && !p.trainable) widen_to_f32(b.compute, p.dtype, cnt, f);
     if (!st.ok()) return st.with_context(fmt::format("engine: read_param({})", p.name));
     st = narrow_from_f32(f, dtype, cnt, static_cast<char*>(dst) + off * out_sz);
     if (!st.ok()) return st.with_context(fmt::format("engine: read_param({})", p.name));
@@ -227,6 +230,11 @@ Status Engine::reduce_grad(ParamId id, const void* grad, DType dtype, DeviceStre
                   fmt::format("engine: reduce_grad({}): gradient dtype must be fp32, bf16 or fp16", p.name));
   if (grad == nullptr || stream == nullptr)
     return Status(StatusCode::kInvalidArgument, fmt::format("engine: reduce_grad({}): null buffer or stream", p.name));
+  if (!p.trainable)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: reduce_grad({}): the parameter is frozen (ParamSpec::trainable false): it has "
+                              "no gradient",
+                              p.name));
   STRATA_RETURN_IF_ERROR(I.errors.take());
   if (I.micro_index < 0) STRATA_RETURN_IF_ERROR(begin_micro_batch(I.reg.cfg.gradient_accumulation_steps <= 1));
   STRATA_RETURN_IF_ERROR(I.grads.reduce(id, grad, dtype, stream, I.micro_index));

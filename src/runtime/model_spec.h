@@ -26,6 +26,11 @@ struct ParamSpec {
   // Hugging Face's Trainer convention for biases and norm weights
   // (hf_no_decay below).
   bool weight_decay = true;
+  // false: a frozen parameter (requires_grad=False; a LoRA/PEFT base): its
+  // compute copy is placed and streamed like any other, but it has no fp32
+  // master, no optimizer state and no gradient accumulator, reduce_grad
+  // refuses it and the optimizer never writes it.
+  bool trainable = true;
   uint64_t numel() const;
 };
 

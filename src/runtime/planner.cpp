@@ -195,13 +195,15 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     const ShardRange sr = shard_range(n, ws, model.rank, opt.shard_alignment);
     g.numel += n;
     g.shard_numel += sr.padded;
+    if (p.trainable) g.trainable_shard_numel += sr.padded;
     g.bytes[kc(StateKind::kCompute)] += sr.padded * dtype_size(p.compute_dtype);
     g.gathered_compute_bytes += sr.padded * ws * dtype_size(p.compute_dtype);
   }
   for (auto& g : plan.groups) {
-    g.bytes[kc(StateKind::kMaster)] = 4 * g.shard_numel;
-    g.bytes[kc(StateKind::kOptimizer)] = state_elem_bytes * g.shard_numel;
-    g.bytes[kc(StateKind::kGrad)] = 4 * g.shard_numel;
+    // Frozen parameters have a compute copy only.
+    g.bytes[kc(StateKind::kMaster)] = 4 * g.trainable_shard_numel;
+    g.bytes[kc(StateKind::kOptimizer)] = state_elem_bytes * g.trainable_shard_numel;
+    g.bytes[kc(StateKind::kGrad)] = 4 * g.trainable_shard_numel;
     plan.model_numel += g.numel;
     plan.shard_numel += g.shard_numel;
   }

@@ -18,6 +18,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -56,13 +57,14 @@ constexpr int kLayers = 4;
 constexpr int kDims[kLayers + 1] = {64, 96, 40, 24, 12};  // W1 is 96x64 = 6144 elements: 3 optimizer chunks
 constexpr int kBatch = 4;
 
-ModelSpec make_model(DType dt) {
+ModelSpec make_model(DType dt, const std::vector<int>& frozen = {}) {
   ModelSpec m;
   for (int l = 0; l < kLayers; ++l) {
     const std::string g = "layers." + std::to_string(l);
     m.params.push_back({g + ".weight", {uint64_t(kDims[l + 1]), uint64_t(kDims[l])}, dt, g});
     m.params.push_back({g + ".bias", {uint64_t(kDims[l + 1])}, dt, g});
   }
+  for (int p : frozen) m.params[static_cast<size_t>(p)].trainable = false;
   return m;
 }
 
@@ -153,6 +155,8 @@ struct RunOptions {
   DType grad_dtype = DType::kBF16;
   int inf_step = -1;           // inject an inf gradient in this step (last micro-batch)
   int peek_from = -1, peek_to = -1;  // steps that acquire layers.3 once before forward (order change)
+  std::vector<int> frozen;           // frozen parameters (no gradient, never updated)
+  bool is_frozen(size_t p) const { return std::find(frozen.begin(), frozen.end(), int(p)) != frozen.end(); }
 };
 
 DType compute_dtype(const RunOptions& o) { return o.fp16 ? DType::kF16 : DType::kBF16; }
@@ -231,6 +235,7 @@ struct Reference {
     for (int l = 0; l < kLayers; ++l) {
       double group = 0;
       for (int k = 0; k < 2; ++k) {
+        if (o.is_frozen(2 * l + k)) continue;
         const auto& a = acc[2 * l + k];
         for (size_t off = 0; off < a.size(); off += 2048) {
           auto r = cpu_optim::grad_stats(a.data() + off, DType::kF32, std::min<size_t>(2048, a.size() - off), gs);
@@ -260,6 +265,7 @@ struct Reference {
     auto c = cfg;
     c.grad_scale = gs * coef;
     for (size_t p = 0; p < master.size(); ++p) {
+      if (o.is_frozen(p)) continue;
       cpu_optim::StepBuffers bufs;
       bufs.params = master[p].data();
       bufs.grads = acc[p].data();
@@ -338,7 +344,7 @@ struct Trainer {
     EngineOptions eo;
     eo.config = cfg;
     eo.io_faults = std::move(faults);
-    eo.model = make_model(compute_dtype(o));
+    eo.model = make_model(compute_dtype(o), o.frozen);
     eo.device = dev;
     eo.budgets_override.device_bytes = 256ull << 20;
     eo.budgets_override.host_bytes = 1ull << 30;
@@ -425,10 +431,12 @@ struct Trainer {
         for (auto* g : {&dW, &db})
           for (auto& x : *g) x = static_cast<float>(x * scale);
         if (step == o.inf_step && mb == o.micro - 1 && l == 0) dW[0] = std::numeric_limits<float>::infinity();
-        write_grad(2 * l, dW);
-        write_grad(2 * l + 1, db);
-        STRATA_RETURN_IF_ERROR(e->reduce_grad(2 * l, grad_buf[2 * l], o.grad_dtype, s));
-        STRATA_RETURN_IF_ERROR(e->reduce_grad(2 * l + 1, grad_buf[2 * l + 1], o.grad_dtype, s));
+        for (int k = 0; k < 2; ++k) {
+          const ParamId p = static_cast<ParamId>(2 * l + k);
+          if (o.is_frozen(p)) continue;  // a frozen parameter has no gradient to give
+          write_grad(p, k == 0 ? dW : db);
+          STRATA_RETURN_IF_ERROR(e->reduce_grad(p, grad_buf[p], o.grad_dtype, s));
+        }
         STRATA_RETURN_IF_ERROR(e->release(l, s));
         d = din;
       }
@@ -765,6 +773,73 @@ TEST(EngineNvme, NvmeTiersBitIdenticalToRam) {
   EXPECT_GT(nvme.stats.nvme_write_bytes, 0u);
   EXPECT_GT(nvme.stats.prefetch_hits, 0u);
   EXPECT_EQ(nvme.stats.hot_path_allocs, 0u);
+}
+
+// Frozen parameters (a LoRA base): a weight, a bias of another group and a
+// whole group frozen. The trainable ones follow the reference bit for bit,
+// the frozen ones never change, reduce_grad refuses them, and they take no
+// master, optimizer or gradient bytes; a checkpoint resumes bit-identically.
+TEST(EngineNvme, FrozenParametersAreStreamedButNeverUpdated) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  for (bool overlap : {false, true})
+    for (Place place : {Place::kHost, Place::kNvme}) {
+      SCOPED_TRACE(::testing::Message() << (place == Place::kNvme ? "nvme" : "host") << (overlap ? ", overlap" : ""));
+      RunOptions o;
+      o.micro = 2;
+      o.overlap = overlap;
+      o.frozen = {0, 5, 6, 7};
+      const Config cfg = make_config(o, place, dir.path() + "/swap");
+      RunResult run = train(d.dev.get(), o, cfg, 6);
+      Reference ref(o);
+      expect_matches_reference(run, ref, 6);
+      for (int p : o.frozen) {
+        const auto init = init_param(p, run.params[static_cast<size_t>(p)].size(), compute_dtype(o));
+        for (size_t i = 0; i < init.size(); ++i)
+          ASSERT_EQ(run.params[static_cast<size_t>(p)][i], from16(init[i], compute_dtype(o))) << "param " << p;
+      }
+      // Bytes: the frozen params' masters, states and grads are not there.
+      RunOptions all = o;
+      all.frozen.clear();
+      Trainer full(d.dev.get(), all), part(d.dev.get(), o);
+      ASSERT_TRUE(full.init(cfg).ok());
+      ASSERT_TRUE(part.init(cfg).ok());
+      uint64_t frozen_elems = 0;
+      for (int p : o.frozen) frozen_elems += part.e->model().params[static_cast<size_t>(p)].numel();
+      uint64_t full_bytes = 0, part_bytes = 0;
+      for (int t = 0; t < 4; ++t) {
+        full_bytes += full.e->stats().tier_bytes[t];
+        part_bytes += part.e->stats().tier_bytes[t];
+      }
+      EXPECT_GE(full_bytes - part_bytes, frozen_elems * (4 + 8 + 4)) << full_bytes << " vs " << part_bytes;
+      Status st = part.e->reduce_grad(0, part.grad_buf[0], DType::kF32, part.s);
+      EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+      EXPECT_NE(st.message().find("frozen"), std::string::npos) << st.message();
+    }
+  // A checkpoint of a run with frozen parameters resumes bit-identically.
+  RunOptions o;
+  o.frozen = {0, 5, 6, 7};
+  const Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap2");
+  RunResult straight = train(d.dev.get(), o, cfg, 6);
+  {
+    Trainer t(d.dev.get(), o);
+    ASSERT_TRUE(t.init(cfg).ok());
+    for (int i = 0; i < 3; ++i) ASSERT_TRUE(t.run_step(i).ok());
+    ASSERT_TRUE(t.e->save_checkpoint(dir.path() + "/ck").ok());
+  }
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(cfg, /*load_init=*/false).ok());
+  Status ls = t.e->load_checkpoint(dir.path() + "/ck");
+  ASSERT_TRUE(ls.ok()) << ls.to_string();
+  for (int i = 3; i < 6; ++i) ASSERT_TRUE(t.run_step(i).ok());
+  EXPECT_TRUE(bits_equal(t.params(), straight.params));
+  // A model that freezes other parameters does not load it.
+  RunOptions other = o;
+  other.frozen = {0};
+  Trainer t2(d.dev.get(), other);
+  ASSERT_TRUE(t2.init(make_config(other, Place::kNvme, dir.path() + "/swap3"), false).ok());
+  EXPECT_EQ(t2.e->load_checkpoint(dir.path() + "/ck").code(), StatusCode::kInvalidArgument);
 }
 
 TEST(EngineNvme, NoDeviceOrPinnedGrowthAfterTheFirstStep) {

@@ -30,17 +30,20 @@ struct ArrayRef {
   const ArrayLoc* loc;
   DType dtype;
   uint64_t count;
+  ParamId param;
 };
 
 std::vector<ArrayRef> arrays_of(const engine::Registry& I) {
   std::vector<ArrayRef> out;
   const DType sd = I.cfg.strata.optimizer_state_dtype;
-  for (const auto& p : I.params) {
+  for (ParamId id = 0; id < I.params.size(); ++id) {
+    const auto& p = I.params[id];
     const uint64_t n = p.shard.size();
-    out.push_back({p.name + ".compute", &p.compute, p.dtype, n});
-    out.push_back({p.name + ".master", &p.master, DType::kF32, n});
-    out.push_back({p.name + ".exp_avg", &p.state[0], sd, n});
-    out.push_back({p.name + ".exp_avg_sq", &p.state[1], sd, n});
+    out.push_back({p.name + ".compute", &p.compute, p.dtype, n, id});
+    if (!p.trainable) continue;  // frozen: the compute copy is all there is
+    out.push_back({p.name + ".master", &p.master, DType::kF32, n, id});
+    out.push_back({p.name + ".exp_avg", &p.state[0], sd, n, id});
+    out.push_back({p.name + ".exp_avg_sq", &p.state[1], sd, n, id});
   }
   return out;
 }
@@ -54,8 +57,11 @@ Result<std::vector<FileRange>> file_ranges(io::SwapStore& store, const io::SwapT
 
 nlohmann::json model_json(const ModelSpec& m) {
   nlohmann::json a = nlohmann::json::array();
-  for (const auto& p : m.params)
-    a.push_back({{"name", p.name}, {"shape", p.shape}, {"dtype", dtype_name(p.compute_dtype)}, {"group", p.group}});
+  for (const auto& p : m.params) {
+    nlohmann::json e = {{"name", p.name}, {"shape", p.shape}, {"dtype", dtype_name(p.compute_dtype)}, {"group", p.group}};
+    if (!p.trainable) e["frozen"] = true;  // only when frozen: checkpoints from before frozen params still match
+    a.push_back(std::move(e));
+  }
   return a;
 }
 
@@ -207,8 +213,7 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
         st = r->read(a.name, tmp.data(), bytes);
         if (st.ok()) {
           if (a.loc->tier == Tier::kDevice) {
-            const ParamId p = static_cast<ParamId>(static_cast<size_t>(&a - arrays.data()) / 4);
-            st = R.wait_released(p);
+            st = R.wait_released(a.param);
           }
           if (st.ok()) st = R.write_array(*a.loc, esz, 0, a.count, tmp.data());
         }

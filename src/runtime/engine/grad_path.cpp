@@ -207,6 +207,7 @@ Status GradPath::wait_idle() {
 
 Status GradPath::zero_grad(ParamId id) {
   ParamState& p = reg_.params[id];
+  if (!p.trainable) return {};  // frozen: no accumulator
   const uint64_t n = p.shard.size();
   if (p.grad.tier == Tier::kHost) {
     std::memset(p.grad.ptr, 0, n * 4);

@@ -161,12 +161,14 @@ void Registry::list_params_and_groups() {
     p.numel = s.numel();
     p.dtype = s.compute_dtype;
     p.weight_decay = s.weight_decay;
+    p.trainable = s.trainable;
     p.shard = shard_range(p.numel, plan.world_size, plan.rank, cfg.strata.shard_alignment);
     const GroupPlan* gp = gplan.at(s.group);
     p.compute.tier = gp->tier[static_cast<int>(StateKind::kCompute)];
     p.master.tier = gp->tier[static_cast<int>(StateKind::kMaster)];
     p.state[0].tier = p.state[1].tier = gp->tier[static_cast<int>(StateKind::kOptimizer)];
     p.grad.tier = gp->tier[static_cast<int>(StateKind::kGrad)];
+    if (!p.trainable) p.master.tier = p.state[0].tier = p.state[1].tier = p.grad.tier = Tier::kAuto;
     groups[p.group].params.push_back(i);
     groups[p.group].compute_tier = p.compute.tier;
   }
@@ -177,7 +179,7 @@ Status Registry::allocate_arrays() {
   bool any_nvme = false;
   for (const auto& p : params)
     any_nvme |= p.compute.tier == Tier::kNvme || p.master.tier == Tier::kNvme || p.state[0].tier == Tier::kNvme ||
-                p.grad.tier == Tier::kNvme;
+                p.grad.tier == Tier::kNvme;  // frozen params' unplaced arrays are kAuto
   if (any_nvme) {
     io::SwapStoreOptions so;
     for (const auto& d : cfg.nvme_dirs()) so.dirs.push_back(d.path);
@@ -253,11 +255,13 @@ Status Registry::allocate_arrays() {
   for (auto& p : params) {
     const uint64_t n = p.shard.padded;
     STRATA_RETURN_IF_ERROR(place(p, p.compute, n * dtype_size(p.dtype), "compute", true));
-    STRATA_RETURN_IF_ERROR(place(p, p.master, n * 4, "master", false));
-    STRATA_RETURN_IF_ERROR(place(p, p.state[0], n * state_size, "exp_avg", false));
-    STRATA_RETURN_IF_ERROR(place(p, p.state[1], n * state_size, "exp_avg_sq", false));
-    STRATA_RETURN_IF_ERROR(place(p, p.grad, n * 4, "grad", false));
-    p.refresh_from_master = p.compute.tier == Tier::kDevice || p.dtype == DType::kF32;
+    if (p.trainable) {
+      STRATA_RETURN_IF_ERROR(place(p, p.master, n * 4, "master", false));
+      STRATA_RETURN_IF_ERROR(place(p, p.state[0], n * state_size, "exp_avg", false));
+      STRATA_RETURN_IF_ERROR(place(p, p.state[1], n * state_size, "exp_avg_sq", false));
+      STRATA_RETURN_IF_ERROR(place(p, p.grad, n * 4, "grad", false));
+    }
+    p.refresh_from_master = p.trainable && (p.compute.tier == Tier::kDevice || p.dtype == DType::kF32);
   }
   STRATA_RETURN_IF_ERROR(dev->synchronize(upload));
   for (auto& g : groups) {

@@ -51,8 +51,9 @@ struct ParamState {
   uint64_t numel = 0;
   DType dtype = DType::kBF16;  // compute dtype
   bool weight_decay = true;    // ParamSpec::weight_decay
+  bool trainable = true;       // ParamSpec::trainable: false = frozen, compute copy only
   ShardRange shard;
-  ArrayLoc compute, master, state[2], grad;
+  ArrayLoc compute, master, state[2], grad;  // frozen: master/state/grad unplaced (tier kAuto)
   bool refresh_from_master = false;  // compute copy rebuilt from the master after a step
 };
 

@@ -49,6 +49,8 @@ Status Stepper::allocate() {
   for (GroupId gi = 0; gi < reg_.groups.size(); ++gi) {
     for (ParamId id : reg_.groups[gi].params) {
       ParamState& p = reg_.params[id];
+      if (!p.trainable) continue;  // frozen: never updated
+      ++groups_[gi].trainable;
       OptimizerTensor t;
       t.name = p.name;
       t.count = p.shard.size();
@@ -94,7 +96,7 @@ void Stepper::begin_overlap(int64_t micro_batches) {
 
 bool Stepper::count_reduced(GroupId gi) {
   GroupUpdate& g = groups_[gi];
-  if (++g.reduced_last != reg_.groups[gi].params.size()) return false;
+  if (++g.reduced_last != g.trainable) return false;
   g.queued = true;
   return true;
 }

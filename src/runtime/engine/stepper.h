@@ -89,6 +89,7 @@ class Stepper {
     // The same tensors split by weight decay (ParamSpec::weight_decay): the
     // update runs once per non-empty part, the second with weight_decay 0.
     std::vector<OptimizerTensor> decayed, undecayed;
+    uint32_t trainable = 0;  // params that are not frozen (reduce_grad counts to this)
     // Overlap mode, per step.
     uint32_t reduced_last = 0;  // params reduced in the last micro-batch
     bool queued = false;        // handed to the optimizer thread
