@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 2
+#define STRATA_API_VERSION 3
 
 /* ------------------------------------------------------------------ status */
 
@@ -288,6 +288,14 @@ typedef struct strata_param_desc {
   uint32_t ndim;      /* 0..STRATA_MAX_DIMS; 0: a scalar (1 element) */
   uint64_t shape[STRATA_MAX_DIMS]; /* the first ndim entries, each >= 1 */
   strata_dtype_t dtype;            /* the compute dtype the device sees (0: F32) */
+  /* Nonzero: frozen (PyTorch requires_grad=False; the base of a LoRA/PEFT
+   * model): its compute copy is placed and streamed like any other, but it
+   * has no fp32 master, no optimizer state and no gradient accumulator;
+   * strata_engine_reduce_grad refuses it and the optimizer never writes it. */
+  int32_t frozen;
+  /* Nonzero: the optimizer uses weight decay 0 for it (Hugging Face
+   * Trainer's convention for biases and norm weights). */
+  int32_t no_weight_decay;
 } strata_param_desc_t;
 
 /* What the engine knows about one parameter. The caller sets struct_size. */
@@ -300,6 +308,8 @@ typedef struct strata_param_info {
   uint64_t shape[STRATA_MAX_DIMS]; /* entries past ndim are 0 */
   uint64_t numel;                  /* elements of the whole (unsharded) parameter */
   strata_dtype_t dtype;            /* compute dtype */
+  int32_t frozen;                  /* as given in strata_param_desc_t */
+  int32_t no_weight_decay;         /* likewise */
 } strata_param_info_t;
 
 /* One group and where the planner put its state. The caller sets struct_size. */
@@ -440,7 +450,9 @@ STRATA_API strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uin
                                                      strata_dtype_t dtype, strata_stream_t stream);
 /* One optimizer step: global gradient norm, fp16 loss scaling (overflow:
  * skipped, scale lowered), clipping, then the optimizer over every shard.
- * lr < 0 keeps the config's. Blocks until done. result may be NULL; else its
+ * lr < 0 keeps the current lr: the last lr >= 0 given to a step, at first
+ * the config's optimizer.lr (per-group learning rates: not in the C ABI yet).
+ * Blocks until done. result may be NULL; else its
  * struct_size is checked before the step runs. Errors: the first error of
  * the step's asynchronous work (I/O: naming tensor and chunk),
  * STRATA_ERR_INVALID_ARGUMENT (groups still acquired). After an error the

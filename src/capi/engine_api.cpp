@@ -170,6 +170,8 @@ Result<ModelSpec> to_model(const strata_param_desc_t* params, size_t count) {
     auto dt = to_dtype(d->dtype, (where + ".dtype ('" + p.name + "')").c_str());
     if (!dt.ok()) return dt.status();
     p.compute_dtype = dt.value();
+    p.trainable = d->frozen == 0;
+    p.weight_decay = d->no_weight_decay == 0;
     model.params.push_back(std::move(p));
   }
   // Shapes, duplicates and empty names: the model's own validation, which
@@ -355,6 +357,8 @@ strata_status_t strata_engine_param_info(strata_engine_t engine, uint32_t param,
     for (uint32_t i = 0; i < STRATA_MAX_DIMS; ++i) info->shape[i] = i < p.shape.size() ? p.shape[i] : 0;
     info->numel = p.numel();
     info->dtype = static_cast<strata_dtype_t>(p.compute_dtype);
+    info->frozen = p.trainable ? 0 : 1;
+    info->no_weight_decay = p.weight_decay ? 0 : 1;
     return Status();
   });
 }
