@@ -2,6 +2,7 @@
 # Builds Strata's libFuzzer targets (clang, ASan+UBSan) and runs each one.
 #   scripts/fuzz.sh                         # every target, FUZZ_SECONDS (15) each
 #   FUZZ_SECONDS=3600 scripts/fuzz.sh ds_config   # a long campaign of one target
+#   FUZZ_TIMEOUT=60 ...                            # per-input limit (default 10 s)
 # Each run starts from the seeds in tests/fuzz/corpus/<name> plus what earlier runs
 # found (kept in $BUILD_DIR/corpus/<name>; the seed folder is never written).
 # Crashing inputs land in $BUILD_DIR/crashes/<name>/: once fixed, copy the input
@@ -12,6 +13,9 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD_DIR="${BUILD_DIR:-$ROOT/build-fuzz}"
 SECS="${FUZZ_SECONDS:-15}"
+# Seconds one input may take. Long campaigns that share the cores with other
+# work (nice -n 19) need more: a starved run is not a hang (replay it to tell).
+TIMEOUT="${FUZZ_TIMEOUT:-10}"
 TARGETS=("$@")
 if ((${#TARGETS[@]} == 0)); then
   TARGETS=()
@@ -33,7 +37,7 @@ for t in "${TARGETS[@]}"; do
   # -rss_limit_mb/-malloc_limit_mb: a small input that makes Strata allocate
   # without bound is a finding, as is one that runs for more than -timeout s.
   if ASAN_OPTIONS=detect_leaks=1 "$BUILD_DIR/tests/fuzz/fuzz_$t" "$corpus" "$ROOT/tests/fuzz/corpus/$t" \
-      -max_total_time="$SECS" -rss_limit_mb=2048 -malloc_limit_mb=1024 -timeout=10 -max_len=65536 \
+      -max_total_time="$SECS" -rss_limit_mb=2048 -malloc_limit_mb=1024 -timeout="$TIMEOUT" -max_len=65536 \
       -artifact_prefix="$crashes/" -print_final_stats=1 >"$log" 2>&1; then
     status=ok
   else
