@@ -66,21 +66,42 @@ def load_tokenizer(path):
 
 
 class Packer:
-    def __init__(self, tok, eos):
-        self.tok = tok
+    """Streams documents into the temporary output files a buffer at a time,
+    so memory stays bounded whatever the corpus size."""
+
+    FLUSH = 1 << 20  # tokens
+
+    def __init__(self, eos, ids_file, mask_file):
+        import array
+        self.array = array
         self.eos = eos
-        self.ids = []
-        self.mask = []
-        self.docs = 0
+        self.ids_file, self.mask_file = ids_file, mask_file
+        self.ids = array.array("I")
+        self.mask = bytearray()
+        self.docs = self.tokens = self.trained = 0
 
     def add(self, ids, mask, eos_trained):
         assert len(ids) == len(mask)
+        if ids and max(ids) >= 2 ** 32:
+            fail(f"token id {max(ids)} does not fit in uint32")
         self.ids.extend(ids)
         self.mask.extend(mask)
         if self.eos is not None:
             self.ids.append(self.eos)
             self.mask.append(1 if eos_trained else 0)
         self.docs += 1
+        if len(self.ids) >= self.FLUSH:
+            self.flush()
+
+    def flush(self):
+        if sys.byteorder != "little":
+            self.ids.byteswap()
+        self.ids.tofile(self.ids_file)
+        self.mask_file.write(self.mask)
+        self.tokens += len(self.ids)
+        self.trained += sum(self.mask)
+        self.ids = self.array.array("I")
+        self.mask = bytearray()
 
 
 def text_doc(tok, text):
@@ -131,25 +152,22 @@ def chat_doc(tok, messages, where):
     return ids, mask, messages[-1]["role"] == "assistant"
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokenizer", required=True, help="model directory with the tokenizer files")
-    ap.add_argument("--out", required=True, help="output prefix: PREFIX.u32, PREFIX.mask, PREFIX.json")
-    ap.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto",
-                    help="auto: *.jsonl is JSON lines, anything else text")
-    ap.add_argument("--no-eos", action="store_true", help="no EOS between documents")
-    ap.add_argument("inputs", nargs="+")
-    a = ap.parse_args()
+def _lines(f, path):
+    """The file's lines; a byte that is not UTF-8 is an error naming the line."""
+    n = 0
+    while True:
+        try:
+            line = f.readline()
+        except UnicodeDecodeError as e:
+            fail(f"{path}:{n + 1}: not UTF-8 ({e})")
+        if not line:
+            return
+        n += 1
+        yield line
 
-    tok, tf_version = load_tokenizer(a.tokenizer)
-    eos = None
-    if not a.no_eos:
-        eos = tok.eos_token_id
-        if eos is None:
-            fail(f"{a.tokenizer}: the tokenizer has no EOS token to put between documents (pass --no-eos to "
-                 f"pack without one)")
-    p = Packer(tok, eos)
+
+def add_inputs(a, tok, p):
+    """Every input file, document by document, into the packer."""
     for path in a.inputs:
         if not os.path.isfile(path):
             fail(f"{path}: not a regular file")
@@ -164,7 +182,7 @@ def main():
             p.add(ids, mask, True)
             continue
         with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+            for n, line in enumerate(_lines(f, path), 1):
                 where = f"{path}:{n}"
                 if not line.strip():
                     continue
@@ -185,41 +203,64 @@ def main():
                 else:
                     fail(f"{where}: the object has neither \"text\" nor \"messages\" (keys: "
                          f"{', '.join(list(obj)[:10])})")
-    if not p.ids:
-        fail("no tokens: the inputs are empty")
-    vocab = len(tok)
-    big = max(p.ids)
-    if big >= 2 ** 32:
-        fail(f"token id {big} does not fit in uint32")
-    import array
-    ids = array.array("I", p.ids)
-    if sys.byteorder != "little":
-        ids.byteswap()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokenizer", required=True, help="model directory with the tokenizer files")
+    ap.add_argument("--out", required=True, help="output prefix: PREFIX.u32, PREFIX.mask, PREFIX.json")
+    ap.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto",
+                    help="auto: *.jsonl is JSON lines, anything else text")
+    ap.add_argument("--no-eos", action="store_true", help="no EOS between documents")
+    ap.add_argument("inputs", nargs="+")
+    a = ap.parse_args()
+
+    tok, tf_version = load_tokenizer(a.tokenizer)
+    eos = None
+    if not a.no_eos:
+        eos = tok.eos_token_id
+        if eos is None:
+            fail(f"{a.tokenizer}: the tokenizer has no EOS token to put between documents (pass --no-eos to "
+                 f"pack without one)")
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
+    tmp = f".tmp.{os.getpid()}"
+    temps = [a.out + ext + tmp for ext in (".u32", ".mask", ".json")]
+
+    def cleanup():
+        for t in temps:
+            try:
+                os.unlink(t)
+            except FileNotFoundError:
+                pass
+
+    import atexit
+    atexit.register(cleanup)  # an error (fail() exits) leaves no partial output
+    with open(temps[0], "wb") as ids_file, open(temps[1], "wb") as mask_file:
+        p = Packer(eos, ids_file, mask_file)
+        add_inputs(a, tok, p)
+        p.flush()
+    if p.tokens == 0:
+        fail("no tokens: the inputs are empty")
     meta = {
         "tokenizer": os.path.abspath(a.tokenizer),
-        "vocab_size": vocab,
+        "vocab_size": len(tok),
         "eos_token_id": eos,
         "documents": p.docs,
-        "tokens": len(p.ids),
-        "trained_tokens": sum(p.mask),
+        "tokens": p.tokens,
+        "trained_tokens": p.trained,
         "inputs": [os.path.abspath(x) for x in a.inputs],
         "transformers": tf_version,
         "files": {"tokens": os.path.basename(a.out) + ".u32", "mask": os.path.basename(a.out) + ".mask"},
         "finetune": f"--data {a.out}.u32 --data-format u32 --loss-mask {a.out}.mask",
     }
-    tmp = f".tmp.{os.getpid()}"
-    with open(a.out + ".u32" + tmp, "wb") as f:
-        ids.tofile(f)
-    with open(a.out + ".mask" + tmp, "wb") as f:
-        f.write(bytes(p.mask))
-    with open(a.out + ".json" + tmp, "w") as f:
+    with open(temps[2], "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
-    for ext in (".u32", ".mask", ".json"):
-        os.replace(a.out + ext + tmp, a.out + ext)
-    print(f"prepare_data: {p.docs} documents, {len(p.ids)} tokens ({sum(p.mask)} trained on) -> {a.out}.u32, "
+    for ext, t in zip((".u32", ".mask", ".json"), temps):
+        os.replace(t, a.out + ext)
+    print(f"prepare_data: {p.docs} documents, {p.tokens} tokens ({p.trained} trained on) -> {a.out}.u32, "
           f"{a.out}.mask; then: strata finetune {meta['finetune']}")
     return 0
 

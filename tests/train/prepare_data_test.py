@@ -147,6 +147,12 @@ def main():
     r = run([sys.executable, prep, "--tokenizer", model, "--out", os.path.join(w, "bad2"), os.path.join(w, "bad2.jsonl")])
     check(r.returncode == 1 and "bad2.jsonl:1" in r.stderr and "content" in r.stderr,
           f"a malformed message names file:line: {r.stderr.strip()}")
+    with open(os.path.join(w, "bad3.jsonl"), "wb") as f:
+        f.write(b'{"text": "fine"}\n{"text": "\xff\xfe"}\n')
+    r = run([sys.executable, prep, "--tokenizer", model, "--out", os.path.join(w, "bad3"), os.path.join(w, "bad3.jsonl")])
+    check(r.returncode == 1 and "bad3.jsonl:2" in r.stderr and "UTF-8" in r.stderr and
+          not any(n.startswith("bad3.") and not n.endswith(".jsonl") for n in os.listdir(w)),
+          f"a line that is not UTF-8 names file:line and leaves nothing: {r.stderr.strip()}")
     os.makedirs(os.path.join(w, "notok"))
     r = run([sys.executable, prep, "--tokenizer", os.path.join(w, "notok"), "--out", os.path.join(w, "x"),
              os.path.join(w, "a.txt")])
