@@ -153,17 +153,13 @@ def chat_doc(tok, messages, where):
 
 
 def _lines(f, path):
-    """The file's lines; a byte that is not UTF-8 is an error naming the line."""
-    n = 0
-    while True:
+    """The lines of binary file f, decoded one by one, so a byte that is not
+    UTF-8 is an error naming its line."""
+    for n, raw in enumerate(f, 1):
         try:
-            line = f.readline()
+            yield raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            fail(f"{path}:{n + 1}: not UTF-8 ({e})")
-        if not line:
-            return
-        n += 1
-        yield line
+            fail(f"{path}:{n}: not UTF-8 ({e})")
 
 
 def add_inputs(a, tok, p):
@@ -181,7 +177,7 @@ def add_inputs(a, tok, p):
             ids, mask = text_doc(tok, text)
             p.add(ids, mask, True)
             continue
-        with open(path, encoding="utf-8") as f:
+        with open(path, "rb") as f:
             for n, line in enumerate(_lines(f, path), 1):
                 where = f"{path}:{n}"
                 if not line.strip():
