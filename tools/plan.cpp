@@ -498,8 +498,10 @@ int run(const PlanCliOptions& o) {
     std::printf("%s\n", out.dump(2).c_str());
     return 0;
   }
-  std::printf("Model: %s: Llama, %u layers, dim %llu, %u heads (%u kv), ffn %llu, vocab %llu%s; %s compute\n",
-              cfg_path.c_str(), shape.layers, static_cast<unsigned long long>(shape.dim), shape.heads, shape.kv_heads,
+  std::printf("Model: %s: %s, %u layers, dim %llu, %u heads (%u kv) of %llu, ffn %llu, vocab %llu%s; %s compute\n",
+              cfg_path.c_str(), model::model_arch_class(lc->arch), shape.layers,
+              static_cast<unsigned long long>(shape.dim), shape.heads, shape.kv_heads,
+              static_cast<unsigned long long>(shape.head_dim_or_default()),
               static_cast<unsigned long long>(shape.ffn_dim), static_cast<unsigned long long>(shape.vocab),
               shape.tied_embeddings ? ", tied embeddings" : "", dtype_name(shape.dtype));
   for (const auto& n : notes) std::printf("note: %s\n", n.c_str());
