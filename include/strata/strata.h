@@ -296,6 +296,9 @@ typedef struct strata_param_desc {
   /* Nonzero: the optimizer uses weight decay 0 for it (Hugging Face
    * Trainer's convention for biases and norm weights). */
   int32_t no_weight_decay;
+  /* Learning-rate group (a torch param_groups index); see
+   * strata_engine_set_group_lr. 0 for a single group. */
+  uint32_t lr_group;
 } strata_param_desc_t;
 
 /* What the engine knows about one parameter. The caller sets struct_size. */
@@ -310,6 +313,7 @@ typedef struct strata_param_info {
   strata_dtype_t dtype;            /* compute dtype */
   int32_t frozen;                  /* as given in strata_param_desc_t */
   int32_t no_weight_decay;         /* likewise */
+  uint32_t lr_group;               /* likewise */
 } strata_param_info_t;
 
 /* One group and where the planner put its state. The caller sets struct_size. */
@@ -451,13 +455,21 @@ STRATA_API strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uin
 /* One optimizer step: global gradient norm, fp16 loss scaling (overflow:
  * skipped, scale lowered), clipping, then the optimizer over every shard.
  * lr < 0 keeps the current lr: the last lr >= 0 given to a step, at first
- * the config's optimizer.lr (per-group learning rates: not in the C ABI yet).
- * Blocks until done. result may be NULL; else its
+ * the config's optimizer.lr. Learning-rate groups with their own lr
+ * (strata_engine_set_group_lr) use theirs. Blocks until done. result may be NULL; else its
  * struct_size is checked before the step runs. Errors: the first error of
  * the step's asynchronous work (I/O: naming tensor and chunk),
  * STRATA_ERR_INVALID_ARGUMENT (groups still acquired). After an error the
  * engine refuses further steps until a checkpoint is loaded. */
 STRATA_API strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_step_result_t* result);
+/* Gives every parameter with this lr_group (strata_param_desc_t) its own
+ * learning rate from the next update on: what a torch scheduler sets per
+ * param_group. lr < 0: the group follows the lr given to strata_engine_step
+ * again. With overlap_backward, set it before the last micro-batch begins.
+ * Not saved in checkpoints (the scheduler sets it every step). Errors:
+ * STRATA_ERR_INVALID_ARGUMENT (no trainable parameter has that lr_group,
+ * lr not finite). */
+STRATA_API strata_status_t strata_engine_set_group_lr(strata_engine_t engine, uint32_t lr_group, double lr);
 /* The loss scale for the next micro-batch (fp16 dynamic scaling; 1
  * otherwise): multiply the loss by it before backward. Non-blocking. */
 STRATA_API strata_status_t strata_engine_loss_scale(strata_engine_t engine, double* scale);

@@ -172,6 +172,7 @@ Result<ModelSpec> to_model(const strata_param_desc_t* params, size_t count) {
     p.compute_dtype = dt.value();
     p.trainable = d->frozen == 0;
     p.weight_decay = d->no_weight_decay == 0;
+    p.lr_group = d->lr_group;
     model.params.push_back(std::move(p));
   }
   // Shapes, duplicates and empty names: the model's own validation, which
@@ -359,6 +360,7 @@ strata_status_t strata_engine_param_info(strata_engine_t engine, uint32_t param,
     info->dtype = static_cast<strata_dtype_t>(p.compute_dtype);
     info->frozen = p.trainable ? 0 : 1;
     info->no_weight_decay = p.weight_decay ? 0 : 1;
+    info->lr_group = p.lr_group;
     return Status();
   });
 }
@@ -495,6 +497,11 @@ strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_ste
     if (result) fill_step_result(r, result);
     return Status();
   });
+}
+
+strata_status_t strata_engine_set_group_lr(strata_engine_t engine, uint32_t lr_group, double lr) {
+  return on_engine(engine, "strata_engine_set_group_lr",
+                   [&]() -> Status { return engine->engine->set_group_lr(lr_group, lr); });
 }
 
 strata_status_t strata_engine_loss_scale(strata_engine_t engine, double* scale) {

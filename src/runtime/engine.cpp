@@ -245,6 +245,8 @@ Status Engine::reduce_grad(ParamId id, const void* grad, DType dtype, DeviceStre
 
 void Engine::set_lr(double lr) { impl_->stepper.set_lr(lr); }
 
+Status Engine::set_group_lr(uint32_t lr_group, double lr) { return impl_->stepper.set_group_lr(lr_group, lr); }
+
 Result<StepResult> Engine::step(double lr) {
   Impl& I = *impl_;
   const auto t0 = std::chrono::steady_clock::now();

@@ -210,7 +210,8 @@ class Engine {
   // (fp32/bf16/fp16). Asynchronous (see the header comment).
   Status reduce_grad(ParamId p, const void* grad, DType dtype, DeviceStream* stream);
   // Blocks until the step is done (all gradients reduced, all tiers updated).
-  // lr < 0 keeps config.optimizer.lr. Errors: the first asynchronous error of
+  // lr < 0 keeps the current lr (the last lr >= 0 given here or to set_lr; at
+  // first config.optimizer.lr). Errors: the first asynchronous error of
   // the step's work (I/O: with tensor and chunk), kInvalidArgument (groups
   // still acquired). lr >= 0 also becomes the current lr (see set_lr).
   // Overlap mode: the groups were updated with the lr current when the last
@@ -221,6 +222,13 @@ class Engine {
   // Sets the learning rate for the following updates (schedulers; needed in
   // overlap mode, where updates start before step()). Negative: ignored.
   void set_lr(double lr);
+  // Gives learning-rate group `lr_group` (ParamSpec::lr_group) its own lr for
+  // the following updates (a torch scheduler driving several param_groups);
+  // lr < 0: the group follows the step's lr again. Like set_lr, set it before
+  // the last micro-batch begins in overlap mode. Not part of checkpoints: the
+  // caller's scheduler sets it every step. Errors: kInvalidArgument (no
+  // parameter has that lr_group, or lr not finite).
+  Status set_group_lr(uint32_t lr_group, double lr);
   // The current loss scale (fp16 dynamic scaling; 1 otherwise): multiply the
   // loss by it before backward.
   double loss_scale() const;

@@ -31,6 +31,9 @@ struct ParamSpec {
   // master, no optimizer state and no gradient accumulator, reduce_grad
   // refuses it and the optimizer never writes it.
   bool trainable = true;
+  // The learning-rate group (a torch param_groups index): Engine::set_group_lr
+  // gives a group its own lr; a group without one follows the step's lr.
+  uint32_t lr_group = 0;
   uint64_t numel() const;
 };
 

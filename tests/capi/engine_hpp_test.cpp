@@ -157,21 +157,26 @@ TEST(StrataHpp, OneAdamWStepAndCheckpoint) {
   std::filesystem::remove_all(dir, ec);
 }
 
-// Frozen and no-weight-decay parameters through the C ABI: a frozen weight
-// keeps its bits and has no gradient, an undecayed one gets the AdamW step
-// without the decay term, a decayed one with it.
+// Frozen, no-weight-decay and lr-group parameters through the C ABI: a
+// frozen weight keeps its bits and has no gradient, an undecayed one gets the
+// AdamW step without the decay term, a decayed one with it, one in another lr
+// group the step with that group's lr.
 TEST(StrataHpp, FrozenAndUndecayedParameters) {
   strata_engine_options_t o = Engine::default_options();
   o.config_json = kConfig;
   o.device_kind = STRATA_DEVICE_HOST;
-  strata_param_desc_t p[3] = {Engine::param("frozen", "layer", {2, 4}, STRATA_DTYPE_F32),
+  strata_param_desc_t p[4] = {Engine::param("frozen", "layer", {2, 4}, STRATA_DTYPE_F32),
                               Engine::param("decayed", "layer", {2, 4}, STRATA_DTYPE_F32),
-                              Engine::param("undecayed", "layer", {2, 4}, STRATA_DTYPE_F32)};
+                              Engine::param("undecayed", "layer", {2, 4}, STRATA_DTYPE_F32),
+                              Engine::param("slow", "layer", {2, 4}, STRATA_DTYPE_F32)};
   p[0].frozen = 1;
   p[2].no_weight_decay = 1;
+  p[3].lr_group = 1;  // its own lr
   Engine e;
-  Error err = Engine::create(o, p, 3, &e);
+  Error err = Engine::create(o, p, 4, &e);
   ASSERT_TRUE(err.ok()) << err.to_string();
+  EXPECT_EQ(strata_engine_set_group_lr(e.get(), 7, 0.1), STRATA_ERR_INVALID_ARGUMENT);  // no such group
+  ASSERT_EQ(strata_engine_set_group_lr(e.get(), 1, 0.02), STRATA_OK);
   strata_param_info_t info{};
   info.struct_size = sizeof(info);
   ASSERT_EQ(strata_engine_param_info(e.get(), 0, &info), STRATA_OK);
@@ -180,21 +185,22 @@ TEST(StrataHpp, FrozenAndUndecayedParameters) {
   EXPECT_EQ(info.no_weight_decay, 1);
   EXPECT_EQ(info.frozen, 0);
   std::vector<float> p0(kN, 1.0f), grad(kN, 0.5f);
-  for (uint32_t i = 0; i < 3; ++i) ASSERT_TRUE(e.load_param(i, p0.data(), STRATA_DTYPE_F32, kN).ok());
+  for (uint32_t i = 0; i < 4; ++i) ASSERT_TRUE(e.load_param(i, p0.data(), STRATA_DTYPE_F32, kN).ok());
   Stream s;
   ASSERT_TRUE(e.create_stream("frozen", &s).ok());
   void* dev_grad = nullptr;
   ASSERT_TRUE(e.device_alloc(kN * sizeof(float), &dev_grad).ok());
   ASSERT_TRUE(s.memcpy_async(dev_grad, grad.data(), kN * sizeof(float), STRATA_COPY_HOST_TO_DEVICE).ok());
   ASSERT_TRUE(e.begin_micro_batch(true).ok());
-  void* ptrs[3];
+  void* ptrs[4];
   size_t n = 0;
-  ASSERT_TRUE(e.acquire(0, s, ptrs, 3, &n).ok());
+  ASSERT_TRUE(e.acquire(0, s, ptrs, 4, &n).ok());
   Error frozen = e.reduce_grad(0, dev_grad, STRATA_DTYPE_F32, s);
   EXPECT_EQ(frozen.code(), STRATA_ERR_INVALID_ARGUMENT);
   EXPECT_NE(frozen.to_string().find("frozen"), std::string::npos) << frozen.to_string();
   ASSERT_TRUE(e.reduce_grad(1, dev_grad, STRATA_DTYPE_F32, s).ok());
   ASSERT_TRUE(e.reduce_grad(2, dev_grad, STRATA_DTYPE_F32, s).ok());
+  ASSERT_TRUE(e.reduce_grad(3, dev_grad, STRATA_DTYPE_F32, s).ok());
   ASSERT_TRUE(e.release(0, s).ok());
   ASSERT_TRUE(s.synchronize().ok());
   strata_step_result_t r;
@@ -207,6 +213,9 @@ TEST(StrataHpp, FrozenAndUndecayedParameters) {
   EXPECT_NEAR(got[0], 1.0 * (1 - 0.1 * 0.5) - 0.1 * 0.5 / (0.5 + 1e-8), 1e-6);
   ASSERT_TRUE(e.read_param(2, got.data(), STRATA_DTYPE_F32, kN).ok());
   EXPECT_NEAR(got[0], 1.0 - 0.1 * 0.5 / (0.5 + 1e-8), 1e-6);
+  // lr group 1 at lr 0.02 (decayed): the same step with its own lr.
+  ASSERT_TRUE(e.read_param(3, got.data(), STRATA_DTYPE_F32, kN).ok());
+  EXPECT_NEAR(got[0], 1.0 * (1 - 0.02 * 0.5) - 0.02 * 0.5 / (0.5 + 1e-8), 1e-6);
 }
 
 }  // namespace

@@ -57,7 +57,7 @@ constexpr int kLayers = 4;
 constexpr int kDims[kLayers + 1] = {64, 96, 40, 24, 12};  // W1 is 96x64 = 6144 elements: 3 optimizer chunks
 constexpr int kBatch = 4;
 
-ModelSpec make_model(DType dt, const std::vector<int>& frozen = {}) {
+ModelSpec make_model(DType dt, const std::vector<int>& frozen = {}, const std::vector<int>& lr_group1 = {}) {
   ModelSpec m;
   for (int l = 0; l < kLayers; ++l) {
     const std::string g = "layers." + std::to_string(l);
@@ -65,6 +65,7 @@ ModelSpec make_model(DType dt, const std::vector<int>& frozen = {}) {
     m.params.push_back({g + ".bias", {uint64_t(kDims[l + 1])}, dt, g});
   }
   for (int p : frozen) m.params[static_cast<size_t>(p)].trainable = false;
+  for (int p : lr_group1) m.params[static_cast<size_t>(p)].lr_group = 1;
   return m;
 }
 
@@ -156,6 +157,8 @@ struct RunOptions {
   int inf_step = -1;           // inject an inf gradient in this step (last micro-batch)
   int peek_from = -1, peek_to = -1;  // steps that acquire layers.3 once before forward (order change)
   std::vector<int> frozen;           // frozen parameters (no gradient, never updated)
+  std::vector<int> lr_group1;        // parameters in lr group 1, whose lr is set to lr1
+  double lr1 = -1;
   bool is_frozen(size_t p) const { return std::find(frozen.begin(), frozen.end(), int(p)) != frozen.end(); }
 };
 
@@ -344,13 +347,17 @@ struct Trainer {
     EngineOptions eo;
     eo.config = cfg;
     eo.io_faults = std::move(faults);
-    eo.model = make_model(compute_dtype(o), o.frozen);
+    eo.model = make_model(compute_dtype(o), o.frozen, o.lr_group1);
     eo.device = dev;
     eo.budgets_override.device_bytes = 256ull << 20;
     eo.budgets_override.host_bytes = 1ull << 30;
     auto r = Engine::create(eo);
     if (!r.ok()) return r.status();
     e = std::move(*r);
+    if (!o.lr_group1.empty()) {
+      Status gs = e->set_group_lr(1, o.lr1);
+      if (!gs.ok()) return gs;
+    }
     auto st = dev->create_stream("trainer");
     if (!st.ok()) return st.status();
     s = *st;
@@ -840,6 +847,35 @@ TEST(EngineNvme, FrozenParametersAreStreamedButNeverUpdated) {
   Trainer t2(d.dev.get(), other);
   ASSERT_TRUE(t2.init(make_config(other, Place::kNvme, dir.path() + "/swap3"), false).ok());
   EXPECT_EQ(t2.e->load_checkpoint(dir.path() + "/ck").code(), StatusCode::kInvalidArgument);
+}
+
+// A learning-rate group at lr 0 (set_group_lr) leaves its parameters' bits
+// alone while they still get gradients; without clipping every other
+// parameter trains exactly as when those are frozen. With overlap the group
+// lrs are the ones set before the last micro-batch began.
+TEST(EngineNvme, LearningRateGroups) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  for (bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "normal");
+    RunOptions frozen;
+    frozen.micro = 2;
+    frozen.overlap = overlap;
+    frozen.frozen = {2, 3};
+    RunOptions grouped = frozen;
+    grouped.frozen.clear();
+    grouped.lr_group1 = {2, 3};
+    grouped.lr1 = 0.0;
+    RunResult a = train(d.dev.get(), frozen, make_config(frozen, Place::kNvme, dir.path() + "/a"), 5);
+    RunResult b = train(d.dev.get(), grouped, make_config(grouped, Place::kNvme, dir.path() + "/b"), 5);
+    ASSERT_EQ(a.params.size(), b.params.size());
+    EXPECT_TRUE(bits_equal(a.params, b.params));
+    // lr group 1 back on the step's lr: its parameters move.
+    grouped.lr1 = -1.0;
+    RunResult c = train(d.dev.get(), grouped, make_config(grouped, Place::kNvme, dir.path() + "/c"), 5);
+    EXPECT_NE(c.params[2], b.params[2]);
+  }
 }
 
 TEST(EngineNvme, NoDeviceOrPinnedGrowthAfterTheFirstStep) {

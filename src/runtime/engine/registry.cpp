@@ -162,6 +162,7 @@ void Registry::list_params_and_groups() {
     p.dtype = s.compute_dtype;
     p.weight_decay = s.weight_decay;
     p.trainable = s.trainable;
+    p.lr_group = s.lr_group;
     p.shard = shard_range(p.numel, plan.world_size, plan.rank, cfg.strata.shard_alignment);
     const GroupPlan* gp = gplan.at(s.group);
     p.compute.tier = gp->tier[static_cast<int>(StateKind::kCompute)];

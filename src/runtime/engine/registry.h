@@ -52,6 +52,7 @@ struct ParamState {
   DType dtype = DType::kBF16;  // compute dtype
   bool weight_decay = true;    // ParamSpec::weight_decay
   bool trainable = true;       // ParamSpec::trainable: false = frozen, compute copy only
+  uint32_t lr_group = 0;       // ParamSpec::lr_group
   ShardRange shard;
   ArrayLoc compute, master, state[2], grad;  // frozen: master/state/grad unplaced (tier kAuto)
   bool refresh_from_master = false;  // compute copy rebuilt from the master after a step

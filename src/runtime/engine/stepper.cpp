@@ -59,7 +59,13 @@ Status Stepper::allocate() {
       for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
       if (!p.refresh_from_master) t.params_out = p.compute.placement();
       groups_[gi].tensors.push_back(t);
-      (p.weight_decay ? groups_[gi].decayed : groups_[gi].undecayed).push_back(t);
+      auto& parts = groups_[gi].parts;
+      auto it = std::find_if(parts.begin(), parts.end(), [&](const GroupUpdate::Part& q) {
+        return q.lr_group == p.lr_group && q.decay == p.weight_decay;
+      });
+      if (it == parts.end()) it = parts.insert(parts.end(), GroupUpdate::Part{p.lr_group, p.weight_decay, {}});
+      it->tensors.push_back(t);
+      if (p.lr_group >= group_lr_.size()) group_lr_.resize(p.lr_group + 1, -1.0);
     }
   }
   return {};
@@ -87,6 +93,7 @@ void Stepper::begin_overlap(int64_t micro_batches) {
   overlap_coef_ = clip > 0 && prev_norm_ >= 0 ? std::min(1.0, clip / (prev_norm_ + 1e-6)) : 1.0;
   overlap_step_ = steps_ + 1;
   overlap_lr_ = current_lr_;
+  overlap_group_lr_ = group_lr_;
   for (auto& g : groups_) {
     g.reduced_last = 0;
     g.queued = g.updated = g.skipped = g.nonfinite = false;
@@ -108,13 +115,26 @@ cpu_optim::OptimizerConfig Stepper::optimizer_config(double lr, double grad_scal
   return c;
 }
 
-Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step) {
-  GroupUpdate& g = groups_[gi];
-  if (!g.decayed.empty()) STRATA_RETURN_IF_ERROR(opt_->step_part(c, step, g.decayed));
-  if (!g.undecayed.empty()) {
-    cpu_optim::OptimizerConfig nd = c;
-    nd.weight_decay = 0;
-    STRATA_RETURN_IF_ERROR(opt_->step_part(nd, step, g.undecayed));
+Status Stepper::set_group_lr(uint32_t lr_group, double lr) {
+  bool known = false;
+  for (const auto& g : groups_)
+    for (const auto& part : g.parts) known = known || part.lr_group == lr_group;
+  if (!known)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: set_group_lr: no trainable parameter has lr_group {}", lr_group));
+  if (!std::isfinite(lr))
+    return Status(StatusCode::kInvalidArgument, fmt::format("engine: set_group_lr({}): lr {} is not finite", lr_group, lr));
+  group_lr_[lr_group] = lr < 0 ? -1.0 : lr;
+  return {};
+}
+
+Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
+                           const std::vector<double>& group_lr) {
+  for (const auto& part : groups_[gi].parts) {
+    cpu_optim::OptimizerConfig pc = c;
+    if (part.lr_group < group_lr.size() && group_lr[part.lr_group] >= 0) pc.lr = group_lr[part.lr_group];
+    if (!part.decay) pc.weight_decay = 0;
+    STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, part.tensors));
   }
   return {};
 }
@@ -137,7 +157,8 @@ void Stepper::run_group_update(GroupId gi) {
     if (g.nonfinite) {
       g.skipped = true;
     } else {
-      st = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_);
+      st = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_,
+                      overlap_group_lr_);
       if (!st.ok())
         st = st.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
     }
@@ -196,7 +217,7 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
       for (GroupId g = 0; g < groups_.size(); ++g) {
-        Status s = step_group(g, oc, steps_ + 1);
+        Status s = step_group(g, oc, steps_ + 1, group_lr_);
         if (!s.ok())
           return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
       }

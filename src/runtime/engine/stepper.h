@@ -70,6 +70,8 @@ class Stepper {
   void set_lr(double lr) {
     if (lr >= 0) current_lr_ = lr;
   }
+  // Driving thread. lr < 0: the group follows the step's lr.
+  Status set_group_lr(uint32_t lr_group, double lr);
   double loss_scale() const { return scaler_.scale; }
   int64_t steps() const { return steps_; }
   int64_t steps_published() const { return steps_atomic_.load(std::memory_order_relaxed); }
@@ -86,9 +88,14 @@ class Stepper {
  private:
   struct GroupUpdate {
     std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState (the norm runs over these)
-    // The same tensors split by weight decay (ParamSpec::weight_decay): the
-    // update runs once per non-empty part, the second with weight_decay 0.
-    std::vector<OptimizerTensor> decayed, undecayed;
+    // The same tensors split by (lr group, weight decay): the update runs once
+    // per part, with that group's lr and weight_decay 0 for undecayed parts.
+    struct Part {
+      uint32_t lr_group = 0;
+      bool decay = true;
+      std::vector<OptimizerTensor> tensors;
+    };
+    std::vector<Part> parts;
     uint32_t trainable = 0;  // params that are not frozen (reduce_grad counts to this)
     // Overlap mode, per step.
     uint32_t reduced_last = 0;  // params reduced in the last micro-batch
@@ -100,9 +107,10 @@ class Stepper {
   };
 
   cpu_optim::OptimizerConfig optimizer_config(double lr, double grad_scale) const;
-  // The optimizer over group g's tensors: the decayed ones with `c`, the
-  // others with c.weight_decay = 0.
-  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step);
+  // The optimizer over group g's tensors, part by part: c.lr replaced by the
+  // part's lr group's own lr when it has one (from `group_lr`), weight_decay 0
+  // for undecayed parts.
+  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<double>& group_lr);
   Status group_stats(GroupId g, double scale);
   void run_group_update(GroupId g);  // optimizer thread, or driving thread in step()
 
@@ -121,6 +129,8 @@ class Stepper {
   std::atomic<int64_t> steps_atomic_{0};  // mirror of steps_ for stats()
   std::atomic<int64_t> skipped_steps_{0};
   double current_lr_ = 0;  // config lr, then the last set_lr()/step(lr)
+  std::vector<double> group_lr_;          // per lr group; < 0: follow the step's lr (driving thread)
+  std::vector<double> overlap_group_lr_;  // snapshot at begin_overlap, read by the optimizer thread
   double prev_norm_ = -1;  // overlap clipping: the previous step's norm (< 0: none yet)
   // Overlap: fixed by begin_overlap for this step's group updates.
   double overlap_lr_ = 0;
