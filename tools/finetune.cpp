@@ -137,7 +137,7 @@ void run_finetune(const FinetuneFlags& f) {
 
 void register_finetune(CLI::App& app) {
   auto f = std::make_shared<FinetuneFlags>();
-  CLI::App* cmd = app.add_subcommand("finetune", "Fine-tune a Hugging Face Llama model with its state offloaded");
+  CLI::App* cmd = app.add_subcommand("finetune", "Fine-tune a Hugging Face Llama, Mistral, Qwen2 or Qwen3 model with its state offloaded");
   add_finetune_flags(cmd, f.get());
   cmd->callback([f] { run_finetune(*f); });
 }
