@@ -9,20 +9,12 @@
 #include <cstdio>
 #include <vector>
 
+#include "test_util/pattern.h"
+
 namespace strata {
 namespace {
 
-std::vector<uint8_t> pattern(std::size_t n, uint64_t seed) {
-  std::vector<uint8_t> v(n);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& b : v) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    b = static_cast<uint8_t>(x >> 24);
-  }
-  return v;
-}
+using ::strata::testing::pattern;
 
 TEST(Crc32c, KnownVectors) {
   // RFC 3720 appendix B.4 and the classic check value.

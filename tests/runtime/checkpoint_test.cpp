@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "common/crc32c.h"
+#include "test_util/pattern.h"
 #include "test_util/temp_dir.h"
 
 namespace strata {
@@ -44,17 +45,7 @@ class TempDir : public ::strata::testing::TempDir {
   explicit TempDir(const char* base = nullptr) : ::strata::testing::TempDir("strata-ck-test", base) {}
 };
 
-std::vector<uint8_t> pattern(std::size_t n, uint64_t seed) {
-  std::vector<uint8_t> v(n);
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& b : v) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    b = static_cast<uint8_t>(x >> 24);
-  }
-  return v;
-}
+using ::strata::testing::pattern;
 
 void write_file(const std::string& path, const std::vector<uint8_t>& bytes) {
   std::ofstream f(path, std::ios::binary | std::ios::trunc);
