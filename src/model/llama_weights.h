@@ -27,9 +27,11 @@ namespace strata {
 // The tensors of one decoder layer (also the engine's parameter order within
 // a layer group). The first kBaseLayerTensorCount are every architecture's
 // (and the CUDA module's strata_cuda_train_layer_t::tensors, in this order);
-// the rest belong to one architecture each (WeightRow::feature): Qwen2's
-// q/k/v biases, Qwen3's per-head q/k RMSNorm weights. A model without a
-// feature has no such tensor (LlamaDims::has, numel 0).
+// the rest belong to one architecture or one fine-tuning method each
+// (WeightRow::feature): Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm
+// weights, and the LoRA adapters of the seven projections (PEFT's names and
+// shapes: lora_A [r, in], lora_B [out, r]). A model without a feature has no
+// such tensor (layer_has / LlamaDims::has, numel 0).
 enum LayerTensor : int {
   kInputNorm,  // input_layernorm
   kQProj,
@@ -45,6 +47,22 @@ enum LayerTensor : int {
   kVBias,
   kQNorm,  // Qwen3: RMSNorm over each head's head_dim, before RoPE
   kKNorm,
+  // LoRA (PEFT): y = base(x) + lora_B(lora_A(dropout(x))) * scaling, for the
+  // projections the run targets (layer_has: one bit per adapted projection).
+  kQLoraA,
+  kQLoraB,
+  kKLoraA,
+  kKLoraB,
+  kVLoraA,
+  kVLoraB,
+  kOLoraA,
+  kOLoraB,
+  kGateLoraA,
+  kGateLoraB,
+  kUpLoraA,
+  kUpLoraB,
+  kDownLoraA,
+  kDownLoraB,
   kLayerTensorCount
 };
 inline constexpr int kBaseLayerTensorCount = kQBias;
@@ -54,6 +72,7 @@ enum class Feature : uint8_t {
   kAlways,
   kQkvBias,  // Qwen2: q_proj/k_proj/v_proj have biases
   kQkNorm,   // Qwen3: q_norm/k_norm per head
+  kLora,     // a LoRA adapter of WeightRow::adapts (when the run targets it)
 };
 
 // The tensors outside the layers.
@@ -68,10 +87,11 @@ enum class Extent : uint8_t {
   kFfnDim, // intermediate_size
   kVocab,  // vocab_size
   kHeadDim,  // head_dim
+  kLoraRank, // the LoRA rank r
 };
 
 struct LlamaExtents {
-  int64_t dim = 0, q_dim = 0, kv_dim = 0, ffn_dim = 0, vocab = 0, head_dim = 0;
+  int64_t dim = 0, q_dim = 0, kv_dim = 0, ffn_dim = 0, vocab = 0, head_dim = 0, lora_rank = 0;
   constexpr int64_t of(Extent e) const {
     switch (e) {
       case Extent::kOne: return 1;
@@ -81,6 +101,7 @@ struct LlamaExtents {
       case Extent::kFfnDim: return ffn_dim;
       case Extent::kVocab: return vocab;
       case Extent::kHeadDim: return head_dim;
+      case Extent::kLoraRank: return lora_rank;
     }
     return 0;
   }
@@ -92,6 +113,7 @@ struct WeightRow {
   Extent rows, cols;      // row-major [rows, cols]; cols == kOne: 1-D [rows]
   bool norm;              // an RMSNorm weight (Hugging Face initialises it to ones)
   Feature feature = Feature::kAlways;
+  int adapts = -1;        // kLora rows: the LayerTensor (a projection) the adapter belongs to
 
   constexpr int64_t numel(const LlamaExtents& x) const { return x.of(rows) * x.of(cols); }
   // [rows] or [rows, cols], as safetensors and the engine spell shapes.
@@ -116,6 +138,20 @@ inline constexpr std::array<WeightRow, kLayerTensorCount> kLayerWeights = {{
     {kVBias, "self_attn.v_proj.bias", Extent::kKvDim, Extent::kOne, false, Feature::kQkvBias},
     {kQNorm, "self_attn.q_norm.weight", Extent::kHeadDim, Extent::kOne, true, Feature::kQkNorm},
     {kKNorm, "self_attn.k_norm.weight", Extent::kHeadDim, Extent::kOne, true, Feature::kQkNorm},
+    {kQLoraA, "self_attn.q_proj.lora_A.weight", Extent::kLoraRank, Extent::kDim, false, Feature::kLora, kQProj},
+    {kQLoraB, "self_attn.q_proj.lora_B.weight", Extent::kQDim, Extent::kLoraRank, false, Feature::kLora, kQProj},
+    {kKLoraA, "self_attn.k_proj.lora_A.weight", Extent::kLoraRank, Extent::kDim, false, Feature::kLora, kKProj},
+    {kKLoraB, "self_attn.k_proj.lora_B.weight", Extent::kKvDim, Extent::kLoraRank, false, Feature::kLora, kKProj},
+    {kVLoraA, "self_attn.v_proj.lora_A.weight", Extent::kLoraRank, Extent::kDim, false, Feature::kLora, kVProj},
+    {kVLoraB, "self_attn.v_proj.lora_B.weight", Extent::kKvDim, Extent::kLoraRank, false, Feature::kLora, kVProj},
+    {kOLoraA, "self_attn.o_proj.lora_A.weight", Extent::kLoraRank, Extent::kQDim, false, Feature::kLora, kOProj},
+    {kOLoraB, "self_attn.o_proj.lora_B.weight", Extent::kDim, Extent::kLoraRank, false, Feature::kLora, kOProj},
+    {kGateLoraA, "mlp.gate_proj.lora_A.weight", Extent::kLoraRank, Extent::kDim, false, Feature::kLora, kGateProj},
+    {kGateLoraB, "mlp.gate_proj.lora_B.weight", Extent::kFfnDim, Extent::kLoraRank, false, Feature::kLora, kGateProj},
+    {kUpLoraA, "mlp.up_proj.lora_A.weight", Extent::kLoraRank, Extent::kDim, false, Feature::kLora, kUpProj},
+    {kUpLoraB, "mlp.up_proj.lora_B.weight", Extent::kFfnDim, Extent::kLoraRank, false, Feature::kLora, kUpProj},
+    {kDownLoraA, "mlp.down_proj.lora_A.weight", Extent::kLoraRank, Extent::kFfnDim, false, Feature::kLora, kDownProj},
+    {kDownLoraB, "mlp.down_proj.lora_B.weight", Extent::kDim, Extent::kLoraRank, false, Feature::kLora, kDownProj},
 }};
 
 inline constexpr std::array<WeightRow, kModelTensorCount> kModelWeights = {{
@@ -133,10 +169,59 @@ constexpr bool rows_in_enum_order(const std::array<WeightRow, N>& t) {
 }
 }  // namespace llama_weights_detail
 static_assert(llama_weights_detail::rows_in_enum_order(kLayerWeights), "kLayerWeights rows out of enum order");
+namespace llama_weights_detail {
+// LoRA rows come in (A, B) pairs, A [r, in] and B [out, r] of the projection
+// they adapt.
+constexpr bool lora_rows_pair_up() {
+  for (const WeightRow& r : kLayerWeights) {
+    if (r.feature != Feature::kLora) continue;
+    if (r.adapts < 0 || r.adapts >= kBaseLayerTensorCount) return false;
+    const WeightRow& base = kLayerWeights[static_cast<size_t>(r.adapts)];
+    const bool is_a = (r.id - kQLoraA) % 2 == 0;
+    if (is_a && (r.rows != Extent::kLoraRank || r.cols != base.cols)) return false;
+    if (!is_a && (r.rows != base.rows || r.cols != Extent::kLoraRank)) return false;
+  }
+  return true;
+}
+}  // namespace llama_weights_detail
+static_assert(llama_weights_detail::lora_rows_pair_up(), "LoRA rows must be (A [r, in], B [out, r]) pairs");
 static_assert(llama_weights_detail::rows_in_enum_order(kModelWeights), "kModelWeights rows out of enum order");
 
 constexpr const WeightRow& weight_row(LayerTensor t) { return kLayerWeights[static_cast<size_t>(t)]; }
 constexpr const WeightRow& weight_row(ModelTensor t) { return kModelWeights[static_cast<size_t>(t)]; }
+
+// The projections LoRA can adapt (PEFT's target_modules names), in table
+// order, and each one's adapter rows.
+inline constexpr std::array<LayerTensor, 7> kLoraTargets = {kQProj, kKProj, kVProj, kOProj,
+                                                            kGateProj, kUpProj, kDownProj};
+constexpr int lora_target_index(LayerTensor proj) {
+  for (size_t i = 0; i < kLoraTargets.size(); ++i)
+    if (kLoraTargets[i] == proj) return static_cast<int>(i);
+  return -1;
+}
+constexpr LayerTensor lora_a_of(LayerTensor proj) { return static_cast<LayerTensor>(kQLoraA + 2 * lora_target_index(proj)); }
+constexpr LayerTensor lora_b_of(LayerTensor proj) { return static_cast<LayerTensor>(kQLoraB + 2 * lora_target_index(proj)); }
+// "q_proj" for kQProj: the module name PEFT's target_modules lists.
+inline std::string_view lora_module_name(LayerTensor proj) {
+  std::string_view n = weight_row(proj).name;  // "self_attn.q_proj.weight"
+  n = n.substr(n.find('.') + 1);
+  return n.substr(0, n.find('.'));
+}
+// A bit per LoRA target (1u << lora_target_index).
+inline constexpr uint32_t kAllLoraTargets = (1u << kLoraTargets.size()) - 1;
+
+// Which tensors a model has: its architecture's features and the LoRA
+// targets of the run (bits as above; 0: no LoRA).
+constexpr bool layer_has(LayerTensor t, bool qkv_bias, bool qk_norm, uint32_t lora_targets) {
+  const WeightRow& r = weight_row(t);
+  switch (r.feature) {
+    case Feature::kAlways: return true;
+    case Feature::kQkvBias: return qkv_bias;
+    case Feature::kQkNorm: return qk_norm;
+    case Feature::kLora: return (lora_targets >> lora_target_index(static_cast<LayerTensor>(r.adapts))) & 1u;
+  }
+  return false;
+}
 
 // Every LayerTensor in order, for loops: for (LayerTensor t : kAllLayerTensors).
 inline constexpr std::array<LayerTensor, kLayerTensorCount> kAllLayerTensors = [] {

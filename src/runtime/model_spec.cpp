@@ -8,6 +8,8 @@
 #include <limits>
 #include <unordered_set>
 
+#include "model/llama_weights.h"
+
 namespace strata {
 
 bool hf_no_decay(std::string_view name) {
@@ -107,31 +109,24 @@ Result<ModelSpec> llama_model_spec(const LlamaShape& s, uint32_t world_size, uin
   auto add = [&](std::string name, std::vector<uint64_t> shape, const std::string& group) {
     m.params.push_back(ParamSpec{std::move(name), std::move(shape), s.dtype, group});
   };
-  add("model.embed_tokens.weight", {s.vocab, s.dim}, "embed");
+  if (s.lora_targets != 0 && s.lora_rank == 0)
+    return Status(StatusCode::kInvalidArgument, "llama shape: LoRA targets without a rank");
+  if (s.lora_targets & ~kAllLoraTargets)
+    return Status(StatusCode::kInvalidArgument, fmt::format("llama shape: unknown LoRA target bits {:#x}", s.lora_targets));
+  const LlamaExtents x{static_cast<int64_t>(s.dim), static_cast<int64_t>(q_dim), static_cast<int64_t>(kv_dim),
+                       static_cast<int64_t>(s.ffn_dim), static_cast<int64_t>(s.vocab), static_cast<int64_t>(hd),
+                       static_cast<int64_t>(s.lora_rank)};
+  add(model_weight_name(kEmbedTokens), weight_row(kEmbedTokens).shape(x), "embed");
   for (uint32_t i = 0; i < s.layers; ++i) {
     const std::string g = fmt::format("layers.{}", i);
-    const std::string p = fmt::format("model.layers.{}.", i);
-    add(p + "input_layernorm.weight", {s.dim}, g);
-    add(p + "self_attn.q_proj.weight", {q_dim, s.dim}, g);
-    add(p + "self_attn.k_proj.weight", {kv_dim, s.dim}, g);
-    add(p + "self_attn.v_proj.weight", {kv_dim, s.dim}, g);
-    add(p + "self_attn.o_proj.weight", {s.dim, q_dim}, g);
-    add(p + "post_attention_layernorm.weight", {s.dim}, g);
-    add(p + "mlp.gate_proj.weight", {s.ffn_dim, s.dim}, g);
-    add(p + "mlp.up_proj.weight", {s.ffn_dim, s.dim}, g);
-    add(p + "mlp.down_proj.weight", {s.dim, s.ffn_dim}, g);
-    if (s.qkv_bias) {
-      add(p + "self_attn.q_proj.bias", {q_dim}, g);
-      add(p + "self_attn.k_proj.bias", {kv_dim}, g);
-      add(p + "self_attn.v_proj.bias", {kv_dim}, g);
-    }
-    if (s.qk_norm) {
-      add(p + "self_attn.q_norm.weight", {hd}, g);
-      add(p + "self_attn.k_norm.weight", {hd}, g);
+    for (LayerTensor t : kAllLayerTensors) {
+      if (!layer_has(t, s.qkv_bias, s.qk_norm, s.lora_targets)) continue;
+      add(layer_weight_name(i, t), weight_row(t).shape(x), g);
+      if (weight_row(t).feature == Feature::kLora) m.params.back().compute_dtype = s.lora_dtype;
     }
   }
-  add("model.norm.weight", {s.dim}, "head");
-  if (!s.tied_embeddings) add("lm_head.weight", {s.vocab, s.dim}, "head");
+  add(model_weight_name(kFinalNorm), weight_row(kFinalNorm).shape(x), "head");
+  if (!s.tied_embeddings) add(model_weight_name(kLmHead), weight_row(kLmHead).shape(x), "head");
   STRATA_RETURN_IF_ERROR(validate_model_spec(m));
   return m;
 }

@@ -93,10 +93,16 @@ struct LlamaShape {
   uint64_t head_dim = 0;  // 0: dim / heads (Qwen3 and others give it explicitly)
   bool qkv_bias = false;  // Qwen2: q/k/v projection biases
   bool qk_norm = false;   // Qwen3: per-head q/k RMSNorm weights
+  // LoRA adapters (model/llama_weights.h: a bit per kLoraTargets entry; 0:
+  // none) of rank lora_rank, in lora_dtype, after each layer's other tensors.
+  uint32_t lora_targets = 0;
+  uint64_t lora_rank = 0;
+  DType lora_dtype = DType::kF32;
   uint64_t head_dim_or_default() const { return head_dim ? head_dim : (heads ? dim / heads : 0); }
 };
 // The parameters in the weight table's order (model/llama_weights.h: per
-// layer the nine base tensors, then the architecture's extra ones).
+// layer the nine base tensors, then the architecture's extra ones, then the
+// LoRA adapters), named and shaped by that table.
 // kInvalidArgument when dim is not divisible by heads (without an explicit
 // head_dim) or heads by kv_heads.
 Result<ModelSpec> llama_model_spec(const LlamaShape& shape, uint32_t world_size = 1, uint32_t rank = 0);

@@ -135,6 +135,7 @@ void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx,
     }
   });
   // dw[j] = sum_r dy[r, j] * xhat[r, j], rows in order, split over columns.
+  if (!dw) return;  // a frozen weight
   for_blocks(d, kRowBlock, [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) dw[j] = 0;
     for (int64_t r = 0; r < n; ++r) {
@@ -435,10 +436,98 @@ LayerMath<S>::LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_s
     resize(dq_raw_, n * qd);
     resize(dk_raw_, n * kvd);
   }
+  if (dims.lora_targets) {
+    const int64_t widest = std::max({D, qd, kvd, F});
+    resize(lora_xa_, n * dims.lora_rank);
+    resize(lora_dxa_, n * dims.lora_rank);
+    resize(lora_out_, n * widest);
+    if (dims.lora_dropout > 0) resize(lora_xd_, n * widest);
+  }
+}
+
+// LoRA dropout: a counter-based draw per (seed, target, element), so the
+// backward's recomputation and any thread count give the same mask.
+inline bool lora_keep(uint64_t seed, int target, int64_t i, float p) {
+  uint64_t z = seed ^ (static_cast<uint64_t>(target + 1) * 0x9E3779B97F4A7C15ull) ^
+               (static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * 0x1p-24f >= p;
+}
+
+// The adapters' input: x, or its dropout (kept elements scaled by 1/(1-p),
+// as torch.nn.Dropout) in lora_xd_.
+template <typename S>
+const S* LayerMath<S>::lora_input(int ti, const S* x, int64_t n, int64_t in, const LoraDropout& dr) {
+  if (!dr.on || !(d_.lora_dropout > 0)) return x;
+  S* xd = lora_xd_.data();
+  const float p = d_.lora_dropout;
+  const S keep = S(1) / (S(1) - static_cast<S>(p));
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b * in; i < e * in; ++i) xd[i] = lora_keep(dr.seed, ti, i, p) ? x[i] * keep : S(0);
+  });
+  return xd;
+}
+
+// y[n, out] += lora_B(lora_A(dropout(x))) * scaling (PEFT's order: the
+// adapter's product first, then the scaling, then the sum).
+template <typename S>
+void LayerMath<S>::lora_forward(const LayerParams<S>& p, LayerTensor proj, const S* x, S* y, int64_t n,
+                                int64_t in, int64_t out, const LoraDropout& dr) {
+  if (!d_.has(lora_a_of(proj))) return;
+  const int ti = lora_target_index(proj);
+  const int64_t r = d_.lora_rank;
+  const S* xin = lora_input(ti, x, n, in, dr);
+  linear_forward(xin, p[lora_a_of(proj)], lora_xa_.data(), n, in, r);
+  S* t = lora_out_.data();
+  linear_forward(lora_xa_.data(), p[lora_b_of(proj)], t, n, r, out);
+  const S sc = static_cast<S>(d_.lora_scaling);
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b * out; i < e * out; ++i) y[i] += t[i] * sc;
+  });
+}
+
+// The adapters' backward for the projection's output gradient dy[n, out]:
+// their gradients (overwritten; null: frozen) and dx[n, in] += the input
+// gradient through them. Recomputes the adapter's forward (xa = dropout(x) A^T).
+template <typename S>
+void LayerMath<S>::lora_backward(const LayerParams<S>& p, LayerTensor proj, const S* x, const S* dy, S* dx,
+                                 const LayerParamGrads<S>& g, int64_t n, int64_t in, int64_t out,
+                                 const LoraDropout& dr) {
+  if (!d_.has(lora_a_of(proj))) return;
+  const LayerTensor ta = lora_a_of(proj), tb = lora_b_of(proj);
+  const int ti = lora_target_index(proj);
+  const int64_t r = d_.lora_rank;
+  const S* xin = lora_input(ti, x, n, in, dr);
+  S* xa = lora_xa_.data();
+  linear_forward(xin, p[ta], xa, n, in, r);
+  S* dys = lora_out_.data();  // d(lora_B(xa)) = dy * scaling
+  const S sc = static_cast<S>(d_.lora_scaling);
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b * out; i < e * out; ++i) dys[i] = dy[i] * sc;
+  });
+  if (g[tb]) linear_backward_weight(dys, xa, g[tb], n, r, out);
+  S* dxa = lora_dxa_.data();
+  linear_backward_input(dys, p[tb], dxa, n, r, out, false);
+  if (g[ta]) linear_backward_weight(dxa, xin, g[ta], n, in, r);
+  if (xin == x) {
+    linear_backward_input(dxa, p[ta], dx, n, in, r, true);
+    return;
+  }
+  // Through the dropout: the same mask and scale.
+  S* t = lora_xd_.data();
+  linear_backward_input(dxa, p[ta], t, n, in, r, false);
+  const float pd = d_.lora_dropout;
+  const S keep = S(1) / (S(1) - static_cast<S>(pd));
+  for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
+    for (int64_t i = b * in; i < e * in; ++i)
+      if (lora_keep(dr.seed, ti, i, pd)) dx[i] += t[i] * keep;
+  });
 }
 
 template <typename S>
-void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T) {
+void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T, const LoraDropout& dr) {
   const int64_t n = B * T, D = d_.dim, qd = d_.q_dim(), kvd = d_.kv_dim(), F = d_.ffn_dim;
   rmsnorm_forward(x, p[kInputNorm], n1_.data(), rstd1_.data(), n, D, d_.rms_eps);
   linear_forward(n1_.data(), p[kQProj], q_.data(), n, D, qd);
@@ -449,6 +538,9 @@ void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, i
     add_bias(k_.data(), p[kKBias], n, kvd);
     add_bias(v_.data(), p[kVBias], n, kvd);
   }
+  lora_forward(p, kQProj, n1_.data(), q_.data(), n, D, qd, dr);
+  lora_forward(p, kKProj, n1_.data(), k_.data(), n, D, kvd, dr);
+  lora_forward(p, kVProj, n1_.data(), v_.data(), n, D, kvd, dr);
   if (d_.qk_norm) {  // Qwen3: RMSNorm over each head's head_dim, before RoPE
     copy(q_raw_.data(), q_.data(), n * qd);
     copy(k_raw_.data(), k_.data(), n * kvd);
@@ -460,46 +552,59 @@ void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, i
   attention_forward(q_.data(), k_.data(), v_.data(), att_.data(), B, T, d_.heads, d_.kv_heads,
                     d_.head_dim, scratch_);
   linear_forward(att_.data(), p[kOProj], h_.data(), n, qd, D);
+  lora_forward(p, kOProj, att_.data(), h_.data(), n, qd, D, dr);
   add_into(h_.data(), x, n * D);  // h = x + attn
   rmsnorm_forward(h_.data(), p[kPostNorm], n2_.data(), rstd2_.data(), n, D,
                   d_.rms_eps);
   linear_forward(n2_.data(), p[kGateProj], g_.data(), n, D, F);
+  lora_forward(p, kGateProj, n2_.data(), g_.data(), n, D, F, dr);
   linear_forward(n2_.data(), p[kUpProj], u_.data(), n, D, F);
+  lora_forward(p, kUpProj, n2_.data(), u_.data(), n, D, F, dr);
   swiglu_forward(g_.data(), u_.data(), a_.data(), n * F);
 }
 
 template <typename S>
-void LayerMath<S>::forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T) {
-  run_forward(p, x, B, T);
+void LayerMath<S>::forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T, const LoraDropout& dr) {
+  run_forward(p, x, B, T, dr);
   const int64_t n = B * T;
   // x is not read again, so y may be x.
   linear_forward(a_.data(), p[kDownProj], y, n, d_.ffn_dim, d_.dim);
+  lora_forward(p, kDownProj, a_.data(), y, n, d_.ffn_dim, d_.dim, dr);
   add_into(y, h_.data(), n * d_.dim);  // y = h + mlp
 }
 
+// A frozen tensor (null gradient) gets no gradient computed; the input
+// gradient flows through it all the same.
 template <typename S>
 void LayerMath<S>::backward(const LayerParams<S>& p, const S* x, const S* dy, S* dx,
-                            const LayerParamGrads<S>& g, int64_t B, int64_t T) {
-  run_forward(p, x, B, T);
+                            const LayerParamGrads<S>& g, int64_t B, int64_t T, const LoraDropout& dr) {
+  run_forward(p, x, B, T, dr);
   const int64_t n = B * T, D = d_.dim, qd = d_.q_dim(), kvd = d_.kv_dim(), F = d_.ffn_dim;
+  auto weight_grad = [&](LayerTensor t, const S* dyt, const S* xt, int64_t in, int64_t out) {
+    if (g[t]) linear_backward_weight(dyt, xt, g[t], n, in, out);
+  };
   S* dh = dh_.data();
   copy(dh, dy, n * D);  // dy may be dx: read it once, here
   // MLP: y = h + down(a), a = silu(gate(n2)) * up(n2).
   S* da = dbig_.data();
   S* dgate = dbig2_.data();
   linear_backward_input(dh, p[kDownProj], da, n, F, D, false);
-  linear_backward_weight(dh, a_.data(), g[kDownProj], n, F, D);
+  weight_grad(kDownProj, dh, a_.data(), F, D);
+  lora_backward(p, kDownProj, a_.data(), dh, da, g, n, F, D, dr);
   swiglu_backward(g_.data(), u_.data(), da, dgate, /*du=*/da, n * F);
   S* dn = dn_.data();
   linear_backward_input(dgate, p[kGateProj], dn, n, D, F, false);
   linear_backward_input(da, p[kUpProj], dn, n, D, F, true);
-  linear_backward_weight(dgate, n2_.data(), g[kGateProj], n, D, F);
-  linear_backward_weight(da, n2_.data(), g[kUpProj], n, D, F);
+  weight_grad(kGateProj, dgate, n2_.data(), D, F);
+  weight_grad(kUpProj, da, n2_.data(), D, F);
+  lora_backward(p, kGateProj, n2_.data(), dgate, dn, g, n, D, F, dr);
+  lora_backward(p, kUpProj, n2_.data(), da, dn, g, n, D, F, dr);
   rmsnorm_backward(h_.data(), p[kPostNorm], rstd2_.data(), dn, dh,
                    g[kPostNorm], n, D, /*accumulate_dx=*/true);
   // Attention: h = x + o_proj(att).
   linear_backward_input(dh, p[kOProj], datt_.data(), n, qd, D, false);
-  linear_backward_weight(dh, att_.data(), g[kOProj], n, qd, D);
+  weight_grad(kOProj, dh, att_.data(), qd, D);
+  lora_backward(p, kOProj, att_.data(), dh, datt_.data(), g, n, qd, D, dr);
   attention_backward(q_.data(), k_.data(), v_.data(), datt_.data(), dq_.data(), dk_.data(),
                      dv_.data(), B, T, d_.heads, d_.kv_heads, d_.head_dim, scratch_);
   rope_apply(dq_.data(), n, T, d_.heads, d_.head_dim, rope_, true);
@@ -513,16 +618,19 @@ void LayerMath<S>::backward(const LayerParams<S>& p, const S* x, const S* dy, S*
     dk_.swap(dk_raw_);
   }
   if (d_.qkv_bias) {
-    bias_backward(dq_.data(), g[kQBias], n, qd);
-    bias_backward(dk_.data(), g[kKBias], n, kvd);
-    bias_backward(dv_.data(), g[kVBias], n, kvd);
+    if (g[kQBias]) bias_backward(dq_.data(), g[kQBias], n, qd);
+    if (g[kKBias]) bias_backward(dk_.data(), g[kKBias], n, kvd);
+    if (g[kVBias]) bias_backward(dv_.data(), g[kVBias], n, kvd);
   }
   linear_backward_input(dq_.data(), p[kQProj], dn, n, D, qd, false);
   linear_backward_input(dk_.data(), p[kKProj], dn, n, D, kvd, true);
   linear_backward_input(dv_.data(), p[kVProj], dn, n, D, kvd, true);
-  linear_backward_weight(dq_.data(), n1_.data(), g[kQProj], n, D, qd);
-  linear_backward_weight(dk_.data(), n1_.data(), g[kKProj], n, D, kvd);
-  linear_backward_weight(dv_.data(), n1_.data(), g[kVProj], n, D, kvd);
+  weight_grad(kQProj, dq_.data(), n1_.data(), D, qd);
+  weight_grad(kKProj, dk_.data(), n1_.data(), D, kvd);
+  weight_grad(kVProj, dv_.data(), n1_.data(), D, kvd);
+  lora_backward(p, kQProj, n1_.data(), dq_.data(), dn, g, n, D, qd, dr);
+  lora_backward(p, kKProj, n1_.data(), dk_.data(), dn, g, n, D, kvd, dr);
+  lora_backward(p, kVProj, n1_.data(), dv_.data(), dn, g, n, D, kvd, dr);
   copy(dx, dh, n * D);
   rmsnorm_backward(x, p[kInputNorm], rstd1_.data(), dn, dx, g[kInputNorm], n, D,
                    /*accumulate_dx=*/true);
@@ -565,8 +673,8 @@ void HeadMath<S>::run(const S* norm_w, const S* lm_head, const S* x, const int32
                        row_loss_.data() + c0);
     if (!grad) continue;
     linear_backward_input(lg, lm_head, dxn_.data() + c0 * D, rows, D, V, false);
-    // grad_lm_head (+)= dlogits^T xn over the chunks in order.
-    for_blocks(V, kRowBlock, [&](int64_t b, int64_t e) {
+    // grad_lm_head (+)= dlogits^T xn over the chunks in order (null: frozen).
+    if (grad_lm_head) for_blocks(V, kRowBlock, [&](int64_t b, int64_t e) {
       gemm<S>(true, false, e - b, D, rows, lg + b, V, xc, D, grad_lm_head + b * D, D, c0 > 0);
     });
   }

@@ -53,7 +53,8 @@ void linear_backward_weight(const S* dy, const S* x, S* dw, int64_t n, int64_t i
 // ---- RMSNorm: y = w * (x * rstd), rstd = 1/sqrt(mean(x^2) + eps) per row
 template <typename S>
 void rmsnorm_forward(const S* x, const S* w, S* y, S* rstd, int64_t n, int64_t d, double eps);
-// dx (=|+=) d/dx, dw = sum over rows (overwrites). rstd from the forward.
+// dx (=|+=) d/dx, dw = sum over rows (overwrites; null: not computed). rstd
+// from the forward.
 template <typename S>
 void rmsnorm_backward(const S* x, const S* w, const S* rstd, const S* dy, S* dx, S* dw, int64_t n,
                       int64_t d, bool accumulate_dx);
@@ -143,6 +144,12 @@ using LayerParamGrads = LayerArray<S*>;
 
 // Activations and scratch of one layer for up to max_tokens tokens. Not
 // thread-safe: one call at a time.
+// LoRA dropout of one call (LayerWeights::lora_dropout_on / lora_seed).
+struct LoraDropout {
+  bool on = false;
+  uint64_t seed = 0;
+};
+
 template <typename S>
 class LayerMath {
  public:
@@ -150,13 +157,18 @@ class LayerMath {
   // attn_slots: see AttnScratch.
   LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_seq, int attn_slots);
   // y may equal x.
-  void forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T);
-  // dx may equal dy. grads overwritten.
+  void forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T, const LoraDropout& dr = {});
+  // dx may equal dy. grads overwritten; a null grad: frozen, not computed.
   void backward(const LayerParams<S>& p, const S* x, const S* dy, S* dx,
-                const LayerParamGrads<S>& g, int64_t B, int64_t T);
+                const LayerParamGrads<S>& g, int64_t B, int64_t T, const LoraDropout& dr = {});
 
  private:
-  void run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T);
+  void run_forward(const LayerParams<S>& p, const S* x, int64_t B, int64_t T, const LoraDropout& dr);
+  const S* lora_input(int ti, const S* x, int64_t n, int64_t in, const LoraDropout& dr);
+  void lora_forward(const LayerParams<S>& p, LayerTensor proj, const S* x, S* y, int64_t n, int64_t in,
+                    int64_t out, const LoraDropout& dr);
+  void lora_backward(const LayerParams<S>& p, LayerTensor proj, const S* x, const S* dy, S* dx,
+                     const LayerParamGrads<S>& g, int64_t n, int64_t in, int64_t out, const LoraDropout& dr);
   LlamaDims d_;
   int64_t max_tokens_;
   RopeTable<S> rope_;
@@ -167,6 +179,9 @@ class LayerMath {
   std::vector<S> q_raw_, k_raw_, rstd_q_, rstd_k_;
   // Backward scratch.
   std::vector<S> dh_, dbig_, dbig2_, dq_, dk_, dv_, datt_, dn_, dq_raw_, dk_raw_;
+  // LoRA scratch: x A^T [n, r] and its gradient, the adapter's output (or
+  // its scaled gradient) [n, widest], the dropped-out input [n, widest].
+  std::vector<S> lora_xa_, lora_dxa_, lora_out_, lora_xd_;
 };
 
 // The final norm, logits and cross-entropy, chunked over tokens so that only
@@ -178,7 +193,7 @@ class HeadMath {
   // chunk_rows > 0 overrides the chunk size (tests exercise several chunks).
   HeadMath(const LlamaDims& dims, int64_t max_tokens, int64_t chunk_rows = 0);
   // Any of loss / dx / grads may be skipped: dx == nullptr means forward
-  // only (grads ignored). dloss: see ModelOps::head_forward_backward.
+  // only (grads ignored); a null grad with dx given: that tensor is frozen. dloss: see ModelOps::head_forward_backward.
   void run(const S* norm_w, const S* lm_head, const S* x, const int32_t* targets,
            const uint8_t* mask, int64_t n, S dloss, LossStats* loss, S* dx, S* grad_norm,
            S* grad_lm_head);

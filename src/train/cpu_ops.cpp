@@ -5,6 +5,7 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <cmath>
 #include <new>
 #include <optional>
 #include <utility>
@@ -26,13 +27,20 @@ Status LlamaDims::validate() const {
   if (!(rms_eps > 0)) return bad("rms_eps must be > 0");
   if (!(rope_theta > 0)) return bad("rope_theta must be > 0");
   if (vocab > INT32_MAX) return bad("vocab must fit int32 token ids");
+  if (lora_targets & ~kAllLoraTargets) return bad("unknown LoRA target bits");
+  if (lora_targets != 0 && lora_rank <= 0) return bad("LoRA targets need a positive rank");
+  if (lora_targets != 0 && !(lora_dropout >= 0.0f && lora_dropout < 1.0f)) return bad("LoRA dropout must be in [0, 1)");
+  if (lora_targets != 0 && !std::isfinite(lora_scaling)) return bad("LoRA scaling must be finite");
   return Status::ok_status();
 }
 
 std::string LlamaDims::to_string() const {
   return fmt::format(
-      "dim={} heads={} kv_heads={} head_dim={} ffn_dim={} vocab={} rms_eps={} rope_theta={} tied={}",
-      dim, heads, kv_heads, head_dim, ffn_dim, vocab, rms_eps, rope_theta, tied);
+      "dim={} heads={} kv_heads={} head_dim={} ffn_dim={} vocab={} rms_eps={} rope_theta={} tied={}{}",
+      dim, heads, kv_heads, head_dim, ffn_dim, vocab, rms_eps, rope_theta, tied,
+      lora_targets ? fmt::format(" lora_rank={} lora_targets={:#x} lora_scaling={} lora_dropout={}", lora_rank,
+                                 lora_targets, lora_scaling, lora_dropout)
+                   : std::string());
 }
 
 const char* cpu_ops_gemm_isa() { return cpu::gemm_isa(); }
@@ -118,8 +126,8 @@ class CpuOps final : public ModelOps {
     STRATA_RETURN_IF_ERROR(check_shape("layer_forward", B, T));
     STRATA_RETURN_IF_ERROR(check_layer("layer_forward", w));
     if (!x_in || !x_out) return null_arg("layer_forward");
-    STRATA_RETURN_IF_ERROR(ensure_conv(w.dtype));
-    run([&] { layer_->forward(layer_params(w), x_in, x_out, B, T); });
+    STRATA_RETURN_IF_ERROR(ensure_conv(w));
+    run([&] { layer_->forward(layer_params(w), x_in, x_out, B, T, dropout(w)); });
     return Status::ok_status();
   }
 
@@ -127,9 +135,10 @@ class CpuOps final : public ModelOps {
                         const float* dy, float* dx, const LayerGrads& g) override {
     STRATA_RETURN_IF_ERROR(check_shape("layer_backward", B, T));
     STRATA_RETURN_IF_ERROR(check_layer("layer_backward", w));
-    if (!x_in || !dy || !dx || any_null(g, dims_)) return null_arg("layer_backward");
-    STRATA_RETURN_IF_ERROR(ensure_conv(w.dtype));
-    run([&] { layer_->backward(layer_params(w), x_in, dy, dx, g, B, T); });
+    // A null gradient is a frozen tensor's (model_ops.h).
+    if (!x_in || !dy || !dx) return null_arg("layer_backward");
+    STRATA_RETURN_IF_ERROR(ensure_conv(w));
+    run([&] { layer_->backward(layer_params(w), x_in, dy, dx, g, B, T, dropout(w)); });
     return Status::ok_status();
   }
 
@@ -137,7 +146,7 @@ class CpuOps final : public ModelOps {
                                const uint8_t* mask, int64_t B, int64_t T, float dloss,
                                LossStats* loss, float* dx, const HeadGrads& g) override {
     STRATA_RETURN_IF_ERROR(check_head("head_forward_backward", w, x, B, T));
-    if (!targets || !loss || !dx || !g.norm || !g.lm_head) return null_arg("head_forward_backward");
+    if (!targets || !loss || !dx) return null_arg("head_forward_backward");  // null grads: frozen
     if (dx == x) return bad_arg("head_forward_backward: dx must not alias x");
     STRATA_RETURN_IF_ERROR(check_tokens("head_forward_backward", "target", targets, B * T, true));
     STRATA_RETURN_IF_ERROR(ensure_conv(w.dtype));
@@ -201,6 +210,7 @@ class CpuOps final : public ModelOps {
   }
   Status check_layer(const char* op, const LayerWeights& w) const {
     STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
+    if (dims_.lora_targets) STRATA_RETURN_IF_ERROR(check_dtype(op, w.lora_dtype));
     if (any_null(w.ptr, dims_))
       return bad_arg(fmt::format("{}: a layer weight pointer is null", op));
     return Status::ok_status();
@@ -225,6 +235,9 @@ class CpuOps final : public ModelOps {
   }
 
   // The conversion buffer, allocated once, by the first non-fp32 call.
+  Status ensure_conv(const LayerWeights& w) {
+    return ensure_conv(dims_.lora_targets && w.lora_dtype != DType::kF32 ? w.lora_dtype : w.dtype);
+  }
   Status ensure_conv(DType d) {
     if (d == DType::kF32 || !conv_.empty()) return Status::ok_status();
     const int64_t need = std::max(dims_.layer_params(), dims_.numel(kLmHead) + dims_.numel(kFinalNorm));
@@ -260,9 +273,13 @@ class CpuOps final : public ModelOps {
   cpu::LayerParams<float> layer_params(const LayerWeights& w) {
     int64_t c = 0;
     cpu::LayerParams<float> p;
-    for (LayerTensor t : kAllLayerTensors) p[t] = dims_.has(t) ? as_f32(w[t], w.dtype, dims_.numel(t), &c) : nullptr;
+    for (LayerTensor t : kAllLayerTensors) {
+      const DType d = weight_row(t).feature == Feature::kLora ? w.lora_dtype : w.dtype;
+      p[t] = dims_.has(t) ? as_f32(w[t], d, dims_.numel(t), &c) : nullptr;
+    }
     return p;
   }
+  cpu::LoraDropout dropout(const LayerWeights& w) const { return {w.lora_dropout_on, w.lora_seed}; }
 
   std::pair<const float*, const float*> head_params(const HeadWeights& w) {
     int64_t c = 0;

@@ -125,6 +125,10 @@ Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
                   fmt::format("CUDA train ops: {} are not implemented on the GPU yet (the CPU ops have them: "
                               "--device cpu)",
                               o.dims.qkv_bias ? "Qwen2's q/k/v biases" : "Qwen3's per-head q/k norms"));
+  if (o.dims.lora_targets)
+    return Status(StatusCode::kUnavailable,
+                  "CUDA train ops: LoRA adapters are not implemented on the GPU yet (the CPU ops have them: "
+                  "--device cpu)");
   if (o.max_batch < 1 || o.max_seq < 1 || o.max_batch > INT_MAX / o.max_seq)
     return bad_arg(fmt::format("CUDA train ops: max_batch {} and max_seq {} must be >= 1 with a product < 2^31",
                                o.max_batch, o.max_seq));

@@ -117,16 +117,17 @@ struct LlamaDims {
   int64_t q_dim() const { return heads * head_dim; }
   int64_t kv_dim() const { return kv_heads * head_dim; }
   // The sizes the weight table's shapes are made of.
-  LlamaExtents extents() const { return {dim, q_dim(), kv_dim(), ffn_dim, vocab, head_dim}; }
-  // Whether this model has tensor t (its architecture's features).
-  bool has(LayerTensor t) const {
-    switch (weight_row(t).feature) {
-      case Feature::kAlways: return true;
-      case Feature::kQkvBias: return qkv_bias;
-      case Feature::kQkNorm: return qk_norm;
-    }
-    return false;
-  }
+  LlamaExtents extents() const { return {dim, q_dim(), kv_dim(), ffn_dim, vocab, head_dim, lora_rank}; }
+  // LoRA (PEFT): the adapted projections (a bit per kLoraTargets entry; 0:
+  // no LoRA), the rank, scaling (lora_alpha / r, or / sqrt(r) with rsLoRA)
+  // and the dropout probability on the adapters' input.
+  uint32_t lora_targets = 0;
+  int64_t lora_rank = 0;
+  float lora_scaling = 0.0f;
+  float lora_dropout = 0.0f;
+
+  // Whether this model has tensor t (its architecture's features, the LoRA targets).
+  bool has(LayerTensor t) const { return layer_has(t, qkv_bias, qk_norm, lora_targets); }
   // Elements of one tensor (0 for a tensor this model does not have).
   int64_t numel(LayerTensor t) const { return has(t) ? weight_row(t).numel(extents()) : 0; }
   int64_t numel(ModelTensor t) const { return weight_row(t).numel(extents()); }
@@ -137,7 +138,8 @@ struct LlamaDims {
     return n;
   }
   // kInvalidArgument naming the offending field (non-positive sizes, heads
-  // not a multiple of kv_heads, odd head_dim, eps <= 0, theta <= 0).
+  // not a multiple of kv_heads, odd head_dim, eps <= 0, theta <= 0, LoRA
+  // targets without a positive rank, dropout outside [0, 1)).
   Status validate() const;
   std::string to_string() const;  // "dim=256 heads=8 kv_heads=4 ..."
 };
@@ -147,12 +149,22 @@ struct LlamaDims {
 // w[kQProj] is [heads*head_dim, dim] (shapes: the weight table).
 struct LayerWeights {
   DType dtype = DType::kF32;
+  // The LoRA adapters' dtype (PEFT keeps them in fp32 beside a bf16/fp16 base).
+  DType lora_dtype = DType::kF32;
+  // LoRA dropout (dims.lora_dropout > 0): on for training calls, with the
+  // seed of this layer in this micro-batch; the forward and the backward of
+  // one micro-batch must pass the same seed (the backward recomputes the
+  // forward and must draw the same mask). Off: evaluation (no dropout).
+  bool lora_dropout_on = false;
+  uint64_t lora_seed = 0;
   LayerArray<const void*> ptr;
   const void*& operator[](LayerTensor t) { return ptr[t]; }
   const void* operator[](LayerTensor t) const { return ptr[t]; }
 };
 
-// The same parameters' gradients: fp32, caller-owned, overwritten.
+// The same parameters' gradients: fp32, caller-owned, overwritten. A null
+// pointer for a tensor the model has means the tensor is frozen (a LoRA
+// base): its gradient is not computed (the input gradient through it is).
 using LayerGrads = LayerArray<float*>;
 
 // The tensors outside the layers (kEmbedTokens, kFinalNorm, kLmHead in the
@@ -171,6 +183,7 @@ struct HeadWeights {
   const void* lm_head = nullptr;  // [vocab, dim]
 };
 
+// Null: that tensor is frozen, its gradient not computed.
 struct HeadGrads {
   float* norm = nullptr;     // [dim]
   float* lm_head = nullptr;  // [vocab, dim]

@@ -247,6 +247,44 @@ TEST(LlamaConfig, TensorNamesAndShapesMatchHuggingFace) {
 // The weight table (model/llama_weights.h), which the ops and the trainer
 // index by, names and shapes every tensor exactly as llama_model_spec lists
 // them (the runtime spells its own list; this keeps the two one).
+// LoRA adapters: PEFT's names and shapes (spelled out here, not taken from
+// the table), after each layer's model tensors, only for the targets given.
+TEST(LlamaConfig, LoraAdaptersInTheModelSpecArePeftsNamesAndShapes) {
+  LlamaConfig c = small_gqa_config(2);
+  LlamaShape s = c.shape();
+  s.lora_rank = 4;
+  s.lora_targets = (1u << lora_target_index(kQProj)) | (1u << lora_target_index(kVProj)) |
+                   (1u << lora_target_index(kDownProj));
+  auto spec = llama_model_spec(s);
+  ASSERT_TRUE(spec.ok()) << spec.status().to_string();
+  std::vector<std::pair<std::string, std::vector<uint64_t>>> lora;
+  for (const ParamSpec& p : spec->params)
+    if (p.name.find("lora_") != std::string::npos) {
+      lora.push_back({p.name, p.shape});
+      EXPECT_EQ(p.compute_dtype, DType::kF32) << p.name;
+    }
+  const std::vector<std::pair<std::string, std::vector<uint64_t>>> want = {
+      {"model.layers.0.self_attn.q_proj.lora_A.weight", {4, 64}},
+      {"model.layers.0.self_attn.q_proj.lora_B.weight", {64, 4}},
+      {"model.layers.0.self_attn.v_proj.lora_A.weight", {4, 64}},
+      {"model.layers.0.self_attn.v_proj.lora_B.weight", {16, 4}},
+      {"model.layers.0.mlp.down_proj.lora_A.weight", {4, 160}},
+      {"model.layers.0.mlp.down_proj.lora_B.weight", {64, 4}},
+      {"model.layers.1.self_attn.q_proj.lora_A.weight", {4, 64}},
+      {"model.layers.1.self_attn.q_proj.lora_B.weight", {64, 4}},
+      {"model.layers.1.self_attn.v_proj.lora_A.weight", {4, 64}},
+      {"model.layers.1.self_attn.v_proj.lora_B.weight", {16, 4}},
+      {"model.layers.1.mlp.down_proj.lora_A.weight", {4, 160}},
+      {"model.layers.1.mlp.down_proj.lora_B.weight", {64, 4}},
+  };
+  EXPECT_EQ(lora, want);
+  for (LayerTensor t : kLoraTargets) EXPECT_EQ(std::string(lora_module_name(t)).size() > 0, true);
+  EXPECT_EQ(lora_module_name(kGateProj), "gate_proj");
+  EXPECT_EQ(lora_module_name(kOProj), "o_proj");
+  s.lora_rank = 0;
+  EXPECT_FALSE(llama_model_spec(s).ok());  // targets without a rank
+}
+
 TEST(LlamaConfig, WeightTableMatchesTheModelSpec) {
   for (ModelArch arch : {ModelArch::kLlama, ModelArch::kMistral, ModelArch::kQwen2, ModelArch::kQwen3})
   for (bool tied : {false, true}) {
@@ -263,7 +301,8 @@ TEST(LlamaConfig, WeightTableMatchesTheModelSpec) {
     for (uint32_t l = 0; l < c.num_hidden_layers; ++l)
       for (LayerTensor t : kAllLayerTensors) {
         const Feature f = weight_row(t).feature;
-        if ((f == Feature::kQkvBias && arch != ModelArch::kQwen2) || (f == Feature::kQkNorm && arch != ModelArch::kQwen3))
+        if ((f == Feature::kQkvBias && arch != ModelArch::kQwen2) || (f == Feature::kQkNorm && arch != ModelArch::kQwen3) ||
+            f == Feature::kLora)
           continue;
         want.push_back({layer_weight_name(l, t), weight_row(t).shape(x)});
       }

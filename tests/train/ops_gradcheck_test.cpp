@@ -253,6 +253,64 @@ TEST(OpsGradCheck, WholeLayerWithBiasesQkNormsAndAnExplicitHeadDim) {
   }
 }
 
+// LoRA adapters on all seven projections (random A and B, so every path
+// matters), with and without dropout (a fixed seed: the same mask in the
+// forward and the backward's recomputation), the base frozen (null
+// gradients: not computed, buffers untouched) or trained.
+TEST(OpsGradCheck, WholeLayerWithLoraAdapters) {
+  for (int variant = 0; variant < 3; ++variant) {
+    SCOPED_TRACE(variant == 0 ? "lora, base trained" : variant == 1 ? "lora, base frozen" : "lora + dropout, base frozen, qwen2");
+    std::mt19937_64 rng(31 + variant);
+    LlamaDims dims = tiny_dims();
+    dims.lora_targets = kAllLoraTargets;
+    dims.lora_rank = 3;
+    dims.lora_scaling = 1.7f;
+    if (variant == 2) {
+      dims.lora_dropout = 0.3f;
+      dims.qkv_bias = true;
+    }
+    const cpu::LoraDropout dr{variant == 2, 0x5eed};
+    const int64_t B = 2, T = 5, n = B * T;
+    cpu::LayerMath<double> layer(dims, n, T, slots());
+    LayerBlob<double> w, gw;
+    w.init(rng, dims, 0.3);
+    V x = random_vec<double>(rng, n * dims.dim), r = random_vec<double>(rng, n * dims.dim), y(n * dims.dim);
+    auto f = [&] {
+      layer.forward(w.params(), x.data(), y.data(), B, T, dr);
+      return dot(r, y);
+    };
+    gw.zeros_like(w);
+    cpu::LayerParamGrads<double> g = gw.grads();
+    const bool frozen = variant > 0;
+    if (frozen)
+      for (LayerTensor t : kAllLayerTensors)
+        if (weight_row(t).feature != Feature::kLora) g[t] = nullptr;
+    V dx(n * dims.dim);
+    layer.backward(w.params(), x.data(), r.data(), dx.data(), g, B, T, dr);
+    STRATA_CHECK_GRAD("layer dx", x, dx, f);
+    int adapters = 0;
+    for (LayerTensor t : kAllLayerTensors) {
+      if (!dims.has(t)) continue;
+      if (weight_row(t).feature == Feature::kLora) ++adapters;
+      if (frozen && weight_row(t).feature != Feature::kLora) {
+        for (double v : gw[t]) ASSERT_EQ(v, 0.0) << testing::label(t) << ": a frozen tensor's buffer was written";
+        continue;
+      }
+      STRATA_CHECK_GRAD("layer d" + testing::label(t), w[t], gw[t], f);
+    }
+    EXPECT_EQ(adapters, 14);
+    if (variant == 2) {  // dropout changes the output; off (evaluation) it is the plain adapter
+      V y_drop(n * dims.dim), y_eval(n * dims.dim);
+      layer.forward(w.params(), x.data(), y_drop.data(), B, T, dr);
+      layer.forward(w.params(), x.data(), y_eval.data(), B, T, {});
+      EXPECT_NE(y_drop, y_eval);
+      V y_other(n * dims.dim);
+      layer.forward(w.params(), x.data(), y_other.data(), B, T, {true, 0x5eed + 1});
+      EXPECT_NE(y_drop, y_other);
+    }
+  }
+}
+
 TEST(OpsGradCheck, WholeLayer) {
   std::mt19937_64 rng(8);
   const LlamaDims dims = tiny_dims();
