@@ -195,7 +195,11 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     const ShardRange sr = shard_range(n, ws, model.rank, opt.shard_alignment);
     g.numel += n;
     g.shard_numel += sr.padded;
-    if (p.trainable) g.trainable_shard_numel += sr.padded;
+    if (p.trainable) {
+      g.trainable_shard_numel += sr.padded;
+      g.trainable_compute_bytes += sr.padded * dtype_size(p.compute_dtype);
+      g.max_trainable_shard = std::max(g.max_trainable_shard, sr.padded);
+    }
     g.bytes[kc(StateKind::kCompute)] += sr.padded * dtype_size(p.compute_dtype);
     g.gathered_compute_bytes += sr.padded * ws * dtype_size(p.compute_dtype);
   }
@@ -338,8 +342,10 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
       if (!g.forced[kc(k)] && g.tier[kc(k)] == Tier::kAuto) auto_rest += g.bytes[kc(k)];
       if (g.forced[kc(k)] && g.tier[kc(k)] == Tier::kNvme) forced_nvme = true;
     }
+  // The optimizer step touches trainable parameters only (frozen ones have
+  // no master, states or gradients and are never written).
   uint64_t max_shard = 0;
-  for (const auto& g : plan.groups) max_shard = std::max(max_shard, g.shard_numel);
+  for (const auto& g : plan.groups) max_shard = std::max(max_shard, g.trainable_shard_numel);
   if (!forced_nvme && auto_rest <= host_free) {
     for (auto& g : plan.groups)
       for (StateKind k : kKinds)
@@ -367,16 +373,16 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   // ---- the optimizer ring, as placed
   uint64_t ring_elem = 0, ring_chunk = 0;
   for (const auto& g : plan.groups) {
-    if (g.tier[kc(StateKind::kMaster)] == Tier::kDevice) continue;
+    if (g.tier[kc(StateKind::kMaster)] == Tier::kDevice || g.trainable_shard_numel == 0) continue;
     uint64_t per = 0;
     if (g.tier[kc(StateKind::kMaster)] == Tier::kNvme) per += 4;
     if (g.tier[kc(StateKind::kOptimizer)] == Tier::kNvme) per += state_elem_bytes;
     if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) per += 4;
-    if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme && g.shard_numel > 0)
-      per += (g.bytes[kc(StateKind::kCompute)] + g.shard_numel - 1) / g.shard_numel;
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme)
+      per += (g.trainable_compute_bytes + g.trainable_shard_numel - 1) / g.trainable_shard_numel;
     if (per == 0) continue;
     ring_elem = std::max(ring_elem, per);
-    ring_chunk = std::max(ring_chunk, std::min(opt.optimizer_chunk, g.shard_numel));
+    ring_chunk = std::max(ring_chunk, std::min(opt.optimizer_chunk, g.trainable_shard_numel));
   }
   plan.optimizer_chunk_bytes = ring_chunk * ring_elem;
   plan.optimizer_ring = uint64_t{opt.optimizer_ring_buffers} * plan.optimizer_chunk_bytes;

@@ -66,6 +66,8 @@ struct GroupPlan {
   uint64_t numel = 0;                   // elements of the whole group (all ranks)
   uint64_t shard_numel = 0;             // this rank's padded shard elements (sum over params)
   uint64_t trainable_shard_numel = 0;   // of them, trainable (frozen params have no master/states/grads)
+  uint64_t trainable_compute_bytes = 0; // the trainable ones' compute copies (what an optimizer step writes)
+  uint64_t max_trainable_shard = 0;     // the largest trainable parameter's padded shard
   uint64_t gathered_compute_bytes = 0;  // the full group in compute dtype, as the GPU needs it
   std::array<Tier, kNumStateKinds> tier{};
   std::array<uint64_t, kNumStateKinds> bytes{};  // this rank's bytes of each kind

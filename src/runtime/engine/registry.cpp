@@ -273,8 +273,9 @@ Status Registry::allocate_arrays() {
 
 uint64_t Registry::max_shard_elems() const {
   uint64_t m = 0;
-  for (const auto& p : params) m = std::max(m, p.shard.padded);
-  return m;
+  for (const auto& p : params)
+    if (p.trainable) m = std::max(m, p.shard.padded);  // frozen parameters never pass through the optimizer
+  return std::max<uint64_t>(m, 1);
 }
 
 // Pinned pool: upload staging, download pieces, accumulation scratch, optimizer ring.

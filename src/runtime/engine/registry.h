@@ -135,7 +135,8 @@ struct Registry {
   Status allocate_arrays();
   // Checks `needs` against the pinned budget and creates the pool.
   Status create_pinned_pool(const PinnedNeeds& needs);
-  // Largest padded shard of any parameter (elements).
+  // The largest trainable parameter's padded shard (at least 1): what the
+  // optimizer ring and the gradient pieces are sized by.
   uint64_t max_shard_elems() const;
 
   // ---- array helpers (driving thread, engine idle)
