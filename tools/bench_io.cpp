@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "commands.h"
 #include "common/log.h"
 #include "common/units.h"
@@ -403,6 +404,23 @@ void run_bench_io(const BenchIoOptions& o) {
 }
 
 }  // namespace
+
+Result<IoCeiling> measure_read_ceiling(const std::string& dir, std::uint64_t bytes) {
+  BenchIoOptions o;
+  o.dir = dir;
+  o.json = true;  // quiet
+  const std::uint64_t block = 1ull << 20, request = 8ull << 20;
+  std::vector<BenchResult> res;
+  auto st = bench_backend(o, "uring", bytes, block, request, &res);
+  if (st.code() == StatusCode::kUnavailable) {
+    res.clear();
+    st = bench_backend(o, "aio", bytes, block, request, &res);
+  }
+  STRATA_RETURN_IF_ERROR(st);
+  IoCeiling c;
+  for (const BenchResult& r : res) (r.op == "read" ? c.read_gbps : c.write_gbps) = r.gbps();
+  return c;
+}
 
 void register_bench_io(CLI::App& bench) {
   auto o = std::make_shared<BenchIoOptions>();

@@ -26,6 +26,9 @@ void register_bench_adam(CLI::App& bench);
 // `strata bench step ...` (tools/bench_step.cpp): the pipelined optimizer step over NVMe
 void register_bench_step(CLI::App& bench);
 
+// `strata bench lora ...` (tools/bench_lora.cpp): LoRA with the base on NVMe vs in RAM
+void register_bench_lora(CLI::App& bench);
+
 // `strata bench copy ...` (tools/bench_copy.cpp): host<->device bandwidth
 void register_bench_copy(CLI::App& bench);
 

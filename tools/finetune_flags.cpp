@@ -70,6 +70,20 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
                 "Weight decay on every parameter (default: Hugging Face's convention: none on biases and norm weights)");
   f->o_fp16 = cmd->add_flag("--fp16", f->fp16, "fp16 compute copies with dynamic loss scaling (default: fp32)");
   f->o_bf16 = cmd->add_flag("--bf16", f->bf16, "bf16 compute copies (default: fp32)");
+  f->o_lora_rank = cmd->add_option("--lora-rank", f->lora_rank,
+                                   "LoRA: freeze the model and train rank-R adapters (PEFT's LoRA; 0: full fine-tuning)");
+  f->o_lora_alpha =
+      cmd->add_option("--lora-alpha", f->lora_alpha, "LoRA alpha (scaling alpha / R)")->capture_default_str();
+  f->o_lora_dropout = cmd->add_option("--lora-dropout", f->lora_dropout, "LoRA dropout on the adapters' input")
+                          ->capture_default_str();
+  f->o_lora_targets = cmd->add_option("--lora-targets", f->lora_targets,
+                                      "Adapted modules: q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj or "
+                                      "all-linear (default: q_proj,v_proj, as PEFT)");
+  f->o_lora_rslora = cmd->add_flag("--lora-rslora", f->lora_rslora, "rsLoRA scaling: alpha / sqrt(R)");
+  cmd->add_option("--lora-adapter", f->lora_adapter,
+                  "Start from this PEFT adapter directory (its adapter_config.json sets rank, alpha, dropout, targets)");
+  cmd->add_flag("--lora-merge", f->lora_merge,
+                "Also export the model with the adapters merged into OUT/model (the adapter goes to OUT/adapter)");
   cmd->add_option("--save-every", f->save_every, "Save OUT/checkpoint-<step> every N steps (0: never)")
       ->capture_default_str();
   cmd->add_option("--keep", f->keep, "Checkpoints kept (the newest; 0: all)")->capture_default_str();
@@ -175,6 +189,33 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   if (f.steps > 0) STRATA_RETURN_IF_ERROR(train::validate_schedule(o->schedule).with_context("--lr/--min-lr/--warmup"));
   o->steps = f.steps;
   o->weight_decay_all = f.weight_decay_all;
+  if (!f.lora_adapter.empty()) {
+    for (CLI::Option* opt : {f.o_lora_rank, f.o_lora_alpha, f.o_lora_dropout, f.o_lora_targets, f.o_lora_rslora})
+      if (opt->count())
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{} and --lora-adapter: the adapter's adapter_config.json sets the LoRA settings; "
+                                  "drop {}",
+                                  opt->get_name(), opt->get_name()));
+    o->lora.adapter_dir = f.lora_adapter;
+  } else if (f.lora_rank > 0) {
+    o->lora.rank = f.lora_rank;
+    o->lora.alpha = f.lora_alpha;
+    o->lora.dropout = f.lora_dropout;
+    o->lora.rslora = f.lora_rslora;
+    if (!f.lora_targets.empty()) {
+      auto t = train::parse_lora_targets(f.lora_targets);
+      if (!t.ok()) return t.status().with_context("--lora-targets");
+      o->lora.targets = *t;
+    }
+    if (!(f.lora_dropout >= 0 && f.lora_dropout < 1))
+      return Status(StatusCode::kInvalidArgument, fmt::format("--lora-dropout {} is outside [0, 1)", f.lora_dropout));
+  } else {
+    for (CLI::Option* opt : {f.o_lora_alpha, f.o_lora_dropout, f.o_lora_targets, f.o_lora_rslora})
+      if (opt->count())
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{} needs LoRA: give --lora-rank R (or --lora-adapter DIR)", opt->get_name()));
+  }
+  o->lora.merge = f.lora_merge;
   if (f.batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
   if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
   // Counts a user may mistype: refused by name before any expensive work.

@@ -51,6 +51,13 @@ struct FinetuneFlags {
   int64_t max_skipped_steps = 20;
   std::string device_mem, host_mem, device = "auto";
   int threads = 0;
+  // LoRA
+  uint32_t lora_rank = 0;
+  double lora_alpha = 8.0, lora_dropout = 0.0;
+  std::string lora_targets, lora_adapter;
+  bool lora_rslora = false, lora_merge = false;
+  CLI::Option *o_lora_alpha = nullptr, *o_lora_dropout = nullptr, *o_lora_targets = nullptr, *o_lora_rank = nullptr,
+              *o_lora_rslora = nullptr;
   CLI::Option *o_grad_accum = nullptr, *o_clip = nullptr, *o_wd = nullptr, *o_lr = nullptr, *o_fp16 = nullptr,
               *o_bf16 = nullptr, *o_offp = nullptr, *o_offo = nullptr;
 };

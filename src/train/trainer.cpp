@@ -47,6 +47,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) 
 // its pool, and the weights need the engine.
 Status Trainer::Impl::setup() {
   STRATA_RETURN_IF_ERROR(check_options());
+  STRATA_RETURN_IF_ERROR(resolve_lora());
   STRATA_RETURN_IF_ERROR(open_model());
   STRATA_RETURN_IF_ERROR(open_data());
   STRATA_RETURN_IF_ERROR(check_output_dirs());
@@ -104,6 +105,15 @@ Status Trainer::Impl::open_model() {
   dims.tied = mc.tie_word_embeddings;
   dims.qkv_bias = mc.arch == model::ModelArch::kQwen2;
   dims.qk_norm = mc.arch == model::ModelArch::kQwen3;
+  if (opt.lora.enabled()) {
+    dims.lora_targets = opt.lora.targets;
+    dims.lora_rank = opt.lora.rank;
+    dims.lora_scaling = opt.lora.scaling();
+    dims.lora_dropout = static_cast<float>(opt.lora.dropout);
+    log_info("LoRA: rank {}, alpha {}{}, dropout {}, targets {}; the base model is frozen", opt.lora.rank,
+             opt.lora.alpha, opt.lora.rslora ? " (rsLoRA)" : "", opt.lora.dropout,
+             fmt::join(lora_target_names(opt.lora.targets), ","));
+  }
   if (mc.rope.type != model::RopeType::kDefault)
     log_info("RoPE: {}", model::rope_describe(mc.rope));
   if (mc.attention_dropout > 0)
@@ -183,12 +193,21 @@ Result<EngineOptions> Trainer::Impl::engine_options() {
   compute_dtype = opt.config.compute_dtype();
   LlamaShape shape = model.config.shape();
   shape.dtype = compute_dtype;
+  if (opt.lora.enabled()) {
+    shape.lora_targets = opt.lora.targets;
+    shape.lora_rank = opt.lora.rank;
+    shape.lora_dtype = DType::kF32;  // PEFT keeps adapters in fp32 beside a bf16/fp16 base
+  }
   EngineOptions eo;
   eo.config = opt.config;
   auto spec = llama_model_spec(shape);
   if (!spec.ok()) return spec.status().with_context("model " + opt.model_dir);
   eo.model = std::move(spec).value();
-  for (ParamSpec& p : eo.model.params) p.weight_decay = opt.weight_decay_all || !hf_no_decay(p.name);
+  for (ParamSpec& p : eo.model.params) {
+    p.weight_decay = opt.weight_decay_all || !hf_no_decay(p.name);
+    // LoRA: everything but the adapters is frozen (PEFT's default).
+    if (opt.lora.enabled()) p.trainable = p.name.find(".lora_") != std::string::npos;
+  }
   return eo;
 }
 
@@ -207,7 +226,8 @@ DeviceSizes Trainer::Impl::device_sizes(const ModelSpec& spec) {
     if (ps.name == weight_row(kEmbedTokens).name) embed_numel = ps.numel();
   }
   grad_buf_elems = largest;
-  z.reserve_base = (largest + (dims.tied ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
+  const bool embed_trains = !opt.lora.enabled();
+  z.reserve_base = (largest + (dims.tied && embed_trains ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
   tokens_per_micro = static_cast<int64_t>(opt.batch) * seq;
   const uint64_t act = static_cast<uint64_t>(tokens_per_micro) * static_cast<uint64_t>(dims.dim) * sizeof(float);
   const uint64_t tok = static_cast<uint64_t>(tokens_per_micro) * sizeof(int32_t);
@@ -247,6 +267,7 @@ Status Trainer::Impl::find_params() {
     }
     layer_param_ids.push_back(ids);
   }
+  for (const ParamSpec& ps : engine->model().params) trainable.push_back(ps.trainable);
   return {};
 }
 
@@ -263,7 +284,7 @@ Status Trainer::Impl::alloc_buffers() {
     return dev.fill_zero_async(a.value(), bytes, stream);
   };
   STRATA_RETURN_IF_ERROR(alloc(grad_buf_elems * sizeof(float), "gradient buffer", &grad_buf));
-  if (dims.tied)
+  if (dims.tied && trainable[embed_param])
     STRATA_RETURN_IF_ERROR(
         alloc(spec.params[embed_param].numel() * sizeof(float), "tied embedding gradient buffer", &tied_grad));
   STRATA_RETURN_IF_ERROR(alloc(act * (layer_groups.size() + 1) * sizeof(float), "activation buffers", &acts));
@@ -386,8 +407,32 @@ Status Trainer::Impl::load_weights() {
   STRATA_ASSIGN_OR_RETURN(auto reader, model::TensorReader::create());
   const ModelSpec& spec = engine->model();
   std::vector<float> buf;
+  // LoRA: the adapter file's tensors (checked against the adapters this run
+  // has: none missing, none left over), or PEFT's initialisation.
+  std::vector<model::TensorInfo> adapter;
+  if (!opt.lora.adapter_dir.empty()) {
+    const std::string path = opt.lora.adapter_dir + "/adapter_model.safetensors";
+    auto h = model::read_safetensors_header(path);
+    if (!h.ok()) return h.status().with_context("LoRA adapter " + opt.lora.adapter_dir);
+    adapter = std::move(h->tensors);
+    std::set<std::string> want;
+    for (const ParamSpec& ps : spec.params)
+      if (ps.trainable) want.insert(peft_tensor_name(ps.name));
+    for (const model::TensorInfo& t : adapter)
+      if (!want.count(t.name))
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("LoRA adapter {}: tensor {} is not an adapter of this model and these targets "
+                                  "(adapter_config.json: {}); refused rather than ignored",
+                                  path, clip_for_message(t.name), fmt::join(lora_target_names(opt.lora.targets), ",")));
+  }
+  std::mt19937_64 rng(opt.data.seed ^ 0x10a4a11ce5ull);
   for (ParamId p = 0; p < spec.params.size(); ++p) {
     const ParamSpec& ps = spec.params[p];
+    if (opt.lora.enabled() && ps.trainable) {
+      STRATA_RETURN_IF_ERROR(lora_initial(ps, adapter, *reader, rng, &buf));
+      STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
+      continue;
+    }
     const model::TensorInfo* t = model.find(ps.name);
     if (!t)
       return Status(StatusCode::kNotFound, "model " + opt.model_dir + ": tensor " + ps.name + " is missing");
@@ -403,6 +448,50 @@ Status Trainer::Impl::load_weights() {
                                 opt.model_dir, ps.name, *bad, bad - buf.begin(), buf.size()));
     STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
   }
+  return {};
+}
+
+// LoRA settings: the adapter directory's config, or the flags with PEFT's
+// default targets.
+Status Trainer::Impl::resolve_lora() {
+  LoraOptions& l = opt.lora;
+  if (!l.adapter_dir.empty()) STRATA_RETURN_IF_ERROR(read_peft_adapter_config(l.adapter_dir, &l));
+  if (!l.enabled()) {
+    if (l.merge) return Status(StatusCode::kInvalidArgument, "--lora-merge needs LoRA (--lora-rank or --lora-adapter)");
+    return {};
+  }
+  if (l.targets == 0) l.targets = (1u << lora_target_index(kQProj)) | (1u << lora_target_index(kVProj));
+  if (!(l.dropout >= 0 && l.dropout < 1))
+    return Status(StatusCode::kInvalidArgument, fmt::format("LoRA dropout {} is outside [0, 1)", l.dropout));
+  if (!std::isfinite(l.alpha)) return Status(StatusCode::kInvalidArgument, "LoRA alpha must be finite");
+  return {};
+}
+
+Status Trainer::Impl::lora_initial(const ParamSpec& ps, const std::vector<model::TensorInfo>& adapter,
+                                   model::TensorReader& reader, std::mt19937_64& rng, std::vector<float>* buf) {
+  buf->resize(ps.numel());
+  if (opt.lora.adapter_dir.empty()) {
+    LayerTensor t = kQLoraA;
+    for (LayerTensor c : kAllLayerTensors)
+      if (ps.name.ends_with(weight_row(c).name)) t = c;
+    lora_init(t, ps.shape[0], ps.shape[1], rng, buf->data());
+    return {};
+  }
+  const std::string name = peft_tensor_name(ps.name);
+  const std::string where = "LoRA adapter " + opt.lora.adapter_dir + "/adapter_model.safetensors";
+  const model::TensorInfo* t = nullptr;
+  for (const model::TensorInfo& a : adapter)
+    if (a.name == name) t = &a;
+  if (!t) return Status(StatusCode::kNotFound, where + ": tensor " + name + " is missing");
+  if (t->shape != ps.shape)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: tensor {} is [{}], expected [{}] (r = {})", where, name, fmt::join(t->shape, ", "),
+                              fmt::join(ps.shape, ", "), opt.lora.rank));
+  if (Status st = reader.read(*t, DType::kF32, buf->data()); !st.ok()) return st.with_context(where + ": " + name);
+  const auto bad = std::find_if(buf->begin(), buf->end(), [](float v) { return !std::isfinite(v); });
+  if (bad != buf->end())
+    return Status(StatusCode::kCorrupt, fmt::format("{}: tensor {} holds a non-finite value at element {}", where,
+                                                    name, bad - buf->begin()));
   return {};
 }
 
@@ -429,6 +518,12 @@ std::string Trainer::Impl::settings_json() const {
                     {"weight_decay", o.weight_decay},
                     {"weight_decay_all", opt.weight_decay_all},
                     {"gradient_clipping", opt.config.gradient_clipping}};
+  if (opt.lora.enabled())
+    t["lora"] = {{"rank", opt.lora.rank},
+                 {"alpha", opt.lora.alpha},
+                 {"dropout", opt.lora.dropout},
+                 {"targets", lora_target_names(opt.lora.targets)},
+                 {"rslora", opt.lora.rslora}};
   return t.dump();
 }
 
@@ -539,9 +634,15 @@ const void* Trainer::Impl::ptr_of(const GroupView& v, ParamId p) const {
   return nullptr;
 }
 
-LayerWeights Trainer::Impl::layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const {
+LayerWeights Trainer::Impl::layer_weights(const GroupView& v, size_t layer, bool training) const {
+  const LayerArray<ParamId>& ids = layer_param_ids[layer];
   LayerWeights w;
   w.dtype = compute_dtype;
+  w.lora_dtype = DType::kF32;
+  w.lora_dropout_on = training && dims.lora_dropout > 0;
+  // splitmix-style mixing of (seed, micro-batch, layer): a fresh mask per
+  // layer and micro-batch, the same in its forward and backward.
+  w.lora_seed = (opt.data.seed + 0x9E3779B97F4A7C15ull * (micro_index + 1)) ^ (0xC2B2AE3D27D4EB4Full * (layer + 1));
   for (LayerTensor t : kAllLayerTensors) w[t] = dims.has(t) ? ptr_of(v, ids[t]) : nullptr;
   return w;
 }
@@ -553,7 +654,7 @@ HeadWeights Trainer::Impl::head_weights(const GroupView& ev, const GroupView& hv
 }
 
 // Embedding and layers; acts[l] = input of layer l, acts[L] = input of the head.
-Status Trainer::Impl::forward(const int32_t* tokens, bool) {
+Status Trainer::Impl::forward(const int32_t* tokens, bool training) {
   const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
   const int64_t B = opt.batch, T = seq;
   {
@@ -568,7 +669,7 @@ Status Trainer::Impl::forward(const int32_t* tokens, bool) {
   for (size_t l = 0; l < layer_groups.size(); ++l) {
     engine->trace_begin("layer_forward");
     STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(layer_groups[l]));
-    const LayerWeights w = layer_weights(v, layer_param_ids[l]);
+    const LayerWeights w = layer_weights(v, l, training);
     Status st = ops->layer_forward(w, B, T, acts + l * act, acts + (l + 1) * act);
     STRATA_RETURN_IF_ERROR(engine->release(layer_groups[l], stream));
     engine->trace_end();
@@ -595,10 +696,13 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
     STRATA_ASSIGN_OR_RETURN(GroupView hv, acquire(head_group));
     const HeadWeights w = head_weights(ev, hv);
     const uint64_t dim = static_cast<uint64_t>(dims.dim);
-    const HeadGrads g{.norm = grad_buf, .lm_head = dims.tied ? tied_grad : grad_buf + dim};
+    // Frozen tensors (LoRA) get no gradient buffer: the ops skip them.
+    const HeadGrads g{.norm = grad_if_trainable(norm_param, grad_buf),
+                      .lm_head = grad_if_trainable(lm_head_param, dims.tied ? tied_grad : grad_buf + dim)};
     Status st = ops->head_forward_backward(w, acts + L * act, targets, nullptr, B, T, dloss, loss, dx_a, g);
-    if (st.ok()) st = engine->reduce_grad(norm_param, grad_buf, DType::kF32, stream);
-    if (st.ok() && !dims.tied) st = engine->reduce_grad(lm_head_param, grad_buf + dim, DType::kF32, stream);
+    if (st.ok() && g.norm) st = engine->reduce_grad(norm_param, grad_buf, DType::kF32, stream);
+    if (st.ok() && !dims.tied && g.lm_head)
+      st = engine->reduce_grad(lm_head_param, grad_buf + dim, DType::kF32, stream);
     Status rel = engine->release(head_group, stream);
     if (dims.tied && rel.ok()) rel = engine->release(embed_group, stream);
     engine->trace_end();
@@ -612,19 +716,20 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
     engine->trace_begin("layer_backward");
     STRATA_ASSIGN_OR_RETURN(GroupView v, acquire(layer_groups[l]));
     const auto& id = layer_param_ids[l];
-    const LayerWeights w = layer_weights(v, id);
-    // The layer's gradients one after the other in grad_buf, in table order.
+    const LayerWeights w = layer_weights(v, l, true);
+    // The layer's trainable gradients one after the other in grad_buf, in
+    // table order (frozen tensors: null, not computed).
     LayerGrads g;
     float* cursor = grad_buf;
     for (LayerTensor t : kAllLayerTensors) {
-      if (!dims.has(t)) continue;
+      if (!dims.has(t) || !trainable[id[t]]) continue;
       g[t] = cursor;
       cursor += spec.params[id[t]].numel();
     }
     Status st = ops->layer_backward(w, B, T, acts + l * act, dx_a, dx_b, g);
     for (LayerTensor t : kAllLayerTensors) {
       if (!st.ok()) break;
-      if (!dims.has(t)) continue;
+      if (!g[t]) continue;
       st = engine->reduce_grad(id[t], g[t], DType::kF32, stream);
     }
     Status rel = engine->release(layer_groups[l], stream);
@@ -634,7 +739,8 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
     std::swap(dx_a, dx_b);
   }
 
-  // Embedding: no weights needed, only the gradient.
+  // Embedding: no weights needed, only the gradient (none when frozen).
+  if (!trainable[embed_param]) return {};
   engine->trace_begin("embed_backward");
   // Synchronous ops: the stream must have finished downloading the last
   // layer's gradients before grad_buf is overwritten (stream-ordered ops
@@ -657,6 +763,7 @@ Result<StepReport> Trainer::train_step() {
     STRATA_RETURN_IF_ERROR(m.data->train_batch(first, m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     m.losses[mb] = LossStats{};
+    m.micro_index = static_cast<uint64_t>(m.step) * m.accum + mb;
     STRATA_RETURN_IF_ERROR(m.micro_batch(mb + 1 == m.accum, &m.losses[mb]));
   }
   // Every reduce_grad must have been read before step() (it waits for the
@@ -733,12 +840,57 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
   STRATA_RETURN_IF_ERROR(model::save_llama_config(cfg, dir + "/config.json"));
   std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
   STRATA_ASSIGN_OR_RETURN(auto w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
-  std::vector<float> buf;
+  std::vector<float> buf, a, b;
   for (const model::TensorDecl& d : decls) {
     STRATA_ASSIGN_OR_RETURN(ParamId p, m.engine->find_param(d.name));
     buf.resize(d.numel());
     STRATA_RETURN_IF_ERROR(m.engine->read_param(p, buf.data(), DType::kF32));
+    // LoRA: W + scaling * B A for an adapted projection (PEFT's merge).
+    const std::string a_name = d.name.substr(0, d.name.size() - 7) + ".lora_A.weight";  // "<module>.weight"
+    if (m.opt.lora.enabled() && d.name.ends_with(".weight") && m.engine->find_param(a_name).ok()) {
+      const std::string b_name = d.name.substr(0, d.name.size() - 7) + ".lora_B.weight";
+      STRATA_ASSIGN_OR_RETURN(ParamId pa, m.engine->find_param(a_name));
+      STRATA_ASSIGN_OR_RETURN(ParamId pb, m.engine->find_param(b_name));
+      const uint64_t r = m.opt.lora.rank, out = d.shape[0], in = d.shape[1];
+      a.resize(r * in);
+      b.resize(out * r);
+      STRATA_RETURN_IF_ERROR(m.engine->read_param(pa, a.data(), DType::kF32));
+      STRATA_RETURN_IF_ERROR(m.engine->read_param(pb, b.data(), DType::kF32));
+      const double sc = m.opt.lora.scaling();
+      for (uint64_t i = 0; i < out; ++i)
+        for (uint64_t j = 0; j < in; ++j) {
+          double acc = 0;
+          for (uint64_t k = 0; k < r; ++k) acc += static_cast<double>(b[i * r + k]) * a[k * in + j];
+          buf[i * in + j] = static_cast<float>(buf[i * in + j] + sc * acc);
+        }
+    }
     STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
+  }
+  return w->finish();
+}
+
+Status Trainer::export_adapter(const std::string& dir) {
+  Impl& m = *impl_;
+  if (!m.opt.lora.enabled()) return Status(StatusCode::kInvalidArgument, "this run trains no LoRA adapters");
+  STRATA_RETURN_IF_ERROR(make_dirs(dir, "adapter dir"));
+  std::error_code ec;
+  const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
+  STRATA_RETURN_IF_ERROR(
+      model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
+  std::vector<model::TensorDecl> decls;
+  std::vector<ParamId> ids;
+  const ModelSpec& spec = m.engine->model();
+  for (ParamId p = 0; p < spec.params.size(); ++p) {
+    if (!spec.params[p].trainable) continue;
+    decls.push_back({peft_tensor_name(spec.params[p].name), model::StDType::kF32, spec.params[p].shape});
+    ids.push_back(p);
+  }
+  STRATA_ASSIGN_OR_RETURN(auto w, model::SafetensorsWriter::create(dir + "/adapter_model.safetensors", decls));
+  std::vector<float> buf;
+  for (ParamId p : ids) {
+    buf.resize(spec.params[p].numel());
+    STRATA_RETURN_IF_ERROR(m.engine->read_param(p, buf.data(), DType::kF32));
+    STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), buf.size()));
   }
   return w->finish();
 }

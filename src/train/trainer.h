@@ -103,6 +103,7 @@
 #include "runtime/config.h"
 #include "runtime/engine.h"
 #include "train/data.h"
+#include "train/lora.h"
 #include "train/model_ops.h"
 #include "train/schedule.h"
 
@@ -159,6 +160,10 @@ struct TrainerOptions {
   // Hugging Face Trainer's convention, none on biases and norm weights
   // (hf_no_decay in runtime/model_spec.h).
   bool weight_decay_all = false;
+  // LoRA (train/lora.h): rank > 0 or an adapter dir freezes the base model
+  // and trains adapters; the export is then a PEFT adapter (OUT/adapter),
+  // plus the merged model with lora.merge.
+  LoraOptions lora;
   uint32_t batch = 4;   // sequences per micro-batch
   int64_t eval_every = 0;     // 0: only before training and at the end
   uint32_t eval_batches = 8;  // validation batches per evaluation (capped at the distinct ones)
@@ -194,7 +199,8 @@ struct TrainResult {
   double mean_step_seconds = 0;      // over the steps after the first (warm)
   bool interrupted = false;
   std::string last_checkpoint;  // "" when none was written
-  std::string exported_model;   // "" when not exported
+  std::string exported_model;   // "" when not exported (LoRA: only with LoraOptions::merge)
+  std::string exported_adapter; // LoRA: the PEFT adapter directory written at the end
 };
 
 struct StepReport {
@@ -227,8 +233,13 @@ class Trainer {
   Result<double> evaluate();
   Status save_checkpoint(const std::string& dir);
   // Writes dir/config.json + dir/model.safetensors (HF layout) from the fp32
-  // masters, in `dtype`.
+  // masters, in `dtype`. LoRA: the frozen base with the adapters merged
+  // (W + scaling * B A, computed in fp32).
   Status export_model(const std::string& dir, DType dtype);
+  // LoRA: writes dir/adapter_config.json + dir/adapter_model.safetensors
+  // (fp32) as PEFT saves them; PeftModel.from_pretrained loads them.
+  // kInvalidArgument when the run trains no adapters.
+  Status export_adapter(const std::string& dir);
 
   int64_t step() const;
   Engine& engine();

@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <array>
@@ -22,8 +23,11 @@
 #include <nlohmann/json.hpp>
 #include <map>
 #include <optional>
+#include <random>
+#include <set>
 #include <type_traits>
 
+#include "common/json.h"
 #include "common/log.h"
 #include "common/posix_file.h"
 #include "common/units.h"
@@ -88,6 +92,9 @@ struct Trainer::Impl {
   std::vector<GroupId> layer_groups;
   ParamId embed_param = 0, norm_param = 0, lm_head_param = 0;
   std::vector<LayerArray<ParamId>> layer_param_ids;
+  // Per ParamId: trains (false: frozen, e.g. a LoRA base).
+  std::vector<bool> trainable;
+  uint64_t micro_index = 0;  // micro-batches since the run began (LoRA dropout seeds)
 
   // Buffers, all from backend->alloc (device memory; RAM on the host
   // backend). grad_buf: the largest group's fp32 gradients (reduce_grad
@@ -158,6 +165,10 @@ struct Trainer::Impl {
   Status alloc_buffers();
   Status open_metrics();
   Status load_weights();
+  Status resolve_lora();
+  // A LoRA parameter's initial value: the adapter file's tensor or PEFT's init.
+  Status lora_initial(const ParamSpec& ps, const std::vector<model::TensorInfo>& adapter, model::TensorReader& reader,
+                      std::mt19937_64& rng, std::vector<float>* buf);
   Status resume(const std::string& dir);
   Status choose_device(const DeviceSizes& z, Config* cfg);
   Status try_cuda(const DeviceSizes& z, Config* cfg);
@@ -167,7 +178,9 @@ struct Trainer::Impl {
   Status micro_batch(bool last, LossStats* loss);
   Result<GroupView> acquire(GroupId g);
   const void* ptr_of(const GroupView& v, ParamId p) const;
-  LayerWeights layer_weights(const GroupView& v, const LayerArray<ParamId>& ids) const;
+  // training: LoRA dropout on, seeded by (data seed, micro-batch, layer).
+  LayerWeights layer_weights(const GroupView& v, size_t layer, bool training) const;
+  float* grad_if_trainable(ParamId p, float* buf) const { return trainable[p] ? buf : nullptr; }
   // ev: the embedding's view (read only when embeddings are tied).
   HeadWeights head_weights(const GroupView& ev, const GroupView& hv) const;
   void write_metrics(const json& j);

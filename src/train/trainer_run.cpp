@@ -176,12 +176,22 @@ class Trainer::Run {
   }
 
   // out_dir/model in opt.export_dtype (the model's own dtype when unset).
+  // LoRA: the PEFT adapter in out_dir/adapter, and the merged model only
+  // when asked (the base did not change).
   Status export_model() {
+    if (m_.opt.lora.enabled()) {
+      const std::string adir = m_.opt.out_dir + "/adapter";
+      if (Status st = t_.export_adapter(adir); !st.ok()) return st.with_context("exporting the LoRA adapter to " + adir);
+      res_.exported_adapter = adir;
+      progress_.say(fmt::format("exported the LoRA adapter (PEFT format, fp32) to {}", adir));
+      if (!m_.opt.lora.merge) return {};
+    }
     const DType dt = m_.opt.export_dtype.value_or(m_.model.config.torch_dtype);
     const std::string dir = m_.opt.out_dir + "/model";
     if (Status st = t_.export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
     res_.exported_model = dir;
-    progress_.say(fmt::format("exported the model ({}) to {}", dtype_name(dt), dir));
+    progress_.say(fmt::format("exported the {}model ({}) to {}", m_.opt.lora.enabled() ? "merged " : "",
+                              dtype_name(dt), dir));
     return {};
   }
 

@@ -1,0 +1,235 @@
+#include "train/lora.h"
+
+#include <sys/stat.h>
+
+#include <fmt/format.h>
+
+#include <cerrno>
+#include <cmath>
+#include <fstream>
+#include <set>
+#include <sstream>
+
+#include "common/json.h"
+
+namespace strata::train {
+
+using json = nlohmann::json;
+
+float LoraOptions::scaling() const {
+  if (rank == 0) return 0.0f;
+  return static_cast<float>(rslora ? alpha / std::sqrt(static_cast<double>(rank)) : alpha / rank);
+}
+
+namespace {
+
+std::string known_modules() {
+  std::string s;
+  for (LayerTensor t : kLoraTargets) s += (s.empty() ? "" : ", ") + std::string(lora_module_name(t));
+  return s + ", all-linear";
+}
+
+Result<uint32_t> target_bit(std::string_view name) {
+  for (LayerTensor t : kLoraTargets)
+    if (lora_module_name(t) == name) return 1u << lora_target_index(t);
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("LoRA target module \"{}\" is not one Strata adapts (known: {})", clip_for_message(name),
+                            known_modules()));
+}
+
+// A value that turns a feature off: null, false, 0-free empties.
+bool is_off(const json& v) {
+  return v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_object() && v.empty()) ||
+         (v.is_array() && v.empty()) || (v.is_string() && v.get<std::string>().empty());
+}
+
+}  // namespace
+
+Result<uint32_t> parse_lora_targets(std::string_view csv) {
+  uint32_t bits = 0;
+  size_t start = 0;
+  while (start <= csv.size()) {
+    size_t end = csv.find(',', start);
+    if (end == std::string_view::npos) end = csv.size();
+    std::string_view name = csv.substr(start, end - start);
+    while (!name.empty() && name.front() == ' ') name.remove_prefix(1);
+    while (!name.empty() && name.back() == ' ') name.remove_suffix(1);
+    if (name == "all-linear") {
+      bits |= kAllLoraTargets;
+    } else if (!name.empty()) {
+      STRATA_ASSIGN_OR_RETURN(uint32_t b, target_bit(name));
+      bits |= b;
+    }
+    start = end + 1;
+  }
+  if (bits == 0) return Status(StatusCode::kInvalidArgument, "no LoRA target modules given (known: " + known_modules() + ")");
+  return bits;
+}
+
+std::vector<std::string> lora_target_names(uint32_t targets) {
+  std::vector<std::string> out;
+  for (LayerTensor t : kLoraTargets)
+    if (targets & (1u << lora_target_index(t))) out.emplace_back(lora_module_name(t));
+  return out;
+}
+
+Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
+  const std::string path = dir + "/adapter_config.json";
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0)
+    return Status::from_errno(errno, "LoRA adapter " + dir + ": no adapter_config.json (a PEFT adapter directory has one)");
+  if (!S_ISREG(st.st_mode)) return Status(StatusCode::kInvalidArgument, path + " is not a regular file");
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream ss;
+  ss << in.rdbuf();
+  if (!in.good() && !in.eof()) return Status(StatusCode::kIoError, "read of " + path + " failed");
+  json j;
+  JsonError err;
+  if (!parse_json(ss.str(), &j, &err)) return Status(StatusCode::kInvalidArgument, path + ": " + err.message());
+  if (!j.is_object()) return Status(StatusCode::kInvalidArgument, path + ": not a JSON object");
+  auto bad = [&](const std::string& key, const std::string& why) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}: \"{}\" {}", path, key, why));
+  };
+  // Read.
+  if (!j.contains("peft_type") || j["peft_type"] != "LORA")
+    return bad("peft_type", fmt::format("is {}: Strata trains LoRA adapters only (\"LORA\")",
+                                        j.contains("peft_type") ? clip_for_message(j["peft_type"].dump()) : "missing"));
+  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() < 1 || j["r"].get<int64_t>() > 65536)
+    return bad("r", "must be an integer rank in [1, 65536]");
+  o->rank = j["r"].get<uint32_t>();
+  if (j.contains("lora_alpha")) {
+    if (!j["lora_alpha"].is_number() || !std::isfinite(j["lora_alpha"].get<double>()))
+      return bad("lora_alpha", "must be a number");
+    o->alpha = j["lora_alpha"].get<double>();
+  }
+  if (j.contains("lora_dropout") && !j["lora_dropout"].is_null()) {
+    const json& d = j["lora_dropout"];
+    if (!d.is_number() || !(d.get<double>() >= 0 && d.get<double>() < 1)) return bad("lora_dropout", "must be in [0, 1)");
+    o->dropout = d.get<double>();
+  }
+  if (j.contains("use_rslora") && !j["use_rslora"].is_null()) {
+    if (!j["use_rslora"].is_boolean()) return bad("use_rslora", "must be true or false");
+    o->rslora = j["use_rslora"].get<bool>();
+  }
+  {
+    const json& t = j.contains("target_modules") ? j["target_modules"] : json();
+    uint32_t bits = 0;
+    if (t.is_string()) {
+      // PEFT: a string is a regular expression matched against module paths,
+      // except "all-linear"; only a plain module name is understood here.
+      auto b = parse_lora_targets(t.get<std::string>());
+      if (!b.ok())
+        return bad("target_modules", fmt::format("is the pattern {}: Strata understands a list of module names or "
+                                                 "\"all-linear\" ({})",
+                                                 clip_for_message(t.dump()), b.status().message()));
+      bits = *b;
+    } else if (t.is_array() && !t.empty()) {
+      for (const json& n : t) {
+        if (!n.is_string()) return bad("target_modules", "must list module names");
+        auto b = target_bit(n.get<std::string>());
+        if (!b.ok()) return b.status().with_context(path + ": \"target_modules\"");
+        bits |= *b;
+      }
+    } else {
+      return bad("target_modules", "must name the adapted modules");
+    }
+    o->targets = bits;
+  }
+  // Must be at PEFT's "off" value: each changes the math or the layout.
+  static const std::map<std::string, std::string> kMustBeOff = {
+      {"fan_in_fan_out", "stores weights transposed (Conv1D models)"},
+      {"use_dora", "DoRA adds a magnitude vector"},
+      {"rank_pattern", "gives some modules another rank"},
+      {"alpha_pattern", "gives some modules another alpha"},
+      {"layers_to_transform", "adapts only some layers"},
+      {"layers_pattern", "adapts only some layers"},
+      {"modules_to_save", "trains and saves whole modules beside the adapters"},
+      {"exclude_modules", "excludes modules from the targets"},
+      {"lora_bias", "adds a bias to lora_B"},
+      {"use_qalora", "QA-LoRA pools the input"},
+      {"target_parameters", "adapts parameters, not modules"},
+      {"trainable_token_indices", "trains some embedding rows"},
+      {"layer_replication", "replicates layers"},
+      {"megatron_config", "Megatron parallel layers"},
+      {"alora_invocation_tokens", "activated LoRA"},
+      {"use_bdlora", "block-diagonal LoRA"},
+      {"ensure_weight_tying", "ties adapted embeddings"},
+  };
+  // Metadata and settings that only matter when PEFT creates fresh weights
+  // (the file's weights are used as they are).
+  static const std::set<std::string> kMetadata = {
+      "peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "task_type", "auto_mapping",
+      "peft_version", "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "megatron_core",
+      "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "velora_config",
+      "monteclora_config", "arrow_config", "kasa_config", "runtime_config"};
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& k = it.key();
+    if (k == "bias") {
+      if (it.value() != "none")
+        return bad("bias", fmt::format("is {}: Strata trains no biases beside the adapters (\"none\")",
+                                       clip_for_message(it.value().dump())));
+      continue;
+    }
+    if (k == "task_type" && !it.value().is_null() && it.value() != "CAUSAL_LM")
+      return bad("task_type", fmt::format("is {}: Strata fine-tunes causal language models (\"CAUSAL_LM\")",
+                                          clip_for_message(it.value().dump())));
+    if (kMetadata.count(k)) continue;
+    auto off = kMustBeOff.find(k);
+    if (off != kMustBeOff.end()) {
+      if (!is_off(it.value()))
+        return bad(k, fmt::format("is {} ({}): not supported by Strata", clip_for_message(it.value().dump()),
+                                  off->second));
+      continue;
+    }
+    if (!is_off(it.value()))
+      return bad(clip_for_message(k), fmt::format("is {}: a setting this version of Strata does not know; refused "
+                                                  "rather than ignored",
+                                                  clip_for_message(it.value().dump())));
+  }
+  return Status::ok_status();
+}
+
+std::string peft_adapter_config_json(const LoraOptions& o, const std::string& base_model) {
+  json j;
+  j["peft_type"] = "LORA";
+  j["task_type"] = "CAUSAL_LM";
+  j["auto_mapping"] = nullptr;
+  j["base_model_name_or_path"] = base_model;
+  j["revision"] = nullptr;
+  j["inference_mode"] = true;
+  j["r"] = o.rank;
+  j["lora_alpha"] = o.alpha;
+  j["lora_dropout"] = o.dropout;
+  j["target_modules"] = lora_target_names(o.targets);
+  j["use_rslora"] = o.rslora;
+  j["bias"] = "none";
+  j["fan_in_fan_out"] = false;
+  j["init_lora_weights"] = true;
+  j["use_dora"] = false;
+  j["modules_to_save"] = nullptr;
+  j["layers_to_transform"] = nullptr;
+  j["layers_pattern"] = nullptr;
+  j["rank_pattern"] = json::object();
+  j["alpha_pattern"] = json::object();
+  j["exclude_modules"] = nullptr;
+  j["lora_bias"] = false;
+  return j.dump(2) + "\n";
+}
+
+std::string peft_tensor_name(std::string_view param_name) { return "base_model.model." + std::string(param_name); }
+
+void lora_init(LayerTensor t, uint64_t rows, uint64_t cols, std::mt19937_64& rng, float* out) {
+  const uint64_t n = rows * cols;
+  const bool is_a = (static_cast<int>(t) - kQLoraA) % 2 == 0;
+  if (!is_a) {
+    for (uint64_t i = 0; i < n; ++i) out[i] = 0.0f;
+    return;
+  }
+  // torch.nn.init.kaiming_uniform_(a=sqrt(5)) on [r, in]: fan_in = in,
+  // gain = sqrt(2 / (1 + 5)), bound = gain * sqrt(3 / fan_in) = 1 / sqrt(in).
+  const double bound = 1.0 / std::sqrt(static_cast<double>(cols));
+  std::uniform_real_distribution<double> u(-bound, bound);
+  for (uint64_t i = 0; i < n; ++i) out[i] = static_cast<float>(u(rng));
+}
+
+}  // namespace strata::train

@@ -1,0 +1,73 @@
+// LoRA fine-tuning as PEFT does it: the settings, PEFT's adapter directory
+// (adapter_config.json + adapter_model.safetensors) in and out, the
+// adapters' initialisation and the merge into the base weights.
+//
+// Math (model_ops.h, LlamaDims::lora_*): for each targeted projection W
+// [out, in], y = x W^T (+ bias) + lora_B(lora_A(dropout(x))) * scaling with
+// lora_A [r, in], lora_B [out, r], scaling = lora_alpha / r (rsLoRA:
+// lora_alpha / sqrt(r)). The base model is frozen (the engine's
+// ParamSpec::trainable = false); only the adapters train, in fp32 (PEFT's
+// autocast_adapter_dtype) beside a base in its compute dtype.
+//
+// Names: the engine's adapter parameters are the weight table's LoRA rows
+// ("model.layers.3.self_attn.q_proj.lora_A.weight"); PEFT's file prefixes
+// them with "base_model.model." (peft_tensor_name).
+//
+// Pure functions and file I/O; no state; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <random>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "common/status.h"
+#include "model/llama_weights.h"
+
+namespace strata::train {
+
+struct LoraOptions {
+  uint32_t rank = 0;        // r; 0: LoRA off (full fine-tuning) unless adapter_dir is set
+  double alpha = 8.0;       // lora_alpha (PEFT's default)
+  double dropout = 0.0;     // lora_dropout, on the adapters' input in training
+  // Adapted projections: a bit per kLoraTargets entry (model/llama_weights.h);
+  // 0: PEFT's default for Llama-family models, q_proj and v_proj.
+  uint32_t targets = 0;
+  bool rslora = false;      // use_rslora: scaling alpha / sqrt(r)
+  // Start from this PEFT adapter directory: its adapter_config.json gives
+  // r, lora_alpha, lora_dropout, target_modules and use_rslora (flags given
+  // as well must agree), its adapter_model.safetensors the weights.
+  std::string adapter_dir;
+  bool merge = false;       // also export the base with the adapters merged (OUT/model)
+
+  bool enabled() const { return rank > 0 || !adapter_dir.empty(); }
+  float scaling() const;
+};
+
+// "q_proj,k_proj" (PEFT's module names), or "all-linear" (every projection)
+// -> target bits. kInvalidArgument naming an unknown module and the known ones.
+Result<uint32_t> parse_lora_targets(std::string_view csv);
+// Bits -> the module names, in table order.
+std::vector<std::string> lora_target_names(uint32_t targets);
+
+// Reads dir/adapter_config.json into *o (rank, alpha, dropout, targets,
+// rslora). Every field that changes the math is read or refused by name:
+// peft_type must be LORA; bias "none"; no DoRA, rank/alpha patterns,
+// layers_to_transform, modules_to_save, fan_in_fan_out, ...; a field this
+// version does not know is accepted only at an "off" value (null, false, {},
+// [], ""). kNotFound / kInvalidArgument naming the file and field.
+Status read_peft_adapter_config(const std::string& dir, LoraOptions* o);
+// adapter_config.json as PEFT writes it for these settings.
+std::string peft_adapter_config_json(const LoraOptions& o, const std::string& base_model);
+
+// "base_model.model." + the engine's parameter name.
+std::string peft_tensor_name(std::string_view param_name);
+
+// PEFT's default initialisation (init_lora_weights=True): lora_A
+// kaiming-uniform with a = sqrt(5), i.e. U(-1/sqrt(in), 1/sqrt(in)); lora_B
+// zeros (the adapted model starts equal to the base). `t` is a LoRA row.
+void lora_init(LayerTensor t, uint64_t rows, uint64_t cols, std::mt19937_64& rng, float* out);
+
+}  // namespace strata::train

@@ -1,0 +1,241 @@
+#!/usr/bin/env python3
+"""`strata finetune --lora-*` against PEFT on models transformers writes.
+
+For each case a tiny model is written by transformers (save_pretrained) and a
+PEFT LoRA adapter is created on it with random A and B (init_lora_weights=False,
+so every gradient path matters from the first step) and saved with PEFT's
+save_pretrained. Strata starts from that adapter (--lora-adapter) and trains
+STEPS AdamW steps; the reference is the same PeftModel in float64 trained by
+torch.optim.AdamW with the Hugging Face Trainer's parameter groups, clipping
+and a constant lr on the same batches. Checked:
+
+- the loss before training equals PEFT's (relative 1e-6, fp32 vs float64);
+- the adapter weights after STEPS steps are within 1e-3 of the update of the
+  reference's (|strata - torch| / |torch - initial|, the fp32 noise floor);
+- the exported adapter (OUT/adapter) loads with PeftModel.from_pretrained and
+  gives the logits of the merged export (OUT/model, --lora-merge) loaded in
+  transformers (relative 1e-5);
+- only the adapters changed: the merged export minus the base is exactly
+  scaling * B A of the exported adapter, and the base's bytes are untouched
+  (Strata's own test checks the NVMe copy: tests/train/trainer_lora_test.cpp).
+
+    lora_reference_test.py STRATA_BINARY
+
+Exit 0: every case passed; 1: a case failed; 77: torch/transformers/peft
+missing (a failure instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+
+try:
+    import torch
+    import transformers
+    import peft
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                              Qwen3Config, Qwen3ForCausalLM)
+except ImportError as e:  # pragma: no cover - depends on the machine
+    msg = f"lora_reference_test: skipped: cannot import torch/transformers/peft ({e})"
+    if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+        print(msg.replace("skipped", "FAILED") + " (STRATA_REQUIRE_REFERENCE=1)")
+        sys.exit(1)
+    print(msg)
+    sys.exit(77)
+
+SEQ, BATCH = 64, 2
+STEPS, LR, WD, CLIP = 3, 2e-3, 0.1, 1.0
+STEP_TOL = 1e-3
+TOL = 1e-6
+SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=4096, rms_norm_eps=1e-5, initializer_range=0.15)
+ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+         "qwen3": (Qwen3Config, Qwen3ForCausalLM)}
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+CASES = [
+    ("llama_all_linear", dict(arch="llama", r=4, alpha=16, targets=ALL)),
+    ("qwen2_bf16_tied_rslora", dict(arch="qwen2", bf16=True, tie_word_embeddings=True, r=8, alpha=8,
+                                    targets=["q_proj", "v_proj"], rslora=True)),
+    ("qwen3_some_targets", dict(arch="qwen3", head_dim=32, r=2, alpha=5, targets=["k_proj", "o_proj", "down_proj"])),
+]
+
+
+def windows(tokens, start, count):
+    return torch.stack([tokens[start + i * SEQ:start + i * SEQ + SEQ + 1] for i in range(count)])
+
+
+def peft_loss(model, w):
+    logits = model(input_ids=w[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1))
+
+
+def reference_steps(model_dir, adapter_dir, train_w):
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64)
+    m = PeftModel.from_pretrained(base, adapter_dir, is_trainable=True).train()
+    params = {n: p for n, p in m.named_parameters() if p.requires_grad}
+    # The Trainer's rule: no decay on biases and norms (the adapters decay).
+    nodecay = [n for n in params if "bias" in n or "norm" in n]
+    groups = [{"params": [p for n, p in params.items() if n not in nodecay], "weight_decay": WD},
+              {"params": [p for n, p in params.items() if n in nodecay], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        peft_loss(m, train_w).backward()
+        torch.nn.utils.clip_grad_norm_(list(params.values()), CLIP)
+        opt.step()
+    # PEFT's names without the adapter name, as in its saved files.
+    return {n.replace(".default", ""): p.detach().clone() for n, p in params.items()}
+
+
+def run_case(strata, work, name, c):
+    d = os.path.join(work, name)
+    c = dict(c)
+    torch.manual_seed(4321)
+    C, M = ARCHS[c.pop("arch")]
+    bf16 = c.pop("bf16", False)
+    r, alpha, targets, rslora = c.pop("r"), c.pop("alpha"), c.pop("targets"), c.pop("rslora", False)
+    model = M(C(**SHAPE, **c))
+    with torch.no_grad():  # biases and q/k norm weights start at 0 / 1: make them matter
+        for n, p in model.named_parameters():
+            if n.endswith(".bias") or "q_norm" in n or "k_norm" in n:
+                p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
+    model = model.to(torch.bfloat16 if bf16 else torch.float32)
+    model.save_pretrained(d + "/model")
+    lcfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
+                      init_lora_weights=False, task_type="CAUSAL_LM")
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float32), lcfg)
+    pm.save_pretrained(d + "/init")
+    g = torch.Generator().manual_seed(11)
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2 * (BATCH * SEQ + 1),), generator=g, dtype=torch.int64)
+    tokens.to(torch.int32).numpy().tofile(d + "/tokens.u32")
+    n = len(tokens) - int(len(tokens) * 0.5)
+    train_w = windows(tokens, 0, BATCH)
+    val_w = windows(tokens, n, BATCH)
+    assert (n - 1) // SEQ == BATCH
+    # PEFT's loss before training, float64.
+    base64 = AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float64)
+    with torch.no_grad():
+        want = peft_loss(PeftModel.from_pretrained(base64, d + "/init").eval(), val_w).item()
+    cmd = [strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32", "--data-format", "u32",
+           "--val-fraction", "0.5", "--seq", str(SEQ), "--batch", str(BATCH), "--eval-batches", "1",
+           "--steps", str(STEPS), "--lr", str(LR), "--schedule", "constant", "--weight-decay", str(WD),
+           "--clip", str(CLIP), "--out", d + "/out", "--offload-params", "cpu", "--offload-optimizer", "cpu",
+           "--device", "cpu", "--progress", "quiet", "--lora-adapter", d + "/init", "--lora-merge",
+           "--export-dtype", "fp32"]
+    if bf16:
+        cmd += ["--bf16"]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        return f"strata finetune exited {res.returncode}: {res.stderr.strip()[-2000:]}"
+    got = None
+    with open(d + "/out/metrics.jsonl") as f:
+        for line in f:
+            e = json.loads(line)
+            if e.get("event") == "eval":
+                got = e["val_loss"]
+                break
+    problems = []
+    rel = abs(got - want) / abs(want)
+    if not rel <= TOL:
+        problems.append(f"loss before training {got} vs PEFT {want}: rel {rel:.3e} (tolerance {TOL})")
+    # Adapter weights after STEPS steps against PEFT + torch AdamW.
+    want_w = reference_steps(d + "/model", d + "/init", train_w)
+    from safetensors.torch import load_file
+    init_w = {k: v.double() for k, v in load_file(d + "/init/adapter_model.safetensors").items()}
+    got_w = {k: v.double() for k, v in load_file(d + "/out/adapter/adapter_model.safetensors").items()}
+    if set(got_w) != set(init_w):
+        problems.append(f"exported adapter tensors differ from PEFT's: {sorted(set(got_w) ^ set(init_w))[:4]}")
+    num = den = 0.0
+    for k, w in want_w.items():
+        if k not in got_w:
+            problems.append(f"adapter tensor {k} missing from the export")
+            continue
+        num += (got_w[k] - w).norm().item() ** 2
+        den += (w - init_w[k]).norm().item() ** 2
+    ratio = num ** 0.5 / den ** 0.5 if den > 0 else float("inf")
+    if not ratio <= STEP_TOL:
+        problems.append(f"adapters after {STEPS} steps differ from PEFT + torch AdamW by {ratio:.3e} of the update "
+                        f"(tolerance {STEP_TOL})")
+    # The export loads in PEFT; the merged export gives the same logits.
+    with open(d + "/out/adapter/adapter_config.json") as f:
+        exported_cfg = json.load(f)
+    base64 = AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float64)
+    loaded = PeftModel.from_pretrained(base64, d + "/out/adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(d + "/out/model", dtype=torch.float64).eval()
+    with torch.no_grad():
+        a = loaded(input_ids=val_w[:, :-1]).logits
+        b = merged(input_ids=val_w[:, :-1]).logits
+    lrel = ((a - b).norm() / a.norm()).item()
+    if not lrel <= 1e-5:
+        problems.append(f"PEFT with the exported adapter vs the merged export: logits differ by {lrel:.3e} relative")
+    if sorted(exported_cfg["target_modules"]) != sorted(targets) or exported_cfg["r"] != r:
+        problems.append(f"adapter_config.json says r={exported_cfg['r']} targets={exported_cfg['target_modules']}")
+    # Only the adapted projections moved, by exactly the merge (fp32 rounding).
+    base_sd = AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float64).state_dict()
+    for k, w in merged.state_dict().items():
+        if not any(f".{t}." in k for t in targets) and not torch.equal(w, base_sd[k]):
+            problems.append(f"merged export changed a tensor that has no adapter: {k}")
+            break
+    print(f"  {name:24s} loss rel {rel:.2e}   adapters after {STEPS} steps vs PEFT+AdamW {ratio:.2e} of the update"
+          f"   PEFT(adapter) vs merged logits {lrel:.2e}")
+    return "; ".join(problems)
+
+
+def bad_adapters(strata, work):
+    """An adapter Strata cannot reproduce is refused naming the field."""
+    d = os.path.join(work, "bad")
+    torch.manual_seed(1)
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(d + "/model")
+    toks = torch.randint(0, SHAPE["vocab_size"], (4 * (SEQ + 1),), dtype=torch.int64)
+    toks.to(torch.int32).numpy().tofile(d + "/tokens.u32")
+    problems = []
+    for field, lcfg in [("use_dora", dict(use_dora=True)), ("rank_pattern", dict(rank_pattern={"q_proj": 2})),
+                        ("layers_to_transform", dict(layers_to_transform=[0])),
+                        ("modules_to_save", dict(modules_to_save=["lm_head"])), ("bias", dict(bias="all"))]:
+        a = f"{d}/{field}"
+        pm = get_peft_model(AutoModelForCausalLM.from_pretrained(d + "/model"),
+                            LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM", **lcfg))
+        pm.save_pretrained(a)
+        res = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
+                              "--data-format", "u32", "--seq", str(SEQ), "--batch", "1", "--steps", "1",
+                              "--out", a + "-out", "--device", "cpu", "--progress", "quiet", "--lora-adapter", a],
+                             capture_output=True, text=True)
+        if res.returncode == 0 or field not in res.stderr:
+            problems.append(f"an adapter with {field} was not refused by name (exit {res.returncode}: "
+                            f"{res.stderr.strip()[-300:]})")
+    print(f"  refused adapters: {5 - len(problems)} of 5 named the field")
+    return "; ".join(problems)
+
+
+def main():
+    if len(sys.argv) != 2:
+        print(__doc__)
+        return 2
+    strata = os.path.abspath(sys.argv[1])
+    work = tempfile.mkdtemp(prefix="strata-lora-ref-")
+    print(f"lora_reference_test: torch {torch.__version__}, transformers {transformers.__version__}, "
+          f"peft {peft.__version__}")
+    failed = []
+    try:
+        for name, c in CASES:
+            err = run_case(strata, work, name, c)
+            if err:
+                failed.append(f"{name}: {err}")
+        err = bad_adapters(strata, work)
+        if err:
+            failed.append(f"refusals: {err}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    for f in failed:
+        print("FAILED " + f)
+    total = len(CASES) + 1
+    print(f"lora_reference_test: {total - len(failed)} of {total} cases passed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
