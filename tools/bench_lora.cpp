@@ -48,9 +48,9 @@ namespace fs = std::filesystem;
 
 struct BenchLoraOptions {
   std::string dir;
-  uint32_t layers = 8, heads = 16, kv_heads = 4, rank = 16, reps = 5, batch = 1, seq = 128;
-  uint64_t dim = 1024, ffn_dim = 2816, vocab = 32000;
-  std::string host_mem = "160MiB";
+  uint32_t layers = 16, heads = 16, kv_heads = 4, rank = 16, reps = 7, batch = 1, seq = 128;
+  uint64_t dim = 1024, ffn_dim = 2816, vocab = 8000;
+  std::string host_mem = "192MiB";
   std::string ceiling_size = "512MiB";
   int threads = 0;
   bool json = false;

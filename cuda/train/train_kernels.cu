@@ -399,6 +399,51 @@ __global__ void loss_sum_kernel(const double* row_loss, int64_t n, strata_cuda_t
   if (threadIdx.x == 0) report->loss_sum = s;
 }
 
+
+// ---------------------------------------------------------------- biases, LoRA
+
+__global__ void add_bias_kernel(float* y, const void* b, int dtype, size_t count, int64_t cols) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    y[i] += ldw(b, dtype, i % static_cast<size_t>(cols));
+}
+
+// out[c] = sum over rows of dy[r, c], rows in order (one thread per column).
+__global__ void col_sum_kernel(const float* dy, float* out, int64_t n, int64_t cols) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= cols) return;
+  float s = 0;
+  for (int64_t r = 0; r < n; ++r) s += dy[r * cols + c];
+  out[c] = s;
+}
+
+__global__ void scale_kernel(float* dst, const float* src, float scale, size_t count, bool add) {
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x)
+    dst[i] = add ? dst[i] + src[i] * scale : src[i] * scale;
+}
+
+// The CPU ops' draw (train/cpu_kernels.cpp lora_keep), bit for bit.
+__device__ __forceinline__ bool lora_keep(uint64_t seed, int target, uint64_t i, float p) {
+  uint64_t z = seed ^ (static_cast<uint64_t>(target + 1) * 0x9E3779B97F4A7C15ull) ^ (i * 0xD1B54A32D192ED03ull);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * 0x1p-24f >= p;
+}
+
+// add = false: dst = dropout(src); add = true: dst += dropout(src) (the
+// backward through the same mask).
+__global__ void lora_dropout_kernel(float* dst, const float* src, uint64_t seed, int target, size_t count, float p,
+                                    bool add) {
+  const float keep = 1.0f / (1.0f - p);
+  for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
+       i += static_cast<size_t>(gridDim.x) * blockDim.x) {
+    const float v = lora_keep(seed, target, i, p) ? src[i] * keep : 0.0f;
+    dst[i] = add ? dst[i] + v : v;
+  }
+}
+
 }  // namespace
 
 // ---------------------------------------------------------------- launchers
@@ -431,6 +476,7 @@ cudaError_t rmsnorm_backward(const float* x, const void* w, int dtype, const flo
   if (n == 0) return cudaSuccess;
   rmsnorm_backward_dx_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, w, dtype, rstd, dy, residual, dx,
                                                                                   d);
+  if (!dw) return cudaGetLastError();  // a frozen weight
   const int64_t chunks = (n + kRmsPartialRows - 1) / kRmsPartialRows;
   const unsigned cols = static_cast<unsigned>((d + kThreads - 1) / kThreads);
   rmsnorm_dw_partial_kernel<<<dim3(cols, static_cast<unsigned>(chunks)), kThreads, 0, stream>>>(x, rstd, dy, partial,
@@ -507,6 +553,32 @@ cudaError_t cross_entropy(float* logits, const int32_t* targets, const uint8_t* 
 
 cudaError_t loss_sum(const double* row_loss, int64_t n, strata_cuda_train_report_t* report, cudaStream_t stream) {
   loss_sum_kernel<<<1, 32, 0, stream>>>(row_loss, n, report);
+  return cudaGetLastError();
+}
+
+cudaError_t add_bias(float* y, const void* b, int dtype, int64_t n, int64_t cols, cudaStream_t stream) {
+  const size_t count = static_cast<size_t>(n) * cols;
+  if (count == 0) return cudaSuccess;
+  add_bias_kernel<<<grid_for(count), kThreads, 0, stream>>>(y, b, dtype, count, cols);
+  return cudaGetLastError();
+}
+
+cudaError_t col_sum(const float* dy, float* out, int64_t n, int64_t cols, cudaStream_t stream) {
+  if (cols == 0) return cudaSuccess;
+  col_sum_kernel<<<static_cast<unsigned>((cols + kThreads - 1) / kThreads), kThreads, 0, stream>>>(dy, out, n, cols);
+  return cudaGetLastError();
+}
+
+cudaError_t scale(float* dst, const float* src, float s, size_t count, bool add, cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  scale_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, src, s, count, add);
+  return cudaGetLastError();
+}
+
+cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, size_t count, float p, bool add,
+                         cudaStream_t stream) {
+  if (count == 0) return cudaSuccess;
+  lora_dropout_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, src, seed, target, count, p, add);
   return cudaGetLastError();
 }
 

@@ -33,7 +33,7 @@ cudaError_t embed_backward(const int32_t* tokens, int64_t n, const float* dx, fl
 cudaError_t rmsnorm_forward(const float* x, const void* w, int dtype, float* y, float* rstd, int64_t n,
                             int64_t d, float eps, cudaStream_t stream);
 // dx = residual + d/dx (residual may be null; dx may equal residual), dw
-// overwritten (through `partial`).
+// overwritten (through `partial`; null: frozen, not computed).
 cudaError_t rmsnorm_backward(const float* x, const void* w, int dtype, const float* rstd, const float* dy,
                              const float* residual, float* dx, float* dw, float* partial, int64_t n, int64_t d,
                              cudaStream_t stream);
@@ -57,6 +57,17 @@ cudaError_t attention_backward(const float* q, const float* k, const float* v, c
 cudaError_t swiglu_forward(const float* g, const float* u, float* a, size_t count, cudaStream_t stream);
 // In place: g becomes dg, u becomes du.
 cudaError_t swiglu_backward(float* g, float* u, const float* da, size_t count, cudaStream_t stream);
+
+// y[n, cols] += b (broadcast over rows; b in dtype).
+cudaError_t add_bias(float* y, const void* b, int dtype, int64_t n, int64_t cols, cudaStream_t stream);
+// out[cols] = column sums of dy[n, cols], rows in order (a bias gradient).
+cudaError_t col_sum(const float* dy, float* out, int64_t n, int64_t cols, cudaStream_t stream);
+// dst = src * s, or dst += src * s with add.
+cudaError_t scale(float* dst, const float* src, float s, size_t count, bool add, cudaStream_t stream);
+// LoRA dropout: dst = src * keep / (1 - p) (keep drawn per (seed, target,
+// element) exactly as the CPU ops draw it), or dst += that with add.
+cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, size_t count, float p, bool add,
+                         cudaStream_t stream);
 
 // dst (dtype bf16/fp16) = round(src).
 cudaError_t cast_from_f32(void* dst, int dtype, const float* src, size_t count, cudaStream_t stream);

@@ -46,6 +46,11 @@ struct strata_cuda_train_ctx_s {
   // Backward scratch.
   float *dbig = nullptr, *dh = nullptr, *datt = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
   float *dn = nullptr, *partial = nullptr;
+  // Qwen3's q/k norms: q and k before them, their rstd, gradient scratch.
+  float *q_raw = nullptr, *k_raw = nullptr, *rstd_q = nullptr, *rstd_k = nullptr, *dq_raw = nullptr, *dk_raw = nullptr;
+  // LoRA: x A^T [n, r] and its gradient, the adapter's output or scaled
+  // output gradient [n, widest], the dropped-out input [n, widest].
+  float *lora_xa = nullptr, *lora_dxa = nullptr, *lora_out = nullptr, *lora_xd = nullptr;
   float* logits = nullptr;  // [chunk, vocab]
   double* row_loss = nullptr;
   void* lp[2] = {nullptr, nullptr};  // activations rounded to the weights' dtype
@@ -140,7 +145,23 @@ void carve(Ctx& c, Carver& cv) {
   c.dk = cv.take<float>(n * K);
   c.dv = cv.take<float>(n * K);
   c.dn = cv.take<float>(n * D);
-  c.partial = cv.take<float>((n + k::kRmsPartialRows - 1) / k::kRmsPartialRows * D);
+  // The RMSNorm weight-gradient partials: the layer norms' [n, D] and the
+  // q/k norms' [n * heads, head_dim].
+  const size_t R = k::kRmsPartialRows;
+  c.partial = cv.take<float>(std::max((n + R - 1) / R * D, (n * d.heads + R - 1) / R * d.head_dim));
+  const bool qkn = d.qk_norm != 0, lora = d.lora_targets != 0;
+  c.q_raw = cv.take<float>(qkn ? n * Q : 0);
+  c.k_raw = cv.take<float>(qkn ? n * K : 0);
+  c.rstd_q = cv.take<float>(qkn ? n * d.heads : 0);
+  c.rstd_k = cv.take<float>(qkn ? n * d.kv_heads : 0);
+  c.dq_raw = cv.take<float>(qkn ? n * Q : 0);
+  c.dk_raw = cv.take<float>(qkn ? n * K : 0);
+  const size_t widest = std::max({D, Q, F});
+  const size_t r = lora ? static_cast<size_t>(d.lora_rank) : 0;
+  c.lora_xa = cv.take<float>(n * r);
+  c.lora_dxa = cv.take<float>(n * r);
+  c.lora_out = cv.take<float>(lora ? n * widest : 0);
+  c.lora_xd = cv.take<float>(lora && d.lora_dropout > 0 ? n * widest : 0);
   c.logits = cv.take<float>(static_cast<size_t>(c.chunk) * V);
   c.row_loss = cv.take<double>(n);
   const size_t lp_elems = std::max(n * std::max({D, Q, F}), static_cast<size_t>(c.chunk) * V);
@@ -164,8 +185,25 @@ int check_dims(const strata_cuda_train_dims_t* d, char* err, size_t err_len) {
     return invalid("model dims beyond the kernels' limits (widths < 2^31, heads <= 65535, head_dim <= 1024, "
                    "batch <= 65535)",
                    err, err_len);
+  if (d->lora_targets & ~0x7fu) return invalid("unknown LoRA target bits", err, err_len);
+  if (d->lora_targets && (d->lora_rank < 1 || d->lora_rank > INT_MAX || !(d->lora_dropout >= 0.0f) ||
+                          !(d->lora_dropout < 1.0f)))
+    return invalid("LoRA needs a rank >= 1 and a dropout in [0, 1)", err, err_len);
   return 0;
 }
+
+// Whether the model has layer tensor t (dims' features).
+bool has_tensor(const strata_cuda_train_dims_t& d, int t) {
+  if (t < STRATA_CUDA_TRAIN_Q_BIAS) return true;
+  if (t <= STRATA_CUDA_TRAIN_V_BIAS) return d.qkv_bias != 0;
+  if (t <= STRATA_CUDA_TRAIN_K_NORM) return d.qk_norm != 0;
+  return (d.lora_targets >> ((t - STRATA_CUDA_TRAIN_LORA_FIRST) / 2)) & 1u;
+}
+
+// LoRA targets in the ABI's order.
+enum LoraTarget { kLoraQ, kLoraK, kLoraV, kLoraO, kLoraGate, kLoraUp, kLoraDown };
+int lora_a(int target) { return STRATA_CUDA_TRAIN_LORA_FIRST + 2 * target; }
+int lora_b(int target) { return STRATA_CUDA_TRAIN_LORA_FIRST + 2 * target + 1; }
 
 // ---- GEMM
 
@@ -224,19 +262,88 @@ int linear_bwd_w(Ctx* c, Mat dy, Mat x, int64_t n, int64_t in, int64_t out, floa
 
 // ---- the layer
 
-template <typename P>
-bool any_null(P* const (&tensors)[STRATA_CUDA_TRAIN_LAYER_TENSORS]) {
-  for (P* p : tensors)
-    if (!p) return true;
+// A tensor the model has without a pointer.
+bool missing(const strata_cuda_train_dims_t& d, const void* const (&tensors)[STRATA_CUDA_TRAIN_LAYER_TENSORS]) {
+  for (int t = 0; t < STRATA_CUDA_TRAIN_LAYER_TENSORS; ++t)
+    if (has_tensor(d, t) && !tensors[t]) return true;
   return false;
 }
 
 int check_layer(const Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, char* err, size_t err_len) {
-  if (!w || any_null(w->tensors)) return invalid("null layer weight", err, err_len);
+  if (!w || missing(c->d, w->tensors)) return invalid("null layer weight", err, err_len);
   if (bad_dtype(w->dtype)) return invalid("weight dtype outside fp32/bf16/fp16", err, err_len);
+  if (c->d.lora_targets && w->lora_dtype != STRATA_CUDA_DTYPE_F32)
+    return invalid("LoRA adapters must be fp32", err, err_len);
   if (B < 1 || T < 1 || T > c->d.max_seq || B * T > c->d.max_tokens)
     return invalid("B, T beyond the workspace", err, err_len);
   return 0;
+}
+
+// ---- LoRA (fp32 adapters, fp32 GEMMs on the fp32 activations)
+
+bool lora_on(const Ctx* c, int target) { return (c->d.lora_targets >> target) & 1u; }
+bool lora_dropping(const Ctx* c, const strata_cuda_train_layer_t* w) {
+  return w->lora_dropout_on && c->d.lora_dropout > 0.0f;
+}
+
+// The adapters' input: x, or its dropout in lora_xd.
+int lora_input(Ctx* c, const strata_cuda_train_layer_t* w, int target, const float* x, int64_t n, int64_t in,
+               const float** out, char* err, size_t err_len) {
+  *out = x;
+  if (!lora_dropping(c, w)) return 0;
+  CUDA_TRY(k::lora_dropout(c->lora_xd, x, w->lora_seed, target, static_cast<size_t>(n * in), c->d.lora_dropout, false,
+                           c->stream));
+  *out = c->lora_xd;
+  return 0;
+}
+
+// y[n, out] += lora_B(lora_A(dropout(x))) * scaling.
+int lora_fwd(Ctx* c, const strata_cuda_train_layer_t* w, int target, const float* x, float* y, int64_t n, int64_t in,
+             int64_t out, char* err, size_t err_len) {
+  if (!lora_on(c, target)) return 0;
+  const int64_t r = c->d.lora_rank;
+  const int f32 = STRATA_CUDA_DTYPE_F32;
+  const float* xin = nullptr;
+  TRY(lora_input(c, w, target, x, n, in, &xin, err, err_len));
+  TRY(linear_fwd(c, Mat{xin, f32, in}, w->tensors[lora_a(target)], f32, n, in, r, c->lora_xa, 0.0f, err, err_len));
+  TRY(linear_fwd(c, Mat{c->lora_xa, f32, r}, w->tensors[lora_b(target)], f32, n, r, out, c->lora_out, 0.0f, err,
+                 err_len));
+  CUDA_TRY(k::scale(y, c->lora_out, c->d.lora_scaling, static_cast<size_t>(n * out), true, c->stream));
+  return 0;
+}
+
+// The adapters' gradients (null: frozen) for the projection's output
+// gradient dy[n, out], and dx[n, in] += the input gradient through them.
+int lora_bwd(Ctx* c, const strata_cuda_train_layer_t* w, const strata_cuda_train_layer_grads_t* g, int target,
+             const float* x, const float* dy, float* dx, int64_t n, int64_t in, int64_t out, char* err,
+             size_t err_len) {
+  if (!lora_on(c, target)) return 0;
+  const int64_t r = c->d.lora_rank;
+  const int f32 = STRATA_CUDA_DTYPE_F32;
+  const void* A = w->tensors[lora_a(target)];
+  const void* Bw = w->tensors[lora_b(target)];
+  const float* xin = nullptr;
+  TRY(lora_input(c, w, target, x, n, in, &xin, err, err_len));
+  TRY(linear_fwd(c, Mat{xin, f32, in}, A, f32, n, in, r, c->lora_xa, 0.0f, err, err_len));
+  CUDA_TRY(k::scale(c->lora_out, dy, c->d.lora_scaling, static_cast<size_t>(n * out), false, c->stream));
+  const Mat dys{c->lora_out, f32, out};
+  if (float* gb = g->tensors[lora_b(target)])
+    TRY(linear_bwd_w(c, dys, Mat{c->lora_xa, f32, r}, n, r, out, gb, 0.0f, err, err_len));
+  TRY(linear_bwd_x(c, dys, Bw, f32, n, r, out, c->lora_dxa, 0.0f, err, err_len));
+  if (float* ga = g->tensors[lora_a(target)])
+    TRY(linear_bwd_w(c, Mat{c->lora_dxa, f32, r}, Mat{xin, f32, in}, n, in, r, ga, 0.0f, err, err_len));
+  if (!lora_dropping(c, w))
+    return linear_bwd_x(c, Mat{c->lora_dxa, f32, r}, A, f32, n, in, r, dx, 1.0f, err, err_len);
+  // Through the dropout (stream order: the dA product above has read lora_xd).
+  TRY(linear_bwd_x(c, Mat{c->lora_dxa, f32, r}, A, f32, n, in, r, c->lora_xd, 0.0f, err, err_len));
+  CUDA_TRY(k::lora_dropout(dx, c->lora_xd, w->lora_seed, target, static_cast<size_t>(n * in), c->d.lora_dropout, true,
+                           c->stream));
+  return 0;
+}
+
+// A weight gradient dW = dy^T x unless the weight is frozen (null).
+int weight_grad(Ctx* c, float* dw, Mat dy, Mat x, int64_t n, int64_t in, int64_t out, char* err, size_t err_len) {
+  return dw ? linear_bwd_w(c, dy, x, n, in, out, dw, 0.0f, err, err_len) : 0;
 }
 
 // Computes and keeps every activation the backward needs; y (may equal x)
@@ -254,6 +361,22 @@ int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int
   TRY(linear_fwd(c, x1, w->tensors[STRATA_CUDA_TRAIN_Q_PROJ], dt, n, D, Q, c->q, 0.0f, err, err_len));
   TRY(linear_fwd(c, x1, w->tensors[STRATA_CUDA_TRAIN_K_PROJ], dt, n, D, K, c->k, 0.0f, err, err_len));
   TRY(linear_fwd(c, x1, w->tensors[STRATA_CUDA_TRAIN_V_PROJ], dt, n, D, K, c->v, 0.0f, err, err_len));
+  if (d.qkv_bias) {  // Qwen2: q/k/v = n1 W^T + b
+    CUDA_TRY(k::add_bias(c->q, w->tensors[STRATA_CUDA_TRAIN_Q_BIAS], dt, n, Q, s));
+    CUDA_TRY(k::add_bias(c->k, w->tensors[STRATA_CUDA_TRAIN_K_BIAS], dt, n, K, s));
+    CUDA_TRY(k::add_bias(c->v, w->tensors[STRATA_CUDA_TRAIN_V_BIAS], dt, n, K, s));
+  }
+  TRY(lora_fwd(c, w, kLoraQ, c->n1, c->q, n, D, Q, err, err_len));
+  TRY(lora_fwd(c, w, kLoraK, c->n1, c->k, n, D, K, err, err_len));
+  TRY(lora_fwd(c, w, kLoraV, c->n1, c->v, n, D, K, err, err_len));
+  if (d.qk_norm) {  // Qwen3: RMSNorm over each head's head_dim, before RoPE
+    CUDA_TRY(cudaMemcpyAsync(c->q_raw, c->q, static_cast<size_t>(n * Q) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    CUDA_TRY(cudaMemcpyAsync(c->k_raw, c->k, static_cast<size_t>(n * K) * sizeof(float), cudaMemcpyDeviceToDevice, s));
+    CUDA_TRY(k::rmsnorm_forward(c->q_raw, w->tensors[STRATA_CUDA_TRAIN_Q_NORM], dt, c->q, c->rstd_q, n * d.heads,
+                                d.head_dim, static_cast<float>(d.rms_eps), s));
+    CUDA_TRY(k::rmsnorm_forward(c->k_raw, w->tensors[STRATA_CUDA_TRAIN_K_NORM], dt, c->k, c->rstd_k, n * d.kv_heads,
+                                d.head_dim, static_cast<float>(d.rms_eps), s));
+  }
   CUDA_TRY(k::rope(c->q, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, false, s));
   CUDA_TRY(k::rope(c->k, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, false, s));
   CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->P, B, T, d.heads, d.kv_heads, d.head_dim, s));
@@ -262,19 +385,22 @@ int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int
   Mat at;
   TRY(act(c, c->att, n, Q, dt, 0, &at, err, err_len));
   TRY(linear_fwd(c, at, w->tensors[STRATA_CUDA_TRAIN_O_PROJ], dt, n, Q, D, c->h, 1.0f, err, err_len));
+  TRY(lora_fwd(c, w, kLoraO, c->att, c->h, n, Q, D, err, err_len));
   CUDA_TRY(k::rmsnorm_forward(c->h, w->tensors[STRATA_CUDA_TRAIN_POST_NORM], dt, c->n2, c->rstd2, n, D,
                               static_cast<float>(d.rms_eps), s));
   Mat x2;
   TRY(act(c, c->n2, n, D, dt, 0, &x2, err, err_len));
   TRY(linear_fwd(c, x2, w->tensors[STRATA_CUDA_TRAIN_GATE_PROJ], dt, n, D, F, c->g, 0.0f, err, err_len));
   TRY(linear_fwd(c, x2, w->tensors[STRATA_CUDA_TRAIN_UP_PROJ], dt, n, D, F, c->u, 0.0f, err, err_len));
+  TRY(lora_fwd(c, w, kLoraGate, c->n2, c->g, n, D, F, err, err_len));
+  TRY(lora_fwd(c, w, kLoraUp, c->n2, c->u, n, D, F, err, err_len));
   CUDA_TRY(k::swiglu_forward(c->g, c->u, c->a, static_cast<size_t>(n * F), s));
   if (!y) return 0;
   CUDA_TRY(cudaMemcpyAsync(y, c->h, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
   Mat am;
   TRY(act(c, c->a, n, F, dt, 0, &am, err, err_len));
   TRY(linear_fwd(c, am, w->tensors[STRATA_CUDA_TRAIN_DOWN_PROJ], dt, n, F, D, y, 1.0f, err, err_len));
-  return 0;
+  return lora_fwd(c, w, kLoraDown, c->a, y, n, F, D, err, err_len);
 }
 
 int layer_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, const float* x_in, float* x_out,
@@ -288,56 +414,79 @@ int layer_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t
 int layer_backward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_t T, const float* x, const float* dy,
                    float* dx, const strata_cuda_train_layer_grads_t* g, char* err, size_t err_len) {
   TRY(check_layer(c, w, B, T, err, err_len));
-  if (!x || !dy || !dx || !g || any_null(g->tensors))
-    return invalid("null activation or gradient", err, err_len);
+  // A null gradient is a frozen tensor's: not computed.
+  if (!x || !dy || !dx || !g) return invalid("null activation or gradient", err, err_len);
   CUDA_TRY(cudaSetDevice(c->device));
   TRY(layer_run_forward(c, w, B, T, x, nullptr, err, err_len));
   const auto& d = c->d;
   const int dt = w->dtype;
   const int64_t n = B * T, D = d.dim, Q = d.heads * d.head_dim, K = d.kv_heads * d.head_dim, F = d.ffn_dim;
   cudaStream_t s = c->stream;
+  float* const* gt = g->tensors;
   // MLP: y = h + down(a), a = silu(g) * u.
   Mat dym, am;
   TRY(act(c, dy, n, D, dt, 0, &dym, err, err_len));
   TRY(linear_bwd_x(c, dym, w->tensors[STRATA_CUDA_TRAIN_DOWN_PROJ], dt, n, F, D, c->dbig, 0.0f, err, err_len));
   TRY(act(c, c->a, n, F, dt, 1, &am, err, err_len));
-  TRY(linear_bwd_w(c, dym, am, n, F, D, g->tensors[STRATA_CUDA_TRAIN_DOWN_PROJ], 0.0f, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_DOWN_PROJ], dym, am, n, F, D, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraDown, c->a, dy, c->dbig, n, F, D, err, err_len));
   CUDA_TRY(k::swiglu_backward(c->g, c->u, c->dbig, static_cast<size_t>(n * F), s));  // g, u := dg, du
   Mat dgm, dum, x2;
   TRY(act(c, c->g, n, F, dt, 0, &dgm, err, err_len));
   TRY(linear_bwd_x(c, dgm, w->tensors[STRATA_CUDA_TRAIN_GATE_PROJ], dt, n, D, F, c->dn, 0.0f, err, err_len));
   TRY(act(c, c->n2, n, D, dt, 1, &x2, err, err_len));
-  TRY(linear_bwd_w(c, dgm, x2, n, D, F, g->tensors[STRATA_CUDA_TRAIN_GATE_PROJ], 0.0f, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_GATE_PROJ], dgm, x2, n, D, F, err, err_len));
   TRY(act(c, c->u, n, F, dt, 0, &dum, err, err_len));
   TRY(linear_bwd_x(c, dum, w->tensors[STRATA_CUDA_TRAIN_UP_PROJ], dt, n, D, F, c->dn, 1.0f, err, err_len));
-  TRY(linear_bwd_w(c, dum, x2, n, D, F, g->tensors[STRATA_CUDA_TRAIN_UP_PROJ], 0.0f, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_UP_PROJ], dum, x2, n, D, F, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraGate, c->n2, c->g, c->dn, n, D, F, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraUp, c->n2, c->u, c->dn, n, D, F, err, err_len));
   // dh = dy + d(post-attention norm)
   CUDA_TRY(k::rmsnorm_backward(c->h, w->tensors[STRATA_CUDA_TRAIN_POST_NORM], dt, c->rstd2, c->dn, dy, c->dh,
-                               g->tensors[STRATA_CUDA_TRAIN_POST_NORM], c->partial, n, D, s));
+                               gt[STRATA_CUDA_TRAIN_POST_NORM], c->partial, n, D, s));
   // Attention: h = x + o(attn(rope(q), rope(k), v)).
   Mat dhm, atm;
   TRY(act(c, c->dh, n, D, dt, 0, &dhm, err, err_len));
   TRY(linear_bwd_x(c, dhm, w->tensors[STRATA_CUDA_TRAIN_O_PROJ], dt, n, Q, D, c->datt, 0.0f, err, err_len));
   TRY(act(c, c->att, n, Q, dt, 1, &atm, err, err_len));
-  TRY(linear_bwd_w(c, dhm, atm, n, Q, D, g->tensors[STRATA_CUDA_TRAIN_O_PROJ], 0.0f, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_O_PROJ], dhm, atm, n, Q, D, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraO, c->att, c->dh, c->datt, n, Q, D, err, err_len));
   CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->P, c->datt, c->dS, c->dq, c->dk, c->dv, B, T, d.heads, d.kv_heads,
                                  d.head_dim, s));
   CUDA_TRY(k::rope(c->dq, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   CUDA_TRY(k::rope(c->dk, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, true, s));
+  float* dq = c->dq;
+  float* dk = c->dk;
+  if (d.qk_norm) {  // through the per-head norms to the projections' outputs
+    CUDA_TRY(k::rmsnorm_backward(c->q_raw, w->tensors[STRATA_CUDA_TRAIN_Q_NORM], dt, c->rstd_q, c->dq, nullptr,
+                                 c->dq_raw, gt[STRATA_CUDA_TRAIN_Q_NORM], c->partial, n * d.heads, d.head_dim, s));
+    CUDA_TRY(k::rmsnorm_backward(c->k_raw, w->tensors[STRATA_CUDA_TRAIN_K_NORM], dt, c->rstd_k, c->dk, nullptr,
+                                 c->dk_raw, gt[STRATA_CUDA_TRAIN_K_NORM], c->partial, n * d.kv_heads, d.head_dim, s));
+    dq = c->dq_raw;
+    dk = c->dk_raw;
+  }
+  if (d.qkv_bias) {
+    if (gt[STRATA_CUDA_TRAIN_Q_BIAS]) CUDA_TRY(k::col_sum(dq, gt[STRATA_CUDA_TRAIN_Q_BIAS], n, Q, s));
+    if (gt[STRATA_CUDA_TRAIN_K_BIAS]) CUDA_TRY(k::col_sum(dk, gt[STRATA_CUDA_TRAIN_K_BIAS], n, K, s));
+    if (gt[STRATA_CUDA_TRAIN_V_BIAS]) CUDA_TRY(k::col_sum(c->dv, gt[STRATA_CUDA_TRAIN_V_BIAS], n, K, s));
+  }
   Mat x1, dqm, dkm, dvm;
   TRY(act(c, c->n1, n, D, dt, 1, &x1, err, err_len));
-  TRY(act(c, c->dq, n, Q, dt, 0, &dqm, err, err_len));
+  TRY(act(c, dq, n, Q, dt, 0, &dqm, err, err_len));
   TRY(linear_bwd_x(c, dqm, w->tensors[STRATA_CUDA_TRAIN_Q_PROJ], dt, n, D, Q, c->dn, 0.0f, err, err_len));
-  TRY(linear_bwd_w(c, dqm, x1, n, D, Q, g->tensors[STRATA_CUDA_TRAIN_Q_PROJ], 0.0f, err, err_len));
-  TRY(act(c, c->dk, n, K, dt, 0, &dkm, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_Q_PROJ], dqm, x1, n, D, Q, err, err_len));
+  TRY(act(c, dk, n, K, dt, 0, &dkm, err, err_len));
   TRY(linear_bwd_x(c, dkm, w->tensors[STRATA_CUDA_TRAIN_K_PROJ], dt, n, D, K, c->dn, 1.0f, err, err_len));
-  TRY(linear_bwd_w(c, dkm, x1, n, D, K, g->tensors[STRATA_CUDA_TRAIN_K_PROJ], 0.0f, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_K_PROJ], dkm, x1, n, D, K, err, err_len));
   TRY(act(c, c->dv, n, K, dt, 0, &dvm, err, err_len));
   TRY(linear_bwd_x(c, dvm, w->tensors[STRATA_CUDA_TRAIN_V_PROJ], dt, n, D, K, c->dn, 1.0f, err, err_len));
-  TRY(linear_bwd_w(c, dvm, x1, n, D, K, g->tensors[STRATA_CUDA_TRAIN_V_PROJ], 0.0f, err, err_len));
+  TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_V_PROJ], dvm, x1, n, D, K, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraQ, c->n1, dq, c->dn, n, D, Q, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraK, c->n1, dk, c->dn, n, D, K, err, err_len));
+  TRY(lora_bwd(c, w, g, kLoraV, c->n1, c->dv, c->dn, n, D, K, err, err_len));
   // dx = dh + d(input norm); dx may equal dy, which is no longer read.
   CUDA_TRY(k::rmsnorm_backward(x, w->tensors[STRATA_CUDA_TRAIN_INPUT_NORM], dt, c->rstd1, c->dn, c->dh, dx,
-                               g->tensors[STRATA_CUDA_TRAIN_INPUT_NORM], c->partial, n, D, s));
+                               gt[STRATA_CUDA_TRAIN_INPUT_NORM], c->partial, n, D, s));
   return 0;
 }
 
@@ -371,7 +520,7 @@ int head(Ctx* c, const strata_cuda_train_head_t* h, char* err, size_t err_len) {
   const bool logits_only = h->logits != nullptr;
   const bool grad = !logits_only && h->dx != nullptr;
   if (!logits_only && !h->targets) return invalid("null targets", err, err_len);
-  if (grad && (!h->grad_norm || !h->grad_lm_head)) return invalid("null gradient", err, err_len);
+  // grad_norm / grad_lm_head null: frozen, not computed.
   CUDA_TRY(cudaSetDevice(c->device));
   const auto& d = c->d;
   const int dt = h->dtype;
@@ -395,7 +544,8 @@ int head(Ctx* c, const strata_cuda_train_head_t* h, char* err, size_t err_len) {
     Mat lm;
     TRY(act(c, c->logits, rows, V, dt, 1, &lm, err, err_len));
     TRY(linear_bwd_x(c, lm, h->lm_head, dt, rows, D, V, c->dn + r0 * D, 0.0f, err, err_len));
-    TRY(linear_bwd_w(c, lm, xm, rows, D, V, h->grad_lm_head, r0 == 0 ? 0.0f : 1.0f, err, err_len));
+    if (h->grad_lm_head)
+      TRY(linear_bwd_w(c, lm, xm, rows, D, V, h->grad_lm_head, r0 == 0 ? 0.0f : 1.0f, err, err_len));
   }
   CUDA_TRY(k::loss_sum(c->row_loss, n, c->report, s));
   if (grad)

@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-#define STRATA_CUDA_TRAIN_ABI_VERSION 2u
+#define STRATA_CUDA_TRAIN_ABI_VERSION 3u
 
 // Bits of strata_cuda_train_report_t::bad_ids.
 #define STRATA_CUDA_TRAIN_BAD_TOKEN_FWD 1u  // embed_forward saw a token outside [0, vocab)
@@ -64,6 +64,16 @@ typedef struct strata_cuda_train_dims_s {
   // are multiplied by rope_attention_scaling (1 except yarn).
   const float* rope_inv_freq;
   double rope_attention_scaling;
+  // Architecture features (the layer tensors they bring are given only when
+  // set): Qwen2's q/k/v biases, Qwen3's per-head q/k RMSNorm before RoPE.
+  int32_t qkv_bias, qk_norm;
+  // LoRA (train/lora.h): a bit per adapted projection (Q, K, V, O, GATE, UP,
+  // DOWN, in that order; 0: none), the rank, y += lora_B(lora_A(dropout(x)))
+  // * lora_scaling, dropout probability on the adapters' input.
+  uint32_t lora_targets;
+  int32_t lora_reserved;
+  int64_t lora_rank;
+  float lora_scaling, lora_dropout;
 } strata_cuda_train_dims_t;
 
 // Device-side results, copied to the host by report_copy_async. Same layout
@@ -88,14 +98,29 @@ enum strata_cuda_train_layer_tensor {
   STRATA_CUDA_TRAIN_GATE_PROJ,       // [ffn_dim, dim]
   STRATA_CUDA_TRAIN_UP_PROJ,         // [ffn_dim, dim]
   STRATA_CUDA_TRAIN_DOWN_PROJ,       // [dim, ffn_dim]
-  STRATA_CUDA_TRAIN_LAYER_TENSORS
+  STRATA_CUDA_TRAIN_Q_BIAS,          // qkv_bias: [heads*head_dim]
+  STRATA_CUDA_TRAIN_K_BIAS,          // [kv_heads*head_dim]
+  STRATA_CUDA_TRAIN_V_BIAS,          // [kv_heads*head_dim]
+  STRATA_CUDA_TRAIN_Q_NORM,          // qk_norm: [head_dim]
+  STRATA_CUDA_TRAIN_K_NORM,          // [head_dim]
+  STRATA_CUDA_TRAIN_LORA_FIRST,      // LoRA: (A [r, in], B [out, r]) per projection, Q..DOWN order
+  STRATA_CUDA_TRAIN_LAYER_TENSORS = STRATA_CUDA_TRAIN_LORA_FIRST + 14
 };
 
 typedef struct strata_cuda_train_layer_s {
-  int dtype;
-  const void* tensors[STRATA_CUDA_TRAIN_LAYER_TENSORS];  // indexed by strata_cuda_train_layer_tensor
+  int dtype;       // the model's tensors
+  int lora_dtype;  // the adapters' (fp32)
+  // LoRA dropout of this call: on (training) with this seed; the forward and
+  // the backward of one micro-batch pass the same seed.
+  int lora_dropout_on;
+  int reserved;
+  uint64_t lora_seed;
+  // Indexed by strata_cuda_train_layer_tensor; tensors the model does not
+  // have (dims' features) are NULL.
+  const void* tensors[STRATA_CUDA_TRAIN_LAYER_TENSORS];
 } strata_cuda_train_layer_t;
 
+// NULL for a tensor the model has: frozen (its gradient is not computed).
 typedef struct strata_cuda_train_layer_grads_s {
   float* tensors[STRATA_CUDA_TRAIN_LAYER_TENSORS];  // indexed by strata_cuda_train_layer_tensor
 } strata_cuda_train_layer_grads_t;
@@ -113,8 +138,8 @@ typedef struct strata_cuda_train_head_s {
   int64_t B, T;
   float dloss;
   float* dx;
-  float* grad_norm;
-  float* grad_lm_head;
+  float* grad_norm;     // NULL: frozen
+  float* grad_lm_head;  // NULL: frozen
   float* logits;
 } strata_cuda_train_head_t;
 

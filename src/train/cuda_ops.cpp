@@ -85,11 +85,14 @@ Result<TrainModule> load_module() {
   return result;
 }
 
-// The module's layer tensors are the weight table's base ones, in the same
-// order (Qwen2's biases and Qwen3's q/k norms are not in the module yet:
-// module_dims refuses models that have them).
+// The module's layer tensors are the weight table's, in the same order.
 constexpr bool same(int module_index, int table_index) { return module_index == table_index; }
-static_assert(same(STRATA_CUDA_TRAIN_LAYER_TENSORS, kBaseLayerTensorCount));
+static_assert(same(STRATA_CUDA_TRAIN_LAYER_TENSORS, kLayerTensorCount));
+static_assert(same(STRATA_CUDA_TRAIN_Q_BIAS, kQBias) && same(STRATA_CUDA_TRAIN_K_BIAS, kKBias) &&
+              same(STRATA_CUDA_TRAIN_V_BIAS, kVBias) && same(STRATA_CUDA_TRAIN_Q_NORM, kQNorm) &&
+              same(STRATA_CUDA_TRAIN_K_NORM, kKNorm) && same(STRATA_CUDA_TRAIN_LORA_FIRST, kQLoraA));
+// The module's LoRA pairs follow kLoraTargets' order: (A, B) of Q, K, V, O, gate, up, down.
+static_assert(lora_a_of(kDownProj) == STRATA_CUDA_TRAIN_LORA_FIRST + 12 && lora_b_of(kQProj) == kQLoraA + 1);
 static_assert(same(STRATA_CUDA_TRAIN_INPUT_NORM, kInputNorm) && same(STRATA_CUDA_TRAIN_Q_PROJ, kQProj) &&
               same(STRATA_CUDA_TRAIN_K_PROJ, kKProj) && same(STRATA_CUDA_TRAIN_V_PROJ, kVProj) &&
               same(STRATA_CUDA_TRAIN_O_PROJ, kOProj) && same(STRATA_CUDA_TRAIN_POST_NORM, kPostNorm) &&
@@ -101,11 +104,10 @@ Status module_status(int rc, const char* err, const std::string& what) {
   return cuda_module_status(rc, err, "cuda train ops: " + what);
 }
 
-// The base tensors (the only ones the module takes) must all be given.
-template <typename P>
-bool any_null(const LayerArray<P>& a) {
-  for (int t = 0; t < kBaseLayerTensorCount; ++t)
-    if (!a[static_cast<LayerTensor>(t)]) return true;
+// Every tensor the model has must be given.
+bool any_null(const LayerArray<const void*>& a, const LlamaDims& d) {
+  for (LayerTensor t : kAllLayerTensors)
+    if (d.has(t) && !a[t]) return true;
   return false;
 }
 
@@ -120,15 +122,6 @@ Status bad_arg(const std::string& what) { return Status(StatusCode::kInvalidArgu
 
 Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
   STRATA_RETURN_IF_ERROR(o.dims.validate());
-  if (o.dims.qkv_bias || o.dims.qk_norm)
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("CUDA train ops: {} are not implemented on the GPU yet (the CPU ops have them: "
-                              "--device cpu)",
-                              o.dims.qkv_bias ? "Qwen2's q/k/v biases" : "Qwen3's per-head q/k norms"));
-  if (o.dims.lora_targets)
-    return Status(StatusCode::kUnavailable,
-                  "CUDA train ops: LoRA adapters are not implemented on the GPU yet (the CPU ops have them: "
-                  "--device cpu)");
   if (o.max_batch < 1 || o.max_seq < 1 || o.max_batch > INT_MAX / o.max_seq)
     return bad_arg(fmt::format("CUDA train ops: max_batch {} and max_seq {} must be >= 1 with a product < 2^31",
                                o.max_batch, o.max_seq));
@@ -146,6 +139,12 @@ Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
   d.max_tokens = o.max_batch * o.max_seq;
   d.max_seq = o.max_seq;
   d.allow_tf32 = o.allow_tf32 ? 1 : 0;
+  d.qkv_bias = o.dims.qkv_bias ? 1 : 0;
+  d.qk_norm = o.dims.qk_norm ? 1 : 0;
+  d.lora_targets = o.dims.lora_targets;
+  d.lora_rank = o.dims.lora_targets ? o.dims.lora_rank : 0;
+  d.lora_scaling = o.dims.lora_scaling;
+  d.lora_dropout = o.dims.lora_dropout;
   return d;
 }
 
@@ -227,10 +226,10 @@ class CudaOps final : public ModelOps {
     constexpr const char* op = "layer_backward";
     STRATA_RETURN_IF_ERROR(check_shape(op, B, T));
     STRATA_RETURN_IF_ERROR(check_layer(op, w));
-    if (!x_in || !dy || !dx || any_null(g)) return null_arg(op);
+    if (!x_in || !dy || !dx) return null_arg(op);  // a null gradient: frozen (model_ops.h)
     const strata_cuda_train_layer_t lw = layer(w);
     strata_cuda_train_layer_grads_t lg{};
-    for (int t = 0; t < kBaseLayerTensorCount; ++t) lg.tensors[t] = g[static_cast<LayerTensor>(t)];
+    for (LayerTensor t : kAllLayerTensors) lg.tensors[t] = dims_.has(t) ? g[t] : nullptr;
     STRATA_TRAIN_CALL(op, layer_backward, ctx_, &lw, B, T, x_in, dy, dx, &lg);
     return Status::ok_status();
   }
@@ -240,7 +239,7 @@ class CudaOps final : public ModelOps {
                                const HeadGrads& grads) override {
     constexpr const char* op = "head_forward_backward";
     STRATA_RETURN_IF_ERROR(check_head(op, w, x, B, T));
-    if (!targets || !dx || !grads.norm || !grads.lm_head) return null_arg(op);
+    if (!targets || !dx) return null_arg(op);  // null grads: frozen
     if (dx == x) return bad_arg(fmt::format("{}: dx may not alias x", op));
     strata_cuda_train_head_t h = head(w, x, B, T);
     h.targets = targets;
@@ -288,9 +287,11 @@ class CudaOps final : public ModelOps {
     return Status::ok_status();
   }
   static Status null_arg(const char* op) { return bad_arg(fmt::format("{}: a required pointer is null", op)); }
-  static Status check_layer(const char* op, const LayerWeights& w) {
+  Status check_layer(const char* op, const LayerWeights& w) const {
     STRATA_RETURN_IF_ERROR(check_dtype(op, w.dtype));
-    if (any_null(w.ptr))
+    if (dims_.lora_targets && w.lora_dtype != DType::kF32)
+      return bad_arg(fmt::format("{}: the CUDA ops take fp32 LoRA adapters", op));
+    if (any_null(w.ptr, dims_))
       return bad_arg(fmt::format("{}: a layer weight pointer is null", op));
     return Status::ok_status();
   }
@@ -301,10 +302,13 @@ class CudaOps final : public ModelOps {
     return Status::ok_status();
   }
 
-  static strata_cuda_train_layer_t layer(const LayerWeights& w) {
+  strata_cuda_train_layer_t layer(const LayerWeights& w) const {
     strata_cuda_train_layer_t lw{};
     lw.dtype = static_cast<int>(w.dtype);
-    for (int t = 0; t < kBaseLayerTensorCount; ++t) lw.tensors[t] = w[static_cast<LayerTensor>(t)];
+    lw.lora_dtype = static_cast<int>(w.lora_dtype);
+    lw.lora_dropout_on = w.lora_dropout_on ? 1 : 0;
+    lw.lora_seed = w.lora_seed;
+    for (LayerTensor t : kAllLayerTensors) lw.tensors[t] = dims_.has(t) ? w[t] : nullptr;
     return lw;
   }
   static strata_cuda_train_head_t head(const HeadWeights& w, const float* x, int64_t B, int64_t T) {

@@ -206,7 +206,8 @@ class CudaOpsTest : public ::testing::Test {
     });
     Layer l;
     l.dtype = dt;
-    for (LayerTensor t : kAllLayerTensors) l.t[t] = blob(host[t], dt);
+    // LoRA adapters are fp32 whatever the model's dtype (LayerWeights::lora_dtype).
+    for (LayerTensor t : kAllLayerTensors) l.t[t] = blob(host[t], weight_row(t).feature == Feature::kLora ? DType::kF32 : dt);
     return l;
   }
 
@@ -333,6 +334,79 @@ TEST_P(CudaOpsLayerTest, ForwardAndBackwardMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOpsLayerTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// Qwen2's biases, Qwen3's q/k norms with an explicit head_dim, LoRA adapters
+// (all or some projections, dropout on, the base frozen: null gradients)
+// against the CPU ops.
+struct FeatureCase {
+  const char* name;
+  DType dtype;
+  bool qkv_bias, qk_norm;
+  int64_t head_dim;  // 0: dim / heads
+  uint32_t lora_targets;
+  float lora_dropout;
+};
+class CudaOpsFeatureTest : public CudaOpsTest, public ::testing::WithParamInterface<FeatureCase> {};
+
+TEST_P(CudaOpsFeatureTest, ForwardAndBackwardMatchCpu) {
+  const FeatureCase fc = GetParam();
+  LlamaDims d = test_dims();
+  d.qkv_bias = fc.qkv_bias;
+  d.qk_norm = fc.qk_norm;
+  if (fc.head_dim) d.head_dim = fc.head_dim;
+  if (fc.lora_targets) {
+    d.lora_targets = fc.lora_targets;
+    d.lora_rank = 4;
+    d.lora_scaling = 1.5f;
+    d.lora_dropout = fc.lora_dropout;
+  }
+  make_ops(d);
+  std::mt19937_64 rng(11);
+  const Layer layer = make_layer(rng, d, fc.dtype);
+  const int64_t B = 2, T = 16, n = B * T;
+  const std::vector<float> x = randn(rng, n * d.dim, 1.0);
+  const std::vector<float> dy = randn(rng, n * d.dim, 1.0);
+  const float* x_d = up(x);
+  LayerWeights wc = layer.weights(false), wg = layer.weights(true);
+  for (LayerWeights* w : {&wc, &wg}) {
+    w->lora_dropout_on = fc.lora_dropout > 0;
+    w->lora_seed = 0xfeed;
+  }
+  std::vector<float> y(x.size());
+  ASSERT_TRUE(cpu_->layer_forward(wc, B, T, x.data(), y.data()).ok());
+  float* y_d = nan_buffer(n * d.dim);
+  ASSERT_TRUE(gpu_->layer_forward(wg, B, T, x_d, y_d).ok());
+  EXPECT_CLOSE(down(y_d, n * d.dim), y, tol_for(fc.dtype), "layer output");
+  std::vector<float> dx(x.size());
+  Grads g = make_grads(d);
+  LayerGrads gc = g.view(false), gg = g.view(true);
+  const bool frozen = fc.lora_targets != 0;
+  if (frozen)
+    for (LayerTensor t : kAllLayerTensors)
+      if (weight_row(t).feature != Feature::kLora) gc[t] = gg[t] = nullptr;
+  ASSERT_TRUE(cpu_->layer_backward(wc, B, T, x.data(), dy.data(), dx.data(), gc).ok());
+  float* dx_d = nan_buffer(n * d.dim);
+  ASSERT_TRUE(gpu_->layer_backward(wg, B, T, x_d, up(dy), dx_d, gg).ok());
+  EXPECT_CLOSE(down(dx_d, n * d.dim), dx, tol_for(fc.dtype), "layer dx");
+  for (LayerTensor t : kAllLayerTensors) {
+    if (!d.has(t) || !gg[t]) continue;
+    EXPECT_CLOSE(down(g.dev[t], static_cast<int64_t>(g.host[t].size())), g.host[t], tol_for(fc.dtype),
+                 "grad " + testing::label(t));
+  }
+}
+
+constexpr uint32_t kQvo = (1u << 0) | (1u << 2) | (1u << 3);
+INSTANTIATE_TEST_SUITE_P(
+    Features, CudaOpsFeatureTest,
+    ::testing::Values(FeatureCase{"qwen2_bias_fp32", DType::kF32, true, false, 0, 0, 0.0f},
+                      FeatureCase{"qwen2_bias_bf16", DType::kBF16, true, false, 0, 0, 0.0f},
+                      FeatureCase{"qwen3_qknorm_hd24_fp32", DType::kF32, false, true, 24, 0, 0.0f},
+                      FeatureCase{"qwen3_qknorm_bf16", DType::kBF16, false, true, 0, 0, 0.0f},
+                      FeatureCase{"lora_all_fp32", DType::kF32, false, false, 0, kAllLoraTargets, 0.0f},
+                      FeatureCase{"lora_qvo_dropout_bf16", DType::kBF16, false, false, 0, kQvo, 0.2f},
+                      FeatureCase{"lora_all_dropout_qwen2_bf16", DType::kBF16, true, false, 0, kAllLoraTargets, 0.1f},
+                      FeatureCase{"lora_all_qwen3_fp32", DType::kF32, false, true, 24, kAllLoraTargets, 0.0f}),
+    [](const auto& info) { return std::string(info.param.name); });
 
 TEST_F(CudaOpsTest, LayerBackwardIsDeterministic) {
   const LlamaDims d = test_dims();
