@@ -25,6 +25,27 @@ Status make_dirs(const std::string& dir, const std::string& what) {
 
 using namespace trainer_detail;
 
+LlamaDims llama_dims(const model::LlamaConfig& mc) {
+  LlamaDims dims;
+  dims.dim = static_cast<int64_t>(mc.hidden_size);
+  dims.heads = mc.num_attention_heads;
+  dims.kv_heads = mc.num_key_value_heads;
+  dims.head_dim = static_cast<int64_t>(mc.head_dim());
+  dims.ffn_dim = static_cast<int64_t>(mc.intermediate_size);
+  dims.vocab = static_cast<int64_t>(mc.vocab_size);
+  dims.rms_eps = mc.rms_norm_eps;
+  dims.rope_theta = mc.rope.theta;
+  if (dims.head_dim > 0 && dims.head_dim % 2 == 0) {
+    model::RopeFrequencies f = model::rope_frequencies(mc.rope, dims.head_dim);
+    dims.rope_inv_freq = std::move(f.inv_freq);
+    dims.rope_attention_scaling = f.attention_scaling;
+  }
+  dims.tied = mc.tie_word_embeddings;
+  dims.qkv_bias = mc.arch == model::ModelArch::kQwen2;
+  dims.qk_norm = mc.arch == model::ModelArch::kQwen3;
+  return dims;
+}
+
 Trainer::Trainer(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Trainer::~Trainer() = default;
 int64_t Trainer::step() const { return impl_->step; }
@@ -89,22 +110,7 @@ Status Trainer::Impl::open_model() {
     model = std::move(m).value();
   }
   const model::LlamaConfig& mc = model.config;
-  dims.dim = static_cast<int64_t>(mc.hidden_size);
-  dims.heads = mc.num_attention_heads;
-  dims.kv_heads = mc.num_key_value_heads;
-  dims.head_dim = static_cast<int64_t>(mc.head_dim());
-  dims.ffn_dim = static_cast<int64_t>(mc.intermediate_size);
-  dims.vocab = static_cast<int64_t>(mc.vocab_size);
-  dims.rms_eps = mc.rms_norm_eps;
-  dims.rope_theta = mc.rope.theta;
-  if (dims.head_dim > 0 && dims.head_dim % 2 == 0) {
-    model::RopeFrequencies f = model::rope_frequencies(mc.rope, dims.head_dim);
-    dims.rope_inv_freq = std::move(f.inv_freq);
-    dims.rope_attention_scaling = f.attention_scaling;
-  }
-  dims.tied = mc.tie_word_embeddings;
-  dims.qkv_bias = mc.arch == model::ModelArch::kQwen2;
-  dims.qk_norm = mc.arch == model::ModelArch::kQwen3;
+  dims = llama_dims(mc);
   if (opt.lora.enabled()) {
     dims.lora_targets = opt.lora.targets;
     dims.lora_rank = opt.lora.rank;

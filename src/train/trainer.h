@@ -188,6 +188,11 @@ struct TrainerOptions {
   PlanBudgets budgets_override;
 };
 
+// The dimensions the model ops compute a config's model with (sizes, RoPE
+// frequencies of its type, tied embeddings, the architecture's features; no
+// LoRA). Call LlamaDims::validate() on the result.
+LlamaDims llama_dims(const model::LlamaConfig& config);
+
 struct TrainResult {
   int64_t steps_done = 0;        // optimizer steps done in total (including before a resume)
   int64_t steps_this_run = 0;

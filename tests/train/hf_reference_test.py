@@ -12,8 +12,11 @@ rounding (relative 1e-6). A negative control shows the check would catch the
 old bug: the same model with the RoPE settings dropped (theta 10000, no
 scaling) gives a loss that differs by far more than the tolerance. The export
 must load back in transformers with the same RoPE settings it was given.
+Per-tensor gradients: the CPU model ops' gradient of every parameter on the
+validation windows (tests/train/grad_probe.cpp, the trainer's wiring) against
+transformers' float64 autograd, relative per tensor (GRAD_TOL).
 
-    hf_reference_test.py STRATA_BINARY
+    hf_reference_test.py STRATA_BINARY GRAD_PROBE_BINARY
 
 Exit 0: every case passed; 1: a case failed; 77: torch/transformers missing
 (a failure instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
@@ -42,6 +45,7 @@ SEQ, BATCH = 64, 2
 STEPS, LR, WD, CLIP = 3, 1e-3, 0.1, 1.0
 STEP_TOL = 1e-3  # |strata - torch| / |torch - initial| over all weights after STEPS AdamW steps
 TOL = 1e-6  # relative: fp32 compute against float64 (issue 11: within 1e-6 on the loss)
+GRAD_TOL = 1e-5  # per tensor: |strata - transformers| / |transformers|, fp32 against float64
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
@@ -152,7 +156,45 @@ def hf_loss(model_dir, windows, drop_rope=False):
                                                  windows[:, 1:].reshape(-1)).item()
 
 
-def run_case(strata, work, name, extra, layout):
+def grad_check(probe, d, windows):
+    """Per-tensor gradients of the CPU ops against transformers' float64 autograd."""
+    windows.to(torch.int32).numpy().tofile(d + "/grad_windows.u32")
+    B, T = windows.shape[0], windows.shape[1] - 1
+    r = subprocess.run([probe, d + "/model", d + "/grad_windows.u32", str(B), str(T), d + "/grads.safetensors"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return None, f"grad_probe exited {r.returncode}: {r.stderr.strip()[-1000:]}"
+    from safetensors import safe_open
+    got = {}
+    with safe_open(d + "/grads.safetensors", "pt") as f:
+        probe_loss = float(f.metadata()["loss"])
+        for k in f.keys():
+            got[k] = f.get_tensor(k).double()
+    m = AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float64).train()
+    logits = m(input_ids=windows[:, :-1]).logits
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), windows[:, 1:].reshape(-1))
+    loss.backward()
+    worst, worst_name, problems = 0.0, "", []
+    params = dict(m.named_parameters())
+    for n, p in params.items():
+        if n not in got:
+            problems.append(f"no gradient for {n}")
+            continue
+        rel = ((got[n] - p.grad).norm() / p.grad.norm()).item() if p.grad.norm() > 0 else (got[n].norm().item())
+        if rel > worst:
+            worst, worst_name = rel, n
+        if not rel <= GRAD_TOL:
+            problems.append(f"gradient of {n} differs by {rel:.3e} relative (tolerance {GRAD_TOL})")
+    extra = sorted(set(got) - set(params))
+    if extra:
+        problems.append(f"gradients for tensors transformers does not have: {extra[:3]}")
+    lrel = abs(probe_loss - loss.item()) / abs(loss.item())
+    if not lrel <= TOL:
+        problems.append(f"grad_probe loss differs by {lrel:.3e}")
+    return (worst, worst_name, len(params)), "; ".join(problems)
+
+
+def run_case(strata, work, name, extra, layout, probe=None):
     d = os.path.join(work, f"{name}.{layout}")
     torch.manual_seed(1234)
     extra = dict(extra)
@@ -208,6 +250,13 @@ def run_case(strata, work, name, extra, layout):
     exp = AutoConfig.from_pretrained(d + "/out/model").rope_parameters
     if ref != exp:
         problems.append(f"export changed the RoPE settings: {ref} -> {exp}")
+    if probe:
+        g, err = grad_check(probe, d, windows)
+        if err:
+            problems.append(err)
+        if g:
+            print(f"  {'':26s}     per-tensor gradients vs transformers float64 ({g[2]} tensors): worst "
+                  f"{g[0]:.2e} ({g[1]})")
     back = AutoModelForCausalLM.from_pretrained(d + "/out/model", dtype=torch.float64)
     if type(back) is not type(model):
         problems.append(f"export loads as {type(back).__name__}, not {type(model).__name__}")
@@ -364,10 +413,11 @@ def sliding_window_refused(strata, work):
 
 
 def main():
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3):
         print(__doc__)
         return 2
     strata = os.path.abspath(sys.argv[1])
+    probe = os.path.abspath(sys.argv[2]) if len(sys.argv) == 3 else None
     work = tempfile.mkdtemp(prefix="strata-hf-ref-")
     print(f"hf_reference_test: torch {torch.__version__}, transformers {transformers.__version__}, "
           f"seq {SEQ}, batch {BATCH}")
@@ -375,7 +425,7 @@ def main():
     try:
         for name, extra in CASES:
             for layout in ("v5", "v4"):
-                err = run_case(strata, work, name, extra, layout)
+                err = run_case(strata, work, name, extra, layout, probe)
                 if err:
                     failed.append(f"{name} ({layout} layout): {err}")
         err = sliding_window_refused(strata, work)
