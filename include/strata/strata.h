@@ -445,13 +445,26 @@ STRATA_API strata_status_t strata_engine_acquire(strata_engine_t engine, uint32_
 /* Gives the group back: its buffers are reused once `stream` passes this
  * point. Non-blocking. STRATA_ERR_INVALID_ARGUMENT if not acquired. */
 STRATA_API strata_status_t strata_engine_release(strata_engine_t engine, uint32_t group, strata_stream_t stream);
-/* Accumulates the gradient of `param` (a device buffer of numel elements of
+/* Accumulates the gradient of `param` (a buffer of numel elements of
  * `dtype`: F32, BF16 or F16) into its fp32 gradient shard, once `stream`
- * reaches this point. Asynchronous: the buffer may be reused by work enqueued
- * on `stream` after the call. Errors: STRATA_ERR_INVALID_ARGUMENT (id, dtype,
- * reduced twice in one micro-batch). */
+ * reaches this point. The buffer: device memory on CUDA; on the host
+ * backend any host memory (the caller's own, e.g. a torch CPU tensor's
+ * data_ptr()). Asynchronous: the buffer may be reused by work enqueued on
+ * `stream` after the call. A failed call changes nothing and may be retried
+ * (no buffer is leaked, nothing waits forever), unless its message says part
+ * of the gradient was accumulated: then strata_engine_step refuses until
+ * strata_engine_discard_step. Errors: STRATA_ERR_INVALID_ARGUMENT (id, dtype,
+ * reduced twice in one micro-batch, a frozen parameter). */
 STRATA_API strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uint32_t param, const void* grad,
                                                      strata_dtype_t dtype, strata_stream_t stream);
+/* Abandons the step in progress (an exception in the caller's forward or
+ * backward, a torn reduce_grad): releases every acquired group on `stream`
+ * (may be NULL when none is acquired), waits for the gradient work in flight
+ * and forgets every gradient of this step, all its micro-batches; weights and
+ * optimizer state stay as after the last step. Blocking. Errors:
+ * STRATA_ERR_INVALID_ARGUMENT when overlap_backward already updated a group
+ * of this step (the weights moved: load a checkpoint). */
+STRATA_API strata_status_t strata_engine_discard_step(strata_engine_t engine, strata_stream_t stream);
 /* One optimizer step: global gradient norm, fp16 loss scaling (overflow:
  * skipped, scale lowered), clipping, then the optimizer over every shard.
  * lr < 0 keeps the current lr: the last lr >= 0 given to a step, at first

@@ -198,6 +198,9 @@ class Engine {
   Error reduce_grad(uint32_t p, const void* grad, strata_dtype_t dtype, const Stream& s) {
     return Error::from(strata_engine_reduce_grad(e_, p, grad, dtype, s.get()));
   }
+  // Abandons the step in progress (strata_engine_discard_step); s may be a
+  // null stream when no group is acquired.
+  Error discard_step(strata_stream_t s = nullptr) { return Error::from(strata_engine_discard_step(e_, s)); }
   // lr < 0 keeps the config's learning rate. `result` may be null.
   Error step(double lr = -1, strata_step_result_t* result = nullptr) {
     if (result) result->struct_size = sizeof(*result);

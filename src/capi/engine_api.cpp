@@ -488,6 +488,16 @@ strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uint32_t param
   });
 }
 
+strata_status_t strata_engine_discard_step(strata_engine_t engine, strata_stream_t stream) {
+  return on_engine(engine, "strata_engine_discard_step", [&]() -> Status {
+    DeviceStream* s = nullptr;
+    if (stream) {
+      STRATA_ASSIGN_OR_RETURN(s, stream_arg(engine, stream));
+    }
+    return engine->engine->discard_step(s);
+  });
+}
+
 strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_step_result_t* result) {
   return on_engine(engine, "strata_engine_step", [&]() -> Status {
     if (result) {

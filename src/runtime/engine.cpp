@@ -243,6 +243,31 @@ Status Engine::reduce_grad(ParamId id, const void* grad, DType dtype, DeviceStre
   return I.grads.end_reduce(stream);
 }
 
+Status Engine::discard_step(DeviceStream* stream) {
+  Impl& I = *impl_;
+  if (I.overlap_running)
+    for (GroupId g = 0; g < I.reg.groups.size(); ++g)
+      if (I.stepper.update_started(g))
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("engine: discard_step: the optimizer already updated group {} in this step "
+                                  "(overlap_backward): the weights moved; load a checkpoint instead",
+                                  I.reg.groups[g].name));
+  Status st;
+  if (I.uploader.acquired_count() > 0) {
+    if (stream == nullptr) return Status(StatusCode::kInvalidArgument, "engine: discard_step: null stream");
+    for (GroupId g = 0; g < I.reg.groups.size(); ++g)
+      if (I.uploader.acquired(g)) {
+        Status r = I.uploader.release(g, stream);
+        if (st.ok() && !r.ok()) st = r.with_context("engine: discard_step: releasing " + I.reg.groups[g].name);
+      }
+  }
+  Status w = I.wait_idle();
+  if (st.ok()) st = w;
+  (void)I.errors.take();  // the abandoned work's errors go with it
+  I.reset_step();
+  return st;
+}
+
 void Engine::set_lr(double lr) { impl_->stepper.set_lr(lr); }
 
 Status Engine::set_group_lr(uint32_t lr_group, double lr) { return impl_->stepper.set_group_lr(lr_group, lr); }
@@ -264,6 +289,10 @@ Result<StepResult> Engine::step(double lr) {
     I.reset_step();
     return st;
   };
+  if (!I.grads.torn().empty())
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: step(): this step's gradients are torn (" + I.grads.torn() +
+                      "): discard_step() and run the step's micro-batches again");
   Status st = I.wait_idle();
   Status ae = I.errors.take();
   if (st.ok()) st = ae;

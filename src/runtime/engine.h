@@ -207,8 +207,19 @@ class Engine {
   Result<GroupView> acquire(GroupId g, DeviceStream* stream);
   Status release(GroupId g, DeviceStream* stream);
   // `grad` is a device buffer of the parameter's full numel in `dtype`
-  // (fp32/bf16/fp16). Asynchronous (see the header comment).
+  // (fp32/bf16/fp16); on the host backend any host memory (the caller's, e.g.
+  // a torch CPU tensor). Asynchronous (see the header comment). A failed call
+  // changes nothing and may be retried, unless the error says part of the
+  // gradient was accumulated: then step() refuses until discard_step().
   Status reduce_grad(ParamId p, const void* grad, DType dtype, DeviceStream* stream);
+  // Abandons the step in progress (an exception in the caller's forward or
+  // backward, a torn reduce_grad): releases every acquired group on `stream`,
+  // waits for the gradient work in flight and forgets every gradient of this
+  // step (all its micro-batches); the weights and optimizer state are as
+  // after the last step(). kInvalidArgument when overlap_backward already
+  // started updating a group of this step (the weights moved: reload a
+  // checkpoint instead).
+  Status discard_step(DeviceStream* stream);
   // Blocks until the step is done (all gradients reduced, all tiers updated).
   // lr < 0 keeps the current lr (the last lr >= 0 given here or to set_lr; at
   // first config.optimizer.lr). Errors: the first asynchronous error of

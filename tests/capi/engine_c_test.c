@@ -611,6 +611,16 @@ static int test_errors(void) {
   CHECK(n == 2);
   OK(e, strata_engine_release(e, g0, s));
   OK(e, strata_stream_synchronize(s));
+  /* An abandoned step (an exception in forward): a group still held is
+   * released by discard_step, which needs the stream for that. */
+  OK(e, strata_engine_acquire(e, g0, s, ptrs, 4, &n));
+  CHECK(strata_engine_discard_step(e, NULL) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_engine_last_error(e), "stream") != NULL);
+  OK(e, strata_engine_discard_step(e, s));
+  OK(e, strata_engine_acquire(e, g0, s, ptrs, 4, &n)); /* released: acquirable again */
+  OK(e, strata_engine_release(e, g0, s));
+  OK(e, strata_engine_discard_step(e, NULL));
+  OK(e, strata_stream_synchronize(s));
 
   uint32_t w0;
   OK(e, strata_engine_find_param(e, "layer0.weight", &w0));

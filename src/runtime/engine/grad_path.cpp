@@ -140,19 +140,45 @@ Status GradPath::queue_from_stream(const Job& j) {
   });
 }
 
+// A failed call changes nothing when no piece was queued yet (the usual case:
+// the first copy is refused), and the caller may retry; a failure after some
+// pieces were queued leaves this step's gradient of p torn: torn() says so
+// and the step must be discarded (Engine::discard_step). Every piece buffer
+// taken is given back on every path (a failed call never leaks one).
 Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream* stream, int64_t micro_index) {
   ParamState& p = reg_.params[id];
   ParamGrad& pg = params_[id];
   if (pg.reduced_micro == micro_index)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("engine: reduce_grad({}): reduced twice in micro-batch {}", p.name, micro_index));
-  pg.reduced_micro = micro_index;
   const bool first = !pg.written;
-  pg.written = true;
   STRATA_RETURN_IF_ERROR(reg_.dev->record(ev_caller_, stream));
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(download_, ev_caller_));
   const size_t esz = dtype_size(dtype);
   const uint64_t n = p.shard.size();
+  // The host backend's "device" is RAM: the caller's gradient may be any
+  // host memory (a torch CPU tensor), copied on the download stream in order.
+  const bool host = reg_.dev->kind() == DeviceKind::kHost;
+  uint64_t queued = 0;
+  auto give_back = [&](uint32_t slot) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      dl_free_.push_back(slot);
+    }
+    cv_.notify_all();
+  };
+  auto failed = [&](Status st) {
+    if (queued == 0)
+      return st.with_context(fmt::format("engine: reduce_grad({}): nothing was accumulated; the call may be retried",
+                                         p.name));
+    pg.reduced_micro = micro_index;
+    pg.written = true;
+    torn_ = fmt::format("reduce_grad({}) failed after {} of its {} elements were queued ({})", p.name, queued, n,
+                        st.message());
+    return st.with_context(fmt::format("engine: reduce_grad({}): part of the gradient was accumulated; this step's "
+                                       "gradients are torn: discard the step (Engine::discard_step)",
+                                       p.name));
+  };
   for (uint64_t off = 0; off < n; off += piece_elems_) {
     const uint64_t cnt = std::min(piece_elems_, n - off);
     uint32_t slot;
@@ -162,17 +188,27 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
         if (cv_.wait_for(lock, std::chrono::milliseconds(50)) == std::cv_status::timeout) {
           lock.unlock();
           auto q = reg_.dev->query(download_);
-          if (!q.ok()) return q.status().with_context(fmt::format("engine: reduce_grad({})", p.name));
+          if (!q.ok()) return failed(q.status());
           lock.lock();
         }
       }
       slot = dl_free_.back();
       dl_free_.pop_back();
     }
-    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dl_[slot].data(),
-                                            static_cast<const char*>(grad) + (p.shard.begin + off) * esz, cnt * esz,
-                                            CopyKind::kDeviceToHost, download_));
-    reg_.traffic.d2h += cnt * esz;
+    const char* src = static_cast<const char*>(grad) + (p.shard.begin + off) * esz;
+    void* dst = dl_[slot].data();
+    const size_t bytes = cnt * esz;
+    Status st = host ? reg_.dev->host_func_async(download_,
+                                                 [dst, src, bytes] {
+                                                   std::memcpy(dst, src, bytes);
+                                                   return Status();
+                                                 })
+                     : reg_.traced_copy(dst, src, bytes, CopyKind::kDeviceToHost, download_);
+    if (!st.ok()) {
+      give_back(slot);
+      return failed(st);
+    }
+    reg_.traffic.d2h += bytes;
     Job j;
     j.kind = Job::kAccum;
     j.slot = slot;
@@ -182,8 +218,17 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
     j.count = cnt;
     j.dtype = dtype;
     j.first = first;
-    STRATA_RETURN_IF_ERROR(queue_from_stream(j));
+    st = queue_from_stream(j);
+    if (!st.ok()) {
+      // The copy may still be in flight: the slot is given back once the
+      // stream got past it.
+      if (reg_.dev->synchronize(download_).ok()) give_back(slot);
+      return failed(st);
+    }
+    ++queued;
   }
+  pg.reduced_micro = micro_index;
+  pg.written = true;
   return {};
 }
 
@@ -234,6 +279,7 @@ void GradPath::reset_step() {
     pg.written = false;
     pg.reduced_micro = -1;
   }
+  torn_.clear();
 }
 
 }  // namespace strata::engine

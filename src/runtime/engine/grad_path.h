@@ -67,10 +67,14 @@ class GradPath {
   Status zero_unwritten();
   // Forgets the step's per-parameter state.
   void reset_step();
+  // Why this step's gradients are torn (a reduce failed after part of it was
+  // accumulated); empty when they are whole.
+  const std::string& torn() const { return torn_; }
   // Pieces 0 and 1 as bounce buffers (driving thread, path idle).
   Bounce bounce() const { return Bounce{dl_[0].as<float>(), dl_[1].data(), piece_elems_}; }
 
  private:
+  std::string torn_;
   struct Job {
     enum Kind { kAccum, kGroupDone } kind = kAccum;
     uint32_t slot = 0;  // download piece

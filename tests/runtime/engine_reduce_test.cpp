@@ -1,0 +1,220 @@
+// reduce_grad when things go wrong, and discard_step (issue 12: what a
+// foreign trainer needs). The host backend is wrapped so that the gradient
+// download stream's n-th piece fails on demand:
+//   - a failed reduce_grad changes nothing: no buffer leaks, many failures in
+//     a row never hang, a retry succeeds and the step equals a clean run's;
+//   - a failure after part of the gradient was queued leaves the step torn:
+//     step() refuses, discard_step() forgets it, the redone step equals a
+//     clean run's;
+//   - discard_step releases groups still acquired (an exception in forward);
+//   - on the host backend the caller's own memory is a valid gradient.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "device/device_backend.h"
+#include "runtime/engine.h"
+
+namespace strata {
+namespace {
+
+// The host backend, with host functions on the stream named "strata download"
+// failing when armed: fail_in = k fails the k-th such call from now (1: the
+// next one).
+class FlakyBackend final : public DeviceBackend {
+ public:
+  FlakyBackend() {
+    DeviceBackendOptions o;
+    o.kind = DeviceBackendKind::kHost;
+    o.budget_bytes = 1ull << 30;
+    in_ = std::move(create_device_backend(o)).value();
+  }
+  std::atomic<int> fail_in{0};
+
+  DeviceKind kind() const override { return in_->kind(); }
+  std::string name() const override { return in_->name(); }
+  Result<void*> alloc(std::size_t bytes) override { return in_->alloc(bytes); }
+  Status free(void* ptr, DeviceStream* after) override { return in_->free(ptr, after); }
+  DeviceMemoryStats memory_stats() const override { return in_->memory_stats(); }
+  void trim() override { in_->trim(); }
+  HostMemoryRegistrar* host_registrar() override { return in_->host_registrar(); }
+  Result<DeviceStream*> create_stream(std::string_view name) override { return in_->create_stream(name); }
+  Status destroy_stream(DeviceStream* s) override { return in_->destroy_stream(s); }
+  Status synchronize(DeviceStream* s) override { return in_->synchronize(s); }
+  Result<bool> query(DeviceStream* s) override { return in_->query(s); }
+  Result<DeviceEvent*> create_event() override { return in_->create_event(); }
+  void destroy_event(DeviceEvent* e) override { in_->destroy_event(e); }
+  Status record(DeviceEvent* e, DeviceStream* s) override { return in_->record(e, s); }
+  Status wait(DeviceStream* s, DeviceEvent* e) override { return in_->wait(s, e); }
+  Result<bool> query(DeviceEvent* e) override { return in_->query(e); }
+  Status synchronize(DeviceEvent* e) override { return in_->synchronize(e); }
+  Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, DeviceStream* s) override {
+    return in_->copy_async(dst, src, bytes, kind, s);
+  }
+  Status fill_zero_async(void* dst, std::size_t bytes, DeviceStream* s) override {
+    return in_->fill_zero_async(dst, bytes, s);
+  }
+  Status host_func_async(DeviceStream* s, std::function<Status()> fn) override {
+    if (s->name() == "strata download" && fail_in.load() > 0 && fail_in.fetch_sub(1) == 1)
+      return Status(StatusCode::kIoError, "injected: the download stream refused the piece");
+    return in_->host_func_async(s, std::move(fn));
+  }
+  Status cast_async(void* dst, DType dt, const void* src, DType st, std::size_t n, float scale,
+                    DeviceStream* s) override {
+    return in_->cast_async(dst, dt, src, st, n, scale, s);
+  }
+  Status accumulate_async(float* dst, const void* src, DType st, std::size_t n, float scale,
+                          DeviceStream* s) override {
+    return in_->accumulate_async(dst, src, st, n, scale, s);
+  }
+  Status sq_norm_async(const void* src, DType t, std::size_t n, NormStats* out, DeviceStream* s) override {
+    return in_->sq_norm_async(src, t, n, out, s);
+  }
+  Status adamw_async(const AdamWArgs& a, DeviceStream* s) override { return in_->adamw_async(a, s); }
+
+ private:
+  std::unique_ptr<DeviceBackend> in_;
+};
+
+// Two groups: "big" (a 5M-element weight: two 4M-element download pieces)
+// and "small".
+constexpr uint64_t kBig = 5u << 20, kSmall = 300;
+
+struct Rig {
+  FlakyBackend dev;
+  std::unique_ptr<Engine> engine;
+  DeviceStream* stream = nullptr;
+  GroupId big = 0, small = 0;
+
+  Rig() {
+    EngineOptions eo;
+    eo.model.params = {{"big.weight", {kBig}, DType::kF32, "big"}, {"small.weight", {kSmall}, DType::kF32, "small"}};
+    eo.config.optimizer.lr = 1e-2;
+    eo.config.optimizer.weight_decay = 0.01;
+    eo.config.zero.offload_optimizer.device = OffloadDevice::kCpu;
+    eo.config.zero.offload_param.device = OffloadDevice::kCpu;
+    eo.config.strata.device_memory = 512ull << 20;
+    eo.config.strata.device_reserve = 64ull << 20;
+    eo.device = &dev;
+    auto e = Engine::create(eo);
+    EXPECT_TRUE(e.ok()) << e.status().to_string();
+    engine = std::move(e).value();
+    stream = dev.create_stream("caller").value();
+    big = engine->find_group("big").value();
+    small = engine->find_group("small").value();
+    std::vector<float> w(kBig);
+    for (uint64_t i = 0; i < kBig; ++i) w[i] = 0.001f * static_cast<float>(i % 997);
+    EXPECT_TRUE(engine->load_param(0, w.data(), DType::kF32).ok());
+    EXPECT_TRUE(engine->load_param(1, w.data(), DType::kF32).ok());
+  }
+  ~Rig() {
+    engine.reset();
+    (void)dev.destroy_stream(stream);
+  }
+  // The caller's own gradient memory (not the backend's pool).
+  static std::vector<float> grad(uint64_t n, float s) {
+    std::vector<float> g(n);
+    for (uint64_t i = 0; i < n; ++i) g[i] = s * static_cast<float>(static_cast<int64_t>(i % 13) - 6);
+    return g;
+  }
+  Status reduce_all(const std::vector<float>& gb, const std::vector<float>& gs) {
+    STRATA_RETURN_IF_ERROR(engine->reduce_grad(0, gb.data(), DType::kF32, stream));
+    return engine->reduce_grad(1, gs.data(), DType::kF32, stream);
+  }
+  std::vector<float> weights(ParamId p) {
+    std::vector<float> v(engine->model().params[p].numel());
+    EXPECT_TRUE(engine->read_param(p, v.data(), DType::kF32).ok());
+    return v;
+  }
+};
+
+std::vector<std::vector<float>> clean_run(int steps) {
+  Rig r;
+  const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
+  for (int s = 0; s < steps; ++s) {
+    EXPECT_TRUE(r.engine->begin_micro_batch(true).ok());
+    EXPECT_TRUE(r.reduce_all(gb, gs).ok());
+    EXPECT_TRUE(r.engine->step(1e-2).ok());
+  }
+  return {r.weights(0), r.weights(1)};
+}
+
+TEST(EngineReduce, FailedCallsChangeNothingLeakNothingAndARetrySucceeds) {
+  const auto want = clean_run(2);
+  Rig r;
+  const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+    // Ten failures of the first piece in a row: more than the engine has
+    // piece buffers, so a leak would hang the next call.
+    for (int k = 0; k < 10; ++k) {
+      r.dev.fail_in = 1;
+      Status st = r.engine->reduce_grad(1, gs.data(), DType::kF32, r.stream);
+      ASSERT_FALSE(st.ok());
+      EXPECT_NE(st.message().find("nothing was accumulated"), std::string::npos) << st.to_string();
+      // The queueing of the first piece (after its copy) failing is the same.
+      r.dev.fail_in = 2;
+      st = r.engine->reduce_grad(1, gs.data(), DType::kF32, r.stream);
+      ASSERT_FALSE(st.ok());
+      EXPECT_NE(st.message().find("may be retried"), std::string::npos) << st.to_string();
+    }
+    r.dev.fail_in = 0;
+    ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+    auto res = r.engine->step(1e-2);
+    ASSERT_TRUE(res.ok()) << res.status().to_string();
+  }
+  EXPECT_EQ(r.weights(0), want[0]);
+  EXPECT_EQ(r.weights(1), want[1]);
+}
+
+TEST(EngineReduce, ATornReduceBlocksTheStepUntilDiscarded) {
+  const auto want = clean_run(1);
+  Rig r;
+  const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
+  const auto before = r.weights(0);
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.engine->reduce_grad(1, gs.data(), DType::kF32, r.stream).ok());
+  r.dev.fail_in = 3;  // piece 0 copied and queued, piece 1's copy refused
+  Status st = r.engine->reduce_grad(0, gb.data(), DType::kF32, r.stream);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.message().find("torn"), std::string::npos) << st.to_string();
+  auto refused = r.engine->step(1e-2);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("discard_step"), std::string::npos) << refused.status().to_string();
+  EXPECT_EQ(r.weights(0), before);  // nothing moved
+  // An exception in the redo's forward leaves a group acquired: discard
+  // releases it too.
+  ASSERT_TRUE(r.engine->discard_step(r.stream).ok());
+  ASSERT_TRUE(r.engine->acquire(r.big, r.stream).ok());
+  ASSERT_TRUE(r.engine->discard_step(r.stream).ok());
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.engine->acquire(r.big, r.stream).ok());
+  ASSERT_TRUE(r.engine->release(r.big, r.stream).ok());
+  ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+  auto res = r.engine->step(1e-2);
+  ASSERT_TRUE(res.ok()) << res.status().to_string();
+  EXPECT_EQ(res->step, 1);
+  EXPECT_EQ(r.weights(0), want[0]);
+  EXPECT_EQ(r.weights(1), want[1]);
+}
+
+TEST(EngineReduce, DiscardedMicroBatchesLeaveNoTrace) {
+  const auto want = clean_run(1);
+  Rig r;
+  const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
+  // A whole micro-batch of other gradients, then discarded.
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.reduce_all(Rig::grad(kBig, 5.0f), Rig::grad(kSmall, -3.0f)).ok());
+  ASSERT_TRUE(r.engine->discard_step(nullptr).ok());
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+  ASSERT_TRUE(r.engine->step(1e-2).ok());
+  EXPECT_EQ(r.weights(0), want[0]);
+  EXPECT_EQ(r.weights(1), want[1]);
+}
+
+}  // namespace
+}  // namespace strata
