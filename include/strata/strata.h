@@ -422,6 +422,16 @@ STRATA_API strata_status_t strata_engine_load_param(strata_engine_t engine, uint
  * memory `dst` as `count` (= numel) elements of `dtype`. */
 STRATA_API strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param, void* dst,
                                                     strata_dtype_t dtype, size_t count);
+/* The optimizer state of trainable `param` as `count` (= numel) fp32 values:
+ * state 0 is AdamW's exp_avg, 1 its exp_avg_sq (torch.optim.AdamW's state
+ * names; the step count is strata_engine_step_count). read: to convert a
+ * checkpoint to PyTorch or DeepSpeed; load: to convert one in (bf16 states
+ * round to nearest even). Blocking. Errors: STRATA_ERR_INVALID_ARGUMENT (id,
+ * count, a frozen parameter, a state the optimizer does not keep), I/O. */
+STRATA_API strata_status_t strata_engine_read_state(strata_engine_t engine, uint32_t param, int state, float* dst,
+                                                    size_t count);
+STRATA_API strata_status_t strata_engine_load_state(strata_engine_t engine, uint32_t param, int state,
+                                                    const float* src, size_t count);
 
 /* ---- the training protocol (driving thread) */
 
@@ -483,6 +493,11 @@ STRATA_API strata_status_t strata_engine_step(strata_engine_t engine, double lr,
  * STRATA_ERR_INVALID_ARGUMENT (no trainable parameter has that lr_group,
  * lr not finite). */
 STRATA_API strata_status_t strata_engine_set_group_lr(strata_engine_t engine, uint32_t lr_group, double lr);
+/* Sets the learning rate of every group without its own (what a torch
+ * scheduler sets each step): the next update uses it; with overlap_backward,
+ * set it before the last micro-batch begins (strata_engine_step's lr applies
+ * from the step after). Errors: STRATA_ERR_INVALID_ARGUMENT (not finite or < 0). */
+STRATA_API strata_status_t strata_engine_set_lr(strata_engine_t engine, double lr);
 /* The loss scale for the next micro-batch (fp16 dynamic scaling; 1
  * otherwise): multiply the loss by it before backward. Non-blocking. */
 STRATA_API strata_status_t strata_engine_loss_scale(strata_engine_t engine, double* scale);

@@ -4,6 +4,7 @@
 // C++ exception (std::bad_alloc from a std::string, a bug) is stopped before
 // it crosses into C, and where a Status becomes a strata_status_t and the
 // engine's last-error text.
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -443,6 +444,26 @@ strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param,
   });
 }
 
+strata_status_t strata_engine_read_state(strata_engine_t engine, uint32_t param, int state, float* dst,
+                                         size_t count) {
+  return on_engine(engine, "strata_engine_read_state", [&]() -> Status {
+    if (!dst) return null_arg("strata_engine_read_state", "dst");
+    STRATA_RETURN_IF_ERROR(check_param(*engine->engine, param));
+    STRATA_RETURN_IF_ERROR(check_count(*engine->engine, param, count));
+    return engine->engine->read_state(param, state, dst);
+  });
+}
+
+strata_status_t strata_engine_load_state(strata_engine_t engine, uint32_t param, int state, const float* src,
+                                         size_t count) {
+  return on_engine(engine, "strata_engine_load_state", [&]() -> Status {
+    if (!src) return null_arg("strata_engine_load_state", "src");
+    STRATA_RETURN_IF_ERROR(check_param(*engine->engine, param));
+    STRATA_RETURN_IF_ERROR(check_count(*engine->engine, param, count));
+    return engine->engine->load_state(param, state, src);
+  });
+}
+
 strata_status_t strata_engine_begin_micro_batch(strata_engine_t engine, int last) {
   return on_engine(engine, "strata_engine_begin_micro_batch",
                    [&]() -> Status { return engine->engine->begin_micro_batch(last != 0); });
@@ -505,6 +526,15 @@ strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_ste
     }
     STRATA_ASSIGN_OR_RETURN(StepResult r, engine->engine->step(lr));
     if (result) fill_step_result(r, result);
+    return Status();
+  });
+}
+
+strata_status_t strata_engine_set_lr(strata_engine_t engine, double lr) {
+  return on_engine(engine, "strata_engine_set_lr", [&]() -> Status {
+    if (!std::isfinite(lr) || lr < 0)
+      return Status(StatusCode::kInvalidArgument, "lr " + std::to_string(lr) + " must be finite and >= 0");
+    engine->engine->set_lr(lr);
     return Status();
   });
 }

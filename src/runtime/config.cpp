@@ -574,6 +574,7 @@ Status read_strata(Obj& o, StrataConfig* s) {
   STRATA_RETURN_IF_ERROR(read_enum(o, "optimizer_state_dtype", &s->optimizer_state_dtype, kStateDtypes));
   STRATA_RETURN_IF_ERROR(read_enum(o, "io_backend", &s->io_backend, kEnumNames<IoBackendChoice>));
   STRATA_RETURN_IF_ERROR(read_bool(o, "overlap_backward", &s->overlap_backward));
+  STRATA_RETURN_IF_ERROR(read_bool(o, "average_micro_batches", &s->average_micro_batches));
   STRATA_RETURN_IF_ERROR(read_string(o, "trace", &s->trace));
   STRATA_RETURN_IF_ERROR(read_uint(o, "world_size", &s->world_size, 1, 1u << 20));
   STRATA_RETURN_IF_ERROR(read_uint(o, "rank", &s->rank, 0, (1u << 20) - 1));
@@ -812,6 +813,7 @@ std::string config_to_json(const Config& c) {
                  {"optimizer_state_dtype", dtype_name(s.optimizer_state_dtype)},
                  {"io_backend", io_backend_name(s.io_backend)},
                  {"overlap_backward", s.overlap_backward},
+                 {"average_micro_batches", s.average_micro_batches},
                  {"trace", s.trace},
                  {"world_size", s.world_size},
                  {"rank", s.rank},

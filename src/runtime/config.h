@@ -148,6 +148,10 @@ struct StrataConfig {
   DType optimizer_state_dtype = DType::kF32;           // Adam m and v: fp32 or bf16
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
   bool overlap_backward = false;                        // start a group's optimizer step during backward
+  // step() averages the gradients over the step's micro-batches (divides by
+  // their count, DeepSpeed's engine.backward convention); false: the caller
+  // scaled its loss already (torch's `loss / accum`), gradients are summed.
+  bool average_micro_batches = true;
   std::string trace;                                    // Chrome trace-event JSON output file; "" = off
   uint32_t world_size = 1;
   uint32_t rank = 0;

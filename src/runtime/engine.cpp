@@ -13,6 +13,7 @@
 #include "common/float_convert.h"
 #include "common/log.h"
 #include "common/units.h"
+#include "cpu_optim/optimizer.h"
 #include "runtime/engine/engine_impl.h"
 
 namespace strata {
@@ -172,6 +173,61 @@ Status Engine::read_param(ParamId id, void* dst, DType dtype) {
     if (!st.ok()) return st.with_context(fmt::format("engine: read_param({})", p.name));
     st = narrow_from_f32(f, dtype, cnt, static_cast<char*>(dst) + off * out_sz);
     if (!st.ok()) return st.with_context(fmt::format("engine: read_param({})", p.name));
+  }
+  return {};
+}
+
+namespace {
+// The optimizer state array k of p, or why there is none.
+Result<const engine::ArrayLoc*> state_of(const engine::Registry& reg, ParamId id, int k, const char* op) {
+  if (id >= reg.params.size()) return Status(StatusCode::kInvalidArgument, fmt::format("engine: {}: no parameter {}", op, id));
+  const engine::ParamState& p = reg.params[id];
+  if (!p.trainable)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: {}({}): a frozen parameter has no optimizer state", op, p.name));
+  cpu_optim::OptimizerConfig oc;
+  oc.kind = reg.cfg.optimizer.decoupled_weight_decay() ? cpu_optim::OptimizerKind::kAdamW
+                                                       : cpu_optim::OptimizerKind::kAdam;
+  const int n = std::min(cpu_optim::state_count(oc), 2);
+  if (k < 0 || k >= n)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: {}({}): state {} does not exist (the optimizer keeps {})", op, p.name, k, n));
+  return &p.state[k];
+}
+}  // namespace
+
+Status Engine::read_state(ParamId id, int k, float* dst) {
+  Impl& I = *impl_;
+  STRATA_ASSIGN_OR_RETURN(const engine::ArrayLoc* a, state_of(I.reg, id, k, "read_state"));
+  if (dst == nullptr) return Status(StatusCode::kInvalidArgument, "engine: read_state: null destination");
+  STRATA_RETURN_IF_ERROR(I.wait_idle());
+  const ParamState& p = I.reg.params[id];
+  const DType sd = I.reg.cfg.strata.optimizer_state_dtype;
+  const engine::Bounce b = I.grads.bounce();
+  const uint64_t n = p.shard.size();
+  for (uint64_t off = 0; off < n; off += b.elems) {
+    const uint64_t cnt = std::min(b.elems, n - off);
+    Status st = I.reg.read_array(*a, dtype_size(sd), off, cnt, b.compute);
+    if (!st.ok()) return st.with_context(fmt::format("engine: read_state({}, {})", p.name, k));
+    widen_to_f32(b.compute, sd, cnt, dst + off);
+  }
+  return {};
+}
+
+Status Engine::load_state(ParamId id, int k, const float* src) {
+  Impl& I = *impl_;
+  STRATA_ASSIGN_OR_RETURN(const engine::ArrayLoc* a, state_of(I.reg, id, k, "load_state"));
+  if (src == nullptr) return Status(StatusCode::kInvalidArgument, "engine: load_state: null source");
+  STRATA_RETURN_IF_ERROR(I.wait_idle());
+  const ParamState& p = I.reg.params[id];
+  const DType sd = I.reg.cfg.strata.optimizer_state_dtype;
+  const engine::Bounce b = I.grads.bounce();
+  const uint64_t n = p.shard.size();
+  for (uint64_t off = 0; off < n; off += b.elems) {
+    const uint64_t cnt = std::min(b.elems, n - off);
+    Status st = narrow_from_f32(src + p.shard.begin + off, sd, cnt, b.compute);
+    if (st.ok()) st = I.reg.write_array(*a, dtype_size(sd), off, cnt, b.compute);
+    if (!st.ok()) return st.with_context(fmt::format("engine: load_state({}, {})", p.name, k));
   }
   return {};
 }

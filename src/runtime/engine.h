@@ -191,6 +191,13 @@ class Engine {
   // Copies parameter p (this rank's shard of the fp32 master; world_size 1:
   // the whole tensor) to host memory `dst` in `dtype`. Blocking.
   Status read_param(ParamId p, void* dst, DType dtype);
+  // The optimizer state of trainable parameter p as fp32 (AdamW: k = 0 the
+  // first moment exp_avg, k = 1 the second exp_avg_sq; torch's names), this
+  // rank's shard: read to convert a checkpoint to PyTorch/DeepSpeed, loaded to
+  // convert one in (bf16 states round to nearest even). Blocking.
+  // kInvalidArgument: a frozen parameter, k beyond the optimizer's states.
+  Status read_state(ParamId p, int k, float* dst);
+  Status load_state(ParamId p, int k, const float* src);
 
   // ---- the training protocol (one driving thread)
   // Marks the start of a micro-batch; `last` says it ends the accumulation

@@ -411,6 +411,19 @@ static int test_ram_matches_reference(void) {
       }
   }
   printf("run A (RAM): %d steps, max |engine - reference AdamW| = %.3g\n", STEPS, max_err);
+  /* The moments, as the reference AdamW keeps them (torch's exp_avg, exp_avg_sq). */
+  for (int p = 0; p < NPARAM; ++p) {
+    float* mv = malloc(numel(p) * sizeof(float));
+    OK(e, strata_engine_read_state(e, r.ids[p], 0, mv, numel(p)));
+    for (size_t i = 0; i < numel(p); ++i) CHECK(fabs(mv[i] - ref.m[p][i]) <= 1e-6 + 1e-4 * fabs(ref.m[p][i]));
+    OK(e, strata_engine_read_state(e, r.ids[p], 1, mv, numel(p)));
+    for (size_t i = 0; i < numel(p); ++i) CHECK(fabs(mv[i] - ref.v[p][i]) <= 1e-9 + 1e-4 * fabs(ref.v[p][i]));
+    CHECK(strata_engine_read_state(e, r.ids[p], 2, mv, numel(p)) == STRATA_ERR_INVALID_ARGUMENT);
+    CHECK(strata_engine_read_state(e, r.ids[p], 0, mv, numel(p) + 1) == STRATA_ERR_INVALID_ARGUMENT);
+    free(mv);
+  }
+  CHECK(strata_engine_set_lr(e, -1.0) == STRATA_ERR_INVALID_ARGUMENT);
+  OK(e, strata_engine_set_lr(e, kLr));
   int64_t steps = 0;
   OK(e, strata_engine_step_count(e, &steps));
   CHECK(steps == STEPS);

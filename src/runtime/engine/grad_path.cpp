@@ -198,12 +198,19 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
     const char* src = static_cast<const char*>(grad) + (p.shard.begin + off) * esz;
     void* dst = dl_[slot].data();
     const size_t bytes = cnt * esz;
-    Status st = host ? reg_.dev->host_func_async(download_,
-                                                 [dst, src, bytes] {
-                                                   std::memcpy(dst, src, bytes);
-                                                   return Status();
-                                                 })
-                     : reg_.traced_copy(dst, src, bytes, CopyKind::kDeviceToHost, download_);
+    Status st;
+    if (host) {
+      Tracer* tr = reg_.tracer && reg_.tracer->enabled() ? reg_.tracer.get() : nullptr;
+      const uint32_t track = reg_.trace_d2h;
+      st = reg_.dev->host_func_async(download_, [dst, src, bytes, tr, track] {
+        const uint64_t t0 = tr ? Tracer::now_ns() : 0;
+        std::memcpy(dst, src, bytes);
+        if (tr) tr->complete("d2h", trace_cat::kCopy, t0, Tracer::now_ns(), {{"bytes", uint64_t{bytes}}}, track);
+        return Status();
+      });
+    } else {
+      st = reg_.traced_copy(dst, src, bytes, CopyKind::kDeviceToHost, download_);
+    }
     if (!st.ok()) {
       give_back(slot);
       return failed(st);

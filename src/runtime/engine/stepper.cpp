@@ -88,7 +88,8 @@ Stepper::~Stepper() {
 // ---------------------------------------------------------------- overlap with backward
 
 void Stepper::begin_overlap(int64_t micro_batches) {
-  overlap_scale_ = 1.0 / (static_cast<double>(micro_batches) * scaler_.scale);
+  const double m = reg_.cfg.strata.average_micro_batches ? static_cast<double>(micro_batches) : 1.0;
+  overlap_scale_ = 1.0 / (m * scaler_.scale);
   const double clip = reg_.cfg.gradient_clipping;
   overlap_coef_ = clip > 0 && prev_norm_ >= 0 ? std::min(1.0, clip / (prev_norm_ + 1e-6)) : 1.0;
   overlap_step_ = steps_ + 1;
@@ -197,7 +198,8 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       log_warn("engine: step {}: {} group(s) had non-finite gradients and were not updated", overlap_step_,
                r.skipped_groups);
   } else {
-    const double scale = 1.0 / (static_cast<double>(micro) * scaler_.scale);
+    const double m = reg_.cfg.strata.average_micro_batches ? static_cast<double>(micro) : 1.0;
+    const double scale = 1.0 / (m * scaler_.scale);
     double sum = 0;
     bool nonfinite = false;
     for (GroupId g = 0; g < groups_.size(); ++g) {

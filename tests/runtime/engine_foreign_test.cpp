@@ -1,5 +1,6 @@
-// reduce_grad when things go wrong, and discard_step (issue 12: what a
-// foreign trainer needs). The host backend is wrapped so that the gradient
+// What a foreign trainer (the PyTorch package, a C ABI user) needs of the
+// engine (issue 12): reduce_grad when things go wrong, discard_step, the
+// optimizer state, summed rather than averaged micro-batches. The host backend is wrapped so that the gradient
 // download stream's n-th piece fails on demand:
 //   - a failed reduce_grad changes nothing: no buffer leaks, many failures in
 //     a row never hang, a retry succeeds and the step equals a clean run's;
@@ -7,10 +8,13 @@
 //     step() refuses, discard_step() forgets it, the redone step equals a
 //     clean run's;
 //   - discard_step releases groups still acquired (an exception in forward);
-//   - on the host backend the caller's own memory is a valid gradient.
+//   - on the host backend the caller's own memory is a valid gradient;
+//   - read_state gives AdamW's exp_avg / exp_avg_sq, load_state puts them back;
+//   - average_micro_batches false sums the micro-batches' gradients.
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -89,8 +93,10 @@ struct Rig {
   DeviceStream* stream = nullptr;
   GroupId big = 0, small = 0;
 
-  Rig() {
+  explicit Rig(uint32_t accum = 1, bool average = true) {
     EngineOptions eo;
+    eo.config.gradient_accumulation_steps = accum;
+    eo.config.strata.average_micro_batches = average;
     eo.model.params = {{"big.weight", {kBig}, DType::kF32, "big"}, {"small.weight", {kSmall}, DType::kF32, "small"}};
     eo.config.optimizer.lr = 1e-2;
     eo.config.optimizer.weight_decay = 0.01;
@@ -209,6 +215,54 @@ TEST(EngineReduce, DiscardedMicroBatchesLeaveNoTrace) {
   ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
   ASSERT_TRUE(r.reduce_all(Rig::grad(kBig, 5.0f), Rig::grad(kSmall, -3.0f)).ok());
   ASSERT_TRUE(r.engine->discard_step(nullptr).ok());
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+  ASSERT_TRUE(r.engine->step(1e-2).ok());
+  EXPECT_EQ(r.weights(0), want[0]);
+  EXPECT_EQ(r.weights(1), want[1]);
+}
+
+TEST(EngineForeign, OptimizerStateIsTorchsAndRoundTrips) {
+  Rig r;
+  const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+    ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+    ASSERT_TRUE(r.engine->step(1e-2).ok());
+  }
+  // The same gradient twice: exp_avg = (0.1 * 0.9 + 0.1) g, exp_avg_sq = (0.001 * 0.999 + 0.001) g^2.
+  std::vector<float> m(kSmall), v(kSmall);
+  ASSERT_TRUE(r.engine->read_state(1, 0, m.data()).ok());
+  ASSERT_TRUE(r.engine->read_state(1, 1, v.data()).ok());
+  for (uint64_t i = 0; i < kSmall; ++i) {
+    const double g = gs[i];
+    EXPECT_NEAR(m[i], 0.19 * g, 1e-7 + 1e-6 * std::abs(0.19 * g)) << i;
+    EXPECT_NEAR(v[i], 0.001999 * g * g, 1e-12 + 1e-6 * 0.001999 * g * g) << i;
+  }
+  // Into a fresh engine: the same state, the same next step.
+  Rig fresh;
+  for (ParamId p : {ParamId{0}, ParamId{1}}) {
+    ASSERT_TRUE(fresh.engine->load_param(p, r.weights(p).data(), DType::kF32).ok());
+    for (int k = 0; k < 2; ++k) {
+      std::vector<float> st(r.engine->model().params[p].numel()), back(st.size());
+      ASSERT_TRUE(r.engine->read_state(p, k, st.data()).ok());
+      ASSERT_TRUE(fresh.engine->load_state(p, k, st.data()).ok());
+      ASSERT_TRUE(fresh.engine->read_state(p, k, back.data()).ok());
+      EXPECT_EQ(back, st);
+    }
+  }
+  std::vector<float> out(kSmall);
+  EXPECT_FALSE(r.engine->read_state(1, 2, out.data()).ok());  // AdamW keeps two
+  EXPECT_FALSE(r.engine->read_state(7, 0, out.data()).ok());
+}
+
+TEST(EngineForeign, SummedMicroBatchesWhenTheCallerAveraged) {
+  const auto want = clean_run(1);
+  Rig r(/*accum=*/2, /*average=*/false);
+  // torch's loss / accum: each micro-batch brings half the gradient.
+  const auto gb = Rig::grad(kBig, 0.005f), gs = Rig::grad(kSmall, 0.01f);
+  ASSERT_TRUE(r.engine->begin_micro_batch(false).ok());
+  ASSERT_TRUE(r.reduce_all(gb, gs).ok());
   ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
   ASSERT_TRUE(r.reduce_all(gb, gs).ok());
   ASSERT_TRUE(r.engine->step(1e-2).ok());
