@@ -10,7 +10,10 @@ PKGS=(
   libgtest-dev libgmock-dev libbenchmark-dev
   libcli11-dev nlohmann-json3-dev libfmt-dev
   fio clang libclang-rt-14-dev
+  python3-venv ccache
 )
+# python3-venv: the Python package's test installs it into a fresh virtual
+# environment (ctest python_package); ccache speeds that build up when it repeats.
 # clang with libclang-rt-14-dev (libFuzzer's runtime: only recommended by clang,
 # and this script installs without recommends) builds the fuzz targets.
 # Optional extras (CI sets STRATA_SETUP_EXTRAS=1):

@@ -1,0 +1,155 @@
+"""ctypes bindings of Strata's C ABI (include/strata/strata.h).
+
+Only what the Python package uses is declared. The library is found, in
+order: $STRATA_LIBRARY (a path to libstrata.so), the package's own
+strata/lib/libstrata.so (what `pip install .` puts there), else an ImportError
+naming both. Every call that fails raises StrataError carrying the C
+library's message and status.
+"""
+import ctypes
+import os
+
+__all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
+
+API_VERSION = 3  # STRATA_API_VERSION these bindings speak
+
+DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
+DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
+OPT_ADAMW, OPT_ADAM = 0, 1
+ISA_AUTO = 0
+MAX_DIMS = 8
+
+STATUS_NAMES = {0: "OK", 1: "INVALID_ARGUMENT", 2: "IO", 3: "NO_SPACE", 4: "OUT_OF_BUDGET", 5: "OUT_OF_MEMORY",
+                6: "NOT_FOUND", 7: "PERMISSION", 8: "UNAVAILABLE", 9: "CORRUPT", 10: "ALREADY_EXISTS",
+                11: "CANCELLED", 12: "INTERNAL"}
+
+
+class StrataError(RuntimeError):
+    """A Strata call failed: `status` is the C status name ("INVALID_ARGUMENT", ...),
+    the message is the library's (what, where and why)."""
+
+    def __init__(self, status, message):
+        self.status = STATUS_NAMES.get(status, str(status))
+        super().__init__(f"{message} [{self.status}]")
+
+
+def library_path():
+    env = os.environ.get("STRATA_LIBRARY")
+    if env:
+        return env
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "lib", "libstrata.so")
+
+
+def _load():
+    path = library_path()
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        raise ImportError(f"strata: cannot load the C library {path} ({e}); install the package with "
+                          "`pip install .` from a Strata clone, or point STRATA_LIBRARY at a libstrata.so") from e
+
+
+lib = _load()
+
+c_void_p, c_char_p, c_int, c_int32, c_uint32, c_uint64, c_int64, c_size_t, c_double = (
+    ctypes.c_void_p, ctypes.c_char_p, ctypes.c_int, ctypes.c_int32, ctypes.c_uint32, ctypes.c_uint64,
+    ctypes.c_int64, ctypes.c_size_t, ctypes.c_double)
+
+
+class EngineOptions(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("config_json", c_char_p), ("config_path", c_char_p),
+                ("device_kind", c_int), ("device_ordinal", c_int)]
+
+
+class ParamDesc(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("name", c_char_p), ("group", c_char_p), ("ndim", c_uint32),
+                ("shape", c_uint64 * MAX_DIMS), ("dtype", c_int), ("frozen", c_int32),
+                ("no_weight_decay", c_int32), ("lr_group", c_uint32)]
+
+
+class StepResult(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("step", c_int64), ("skipped", c_int), ("skipped_groups", c_uint32),
+                ("grad_norm", c_double), ("clip_coef", c_double), ("loss_scale", c_double), ("lr", c_double),
+                ("seconds", c_double)]
+
+
+class EngineStats(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("tier_bytes", c_uint64 * 4), ("device_buffer_bytes", c_uint64),
+                ("pinned_bytes", c_uint64), ("nvme_read_bytes", c_uint64), ("nvme_write_bytes", c_uint64),
+                ("h2d_bytes", c_uint64), ("d2h_bytes", c_uint64), ("acquires", c_uint64),
+                ("prefetch_hits", c_uint64), ("prefetch_misses", c_uint64), ("order_changes", c_uint64),
+                ("hot_path_allocs", c_uint64), ("steps", c_int64), ("skipped_steps", c_int64)]
+
+
+class OptimizerConfig(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("kind", c_int), ("lr", c_double), ("beta1", c_double),
+                ("beta2", c_double), ("eps", c_double), ("weight_decay", c_double), ("amsgrad", c_int),
+                ("momentum", c_double), ("dampening", c_double), ("nesterov", c_int), ("lr_decay", c_double),
+                ("maximize", c_int), ("grad_scale", c_double)]
+
+
+class OptimizerBuffers(ctypes.Structure):
+    _fields_ = [("struct_size", c_size_t), ("params", c_void_p), ("grads", c_void_p), ("grad_dtype", c_int),
+                ("state", c_void_p * 3), ("state_dtype", c_int), ("params_out", c_void_p), ("out_dtype", c_int)]
+
+
+def _fn(name, restype, *argtypes):
+    f = getattr(lib, name)
+    f.restype = restype
+    f.argtypes = list(argtypes)
+    return f
+
+
+strata_api_version = _fn("strata_api_version", c_int)
+strata_last_error = _fn("strata_last_error", c_char_p)
+strata_version = _fn("strata_version", c_char_p)
+strata_free = _fn("strata_free", None, c_void_p)
+# CPU optimizers
+strata_optimizer_config_init = _fn("strata_optimizer_config_init", c_int, c_int, ctypes.POINTER(OptimizerConfig))
+strata_cpu_optimizer_create = _fn("strata_cpu_optimizer_create", c_int, c_int, c_int, ctypes.POINTER(c_void_p))
+strata_cpu_optimizer_destroy = _fn("strata_cpu_optimizer_destroy", None, c_void_p)
+strata_cpu_optimizer_step = _fn("strata_cpu_optimizer_step", c_int, c_void_p, ctypes.POINTER(OptimizerConfig),
+                                c_int64, ctypes.POINTER(OptimizerBuffers), c_size_t)
+strata_cpu_optimizer_last_error = _fn("strata_cpu_optimizer_last_error", c_char_p, c_void_p)
+# The engine
+strata_engine_options_init = _fn("strata_engine_options_init", c_int, ctypes.POINTER(EngineOptions))
+strata_engine_create = _fn("strata_engine_create", c_int, ctypes.POINTER(EngineOptions), ctypes.POINTER(ParamDesc),
+                           c_size_t, ctypes.POINTER(c_void_p))
+strata_engine_destroy = _fn("strata_engine_destroy", None, c_void_p)
+strata_engine_last_error = _fn("strata_engine_last_error", c_char_p, c_void_p)
+strata_engine_find_group = _fn("strata_engine_find_group", c_int, c_void_p, c_char_p, ctypes.POINTER(c_uint32))
+strata_engine_load_param = _fn("strata_engine_load_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
+strata_engine_read_param = _fn("strata_engine_read_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
+strata_engine_read_state = _fn("strata_engine_read_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
+strata_engine_load_state = _fn("strata_engine_load_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
+strata_engine_begin_micro_batch = _fn("strata_engine_begin_micro_batch", c_int, c_void_p, c_int)
+strata_engine_acquire = _fn("strata_engine_acquire", c_int, c_void_p, c_uint32, c_void_p, ctypes.POINTER(c_void_p),
+                            c_size_t, ctypes.POINTER(c_size_t))
+strata_engine_release = _fn("strata_engine_release", c_int, c_void_p, c_uint32, c_void_p)
+strata_engine_reduce_grad = _fn("strata_engine_reduce_grad", c_int, c_void_p, c_uint32, c_void_p, c_int, c_void_p)
+strata_engine_discard_step = _fn("strata_engine_discard_step", c_int, c_void_p, c_void_p)
+strata_engine_step = _fn("strata_engine_step", c_int, c_void_p, c_double, ctypes.POINTER(StepResult))
+strata_engine_set_lr = _fn("strata_engine_set_lr", c_int, c_void_p, c_double)
+strata_engine_set_group_lr = _fn("strata_engine_set_group_lr", c_int, c_void_p, c_uint32, c_double)
+strata_engine_step_count = _fn("strata_engine_step_count", c_int, c_void_p, ctypes.POINTER(c_int64))
+strata_engine_save_checkpoint = _fn("strata_engine_save_checkpoint", c_int, c_void_p, c_char_p, c_char_p)
+strata_engine_load_checkpoint = _fn("strata_engine_load_checkpoint", c_int, c_void_p, c_char_p,
+                                    ctypes.POINTER(c_void_p))
+strata_engine_stats = _fn("strata_engine_stats", c_int, c_void_p, ctypes.POINTER(EngineStats))
+strata_stream_create = _fn("strata_stream_create", c_int, c_void_p, c_char_p, ctypes.POINTER(c_void_p))
+strata_stream_destroy = _fn("strata_stream_destroy", c_int, c_void_p)
+strata_stream_synchronize = _fn("strata_stream_synchronize", c_int, c_void_p)
+
+if strata_api_version() != API_VERSION:
+    raise ImportError(f"strata: {library_path()} implements C API version {strata_api_version()}, these bindings "
+                      f"speak {API_VERSION}: reinstall the package from the same clone")
+
+
+def check(status, engine=None):
+    """Raises StrataError for a failed call, with the engine's (or the thread's) message."""
+    if status == 0:
+        return
+    msg = strata_engine_last_error(engine) if engine else strata_last_error()
+    raise StrataError(status, (msg or b"").decode("utf-8", "replace"))
+
+strata_engine_loss_scale = _fn("strata_engine_loss_scale", c_int, c_void_p, ctypes.POINTER(c_double))

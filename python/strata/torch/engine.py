@@ -1,0 +1,499 @@
+"""strata.torch.initialize: a torch model's training state in Strata's engine,
+driven by module hooks the way DeepSpeed ZeRO-3 (parameter_offload.py) and
+FSDP2 do it.
+
+- Every parameter lives in the engine (fp32 master, AdamW state and fp32
+  gradient accumulator on the tiers the config places them: host RAM or NVMe;
+  the compute copy in the compute dtype). Between uses, `param.data` is a
+  one-element placeholder expanded to the parameter's shape (no memory).
+- Parameters are grouped by the module that owns them (the first module, in
+  named_modules order, whose _parameters hold them: a tied weight belongs to
+  its first owner). Before a module's forward its groups are acquired and
+  `param.data` views the engine's buffer (no copy); after it they are
+  released.
+- Autograd keeps what the backward needs (weight.t(), ...): a
+  saved_tensors_hooks pair replaces every saved view of an engine buffer by a
+  token and rebuilds it in backward from a fresh acquire, so a released and
+  reused slot is never read (issue 12's silently wrong 2.873 vs 3.075).
+- Each trainable parameter's gradient goes to the engine once accumulated
+  (register_post_accumulate_grad_hook) and the torch-side gradient is freed.
+- engine.step() at each gradient-accumulation boundary runs Strata's step
+  (clipping, AdamW, fp16 loss scaling) with the learning rates of the returned
+  optimizer's param_groups, which a torch lr_scheduler may drive.
+
+Supported here: CPU models on the host backend (the engine's "device" is RAM).
+A model on a GPU is refused (the CUDA path of this package is not built yet).
+"""
+import collections
+import ctypes
+import json
+import os
+
+import torch
+
+from .. import _lib
+from .._lib import StrataError
+
+_DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_F16}
+# DeepSpeed config keys this package handles itself or that do not change the
+# math (the rest goes to the engine, whose parser reads or refuses every key).
+_PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu"}
+
+
+def _load_config(config):
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    if isinstance(config, dict):
+        return json.loads(json.dumps(config))  # a deep copy, JSON-clean
+    raise TypeError(f"strata.torch.initialize: config must be a dict or a path, not {type(config).__name__}")
+
+
+class _Saved:
+    """What a saved view of an engine buffer becomes while autograd holds it."""
+    __slots__ = ("pid", "size", "stride", "offset")
+
+    def __init__(self, pid, t):
+        self.pid, self.size, self.stride, self.offset = pid, t.size(), t.stride(), t.storage_offset()
+
+
+class _Optimizer(torch.optim.Optimizer):
+    """The optimizer initialize() returns: its param_groups carry the
+    hyper-parameters a torch lr_scheduler changes (lr); the update itself is
+    Strata's (engine.step()). step() and zero_grad() here do nothing: the
+    engine steps at the accumulation boundary and frees gradients itself."""
+
+    def __init__(self, groups, defaults):
+        super().__init__(groups, defaults)
+
+    def step(self, closure=None):  # noqa: D102 - the engine steps
+        return None
+
+    def zero_grad(self, set_to_none=True):  # noqa: D102 - the engine owns the gradients
+        return None
+
+
+class StrataEngine:
+    """The object initialize() returns (DeepSpeed's engine API): call it like
+    the model, then backward(loss), step(); state_dict(), save_pretrained(),
+    save_checkpoint(), load_checkpoint()."""
+
+    def __init__(self, model, model_parameters, config, lr_scheduler=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError("strata.torch.initialize: model must be a torch.nn.Module")
+        for n, p in model.named_parameters():
+            if p.device.type != "cpu":
+                raise NotImplementedError(f"strata.torch: parameter {n} is on {p.device}: the GPU path of the "
+                                          "PyTorch package is not built yet; keep the model on the CPU")
+        cfg = _load_config(config)
+        if "scheduler" in cfg:
+            raise ValueError("strata.torch.initialize: the config's \"scheduler\" section is not implemented; "
+                             "pass a torch.optim.lr_scheduler built on the returned optimizer (lr_scheduler=)")
+        self.module = model
+        self.gradient_accumulation_steps = int(cfg.get("gradient_accumulation_steps", 1))
+        if self.gradient_accumulation_steps < 1:
+            raise ValueError("gradient_accumulation_steps must be >= 1")
+        if cfg.get("bf16", {}).get("enabled"):
+            self.compute_dtype = torch.bfloat16
+        elif cfg.get("fp16", {}).get("enabled"):
+            self.compute_dtype = torch.float16
+        else:
+            self.compute_dtype = torch.float32
+        opt_cfg = cfg.get("optimizer", {})
+        opt_params = opt_cfg.get("params", {})
+        base_lr = float(opt_params.get("lr", 1e-3))
+        base_wd = float(opt_params.get("weight_decay", 0.0))
+        engine_cfg = {k: v for k, v in cfg.items() if k not in _PACKAGE_KEYS}
+
+        # Parameter groups (torch's param_groups: lr, weight_decay per group).
+        named = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
+        if model_parameters is None:
+            model_parameters = [p for p in model.parameters()]
+        groups = list(model_parameters)
+        if groups and not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self._lr_group, self._decay = {}, {}
+        opt_groups = []
+        for gi, g in enumerate(groups):
+            params = list(g["params"])
+            wd = float(g.get("weight_decay", base_wd))
+            if wd not in (0.0, base_wd):
+                raise ValueError(f"strata.torch: param group {gi} has weight_decay {wd}; the engine applies the "
+                                 f"config's {base_wd} or 0 per parameter")
+            for p in params:
+                if id(p) not in named:
+                    raise ValueError("strata.torch: a parameter in model_parameters is not one of the model's")
+                self._lr_group[id(p)] = gi
+                self._decay[id(p)] = wd != 0.0
+            og = {k: v for k, v in g.items() if k != "params"}
+            og.setdefault("lr", base_lr)
+            og["params"] = params
+            opt_groups.append(og)
+        defaults = {"lr": base_lr, "weight_decay": base_wd}
+        self.optimizer = _Optimizer(opt_groups, defaults)
+        self.lr_scheduler = lr_scheduler
+
+        # Ownership: the first module whose _parameters hold a parameter.
+        self._params = []        # pid -> Parameter
+        self._names = []         # pid -> qualified name
+        self._pid = {}           # id(param) -> pid
+        self._group_of = []      # pid -> group index
+        group_names, group_params = [], []
+        self._module_groups = {}  # module -> [group index]
+        for mname, mod in model.named_modules(remove_duplicate=False):
+            used = []
+            for pname, p in mod._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in self._pid:
+                    gname = mname or "<root>"
+                    if not group_names or group_names[-1] != gname:
+                        group_names.append(gname)
+                        group_params.append([])
+                    pid = len(self._params)
+                    self._pid[id(p)] = pid
+                    self._params.append(p)
+                    self._names.append(named.get(id(p), f"{mname}.{pname}"))
+                    self._group_of.append(len(group_names) - 1)
+                    group_params[-1].append(pid)
+                gi = self._group_of[self._pid[id(p)]]
+                if gi not in used:
+                    used.append(gi)
+            if used:
+                self._module_groups.setdefault(mod, [])
+                for gi in used:
+                    if gi not in self._module_groups[mod]:
+                        self._module_groups[mod].append(gi)
+        self._group_params = group_params
+
+        # The engine.
+        descs = (_lib.ParamDesc * len(self._params))()
+        keep = []  # the name bytes must outlive the create call
+        for pid, p in enumerate(self._params):
+            d = descs[pid]
+            d.struct_size = ctypes.sizeof(_lib.ParamDesc)
+            name = self._names[pid].encode()
+            group = group_names[self._group_of[pid]].encode()
+            keep += [name, group]
+            d.name, d.group = name, group
+            d.ndim = p.dim()
+            for i, s in enumerate(p.shape):
+                d.shape[i] = s
+            d.dtype = _DTYPES[self.compute_dtype]
+            d.frozen = 0 if p.requires_grad else 1
+            d.no_weight_decay = 0 if self._decay.get(id(p), True) else 1
+            d.lr_group = self._lr_group.get(id(p), 0)
+            if p.requires_grad and id(p) not in self._lr_group:
+                raise ValueError(f"strata.torch: trainable parameter {self._names[pid]} is in no param group of "
+                                 "model_parameters")
+        opts = _lib.EngineOptions()
+        _lib.check(_lib.strata_engine_options_init(ctypes.byref(opts)))
+        cfg_bytes = json.dumps(engine_cfg).encode()
+        opts.config_json = cfg_bytes
+        opts.device_kind = _lib.DEVICE_HOST
+        e = ctypes.c_void_p()
+        _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self._params), ctypes.byref(e)))
+        self._e = e
+        s = ctypes.c_void_p()
+        _lib.check(_lib.strata_stream_create(e, b"strata.torch", ctypes.byref(s)), e)
+        self._s = s
+
+        # Initial values, then the placeholders.
+        with torch.no_grad():
+            for pid, p in enumerate(self._params):
+                src = p.detach().to(torch.float32).contiguous()
+                self._call(_lib.strata_engine_load_param, pid, src.data_ptr(), _lib.DTYPE_F32, src.numel())
+                p.data = self._placeholder(p)
+        self._held = collections.Counter()  # group -> holders
+        self._views = {}                    # pid -> tensor viewing the engine buffer (while held)
+        self._live = {}                     # storage data_ptr -> pid (while held)
+        self._bwd = collections.OrderedDict()  # groups acquired in backward, oldest first
+        self._micro = 0        # micro-batches since the last step
+        self._in_step = False  # a micro-batch began and was not stepped
+        self._hooks = []
+        for mod in self._module_groups:
+            self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(mod.register_forward_hook(self._post_forward))
+        for pid, p in enumerate(self._params):
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(pid)))
+
+    # ---------------------------------------------------------------- plumbing
+
+    def _call(self, fn, *args):
+        _lib.check(fn(self._e, *args), self._e)
+
+    def _placeholder(self, p):
+        return torch.zeros((), dtype=self.compute_dtype).expand(p.shape)
+
+    def _acquire(self, g):
+        if self._held[g] == 0:
+            pids = self._group_params[g]
+            ptrs = (ctypes.c_void_p * len(pids))()
+            n = ctypes.c_size_t()
+            self._call(_lib.strata_engine_acquire, g, self._s, ptrs, len(pids), ctypes.byref(n))
+            _lib.check(_lib.strata_stream_synchronize(self._s), self._e)  # host backend: the CPU reads it now
+            esz = torch.empty((), dtype=self.compute_dtype).element_size()
+            for pid, ptr in zip(pids, ptrs):
+                p = self._params[pid]
+                nbytes = p.numel() * esz
+                buf = (ctypes.c_char * nbytes).from_address(ptr)
+                view = torch.frombuffer(buf, dtype=self.compute_dtype, count=p.numel()).view(p.shape)
+                self._views[pid] = view
+                self._live[view.untyped_storage().data_ptr()] = pid
+                p.data = view
+        self._held[g] += 1
+
+    def _release(self, g):
+        self._held[g] -= 1
+        if self._held[g] > 0:
+            return
+        del self._held[g]
+        for pid in self._group_params[g]:
+            view = self._views.pop(pid, None)
+            if view is not None:
+                self._live.pop(view.untyped_storage().data_ptr(), None)
+            p = self._params[pid]
+            p.data = self._placeholder(p)
+        self._call(_lib.strata_engine_release, g, self._s)
+
+    def _release_backward(self):
+        while self._bwd:
+            g, _ = self._bwd.popitem(last=False)
+            self._release(g)
+
+    # ---------------------------------------------------------------- hooks
+
+    def _pre_forward(self, module, args):
+        for g in self._module_groups[module]:
+            self._acquire(g)
+
+    def _post_forward(self, module, args, output):
+        for g in self._module_groups[module]:
+            self._release(g)
+
+    def _pack(self, t):
+        if t.device.type != "cpu" or t.layout != torch.strided:
+            return t
+        pid = self._live.get(t.untyped_storage().data_ptr())
+        return t if pid is None else _Saved(pid, t)
+
+    def _unpack(self, obj):
+        if not isinstance(obj, _Saved):
+            return obj
+        g = self._group_of[obj.pid]
+        if g in self._bwd:
+            self._bwd.move_to_end(g)
+        else:
+            # A backward node unpacks what it needs, computes and is done: at
+            # most two groups (one node's) stay held.
+            while len(self._bwd) >= 2:
+                old, _ = self._bwd.popitem(last=False)
+                self._release(old)
+            self._acquire(g)
+            self._bwd[g] = True
+        return torch.as_strided(self._views[obj.pid], obj.size, obj.stride, obj.offset)
+
+    def _grad_hook(self, pid):
+        def hook(p):
+            g = p.grad
+            p.grad = None
+            if g is None:
+                return
+            if g.dtype not in _DTYPES or g.is_sparse:
+                raise StrataError(1, f"strata.torch: gradient of {self._names[pid]} is {g.dtype}"
+                                     f"{' (sparse)' if g.is_sparse else ''}: fp32/bf16/fp16 dense only")
+            g = g.contiguous()
+            self._call(_lib.strata_engine_reduce_grad, pid, g.data_ptr(), _DTYPES[g.dtype], self._s)
+            # The engine reads the caller's memory on its stream: wait before torch frees it.
+            _lib.check(_lib.strata_stream_synchronize(self._s), self._e)
+        return hook
+
+    # ---------------------------------------------------------------- DeepSpeed's engine API
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+    def forward(self, *args, **kwargs):
+        last = (self._micro + 1) % self.gradient_accumulation_steps == 0
+        self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
+        self._in_step = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return self.module(*args, **kwargs)
+        except BaseException:
+            self._abandon()
+            raise
+
+    def backward(self, loss):
+        """loss.backward(), with the fp16 loss scale applied; the gradients go to the engine."""
+        scale = ctypes.c_double(1.0)
+        self._call(_lib.strata_engine_loss_scale, ctypes.byref(scale))
+        try:
+            (loss * scale.value if scale.value != 1.0 else loss).backward()
+        except BaseException:
+            self._abandon()
+            raise
+        finally:
+            self._release_backward()
+        self._micro += 1
+
+    def _abandon(self):
+        """An exception in forward or backward: forget the step (groups, gradients)."""
+        self._bwd.clear()
+        for g in list(self._held):
+            self._held[g] = 1
+            self._release_quiet(g)
+        _lib.strata_engine_discard_step(self._e, self._s)
+        self._micro = 0
+        self._in_step = False
+
+    def _release_quiet(self, g):
+        try:
+            self._release(g)
+        except StrataError:
+            pass
+
+    def is_gradient_accumulation_boundary(self):
+        return self._micro > 0 and self._micro % self.gradient_accumulation_steps == 0
+
+    def step(self):
+        """At the accumulation boundary: one optimizer step with the param_groups' learning rates."""
+        if not self.is_gradient_accumulation_boundary():
+            return None
+        for gi, group in enumerate(self.optimizer.param_groups):
+            lr = group["lr"]
+            self._call(_lib.strata_engine_set_group_lr, gi, float(lr.item() if torch.is_tensor(lr) else lr))
+        r = _lib.StepResult()
+        r.struct_size = ctypes.sizeof(r)
+        self._call(_lib.strata_engine_step, -1.0, ctypes.byref(r))
+        self._micro = 0
+        self._in_step = False
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
+                          "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
+        return self.last_step
+
+    def get_lr(self):
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    # ---------------------------------------------------------------- weights and checkpoints
+
+    def parameter_fp32(self, name):
+        """The fp32 master of one parameter (its model name), on the CPU."""
+        for pid, n in enumerate(self._names):
+            if n == name:
+                return self._read(pid)
+        raise KeyError(name)
+
+    def _read(self, pid):
+        p = self._params[pid]
+        out = torch.empty(p.shape, dtype=torch.float32)
+        self._call(_lib.strata_engine_read_param, pid, out.data_ptr(), _lib.DTYPE_F32, out.numel())
+        return out
+
+    def optimizer_state(self, name):
+        """torch.optim.AdamW's state of one parameter: {'exp_avg', 'exp_avg_sq'} (fp32, CPU)."""
+        pid = self._names.index(name)
+        p = self._params[pid]
+        out = {}
+        for k, key in enumerate(("exp_avg", "exp_avg_sq")):
+            t = torch.empty(p.shape, dtype=torch.float32)
+            self._call(_lib.strata_engine_read_state, pid, k, t.data_ptr(), t.numel())
+            out[key] = t
+        return out
+
+    def state_dict(self):
+        """The full trained weights (fp32 masters, CPU) under the model's own state_dict keys."""
+        out = collections.OrderedDict()
+        by_id = {}
+        for key, t in self.module.state_dict(keep_vars=True).items():
+            pid = self._pid.get(id(t))
+            if pid is None:
+                out[key] = t.detach().clone()
+                continue
+            if pid not in by_id:
+                by_id[pid] = self._read(pid)
+            out[key] = by_id[pid]
+        return out
+
+    def save_pretrained(self, directory, **kwargs):
+        """A Hugging Face model directory with the trained weights (the model's own save_pretrained)."""
+        if not hasattr(self.module, "save_pretrained"):
+            raise TypeError("strata.torch: the model has no save_pretrained; use engine.state_dict()")
+        self.module.save_pretrained(directory, state_dict=self.state_dict(), **kwargs)
+
+    def save_checkpoint(self, directory, client_state=None):
+        """Strata's checkpoint of the whole training state (weights, AdamW state, step, loss scale) and
+        the optimizer's learning rates; client_state (JSON-serialisable) comes back from load_checkpoint."""
+        if self._micro != 0:
+            raise StrataError(1, "strata.torch: save_checkpoint in the middle of an accumulation (after "
+                                 f"{self._micro} micro-batches): save after engine.step()")
+        extra = {"strata_torch": {"lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
+                                  "client_state": client_state,
+                                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}}
+        self._call(_lib.strata_engine_save_checkpoint, os.fsencode(directory), json.dumps(extra).encode())
+
+    def load_checkpoint(self, directory):
+        """Restores a save_checkpoint directory; returns its client_state."""
+        p = ctypes.c_void_p()
+        self._call(_lib.strata_engine_load_checkpoint, os.fsencode(directory), ctypes.byref(p))
+        text = ctypes.string_at(p).decode() if p.value else "{}"
+        if p.value:
+            _lib.strata_free(p)
+        extra = json.loads(text or "{}").get("strata_torch", {})
+        for g, lr in zip(self.optimizer.param_groups, extra.get("lrs", [])):
+            g["lr"] = lr
+        if self.lr_scheduler is not None and extra.get("lr_scheduler"):
+            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        self._micro = 0
+        return extra.get("client_state")
+
+    def stats(self):
+        s = _lib.EngineStats()
+        s.struct_size = ctypes.sizeof(s)
+        self._call(_lib.strata_engine_stats, ctypes.byref(s))
+        return {"tier_bytes": {"device": s.tier_bytes[1], "host": s.tier_bytes[2], "nvme": s.tier_bytes[3]},
+                "nvme_read_bytes": s.nvme_read_bytes, "nvme_write_bytes": s.nvme_write_bytes, "steps": s.steps}
+
+    def destroy(self):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        if getattr(self, "_s", None) is not None and self._s.value:
+            _lib.strata_stream_destroy(self._s)
+            self._s = None
+        if getattr(self, "_e", None) is not None and self._e.value:
+            _lib.strata_engine_destroy(self._e)
+            self._e = None
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:
+            pass
+
+
+def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None, optimizer=None, **unsupported):
+    """DeepSpeed's initialize(): returns (engine, optimizer, None, lr_scheduler).
+
+    config: a DeepSpeed config dict or JSON path; zero_optimization.offload_param /
+    offload_optimizer, aio, optimizer (AdamW), gradient_accumulation_steps,
+    gradient_clipping, bf16/fp16 mean what they mean in DeepSpeed, plus
+    Strata's own "strata" section (docs/config.md). lr_scheduler: a torch
+    scheduler (or a callable taking the returned optimizer) stepped at each
+    optimizer step.
+    """
+    if unsupported:
+        raise TypeError(f"strata.torch.initialize: {sorted(unsupported)} not supported")
+    if optimizer is not None:
+        raise ValueError("strata.torch.initialize: the optimizer comes from the config's \"optimizer\" section "
+                         "(Strata's AdamW runs inside the engine); do not pass a torch optimizer")
+    engine = StrataEngine(model, model_parameters, config)
+    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+        lr_scheduler = lr_scheduler(engine.optimizer)
+    engine.lr_scheduler = lr_scheduler
+    return engine, engine.optimizer, None, lr_scheduler
