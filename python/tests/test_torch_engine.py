@@ -261,6 +261,31 @@ class EngineTest(unittest.TestCase):
         engine._abandon()  # a forward without backward: nothing to step
         self.assertLessEqual((a - b).abs().max().item(), 1e-5)
 
+    def test_a_parameter_used_outside_its_module_is_named(self):
+        class TwoLinear(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a = torch.nn.Linear(4, 6, bias=False)
+                self.b = torch.nn.Linear(4, 4)
+
+            def forward(self, x):  # a.weight outside a's forward: holds no value there
+                return self.b(x) @ self.a.weight.t()
+        engine, _, _, _ = st.initialize(model=TwoLinear(), config=ds_config(None))
+        with self.assertRaisesRegex(StrataError, "a.weight"):
+            engine(torch.randn(3, 4))
+
+    def test_bf16_and_fp16_compute(self):
+        data = batches(6)
+        fp32 = strata_run(st.initialize(model=llama(), config=ds_config(None))[0], data)
+        for key, sect in (("bf16", {"enabled": True}), ("fp16", {"enabled": True, "initial_scale_power": 10})):
+            engine, _, _, _ = st.initialize(model=llama(), config=ds_config(self.nvme(key), extra={key: sect}))
+            losses = strata_run(engine, data)
+            self.assertFalse(engine.last_step["skipped"])
+            dt = next(iter(engine.module.parameters())).dtype
+            print(f"  {key} compute copies ({dt}): losses {[round(x, 4) for x in losses]} (fp32: {[round(x, 4) for x in fp32]})")
+            for a, b in zip(losses, fp32):
+                self.assertLess(abs(a - b) / b, 1e-2, key)
+
     def test_refusals(self):
         with self.assertRaisesRegex(ValueError, "scheduler"):
             st.initialize(model=llama(), config={"scheduler": {"type": "WarmupLR"}})

@@ -200,7 +200,10 @@ class StrataEngine:
         _lib.check(_lib.strata_stream_create(e, b"strata.torch", ctypes.byref(s)), e)
         self._s = s
 
-        # Initial values, then the placeholders.
+        # Initial values, then the placeholders: one zero scalar (alive as long
+        # as the engine) expanded to each parameter's shape.
+        self._scalar = torch.zeros((), dtype=self.compute_dtype)
+        self._scalar_ptr = self._scalar.untyped_storage().data_ptr()
         with torch.no_grad():
             for pid, p in enumerate(self._params):
                 src = p.detach().to(torch.float32).contiguous()
@@ -226,7 +229,7 @@ class StrataEngine:
         _lib.check(fn(self._e, *args), self._e)
 
     def _placeholder(self, p):
-        return torch.zeros((), dtype=self.compute_dtype).expand(p.shape)
+        return self._scalar.expand(p.shape)
 
     def _acquire(self, g):
         if self._held[g] == 0:
@@ -277,7 +280,15 @@ class StrataEngine:
     def _pack(self, t):
         if t.device.type != "cpu" or t.layout != torch.strided:
             return t
-        pid = self._live.get(t.untyped_storage().data_ptr())
+        ptr = t.untyped_storage().data_ptr()
+        pid = self._live.get(ptr)
+        if pid is None and ptr == self._scalar_ptr:
+            which = [n for n, p in zip(self._names, self._params) if tuple(p.shape) in (tuple(t.shape),
+                                                                                        tuple(reversed(t.shape)))]
+            raise StrataError(1, "strata.torch: a parameter was used outside the forward of a module that owns it "
+                                 f"(shape {tuple(t.shape)}: {', '.join(which[:4]) or 'unknown'}); between uses it "
+                                 "holds no value: use it inside its module's forward, or register it on the module "
+                                 "that uses it")
         return t if pid is None else _Saved(pid, t)
 
     def _unpack(self, obj):
