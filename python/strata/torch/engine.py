@@ -38,6 +38,8 @@ _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch
 # DeepSpeed config keys this package handles itself or that do not change the
 # math (the rest goes to the engine, whose parser reads or refuses every key).
 _PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu"}
+# Gradients handed to the engine and not yet read by its stream, at most.
+_PENDING_BYTES = 256 << 20
 
 
 def _load_config(config):
@@ -215,6 +217,7 @@ class StrataEngine:
         self._bwd = collections.OrderedDict()  # groups acquired in backward, oldest first
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
+        self._pending, self._pending_bytes = [], 0  # gradients the engine's stream has yet to read
         self._hooks = []
         for mod in self._module_groups:
             self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
@@ -318,9 +321,20 @@ class StrataEngine:
                                      f"{' (sparse)' if g.is_sparse else ''}: fp32/bf16/fp16 dense only")
             g = g.contiguous()
             self._call(_lib.strata_engine_reduce_grad, pid, g.data_ptr(), _DTYPES[g.dtype], self._s)
-            # The engine reads the caller's memory on its stream: wait before torch frees it.
-            _lib.check(_lib.strata_stream_synchronize(self._s), self._e)
+            # The engine reads the caller's memory on its stream: keep the
+            # gradient alive until the stream got there (one wait per
+            # _PENDING_BYTES of gradients, not one per parameter).
+            self._pending.append(g)
+            self._pending_bytes += g.numel() * g.element_size()
+            if self._pending_bytes >= _PENDING_BYTES:
+                self._drain()
         return hook
+
+    def _drain(self):
+        if self._pending:
+            _lib.check(_lib.strata_stream_synchronize(self._s), self._e)
+        self._pending.clear()
+        self._pending_bytes = 0
 
     # ---------------------------------------------------------------- DeepSpeed's engine API
 
@@ -349,11 +363,13 @@ class StrataEngine:
             raise
         finally:
             self._release_backward()
+            self._drain()
         self._micro += 1
 
     def _abandon(self):
         """An exception in forward or backward: forget the step (groups, gradients)."""
         self._bwd.clear()
+        self._drain()
         for g in list(self._held):
             self._held[g] = 1
             self._release_quiet(g)

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Benchmarks of the PyTorch package against plain PyTorch in the same run
+(BENCHMARKS.md, issue 12). Medians of interleaved repetitions.
+
+  train   tokens/s of a Llama trained through strata.torch.initialize with
+          parameters and optimizer state on NVMe (--dir), against the same
+          model trained in RAM by plain PyTorch (torch.optim.AdamW, fused);
+          ratio strata / torch (target >= 0.8).
+  adam    one optimizer step over --adam-params fp32 parameters:
+          strata.torch.CPUAdamW against torch.optim.AdamW(fused=True),
+          torch.optim.AdamW(foreach=True) and DeepSpeedCPUAdam when deepspeed
+          is importable and its CPU op builds here.
+
+    python bench_torch.py --dir /var/tmp/sb [--json]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import strata.torch as st
+
+
+def lm_loss(model, x):
+    logits = model(input_ids=x[:, :-1]).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def make_model(a):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=a.vocab, hidden_size=a.dim, intermediate_size=a.ffn,
+                                        num_hidden_layers=a.layers, num_attention_heads=a.heads,
+                                        num_key_value_heads=max(1, a.heads // 4)))
+
+
+def bench_train(a, work):
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g) for _ in range(a.reps + 2)]
+    ref = make_model(a)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
+    nvme = os.path.join(work, "nvme")
+    os.makedirs(nvme)
+    cfg = {"gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+           "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+    engine, _, _, _ = st.initialize(model=make_model(a), config=cfg)
+
+    def torch_step(x):
+        opt.zero_grad()
+        loss = lm_loss(ref, x)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        opt.step()
+
+    def strata_step(x):
+        engine.backward(lm_loss(engine, x))
+        engine.step()
+
+    torch_step(data[0])
+    strata_step(data[0])
+    t_torch, t_strata = [], []
+    for x in data[2:]:
+        t0 = time.perf_counter()
+        torch_step(x)
+        t_torch.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        strata_step(x)
+        t_strata.append(time.perf_counter() - t0)
+    s = engine.stats()
+    engine.destroy()
+    tok = a.batch * a.seq
+    mt, ms = statistics.median(t_torch), statistics.median(t_strata)
+    return {"params": sum(p.numel() for p in ref.parameters()), "tokens_per_step": tok,
+            "torch_ram_tokens_per_s": tok / mt, "strata_nvme_tokens_per_s": tok / ms, "ratio": mt / ms,
+            "nvme_bytes": s["tier_bytes"]["nvme"], "reps": len(t_torch)}
+
+
+def bench_adam(a):
+    n = a.adam_params
+    out = {}
+
+    def timed(make, name, grad=None):
+        p = torch.nn.Parameter(torch.randn(n))
+        p.grad = torch.randn(n) if grad is None else grad
+        try:
+            o = make([p])
+        except Exception as e:  # an optimizer this machine cannot build
+            out[name] = f"not measured: {type(e).__name__}: {str(e)[:120]}"
+            return
+        o.step()
+        ts = []
+        for _ in range(a.reps):
+            t0 = time.perf_counter()
+            o.step()
+            ts.append(time.perf_counter() - t0)
+        out[name] = statistics.median(ts)
+
+    timed(lambda ps: st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01), "strata_cpu_adamw")
+    timed(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True), "torch_adamw_fused")
+    timed(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, foreach=True), "torch_adamw_foreach")
+
+    def deepspeed_adam(ps):
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        return DeepSpeedCPUAdam(ps, lr=1e-3, weight_decay=0.01)
+    timed(deepspeed_adam, "deepspeed_cpu_adam")
+    s = out["strata_cpu_adamw"]
+    for k in list(out):
+        if k != "strata_cpu_adamw" and isinstance(out[k], float):
+            out[f"{k}_over_strata"] = out[k] / s
+    out["params"] = n
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dir", required=True, help="a directory on the SSD (NVMe files go under it)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dim", type=int, default=512)
+    ap.add_argument("--ffn", type=int, default=1376)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=8000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--adam-params", type=int, default=64 << 20)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    work = tempfile.mkdtemp(prefix="strata-bench-torch-", dir=a.dir)
+    try:
+        res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "train": bench_train(a, work),
+               "adam": bench_adam(a)}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return
+    t = res["train"]
+    print(f"train: Llama {t['params'] / 1e6:.1f}M params, {t['tokens_per_step']} tokens/step, medians of {t['reps']}")
+    print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
+    print(f"  strata.torch, NVMe         {t['strata_nvme_tokens_per_s']:8.1f} tokens/s   ratio {t['ratio']:.3f}")
+    ad = res["adam"]
+    print(f"adam: one step over {ad['params'] / 1e6:.0f}M fp32 params, seconds (median of {a.reps})")
+    for k, v in ad.items():
+        if k in ("params",) or k.endswith("_over_strata"):
+            continue
+        ratio = ad.get(f"{k}_over_strata")
+        print(f"  {k:22s} {v if isinstance(v, str) else f'{v:.4f}'}" + (f"   / strata = {ratio:.2f}" if ratio else ""))
+
+
+if __name__ == "__main__":
+    main()
