@@ -211,9 +211,12 @@ TEST(EngineReduce, DiscardedMicroBatchesLeaveNoTrace) {
   const auto want = clean_run(1);
   Rig r;
   const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
-  // A whole micro-batch of other gradients, then discarded.
+  // A whole micro-batch of other gradients, then discarded. The buffers are
+  // read on the engine's stream: they must live until discard_step (which
+  // waits for the work in flight) returns.
+  const auto other_b = Rig::grad(kBig, 5.0f), other_s = Rig::grad(kSmall, -3.0f);
   ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
-  ASSERT_TRUE(r.reduce_all(Rig::grad(kBig, 5.0f), Rig::grad(kSmall, -3.0f)).ok());
+  ASSERT_TRUE(r.reduce_all(other_b, other_s).ok());
   ASSERT_TRUE(r.engine->discard_step(nullptr).ok());
   ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
   ASSERT_TRUE(r.reduce_all(gb, gs).ok());
