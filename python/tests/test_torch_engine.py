@@ -257,9 +257,14 @@ class EngineTest(unittest.TestCase):
         x = data[0][:, :-1]
         with torch.no_grad():
             a = back(input_ids=x).logits
-            b = engine(input_ids=x).logits
-        engine._abandon()  # a forward without backward: nothing to step
+            b = engine(input_ids=x).logits  # evaluation: no micro-batch begins
         self.assertLessEqual((a - b).abs().max().item(), 1e-5)
+        # Evaluation between steps does not change what the next step averages over.
+        ref = llama(tied=True)
+        e_ref, _, _, _ = st.initialize(model=ref, config=ds_config(None))
+        strata_run(e_ref, data)
+        more = batches(2, seed=7)
+        self.assertEqual(strata_run(engine, more), strata_run(e_ref, more))
 
     def test_a_parameter_used_outside_its_module_is_named(self):
         class TwoLinear(torch.nn.Module):

@@ -342,9 +342,12 @@ class StrataEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        last = (self._micro + 1) % self.gradient_accumulation_steps == 0
-        self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
-        self._in_step = True
+        # A forward under torch.no_grad() (evaluation) is no micro-batch: the
+        # engine averages gradients over the micro-batches it was told of.
+        if torch.is_grad_enabled():
+            last = (self._micro + 1) % self.gradient_accumulation_steps == 0
+            self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
+            self._in_step = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 return self.module(*args, **kwargs)
