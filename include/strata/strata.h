@@ -476,7 +476,9 @@ STRATA_API strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uin
  * of this step (the weights moved: load a checkpoint). */
 STRATA_API strata_status_t strata_engine_discard_step(strata_engine_t engine, strata_stream_t stream);
 /* One optimizer step: global gradient norm, fp16 loss scaling (overflow:
- * skipped, scale lowered), clipping, then the optimizer over every shard.
+ * skipped, scale lowered), clipping, then the optimizer over every shard of
+ * every parameter a micro-batch of this step reduced (the others are left
+ * alone: no update, no weight decay, as torch skips a grad of None).
  * lr < 0 keeps the current lr: the last lr >= 0 given to a step, at first
  * the config's optimizer.lr. Learning-rate groups with their own lr
  * (strata_engine_set_group_lr) use theirs. Blocks until done. result may be NULL; else its

@@ -359,7 +359,10 @@ Result<StepResult> Engine::step(double lr) {
   Status z = I.grads.zero_unwritten();
   if (!z.ok()) return fail(z);
   StepResult r;
-  Status u = I.stepper.update(overlap, lr_used, micro, I.grads.bounce(), r);
+  // A parameter no micro-batch of this step reduced is left alone (torch
+  // skips a parameter whose grad is None): no update, no decay.
+  Status u = I.stepper.update(overlap, lr_used, micro, I.grads.bounce(), r,
+                              [&I](ParamId p) { return I.grads.written(p); });
   if (!u.ok()) return fail(u);
   I.uploader.end_step();
   I.reset_step();

@@ -259,6 +259,26 @@ TEST(EngineForeign, OptimizerStateIsTorchsAndRoundTrips) {
   EXPECT_FALSE(r.engine->read_state(7, 0, out.data()).ok());
 }
 
+// torch skips a parameter whose grad is None: no update, no weight decay,
+// its moments kept. A parameter no micro-batch of a step reduced is the same.
+TEST(EngineForeign, AParameterNoMicroBatchReducedIsLeftAlone) {
+  Rig r;
+  const auto gb = Rig::grad(kBig, 0.01f), gs = Rig::grad(kSmall, 0.02f);
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+  ASSERT_TRUE(r.engine->step(1e-2).ok());
+  const auto w1 = r.weights(1), w0 = r.weights(0);
+  std::vector<float> m1(kSmall), m1_after(kSmall);
+  ASSERT_TRUE(r.engine->read_state(1, 0, m1.data()).ok());
+  ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(r.engine->reduce_grad(0, gb.data(), DType::kF32, r.stream).ok());  // only the big one
+  ASSERT_TRUE(r.engine->step(1e-2).ok());
+  EXPECT_EQ(r.weights(1), w1);  // weight decay 0.01 did not touch it
+  ASSERT_TRUE(r.engine->read_state(1, 0, m1_after.data()).ok());
+  EXPECT_EQ(m1_after, m1);
+  EXPECT_NE(r.weights(0), w0);
+}
+
 TEST(EngineForeign, SummedMicroBatchesWhenTheCallerAveraged) {
   const auto want = clean_run(1);
   Rig r(/*accum=*/2, /*average=*/false);

@@ -65,6 +65,8 @@ class GradPath {
   Status wait_idle();
   // step(): accumulators no micro-batch wrote this step are zeroed.
   Status zero_unwritten();
+  // Whether a micro-batch of this step reduced p (driving thread).
+  bool written(ParamId p) const { return params_[p].written; }
   // Forgets the step's per-parameter state.
   void reset_step();
   // Why this step's gradients are torn (a reduce failed after part of it was

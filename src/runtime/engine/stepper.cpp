@@ -63,8 +63,9 @@ Status Stepper::allocate() {
       auto it = std::find_if(parts.begin(), parts.end(), [&](const GroupUpdate::Part& q) {
         return q.lr_group == p.lr_group && q.decay == p.weight_decay;
       });
-      if (it == parts.end()) it = parts.insert(parts.end(), GroupUpdate::Part{p.lr_group, p.weight_decay, {}});
+      if (it == parts.end()) it = parts.insert(parts.end(), GroupUpdate::Part{p.lr_group, p.weight_decay, {}, {}});
       it->tensors.push_back(t);
+      it->ids.push_back(id);
       if (p.lr_group >= group_lr_.size()) group_lr_.resize(p.lr_group + 1, -1.0);
     }
   }
@@ -130,12 +131,21 @@ Status Stepper::set_group_lr(uint32_t lr_group, double lr) {
 }
 
 Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
-                           const std::vector<double>& group_lr) {
+                           const std::vector<double>& group_lr, const std::function<bool(ParamId)>& reduced) {
+  std::vector<OptimizerTensor> some;
   for (const auto& part : groups_[gi].parts) {
     cpu_optim::OptimizerConfig pc = c;
     if (part.lr_group < group_lr.size() && group_lr[part.lr_group] >= 0) pc.lr = group_lr[part.lr_group];
     if (!part.decay) pc.weight_decay = 0;
-    STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, part.tensors));
+    const std::vector<OptimizerTensor>* ts = &part.tensors;
+    if (reduced) {  // only the parameters this step reduced
+      some.clear();
+      for (size_t i = 0; i < part.ids.size(); ++i)
+        if (reduced(part.ids[i])) some.push_back(part.tensors[i]);
+      if (some.empty()) continue;
+      ts = &some;
+    }
+    STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, *ts));
   }
   return {};
 }
@@ -151,7 +161,7 @@ Status Stepper::group_stats(GroupId gi, double scale) {
 
 // Overlap mode: one group's update with the scale and clipping coefficient
 // fixed when the last micro-batch began.
-void Stepper::run_group_update(GroupId gi) {
+void Stepper::run_group_update(GroupId gi, const std::function<bool(ParamId)>& reduced) {
   GroupUpdate& g = groups_[gi];
   Status st = group_stats(gi, overlap_scale_);
   if (st.ok()) {
@@ -159,7 +169,7 @@ void Stepper::run_group_update(GroupId gi) {
       g.skipped = true;
     } else {
       st = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_,
-                      overlap_group_lr_);
+                      overlap_group_lr_, reduced);
       if (!st.ok())
         st = st.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
     }
@@ -176,12 +186,13 @@ double Stepper::begin_step(bool overlap, double lr) {
   return lr_used;
 }
 
-Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce& bounce, StepResult& r) {
+Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce& bounce, StepResult& r,
+                       const std::function<bool(ParamId)>& reduced) {
   r.lr = lr_used;
   bool updated_any = false;
   if (overlap) {
     for (GroupId g = 0; g < groups_.size(); ++g)
-      if (!groups_[g].updated) run_group_update(g);
+      if (!groups_[g].updated) run_group_update(g, reduced);
     Status e = errors_.take();
     if (!e.ok()) return e;
     double sum = 0;
@@ -219,7 +230,7 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
       for (GroupId g = 0; g < groups_.size(); ++g) {
-        Status s = step_group(g, oc, steps_ + 1, group_lr_);
+        Status s = step_group(g, oc, steps_ + 1, group_lr_, reduced);
         if (!s.ok())
           return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
       }

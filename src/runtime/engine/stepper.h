@@ -19,6 +19,7 @@
 
 #include <atomic>
 #include <memory>
+#include <functional>
 #include <vector>
 
 #include "runtime/engine/async_error.h"
@@ -63,7 +64,11 @@ class Stepper {
   // Norm, loss scaling, clipping and the optimizer over every group, then the
   // refreshed compute copies. Fills r's norm, coefficient, skip fields.
   // Errors are the step's failure (the engine turns broken).
-  Status update(bool overlap, double lr_used, int64_t micro_batches, const Bounce& bounce, StepResult& r);
+  // `reduced` (may be empty): which parameters a micro-batch of this step
+  // reduced; the others are left alone (no update, no decay, moments kept),
+  // as torch skips a parameter whose grad is None.
+  Status update(bool overlap, double lr_used, int64_t micro_batches, const Bounce& bounce, StepResult& r,
+                const std::function<bool(ParamId)>& reduced = {});
   // Publishes the step count; r.step and r.loss_scale.
   void finish_step(StepResult& r);
 
@@ -94,6 +99,7 @@ class Stepper {
       uint32_t lr_group = 0;
       bool decay = true;
       std::vector<OptimizerTensor> tensors;
+      std::vector<ParamId> ids;  // the tensors' parameters, in the same order
     };
     std::vector<Part> parts;
     uint32_t trainable = 0;  // params that are not frozen (reduce_grad counts to this)
@@ -110,9 +116,12 @@ class Stepper {
   // The optimizer over group g's tensors, part by part: c.lr replaced by the
   // part's lr group's own lr when it has one (from `group_lr`), weight_decay 0
   // for undecayed parts.
-  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<double>& group_lr);
+  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<double>& group_lr,
+                    const std::function<bool(ParamId)>& reduced = {});
   Status group_stats(GroupId g, double scale);
-  void run_group_update(GroupId g);  // optimizer thread, or driving thread in step()
+  // optimizer thread (every parameter of the group was reduced), or driving
+  // thread in step() with `reduced`.
+  void run_group_update(GroupId g, const std::function<bool(ParamId)>& reduced = {});
 
   Registry& reg_;
   AsyncError& errors_;
