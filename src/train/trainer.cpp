@@ -223,17 +223,19 @@ Result<EngineOptions> Trainer::Impl::engine_options() {
 // engine's group buffers. Sets grad_buf_elems and tokens_per_micro.
 DeviceSizes Trainer::Impl::device_sizes(const ModelSpec& spec) {
   DeviceSizes z;
-  std::map<std::string, uint64_t> group_numel;
-  uint64_t embed_numel = 0, largest = 0, largest_compute = 0;
+  // The gradient buffer holds a group's trainable gradients only (frozen
+  // tensors, a LoRA base, have none); the group buffers hold every compute copy.
+  std::map<std::string, uint64_t> group_grad, group_bytes;
+  uint64_t embed_grad = 0, largest = 0, largest_compute = 0;
   for (const ParamSpec& ps : spec.params) {
-    const uint64_t n = group_numel[ps.group] += ps.numel();
-    largest = std::max(largest, n);
-    largest_compute = std::max(largest_compute, n * dtype_size(compute_dtype));
-    if (ps.name == weight_row(kEmbedTokens).name) embed_numel = ps.numel();
+    const uint64_t b = group_bytes[ps.group] += ps.numel() * dtype_size(ps.compute_dtype);
+    largest_compute = std::max(largest_compute, b);
+    if (!ps.trainable) continue;
+    largest = std::max(largest, group_grad[ps.group] += ps.numel());
+    if (ps.name == weight_row(kEmbedTokens).name) embed_grad = ps.numel();
   }
   grad_buf_elems = largest;
-  const bool embed_trains = !opt.lora.enabled();
-  z.reserve_base = (largest + (dims.tied && embed_trains ? embed_numel : 0)) * sizeof(float) + (64ull << 20);
+  z.reserve_base = (largest + (dims.tied ? embed_grad : 0)) * sizeof(float) + (64ull << 20);
   tokens_per_micro = static_cast<int64_t>(opt.batch) * seq;
   const uint64_t act = static_cast<uint64_t>(tokens_per_micro) * static_cast<uint64_t>(dims.dim) * sizeof(float);
   const uint64_t tok = static_cast<uint64_t>(tokens_per_micro) * sizeof(int32_t);
