@@ -444,16 +444,25 @@ STRATA_API strata_status_t strata_engine_begin_micro_batch(strata_engine_t engin
  * them. ptrs[0..capacity) receives one device pointer per parameter of the
  * group (the whole parameter in its compute dtype, in model order, as
  * strata_engine_group_params lists them), *count how many. The pointers are
- * owned by the engine and valid until strata_engine_release of the group.
- * Blocks only when the upload needs a staging buffer still in use
- * (back-pressure). Errors: STRATA_ERR_INVALID_ARGUMENT (group id, already
- * acquired, capacity too small: nothing acquired), STRATA_ERR_OUT_OF_BUDGET
- * (the group does not fit the device buffers: says by how much), I/O errors of
- * the upload. */
+ * owned by the engine and valid until the group's last hold is released.
+ * Holds are counted: acquiring a group already held (a tied weight, a nested
+ * module, a backward hook while the forward still holds it) adds a hold and
+ * returns the same pointers, on any stream (each waits for the upload). Up to
+ * "strata.held_groups" distinct groups (default 1) may be held at once
+ * beyond what prefetch buffers happen to allow; "strata.debug_poison_released"
+ * fills a gathered group's buffer with NaN bytes at its last release, so a
+ * view used after release shows up as NaN. Blocks only when the upload needs
+ * a staging buffer still in use (back-pressure). Errors:
+ * STRATA_ERR_INVALID_ARGUMENT (group id, 65536 holds without a release,
+ * capacity too small: nothing acquired), STRATA_ERR_OUT_OF_BUDGET (the group
+ * does not fit the device buffers: says by how much; every device buffer
+ * held), I/O errors of the upload. */
 STRATA_API strata_status_t strata_engine_acquire(strata_engine_t engine, uint32_t group, strata_stream_t stream,
                                                  void** ptrs, size_t capacity, size_t* count);
-/* Gives the group back: its buffers are reused once `stream` passes this
- * point. Non-blocking. STRATA_ERR_INVALID_ARGUMENT if not acquired. */
+/* Drops one hold of the group; at the last, its buffers are reused once every
+ * stream that released it passed its release (a release on another stream
+ * than the previous one makes it wait for that point). Non-blocking.
+ * STRATA_ERR_INVALID_ARGUMENT if not acquired. */
 STRATA_API strata_status_t strata_engine_release(strata_engine_t engine, uint32_t group, strata_stream_t stream);
 /* Accumulates the gradient of `param` (a buffer of numel elements of
  * `dtype`: F32, BF16 or F16) into its fp32 gradient shard, once `stream`

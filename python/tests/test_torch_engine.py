@@ -141,13 +141,15 @@ class EngineTest(unittest.TestCase):
 
     def test_tied_embeddings_three_layers_prefetch_zero(self):
         # The prototype's failure: released slots that autograd still held
-        # gave a gradient norm of 2.873 instead of 3.075 here.
+        # gave a gradient norm of 2.873 instead of 3.075 here. Released
+        # buffers are poisoned (NaN): a view read after release would show.
         data = batches(6)
         ref = llama(tied=True, layers=3)
         init = copy.deepcopy(ref.state_dict())
         l_torch = torch_run(ref, data)
         m = llama(tied=True, layers=3)
-        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(), extra={"strata": {"prefetch_depth": 0}}))
+        strata_cfg = {"prefetch_depth": 0, "debug_poison_released": True}
+        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(), extra={"strata": strata_cfg}))
         l_strata = strata_run(engine, data)
         self.compare("llama, tied embeddings, 3 layers, prefetch_depth 0", ref, init, engine.state_dict(), l_strata,
                      l_torch)

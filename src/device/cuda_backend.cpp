@@ -241,11 +241,11 @@ class CudaDeviceBackend final : public DeviceBackend {
     return Status();
   }
 
-  Status fill_zero_async(void* dst, std::size_t bytes, DeviceStream* stream) override {
-    STRATA_ASSIGN_OR_RETURN(CudaStream * s, stream_of(stream, "fill_zero_async"));
+  Status fill_bytes_async(void* dst, std::size_t bytes, uint8_t value, DeviceStream* stream) override {
+    STRATA_ASSIGN_OR_RETURN(CudaStream * s, stream_of(stream, "fill_bytes_async"));
     if (bytes == 0) return Status();
-    STRATA_CUDA_CALL("cudaMemsetAsync of " + std::to_string(bytes) + " bytes", memset_async, device_, dst, 0, bytes,
-                     s->handle());
+    STRATA_CUDA_CALL("cudaMemsetAsync of " + std::to_string(bytes) + " bytes", memset_async, device_, dst,
+                     static_cast<int>(value), bytes, s->handle());
     return Status();
   }
 

@@ -210,7 +210,11 @@ class DeviceBackend {
   // pageable memory CUDA silently serializes the copy. Device ranges are
   // checked against live allocations on the host backend (kInvalidArgument).
   virtual Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, DeviceStream* stream) = 0;
-  virtual Status fill_zero_async(void* dst, std::size_t bytes, DeviceStream* stream) = 0;
+  // Sets every byte of dst[0, bytes) to `value` (0xFF: NaN in fp32/bf16/fp16).
+  virtual Status fill_bytes_async(void* dst, std::size_t bytes, uint8_t value, DeviceStream* stream) = 0;
+  Status fill_zero_async(void* dst, std::size_t bytes, DeviceStream* stream) {
+    return fill_bytes_async(dst, bytes, 0, stream);
+  }
   // Runs `fn` on a backend thread once the stream reaches this point; later
   // work on the stream waits for it. A non-ok return is the stream's error.
   // `fn` must not call this backend (CUDA forbids API calls in host

@@ -314,12 +314,12 @@ class HostBackend final : public DeviceBackend {
     return Status();
   }
 
-  Status fill_zero_async(void* dst, std::size_t bytes, DeviceStream* stream) override {
-    STRATA_ASSIGN_OR_RETURN(HostStream * s, stream_of(stream, "fill_zero_async"));
+  Status fill_bytes_async(void* dst, std::size_t bytes, uint8_t value, DeviceStream* stream) override {
+    STRATA_ASSIGN_OR_RETURN(HostStream * s, stream_of(stream, "fill_bytes_async"));
     if (bytes == 0) return Status();
-    STRATA_RETURN_IF_ERROR(check_device(dst, bytes, "fill_zero_async"));
-    s->enqueue("fill with zeros", [=] {
-      std::memset(dst, 0, bytes);
+    STRATA_RETURN_IF_ERROR(check_device(dst, bytes, "fill_bytes_async"));
+    s->enqueue("fill bytes", [=] {
+      std::memset(dst, value, bytes);
       return Status();
     });
     return Status();

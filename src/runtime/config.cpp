@@ -569,6 +569,8 @@ Status read_strata(Obj& o, StrataConfig* s) {
     }
   }
   STRATA_RETURN_IF_ERROR(read_uint(o, "prefetch_depth", &s->prefetch_depth, 0, 64));
+  STRATA_RETURN_IF_ERROR(read_uint(o, "held_groups", &s->held_groups, 1, 64));
+  STRATA_RETURN_IF_ERROR(read_bool(o, "debug_poison_released", &s->debug_poison_released));
   STRATA_RETURN_IF_ERROR(read_size(o, "prefetch_bytes", &s->prefetch_bytes));
   constexpr auto kStateDtypes = std::to_array<EnumName<DType>>({{DType::kF32, "fp32"}, {DType::kBF16, "bf16"}});
   STRATA_RETURN_IF_ERROR(read_enum(o, "optimizer_state_dtype", &s->optimizer_state_dtype, kStateDtypes));
@@ -809,6 +811,8 @@ std::string config_to_json(const Config& c) {
                  {"pinned_memory", s.pinned_memory},
                  {"nvme", nvme},
                  {"prefetch_depth", s.prefetch_depth},
+                 {"held_groups", s.held_groups},
+                 {"debug_poison_released", s.debug_poison_released},
                  {"prefetch_bytes", s.prefetch_bytes},
                  {"optimizer_state_dtype", dtype_name(s.optimizer_state_dtype)},
                  {"io_backend", io_backend_name(s.io_backend)},

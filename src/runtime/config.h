@@ -144,6 +144,8 @@ struct StrataConfig {
   uint64_t pinned_memory = 0;                           // page-locked staging budget (part of host_memory); 0: detect
   std::vector<NvmeDir> nvme;                            // NVMe directories (offload_*.nvme_path are added)
   uint32_t prefetch_depth = 2;                          // groups fetched ahead of the one in use
+  uint32_t held_groups = 1;                             // distinct groups the trainer may hold acquired at once
+  bool debug_poison_released = false;                   // fill a released gathered group's buffer with NaN
   uint64_t prefetch_bytes = 0;                          // cap on bytes in flight for prefetch; 0: depth decides
   DType optimizer_state_dtype = DType::kF32;           // Adam m and v: fp32 or bf16
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best

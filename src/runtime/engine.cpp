@@ -253,8 +253,10 @@ Result<GroupView> Engine::acquire(GroupId gid, DeviceStream* stream) {
   if (gid >= I.reg.groups.size())
     return Status(StatusCode::kInvalidArgument, fmt::format("engine: acquire: no group {}", gid));
   const std::string& name = I.reg.groups[gid].name;
-  if (I.uploader.acquired(gid))
-    return Status(StatusCode::kInvalidArgument, fmt::format("engine: acquire({}): already acquired", name));
+  if (I.uploader.holds(gid) >= kMaxHolds)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: acquire({}): held {} times without a release (a release is missing)", name,
+                              kMaxHolds));
   if (stream == nullptr) return Status(StatusCode::kInvalidArgument, "engine: acquire: null stream");
   if (I.overlap_running && I.stepper.update_started(gid))
     return Status(StatusCode::kInvalidArgument,
@@ -312,7 +314,7 @@ Status Engine::discard_step(DeviceStream* stream) {
   if (I.uploader.acquired_count() > 0) {
     if (stream == nullptr) return Status(StatusCode::kInvalidArgument, "engine: discard_step: null stream");
     for (GroupId g = 0; g < I.reg.groups.size(); ++g)
-      if (I.uploader.acquired(g)) {
+      while (I.uploader.acquired(g)) {
         Status r = I.uploader.release(g, stream);
         if (st.ok() && !r.ok()) st = r.with_context("engine: discard_step: releasing " + I.reg.groups[g].name);
       }

@@ -22,6 +22,16 @@
 // overwritten by work enqueued on the caller's stream after the call (the
 // caller's stream waits for the download).
 //
+// Holds. acquire() of a group already held (a tied weight, a nested module)
+// adds a hold and returns the same pointers, which stay put until the last
+// hold is released; every release names its stream, and the buffers are
+// reused only once every stream that released passed its release. Distinct
+// groups held at once: up to strata.held_groups (device buffers are planned
+// for that many plus the prefetched ones). strata.debug_poison_released fills
+// a gathered group's buffer with NaN at its last release, so a view kept past
+// release reads NaN instead of another group's weights (device-homed groups
+// are the weights themselves and are never poisoned).
+//
 // Prefetch. The acquires between two step() calls form the "order". The first
 // step records it; later steps upload the next groups of the recorded order
 // (NVMe -> pinned staging -> device) while the current one computes, within
@@ -208,11 +218,14 @@ class Engine {
   // any begins one implicitly).
   Status begin_micro_batch(bool last);
   // Blocks only when the group's upload needs a staging buffer that is still
-  // in use (the pipeline's back-pressure). Errors: kInvalidArgument (group id,
-  // already acquired), I/O errors of the upload, kOutOfBudget (a group larger
-  // than the device buffer budget: the message says by how much).
+  // in use (the pipeline's back-pressure). A held group gets one more hold
+  // (see Holds). Errors: kInvalidArgument (group id, held kMaxHolds times),
+  // I/O errors of the upload, kOutOfBudget (a group larger than the device
+  // buffer budget: the message says by how much; more than held_groups
+  // distinct groups held).
   Result<GroupView> acquire(GroupId g, DeviceStream* stream);
-  Status release(GroupId g, DeviceStream* stream);
+  Status release(GroupId g, DeviceStream* stream);  // drops one hold
+  static constexpr uint32_t kMaxHolds = 1u << 16;  // more is a missing release
   // `grad` is a device buffer of the parameter's full numel in `dtype`
   // (fp32/bf16/fp16); on the host backend any host memory (the caller's, e.g.
   // a torch CPU tensor). Asynchronous (see the header comment). A failed call

@@ -108,6 +108,7 @@ PlanOptions plan_options_from_config(const Config& c) {
   o.optimizer_state_dtype = c.strata.optimizer_state_dtype;
   o.device_reserve = c.strata.device_reserve;
   o.prefetch_depth = c.strata.prefetch_depth;
+  o.held_groups = c.strata.held_groups;
   o.prefetch_bytes = c.strata.prefetch_bytes;
   o.micro_batches = c.gradient_accumulation_steps;
   o.shard_alignment = c.strata.shard_alignment;
@@ -294,17 +295,19 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     if (ws > 1 || !(g.forced[kc(StateKind::kCompute)] && g.tier[kc(StateKind::kCompute)] == Tier::kDevice))
       max_gathered = std::max(max_gathered, g.gathered_compute_bytes);
   uint32_t depth = opt.prefetch_depth;
+  const uint32_t held = std::max<uint32_t>(opt.held_groups, 1);
   if (opt.prefetch_bytes > 0 && max_gathered > 0)
     depth = static_cast<uint32_t>(std::min<uint64_t>(depth, opt.prefetch_bytes / max_gathered));
   if (need_buffers) {
     plan.prefetch_groups = depth;
-    plan.device_buffers = uint64_t{1 + depth} * max_gathered;
+    plan.held_groups = held;
+    plan.device_buffers = uint64_t{held + depth} * max_gathered;
   }
   if (dev_forced + plan.device_buffers > usable)
     return out_of_budget(fmt::format(
-        "device: working buffers need {} ({} x the largest group, {}: one in use, {} prefetched){} but {}: {} short; "
-        "lower strata.prefetch_depth or strata.device_reserve, or raise the device budget",
-        format_bytes(plan.device_buffers), 1 + depth, format_bytes(max_gathered), depth,
+        "device: working buffers need {} ({} x the largest group, {}: {} in use, {} prefetched){} but {}: {} short; "
+        "lower strata.prefetch_depth, strata.held_groups or strata.device_reserve, or raise the device budget",
+        format_bytes(plan.device_buffers), held + depth, format_bytes(max_gathered), held, depth,
         dev_forced ? fmt::format(" on top of {} placed by overrides", format_bytes(dev_forced)) : "", usable_text,
         format_bytes(dev_forced + plan.device_buffers - usable)));
   uint64_t dev_free = usable - dev_forced - plan.device_buffers;
@@ -514,7 +517,8 @@ std::string Plan::report() const {
   line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "budget", format_bytes(budgets.device_bytes),
                    format_bytes(budgets.host_bytes), format_bytes(cap)));
   if (device_buffers)
-    line(fmt::format("  device buffers: {} groups (1 in use + {} prefetched)", 1 + prefetch_groups, prefetch_groups));
+    line(fmt::format("  device buffers: {} groups ({} in use + {} prefetched)", held_groups + prefetch_groups,
+                     held_groups, prefetch_groups));
   if (staging_ring || optimizer_ring)
     line(fmt::format("  pinned: staging {}, optimizer ring {} ({} x {})", format_bytes(staging_ring),
                      format_bytes(optimizer_ring), options.optimizer_ring_buffers,

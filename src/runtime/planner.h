@@ -43,6 +43,7 @@ struct PlanOptions {
   uint32_t optimizer_states = 2;           // Adam/AdamW: m and v
   uint64_t device_reserve = 2ull << 30;    // activations, workspace: never planned into
   uint32_t prefetch_depth = 2;             // groups uploaded ahead of the one in use
+  uint32_t held_groups = 1;                // distinct groups held acquired at once (nested modules)
   uint64_t prefetch_bytes = 0;             // cap on prefetched bytes; 0: depth alone decides
   uint32_t micro_batches = 1;              // gradient accumulation steps per optimizer step
   uint32_t uploads_per_micro_batch = 2;    // forward, and backward with recompute
@@ -93,6 +94,7 @@ struct Plan {
   std::array<std::array<uint64_t, kNumStateKinds>, 4> bytes{};
   uint64_t device_buffers = 0;           // gathered groups in use and prefetched
   uint32_t prefetch_groups = 0;          // how many groups the device buffers prefetch
+  uint32_t held_groups = 1;              // how many they hold acquired at once
   uint64_t staging_ring = 0;             // pinned: host/NVMe compute copies on their way up
   uint64_t optimizer_ring = 0;           // pinned: NVMe-resident state chunks in the step
   uint64_t optimizer_chunk_bytes = 0;    // one ring buffer

@@ -58,8 +58,8 @@ class FlakyBackend final : public DeviceBackend {
   Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind, DeviceStream* s) override {
     return in_->copy_async(dst, src, bytes, kind, s);
   }
-  Status fill_zero_async(void* dst, std::size_t bytes, DeviceStream* s) override {
-    return in_->fill_zero_async(dst, bytes, s);
+  Status fill_bytes_async(void* dst, std::size_t bytes, uint8_t value, DeviceStream* s) override {
+    return in_->fill_bytes_async(dst, bytes, value, s);
   }
   Status host_func_async(DeviceStream* s, std::function<Status()> fn) override {
     if (s->name() == "strata download" && fail_in.load() > 0 && fail_in.fetch_sub(1) == 1)

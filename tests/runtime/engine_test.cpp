@@ -745,11 +745,16 @@ TEST(Engine, ProtocolErrors) {
   Trainer t(d.dev.get(), o);
   ASSERT_TRUE(t.init(make_config(o, Place::kHost, "")).ok());
   ASSERT_TRUE(t.e->acquire(0, t.s).ok());
-  EXPECT_EQ(t.e->acquire(0, t.s).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.e->step().status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.e->begin_micro_batch(true).code(), StatusCode::kInvalidArgument);
   ASSERT_TRUE(t.e->release(0, t.s).ok());
   EXPECT_EQ(t.e->release(0, t.s).code(), StatusCode::kInvalidArgument);
+  // A missing release is caught: 65536 holds of one group are refused.
+  for (uint32_t i = 0; i < Engine::kMaxHolds; ++i) ASSERT_TRUE(t.e->acquire(0, t.s).ok()) << i;
+  auto too_many = t.e->acquire(0, t.s);
+  EXPECT_EQ(too_many.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(too_many.status().message().find("a release is missing"), std::string::npos);
+  ASSERT_TRUE(t.e->discard_step(t.s).ok());
   ASSERT_TRUE(t.e->reduce_grad(0, t.grad_buf[0], DType::kBF16, t.s).ok());
   EXPECT_EQ(t.e->reduce_grad(0, t.grad_buf[0], DType::kBF16, t.s).code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(t.e->acquire(99, t.s).status().code(), StatusCode::kInvalidArgument);

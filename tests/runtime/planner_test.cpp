@@ -197,9 +197,16 @@ TEST(Planner, RefusalSaysWhatIsShortAndByHowMuch) {
   // Device too small even for the working buffers (2 x 2 MiB).
   PlanBudgets tiny{3 * kMiB, 1 * kGiB, 0, {}};
   EXPECT_EQ(refusal(m, tiny, small_options()),
-            "device: working buffers need 4.0 MiB (2 x the largest group, 2.0 MiB: one in use, 1 prefetched) but "
-            "3.0 MiB is usable (3.0 MiB minus the 0 B reserve): 1.0 MiB short; lower strata.prefetch_depth or "
-            "strata.device_reserve, or raise the device budget");
+            "device: working buffers need 4.0 MiB (2 x the largest group, 2.0 MiB: 1 in use, 1 prefetched) but "
+            "3.0 MiB is usable (3.0 MiB minus the 0 B reserve): 1.0 MiB short; lower strata.prefetch_depth, "
+            "strata.held_groups or strata.device_reserve, or raise the device budget");
+  // Each group held at once beyond the first is one more buffer.
+  PlanOptions held3 = small_options();
+  held3.held_groups = 3;
+  PlanBudgets five{5 * kMiB, 1 * kGiB, 0, {}};
+  EXPECT_NE(refusal(m, five, held3).find("need 8.0 MiB (4 x the largest group, 2.0 MiB: 3 in use, 1 prefetched)"),
+            std::string::npos)
+      << refusal(m, five, held3);
 
   // Pinned cap below the staging ring + optimizer ring (4 + 6 MiB).
   PlanBudgets pinned{7 * kMiB, 36 * kMiB, 8 * kMiB, {{"/nvme", 1 * kGiB}}};

@@ -108,6 +108,10 @@ class StrataEngine:
         base_lr = float(opt_params.get("lr", 1e-3))
         base_wd = float(opt_params.get("weight_decay", 0.0))
         engine_cfg = {k: v for k, v in cfg.items() if k not in _PACKAGE_KEYS}
+        # Backward holds up to two groups (one autograd node's weights, and
+        # the next node's), so the device buffers are planned for two.
+        engine_cfg["strata"] = dict(engine_cfg.get("strata", {}))
+        engine_cfg["strata"].setdefault("held_groups", 2)
 
         # Parameter groups (torch's param_groups: lr, weight_decay per group).
         named = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}

@@ -58,13 +58,13 @@ Status Uploader::allocate_staging() {
 Status Uploader::allocate_slots() {
   // Device slots for gathered groups: one in use, `depth` prefetched, one more
   // to keep the last released group (backward starts with it).
-  const uint32_t depth = reg_.plan.prefetch_groups;
+  const uint32_t depth = reg_.plan.prefetch_groups, held = std::max<uint32_t>(reg_.plan.held_groups, 1);
   if (any_off_device_) {
-    const uint32_t want = 2 + depth;
+    const uint32_t want = held + depth + 1;
     for (uint32_t i = 0; i < want; ++i) {
       auto d = reg_.dev->alloc(slot_bytes_);
       if (!d.ok()) {
-        if (d.status().code() == StatusCode::kOutOfBudget && i >= 1 + depth && i > 0) break;
+        if (d.status().code() == StatusCode::kOutOfBudget && i >= held + depth) break;
         return d.status().with_context(fmt::format("engine: device buffer {} of {} for gathered groups ({} each)",
                                                    i + 1, want, format_bytes(slot_bytes_)));
       }
@@ -197,8 +197,10 @@ Status Uploader::start_upload(GroupId g, bool prefetch) {
     if (prefetch) return Status(StatusCode::kOutOfBudget, "no free device buffer");
     return Status(StatusCode::kOutOfBudget,
                   fmt::format("engine: acquire({}): all {} device buffers for gathered groups ({} each) are in use or "
-                              "loading; release a group first, or raise the device budget",
-                              reg_.groups[g].name, slots_.size(), format_bytes(slot_bytes_)));
+                              "loading ({} group(s) held; strata.held_groups is {}); release a group first, or raise "
+                              "strata.held_groups or the device budget",
+                              reg_.groups[g].name, slots_.size(), format_bytes(slot_bytes_), acquired_count_,
+                              reg_.plan.held_groups));
   }
   Slot& s = slots_[v];
   if (s.group >= 0) groups_[s.group].slot = -1;
@@ -219,7 +221,7 @@ void Uploader::issue_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = pos; i < order_.size() && i < pos + reg_.plan.prefetch_groups; ++i) {
     const GroupId h = order_[i];
-    if (reg_.groups[h].compute_tier == Tier::kDevice || groups_[h].slot >= 0 || groups_[h].acquired) continue;
+    if (reg_.groups[h].compute_tier == Tier::kDevice || groups_[h].slot >= 0 || groups_[h].holds > 0) continue;
     if (!start_upload(h, true).ok()) break;
   }
 }
@@ -261,6 +263,21 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   const GroupInfo& info = reg_.groups[gid];
   GroupSlots& g = groups_[gid];
   ++acquires_;
+  if (g.holds > 0) {
+    // Held already (a tied weight, a nested module): the same pointers; this
+    // stream waits for the upload too.
+    if (info.compute_tier != Tier::kDevice) {
+      int si;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        si = g.slot;
+      }
+      STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, slots_[si].ready_event));
+    }
+    ++hits_;
+    ++g.holds;
+    return GroupView{gid, g.view, info.params};
+  }
   // The order: compare with the recorded one.
   const size_t pos = current_.size();
   if (!recording_ && !order_broken_ && (pos >= order_.size() || order_[pos] != gid)) {
@@ -276,7 +293,8 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   }
   current_.push_back(gid);
   if (info.compute_tier == Tier::kDevice) {
-    g.acquired = true;
+    g.holds = 1;
+    g.last_release = nullptr;
     ++acquired_count_;
     return GroupView{gid, g.view, info.params};
   }
@@ -307,22 +325,52 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   if (!err.ok()) return err.with_context(fmt::format("engine: acquire({})", info.name));
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, slots_[si].ready_event));
   for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = static_cast<char*>(slots_[si].ptr) + g.slot_offset[i];
-  g.acquired = true;
+  g.holds = 1;
+  g.last_release = nullptr;
   ++acquired_count_;
   return GroupView{gid, g.view, info.params};
 }
 
+// Every release records the group's release event on its stream; when the
+// holds used several streams, each release first makes its stream wait for
+// the previous release's point, so the last record covers them all.
 Status Uploader::release(GroupId gid, DeviceStream* stream) {
   GroupSlots& g = groups_[gid];
-  g.acquired = false;
+  const bool device_home = reg_.groups[gid].compute_tier == Tier::kDevice;
+  DeviceEvent* ev;
+  if (device_home) {
+    ev = reg_.groups[gid].release_event;
+  } else {
+    std::lock_guard<std::mutex> lock(mu_);
+    ev = slots_[g.slot].release_event;
+  }
+  if (g.last_release != nullptr && g.last_release != stream) STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, ev));
+  const bool last = g.holds == 1;
+  Status st;
+  if (last && !device_home && reg_.cfg.strata.debug_poison_released) {
+    // Debug: whatever still reads the released buffer reads NaN (0xFF bytes
+    // are NaN in fp32, bf16 and fp16); the slot is not kept as a cache.
+    std::lock_guard<std::mutex> lock(mu_);
+    Slot& s = slots_[g.slot];
+    st = reg_.dev->fill_bytes_async(s.ptr, slot_bytes_, 0xFF, stream);
+  }
+  if (st.ok()) st = reg_.dev->record(ev, stream);
+  g.last_release = stream;
+  --g.holds;
+  if (!last) return st;
   --acquired_count_;
-  if (reg_.groups[gid].compute_tier == Tier::kDevice) return reg_.dev->record(reg_.groups[gid].release_event, stream);
+  if (device_home) return st;
   std::lock_guard<std::mutex> lock(mu_);
   Slot& s = slots_[g.slot];
-  Status st = reg_.dev->record(s.release_event, stream);
-  s.state = Slot::kCached;
   s.prefetched = false;
   s.lru = ++lru_clock_;
+  if (reg_.cfg.strata.debug_poison_released) {
+    s.state = Slot::kFree;
+    s.group = -1;
+    g.slot = -1;
+  } else {
+    s.state = Slot::kCached;
+  }
   return st;
 }
 

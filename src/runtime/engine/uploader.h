@@ -38,16 +38,20 @@ class Uploader {
   uint32_t staging_count() const;                          // pinned staging buffers wanted
   uint64_t staging_bytes() const { return max_staging_; }  // each
   Status allocate_staging();                               // from the registry's pool
-  Status allocate_slots();  // device slots: one in use, prefetch_groups prefetched, one cached
+  Status allocate_slots();  // device slots: held_groups in use, prefetch_groups prefetched, one cached
   Status start();
   void stop();  // finishes queued uploads, joins the thread
 
   // ---- driving thread
-  bool acquired(GroupId g) const { return groups_[g].acquired; }
-  uint32_t acquired_count() const { return acquired_count_; }
-  // Records the acquire in the order, finds or uploads the group's slot,
-  // queues prefetches and makes `stream` wait for the upload.
+  bool acquired(GroupId g) const { return groups_[g].holds > 0; }
+  uint32_t holds(GroupId g) const { return groups_[g].holds; }
+  uint32_t acquired_count() const { return acquired_count_; }  // distinct groups held
+  // The first hold records the acquire in the order, finds or uploads the
+  // group's slot and queues prefetches; every hold makes `stream` wait for
+  // the upload and returns the same pointers (stable while held).
   Result<GroupView> acquire(GroupId g, DeviceStream* stream);
+  // Drops one hold once `stream` passes this point; the last one lets the
+  // slot be reused (debug_poison_released: fills it with NaN bytes first).
   Status release(GroupId g, DeviceStream* stream);
   // Blocks until queued and running uploads are done.
   void wait_idle() { queue_.wait_idle(); }
@@ -82,7 +86,8 @@ class Uploader {
     uint64_t slot_bytes = 0, staging_bytes = 0;
     std::vector<void*> view;  // pointers handed out by acquire()
     int slot = -1;            // device slot holding the group (off-device homes; mu_)
-    bool acquired = false;
+    uint32_t holds = 0;       // acquires not yet released
+    DeviceStream* last_release = nullptr;  // stream of this hold's last release (joins streams)
   };
 
   void upload_main(int slot);                         // uploader thread
