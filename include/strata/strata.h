@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 3
+#define STRATA_API_VERSION 4
 
 /* ------------------------------------------------------------------ status */
 
@@ -484,6 +484,39 @@ STRATA_API strata_status_t strata_engine_reduce_grad(strata_engine_t engine, uin
  * STRATA_ERR_INVALID_ARGUMENT when overlap_backward already updated a group
  * of this step (the weights moved: load a checkpoint). */
 STRATA_API strata_status_t strata_engine_discard_step(strata_engine_t engine, strata_stream_t stream);
+
+/* ---- DLPack (driving thread)
+ *
+ * The tensor exchange of PyTorch (torch.from_dlpack / torch.utils.dlpack),
+ * JAX, CuPy: DLManagedTensor as dlpack.h (DLPack 0.6 and later, the
+ * unversioned struct) defines it. This header only names the struct; include
+ * dlpack.h to read it. */
+struct DLManagedTensor;
+
+/* A view of trainable or frozen `param` in its held group's device buffer, as
+ * a DLManagedTensor the caller owns: device kDLCPU (host backend) or kDLCUDA
+ * with the engine's device, the compute dtype (kDLFloat 32 / kDLBfloat 16 /
+ * kDLFloat 16), the parameter's shape, compact row-major strides. No copy:
+ * the memory is the pointer strata_engine_acquire gives, valid until the
+ * group's last hold is released (a consumer's tensor must not be used after
+ * that; "strata.debug_poison_released" makes such use show as NaN). Call its
+ * deleter (any thread, once) to free the struct; that releases nothing.
+ * Errors: STRATA_ERR_INVALID_ARGUMENT (id, the group is not held). */
+STRATA_API strata_status_t strata_engine_param_dlpack(strata_engine_t engine, uint32_t param,
+                                                      struct DLManagedTensor** out);
+/* strata_engine_reduce_grad with the gradient as a DLPack tensor, whose
+ * ownership passes to the engine on success: it calls grad->deleter (on the
+ * driving thread, inside a later strata_engine_* call: reduce_grad_dlpack,
+ * begin_micro_batch, step, discard_step, or destroy) once the engine's read
+ * of it is done, so the caller need not keep the gradient alive nor wait for
+ * the stream (torch: torch.utils.dlpack.to_dlpack(grad)). On failure the
+ * caller still owns it. Checked: the device (kDLCPU or kDLCUDAHost on the
+ * host backend; kDLCUDA on the engine's device on CUDA), dtype (float32,
+ * bfloat16, float16, one lane), shape equal to the parameter's, compact
+ * row-major strides (NULL or equal to them); each refusal names the field.
+ * Errors: as strata_engine_reduce_grad, plus those checks. */
+STRATA_API strata_status_t strata_engine_reduce_grad_dlpack(strata_engine_t engine, uint32_t param,
+                                                            struct DLManagedTensor* grad, strata_stream_t stream);
 /* One optimizer step: global gradient norm, fp16 loss scaling (overflow:
  * skipped, scale lowered), clipping, then the optimizer over every shard of
  * every parameter a micro-batch of this step reduced (the others are left

@@ -11,7 +11,7 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 3  # STRATA_API_VERSION these bindings speak
+API_VERSION = 4  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
@@ -136,6 +136,9 @@ strata_engine_save_checkpoint = _fn("strata_engine_save_checkpoint", c_int, c_vo
 strata_engine_load_checkpoint = _fn("strata_engine_load_checkpoint", c_int, c_void_p, c_char_p,
                                     ctypes.POINTER(c_void_p))
 strata_engine_stats = _fn("strata_engine_stats", c_int, c_void_p, ctypes.POINTER(EngineStats))
+strata_engine_param_dlpack = _fn("strata_engine_param_dlpack", c_int, c_void_p, c_uint32, ctypes.POINTER(c_void_p))
+strata_engine_reduce_grad_dlpack = _fn("strata_engine_reduce_grad_dlpack", c_int, c_void_p, c_uint32, c_void_p,
+                                       c_void_p)
 strata_stream_create = _fn("strata_stream_create", c_int, c_void_p, c_char_p, ctypes.POINTER(c_void_p))
 strata_stream_destroy = _fn("strata_stream_destroy", c_int, c_void_p)
 strata_stream_synchronize = _fn("strata_stream_synchronize", c_int, c_void_p)
@@ -153,3 +156,53 @@ def check(status, engine=None):
     raise StrataError(status, (msg or b"").decode("utf-8", "replace"))
 
 strata_engine_loss_scale = _fn("strata_engine_loss_scale", c_int, c_void_p, ctypes.POINTER(c_double))
+
+
+# ---------------------------------------------------------------- DLPack capsules
+# The exchange torch.utils.dlpack (and JAX, CuPy) speak: a PyCapsule named
+# "dltensor" holding a DLManagedTensor*; the consumer renames it
+# "used_dltensor" and owns the tensor from then on.
+
+class _DLManagedTensorHead(ctypes.Structure):
+    # DLTensor (48 bytes) then manager_ctx and deleter: only the deleter is read here.
+    _fields_ = [("dl_tensor", ctypes.c_byte * 48), ("manager_ctx", c_void_p),
+                ("deleter", ctypes.CFUNCTYPE(None, c_void_p))]
+
+
+_DLTENSOR = ctypes.create_string_buffer(b"dltensor")
+_USED_DLTENSOR = ctypes.create_string_buffer(b"used_dltensor")
+_api = ctypes.pythonapi
+_capsule_new = _api.PyCapsule_New
+_capsule_new.restype, _capsule_new.argtypes = ctypes.py_object, [c_void_p, c_void_p, c_void_p]
+_capsule_get = _api.PyCapsule_GetPointer
+_capsule_get.restype, _capsule_get.argtypes = c_void_p, [ctypes.py_object, c_void_p]
+_capsule_set_name = _api.PyCapsule_SetName
+_capsule_set_name.restype, _capsule_set_name.argtypes = c_int, [ctypes.py_object, c_void_p]
+_capsule_is_valid = _api.PyCapsule_IsValid
+_capsule_is_valid.restype, _capsule_is_valid.argtypes = c_int, [c_void_p, c_void_p]
+_capsule_get_raw = ctypes.PYFUNCTYPE(c_void_p, c_void_p, c_void_p)(("PyCapsule_GetPointer", _api))
+
+
+@ctypes.PYFUNCTYPE(None, c_void_p)
+def _unconsumed_capsule(capsule):
+    # A capsule nobody consumed still owns its tensor: free it.
+    if _capsule_is_valid(capsule, ctypes.addressof(_DLTENSOR)):
+        ptr = _capsule_get_raw(capsule, ctypes.addressof(_DLTENSOR))
+        head = _DLManagedTensorHead.from_address(ptr)
+        if head.deleter:
+            head.deleter(ptr)
+
+
+def param_capsule(engine, param):
+    """A DLPack capsule viewing `param` of a held group (strata_engine_param_dlpack)."""
+    ptr = c_void_p()
+    check(strata_engine_param_dlpack(engine, param, ctypes.byref(ptr)), engine)
+    return _capsule_new(ptr, ctypes.addressof(_DLTENSOR), ctypes.cast(_unconsumed_capsule, c_void_p))
+
+
+def reduce_grad_capsule(engine, param, capsule, stream):
+    """Hands a DLPack capsule's tensor to strata_engine_reduce_grad_dlpack; on
+    success the engine owns it (the capsule is marked used)."""
+    ptr = _capsule_get(capsule, ctypes.addressof(_DLTENSOR))
+    check(strata_engine_reduce_grad_dlpack(engine, param, ptr, stream), engine)
+    _capsule_set_name(capsule, ctypes.addressof(_USED_DLTENSOR))

@@ -293,6 +293,51 @@ class EngineTest(unittest.TestCase):
             for a, b in zip(losses, fp32):
                 self.assertLess(abs(a - b) / b, 1e-2, key)
 
+    def test_dlpack_views_and_gradient_hand_over(self):
+        # A held parameter is a DLPack view of the engine's buffer (no copy):
+        # its data pointer is the one strata_engine_acquire gives (a second
+        # acquire adds a hold and returns the same), in the compute dtype.
+        import ctypes
+        import gc
+        import weakref
+        from strata import _lib
+        engine, _, _, _ = st.initialize(model=llama(), config=ds_config(self.nvme(), extra={"bf16": {"enabled": True}}))
+        pid = engine._names.index("model.layers.1.mlp.up_proj.weight")
+        g = engine._group_of[pid]
+        p = engine._params[pid]
+        engine._acquire(g)
+        self.assertEqual(p.dtype, torch.bfloat16)
+        self.assertEqual(p.data.stride(), (p.shape[1], 1))
+        n = len(engine._group_params[g])
+        ptrs, count = (ctypes.c_void_p * n)(), ctypes.c_size_t()
+        engine._call(_lib.strata_engine_acquire, g, engine._s, ptrs, n, ctypes.byref(count))
+        self.assertEqual(p.data.data_ptr(), ptrs[engine._group_params[g].index(pid)])
+        engine._call(_lib.strata_engine_release, g, engine._s)
+        engine._release(g)
+        # A gradient handed over through DLPack stays alive until the engine
+        # read it (the step), then the engine frees it.
+        engine._call(_lib.strata_engine_begin_micro_batch, 1)
+        grad = torch.full(tuple(p.shape), 0.5)
+        alive = weakref.ref(grad)
+        _lib.reduce_grad_capsule(engine._e, pid, torch.utils.dlpack.to_dlpack(grad), engine._s)
+        del grad
+        gc.collect()
+        self.assertIsNotNone(alive(), "the engine must keep the gradient until it has read it")
+        engine._micro = 1
+        engine.step()
+        gc.collect()
+        self.assertIsNone(alive(), "the step gives the gradient back")
+        # Refused gradients stay the caller's, with the reason.
+        engine._call(_lib.strata_engine_begin_micro_batch, 1)
+        with self.assertRaisesRegex(StrataError, r"shape \[.*\], the parameter"):
+            _lib.reduce_grad_capsule(engine._e, pid, torch.utils.dlpack.to_dlpack(torch.zeros(3)), engine._s)
+        with self.assertRaisesRegex(StrataError, "not contiguous"):
+            t = torch.zeros(tuple(reversed(p.shape))).t()
+            _lib.reduce_grad_capsule(engine._e, pid, torch.utils.dlpack.to_dlpack(t), engine._s)
+        with self.assertRaisesRegex(StrataError, "dtype"):
+            t = torch.zeros(tuple(p.shape), dtype=torch.int32)
+            _lib.reduce_grad_capsule(engine._e, pid, torch.utils.dlpack.to_dlpack(t), engine._s)
+
     def test_refusals(self):
         with self.assertRaisesRegex(ValueError, "scheduler"):
             st.initialize(model=llama(), config={"scheduler": {"type": "WarmupLR"}})

@@ -16,46 +16,14 @@
 #include <vector>
 
 #include "capi/c_api_util.h"
+#include "capi/engine_handle.h"
 #include "device/device_backend.h"
 #include "runtime/config.h"
 #include "runtime/engine.h"
 #include "strata/strata.h"
 
-// Owned by the caller. When its engine is destroyed first, the device stream
-// goes with the engine and both pointers become null: the handle is then
-// dead, and strata_stream_destroy only frees it (so RAII wrappers may be
-// destroyed in any order).
-struct strata_stream {
-  strata_engine* engine;
-  strata::DeviceStream* stream;
-};
-
-struct strata_engine {
-  std::unique_ptr<strata::Engine> engine;
-  std::string device_name;
-  std::vector<std::string> group_names;  // stable storage for strata_group_info_t.name
-
-  mutable std::mutex mu;  // guards everything below
-  std::string last_error;
-  std::unordered_set<strata_stream*> streams;
-  std::set<std::string> trace_names;  // interned span names: their c_str() outlive the trace
-};
-
 namespace strata::capi {
 namespace {
-
-Status null_arg(const char* fn, const char* arg) {
-  return Status(StatusCode::kInvalidArgument, std::string(fn) + ": " + arg + " is NULL");
-}
-
-Result<DType> to_dtype(const strata_dtype_t& d, const char* what) {
-  switch (enum_value(d)) {
-    case STRATA_DTYPE_F32: return DType::kF32;
-    case STRATA_DTYPE_BF16: return DType::kBF16;
-    case STRATA_DTYPE_F16: return DType::kF16;
-  }
-  return Status(StatusCode::kInvalidArgument, std::string(what) + ": unknown dtype " + std::to_string(enum_value(d)));
-}
 
 strata_tier_t to_c_tier(Tier t) {
   switch (t) {
@@ -65,82 +33,6 @@ strata_tier_t to_c_tier(Tier t) {
     case Tier::kNvme: return STRATA_TIER_NVME;
   }
   return STRATA_TIER_AUTO;
-}
-
-// Records st on the engine (when there is one) and on this thread.
-strata_status_t fail_on(strata_engine* e, const Status& st) {
-  strata_status_t code = fail(st);
-  if (e) {
-    std::lock_guard<std::mutex> lock(e->mu);
-    e->last_error = st.message();
-  }
-  return code;
-}
-
-template <typename Fn>
-strata_status_t guarded(strata_engine* e, const char* fn, Fn&& body) noexcept {
-  try {
-    Status st = body();
-    if (st.ok()) return STRATA_OK;
-    return fail_on(e, st.with_context(fn));
-  } catch (const std::bad_alloc&) {
-    try {
-      return fail_on(e, Status(StatusCode::kOutOfMemory, std::string(fn) + ": out of memory"));
-    } catch (...) {
-      return STRATA_ERR_OUT_OF_MEMORY;
-    }
-  } catch (const std::exception& ex) {
-    try {
-      return fail_on(e, Status(StatusCode::kInternal, std::string(fn) + ": unexpected exception: " + ex.what()));
-    } catch (...) {
-      return STRATA_ERR_INTERNAL;
-    }
-  } catch (...) {
-    try {
-      return fail_on(e, Status(StatusCode::kInternal, std::string(fn) + ": unexpected exception"));
-    } catch (...) {
-      return STRATA_ERR_INTERNAL;
-    }
-  }
-}
-
-// For calls on an engine handle: a NULL handle is recorded on the thread.
-template <typename Fn>
-strata_status_t on_engine(strata_engine* e, const char* fn, Fn&& body) noexcept {
-  if (!e || !e->engine) return fail(Status(StatusCode::kInvalidArgument, std::string(fn) + ": engine is NULL"));
-  return guarded(e, fn, std::forward<Fn>(body));
-}
-
-template <typename Fn>
-strata_status_t on_stream(strata_stream* s, const char* fn, Fn&& body) noexcept {
-  if (!s) return fail(Status(StatusCode::kInvalidArgument, std::string(fn) + ": stream is NULL"));
-  if (!s->engine)
-    return fail(Status(StatusCode::kInvalidArgument, std::string(fn) + ": the stream's engine was destroyed"));
-  return guarded(s->engine, fn, std::forward<Fn>(body));
-}
-
-// The engine's DeviceStream for a stream argument, refusing another engine's.
-Result<DeviceStream*> stream_arg(strata_engine* e, strata_stream* s) {
-  if (!s) return Status(StatusCode::kInvalidArgument, "stream is NULL");
-  if (!s->engine) return Status(StatusCode::kInvalidArgument, "the stream's engine was destroyed");
-  if (s->engine != e)
-    return Status(StatusCode::kInvalidArgument,
-                  "stream '" + s->stream->name() + "' belongs to another engine");
-  return s->stream;
-}
-
-Status check_param(const Engine& e, uint32_t p) {
-  if (p >= e.model().params.size())
-    return Status(StatusCode::kInvalidArgument, "parameter id " + std::to_string(p) + " out of range (the model has " +
-                                                    std::to_string(e.model().params.size()) + ")");
-  return Status();
-}
-
-Status check_group(const Engine& e, uint32_t g) {
-  if (g >= e.group_count())
-    return Status(StatusCode::kInvalidArgument, "group id " + std::to_string(g) + " out of range (the model has " +
-                                                    std::to_string(e.group_count()) + " groups)");
-  return Status();
 }
 
 Result<ModelSpec> to_model(const strata_param_desc_t* params, size_t count) {
@@ -293,6 +185,7 @@ void strata_engine_destroy(strata_engine_t engine) {
       std::lock_guard<std::mutex> lock(engine->mu);
       streams.swap(engine->streams);
     }
+    if (engine->engine) dlpack_drop_all(engine);
     for (strata_stream* s : streams) {
       if (engine->engine) (void)engine->engine->device().destroy_stream(s->stream);
       s->engine = nullptr;  // dead; the caller's strata_stream_destroy frees it
@@ -465,8 +358,10 @@ strata_status_t strata_engine_load_state(strata_engine_t engine, uint32_t param,
 }
 
 strata_status_t strata_engine_begin_micro_batch(strata_engine_t engine, int last) {
-  return on_engine(engine, "strata_engine_begin_micro_batch",
-                   [&]() -> Status { return engine->engine->begin_micro_batch(last != 0); });
+  return on_engine(engine, "strata_engine_begin_micro_batch", [&]() -> Status {
+    (void)dlpack_collect(engine, false);
+    return engine->engine->begin_micro_batch(last != 0);
+  });
 }
 
 strata_status_t strata_engine_acquire(strata_engine_t engine, uint32_t group, strata_stream_t stream, void** ptrs,
@@ -515,7 +410,9 @@ strata_status_t strata_engine_discard_step(strata_engine_t engine, strata_stream
     if (stream) {
       STRATA_ASSIGN_OR_RETURN(s, stream_arg(engine, stream));
     }
-    return engine->engine->discard_step(s);
+    Status st = engine->engine->discard_step(s);
+    Status given = dlpack_collect(engine, true);  // discard waited for the reads
+    return st.ok() ? given : st;
   });
 }
 
@@ -525,6 +422,7 @@ strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_ste
       STRATA_RETURN_IF_ERROR(check_struct(result, "result"));
     }
     STRATA_ASSIGN_OR_RETURN(StepResult r, engine->engine->step(lr));
+    STRATA_RETURN_IF_ERROR(dlpack_collect(engine, true));  // the step read every gradient
     if (result) fill_step_result(r, result);
     return Status();
   });

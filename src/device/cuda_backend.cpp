@@ -122,7 +122,7 @@ class CudaDeviceBackend final : public DeviceBackend {
 
   DeviceKind kind() const override { return DeviceKind::kCuda; }
   std::string name() const override { return name_; }
-  int device_ordinal() const { return device_; }  // for cuda_native_stream()
+  int ordinal() const override { return device_; }
 
   Result<void*> alloc(std::size_t bytes) override { return pool_->alloc(bytes); }
   Status free(void* ptr, DeviceStream* after) override {
@@ -369,7 +369,7 @@ Result<CudaNativeStream> cuda_native_stream(DeviceStream* stream) {
                   "cuda_native_stream: stream '" + stream->name() + "' does not belong to a CUDA backend");
   CudaNativeStream out;
   out.stream = static_cast<CudaStream*>(stream)->handle();
-  out.device = static_cast<const CudaDeviceBackend*>(stream->owner())->device_ordinal();
+  out.device = static_cast<const CudaDeviceBackend*>(stream->owner())->ordinal();
   return out;
 }
 

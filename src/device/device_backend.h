@@ -135,6 +135,8 @@ class DeviceBackend {
   virtual DeviceKind kind() const = 0;
   // "host" or "cuda:0 (NVIDIA H200, sm_90, ...)". Constant; any thread.
   virtual std::string name() const = 0;
+  // The CUDA device ordinal (0 on the host backend).
+  virtual int ordinal() const { return 0; }
 
   // ---- device memory (pooled, under a hard budget; see caching_allocator.h)
   // Returns a 256-byte aligned block of at least `bytes` (0 counts as 1).

@@ -267,6 +267,17 @@ Result<GroupView> Engine::acquire(GroupId gid, DeviceStream* stream) {
   return I.uploader.acquire(gid, stream);
 }
 
+Result<void*> Engine::held_ptr(ParamId id) const {
+  const Impl& I = *impl_;
+  const GroupId g = I.reg.params[id].group;
+  if (!I.uploader.acquired(g))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: {}: its group {} is not acquired", I.reg.params[id].name, I.reg.groups[g].name));
+  const auto& ps = I.reg.groups[g].params;
+  const size_t i = static_cast<size_t>(std::find(ps.begin(), ps.end(), id) - ps.begin());
+  return I.uploader.view(g, i);
+}
+
 Status Engine::release(GroupId gid, DeviceStream* stream) {
   Impl& I = *impl_;
   if (gid >= I.reg.groups.size())

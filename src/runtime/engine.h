@@ -226,6 +226,9 @@ class Engine {
   Result<GroupView> acquire(GroupId g, DeviceStream* stream);
   Status release(GroupId g, DeviceStream* stream);  // drops one hold
   static constexpr uint32_t kMaxHolds = 1u << 16;  // more is a missing release
+  // The device pointer of `p` in its held group (what acquire gave).
+  // kInvalidArgument when the group is not held.
+  Result<void*> held_ptr(ParamId p) const;
   // `grad` is a device buffer of the parameter's full numel in `dtype`
   // (fp32/bf16/fp16); on the host backend any host memory (the caller's, e.g.
   // a torch CPU tensor). Asynchronous (see the header comment). A failed call

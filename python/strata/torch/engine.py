@@ -30,6 +30,7 @@ import json
 import os
 
 import torch
+import torch.utils.dlpack
 
 from .. import _lib
 from .._lib import StrataError
@@ -38,8 +39,6 @@ _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch
 # DeepSpeed config keys this package handles itself or that do not change the
 # math (the rest goes to the engine, whose parser reads or refuses every key).
 _PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu"}
-# Gradients handed to the engine and not yet read by its stream, at most.
-_PENDING_BYTES = 256 << 20
 
 
 def _load_config(config):
@@ -221,7 +220,6 @@ class StrataEngine:
         self._bwd = collections.OrderedDict()  # groups acquired in backward, oldest first
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
-        self._pending, self._pending_bytes = [], 0  # gradients the engine's stream has yet to read
         self._hooks = []
         for mod in self._module_groups:
             self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
@@ -245,12 +243,10 @@ class StrataEngine:
             n = ctypes.c_size_t()
             self._call(_lib.strata_engine_acquire, g, self._s, ptrs, len(pids), ctypes.byref(n))
             _lib.check(_lib.strata_stream_synchronize(self._s), self._e)  # host backend: the CPU reads it now
-            esz = torch.empty((), dtype=self.compute_dtype).element_size()
-            for pid, ptr in zip(pids, ptrs):
+            for pid in pids:
                 p = self._params[pid]
-                nbytes = p.numel() * esz
-                buf = (ctypes.c_char * nbytes).from_address(ptr)
-                view = torch.frombuffer(buf, dtype=self.compute_dtype, count=p.numel()).view(p.shape)
+                # The engine's buffer through DLPack: no copy; valid while held.
+                view = torch.utils.dlpack.from_dlpack(_lib.param_capsule(self._e, pid))
                 self._views[pid] = view
                 self._live[view.untyped_storage().data_ptr()] = pid
                 p.data = view
@@ -323,22 +319,10 @@ class StrataEngine:
             if g.dtype not in _DTYPES or g.is_sparse:
                 raise StrataError(1, f"strata.torch: gradient of {self._names[pid]} is {g.dtype}"
                                      f"{' (sparse)' if g.is_sparse else ''}: fp32/bf16/fp16 dense only")
-            g = g.contiguous()
-            self._call(_lib.strata_engine_reduce_grad, pid, g.data_ptr(), _DTYPES[g.dtype], self._s)
-            # The engine reads the caller's memory on its stream: keep the
-            # gradient alive until the stream got there (one wait per
-            # _PENDING_BYTES of gradients, not one per parameter).
-            self._pending.append(g)
-            self._pending_bytes += g.numel() * g.element_size()
-            if self._pending_bytes >= _PENDING_BYTES:
-                self._drain()
+            # Through DLPack the engine owns the gradient until its stream
+            # has read it, then frees it (no wait here).
+            _lib.reduce_grad_capsule(self._e, pid, torch.utils.dlpack.to_dlpack(g.contiguous()), self._s)
         return hook
-
-    def _drain(self):
-        if self._pending:
-            _lib.check(_lib.strata_stream_synchronize(self._s), self._e)
-        self._pending.clear()
-        self._pending_bytes = 0
 
     # ---------------------------------------------------------------- DeepSpeed's engine API
 
@@ -370,13 +354,11 @@ class StrataEngine:
             raise
         finally:
             self._release_backward()
-            self._drain()
         self._micro += 1
 
     def _abandon(self):
         """An exception in forward or backward: forget the step (groups, gradients)."""
         self._bwd.clear()
-        self._drain()
         for g in list(self._held):
             self._held[g] = 1
             self._release_quiet(g)

@@ -46,6 +46,7 @@ class Uploader {
   bool acquired(GroupId g) const { return groups_[g].holds > 0; }
   uint32_t holds(GroupId g) const { return groups_[g].holds; }
   uint32_t acquired_count() const { return acquired_count_; }  // distinct groups held
+  void* view(GroupId g, size_t i) const { return groups_[g].view[i]; }  // while held
   // The first hold records the acquire in the order, finds or uploads the
   // group's slot and queues prefetches; every hold makes `stream` wait for
   // the upload and returns the same pointers (stable while held).
