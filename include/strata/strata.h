@@ -214,15 +214,22 @@ STRATA_API void strata_free(void* ptr);
  * after the call). On the cuda backend a trainer wraps its own stream
  * (strata_stream_wrap, e.g. PyTorch's current stream); on the host backend
  * "device memory" is RAM, streams are Strata's worker threads, and a C
- * trainer synchronizes the stream before touching the memory from the CPU.
+ * trainer synchronizes the stream (or an event recorded on it) before
+ * touching the memory from the CPU.
  *
- * Threads. One thread drives an engine: every strata_engine_* call except
- * strata_engine_stats, strata_engine_last_error, strata_engine_trace_begin /
- * _end and the queries about the model and plan, which are fixed at
- * creation (counts, find_*, param/group info, group_params, device, plan
- * report): any thread may call those concurrently with the driving thread.
- * Stream and device-memory calls may be made from any thread. Different
- * engines are independent.
+ * Threads. The driving calls (every strata_engine_* call except those listed
+ * next) must never overlap: one at a time, in the protocol's order. They
+ * need not come from one thread: PyTorch runs backward hooks on its autograd
+ * thread (for CUDA tensors, one thread per device) while forward hooks run
+ * on the caller's, which is fine because the caller's thread is blocked in
+ * backward() meanwhile; the engine takes no lock for them, so a trainer that
+ * could overlap them must serialize them itself. Any thread may call, at any
+ * time, concurrently with the driving calls: strata_engine_stats,
+ * strata_engine_last_error, strata_engine_trace_begin / _end, the queries
+ * about the model and plan, which are fixed at creation (counts, find_*,
+ * param/group info, group_params, device, plan report), and the stream,
+ * event and device-memory calls. A DLManagedTensor's deleter may run on any
+ * thread. Different engines are independent.
  *
  * Errors. Every function returns strata_status_t and writes its outputs (the
  * last arguments) only on success. The message of a failed call on an engine
@@ -237,6 +244,7 @@ STRATA_API void strata_free(void* ptr);
 
 typedef struct strata_engine* strata_engine_t;
 typedef struct strata_stream* strata_stream_t;
+typedef struct strata_event* strata_event_t;
 
 typedef enum strata_device_kind {
   STRATA_DEVICE_AUTO = 0, /* cuda when the CUDA module loads and sees a GPU, else host */
@@ -599,6 +607,25 @@ STRATA_API strata_status_t strata_stream_destroy(strata_stream_t stream);
 /* Blocks until the work enqueued so far is done; returns the stream's first
  * asynchronous error (sticky). */
 STRATA_API strata_status_t strata_stream_synchronize(strata_stream_t stream);
+
+/* Events: a point in a stream's work, on either backend (cuda: a CUDA event
+ * without timing; host: a marker on the stream's worker thread), so a
+ * trainer can order its work against the engine's without blocking: record
+ * after an acquire on the engine's stream and make its own wait, or poll.
+ * Any thread. An event belongs to the engine it was made with; destroy it
+ * before the engine (a handle outliving its engine is dead, as a stream's).
+ * An event never recorded is complete. */
+STRATA_API strata_status_t strata_event_create(strata_engine_t engine, strata_event_t* event);
+STRATA_API strata_status_t strata_event_destroy(strata_event_t event); /* NULL is fine */
+/* Captures the work enqueued on `stream` so far (re-recording moves it). */
+STRATA_API strata_status_t strata_event_record(strata_event_t event, strata_stream_t stream);
+/* Work enqueued on `stream` after this call waits for the event's last
+ * record (never the host). */
+STRATA_API strata_status_t strata_stream_wait_event(strata_stream_t stream, strata_event_t event);
+/* *done = 1 when the recorded work is complete, else 0. Non-blocking. */
+STRATA_API strata_status_t strata_event_query(strata_event_t event, int* done);
+/* Blocks until the recorded work is complete. */
+STRATA_API strata_status_t strata_event_synchronize(strata_event_t event);
 
 /* Device memory from the engine's device pool (under its budget, shared
  * with the engine's buffers): e.g. gradient buffers on the host backend,

@@ -128,6 +128,20 @@ Result<strata_stream*> register_stream(strata_engine* e, Result<DeviceStream*> m
   return s;
 }
 
+// The event's engine, refusing a dead handle or a stream of another engine.
+Status event_args(strata_event* ev, strata_stream* s) {
+  if (!ev->engine) return Status(StatusCode::kInvalidArgument, "the event's engine was destroyed");
+  if (s) return stream_arg(ev->engine, s).status();
+  return Status();
+}
+template <typename Fn>
+strata_status_t on_event(strata_event* ev, const char* fn, Fn&& body) noexcept {
+  if (!ev) return fail(Status(StatusCode::kInvalidArgument, std::string(fn) + ": event is NULL"));
+  if (!ev->engine)
+    return fail(Status(StatusCode::kInvalidArgument, std::string(fn) + ": the event's engine was destroyed"));
+  return guarded(ev->engine, fn, std::forward<Fn>(body));
+}
+
 }  // namespace
 }  // namespace strata::capi
 
@@ -186,6 +200,16 @@ void strata_engine_destroy(strata_engine_t engine) {
       streams.swap(engine->streams);
     }
     if (engine->engine) dlpack_drop_all(engine);
+    std::unordered_set<strata_event*> events;
+    {
+      std::lock_guard<std::mutex> lock(engine->mu);
+      events.swap(engine->events);
+    }
+    for (strata_event* ev : events) {
+      if (engine->engine) engine->engine->device().destroy_event(ev->event);
+      ev->engine = nullptr;  // dead; strata_event_destroy frees it
+      ev->event = nullptr;
+    }
     for (strata_stream* s : streams) {
       if (engine->engine) (void)engine->engine->device().destroy_stream(s->stream);
       s->engine = nullptr;  // dead; the caller's strata_stream_destroy frees it
@@ -561,6 +585,73 @@ strata_status_t strata_stream_destroy(strata_stream_t stream) {
 strata_status_t strata_stream_synchronize(strata_stream_t stream) {
   return on_stream(stream, "strata_stream_synchronize",
                    [&]() -> Status { return stream->engine->engine->device().synchronize(stream->stream); });
+}
+
+strata_status_t strata_event_create(strata_engine_t engine, strata_event_t* event) {
+  return on_engine(engine, "strata_event_create", [&]() -> Status {
+    if (!event) return null_arg("strata_event_create", "event");
+    STRATA_ASSIGN_OR_RETURN(DeviceEvent * ev, engine->engine->device().create_event());
+    auto* h = new (std::nothrow) strata_event{engine, ev};
+    if (!h) {
+      engine->engine->device().destroy_event(ev);
+      return Status(StatusCode::kOutOfMemory, "out of memory");
+    }
+    try {
+      std::lock_guard<std::mutex> lock(engine->mu);
+      engine->events.insert(h);
+    } catch (...) {
+      engine->engine->device().destroy_event(ev);
+      delete h;
+      throw;
+    }
+    *event = h;
+    return Status();
+  });
+}
+
+strata_status_t strata_event_destroy(strata_event_t event) {
+  if (!event) return STRATA_OK;
+  strata_engine* e = event->engine;
+  if (e) {
+    {
+      std::lock_guard<std::mutex> lock(e->mu);
+      e->events.erase(event);
+    }
+    e->engine->device().destroy_event(event->event);
+  }
+  delete event;
+  return STRATA_OK;
+}
+
+
+strata_status_t strata_event_record(strata_event_t event, strata_stream_t stream) {
+  return on_event(event, "strata_event_record", [&]() -> Status {
+    if (!stream) return null_arg("strata_event_record", "stream");
+    STRATA_RETURN_IF_ERROR(event_args(event, stream));
+    return event->engine->engine->device().record(event->event, stream->stream);
+  });
+}
+
+strata_status_t strata_stream_wait_event(strata_stream_t stream, strata_event_t event) {
+  return on_event(event, "strata_stream_wait_event", [&]() -> Status {
+    if (!stream) return null_arg("strata_stream_wait_event", "stream");
+    STRATA_RETURN_IF_ERROR(event_args(event, stream));
+    return event->engine->engine->device().wait(stream->stream, event->event);
+  });
+}
+
+strata_status_t strata_event_query(strata_event_t event, int* done) {
+  return on_event(event, "strata_event_query", [&]() -> Status {
+    if (!done) return null_arg("strata_event_query", "done");
+    STRATA_ASSIGN_OR_RETURN(bool d, event->engine->engine->device().query(event->event));
+    *done = d ? 1 : 0;
+    return Status();
+  });
+}
+
+strata_status_t strata_event_synchronize(strata_event_t event) {
+  return on_event(event, "strata_event_synchronize",
+                  [&]() -> Status { return event->engine->engine->device().synchronize(event->event); });
 }
 
 strata_status_t strata_device_alloc(strata_engine_t engine, size_t bytes, void** ptr) {

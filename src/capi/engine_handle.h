@@ -16,6 +16,13 @@
 #include "runtime/engine.h"
 #include "strata/strata.h"
 
+// Owned by the caller, like a stream: dead (both pointers null) once its
+// engine is destroyed.
+struct strata_event {
+  strata_engine* engine;
+  strata::DeviceEvent* event;
+};
+
 // Owned by the caller. When its engine is destroyed first, the device stream
 // goes with the engine and both pointers become null: the handle is then
 // dead, and strata_stream_destroy only frees it (so RAII wrappers may be
@@ -33,6 +40,7 @@ struct strata_engine {
   mutable std::mutex mu;  // guards everything below
   std::string last_error;
   std::unordered_set<strata_stream*> streams;
+  std::unordered_set<strata_event*> events;
   std::set<std::string> trace_names;  // interned span names: their c_str() outlive the trace
 
   // DLPack gradients handed to strata_engine_reduce_grad_dlpack: each is

@@ -1,4 +1,9 @@
-/* DLPack through the C API, from plain C as a consumer that includes
+/* What a foreign trainer interoperates with, from plain C: events and DLPack.
+ *   - events: an unrecorded event is complete; a copy on one stream, an event
+ *     recorded behind it, a second stream waiting for it and copying on: the
+ *     second copy sees the first's bytes; query and synchronize; refusals
+ *     (NULL, another engine's stream, a dead handle after the engine);
+ * DLPack through the C API, as a consumer that includes
  * dlpack.h would (the structs below are DLPack's unversioned ABI, declared
  * here from its specification; python/tests check the real exchange with
  * torch.from_dlpack / to_dlpack):
@@ -212,13 +217,70 @@ static int test_reduce(void) {
   return 0;
 }
 
+static int test_events(void) {
+  strata_engine_t e, other;
+  strata_stream_t s1, s2, so;
+  if (make_engine(&e, &s1) || make_engine(&other, &so)) return -1;
+  OK(e, strata_stream_create(e, "second", &s2));
+  strata_event_t ev;
+  OK(e, strata_event_create(e, &ev));
+  int done = 0;
+  OK(e, strata_event_query(ev, &done));
+  CHECK(done == 1); /* never recorded */
+  enum { BYTES = 16 << 20 };
+  unsigned char* src = malloc(BYTES);
+  unsigned char* out = malloc(BYTES);
+  if (!src || !out) return -1;
+  for (size_t i = 0; i < BYTES; ++i) src[i] = (unsigned char)(i * 7 + 3);
+  memset(out, 0, BYTES);
+  void *d1, *d2;
+  OK(e, strata_device_alloc(e, BYTES, &d1));
+  OK(e, strata_device_alloc(e, BYTES, &d2));
+  for (int round = 0; round < 3; ++round) {
+    OK(e, strata_memcpy_async(d1, src, BYTES, STRATA_COPY_HOST_TO_DEVICE, s1));
+    OK(e, strata_event_record(ev, s1));
+    OK(e, strata_stream_wait_event(s2, ev));
+    OK(e, strata_memcpy_async(d2, d1, BYTES, STRATA_COPY_DEVICE_TO_DEVICE, s2));
+    OK(e, strata_memcpy_async(out, d2, BYTES, STRATA_COPY_DEVICE_TO_HOST, s2));
+    OK(e, strata_stream_synchronize(s2));
+    CHECK(memcmp(out, src, BYTES) == 0);
+    OK(e, strata_event_synchronize(ev));
+    OK(e, strata_event_query(ev, &done));
+    CHECK(done == 1);
+    for (size_t i = 0; i < BYTES; ++i) src[i] = (unsigned char)(src[i] + 1);
+  }
+  CHECK(strata_event_record(NULL, s1) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strata_event_record(ev, NULL) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strata_event_record(ev, so) == STRATA_ERR_INVALID_ARGUMENT); /* another engine's stream */
+  CHECK(strstr(strata_engine_last_error(e), "another engine") != NULL);
+  CHECK(strata_event_query(ev, NULL) == STRATA_ERR_INVALID_ARGUMENT);
+  OK(e, strata_device_free(e, d1, NULL));
+  OK(e, strata_device_free(e, d2, NULL));
+  free(src);
+  free(out);
+  /* An event outliving its engine is dead, and still freed by destroy. */
+  strata_event_t orphan;
+  OK(other, strata_event_create(other, &orphan));
+  strata_stream_destroy(so);
+  strata_engine_destroy(other);
+  CHECK(strata_event_query(orphan, &done) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "destroyed") != NULL);
+  CHECK(strata_event_destroy(orphan) == STRATA_OK);
+  CHECK(strata_event_destroy(ev) == STRATA_OK);
+  strata_stream_destroy(s1);
+  strata_stream_destroy(s2);
+  strata_engine_destroy(e);
+  return 0;
+}
+
 int main(void) {
+  test_events();
   test_export();
   test_reduce();
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);
     return 1;
   }
-  printf("engine DLPack C test: all checks passed\n");
+  printf("engine interop C test (events, DLPack): all checks passed\n");
   return 0;
 }
