@@ -260,6 +260,12 @@ int mem_get_info(int device, size_t* free_bytes, size_t* total_bytes, char* err,
   return 0;
 }
 
+int stream_device(void* stream, int* device, char* err, size_t err_len) {
+  *device = -1;
+  CUDA_TRY(cudaStreamGetDevice(static_cast<cudaStream_t>(stream), device));
+  return 0;
+}
+
 #undef CUDA_ON
 
 const strata_cuda_api_v1_t kApi = {
@@ -291,6 +297,7 @@ const strata_cuda_api_v1_t kApi = {
     sq_norm,
     adamw,
     mem_get_info,
+    stream_device,
 };
 
 }  // namespace

@@ -128,6 +128,9 @@ typedef struct strata_cuda_api_v1_s {
   // Appended after the first release (read only when struct_size covers it):
   // free and total device memory (cudaMemGetInfo), for "detect" budgets.
   int (*mem_get_info)(int device, size_t* free_bytes, size_t* total_bytes, char* err, size_t err_len);
+  // The device a (non-NULL) caller stream belongs to (cudaStreamGetDevice),
+  // so a wrapped stream of another GPU is refused before any work is ordered on it.
+  int (*stream_device)(void* stream, int* device, char* err, size_t err_len);
 } strata_cuda_api_v1_t;
 
 typedef const strata_cuda_api_v1_t* (*strata_cuda_api_v1_fn)(void);

@@ -146,6 +146,20 @@ class CudaDeviceBackend final : public DeviceBackend {
   }
 
   Result<DeviceStream*> wrap_native_stream(void* native, std::string_view name) override {
+    // A stream of another GPU would order nothing against this device's work.
+    if (native != nullptr && api_->struct_size >= offsetof(strata_cuda_api_v1_t, stream_device) +
+                                                      sizeof(api_->stream_device)) {
+      Err err;
+      int dev = -1;
+      if (api_->stream_device(native, &dev, err.text, sizeof(err.text)) != 0)
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("wrap_native_stream({}): not a CUDA stream of this process ({})", name, err.text));
+      if (dev != device_)
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("wrap_native_stream({}): the stream belongs to GPU {}, the engine uses GPU {} (make "
+                                  "the engine's device the caller's: strata_engine_options_t.device_ordinal)",
+                                  name, dev, device_));
+    }
     auto* st = new CudaStream(this, std::string(name), native, /*owned=*/false);
     std::lock_guard<std::mutex> lock(mu_);
     streams_.insert(st);
