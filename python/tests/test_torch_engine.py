@@ -292,8 +292,8 @@ class EngineTest(unittest.TestCase):
                 self.assertLess(abs(a - b) / b, 1e-2, key)
 
     def test_refusals(self):
-        with self.assertRaisesRegex(ValueError, "scheduler"):
-            st.initialize(model=llama(), config={"scheduler": {"type": "WarmupLR"}})
+        with self.assertRaisesRegex(ValueError, "scheduler.type: 'StepLR'"):
+            st.initialize(model=llama(), config={"scheduler": {"type": "StepLR"}})
         with self.assertRaisesRegex(ValueError, "optimizer"):
             st.initialize(model=llama(), optimizer=torch.optim.SGD(llama().parameters(), lr=1))
         with self.assertRaises(StrataError) as cm:
