@@ -217,8 +217,8 @@ class ThroughInitializeTest(unittest.TestCase):
         l_strata = strata_run(engine, data)
         self.assertEqual(engine.stats()["steps"], 8)
         self.assertEqual(lrs(opt), lrs(seen[0]))
-        EngineTest.compare(self, "llama on NVMe, WarmupDecayLR from the config, accumulation 2", ref, init, engine.state_dict(),
-                           l_strata, l_torch)
+        EngineTest.compare(self, "llama on NVMe, WarmupDecayLR from the config, accumulation 2", ref, init,
+                           engine.state_dict(), l_strata, l_torch)
         engine.destroy()
 
     def test_checkpoint_resume_continues_the_schedule(self):
