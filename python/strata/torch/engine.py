@@ -413,7 +413,10 @@ class StrataEngine:
         self._in_step = False
         # As DeepSpeed: the schedule advances with the optimizer steps taken,
         # not with a step skipped for non-finite gradients (fp16 overflow).
+        # optimizer.step() does nothing; a torch scheduler counts it (else it
+        # warns that the scheduler stepped first).
         if self.lr_scheduler is not None and not r.skipped:
+            self.optimizer.step()
             self.lr_scheduler.step()
         self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
                           "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
