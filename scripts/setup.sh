@@ -28,7 +28,8 @@ if [[ "${STRATA_SETUP_MPI:-0}" == "1" ]]; then PKGS+=(libopenmpi-dev openmpi-bin
 # it): torch, transformers, tokenizers, safetensors and peft from PyPI, pinned, so
 # the tests against the real thing run instead of skipping. torch is a
 # multi-GB download (its CUDA libraries): pip's cache keeps it between runs.
-REFERENCE_PY=(torch==2.15.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 peft==0.21.2 accelerate==1.15.0)
+REFERENCE_PY=(torch==2.15.0 transformers==5.24.0 tokenizers==0.23.3 safetensors==0.8.0 peft==0.21.2 accelerate==1.15.0
+             deepspeed==0.19.8)
 
 missing=()
 for p in "${PKGS[@]}"; do
@@ -49,7 +50,7 @@ fi
 
 if [[ "${STRATA_SETUP_REFERENCE:-0}" == "1" ]]; then
   PY="${STRATA_TEST_PYTHON:-python3}"
-  if "$PY" -c 'import torch, transformers, tokenizers, safetensors, peft' >/dev/null 2>&1; then
+  if "$PY" -c 'import torch, transformers, tokenizers, safetensors, peft, accelerate, deepspeed' >/dev/null 2>&1; then
     echo "setup: reference Python packages present ($PY)"
   else
     echo "setup: installing ${REFERENCE_PY[*]} for $PY"

@@ -339,8 +339,8 @@ class EngineTest(unittest.TestCase):
             _lib.reduce_grad_capsule(engine._e, pid, torch.utils.dlpack.to_dlpack(t), engine._s)
 
     def test_refusals(self):
-        with self.assertRaisesRegex(ValueError, "scheduler"):
-            st.initialize(model=llama(), config={"scheduler": {"type": "WarmupLR"}})
+        with self.assertRaisesRegex(ValueError, "scheduler.type: 'StepLR'"):
+            st.initialize(model=llama(), config={"scheduler": {"type": "StepLR"}})
         with self.assertRaisesRegex(ValueError, "optimizer"):
             st.initialize(model=llama(), optimizer=torch.optim.SGD(llama().parameters(), lr=1))
         with self.assertRaises(StrataError) as cm:

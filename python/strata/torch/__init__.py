@@ -9,10 +9,21 @@
 
 initialize() offloads a torch model's parameters, gradients and optimizer
 state to Strata's engine (host RAM or NVMe) the way DeepSpeed ZeRO-3 with
-offload_param / offload_optimizer does; CPUAdamW is Strata's CPU AdamW as a
-torch optimizer. See docs/python.md.
+offload_param / offload_optimizer does, with the config's DeepSpeed
+"scheduler" section (lr_schedules); StrataTrainer is the Hugging Face
+transformers.Trainer on that engine (importing it needs transformers);
+CPUAdamW is Strata's CPU AdamW as a torch optimizer. See docs/python.md.
 """
+from . import lr_schedules
 from .cpu_adam import CPUAdamW
 from .engine import StrataEngine, initialize
 
-__all__ = ["CPUAdamW", "StrataEngine", "initialize"]
+__all__ = ["CPUAdamW", "StrataEngine", "StrataTrainer", "initialize", "lr_schedules"]
+
+
+def __getattr__(name):
+    # transformers is imported only when StrataTrainer is asked for.
+    if name == "StrataTrainer":
+        from .hf_trainer import StrataTrainer
+        return StrataTrainer
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

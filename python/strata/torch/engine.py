@@ -34,11 +34,12 @@ import torch.utils.dlpack
 
 from .. import _lib
 from .._lib import StrataError
+from . import lr_schedules
 
 _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_F16}
 # DeepSpeed config keys this package handles itself or that do not change the
 # math (the rest goes to the engine, whose parser reads or refuses every key).
-_PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu"}
+_PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "scheduler"}
 
 
 def _load_config(config):
@@ -89,9 +90,9 @@ class StrataEngine:
                 raise NotImplementedError(f"strata.torch: parameter {n} is on {p.device}: the GPU path of the "
                                           "PyTorch package is not built yet; keep the model on the CPU")
         cfg = _load_config(config)
-        if "scheduler" in cfg:
-            raise ValueError("strata.torch.initialize: the config's \"scheduler\" section is not implemented; "
-                             "pass a torch.optim.lr_scheduler built on the returned optimizer (lr_scheduler=)")
+        if "scheduler" in cfg and lr_scheduler is not None:
+            raise ValueError("strata.torch.initialize: both the config's \"scheduler\" section and lr_scheduler= "
+                             "are given; keep one (DeepSpeed would silently use lr_scheduler=)")
         self.module = model
         self.gradient_accumulation_steps = int(cfg.get("gradient_accumulation_steps", 1))
         if self.gradient_accumulation_steps < 1:
@@ -138,6 +139,15 @@ class StrataEngine:
             opt_groups.append(og)
         defaults = {"lr": base_lr, "weight_decay": base_wd}
         self.optimizer = _Optimizer(opt_groups, defaults)
+        # The schedule: the config's DeepSpeed "scheduler" section, or a torch
+        # scheduler (or a callable building one on the optimizer). Built here,
+        # before the engine: a bad section costs nothing, and it sets the
+        # param groups' lr for the first step.
+        if "scheduler" in cfg:
+            lr_scheduler = lr_schedules.from_config(self.optimizer, cfg["scheduler"],
+                                                    where="strata.torch.initialize: config scheduler")
+        elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_scheduler = lr_scheduler
 
         # Ownership: the first module whose _parameters hold a parameter.
@@ -387,7 +397,12 @@ class StrataEngine:
         self._call(_lib.strata_engine_step, -1.0, ctypes.byref(r))
         self._micro = 0
         self._in_step = False
-        if self.lr_scheduler is not None:
+        # As DeepSpeed: the schedule advances with the optimizer steps taken,
+        # not with a step skipped for non-finite gradients (fp16 overflow).
+        # optimizer.step() does nothing; a torch scheduler counts it (else it
+        # warns that the scheduler stepped first).
+        if self.lr_scheduler is not None and not r.skipped:
+            self.optimizer.step()
             self.lr_scheduler.step()
         self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
                           "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
@@ -498,18 +513,18 @@ def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None
 
     config: a DeepSpeed config dict or JSON path; zero_optimization.offload_param /
     offload_optimizer, aio, optimizer (AdamW), gradient_accumulation_steps,
-    gradient_clipping, bf16/fp16 mean what they mean in DeepSpeed, plus
-    Strata's own "strata" section (docs/config.md). lr_scheduler: a torch
-    scheduler (or a callable taking the returned optimizer) stepped at each
-    optimizer step.
+    gradient_clipping, bf16/fp16 and scheduler (DeepSpeed's WarmupLR,
+    WarmupDecayLR, WarmupCosineLR, OneCycle, LRRangeTest: strata.torch.lr_schedules)
+    mean what they mean in DeepSpeed, plus Strata's own "strata" section
+    (docs/config.md). lr_scheduler: a torch scheduler (or a callable taking the
+    returned optimizer) instead of the config's; either is stepped after each
+    optimizer step the engine takes (not after one skipped for non-finite
+    gradients) and is the 4th value returned.
     """
     if unsupported:
         raise TypeError(f"strata.torch.initialize: {sorted(unsupported)} not supported")
     if optimizer is not None:
         raise ValueError("strata.torch.initialize: the optimizer comes from the config's \"optimizer\" section "
                          "(Strata's AdamW runs inside the engine); do not pass a torch optimizer")
-    engine = StrataEngine(model, model_parameters, config)
-    if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
-        lr_scheduler = lr_scheduler(engine.optimizer)
-    engine.lr_scheduler = lr_scheduler
-    return engine, engine.optimizer, None, lr_scheduler
+    engine = StrataEngine(model, model_parameters, config, lr_scheduler=lr_scheduler)
+    return engine, engine.optimizer, None, engine.lr_scheduler
