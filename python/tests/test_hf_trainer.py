@@ -147,6 +147,19 @@ class StrataTrainerTest(unittest.TestCase):
             self.assertTrue(torch.equal(v, sd[k]), f"save_model: {k}")
         ts.destroy()
 
+    def test_activation_checkpointing(self):
+        # TrainingArguments(activation_checkpointing=True): the Trainer turns
+        # on the model's (non-reentrant) checkpointing; the same on both.
+        data = Tokens(12)
+        ref = llama()
+        init = copy.deepcopy(ref.state_dict())
+        tp = self.plain(ref, data, max_steps=3, activation_checkpointing=True)
+        ts = self.strata(llama(), data, max_steps=3, activation_checkpointing=True)
+        ts.train()
+        self.assertTrue(ts.model.is_activation_checkpointing)
+        self.compare("Trainer, activation checkpointing", ref, init, ts.strata_engine.state_dict(), tp, ts)
+        ts.destroy()
+
     def test_config_scheduler_with_auto_values(self):
         # The config's WarmupDecayLR with "auto" values filled from TrainingArguments, against
         # the plain Trainer driven by the same schedule (strata.torch.lr_schedules, which
@@ -262,7 +275,6 @@ class StrataTrainerTest(unittest.TestCase):
         self.refuse(r"bf16.enabled = False in strata_config, bf16 = True", bf16=True,
                     extra={"bf16": {"enabled": False}})
         self.refuse(r"TrainingArguments.torch_compile", torch_compile=True)
-        self.refuse(r"TrainingArguments.activation_checkpointing", activation_checkpointing=True)
         self.refuse(r"gradient_accumulation_steps = 4 in strata_config, gradient_accumulation_steps = 2 in "
                     r"TrainingArguments", extra={"gradient_accumulation_steps": 4})
         self.refuse(r"gradient_clipping = 0.5 in strata_config, max_grad_norm = 1.0",

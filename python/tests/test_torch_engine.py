@@ -293,6 +293,26 @@ class EngineTest(unittest.TestCase):
             for a, b in zip(losses, fp32):
                 self.assertLess(abs(a - b) / b, 1e-2, key)
 
+    def test_activation_checkpointing(self):
+        # The recomputation inside backward runs the module hooks again:
+        # reentrant (saves the parameter itself) and non-reentrant (stops the
+        # recomputation early, so post-forward hooks may never run). Before
+        # the fix: losses off from step 2 (reentrant), groups left held
+        # (non-reentrant).
+        for reentrant in (True, False):
+            data = batches(4)
+            ref = llama(layers=3)
+            ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            init = copy.deepcopy(ref.state_dict())
+            l_torch = torch_run(ref, data)
+            m = llama(layers=3)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(f"ckpt{int(reentrant)}")))
+            l_strata = strata_run(engine, data)
+            self.compare(f"llama, activation checkpointing (use_reentrant={reentrant})", ref, init,
+                         engine.state_dict(), l_strata, l_torch)
+            self.assertFalse(engine._held or engine._copies, "nothing held or copied after backward")
+
     def test_dlpack_views_and_gradient_hand_over(self):
         # A held parameter is a DLPack view of the engine's buffer (no copy):
         # its data pointer is the one strata_engine_acquire gives (a second

@@ -228,6 +228,8 @@ class StrataEngine:
         self._views = {}                    # pid -> tensor viewing the engine buffer (while held)
         self._live = {}                     # storage data_ptr -> pid (while held)
         self._bwd = collections.OrderedDict()  # groups acquired in backward, oldest first
+        self._in_backward = False  # inside backward(): forwards are checkpoint recomputations
+        self._copies = {}          # pid -> storage ptr of its private copy (recomputation)
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
         self._hooks = []
@@ -262,7 +264,7 @@ class StrataEngine:
                 p.data = view
         self._held[g] += 1
 
-    def _release(self, g):
+    def _release(self, g, reset=True):
         self._held[g] -= 1
         if self._held[g] > 0:
             return
@@ -271,8 +273,9 @@ class StrataEngine:
             view = self._views.pop(pid, None)
             if view is not None:
                 self._live.pop(view.untyped_storage().data_ptr(), None)
-            p = self._params[pid]
-            p.data = self._placeholder(p)
+            if reset:
+                p = self._params[pid]
+                p.data = self._placeholder(p)
         self._call(_lib.strata_engine_release, g, self._s)
 
     def _release_backward(self):
@@ -283,17 +286,51 @@ class StrataEngine:
     # ---------------------------------------------------------------- hooks
 
     def _pre_forward(self, module, args):
+        if self._in_backward:
+            # Activation checkpointing recomputes this forward inside backward
+            # and keeps what it saves (raw tensors, not our tokens) until the
+            # segment's backward is done, or stops the recomputation midway
+            # (so the post-forward hook may never run): the module computes
+            # with private copies of its weights, and the group is released
+            # at once.
+            for g in self._module_groups[module]:
+                self._acquire(g)
+                try:
+                    for pid in self._group_params[g]:
+                        copy = self._views[pid].clone()
+                        self._params[pid].data = copy
+                        self._copies[pid] = copy.untyped_storage().data_ptr()
+                finally:
+                    self._release(g, reset=False)
+            return
         for g in self._module_groups[module]:
             self._acquire(g)
 
     def _post_forward(self, module, args, output):
+        if self._in_backward:
+            for g in self._module_groups[module]:
+                self._drop_copies(self._group_params[g])
+            return
         for g in self._module_groups[module]:
             self._release(g)
+
+    def _drop_copies(self, pids):
+        for pid in pids:
+            if pid in self._copies:
+                del self._copies[pid]
+                if pid not in self._views:
+                    p = self._params[pid]
+                    p.data = self._placeholder(p)
 
     def _pack(self, t):
         if t.device.type != "cpu" or t.layout != torch.strided:
             return t
         ptr = t.untyped_storage().data_ptr()
+        if self._copies and ptr in self._copies.values():
+            # A recomputation (reentrant checkpointing) saving a parameter that
+            # holds a private copy: keep the copy itself, not the parameter,
+            # whose .data changes back to the placeholder after the module.
+            return t.detach()
         pid = self._live.get(ptr)
         if pid is None and ptr == self._scalar_ptr:
             which = [n for n, p in zip(self._names, self._params) if tuple(p.shape) in (tuple(t.shape),
@@ -357,13 +394,17 @@ class StrataEngine:
         """loss.backward(), with the fp16 loss scale applied; the gradients go to the engine."""
         scale = ctypes.c_double(1.0)
         self._call(_lib.strata_engine_loss_scale, ctypes.byref(scale))
+        self._in_backward = True
         try:
-            (loss * scale.value if scale.value != 1.0 else loss).backward()
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                (loss * scale.value if scale.value != 1.0 else loss).backward()
         except BaseException:
             self._abandon()
             raise
         finally:
+            self._in_backward = False
             self._release_backward()
+            self._drop_copies(list(self._copies))
         self._micro += 1
 
     def _abandon(self):

@@ -51,8 +51,7 @@ DeepSpeed's do): the Trainer's torch autocast is turned off.
 Refused by name: TrainingArguments deepspeed, fsdp / fsdp_config, torch_compile,
 more than one process or GPU, a device other than the CPU (use_cpu=True),
 optim other than adamw_torch / adamw_torch_fused, optim_args,
-fp16_full_eval / bf16_full_eval, auto_find_batch_size, load_best_model_at_end,
-activation_checkpointing (also gradient checkpointing enabled on the model);
+fp16_full_eval / bf16_full_eval, auto_find_batch_size, load_best_model_at_end;
 Trainer's model_init, optimizers and optimizer_cls_and_kwargs; an epoch whose
 micro-batch count is not a multiple of gradient_accumulation_steps when
 training reaches its end (the engine steps every gradient_accumulation_steps
@@ -197,8 +196,6 @@ class StrataTrainer(transformers.Trainer):
                           ("fp16_full_eval", "it casts the model to fp16; set fp16.enabled in strata_config"),
                           ("bf16_full_eval", "it casts the model to bf16; set bf16.enabled in strata_config"),
                           ("auto_find_batch_size", "it changes the micro-batch size the config fixes"),
-                          ("activation_checkpointing", "the recomputation in backward is not supported by "
-                           "strata.torch's parameter hooks yet"),
                           ("load_best_model_at_end", "not supported yet")):
             if getattr(a, name, False):
                 _refuse(f"TrainingArguments.{name}", why)
@@ -277,12 +274,6 @@ class StrataTrainer(transformers.Trainer):
         """The engine (strata.torch.initialize) with the Trainer's decay / no-decay param groups."""
         if self.strata_engine is None:
             m = self.model
-            checkpointing = getattr(m, "is_activation_checkpointing", None)
-            if checkpointing is None:  # transformers before the rename
-                checkpointing = getattr(m, "is_gradient_checkpointing", False)
-            if checkpointing:
-                _refuse("the model", "gradient checkpointing is enabled on it (gradient_checkpointing_enable); the "
-                        "recomputation in backward is not supported by strata.torch's parameter hooks yet")
             decay = set(self.get_decay_parameter_names(m))
             named = [(n, p) for n, p in m.named_parameters() if p.requires_grad]
             groups = [{"params": [p for n, p in named if n in decay], "weight_decay": self.args.weight_decay},
