@@ -440,6 +440,15 @@ STRATA_API strata_status_t strata_engine_read_state(strata_engine_t engine, uint
                                                     size_t count);
 STRATA_API strata_status_t strata_engine_load_state(strata_engine_t engine, uint32_t param, int state,
                                                     const float* src, size_t count);
+/* Trainable `param`'s own count of optimizer steps that updated it: torch's
+ * per-parameter state['step'], which its bias correction uses. Equal to
+ * strata_engine_step_count unless no micro-batch reduced it in some steps
+ * (then it was left alone and its count did not move). Saved in checkpoints.
+ * set: when converting a torch or DeepSpeed state in, between steps, 0..the
+ * engine's step count. Errors: STRATA_ERR_INVALID_ARGUMENT (id, frozen,
+ * out of range, a micro-batch begun). */
+STRATA_API strata_status_t strata_engine_param_steps(strata_engine_t engine, uint32_t param, int64_t* steps);
+STRATA_API strata_status_t strata_engine_set_param_steps(strata_engine_t engine, uint32_t param, int64_t steps);
 
 /* ---- the training protocol (driving thread) */
 

@@ -122,6 +122,8 @@ strata_engine_load_param = _fn("strata_engine_load_param", c_int, c_void_p, c_ui
 strata_engine_read_param = _fn("strata_engine_read_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
 strata_engine_read_state = _fn("strata_engine_read_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
 strata_engine_load_state = _fn("strata_engine_load_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
+strata_engine_param_steps = _fn("strata_engine_param_steps", c_int, c_void_p, c_uint32, ctypes.POINTER(c_int64))
+strata_engine_set_param_steps = _fn("strata_engine_set_param_steps", c_int, c_void_p, c_uint32, c_int64)
 strata_engine_begin_micro_batch = _fn("strata_engine_begin_micro_batch", c_int, c_void_p, c_int)
 strata_engine_acquire = _fn("strata_engine_acquire", c_int, c_void_p, c_uint32, c_void_p, ctypes.POINTER(c_void_p),
                             c_size_t, ctypes.POINTER(c_size_t))

@@ -293,6 +293,42 @@ class EngineTest(unittest.TestCase):
             for a, b in zip(losses, fp32):
                 self.assertLess(abs(a - b) / b, 1e-2, key)
 
+    def test_a_parameter_skipped_in_some_steps_counts_its_own_steps(self):
+        # A branch used only in even steps: torch.optim.AdamW skips its
+        # parameters (grad None) in odd steps and counts state['step'] per
+        # parameter; the engine must do the same (weights and optimizer state).
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(3)
+                self.a = torch.nn.Linear(16, 16)
+                self.b = torch.nn.Linear(16, 16)
+
+            def forward(self, x, use_b):
+                h = torch.tanh(self.a(x))
+                return self.b(h) if use_b else h
+
+        torch.manual_seed(5)
+        xs = [torch.randn(4, 16) for _ in range(7)]
+        ref, m = Net(), Net()
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.01)
+        for i, x in enumerate(xs):
+            opt.zero_grad(set_to_none=True)
+            ref(x, i % 2 == 0).square().mean().backward()
+            opt.step()
+        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(), clip=0.0, lr=1e-2, wd=0.01))
+        for i, x in enumerate(xs):
+            engine.backward(engine(x, i % 2 == 0).square().mean())
+            engine.step()
+        sd = engine.state_dict()
+        for name, p in ref.named_parameters():
+            self.assertLess((sd[name] - p.detach()).abs().max().item(), 2e-6, name)
+            mine, theirs = engine.optimizer_state(name), opt.state[p]
+            self.assertEqual(mine["step"].item(), theirs["step"].item(), name)
+            for k in ("exp_avg", "exp_avg_sq"):
+                self.assertLess((mine[k] - theirs[k]).abs().max().item(), 1e-6, f"{name} {k}")
+        self.assertEqual(engine.optimizer_state("b.weight")["step"].item(), 4)
+
     def test_activation_checkpointing(self):
         # The recomputation inside backward runs the module hooks again:
         # reentrant (saves the parameter itself) and non-reentrant (stops the

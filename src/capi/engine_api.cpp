@@ -381,6 +381,22 @@ strata_status_t strata_engine_load_state(strata_engine_t engine, uint32_t param,
   });
 }
 
+strata_status_t strata_engine_param_steps(strata_engine_t engine, uint32_t param, int64_t* steps) {
+  return on_engine(engine, "strata_engine_param_steps", [&]() -> Status {
+    if (!steps) return null_arg("strata_engine_param_steps", "steps");
+    STRATA_RETURN_IF_ERROR(check_param(*engine->engine, param));
+    STRATA_ASSIGN_OR_RETURN(*steps, engine->engine->param_steps(param));
+    return Status();
+  });
+}
+
+strata_status_t strata_engine_set_param_steps(strata_engine_t engine, uint32_t param, int64_t steps) {
+  return on_engine(engine, "strata_engine_set_param_steps", [&]() -> Status {
+    STRATA_RETURN_IF_ERROR(check_param(*engine->engine, param));
+    return engine->engine->set_param_steps(param, steps);
+  });
+}
+
 strata_status_t strata_engine_begin_micro_batch(strata_engine_t engine, int last) {
   return on_engine(engine, "strata_engine_begin_micro_batch", [&]() -> Status {
     (void)dlpack_collect(engine, false);

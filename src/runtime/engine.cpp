@@ -232,6 +232,30 @@ Status Engine::load_state(ParamId id, int k, const float* src) {
   return {};
 }
 
+Result<int64_t> Engine::param_steps(ParamId id) const {
+  const ParamState& p = impl_->reg.params[id];
+  if (!p.trainable)
+    return Status(StatusCode::kInvalidArgument, fmt::format("engine: param_steps({}): frozen, no optimizer state", p.name));
+  return p.updates;
+}
+
+Status Engine::set_param_steps(ParamId id, int64_t steps) {
+  Impl& I = *impl_;
+  ParamState& p = I.reg.params[id];
+  if (!p.trainable)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: set_param_steps({}): frozen, no optimizer state", p.name));
+  if (steps < 0 || steps > I.stepper.steps())
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: set_param_steps({}, {}): must be 0..{} (the engine's steps)", p.name, steps,
+                              I.stepper.steps()));
+  if (I.micro_index >= 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: set_param_steps({}): only between steps", p.name));
+  p.updates = steps;
+  return {};
+}
+
 // ---------------------------------------------------------------- the training protocol
 
 Status Engine::begin_micro_batch(bool last) {

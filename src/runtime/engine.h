@@ -208,6 +208,12 @@ class Engine {
   // kInvalidArgument: a frozen parameter, k beyond the optimizer's states.
   Status read_state(ParamId p, int k, float* dst);
   Status load_state(ParamId p, int k, const float* src);
+  // Trainable p's own count of optimizer steps that updated it (torch's
+  // per-parameter state['step']; its bias correction): the engine's step
+  // count unless p was reduced by no micro-batch of some steps. set: to
+  // convert a torch/DeepSpeed state in (0..steps()). kInvalidArgument: frozen.
+  Result<int64_t> param_steps(ParamId p) const;
+  Status set_param_steps(ParamId p, int64_t steps);
 
   // ---- the training protocol (one driving thread)
   // Marks the start of a micro-batch; `last` says it ends the accumulation

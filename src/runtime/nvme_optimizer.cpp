@@ -296,7 +296,7 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
         b.state_dtype = options_.state_dtype;
         b.params_out = ptr(kOut);
         b.out_dtype = options_.out_dtype;
-        st = cpu_optim::step(*config, step, b, c.count, options_.exec);
+        st = cpu_optim::step(*config, t.step > 0 ? t.step : step, b, c.count, options_.exec);
       } else {
         auto r = cpu_optim::grad_stats(ptr(kGrads), DType::kF32, c.count, scale, options_.exec);
         if (r.ok()) {

@@ -106,6 +106,10 @@ struct OptimizerTensor {
   Placement grads;       // fp32, read only (required)
   Placement state[3];    // as cpu_optim::StepBuffers::state, dtype = options.state_dtype
   Placement params_out;  // optional: the updated compute copy in options.out_dtype
+  // This tensor's own bias-correction step (torch's per-parameter
+  // state['step']: a parameter skipped in some steps has taken fewer); 0:
+  // the call's step. The call's step still orders the calls (see step()).
+  std::int64_t step = 0;
 };
 
 struct NvmeOptimizerOptions {

@@ -16,6 +16,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -277,6 +278,52 @@ TEST(EngineForeign, AParameterNoMicroBatchReducedIsLeftAlone) {
   ASSERT_TRUE(r.engine->read_state(1, 0, m1_after.data()).ok());
   EXPECT_EQ(m1_after, m1);
   EXPECT_NE(r.weights(0), w0);
+}
+
+// torch counts state['step'] per parameter: a parameter skipped in a step
+// corrects its moments by the steps it took. "small" reduced in steps 1 and 3
+// of one engine ends bit-identical to "small" reduced in steps 1 and 2 of
+// another; its count survives a checkpoint (saved after step 2, loaded in a
+// third engine, step 3 there equals step 3 here) and can be set from outside.
+TEST(EngineForeign, EachParameterCountsItsOwnSteps) {
+  const auto gb = Rig::grad(kBig, 0.01f), gs1 = Rig::grad(kSmall, 0.02f), gs3 = Rig::grad(kSmall, -0.03f);
+  auto both = [&](Rig& r, const std::vector<float>& gs) {
+    ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
+    ASSERT_TRUE(r.reduce_all(gb, gs).ok());
+    ASSERT_TRUE(r.engine->step(1e-2).ok());
+  };
+  Rig skipped, straight;
+  both(skipped, gs1);
+  ASSERT_TRUE(skipped.engine->begin_micro_batch(true).ok());
+  ASSERT_TRUE(skipped.engine->reduce_grad(0, gb.data(), DType::kF32, skipped.stream).ok());
+  ASSERT_TRUE(skipped.engine->step(1e-2).ok());
+  EXPECT_EQ(skipped.engine->param_steps(0).value(), 2);
+  EXPECT_EQ(skipped.engine->param_steps(1).value(), 1);
+  char tmpl[] = "/tmp/strata-param-steps-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr);
+  const std::string dir = std::string(tmpl) + "/ckpt";
+  ASSERT_TRUE(skipped.engine->save_checkpoint(dir, "").ok());
+  both(skipped, gs3);
+  EXPECT_EQ(skipped.engine->param_steps(1).value(), 2);
+  both(straight, gs1);
+  both(straight, gs3);
+  EXPECT_EQ(skipped.weights(1), straight.weights(1));
+
+  Rig resumed;
+  ASSERT_TRUE(resumed.engine->load_checkpoint(dir).ok());
+  EXPECT_EQ(resumed.engine->param_steps(1).value(), 1);
+  both(resumed, gs3);
+  EXPECT_EQ(resumed.weights(1), skipped.weights(1));
+  EXPECT_EQ(resumed.weights(0), skipped.weights(0));
+
+  // Set from outside (a converted torch state): within 0..steps, between steps.
+  EXPECT_FALSE(resumed.engine->set_param_steps(1, 4).ok());
+  EXPECT_FALSE(resumed.engine->set_param_steps(1, -1).ok());
+  ASSERT_TRUE(resumed.engine->set_param_steps(1, 3).ok());
+  EXPECT_EQ(resumed.engine->param_steps(1).value(), 3);
+  ASSERT_TRUE(resumed.engine->begin_micro_batch(true).ok());
+  EXPECT_FALSE(resumed.engine->set_param_steps(1, 2).ok());
+  std::filesystem::remove_all(tmpl);
 }
 
 TEST(EngineForeign, SummedMicroBatchesWhenTheCallerAveraged) {

@@ -468,10 +468,13 @@ class StrataEngine:
         return out
 
     def optimizer_state(self, name):
-        """torch.optim.AdamW's state of one parameter: {'exp_avg', 'exp_avg_sq'} (fp32, CPU)."""
+        """torch.optim.AdamW's state of one parameter: {'step', 'exp_avg', 'exp_avg_sq'} (fp32, CPU;
+        'step' is the parameter's own count, as torch keeps it)."""
         pid = self._names.index(name)
         p = self._params[pid]
-        out = {}
+        steps = ctypes.c_int64()
+        self._call(_lib.strata_engine_param_steps, pid, ctypes.byref(steps))
+        out = {"step": torch.tensor(float(steps.value))}
         for k, key in enumerate(("exp_avg", "exp_avg_sq")):
             t = torch.empty(p.shape, dtype=torch.float32)
             self._call(_lib.strata_engine_read_state, pid, k, t.data_ptr(), t.numel())

@@ -9,6 +9,7 @@
 // uploader's slots (dropped on load: the compute copies change).
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 #include <nlohmann/json.hpp>
 
@@ -63,6 +64,15 @@ nlohmann::json model_json(const ModelSpec& m) {
     a.push_back(std::move(e));
   }
   return a;
+}
+
+// The trainable parameters whose own step count differs from the engine's
+// (skipped in some steps), by name; usually empty.
+nlohmann::json param_steps_json(const engine::Registry& R, int64_t steps) {
+  nlohmann::json o = nlohmann::json::object();
+  for (const auto& p : R.params)
+    if (p.trainable && p.updates != steps) o[p.name] = p.updates;
+  return o;
 }
 
 }  // namespace
@@ -138,6 +148,7 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
         {"weight_decay", S.optimizer_config().weight_decay},
         {"state_dtype", dtype_name(R.cfg.strata.optimizer_state_dtype)}}},
       {"model", model_json(R.options.model)},
+      {"param_steps", param_steps_json(R, S.steps())},
   };
   const std::string text = meta.dump();
   STRATA_RETURN_IF_ERROR(w->add_buffer(kMetaEntry, DType::kU8, text.size(), text.data(), text.size()));
@@ -179,6 +190,21 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("engine: checkpoint {}: parameter {} is {} there but {} in the model", dir, i,
                                 got[i].dump(), want[i].dump()));
+  if (meta.contains("param_steps")) {
+    const auto& ps = meta["param_steps"];
+    const int64_t step = meta.value("step", int64_t{0});
+    if (!ps.is_object())
+      return Status(StatusCode::kCorrupt, fmt::format("engine: checkpoint {}: param_steps is not an object", dir));
+    for (auto it = ps.begin(); it != ps.end(); ++it) {
+      const bool known = std::any_of(R.params.begin(), R.params.end(),
+                                     [&](const auto& p) { return p.trainable && p.name == it.key(); });
+      if (!known || !it->is_number_integer() || it->get<int64_t>() < 0 || it->get<int64_t>() > step)
+        return Status(StatusCode::kCorrupt,
+                      fmt::format("engine: checkpoint {}: param_steps[\"{}\"] = {} (a trainable parameter's count "
+                                  "of steps, 0..{})",
+                                  dir, it.key(), it->dump(), step));
+    }
+  }
   const auto arrays = arrays_of(R);
   for (const auto& a : arrays) {
     const CheckpointEntry* e = r->find(a.name);
@@ -231,8 +257,16 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
   scaler.iter = ls.value("iter", int64_t{0});
   scaler.last_overflow_iter = ls.value("last_overflow_iter", int64_t{-1});
   scaler.hysteresis = ls.value("hysteresis", 1);
-  I.stepper.restore(meta.value("step", int64_t{0}), scaler, meta.value("prev_norm", -1.0),
-                    meta.value("lr", I.stepper.current_lr()));
+  const int64_t step = meta.value("step", int64_t{0});
+  I.stepper.restore(step, scaler, meta.value("prev_norm", -1.0), meta.value("lr", I.stepper.current_lr()));
+  // Each parameter's own step count: those that differ from the engine's were
+  // saved (a checkpoint from before per-parameter counts has none: all equal).
+  const nlohmann::json no_steps = nlohmann::json::object();
+  const nlohmann::json& ps = meta.contains("param_steps") ? meta["param_steps"] : no_steps;
+  for (auto& p : R.params) {
+    auto it = ps.find(p.name);
+    p.updates = p.trainable ? (it != ps.end() ? it->get<int64_t>() : step) : 0;
+  }
   I.uploader.invalidate_slots();
   I.reset_step();
   I.broken = false;

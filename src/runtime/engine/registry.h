@@ -52,6 +52,7 @@ struct ParamState {
   DType dtype = DType::kBF16;  // compute dtype
   bool weight_decay = true;    // ParamSpec::weight_decay
   bool trainable = true;       // ParamSpec::trainable: false = frozen, compute copy only
+  int64_t updates = 0;         // optimizer steps that updated it (its bias-correction count)
   uint32_t lr_group = 0;       // ParamSpec::lr_group
   ShardRange shard;
   ArrayLoc compute, master, state[2], grad;  // frozen: master/state/grad unplaced (tier kAuto)

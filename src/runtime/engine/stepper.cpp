@@ -68,6 +68,9 @@ Status Stepper::allocate() {
       it->ids.push_back(id);
       if (p.lr_group >= group_lr_.size()) group_lr_.resize(p.lr_group + 1, -1.0);
     }
+    size_t widest = 0;
+    for (const auto& part : groups_[gi].parts) widest = std::max(widest, part.tensors.size());
+    groups_[gi].scratch.reserve(widest);
   }
   return {};
 }
@@ -130,22 +133,26 @@ Status Stepper::set_group_lr(uint32_t lr_group, double lr) {
   return {};
 }
 
+// Each tensor carries its parameter's own step (updates + 1): torch counts
+// state['step'] per parameter, so one skipped in some steps (reduced by no
+// micro-batch) corrects its moments by the steps it took.
 Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
                            const std::vector<double>& group_lr, const std::function<bool(ParamId)>& reduced) {
-  std::vector<OptimizerTensor> some;
+  std::vector<OptimizerTensor>& some = groups_[gi].scratch;
   for (const auto& part : groups_[gi].parts) {
     cpu_optim::OptimizerConfig pc = c;
     if (part.lr_group < group_lr.size() && group_lr[part.lr_group] >= 0) pc.lr = group_lr[part.lr_group];
     if (!part.decay) pc.weight_decay = 0;
-    const std::vector<OptimizerTensor>* ts = &part.tensors;
-    if (reduced) {  // only the parameters this step reduced
-      some.clear();
-      for (size_t i = 0; i < part.ids.size(); ++i)
-        if (reduced(part.ids[i])) some.push_back(part.tensors[i]);
-      if (some.empty()) continue;
-      ts = &some;
+    some.clear();
+    for (size_t i = 0; i < part.ids.size(); ++i) {
+      if (reduced && !reduced(part.ids[i])) continue;  // only the parameters this step reduced
+      some.push_back(part.tensors[i]);
+      some.back().step = reg_.params[part.ids[i]].updates + 1;
     }
-    STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, *ts));
+    if (some.empty()) continue;
+    STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, some));
+    for (size_t i = 0; i < part.ids.size(); ++i)
+      if (!reduced || reduced(part.ids[i])) ++reg_.params[part.ids[i]].updates;
   }
   return {};
 }

@@ -102,6 +102,7 @@ class Stepper {
       std::vector<ParamId> ids;  // the tensors' parameters, in the same order
     };
     std::vector<Part> parts;
+    std::vector<OptimizerTensor> scratch;  // one part's tensors with their steps (no allocation per step)
     uint32_t trainable = 0;  // params that are not frozen (reduce_grad counts to this)
     // Overlap mode, per step.
     uint32_t reduced_last = 0;  // params reduced in the last micro-batch
