@@ -329,6 +329,32 @@ class EngineTest(unittest.TestCase):
                 self.assertLess((mine[k] - theirs[k]).abs().max().item(), 1e-6, f"{name} {k}")
         self.assertEqual(engine.optimizer_state("b.weight")["step"].item(), 4)
 
+    def test_bf16_autocast(self):
+        # torch.autocast over fp32 compute copies, as a DeepSpeed user's loop
+        # with bf16 autocast: the casts autocast makes are torch's, so the run
+        # equals plain torch's under the same autocast.
+        data = batches(4)
+        ref, m = llama(), llama()
+        init = copy.deepcopy(ref.state_dict())
+        opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.0)
+        l_torch, l_strata = [], []
+        for x in data:
+            opt.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(ref, x)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+            l_torch.append(loss.item())
+        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme()))
+        for x in data:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = lm_loss(engine, x)
+            engine.backward(loss)
+            engine.step()
+            l_strata.append(loss.item())
+        self.compare("llama, bf16 autocast", ref, init, engine.state_dict(), l_strata, l_torch)
+
     def test_activation_checkpointing(self):
         # The recomputation inside backward runs the module hooks again:
         # reentrant (saves the parameter itself) and non-reentrant (stops the
