@@ -69,6 +69,7 @@ void parse() {
   t.io_sqpoll = parse_bool("STRATA_IO_SQPOLL", false);
   t.cuda_disable = parse_bool("STRATA_CUDA_DISABLE", false);
   if (const char* v = env("STRATA_CUDA_MODULE")) t.cuda_module = v;
+  t.require_gpu = parse_bool("STRATA_REQUIRE_GPU", false);
   g_tunables = t;
 }
 

@@ -23,6 +23,7 @@ struct Tunables {
   bool io_sqpoll = false;                // STRATA_IO_SQPOLL=1: io_uring with a kernel submission thread
   bool cuda_disable = false;             // STRATA_CUDA_DISABLE=1 never loads the CUDA backend
   std::string cuda_module;               // STRATA_CUDA_MODULE: path of libstrata_cuda.so ("" = next to libstrata)
+  bool require_gpu = false;              // STRATA_REQUIRE_GPU=1: "auto" never falls back to the host backend
 };
 
 // Parsed once on first use; malformed values are reported with log_warn and

@@ -5,6 +5,7 @@
 
 #include "common/enum_names.h"
 #include "common/log.h"
+#include "common/tunables.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
 #include "device/host_backend.h"
@@ -80,6 +81,9 @@ Result<std::unique_ptr<DeviceBackend>> create_device_backend(const DeviceBackend
   } else {
     why = "asked for";
   }
+  // The GPU check (tools/gpu_check.sh) must not pass by running on the host.
+  if (tunables().require_gpu && options.kind == DeviceBackendKind::kAuto)
+    return Status(StatusCode::kUnavailable, "STRATA_REQUIRE_GPU=1 but no CUDA backend: " + why);
   HostBackendOptions ho;
   ho.budget_bytes = options.budget_bytes;
   if (ho.budget_bytes == 0) ho.budget_bytes = std::max<uint64_t>(host_memory_available() / 4, 256ull << 20);

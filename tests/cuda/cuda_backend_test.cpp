@@ -10,6 +10,7 @@
 #include "common/tunables.h"
 #include "device/cuda_loader.h"
 #include "strata/strata_config.h"
+#include "test_util/gpu.h"
 
 namespace strata {
 namespace {
@@ -29,7 +30,7 @@ TEST_F(CudaBackendTest, LoadsOrSaysWhy) {
   if (!b.ok()) {
     EXPECT_EQ(b.status().code(), StatusCode::kUnavailable);
     EXPECT_FALSE(b.status().message().empty());
-    GTEST_SKIP() << "no usable CUDA backend here: " << b.status().message();
+    STRATA_SKIP_WITHOUT_GPU("no usable CUDA backend here: " << b.status().message());
   }
   EXPECT_GT(b->device_count, 0);
   char desc[256] = {0}, err[256] = {0};
@@ -39,7 +40,7 @@ TEST_F(CudaBackendTest, LoadsOrSaysWhy) {
 
 TEST_F(CudaBackendTest, RegistersHostMemory) {
   auto b = load_cuda_backend();
-  if (!b.ok()) GTEST_SKIP() << "no usable CUDA backend here: " << b.status().message();
+  if (!b.ok()) STRATA_SKIP_WITHOUT_GPU("no usable CUDA backend here: " << b.status().message());
   auto mem = alloc_host(8 << 20);
   ASSERT_TRUE(mem.ok());
   CudaHostRegistrar reg(b->api);
@@ -51,7 +52,7 @@ TEST_F(CudaBackendTest, RegistersHostMemory) {
 
 TEST_F(CudaBackendTest, CopyBandwidthIsPlausible) {
   auto b = load_cuda_backend();
-  if (!b.ok()) GTEST_SKIP() << "no usable CUDA backend here: " << b.status().message();
+  if (!b.ok()) STRATA_SKIP_WITHOUT_GPU("no usable CUDA backend here: " << b.status().message());
   double h2d = 0, d2h = 0;
   char err[256] = {0};
   ASSERT_EQ(b->api->copy_bandwidth(0, 64 << 20, 3, &h2d, &d2h, err, sizeof(err)), 0) << err;

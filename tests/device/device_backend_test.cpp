@@ -24,6 +24,7 @@
 #include "device/cuda_loader.h"
 #include "device/host_backend.h"
 #include "common/device_numeric.h"
+#include "test_util/gpu.h"
 
 #ifndef STRATA_TEST_DEVICE_KIND
 #define STRATA_TEST_DEVICE_KIND "host"
@@ -150,7 +151,7 @@ class DeviceTest : public ::testing::TestWithParam<std::string> {
     auto b = make_backend(GetParam(), kBudget);
     if (!b.ok()) {
       ASSERT_EQ(b.status().code(), StatusCode::kUnavailable) << b.status().to_string();
-      GTEST_SKIP() << "no " << GetParam() << " backend here: " << b.status().message();
+      STRATA_SKIP_WITHOUT_GPU("no " << GetParam() << " backend here: " << b.status().message());
     }
     backend_ = std::move(b).value();
     auto s = backend_->create_stream("test");

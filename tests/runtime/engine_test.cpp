@@ -34,6 +34,7 @@
 #include "io/fault_injection.h"
 #include "runtime/engine.h"
 #include "test_util/temp_dir.h"
+#include "test_util/gpu.h"
 
 #ifndef ENGINE_TEST_NVME
 #define ENGINE_TEST_NVME 0
@@ -483,7 +484,7 @@ bool bits_equal(const std::vector<std::vector<float>>& a, const std::vector<std:
 
 #define SKIP_WITHOUT_DEVICE(d)                 \
   do {                                         \
-    if (!(d).skip.empty()) GTEST_SKIP() << (d).skip; \
+    if (!(d).skip.empty()) STRATA_SKIP_WITHOUT_GPU((d).skip); \
   } while (0)
 
 struct RunResult {

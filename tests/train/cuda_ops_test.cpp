@@ -31,6 +31,7 @@
 #include "small_model.h"
 #include "train/cuda_ops.h"
 #include "train/model_ops.h"
+#include "test_util/gpu.h"
 
 namespace strata::train {
 namespace {
@@ -106,7 +107,7 @@ class CudaOpsTest : public ::testing::Test {
     auto b = create_device_backend(o);
     if (!b.ok()) {
       ASSERT_EQ(b.status().code(), StatusCode::kUnavailable) << b.status().to_string();
-      GTEST_SKIP() << "no CUDA device here: " << b.status().message();
+      STRATA_SKIP_WITHOUT_GPU("no CUDA device here: " << b.status().message());
     }
     backend_ = std::move(b).value();
     auto s = backend_->create_stream("cuda-ops-test");

@@ -32,6 +32,7 @@
 #include "model/llama_init.h"
 #include "small_model.h"
 #include "train/demo_data.h"
+#include "test_util/gpu.h"
 
 namespace strata::train {
 namespace {
@@ -474,7 +475,7 @@ TEST_F(TrainerTest, CudaMatchesCpu) {
       o.device = k == 0 ? TrainDevice::kCpu : TrainDevice::kCuda;
       auto t = Trainer::create(o);
       if (k == 1 && !t.ok() && t.status().code() == StatusCode::kUnavailable)
-        GTEST_SKIP() << "no usable GPU: " << t.status().message();
+        STRATA_SKIP_WITHOUT_GPU("no usable GPU: " << t.status().message());
       ASSERT_TRUE(t.ok()) << t.status().to_string();
       ASSERT_STREQ((*t)->ops_name(), k == 0 ? "cpu" : "cuda");
       logs[k] = train_and_log(**t, 4);
