@@ -329,6 +329,35 @@ class EngineTest(unittest.TestCase):
                 self.assertLess((mine[k] - theirs[k]).abs().max().item(), 1e-6, f"{name} {k}")
         self.assertEqual(engine.optimizer_state("b.weight")["step"].item(), 4)
 
+    def test_a_short_window_by_set_gradient_accumulation_boundary(self):
+        # DeepSpeed's override: accumulation 2, windows of 2, 1 and 2
+        # micro-batches; each micro-batch's loss divided by 2 as DeepSpeed does.
+        data = batches(5)
+        ref, m = llama(), llama()
+        init = copy.deepcopy(ref.state_dict())
+        opt = torch.optim.AdamW(ref.parameters(), lr=2e-3, weight_decay=0.0)
+        windows, l_torch = [[0, 1], [2], [3, 4]], []
+        for w in windows:
+            opt.zero_grad()
+            for i in w:
+                loss = lm_loss(ref, data[i])
+                (loss / 2).backward()
+                l_torch.append(loss.item())
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt.step()
+        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(), accum=2))
+        l_strata, steps = [], 0
+        for w in windows:
+            for j, i in enumerate(w):
+                engine.set_gradient_accumulation_boundary(j == len(w) - 1)
+                loss = lm_loss(engine, data[i])
+                engine.backward(loss)
+                steps += engine.step() is not None
+                l_strata.append(loss.item())
+        self.assertEqual(steps, 3)
+        self.compare("llama, windows of 2, 1, 2 micro-batches (set_gradient_accumulation_boundary)", ref, init,
+                     engine.state_dict(), l_strata, l_torch)
+
     def test_bf16_autocast(self):
         # torch.autocast over fp32 compute copies, as a DeepSpeed user's loop
         # with bf16 autocast: the casts autocast makes are torch's, so the run

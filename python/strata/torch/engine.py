@@ -112,6 +112,14 @@ class StrataEngine:
         # the next node's), so the device buffers are planned for two.
         engine_cfg["strata"] = dict(engine_cfg.get("strata", {}))
         engine_cfg["strata"].setdefault("held_groups", 2)
+        # DeepSpeed's convention: backward() scales the loss by
+        # 1/gradient_accumulation_steps and the step sums the micro-batches'
+        # gradients (so a window cut short by set_gradient_accumulation_boundary
+        # gives what DeepSpeed gives).
+        if "average_micro_batches" in engine_cfg["strata"]:
+            raise ValueError("strata.torch: \"strata.average_micro_batches\" is set by the package (DeepSpeed's "
+                             "convention: backward() divides the loss by gradient_accumulation_steps)")
+        engine_cfg["strata"]["average_micro_batches"] = False
 
         # Parameter groups (torch's param_groups: lr, weight_decay per group).
         named = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
@@ -229,6 +237,7 @@ class StrataEngine:
         self._live = {}                     # storage data_ptr -> pid (while held)
         self._bwd = collections.OrderedDict()  # groups acquired in backward, oldest first
         self._in_backward = False  # inside backward(): forwards are checkpoint recomputations
+        self._boundary = None      # set_gradient_accumulation_boundary's override
         self._copies = {}          # pid -> storage ptr of its private copy (recomputation)
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
@@ -380,7 +389,8 @@ class StrataEngine:
         # A forward under torch.no_grad() (evaluation) is no micro-batch: the
         # engine averages gradients over the micro-batches it was told of.
         if torch.is_grad_enabled():
-            last = (self._micro + 1) % self.gradient_accumulation_steps == 0
+            last = (self._boundary if self._boundary is not None
+                    else (self._micro + 1) % self.gradient_accumulation_steps == 0)
             self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
             self._in_step = True
         try:
@@ -391,9 +401,12 @@ class StrataEngine:
             raise
 
     def backward(self, loss):
-        """loss.backward(), with the fp16 loss scale applied; the gradients go to the engine."""
+        """loss.backward() of loss / gradient_accumulation_steps (DeepSpeed's scale_wrt_gas), with the fp16
+        loss scale applied; the gradients go to the engine."""
         scale = ctypes.c_double(1.0)
         self._call(_lib.strata_engine_loss_scale, ctypes.byref(scale))
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
         self._in_backward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -424,7 +437,21 @@ class StrataEngine:
             pass
 
     def is_gradient_accumulation_boundary(self):
-        return self._micro > 0 and self._micro % self.gradient_accumulation_steps == 0
+        """Whether step() acts now: every gradient_accumulation_steps micro-batches,
+        or as set_gradient_accumulation_boundary() says (DeepSpeed's API)."""
+        if self._micro == 0:
+            return False
+        if self._boundary is not None:
+            return self._boundary
+        return self._micro % self.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary):
+        """DeepSpeed's override: set before each forward/backward; True on the
+        micro-batch that ends the window (e.g. a short last window of an
+        epoch), None for the automatic count again. As in DeepSpeed the
+        gradients are still divided by gradient_accumulation_steps, not by the
+        window's length."""
+        self._boundary = None if is_boundary is None else bool(is_boundary)
 
     def step(self):
         """At the accumulation boundary: one optimizer step with the param_groups' learning rates."""

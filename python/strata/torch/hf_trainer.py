@@ -52,11 +52,11 @@ Refused by name: TrainingArguments deepspeed, fsdp / fsdp_config, torch_compile,
 more than one process or GPU, a device other than the CPU (use_cpu=True),
 optim other than adamw_torch / adamw_torch_fused, optim_args,
 fp16_full_eval / bf16_full_eval, auto_find_batch_size, load_best_model_at_end;
-Trainer's model_init, optimizers and optimizer_cls_and_kwargs; an epoch whose
-micro-batch count is not a multiple of gradient_accumulation_steps when
-training reaches its end (the engine steps every gradient_accumulation_steps
-micro-batches; the Trainer would step early on the remainder); resuming from a
-checkpoint without strata/ (not written by StrataTrainer).
+Trainer's model_init, optimizers and optimizer_cls_and_kwargs; resuming from a
+checkpoint without strata/ (not written by StrataTrainer). An epoch whose
+micro-batch count is not a multiple of gradient_accumulation_steps ends with a
+short window, stepped as the Trainer steps it (the engine's
+set_gradient_accumulation_boundary).
 """
 import json
 import os
@@ -303,26 +303,15 @@ class StrataTrainer(transformers.Trainer):
                 super().create_scheduler(num_training_steps, optimizer=self.strata_engine.optimizer)
         return self.lr_scheduler
 
-    def set_initial_training_values(self, args, dataloader):
-        values = super().set_initial_training_values(args, dataloader)
-        steps_in_epoch, max_steps = values[5], values[6]
-        gas = args.gradient_accumulation_steps
-        if steps_in_epoch % gas and max_steps > steps_in_epoch // gas:
-            _refuse("gradient_accumulation_steps", f"an epoch has {steps_in_epoch} micro-batches, not a multiple of "
-                    f"{gas}; the Trainer would step after the last {steps_in_epoch % gas}, and the engine steps "
-                    f"every {gas}: make the batches per epoch a multiple of {gas} (dataset size, "
-                    "dataloader_drop_last, per_device_train_batch_size) or stop before the epoch ends (max_steps)")
-        return values
-
     # ------------------------------------------------------------ training
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-batch: forward through the engine, engine.backward, engine.step() (acts at the boundary)."""
         engine = self.strata_engine
         gas = engine.gradient_accumulation_steps
-        if self.current_gradient_accumulation_steps != gas:
-            _refuse("gradient_accumulation_steps", f"this optimizer step has {self.current_gradient_accumulation_steps}"
-                    f" micro-batches; the engine steps every {gas}")
+        k = self.current_gradient_accumulation_steps  # this window's micro-batches (< gas: an epoch's last)
+        # The Trainer says where the window ends (a short last window of an epoch too).
+        engine.set_gradient_accumulation_boundary(bool(self.accelerator.sync_gradients))
         engine.module.train()
         inputs = self._prepare_inputs(inputs)
         with self.compute_loss_context_manager():
@@ -333,9 +322,11 @@ class StrataTrainer(transformers.Trainer):
         else:
             scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) \
                 or self.compute_loss_func is not None
-        # The engine averages the accumulated gradients over gas micro-batches:
-        # a loss already divided for accumulation goes in times gas.
-        engine.backward(loss * gas if scaled else loss)
+        # engine.backward divides by gas (DeepSpeed's convention) and the step
+        # sums the window: a loss the Trainer already normalized over the
+        # window goes in times gas; a micro-batch's mean loss times gas / k,
+        # so the window's gradient is the mean over its k micro-batches.
+        engine.backward(loss * gas if scaled else loss * (gas / k))
         result = engine.step()
         if (result is not None) != bool(self.accelerator.sync_gradients):
             raise RuntimeError(f"StrataTrainer: the engine {'stepped' if result else 'did not step'} after this "
@@ -347,7 +338,7 @@ class StrataTrainer(transformers.Trainer):
             for opt in getattr(self.accelerator, "_optimizers", []):
                 if hasattr(opt, "_is_overflow"):
                     opt._is_overflow = bool(result["skipped"])
-        return (loss if scaled else loss / gas).detach()
+        return (loss if scaled else loss / k).detach()
 
     def _clip_grad_norm(self, model):
         return self._get_grad_norm(model)
