@@ -2,7 +2,8 @@
 // squared norm with inf/NaN count, AdamW. The per-element arithmetic is
 // common/device_numeric.h, shared with the host backend's loops, and this file
 // is compiled with --fmad=false (cuda/CMakeLists.txt) so that both give the
-// same bits; only the norm's cross-block sum order differs.
+// same bits. The norm sums in double in a fixed order (per thread, per
+// block, then the blocks' partials in one block): the same bits every run.
 //
 // Grid-stride loops over size_t indices (buffers above 2^31 elements work),
 // 256 threads per block, the grid capped so that each thread handles several
@@ -52,9 +53,11 @@ __global__ void accumulate_kernel(float* dst, const void* src, size_t count, flo
 }
 
 // Each thread sums in double, the block reduces through warp shuffles and
-// shared memory, and one atomicAdd per block adds to the result.
+// shared memory in a fixed order and writes its partial; sq_norm_final_kernel
+// adds the partials in a fixed order (never atomics on floats: their order,
+// and so the norm's last bits, would change from run to run).
 template <int T>
-__global__ void sq_norm_kernel(const void* src, size_t count, strata_cuda_norm_stats_t* out) {
+__global__ void sq_norm_kernel(const void* src, size_t count, double* part_sum, unsigned long long* part_bad) {
   double sum = 0;
   unsigned long long bad = 0;
   const size_t stride = static_cast<size_t>(gridDim.x) * blockDim.x;
@@ -85,8 +88,32 @@ __global__ void sq_norm_kernel(const void* src, size_t count, strata_cuda_norm_s
       s += warp_sum[w];
       b += warp_bad[w];
     }
-    atomicAdd(&out->sum_sq, s);
-    if (b) atomicAdd(&out->nonfinite, b);
+    part_sum[blockIdx.x] = s;
+    part_bad[blockIdx.x] = b;
+  }
+}
+
+// One block of kNormBlocks threads: thread i takes partial i, then a fixed
+// tree; out accumulates across calls (stream order).
+constexpr unsigned kNormBlocks = 1024;
+__global__ void sq_norm_final_kernel(const double* part_sum, const unsigned long long* part_bad, unsigned n,
+                                     strata_cuda_norm_stats_t* out) {
+  __shared__ double s[kNormBlocks];
+  __shared__ unsigned long long b[kNormBlocks];
+  const unsigned i = threadIdx.x;
+  s[i] = i < n ? part_sum[i] : 0.0;
+  b[i] = i < n ? part_bad[i] : 0ull;
+  __syncthreads();
+  for (unsigned half = kNormBlocks / 2; half > 0; half >>= 1) {
+    if (i < half) {
+      s[i] += s[i + half];
+      b[i] += b[i + half];
+    }
+    __syncthreads();
+  }
+  if (i == 0) {
+    out->sum_sq += s[0];
+    out->nonfinite += b[0];
   }
 }
 
@@ -197,20 +224,31 @@ cudaError_t launch_sq_norm(const void* src, int dtype, size_t count, strata_cuda
                            cudaStream_t stream) {
   if (!valid_dtype(dtype)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
-  // Fewer blocks than the elementwise kernels: one atomic per block.
-  const unsigned grid = std::min(grid_for(count), 1024u);
+  // At most kNormBlocks partials, in stream-ordered scratch memory.
+  const unsigned grid = std::min(grid_for(count), kNormBlocks);
+  void* scratch = nullptr;
+  cudaError_t e = cudaMallocAsync(&scratch, size_t{grid} * (sizeof(double) + sizeof(unsigned long long)), stream);
+  if (e != cudaSuccess) return e;
+  auto* part_sum = static_cast<double*>(scratch);
+  auto* part_bad = reinterpret_cast<unsigned long long*>(part_sum + grid);
   switch (dtype) {
     case 0:
-      sq_norm_kernel<0><<<grid, kThreads, 0, stream>>>(src, count, out);
+      sq_norm_kernel<0><<<grid, kThreads, 0, stream>>>(src, count, part_sum, part_bad);
       break;
     case 1:
-      sq_norm_kernel<1><<<grid, kThreads, 0, stream>>>(src, count, out);
+      sq_norm_kernel<1><<<grid, kThreads, 0, stream>>>(src, count, part_sum, part_bad);
       break;
     default:
-      sq_norm_kernel<2><<<grid, kThreads, 0, stream>>>(src, count, out);
+      sq_norm_kernel<2><<<grid, kThreads, 0, stream>>>(src, count, part_sum, part_bad);
       break;
   }
-  return cudaGetLastError();
+  e = cudaGetLastError();
+  if (e == cudaSuccess) {
+    sq_norm_final_kernel<<<1, kNormBlocks, 0, stream>>>(part_sum, part_bad, grid, out);
+    e = cudaGetLastError();
+  }
+  const cudaError_t f = cudaFreeAsync(scratch, stream);
+  return e != cudaSuccess ? e : f;
 }
 
 cudaError_t launch_adamw(const strata_cuda_adamw_t& a, cudaStream_t stream) {

@@ -363,6 +363,28 @@ TEST_P(DeviceTest, SquaredNormAndNonFiniteCount) {
   EXPECT_TRUE(std::isfinite(got.sum_sq));
 }
 
+// The norm decides clipping: it must be the same bits every run (CUDA: the
+// blocks' partials are added in a fixed order, never by float atomics).
+TEST_P(DeviceTest, SqNormIsTheSameBitsEveryRun) {
+  const size_t n = (size_t{3} << 20) + 77;  // many blocks, a ragged tail
+  std::vector<float> x(n);
+  uint32_t s = 12345;
+  for (auto& v : x) {
+    s = s * 1664525u + 1013904223u;
+    v = static_cast<float>(static_cast<int32_t>(s)) * 1e-9f;
+  }
+  const float* d_x = upload(x);
+  auto* d_stats = static_cast<NormStats*>(dev_alloc(sizeof(NormStats)));
+  double first = 0;
+  for (int run = 0; run < 5; ++run) {
+    ASSERT_TRUE(backend_->fill_zero_async(d_stats, sizeof(NormStats), stream_).ok());
+    ASSERT_TRUE(backend_->sq_norm_async(d_x, DType::kF32, n, d_stats, stream_).ok());
+    const NormStats got = download(d_stats, 1)[0];
+    if (run == 0) first = got.sum_sq;
+    EXPECT_EQ(std::memcmp(&got.sum_sq, &first, sizeof(double)), 0) << "run " << run << ": " << got.sum_sq << " vs " << first;
+  }
+}
+
 // ---------------------------------------------------------------- AdamW
 struct AdamCase {
   DType grad;
