@@ -455,10 +455,17 @@ cudaError_t embed_forward(const void* table, int dtype, const int32_t* tokens, i
   return cudaGetLastError();
 }
 
+namespace {
+// Grid limits: x up to 2^31 - 1, y and z up to 65535 (launching beyond them
+// fails with a launch error that names nothing; refuse it before).
+bool grid_ok(const dim3& g) { return g.x >= 1 && g.y >= 1 && g.y <= 65535 && g.z >= 1 && g.z <= 65535; }
+}  // namespace
+
 cudaError_t embed_backward(const int32_t* tokens, int64_t n, const float* dx, float* grad, int64_t d, int64_t vocab,
                            bool accumulate, uint32_t* bad, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>((vocab + kEmbedRows - 1) / kEmbedRows),
                   static_cast<unsigned>((d + kThreads - 1) / kThreads));
+  if (!grid_ok(grid)) return cudaErrorInvalidConfiguration;
   embed_backward_kernel<<<grid, kThreads, 0, stream>>>(tokens, n, dx, grad, d, vocab, accumulate, bad);
   return cudaGetLastError();
 }
@@ -479,6 +486,7 @@ cudaError_t rmsnorm_backward(const float* x, const void* w, int dtype, const flo
   if (!dw) return cudaGetLastError();  // a frozen weight
   const int64_t chunks = (n + kRmsPartialRows - 1) / kRmsPartialRows;
   const unsigned cols = static_cast<unsigned>((d + kThreads - 1) / kThreads);
+  if (!grid_ok(dim3(cols, static_cast<unsigned>(chunks)))) return cudaErrorInvalidConfiguration;
   rmsnorm_dw_partial_kernel<<<dim3(cols, static_cast<unsigned>(chunks)), kThreads, 0, stream>>>(x, rstd, dy, partial,
                                                                                                n, d);
   rmsnorm_dw_final_kernel<<<cols, kThreads, 0, stream>>>(partial, chunks, dw, d);
@@ -501,6 +509,7 @@ unsigned hd_threads(int64_t hd) { return static_cast<unsigned>(std::min<int64_t>
 cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* P, int64_t B,
                               int64_t T, int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H), static_cast<unsigned>(B));
+  if (!grid_ok(grid)) return cudaErrorInvalidConfiguration;
   const size_t smem = static_cast<size_t>(hd) * sizeof(float);
   attn_softmax_kernel<<<grid, kAttnThreads, smem, stream>>>(q, k, P, T, H, KVH, hd, attn_scale(hd));
   attn_pv_kernel<<<grid, hd_threads(hd), 0, stream>>>(P, v, out, T, H, KVH, hd);
@@ -511,6 +520,7 @@ cudaError_t attention_backward(const float* q, const float* k, const float* v, c
                                float* dS, float* dq, float* dk, float* dv, int64_t B, int64_t T, int64_t H,
                                int64_t KVH, int64_t hd, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H), static_cast<unsigned>(B));
+  if (!grid_ok(grid)) return cudaErrorInvalidConfiguration;
   const size_t smem = static_cast<size_t>(hd) * sizeof(float);
   attn_bwd_rows_kernel<<<grid, kAttnThreads, smem, stream>>>(k, v, P, dout, dS, dq, T, H, KVH, hd, attn_scale(hd));
   const dim3 kv_grid(static_cast<unsigned>(T), static_cast<unsigned>(KVH), static_cast<unsigned>(B));
