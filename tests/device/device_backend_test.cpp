@@ -24,6 +24,7 @@
 #include "device/cuda_loader.h"
 #include "device/host_backend.h"
 #include "common/device_numeric.h"
+#include "device/cuda_status.h"
 #include "test_util/gpu.h"
 
 #ifndef STRATA_TEST_DEVICE_KIND
@@ -883,6 +884,26 @@ TEST(STRATA_FACTORY_SUITE, AutoPicksABackendAndCudaSaysWhyNot) {
   }
   EXPECT_EQ(parse_device_backend_kind("gpu").status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(parse_device_backend_kind("host").value(), DeviceBackendKind::kHost);
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// The module return codes decoded (pure: runs without a GPU). A sticky error
+// is not "internal": it says the context is lost and not to retry.
+TEST(CudaModuleStatus, StickyErrorsSayTheContextIsLost) {
+  const Status illegal = cuda_module_status(700, "cudaStreamSynchronize: an illegal memory access", "cuda: sync");
+  EXPECT_EQ(illegal.code(), StatusCode::kUnavailable);
+  EXPECT_NE(illegal.message().find("context is lost"), std::string::npos) << illegal.message();
+  EXPECT_NE(illegal.message().find("illegal memory access"), std::string::npos);
+  EXPECT_EQ(cuda_module_status(719, "", "x").code(), StatusCode::kUnavailable);  // launch failure
+  EXPECT_EQ(cuda_module_status(2, "out of memory", "x").code(), StatusCode::kOutOfMemory);
+  EXPECT_EQ(cuda_module_status(1, "invalid value", "x").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(cuda_module_status(999, "", "x").code(), StatusCode::kInternal);
+  EXPECT_NE(cuda_module_status(999, "", "x").message().find("error 999"), std::string::npos);
 }
 
 }  // namespace
