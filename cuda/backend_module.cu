@@ -260,6 +260,12 @@ int mem_get_info(int device, size_t* free_bytes, size_t* total_bytes, char* err,
   return 0;
 }
 
+int host_register_on(int device, void* ptr, size_t bytes, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaHostRegister(ptr, bytes, cudaHostRegisterPortable));
+  return 0;
+}
+
 int stream_device(void* stream, int* device, char* err, size_t err_len) {
   *device = -1;
   CUDA_TRY(cudaStreamGetDevice(static_cast<cudaStream_t>(stream), device));
@@ -298,6 +304,7 @@ const strata_cuda_api_v1_t kApi = {
     adamw,
     mem_get_info,
     stream_device,
+    host_register_on,
 };
 
 }  // namespace

@@ -131,6 +131,10 @@ typedef struct strata_cuda_api_v1_s {
   // The device a (non-NULL) caller stream belongs to (cudaStreamGetDevice),
   // so a wrapped stream of another GPU is refused before any work is ordered on it.
   int (*stream_device)(void* stream, int* device, char* err, size_t err_len);
+  // host_register with `device` made current first: registering creates a
+  // CUDA context on the current device, which must be the engine's (a stray
+  // context on GPU 0 costs hundreds of MiB there).
+  int (*host_register_on)(int device, void* ptr, size_t bytes, char* err, size_t err_len);
 } strata_cuda_api_v1_t;
 
 typedef const strata_cuda_api_v1_t* (*strata_cuda_api_v1_fn)(void);

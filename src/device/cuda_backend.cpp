@@ -98,7 +98,7 @@ class CudaDeviceBackend final : public DeviceBackend {
         device_(device),
         name_(std::move(name)),
         slabs_(api, device),
-        registrar_(api),
+        registrar_(api, device),
         pool_(std::make_unique<CachingAllocator>(*this, slabs_, budget, "cuda:" + std::to_string(device))) {}
 
   ~CudaDeviceBackend() override {

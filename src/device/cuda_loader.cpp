@@ -1,5 +1,6 @@
 #include "device/cuda_loader.h"
 
+#include <cstddef>
 #include <dlfcn.h>
 #include <unistd.h>
 
@@ -128,7 +129,10 @@ Result<CudaBackend> load_cuda_backend() {
 
 Status CudaHostRegistrar::register_memory(void* ptr, std::size_t bytes) {
   char err[256] = {0};
-  if (api_->host_register(ptr, bytes, err, sizeof(err)) != 0)
+  const bool on = device_ >= 0 && api_->struct_size >= offsetof(strata_cuda_api_v1_t, host_register_on) +
+                                                          sizeof(api_->host_register_on);
+  if ((on ? api_->host_register_on(device_, ptr, bytes, err, sizeof(err))
+          : api_->host_register(ptr, bytes, err, sizeof(err))) != 0)
     return Status(StatusCode::kOutOfMemory, "cudaHostRegister of " + std::to_string(bytes) + " bytes failed: " + err +
                                                 " (page-locked memory is limited by RLIMIT_MEMLOCK; raise `ulimit -l`)");
   return Status();

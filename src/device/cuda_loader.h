@@ -25,13 +25,15 @@ Result<CudaBackend> load_cuda_backend();
 // Page-locks host memory through the loaded CUDA backend.
 class CudaHostRegistrar final : public HostMemoryRegistrar {
  public:
-  explicit CudaHostRegistrar(const strata_cuda_api_v1_t* api) : api_(api) {}
+  // `device`: made current before registering (< 0: whichever is current).
+  explicit CudaHostRegistrar(const strata_cuda_api_v1_t* api, int device = -1) : api_(api), device_(device) {}
   const char* name() const override { return "cudaHostRegister"; }
   Status register_memory(void* ptr, std::size_t bytes) override;
   void unregister_memory(void* ptr) override;
 
  private:
   const strata_cuda_api_v1_t* api_;
+  int device_;
 };
 
 }  // namespace strata
