@@ -369,6 +369,16 @@ class CPUAdamWNvmeTest(unittest.TestCase):
         self.assertTrue(torch.equal(p[0], before))
         self.assertEqual(len(o.state[p[0]]), 0)
         o.close()
+        # A failed write of the moments says the weights moved without them.
+        o = self.nvme(p)
+
+        def broken(t, k, src):
+            raise StrataError(2, "engine: load_state(states0, 0): write failed: Input/output error")
+        o._store.write = broken
+        with self.assertRaisesRegex(StrataError, r"param_groups\[0\]\['params'\]\[0\].*updated, but their "
+                                                 r"optimizer state could not be written.*Input/output error \[IO\]$"):
+            o.step()
+        o.close()
         # amsgrad turned on for a parameter whose state began without it (torch fails too).
         o = self.nvme(p)
         o.step()

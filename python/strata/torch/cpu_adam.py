@@ -544,10 +544,17 @@ class CPUAdamW(torch.optim.Optimizer):
                 if low is not None:
                     for r in range(count):
                         f32[r].copy_(low[r])
-                self._store.write(t, 0, f32[0])
-                self._store.write(t, 1, f32[1])
-                if amsgrad:
-                    self._store.write(self._shadow[t], 0, f32[2])
+                try:
+                    self._store.write(t, 0, f32[0])
+                    self._store.write(t, 1, f32[1])
+                    if amsgrad:
+                        self._store.write(self._shadow[t], 0, f32[2])
+                except StrataError as e:
+                    names = ", ".join(where for _, _, _, _, _, where in items[:len(done)])
+                    msg, tag = str(e), f" [{e.status}]"
+                    raise StrataError(e.status, f"{names}: updated, but their optimizer state could not be "
+                                                f"written to NVMe (it is now older than the weights): "
+                                                f"{msg[:-len(tag)] if msg.endswith(tag) else msg}") from e
                 for p, state, step, fresh, a in done:
                     if fresh and a:
                         self._has_max.add(p)
