@@ -361,13 +361,17 @@ class CPUAdamWNvmeTest(unittest.TestCase):
         with self.assertRaisesRegex(StrataError, r"aio\.queue_dept.*unknown key.*INVALID_ARGUMENT"):
             self.nvme(p, aio={"queue_dept": 8})
         # ... and the kernel's, for hyper-parameters torch would reject (nothing is changed).
-        o = self.nvme(p, betas=(1.5, 0.999))
-        p[0].grad = torch.randn(4)
-        before = p[0].detach().clone()
-        with self.assertRaisesRegex(StrataError, r"param_groups\[0\]\['params'\]\[0\].*beta"):
+        # Checked for every group before any parameter moves.
+        q = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(5))]
+        o = self.nvme([{"params": q[:1]}, {"params": q[1:], "betas": (1.5, 0.999)}])
+        before = [x.detach().clone() for x in q]
+        for x in q:
+            x.grad = torch.randn(x.shape)
+        with self.assertRaisesRegex(StrataError, r"param_groups\[1\] \(its hyper-parameters\).*beta1"):
             o.step()
-        self.assertTrue(torch.equal(p[0], before))
-        self.assertEqual(len(o.state[p[0]]), 0)
+        for x, y in zip(q, before):
+            self.assertTrue(torch.equal(x, y))
+            self.assertEqual(len(o.state[x]), 0)
         o.close()
         # A failed write of the moments says the weights moved without them.
         o = self.nvme(p)
@@ -375,9 +379,30 @@ class CPUAdamWNvmeTest(unittest.TestCase):
         def broken(t, k, src):
             raise StrataError(2, "engine: load_state(states0, 0): write failed: Input/output error")
         o._store.write = broken
+        p[0].grad = torch.randn(4)
         with self.assertRaisesRegex(StrataError, r"param_groups\[0\]\['params'\]\[0\].*updated, but their "
                                                  r"optimizer state could not be written.*Input/output error \[IO\]$"):
             o.step()
+        o.close()
+        # An I/O error in the second piece of a parameter cut in two: the error says it moved in part;
+        # a parameter done before keeps its step.
+        q = [torch.nn.Parameter(torch.randn(10)), torch.nn.Parameter(torch.randn(500))]
+        o = self.nvme(q)
+        for x in q:
+            x.grad = torch.randn(x.shape)
+        read = o._store.read
+
+        def failing(t, k, dst):
+            if t == 2:
+                raise StrataError(2, "engine: read_state(states2, 0): read failed: Input/output error")
+            read(t, k, dst)
+        o._store.read = failing
+        with self.assertRaisesRegex(StrataError, r"Input/output error; this step stopped part-way: "
+                                                 r"CPUAdamW: param_groups\[0\]\['params'\]\[1\] \(shape \(500,\)\) "
+                                                 r"updated in part.*\[IO\]$"):
+            o.step()
+        self.assertEqual(float(o.state[q[0]]["step"]), 1.0)
+        self.assertEqual(len(o.state[q[1]]), 0)
         o.close()
         # amsgrad turned on for a parameter whose state began without it (torch fails too).
         o = self.nvme(p)

@@ -35,9 +35,11 @@ from .._lib import StrataError
 
 _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_F16}
 _STATE_KEYS = ("exp_avg", "exp_avg_sq")
-# Parameters smaller than this share an engine tensor (elements): one read
-# and one write per moment for all of them.
-_BUCKET_ELEMS = 1 << 20
+# Elements per engine tensor: smaller parameters share one (one read and
+# one write per moment for all of them), larger ones are cut in pieces this
+# size (the RAM of the scratch and of the engine's buffers follows the
+# largest tensor). 4M: the engine's own I/O piece.
+_BUCKET_ELEMS = 4 << 20
 # DeepSpeed's offload_optimizer keys that tune DeepSpeed's own swapper (its
 # buffers and pipelining); accepted so its section can be passed as it is.
 _DS_OFFLOAD_TUNING = {"pin_memory", "buffer_count", "fast_init", "pipeline", "pipeline_read", "pipeline_write",
@@ -231,6 +233,7 @@ class CPUAdamW(torch.optim.Optimizer):
         store = getattr(self, "_store", None)
         if store is not None:
             store.close()
+        self._scratch = None
         h = getattr(self, "_handle", None)
         if h is not None and h.value:
             _lib.strata_cpu_optimizer_destroy(h)
@@ -361,9 +364,11 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._store is not None:
             self._store.close()
             self._store = None
-        # Tensors: a parameter of _BUCKET_ELEMS or more elements alone, smaller
-        # ones packed in order; then a mirror tensor (state 0 =
-        # max_exp_avg_sq) of every tensor holding an amsgrad parameter.
+        # Engine tensors of at most _BUCKET_ELEMS elements (what the engine and
+        # the scratch hold in RAM depends on the largest): a large parameter in
+        # pieces of its own, smaller ones packed in order; then a mirror tensor
+        # (state 0 = max_exp_avg_sq) of every tensor holding an amsgrad one.
+        # slots[p]: [(tensor, offset in it, offset in p, elements)].
         sizes, slots, shadow_needed = [], {}, set()
         bucket = None
         for group in self.param_groups:
@@ -371,18 +376,20 @@ class CPUAdamW(torch.optim.Optimizer):
                 n = p.numel()
                 if n == 0:
                     continue
+                pieces = []
                 if n >= _BUCKET_ELEMS:
-                    t, off = len(sizes), 0
-                    sizes.append(n)
+                    for start in range(0, n, _BUCKET_ELEMS):
+                        pieces.append((len(sizes), 0, start, min(_BUCKET_ELEMS, n - start)))
+                        sizes.append(pieces[-1][3])
                 else:
                     if bucket is None or sizes[bucket] + n > _BUCKET_ELEMS:
                         bucket = len(sizes)
                         sizes.append(0)
-                    t, off = bucket, sizes[bucket]
+                    pieces.append((bucket, sizes[bucket], 0, n))
                     sizes[bucket] += n
-                slots[p] = (t, off, n)
+                slots[p] = pieces
                 if group["amsgrad"] or p in self._has_max:
-                    shadow_needed.add(t)
+                    shadow_needed.update(t for t, _, _, _ in pieces)
         names = [f"states{t}" for t in range(len(sizes))]
         shadow = {}
         for t in sorted(shadow_needed):
@@ -400,63 +407,55 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _buffers(self, n, count):
         """fp32 views (and bf16 ones with bf16 states) of `count` scratch arrays of n elements."""
-        need = max(self._store.sizes)
-        rows = 3 if self._shadow else 2
         if self._scratch is None:
+            rows, need = 3 if self._shadow else 2, max(self._store.sizes)
             f32 = torch.empty((rows, need), dtype=torch.float32)
             low = torch.empty((rows, need), dtype=torch.bfloat16) if self._state_dtype != torch.float32 else None
             self._scratch = (f32, low)
         f32, low = self._scratch
         return [f32[r, :n] for r in range(count)], ([low[r, :n] for r in range(count)] if low is not None else None)
 
-    def _by_tensor(self, params):
-        """{main tensor: [params]} for the params with a slot, in tensor order."""
+    def _pieces_by_tensor(self, params):
+        """{tensor: [(param, offset in tensor, offset in param, elements)]}, in tensor order."""
         out = collections.defaultdict(list)
         for p in params:
-            s = self._slots.get(p)
-            if s is not None:
-                out[s[0]].append(p)
+            for t, off, start, n in self._slots.get(p, ()):
+                out[t].append((p, off, start, n))
         return dict(sorted(out.items()))
 
     def _read_states(self, params):
-        """{param: {key: tensor in the state dtype}} read from the store."""
+        """{param: {key: new tensor in the state dtype}} read from the store."""
         out = {}
         for p in params:
-            if p not in self._slots:  # no elements
-                out[p] = {k: torch.zeros(p.shape, dtype=self._state_dtype) for k in _STATE_KEYS}
-                if p in self._has_max:
-                    out[p]["max_exp_avg_sq"] = torch.zeros(p.shape, dtype=self._state_dtype)
-        for t, members in self._by_tensor(params).items():
-            with_max = [p for p in members if p in self._has_max]
-            count = 3 if with_max else 2
+            keys = _STATE_KEYS + (("max_exp_avg_sq",) if p in self._has_max else ())
+            out[p] = {k: torch.zeros(p.shape, dtype=self._state_dtype) for k in keys}
+        for t, pieces in self._pieces_by_tensor(params).items():
+            count = 3 if any(p in self._has_max for p, _, _, _ in pieces) else 2
             f32, _ = self._buffers(self._store.sizes[t], count)
             self._store.read(t, 0, f32[0])
             self._store.read(t, 1, f32[1])
-            if with_max:
+            if count == 3:
                 self._store.read(self._shadow[t], 0, f32[2])
-            for p in members:
-                _, off, n = self._slots[p]
-                keys = _STATE_KEYS + (("max_exp_avg_sq",) if p in self._has_max else ())
-                out[p] = {k: f32[r][off:off + n].to(self._state_dtype, copy=True).view(p.shape)
-                          for r, k in enumerate(keys)}
+            for p, off, start, n in pieces:
+                for r, k in enumerate(_STATE_KEYS + ("max_exp_avg_sq",)):
+                    if k in out[p]:
+                        out[p][k].view(-1)[start:start + n].copy_(f32[r][off:off + n])
         return out
 
     def _write_states(self, carried):
-        """Writes {param: {key: tensor}} into the store (other slices: zeros)."""
-        for t, members in self._by_tensor(carried).items():
-            with_max = t in self._shadow and any("max_exp_avg_sq" in carried[p] for p in members)
-            count = 3 if with_max else 2
+        """Writes {param: {key: tensor}} into the (new) store; other slices stay zero."""
+        for t, pieces in self._pieces_by_tensor(carried).items():
+            count = 3 if t in self._shadow and any("max_exp_avg_sq" in carried[p] for p, _, _, _ in pieces) else 2
             f32, _ = self._buffers(self._store.sizes[t], count)
             for a in f32:
                 a.zero_()
-            for p in members:
-                _, off, n = self._slots[p]
-                for r, k in enumerate(_STATE_KEYS + ("max_exp_avg_sq",)):
-                    if r < count and k in carried[p]:
-                        f32[r][off:off + n].copy_(carried[p][k].reshape(-1))
+            for p, off, start, n in pieces:
+                for r, k in enumerate(_STATE_KEYS + ("max_exp_avg_sq",)[:count]):
+                    if k in carried[p]:
+                        f32[r][off:off + n].copy_(carried[p][k].reshape(-1)[start:start + n])
             self._store.write(t, 0, f32[0])
             self._store.write(t, 1, f32[1])
-            if with_max:
+            if count == 3:
                 self._store.write(self._shadow[t], 0, f32[2])
 
     def _step_nvme(self):
@@ -474,52 +473,79 @@ class CPUAdamW(torch.optim.Optimizer):
                                      "its state began; torch.optim.AdamW fails here too)")
         if self._layout_key() != self._layout:
             known = []
-            for p, (_, _, n) in self._slots.items():
+            for p, pieces in self._slots.items():
                 if len(self.state.get(p, {})) == 0:
                     continue
+                n = sum(piece[3] for piece in pieces)
                 if p.numel() != n:
                     raise ValueError(f"{self._where(p)}: has {p.numel()} elements, its optimizer state {n} (the "
                                      "parameter was resized after its first step)")
                 known.append(p)
             self._build_store(self._read_states(known))
-        work = collections.defaultdict(list)  # main tensor -> [(p, g, state, cfg, amsgrad, where)]
+        # Everything is checked before anything changes: the parameters and
+        # gradients, and each group's hyper-parameters (the kernel on one dummy
+        # element), so a step stops part-way only on an I/O error.
+        todo = []  # (p, flat p, flat g, state, cfg, amsgrad, where, step)
         for gi, group in enumerate(self.param_groups):
-            cfg = self._config(group)
+            cfg = None
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 where = f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
                 g = self._checked(p, where)
+                if cfg is None:
+                    cfg = self._config(group)
+                    one = torch.zeros(1)
+                    self._kernel(cfg, 1, one, torch.zeros(1), torch.zeros(1), torch.zeros(1),
+                                 torch.zeros(1) if group["amsgrad"] else None,
+                                 f"CPUAdamW: param_groups[{gi}] (its hyper-parameters)")
                 state = self.state[p]
-                if len(state) > 0 and "exp_avg" in state:
+                if "exp_avg" in state:
                     raise ValueError(f"{where}: its state holds exp_avg tensors in NVMe mode (set by hand?); "
                                      "load states with load_state_dict")
-                slot = self._slots.get(p)
-                if slot is None:  # no elements: only the step count moves
-                    if len(state) == 0:
-                        state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                        if group["amsgrad"]:
-                            self._has_max.add(p)
-                    _set_step(state, _step_of(state) + 1)
-                    continue
-                work[slot[0]].append((p, g, state, cfg, bool(group["amsgrad"]), where))
-        for t in sorted(work):
-            self._update_tensor(t, work[t])
+                fresh = len(state) == 0
+                todo.append((p, p.detach().view(-1), g.view(-1), state, cfg, bool(group["amsgrad"]), where,
+                             1 if fresh else _step_of(state) + 1, fresh))
+        left = collections.Counter()  # pieces of each param not yet updated and written
+        by_tensor = collections.defaultdict(list)
+        for job in todo:
+            for t, off, start, n in self._slots.get(job[0], ()):
+                by_tensor[t].append((job, off, start, n))
+                left[id(job[0])] += 1
+        def finish(job):  # its moments are written: its step moves
+            p, _, _, state, _, amsgrad, _, step, fresh = job
+            _set_step(state, step)
+            if fresh and amsgrad:
+                self._has_max.add(p)
 
-    def _update_tensor(self, t, items):
-        """Reads main tensor t's moments, updates its params that have a
-        gradient, writes the moments back."""
-        amsgrad = any(a for _, _, _, _, a, _ in items)
-        count = 3 if amsgrad else 2
-        n_t = self._store.sizes[t]
-        f32, low = self._buffers(n_t, count)
+        try:
+            for t in sorted(by_tensor):
+                self._update_tensor(t, by_tensor[t], left)
+        except BaseException as e:
+            for job in todo:
+                if left[id(job[0])] == 0:
+                    finish(job)
+            part = [job[6] for job in todo if 0 < left[id(job[0])] < len(self._slots[job[0]])]
+            if part and isinstance(e, StrataError):
+                msg, tag = str(e), f" [{e.status}]"
+                raise StrataError(e.status, f"{msg[:-len(tag)] if msg.endswith(tag) else msg}; this step stopped "
+                                            f"part-way: {', '.join(part)} updated in part (their state and step "
+                                            "are not)") from e
+            raise
+        for job in todo:
+            finish(job)
+
+    def _update_tensor(self, t, pieces, left):
+        """Reads engine tensor t's moments, updates the pieces of parameters
+        with a gradient it holds, writes the moments back."""
+        count = 3 if any(job[5] for job, _, _, _ in pieces) else 2
+        f32, low = self._buffers(self._store.sizes[t], count)
         self._store.read(t, 0, f32[0])
         self._store.read(t, 1, f32[1])
-        if amsgrad:
+        if count == 3:
             self._store.read(self._shadow[t], 0, f32[2])
-        for p, _, state, _, a, _ in items:
-            if len(state) == 0:  # its first step: zero moments whatever the store holds
-                _, off, n = self._slots[p]
+        for job, off, _, n in pieces:
+            if job[8]:  # the parameter's first step: zero moments whatever the store holds
                 for r in range(count):
                     f32[r][off:off + n].zero_()
         arrays = f32
@@ -529,17 +555,14 @@ class CPUAdamW(torch.optim.Optimizer):
             arrays = low
         done = []
         try:
-            for p, g, state, cfg, a, where in items:
-                _, off, n = self._slots[p]
-                fresh = len(state) == 0
-                step = 1 if fresh else _step_of(state) + 1
-                m, v = arrays[0][off:off + n], arrays[1][off:off + n]
-                mx = arrays[2][off:off + n] if a else None
-                self._kernel(cfg, step, p, g, m, v, mx, where)
-                done.append((p, state, step, fresh, a))
+            for job, off, start, n in pieces:
+                _, p, g, _, cfg, amsgrad, where, step, _ = job
+                self._kernel(cfg, step, p[start:start + n], g[start:start + n], arrays[0][off:off + n],
+                             arrays[1][off:off + n], arrays[2][off:off + n] if amsgrad else None, where)
+                done.append(job)
         finally:
-            # The updates made so far (all, unless the kernel refused one) go
-            # to NVMe before anything is raised.
+            # The updates made (all, unless something failed) go to NVMe
+            # before anything is raised.
             if done:
                 if low is not None:
                     for r in range(count):
@@ -547,18 +570,16 @@ class CPUAdamW(torch.optim.Optimizer):
                 try:
                     self._store.write(t, 0, f32[0])
                     self._store.write(t, 1, f32[1])
-                    if amsgrad:
+                    if count == 3:
                         self._store.write(self._shadow[t], 0, f32[2])
                 except StrataError as e:
-                    names = ", ".join(where for _, _, _, _, _, where in items[:len(done)])
+                    names = ", ".join(sorted({job[6] for job in done}))
                     msg, tag = str(e), f" [{e.status}]"
                     raise StrataError(e.status, f"{names}: updated, but their optimizer state could not be "
                                                 f"written to NVMe (it is now older than the weights): "
                                                 f"{msg[:-len(tag)] if msg.endswith(tag) else msg}") from e
-                for p, state, step, fresh, a in done:
-                    if fresh and a:
-                        self._has_max.add(p)
-                    _set_step(state, step)
+                for job in done:
+                    left[id(job[0])] -= 1
 
     # ---------------------------------------------------------------- state dicts
 
