@@ -16,9 +16,10 @@ in a Strata engine's swap files (io_uring, checksummed blocks) under a
 temporary directory of nvme_path; self.state[p] keeps only 'step'. Each
 step reads a parameter's moments, runs the same kernel on the parameter in
 place (the torch tensor stays the master) and writes the moments back, so
-results are bit-identical to the RAM mode. Small parameters share one
-engine tensor (a bucket), so a model of many small tensors costs few I/O
-calls. Why not the engine's own optimizer step: docs/python.md.
+results are bit-identical to the RAM mode. The engine's tensors have at
+most 4M elements: small parameters share one (few I/O calls for many small
+tensors), large ones are cut in pieces (bounded RAM). Why not the engine's
+own optimizer step: docs/python.md.
 """
 import collections
 import ctypes
