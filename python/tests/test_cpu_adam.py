@@ -357,6 +357,7 @@ class CPUAdamWNvmeTest(unittest.TestCase):
             st.CPUAdamW(p, offload_optimizer={"device": "nvme"})
         with self.assertRaisesRegex(ValueError, "aio="):
             st.CPUAdamW(p, aio={"queue_depth": 8})
+        st.CPUAdamW(p, offload_optimizer={"device": "cpu"}, aio={"queue_depth": 8})  # DeepSpeed's sections as they are
         # The library's own message: a bad key in the engine's config ...
         with self.assertRaisesRegex(StrataError, r"aio\.queue_dept.*unknown key.*INVALID_ARGUMENT"):
             self.nvme(p, aio={"queue_dept": 8})

@@ -171,7 +171,9 @@ class CPUAdamW(torch.optim.Optimizer):
         if not 0.0 <= float(lr):
             raise ValueError(f"CPUAdamW: invalid learning rate {lr}")
         self._nvme_path = self._resolve_nvme_path(nvme_path, offload_optimizer)
-        if aio is not None and self._nvme_path is None:
+        if aio is not None and self._nvme_path is None and offload_optimizer is None:
+            # With DeepSpeed's sections passed as they are, "device": "cpu" and an
+            # "aio" section is a valid config (DeepSpeed then ignores aio too).
             raise ValueError("CPUAdamW: aio= configures the NVMe I/O; give nvme_path= (or offload_optimizer with "
                              "device \"nvme\") too")
         self._aio = dict(aio) if aio is not None else None
