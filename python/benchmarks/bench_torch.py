@@ -9,11 +9,16 @@
   adam    one optimizer step over --adam-params fp32 parameters:
           strata.torch.CPUAdamW against torch.optim.AdamW(fused=True),
           torch.optim.AdamW(foreach=True) and DeepSpeedCPUAdam when deepspeed
-          is importable and its CPU op builds here.
+          is importable and its CPU op builds here; CPUAdamW with its states
+          on NVMe (nvme_path=--dir); and, for the record, the same update
+          through the engine's own optimizer step (reduce_grad, step, weights
+          copied back through an acquire or read_param), the design CPUAdamW's
+          NVMe mode does not use (docs/python.md).
 
-    python bench_torch.py --dir /var/tmp/sb [--json]
+    python bench_torch.py --dir /var/tmp/sb [--only adam] [--json]
 """
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -22,9 +27,11 @@ import tempfile
 import time
 
 import torch
+import torch.utils.dlpack
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import strata.torch as st
+from strata import _lib
 
 
 def lm_loss(model, x):
@@ -81,7 +88,68 @@ def bench_train(a, work):
             "nvme_bytes": s["tier_bytes"]["nvme"], "reps": len(t_torch)}
 
 
-def bench_adam(a):
+def engine_step_alternative(a, work):
+    """The update through the engine's optimizer step, as a trainer drives it:
+    masters and moments on NVMe, fp32 compute copies in host RAM; per step
+    begin_micro_batch(1), reduce_grad (DLPack), set_group_lr, step, then the
+    weights copied back into the torch tensor, through an acquire of the
+    compute copy or read_param of the master. Seconds: {acquire, read_param}."""
+    n = a.adam_params
+    nvme = tempfile.mkdtemp(prefix="engine-step-", dir=work)
+    cfg = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01}},
+           "zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": nvme},
+                                 "offload_param": {"device": "cpu"}}}
+    d = (_lib.ParamDesc * 1)()
+    d[0].struct_size = ctypes.sizeof(_lib.ParamDesc)
+    d[0].name = d[0].group = b"p"
+    d[0].ndim = 1
+    d[0].shape[0] = n
+    d[0].dtype = _lib.DTYPE_F32
+    opts = _lib.EngineOptions()
+    _lib.check(_lib.strata_engine_options_init(ctypes.byref(opts)))
+    cfg_bytes = json.dumps(cfg).encode()
+    opts.config_json = cfg_bytes
+    opts.device_kind = _lib.DEVICE_HOST
+    e, s = ctypes.c_void_p(), ctypes.c_void_p()
+    _lib.check(_lib.strata_engine_create(ctypes.byref(opts), d, 1, ctypes.byref(e)))
+    _lib.check(_lib.strata_stream_create(e, b"bench", ctypes.byref(s)), e)
+    p, grad = torch.randn(n), torch.randn(n)
+    _lib.check(_lib.strata_engine_load_param(e, 0, p.data_ptr(), _lib.DTYPE_F32, n), e)
+    r = _lib.StepResult()
+    r.struct_size = ctypes.sizeof(r)
+
+    def step(readback):
+        _lib.check(_lib.strata_engine_begin_micro_batch(e, 1), e)
+        _lib.reduce_grad_capsule(e, 0, torch.utils.dlpack.to_dlpack(grad), s)
+        _lib.check(_lib.strata_engine_set_group_lr(e, 0, 1e-3), e)
+        _lib.check(_lib.strata_engine_step(e, -1.0, ctypes.byref(r)), e)
+        if readback == "read_param":
+            _lib.check(_lib.strata_engine_read_param(e, 0, p.data_ptr(), _lib.DTYPE_F32, n), e)
+            return
+        ptrs, count = (ctypes.c_void_p * 1)(), ctypes.c_size_t()
+        _lib.check(_lib.strata_engine_acquire(e, 0, s, ptrs, 1, ctypes.byref(count)), e)
+        _lib.check(_lib.strata_stream_synchronize(s), e)  # host backend: the CPU reads it now
+        p.copy_(torch.utils.dlpack.from_dlpack(_lib.param_capsule(e, 0)))
+        _lib.check(_lib.strata_engine_release(e, 0, s), e)
+
+    out = {}
+    try:
+        for readback in ("acquire", "read_param"):
+            step(readback)
+            ts = []
+            for _ in range(a.reps):
+                t0 = time.perf_counter()
+                step(readback)
+                ts.append(time.perf_counter() - t0)
+            out[readback] = statistics.median(ts)
+    finally:
+        _lib.strata_stream_destroy(s)
+        _lib.strata_engine_destroy(e)
+        shutil.rmtree(nvme, ignore_errors=True)
+    return out
+
+
+def bench_adam(a, work):
     n = a.adam_params
     out = {}
 
@@ -100,6 +168,8 @@ def bench_adam(a):
             o.step()
             ts.append(time.perf_counter() - t0)
         out[name] = statistics.median(ts)
+        if hasattr(o, "close"):
+            o.close()
 
     timed(lambda ps: st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01), "strata_cpu_adamw")
     timed(lambda ps: torch.optim.AdamW(ps, lr=1e-3, weight_decay=0.01, fused=True), "torch_adamw_fused")
@@ -109,6 +179,11 @@ def bench_adam(a):
         from deepspeed.ops.adam import DeepSpeedCPUAdam
         return DeepSpeedCPUAdam(ps, lr=1e-3, weight_decay=0.01)
     timed(deepspeed_adam, "deepspeed_cpu_adam")
+    nvme = os.path.join(work, "cpuadamw-nvme")
+    timed(lambda ps: st.CPUAdamW(ps, lr=1e-3, weight_decay=0.01, nvme_path=nvme), "strata_cpu_adamw_nvme")
+    alt = engine_step_alternative(a, work)
+    out["engine_step_nvme_acquire"] = alt["acquire"]
+    out["engine_step_nvme_read_param"] = alt["read_param"]
     s = out["strata_cpu_adamw"]
     for k in list(out):
         if k != "strata_cpu_adamw" and isinstance(out[k], float):
@@ -129,28 +204,36 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--adam-params", type=int, default=64 << 20)
+    ap.add_argument("--only", choices=("train", "adam"), help="run one of the two benchmarks")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="strata-bench-torch-", dir=a.dir)
     try:
-        res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "train": bench_train(a, work),
-               "adam": bench_adam(a)}
+        res = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+        if a.only in (None, "train"):
+            res["train"] = bench_train(a, work)
+        if a.only in (None, "adam"):
+            res["adam"] = bench_adam(a, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
         print(json.dumps(res, indent=2))
         return
-    t = res["train"]
-    print(f"train: Llama {t['params'] / 1e6:.1f}M params, {t['tokens_per_step']} tokens/step, medians of {t['reps']}")
-    print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
-    print(f"  strata.torch, NVMe         {t['strata_nvme_tokens_per_s']:8.1f} tokens/s   ratio {t['ratio']:.3f}")
+    if "train" in res:
+        t = res["train"]
+        print(f"train: Llama {t['params'] / 1e6:.1f}M params, {t['tokens_per_step']} tokens/step, medians of "
+              f"{t['reps']}")
+        print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
+        print(f"  strata.torch, NVMe         {t['strata_nvme_tokens_per_s']:8.1f} tokens/s   ratio {t['ratio']:.3f}")
+    if "adam" not in res:
+        return
     ad = res["adam"]
     print(f"adam: one step over {ad['params'] / 1e6:.0f}M fp32 params, seconds (median of {a.reps})")
     for k, v in ad.items():
         if k in ("params",) or k.endswith("_over_strata"):
             continue
         ratio = ad.get(f"{k}_over_strata")
-        print(f"  {k:22s} {v if isinstance(v, str) else f'{v:.4f}'}" + (f"   / strata = {ratio:.2f}" if ratio else ""))
+        print(f"  {k:28s} {v if isinstance(v, str) else f'{v:.4f}'}" + (f"   / strata = {ratio:.2f}" if ratio else ""))
 
 
 if __name__ == "__main__":

@@ -9,8 +9,25 @@ state['exp_avg'], state['exp_avg_sq'] (and 'max_exp_avg_sq' with amsgrad),
 fp32 by default or bf16 with fp32_optimizer_states=False, so a state_dict
 moves between this and torch.optim.AdamW. Results equal torch.optim.AdamW's
 to fp32 rounding (tests: python/tests/test_cpu_adam.py).
+
+Optimizer states on NVMe (nvme_path=, or DeepSpeed's offload_optimizer
+section with device "nvme"): exp_avg, exp_avg_sq (and max_exp_avg_sq) live
+in a Strata engine's swap files (io_uring, checksummed blocks) under a
+temporary directory of nvme_path; self.state[p] keeps only 'step'. Each
+step reads a parameter's moments, runs the same kernel on the parameter in
+place (the torch tensor stays the master) and writes the moments back, so
+results are bit-identical to the RAM mode. The engine's tensors have at
+most 4M elements: small parameters share one (few I/O calls for many small
+tensors), large ones are cut in pieces (bounded RAM). Why not the engine's
+own optimizer step: docs/python.md.
 """
+import collections
 import ctypes
+import json
+import os
+import shutil
+import tempfile
+import weakref
 
 import torch
 
@@ -18,6 +35,107 @@ from .. import _lib
 from .._lib import StrataError
 
 _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch.float16: _lib.DTYPE_F16}
+_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+# Elements per engine tensor: smaller parameters share one (one read and
+# one write per moment for all of them), larger ones are cut in pieces this
+# size (the RAM of the scratch and of the engine's buffers follows the
+# largest tensor). 4M: the engine's own I/O piece.
+_BUCKET_ELEMS = 4 << 20
+# DeepSpeed's offload_optimizer keys that tune DeepSpeed's own swapper (its
+# buffers and pipelining); accepted so its section can be passed as it is.
+_DS_OFFLOAD_TUNING = {"pin_memory", "buffer_count", "fast_init", "pipeline", "pipeline_read", "pipeline_write",
+                      "ratio"}
+
+
+def _step_of(state):
+    """state['step'] as an int (a tensor in torch's layout; a number in old state dicts)."""
+    s = state["step"]
+    return int(s.item()) if torch.is_tensor(s) else int(s)
+
+
+def _set_step(state, step):
+    s = state.get("step")
+    if torch.is_tensor(s):
+        s.fill_(float(step))  # in place, as torch.optim.AdamW
+    else:
+        state["step"] = torch.tensor(float(step), dtype=torch.float32)
+
+
+def _release_engine(engine, directory, pid):
+    # weakref.finalize's callback: never references the store, so it runs when
+    # the optimizer is garbage-collected or at interpreter exit. A forked child
+    # (a DataLoader worker) must not delete its parent's files.
+    if os.getpid() != pid:
+        return
+    if engine.value:
+        _lib.strata_engine_destroy(engine)
+        engine.value = None
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+class _NvmeStore:
+    """Optimizer states on NVMe: one Strata engine whose trainable tensors are
+    storage only (strata_engine_read_state / load_state of its states 0 and 1);
+    its own optimizer step is never run. Tensor t has `sizes[t]` elements."""
+
+    def __init__(self, sizes, names, root, state_dtype, aio):
+        os.makedirs(root, exist_ok=True)
+        self.dir = tempfile.mkdtemp(prefix="strata-cpuadamw-", dir=root)
+        self.sizes = list(sizes)
+        engine = ctypes.c_void_p()
+        # Destroying the engine and deleting the directory happen in one place,
+        # also when creation fails half-way.
+        self._finalizer = weakref.finalize(self, _release_engine, engine, self.dir, os.getpid())
+        cfg = {
+            "zero_optimization": {
+                "offload_optimizer": {"device": "nvme", "nvme_path": self.dir, "buffer_count": 1},
+                # The engine also places a compute copy, an fp32 master and a
+                # gradient accumulator per tensor (it would need them for its
+                # own step): all on NVMe, bf16 compute, the smallest buffers,
+                # so they cost disk space and no RAM.
+                "offload_param": {"device": "nvme", "nvme_path": self.dir, "buffer_count": 1, "buffer_size": 2048},
+            },
+            "strata": {"groups": [{"match": "*", "grad": "nvme"}], "prefetch_depth": 0, "optimizer_chunk": 2048,
+                       "optimizer_state_dtype": "fp32" if state_dtype == torch.float32 else "bf16"},
+        }
+        if aio is not None:
+            cfg["aio"] = dict(aio)
+        descs = (_lib.ParamDesc * len(self.sizes))()
+        keep = []
+        for t, (n, name) in enumerate(zip(self.sizes, names)):
+            d = descs[t]
+            d.struct_size = ctypes.sizeof(_lib.ParamDesc)
+            b = name.encode()
+            keep.append(b)
+            d.name = d.group = b
+            d.ndim = 1
+            d.shape[0] = n
+            d.dtype = _lib.DTYPE_BF16
+        opts = _lib.EngineOptions()
+        _lib.check(_lib.strata_engine_options_init(ctypes.byref(opts)))
+        cfg_bytes = json.dumps(cfg).encode()
+        opts.config_json = cfg_bytes
+        opts.device_kind = _lib.DEVICE_HOST
+        try:
+            _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self.sizes), ctypes.byref(engine)))
+        except BaseException:
+            self._finalizer()
+            raise
+        self._e = engine
+
+    @property
+    def closed(self):
+        return not self._finalizer.alive
+
+    def read(self, t, k, dst):
+        """State k (0 or 1) of tensor t into the fp32 tensor dst (contiguous, sizes[t] elements)."""
+        _lib.check(_lib.strata_engine_read_state(self._e, t, k, dst.data_ptr(), self.sizes[t]), self._e)
+
+    def write(self, t, k, src):
+        _lib.check(_lib.strata_engine_load_state(self._e, t, k, src.data_ptr(), self.sizes[t]), self._e)
+
+    def close(self):
+        self._finalizer()
 
 
 class CPUAdamW(torch.optim.Optimizer):
@@ -30,11 +148,20 @@ class CPUAdamW(torch.optim.Optimizer):
     use). bias_correction=False is refused (not implemented). Anything else
     torch accepts but this does not (foreach, fused, capturable,
     differentiable) is refused by name rather than ignored.
+
+    Optimizer states on NVMe: nvme_path="/local_nvme" (a directory on the SSD;
+    created if missing), or offload_optimizer= DeepSpeed's
+    zero_optimization.offload_optimizer section as it is ({"device": "nvme",
+    "nvme_path": ...}; "cpu" keeps the states in RAM; its buffer and pipeline
+    keys tune DeepSpeed's swapper and are accepted without effect); aio=
+    DeepSpeed's "aio" section (block_size, queue_depth, ...). The states go
+    to a temporary directory under nvme_path, deleted by close() or when the
+    optimizer is garbage-collected.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, adamw_mode=True, bias_correction=True, fp32_optimizer_states=True, threads=0,
-                 **unsupported):
+                 nvme_path=None, offload_optimizer=None, aio=None, **unsupported):
         if unsupported:
             raise TypeError(f"CPUAdamW: {sorted(unsupported)} not supported (Strata's CPU optimizer has one "
                             "implementation; foreach/fused/capturable/differentiable do not apply)")
@@ -43,6 +170,15 @@ class CPUAdamW(torch.optim.Optimizer):
                              "moments' bias, as torch.optim.AdamW)")
         if not 0.0 <= float(lr):
             raise ValueError(f"CPUAdamW: invalid learning rate {lr}")
+        self._nvme_path = self._resolve_nvme_path(nvme_path, offload_optimizer)
+        if aio is not None and self._nvme_path is None and offload_optimizer is None:
+            # With DeepSpeed's sections passed as they are, "device": "cpu" and an
+            # "aio" section is a valid config (DeepSpeed then ignores aio too).
+            raise ValueError("CPUAdamW: aio= configures the NVMe I/O; give nvme_path= (or offload_optimizer with "
+                             "device \"nvme\") too")
+        self._aio = dict(aio) if aio is not None else None
+        self._store = None      # the NVMe store (NVMe mode), built after the param groups
+        self._closed = False
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         maximize=maximize)
         super().__init__(params, defaults)
@@ -51,12 +187,77 @@ class CPUAdamW(torch.optim.Optimizer):
         h = ctypes.c_void_p()
         _lib.check(_lib.strata_cpu_optimizer_create(_lib.ISA_AUTO, int(threads), ctypes.byref(h)))
         self._handle = h
+        if self._nvme_path is not None:
+            self._has_max = set()  # params whose state has max_exp_avg_sq (torch: amsgrad when it began)
+            self._scratch = None
+            self._build_store({})
 
-    def __del__(self):
+    @staticmethod
+    def _resolve_nvme_path(nvme_path, offload_optimizer):
+        if offload_optimizer is None:
+            return os.fspath(nvme_path) if nvme_path is not None else None
+        if not isinstance(offload_optimizer, dict):
+            raise TypeError("CPUAdamW: offload_optimizer must be a dict (DeepSpeed's "
+                            "zero_optimization.offload_optimizer section)")
+        unknown = set(offload_optimizer) - {"device", "nvme_path"} - _DS_OFFLOAD_TUNING
+        if unknown:
+            raise ValueError(f"CPUAdamW: offload_optimizer: unknown key(s) {sorted(unknown)} (DeepSpeed's "
+                             f"offload_optimizer keys: device, nvme_path, {', '.join(sorted(_DS_OFFLOAD_TUNING))})")
+        device = offload_optimizer.get("device", "cpu")
+        ds_path = offload_optimizer.get("nvme_path")
+        if device in ("cpu", None):
+            if nvme_path is not None:
+                raise ValueError(f"CPUAdamW: nvme_path={nvme_path!r} with offload_optimizer device \"cpu\" "
+                                 "(states in RAM): give one")
+            return None
+        if device != "nvme":
+            raise ValueError(f"CPUAdamW: offload_optimizer device {device!r}: this optimizer keeps its states "
+                             "in RAM (\"cpu\") or on NVMe (\"nvme\")")
+        if nvme_path is not None and ds_path is not None and os.fspath(nvme_path) != os.fspath(ds_path):
+            raise ValueError(f"CPUAdamW: nvme_path={nvme_path!r} and offload_optimizer nvme_path={ds_path!r} "
+                             "differ: give one")
+        path = nvme_path if nvme_path is not None else ds_path
+        if path is None:
+            raise ValueError("CPUAdamW: offload_optimizer device \"nvme\" needs an nvme_path")
+        return os.fspath(path)
+
+    # ---------------------------------------------------------------- lifetime
+
+    @property
+    def nvme_dir(self):
+        """The directory holding this optimizer's NVMe states (None in RAM mode or once closed)."""
+        return None if self._store is None or self._store.closed else self._store.dir
+
+    def close(self):
+        """Frees the CPU optimizer and, in NVMe mode, the engine and its files
+        (the optimizer states are gone: take state_dict() first to keep them).
+        Idempotent; the optimizer cannot step afterwards."""
+        self._closed = True
+        store = getattr(self, "_store", None)
+        if store is not None:
+            store.close()
+        self._scratch = None
         h = getattr(self, "_handle", None)
         if h is not None and h.value:
             _lib.strata_cpu_optimizer_destroy(h)
             self._handle = None
+
+    def __del__(self):
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("CPUAdamW: the optimizer was closed" +
+                               (" (its NVMe optimizer states were deleted)" if self._nvme_path else ""))
+
+    # ---------------------------------------------------------------- the update
 
     def _config(self, group):
         c = _lib.OptimizerConfig()
@@ -71,26 +272,53 @@ class CPUAdamW(torch.optim.Optimizer):
         c.grad_scale = 1.0
         return c
 
+    def _kernel(self, cfg, step, p, g, m, v, mx, where):
+        """One strata_cpu_optimizer_step over p (fp32, in place) with states m, v (and mx)."""
+        b = _lib.OptimizerBuffers()
+        b.struct_size = ctypes.sizeof(b)
+        b.params = p.data_ptr()
+        b.grads = g.data_ptr()
+        b.grad_dtype = _DTYPES[g.dtype]
+        b.state[0] = m.data_ptr()
+        b.state[1] = v.data_ptr()
+        b.state[2] = mx.data_ptr() if mx is not None else None
+        b.state_dtype = _DTYPES[m.dtype]
+        b.params_out = None
+        b.out_dtype = _lib.DTYPE_BF16
+        st = _lib.strata_cpu_optimizer_step(self._handle, ctypes.byref(cfg), step, ctypes.byref(b), p.numel())
+        if st != 0:
+            msg = _lib.strata_cpu_optimizer_last_error(self._handle) or b""
+            raise StrataError(st, f"{where}: {msg.decode('utf-8', 'replace')}")
+
+    @staticmethod
+    def _checked(p, where):
+        """p's gradient, contiguous, after the checks both modes make."""
+        if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
+            raise ValueError(f"{where}: must be a contiguous fp32 CPU tensor (the fp32 master), is "
+                             f"{p.dtype} on {p.device}")
+        g = p.grad
+        if g.is_sparse or g.device.type != "cpu" or g.dtype not in _DTYPES:
+            raise ValueError(f"{where}: its gradient must be a dense fp32/bf16/fp16 CPU tensor, is "
+                             f"{g.dtype} on {g.device}{' (sparse)' if g.is_sparse else ''}")
+        return g.contiguous()
+
     @torch.no_grad()
     def step(self, closure=None):
+        self._check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._nvme_path is not None:
+            self._step_nvme()
+            return loss
         for gi, group in enumerate(self.param_groups):
             cfg = self._config(group)
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
                 where = f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
-                if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
-                    raise ValueError(f"{where}: must be a contiguous fp32 CPU tensor (the fp32 master), is "
-                                     f"{p.dtype} on {p.device}")
-                g = p.grad
-                if g.is_sparse or g.device.type != "cpu" or g.dtype not in _DTYPES:
-                    raise ValueError(f"{where}: its gradient must be a dense fp32/bf16/fp16 CPU tensor, is "
-                                     f"{g.dtype} on {g.device}{' (sparse)' if g.is_sparse else ''}")
-                g = g.contiguous()
+                g = self._checked(p, where)
                 state = self.state[p]
                 if len(state) == 0:
                     state["step"] = torch.tensor(0.0, dtype=torch.float32)
@@ -107,21 +335,315 @@ class CPUAdamW(torch.optim.Optimizer):
                                          f"shape (a loaded state_dict from elsewhere?)")
                 if m.dtype != v.dtype or (mx is not None and mx.dtype != m.dtype):
                     raise ValueError(f"{where}: exp_avg and exp_avg_sq must share a dtype")
-                step = int(state["step"].item()) + 1
-                b = _lib.OptimizerBuffers()
-                b.struct_size = ctypes.sizeof(b)
-                b.params = p.data_ptr()
-                b.grads = g.data_ptr()
-                b.grad_dtype = _DTYPES[g.dtype]
-                b.state[0] = m.data_ptr()
-                b.state[1] = v.data_ptr()
-                b.state[2] = mx.data_ptr() if mx is not None else None
-                b.state_dtype = _DTYPES[m.dtype]
-                b.params_out = None
-                b.out_dtype = _lib.DTYPE_BF16
-                st = _lib.strata_cpu_optimizer_step(self._handle, ctypes.byref(cfg), step, ctypes.byref(b), p.numel())
-                if st != 0:
-                    msg = _lib.strata_cpu_optimizer_last_error(self._handle) or b""
-                    raise StrataError(st, f"{where}: {msg.decode('utf-8', 'replace')}")
-                state["step"].fill_(float(step))
+                step = _step_of(state) + 1
+                self._kernel(cfg, step, p, g, m, v, mx, where)
+                _set_step(state, step)
         return loss
+
+    # ---------------------------------------------------------------- NVMe mode
+
+    def _where(self, p):
+        for gi, group in enumerate(self.param_groups):
+            for i, q in enumerate(group["params"]):
+                if q is p:
+                    return f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
+        return f"CPUAdamW: a parameter of shape {tuple(p.shape)}"
+
+    def _layout_key(self):
+        """What the store's layout depends on: the parameters in order, their
+        sizes, and which keep a max_exp_avg_sq."""
+        return tuple((id(p), p.numel(), bool(group["amsgrad"]) or p in self._has_max)
+                     for group in self.param_groups for p in group["params"])
+
+    def _build_store(self, carried):
+        """A new store laid out for the current param groups, holding `carried`
+        ({param: {"exp_avg": t, "exp_avg_sq": t[, "max_exp_avg_sq": t]}}); the
+        old store (if any) is closed first."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dtype != torch.float32 or p.device.type != "cpu":
+                    raise ValueError(f"{self._where(p)}: is {p.dtype} on {p.device}; CPUAdamW updates fp32 CPU "
+                                     "parameters (the fp32 masters): keep fp32 masters and cast copies for compute")
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        # Engine tensors of at most _BUCKET_ELEMS elements (what the engine and
+        # the scratch hold in RAM depends on the largest): a large parameter in
+        # pieces of its own, smaller ones packed in order; then a mirror tensor
+        # (state 0 = max_exp_avg_sq) of every tensor holding an amsgrad one.
+        # slots[p]: [(tensor, offset in it, offset in p, elements)].
+        sizes, slots, shadow_needed = [], {}, set()
+        bucket = None
+        for group in self.param_groups:
+            for p in group["params"]:
+                n = p.numel()
+                if n == 0:
+                    continue
+                pieces = []
+                if n >= _BUCKET_ELEMS:
+                    for start in range(0, n, _BUCKET_ELEMS):
+                        pieces.append((len(sizes), 0, start, min(_BUCKET_ELEMS, n - start)))
+                        sizes.append(pieces[-1][3])
+                else:
+                    if bucket is None or sizes[bucket] + n > _BUCKET_ELEMS:
+                        bucket = len(sizes)
+                        sizes.append(0)
+                    pieces.append((bucket, sizes[bucket], 0, n))
+                    sizes[bucket] += n
+                slots[p] = pieces
+                if group["amsgrad"] or p in self._has_max:
+                    shadow_needed.update(t for t, _, _, _ in pieces)
+        names = [f"states{t}" for t in range(len(sizes))]
+        shadow = {}
+        for t in sorted(shadow_needed):
+            shadow[t] = len(sizes)
+            sizes.append(sizes[t])
+            names.append(f"states{t}.max_exp_avg_sq")
+        self._slots, self._shadow = slots, shadow
+        self._scratch = None
+        self._layout = self._layout_key()
+        if not sizes:
+            self._store = None
+            return
+        self._store = _NvmeStore(sizes, names, self._nvme_path, self._state_dtype, self._aio)
+        self._write_states(carried)
+
+    def _buffers(self, n, count):
+        """fp32 views (and bf16 ones with bf16 states) of `count` scratch arrays of n elements."""
+        if self._scratch is None:
+            rows, need = 3 if self._shadow else 2, max(self._store.sizes)
+            f32 = torch.empty((rows, need), dtype=torch.float32)
+            low = torch.empty((rows, need), dtype=torch.bfloat16) if self._state_dtype != torch.float32 else None
+            self._scratch = (f32, low)
+        f32, low = self._scratch
+        return [f32[r, :n] for r in range(count)], ([low[r, :n] for r in range(count)] if low is not None else None)
+
+    def _pieces_by_tensor(self, params):
+        """{tensor: [(param, offset in tensor, offset in param, elements)]}, in tensor order."""
+        out = collections.defaultdict(list)
+        for p in params:
+            for t, off, start, n in self._slots.get(p, ()):
+                out[t].append((p, off, start, n))
+        return dict(sorted(out.items()))
+
+    def _read_states(self, params):
+        """{param: {key: new tensor in the state dtype}} read from the store."""
+        out = {}
+        for p in params:
+            keys = _STATE_KEYS + (("max_exp_avg_sq",) if p in self._has_max else ())
+            out[p] = {k: torch.zeros(p.shape, dtype=self._state_dtype) for k in keys}
+        for t, pieces in self._pieces_by_tensor(params).items():
+            count = 3 if any(p in self._has_max for p, _, _, _ in pieces) else 2
+            f32, _ = self._buffers(self._store.sizes[t], count)
+            self._store.read(t, 0, f32[0])
+            self._store.read(t, 1, f32[1])
+            if count == 3:
+                self._store.read(self._shadow[t], 0, f32[2])
+            for p, off, start, n in pieces:
+                for r, k in enumerate(_STATE_KEYS + ("max_exp_avg_sq",)):
+                    if k in out[p]:
+                        out[p][k].view(-1)[start:start + n].copy_(f32[r][off:off + n])
+        return out
+
+    def _write_states(self, carried):
+        """Writes {param: {key: tensor}} into the (new) store; other slices stay zero."""
+        for t, pieces in self._pieces_by_tensor(carried).items():
+            count = 3 if t in self._shadow and any("max_exp_avg_sq" in carried[p] for p, _, _, _ in pieces) else 2
+            f32, _ = self._buffers(self._store.sizes[t], count)
+            for a in f32:
+                a.zero_()
+            for p, off, start, n in pieces:
+                for r, k in enumerate(_STATE_KEYS + ("max_exp_avg_sq",)[:count]):
+                    if k in carried[p]:
+                        f32[r][off:off + n].copy_(carried[p][k].reshape(-1)[start:start + n])
+            self._store.write(t, 0, f32[0])
+            self._store.write(t, 1, f32[1])
+            if count == 3:
+                self._store.write(self._shadow[t], 0, f32[2])
+
+    def _step_nvme(self):
+        # The layout follows the param groups: a parameter added
+        # (add_param_group, or appended to a group's list) or a group's amsgrad
+        # turned on for parameters without state rebuilds the store, carrying
+        # every state over.
+        for gi, group in enumerate(self.param_groups):
+            if not group["amsgrad"]:
+                continue
+            for i, p in enumerate(group["params"]):
+                if p.grad is not None and len(self.state[p]) > 0 and p not in self._has_max:
+                    raise ValueError(f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}): "
+                                     "amsgrad is on but its state has no max_exp_avg_sq (amsgrad was off when "
+                                     "its state began; torch.optim.AdamW fails here too)")
+        if self._layout_key() != self._layout:
+            known = []
+            for p, pieces in self._slots.items():
+                if len(self.state.get(p, {})) == 0:
+                    continue
+                n = sum(piece[3] for piece in pieces)
+                if p.numel() != n:
+                    raise ValueError(f"{self._where(p)}: has {p.numel()} elements, its optimizer state {n} (the "
+                                     "parameter was resized after its first step)")
+                known.append(p)
+            self._build_store(self._read_states(known))
+        # Everything is checked before anything changes: the parameters and
+        # gradients, and each group's hyper-parameters (the kernel on one dummy
+        # element), so a step stops part-way only on an I/O error.
+        todo = []  # (p, flat p, flat g, state, cfg, amsgrad, where, step)
+        for gi, group in enumerate(self.param_groups):
+            cfg = None
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                where = f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
+                g = self._checked(p, where)
+                if cfg is None:
+                    cfg = self._config(group)
+                    one = torch.zeros(1)
+                    self._kernel(cfg, 1, one, torch.zeros(1), torch.zeros(1), torch.zeros(1),
+                                 torch.zeros(1) if group["amsgrad"] else None,
+                                 f"CPUAdamW: param_groups[{gi}] (its hyper-parameters)")
+                state = self.state[p]
+                if "exp_avg" in state:
+                    raise ValueError(f"{where}: its state holds exp_avg tensors in NVMe mode (set by hand?); "
+                                     "load states with load_state_dict")
+                fresh = len(state) == 0
+                todo.append((p, p.detach().view(-1), g.view(-1), state, cfg, bool(group["amsgrad"]), where,
+                             1 if fresh else _step_of(state) + 1, fresh))
+        left = collections.Counter()  # pieces of each param not yet updated and written
+        by_tensor = collections.defaultdict(list)
+        for job in todo:
+            for t, off, start, n in self._slots.get(job[0], ()):
+                by_tensor[t].append((job, off, start, n))
+                left[id(job[0])] += 1
+        def finish(job):  # its moments are written: its step moves
+            p, _, _, state, _, amsgrad, _, step, fresh = job
+            _set_step(state, step)
+            if fresh and amsgrad:
+                self._has_max.add(p)
+
+        try:
+            for t in sorted(by_tensor):
+                self._update_tensor(t, by_tensor[t], left)
+        except BaseException as e:
+            for job in todo:
+                if left[id(job[0])] == 0:
+                    finish(job)
+            part = [job[6] for job in todo if 0 < left[id(job[0])] < len(self._slots[job[0]])]
+            if part and isinstance(e, StrataError):
+                msg, tag = str(e), f" [{e.status}]"
+                raise StrataError(e.status, f"{msg[:-len(tag)] if msg.endswith(tag) else msg}; this step stopped "
+                                            f"part-way: {', '.join(part)} updated in part (their state and step "
+                                            "are not)") from e
+            raise
+        for job in todo:
+            finish(job)
+
+    def _update_tensor(self, t, pieces, left):
+        """Reads engine tensor t's moments, updates the pieces of parameters
+        with a gradient it holds, writes the moments back."""
+        count = 3 if any(job[5] for job, _, _, _ in pieces) else 2
+        f32, low = self._buffers(self._store.sizes[t], count)
+        self._store.read(t, 0, f32[0])
+        self._store.read(t, 1, f32[1])
+        if count == 3:
+            self._store.read(self._shadow[t], 0, f32[2])
+        for job, off, _, n in pieces:
+            if job[8]:  # the parameter's first step: zero moments whatever the store holds
+                for r in range(count):
+                    f32[r][off:off + n].zero_()
+        arrays = f32
+        if low is not None:
+            for r in range(count):
+                low[r].copy_(f32[r])
+            arrays = low
+        done = []
+        try:
+            for job, off, start, n in pieces:
+                _, p, g, _, cfg, amsgrad, where, step, _ = job
+                self._kernel(cfg, step, p[start:start + n], g[start:start + n], arrays[0][off:off + n],
+                             arrays[1][off:off + n], arrays[2][off:off + n] if amsgrad else None, where)
+                done.append(job)
+        finally:
+            # The updates made (all, unless something failed) go to NVMe
+            # before anything is raised.
+            if done:
+                if low is not None:
+                    for r in range(count):
+                        f32[r].copy_(low[r])
+                try:
+                    self._store.write(t, 0, f32[0])
+                    self._store.write(t, 1, f32[1])
+                    if count == 3:
+                        self._store.write(self._shadow[t], 0, f32[2])
+                except StrataError as e:
+                    names = ", ".join(sorted({job[6] for job in done}))
+                    msg, tag = str(e), f" [{e.status}]"
+                    raise StrataError(e.status, f"{names}: updated, but their optimizer state could not be "
+                                                f"written to NVMe (it is now older than the weights): "
+                                                f"{msg[:-len(tag)] if msg.endswith(tag) else msg}") from e
+                for job in done:
+                    left[id(job[0])] -= 1
+
+    # ---------------------------------------------------------------- state dicts
+
+    def state_dict(self):
+        """torch.optim.AdamW's layout in both modes (NVMe mode: the moments are
+        read from NVMe into new CPU tensors of the state dtype)."""
+        sd = super().state_dict()
+        if self._nvme_path is None:
+            return sd
+        self._check_open()
+        index = {}
+        for packed, group in zip(sd["param_groups"], self.param_groups):
+            for idx, p in zip(packed["params"], group["params"]):
+                index[idx] = p
+        with_state = [index[idx] for idx in sd["state"]]
+        states = self._read_states(with_state)
+        out = {}
+        for idx, st in sd["state"].items():
+            # A snapshot: the moments are copies, so the step is too (torch's
+            # state_dict shares tensors that later steps change in place).
+            st = {k: v.clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            st.update(states[index[idx]])
+            out[idx] = st
+        sd["state"] = out
+        return sd
+
+    def load_state_dict(self, state_dict):
+        """torch.optim.AdamW's layout (from torch, this class in either mode):
+        param groups and per-parameter state, moved to RAM or NVMe."""
+        self._check_open()
+        if self._nvme_path is not None:
+            # Checked before anything changes: torch's load replaces the groups and state.
+            for packed, group in zip(state_dict.get("param_groups", ()), self.param_groups):
+                for idx, p in zip(packed["params"], group["params"]):
+                    st = state_dict.get("state", {}).get(idx)
+                    if not st:
+                        continue
+                    where = self._where(p)
+                    if "step" not in st or any(k not in st for k in _STATE_KEYS):
+                        raise ValueError(f"{where}: the loaded state has keys {sorted(st)}, not step, exp_avg and "
+                                         "exp_avg_sq (not an Adam/AdamW state dict?)")
+                    for k in _STATE_KEYS + ("max_exp_avg_sq",):
+                        val = st.get(k)
+                        if val is not None and (not torch.is_tensor(val) or val.numel() != p.numel()):
+                            raise ValueError(f"{where}: the loaded state {k!r} has "
+                                             f"{val.numel() if torch.is_tensor(val) else type(val).__name__} "
+                                             f"elements, the parameter {p.numel()}")
+        super().load_state_dict(state_dict)
+        if self._nvme_path is None:
+            # torch casts states to the parameter's dtype: keep the configured one.
+            for state in self.state.values():
+                for k in _STATE_KEYS + ("max_exp_avg_sq",):
+                    if k in state and torch.is_tensor(state[k]) and state[k].dtype != self._state_dtype:
+                        state[k] = state[k].to(self._state_dtype).contiguous()
+            return
+        carried = {}
+        for p, state in self.state.items():
+            moved = {k: state.pop(k) for k in _STATE_KEYS + ("max_exp_avg_sq",) if k in state}
+            if moved:
+                carried[p] = moved
+            if "step" in state:  # not the caller's tensor, which later steps would change
+                state["step"] = torch.tensor(float(_step_of(state)), dtype=torch.float32)
+        self._has_max = {p for p, moved in carried.items() if "max_exp_avg_sq" in moved}
+        self._build_store(carried)
