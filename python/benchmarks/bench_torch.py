@@ -6,12 +6,17 @@
           parameters and optimizer state on NVMe (--dir), against the same
           model trained in RAM by plain PyTorch (torch.optim.AdamW, fused);
           ratio strata / torch (target >= 0.8).
+          --device cuda: both models on the GPU (cuda:0): strata.torch's GPU
+          path (NVMe offload, the engine's CUDA backend) against plain
+          PyTorch with everything on the GPU (AdamW fused), each step timed
+          to a torch.cuda.synchronize(). Unverified: never ran on a GPU yet.
   adam    one optimizer step over --adam-params fp32 parameters:
           strata.torch.CPUAdamW against torch.optim.AdamW(fused=True),
           torch.optim.AdamW(foreach=True) and DeepSpeedCPUAdam when deepspeed
-          is importable and its CPU op builds here.
+          is importable and its CPU op builds here (not with --device cuda).
 
     python bench_torch.py --dir /var/tmp/sb [--json]
+    python bench_torch.py --dir /var/tmp/sb --device cuda --json
 """
 import argparse
 import json
@@ -40,16 +45,19 @@ def make_model(a):
 
 
 def bench_train(a, work):
+    cuda = a.device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g) for _ in range(a.reps + 2)]
-    ref = make_model(a)
+    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(dev) for _ in range(a.reps + 2)]
+    ref = make_model(a).to(dev)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme)
     cfg = {"gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
-    engine, _, _, _ = st.initialize(model=make_model(a), config=cfg)
+    engine, _, _, _ = st.initialize(model=make_model(a).to(dev), config=cfg)
 
     def torch_step(x):
         opt.zero_grad()
@@ -66,19 +74,27 @@ def bench_train(a, work):
     strata_step(data[0])
     t_torch, t_strata = [], []
     for x in data[2:]:
+        sync()
         t0 = time.perf_counter()
         torch_step(x)
+        sync()
         t_torch.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         strata_step(x)
+        sync()
         t_strata.append(time.perf_counter() - t0)
     s = engine.stats()
+    device_memory = engine.device_memory
     engine.destroy()
     tok = a.batch * a.seq
     mt, ms = statistics.median(t_torch), statistics.median(t_strata)
-    return {"params": sum(p.numel() for p in ref.parameters()), "tokens_per_step": tok,
-            "torch_ram_tokens_per_s": tok / mt, "strata_nvme_tokens_per_s": tok / ms, "ratio": mt / ms,
-            "nvme_bytes": s["tier_bytes"]["nvme"], "reps": len(t_torch)}
+    out = {"params": sum(p.numel() for p in ref.parameters()), "tokens_per_step": tok,
+           f"torch_{'gpu' if cuda else 'ram'}_tokens_per_s": tok / mt, "strata_nvme_tokens_per_s": tok / ms,
+           "ratio": mt / ms, "nvme_bytes": s["tier_bytes"]["nvme"], "reps": len(t_torch)}
+    if cuda:
+        out.update({"gpu": torch.cuda.get_device_name(dev), "strata_device_memory": device_memory,
+                    "strata_device_tier_bytes": s["tier_bytes"]["device"]})
+    return out
 
 
 def bench_adam(a):
@@ -129,12 +145,18 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--adam-params", type=int, default=64 << 20)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: both models on cuda:0 (strata.torch's GPU path against plain PyTorch on the GPU)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
     work = tempfile.mkdtemp(prefix="strata-bench-torch-", dir=a.dir)
     try:
-        res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "train": bench_train(a, work),
-               "adam": bench_adam(a)}
+        res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": a.device,
+               "train": bench_train(a, work)}
+        if a.device == "cpu":
+            res["adam"] = bench_adam(a)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     if a.json:
@@ -142,8 +164,13 @@ def main():
         return
     t = res["train"]
     print(f"train: Llama {t['params'] / 1e6:.1f}M params, {t['tokens_per_step']} tokens/step, medians of {t['reps']}")
-    print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
+    if a.device == "cuda":
+        print(f"  plain PyTorch on the GPU   {t['torch_gpu_tokens_per_s']:8.1f} tokens/s   ({t['gpu']})")
+    else:
+        print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
     print(f"  strata.torch, NVMe         {t['strata_nvme_tokens_per_s']:8.1f} tokens/s   ratio {t['ratio']:.3f}")
+    if "adam" not in res:
+        return
     ad = res["adam"]
     print(f"adam: one step over {ad['params'] / 1e6:.0f}M fp32 params, seconds (median of {a.reps})")
     for k, v in ad.items():
