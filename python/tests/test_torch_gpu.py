@@ -23,7 +23,7 @@ checks the package's control flow, not CUDA.
 """
 import contextlib
 import copy
-import ctypes
+import importlib.util
 import json
 import os
 import shutil
@@ -37,7 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import strata.torch as st
 import strata.torch.engine as st_engine
 from strata import StrataError, _lib
-from test_torch_engine import LOSS_TOL, VOCAB, WEIGHT_TOL, batches, ds_config, llama, lm_loss, strata_run, torch_run
+from test_torch_engine import LOSS_TOL, VOCAB, WEIGHT_TOL, batches, ds_config, llama, strata_run, torch_run
 
 REQUIRE_GPU = os.environ.get("STRATA_REQUIRE_GPU") == "1"
 DEV = torch.device("cuda", 0)
@@ -199,8 +199,8 @@ class GpuTest(unittest.TestCase):
             l_torch = torch_run(ref, data)
             m = llama_eager(layers=3).to(DEV)
             m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
-            engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(f"ckpt{int(reentrant)}"),
-                                                                       extra={"strata": {"debug_poison_released": True}}))
+            cfg = ds_config(self.nvme(f"ckpt{int(reentrant)}"), extra={"strata": {"debug_poison_released": True}})
+            engine, _, _, _ = st.initialize(model=m, config=cfg)
             l_strata = strata_run(engine, data)
             self.compare(f"cuda: llama, activation checkpointing (use_reentrant={reentrant})", ref, init,
                          engine.state_dict(), l_strata, l_torch)
@@ -295,20 +295,30 @@ class GpuTest(unittest.TestCase):
         strata_run(engine, on_gpu(batches(2)))
         engine.destroy()
         with self.assertRaisesRegex(ValueError, "both strata.device_memory and strata.device_memory_fraction"):
-            st.initialize(model=llama_eager().to(DEV),
-                          config=ds_config(None, extra={"strata": {"device_memory": GiB, "device_memory_fraction": 0.5}}))
+            both = {"device_memory": GiB, "device_memory_fraction": 0.5}
+            st.initialize(model=llama_eager().to(DEV), config=ds_config(None, extra={"strata": both}))
         m = llama_eager().to(DEV)
         m.lm_head.cpu()
         with self.assertRaisesRegex(ValueError, "lm_head.weight is on cpu"):
             st.initialize(model=m, config=ds_config(None))
 
+    def _need_accelerate(self):
+        # transformers.Trainer needs accelerate: a missing reference skips
+        # (fails under STRATA_REQUIRE_REFERENCE=1), as in test_hf_trainer.
+        if importlib.util.find_spec("accelerate") is None:
+            if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+                self.fail("accelerate (transformers.Trainer's) is not installed and STRATA_REQUIRE_REFERENCE=1")
+            self.skipTest("accelerate (transformers.Trainer's) is not installed")
+
     def _trainer(self, **kw):
+        self._need_accelerate()
         from test_hf_trainer import RecordingStrataTrainer, Tokens, strata_cfg, targs
         return RecordingStrataTrainer(model=llama_eager(), args=targs(os.path.join(self.dir, "strata"), use_cpu=False,
                                                                       **kw),
                                       train_dataset=Tokens(12), strata_config=strata_cfg(self.nvme()))
 
     def test_trainer_on_the_gpu(self):
+        self._need_accelerate()
         from test_hf_trainer import PlainTrainer, Tokens, logged, targs
         ref = llama_eager()
         init = cpu_state(ref)
@@ -363,7 +373,8 @@ class SimulatedCudaTest(unittest.TestCase):
         """Patches for the rest of the test; returns the record they keep."""
         rec = {"wrapped": [], "acquire_streams": [], "release_streams": [], "configs": [], "outside": [],
                "syncs": 0, "depth": 0, "current": 0}
-        real = {name: getattr(_lib, name) for name in self.CALLS + ("strata_stream_create", "strata_stream_synchronize")}
+        real = {name: getattr(_lib, name)
+                for name in self.CALLS + ("strata_stream_create", "strata_stream_synchronize")}
 
         def checked(name):
             def call(*args):
