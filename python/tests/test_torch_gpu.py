@@ -156,6 +156,24 @@ class GpuTest(unittest.TestCase):
                      l_strata, l_torch)
         engine.destroy()
 
+    def test_compute_copies_on_the_device(self):
+        # No offload_param: the planner keeps the compute copies in the
+        # engine's device memory (no uploads), and the step rewrites them
+        # there while the caller's stream may still be reading them (the
+        # release orders it).
+        data = on_gpu(batches(6))
+        ref = llama_eager().to(DEV)
+        init = cpu_state(ref)
+        l_torch = torch_run(ref, data)
+        cfg = ds_config(None)
+        del cfg["zero_optimization"]["offload_param"]
+        engine, _, _, _ = st.initialize(model=llama_eager().to(DEV), config=cfg)
+        l_strata = strata_run(engine, data)
+        self.assertGreater(engine.stats()["tier_bytes"]["device"], 0)
+        self.compare("cuda: llama, compute copies in device memory", ref, init, engine.state_dict(), l_strata,
+                     l_torch)
+        engine.destroy()
+
     def test_bf16_and_fp16_compute(self):
         data = on_gpu(batches(6))
         e32, _, _, _ = st.initialize(model=llama_eager().to(DEV), config=ds_config(None))
