@@ -4,11 +4,20 @@
 # `tools/gpu_check.sh --fetch-deps` on a dev machine) carried along.
 #   1. unpack the .debs into /tmp/deps, configure with CUDA ON for sm_90, build;
 #   2. run the gpu-labelled tests (device backend, CUDA model ops against the
-#      CPU ops: test_train_cuda_ops), then `strata demo`, then the CPU tests;
+#      CPU ops: test_train_cuda_ops), then strata.torch on the GPU
+#      (python/tests/test_torch_gpu.py against this build's library with
+#      STRATA_REQUIRE_GPU=1, and bench_torch.py --device cuda), then
+#      `strata demo`, then the CPU tests (not the `package` ones: pip needs a
+#      registry to build the CPU package, and the GPU machine has none);
 #   3. run the GPU benchmarks with --json;
-#   4. leave logs and JSON under $OUT (at most 8 files come back; 7 today:
-#      build.log version.txt ctest-gpu.log demo.log ctest-cpu.log bench.json
-#      bench.err).
+#   4. while the check is under GPU_CHECK_DEADLINE_S seconds (default 450)
+#      less 3 minutes, ctest python_package_gpu: the PyTorch package as users
+#      get it (pip install with the CUDA modules: a second build of the
+#      library, minutes), then test_torch_gpu.py again, with a timeout that
+#      ends it by the deadline;
+#   5. leave logs and JSON under $OUT (at most 8 files come back; 8 today:
+#      build.log version.txt ctest-gpu.log torch-gpu.log demo.log
+#      ctest-cpu.log bench.json bench.err).
 # The full build includes both CUDA modules (libstrata_cuda.so and
 # libstrata_cuda_train.so, next to build-gpu/tools/strata) for sm_90.
 set -uo pipefail
@@ -40,8 +49,24 @@ tail -5 "$OUT/build.log"
 build-gpu/tools/strata --version > "$OUT/version.txt" 2>&1
 cat "$OUT/version.txt"
 ls -l build-gpu/tools/libstrata_cuda*.so >> "$OUT/version.txt" 2>&1
-(cd build-gpu && ctest -L gpu --output-on-failure) > "$OUT/ctest-gpu.log" 2>&1
+(cd build-gpu && ctest -L gpu -LE package --output-on-failure) > "$OUT/ctest-gpu.log" 2>&1
 tail -15 "$OUT/ctest-gpu.log"
+# strata.torch on the GPU against this build's library (no install: seconds).
+# STRATA_REQUIRE_GPU=1: a test that would skip fails.
+{
+  echo "== test_torch_gpu.py against build-gpu/src/libstrata.so ($(python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)' 2>&1))"
+  STRATA_REQUIRE_GPU=1 STRATA_LIBRARY="$ROOT/build-gpu/src/libstrata.so" \
+    STRATA_CUDA_MODULE="$ROOT/build-gpu/tools/libstrata_cuda.so" PYTHONPATH="$ROOT/python" \
+    TRANSFORMERS_VERBOSITY=error HF_HUB_DISABLE_PROGRESS_BARS=1 TQDM_DISABLE=1 PYTHONWARNINGS=ignore \
+    timeout 240 python3 -m unittest discover -s python/tests -t python/tests -p test_torch_gpu.py -v
+  echo "test_torch_gpu rc=$?"
+  echo "== bench_torch.py --device cuda --json"
+  STRATA_LIBRARY="$ROOT/build-gpu/src/libstrata.so" STRATA_CUDA_MODULE="$ROOT/build-gpu/tools/libstrata_cuda.so" \
+    PYTHONPATH="$ROOT/python" PYTHONWARNINGS=ignore \
+    timeout 120 python3 python/benchmarks/bench_torch.py --dir /tmp --device cuda --json
+  echo "bench_torch rc=$?"
+} > "$OUT/torch-gpu.log" 2>&1
+grep -E "^(Ran|OK|FAILED|FAIL:|ERROR:)|rc=|tokens_per_s|\"ratio\"" "$OUT/torch-gpu.log"
 # The fine-tune demo, end to end (JSON when the command offers it).
 {
   if build-gpu/tools/strata demo --help > /tmp/demo-help.txt 2>&1; then
@@ -56,9 +81,24 @@ tail -15 "$OUT/ctest-gpu.log"
   fi
 } > "$OUT/demo.log" 2>&1
 tail -8 "$OUT/demo.log"
-(cd build-gpu && ctest -LE gpu -j 8 --output-on-failure) > "$OUT/ctest-cpu.log" 2>&1
+(cd build-gpu && ctest -LE 'gpu|package' -j 8 --output-on-failure) > "$OUT/ctest-cpu.log" 2>&1
 tail -5 "$OUT/ctest-cpu.log"
 {
   build-gpu/tools/strata bench copy --mib 1024 --iters 10 --json
 } > "$OUT/bench.json" 2> "$OUT/bench.err"
 cat "$OUT/bench.json" "$OUT/bench.err"
+# The PyTorch package as users get it, if the check has time left for a
+# second build of the library (pip, STRATA_CUDA=ON for sm_90): ctest
+# python_package_gpu (run_package_tests.sh gpu), appended to torch-gpu.log.
+DEADLINE=${GPU_CHECK_DEADLINE_S:-450}
+LEFT=$((DEADLINE - SECONDS))
+{
+  if (( LEFT >= 180 )); then
+    echo "== ctest python_package_gpu (${SECONDS}s into the check, ${LEFT}s left)"
+    (cd build-gpu && STRATA_REQUIRE_GPU=1 timeout "$LEFT" ctest -R '^python_package_gpu$' --output-on-failure)
+    echo "python_package_gpu rc=$?"
+  else
+    echo "== ctest python_package_gpu not run: ${SECONDS}s into the check, ${LEFT}s before the ${DEADLINE}s deadline (needs 180)"
+  fi
+} >> "$OUT/torch-gpu.log" 2>&1
+tail -4 "$OUT/torch-gpu.log"

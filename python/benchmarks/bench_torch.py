@@ -6,16 +6,22 @@
           parameters and optimizer state on NVMe (--dir), against the same
           model trained in RAM by plain PyTorch (torch.optim.AdamW, fused);
           ratio strata / torch (target >= 0.8).
+          --device cuda: both models on the GPU (cuda:0): strata.torch's GPU
+          path (NVMe offload, the engine's CUDA backend) against plain
+          PyTorch with everything on the GPU (AdamW fused), each step timed
+          to a torch.cuda.synchronize(). Unverified: never ran on a GPU yet.
   adam    one optimizer step over --adam-params fp32 parameters:
           strata.torch.CPUAdamW against torch.optim.AdamW(fused=True),
           torch.optim.AdamW(foreach=True) and DeepSpeedCPUAdam when deepspeed
-          is importable and its CPU op builds here; CPUAdamW with its states
-          on NVMe (nvme_path=--dir); and, for the record, the same update
-          through the engine's own optimizer step (reduce_grad, step, weights
-          copied back through an acquire or read_param), the design CPUAdamW's
-          NVMe mode does not use (docs/python.md).
+          is importable and its CPU op builds here (not with --device cuda);
+          CPUAdamW with its states on NVMe (nvme_path=--dir); and, for the
+          record, the same update through the engine's own optimizer step
+          (reduce_grad, step, weights copied back through an acquire or
+          read_param), the design CPUAdamW's NVMe mode does not use
+          (docs/python.md).
 
     python bench_torch.py --dir /var/tmp/sb [--only adam] [--json]
+    python bench_torch.py --dir /var/tmp/sb --device cuda --json
 """
 import argparse
 import ctypes
@@ -47,16 +53,19 @@ def make_model(a):
 
 
 def bench_train(a, work):
+    cuda = a.device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     g = torch.Generator().manual_seed(1)
-    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g) for _ in range(a.reps + 2)]
-    ref = make_model(a)
+    data = [torch.randint(0, a.vocab, (a.batch, a.seq + 1), generator=g).to(dev) for _ in range(a.reps + 2)]
+    ref = make_model(a).to(dev)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
     nvme = os.path.join(work, "nvme")
     os.makedirs(nvme)
     cfg = {"gradient_clipping": 1.0, "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
            "zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme},
                                  "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
-    engine, _, _, _ = st.initialize(model=make_model(a), config=cfg)
+    engine, _, _, _ = st.initialize(model=make_model(a).to(dev), config=cfg)
 
     def torch_step(x):
         opt.zero_grad()
@@ -73,19 +82,27 @@ def bench_train(a, work):
     strata_step(data[0])
     t_torch, t_strata = [], []
     for x in data[2:]:
+        sync()
         t0 = time.perf_counter()
         torch_step(x)
+        sync()
         t_torch.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         strata_step(x)
+        sync()
         t_strata.append(time.perf_counter() - t0)
     s = engine.stats()
+    device_memory = engine.device_memory
     engine.destroy()
     tok = a.batch * a.seq
     mt, ms = statistics.median(t_torch), statistics.median(t_strata)
-    return {"params": sum(p.numel() for p in ref.parameters()), "tokens_per_step": tok,
-            "torch_ram_tokens_per_s": tok / mt, "strata_nvme_tokens_per_s": tok / ms, "ratio": mt / ms,
-            "nvme_bytes": s["tier_bytes"]["nvme"], "reps": len(t_torch)}
+    out = {"params": sum(p.numel() for p in ref.parameters()), "tokens_per_step": tok,
+           f"torch_{'gpu' if cuda else 'ram'}_tokens_per_s": tok / mt, "strata_nvme_tokens_per_s": tok / ms,
+           "ratio": mt / ms, "nvme_bytes": s["tier_bytes"]["nvme"], "reps": len(t_torch)}
+    if cuda:
+        out.update({"gpu": torch.cuda.get_device_name(dev), "strata_device_memory": device_memory,
+                    "strata_device_tier_bytes": s["tier_bytes"]["device"]})
+    return out
 
 
 def engine_step_alternative(a, work):
@@ -205,14 +222,18 @@ def main():
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--adam-params", type=int, default=64 << 20)
     ap.add_argument("--only", choices=("train", "adam"), help="run one of the two benchmarks")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                    help="cuda: both models on cuda:0 (strata.torch's GPU path against plain PyTorch on the GPU)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: torch sees no CUDA device")
     work = tempfile.mkdtemp(prefix="strata-bench-torch-", dir=a.dir)
     try:
-        res = {"torch": torch.__version__, "threads": torch.get_num_threads()}
+        res = {"torch": torch.__version__, "threads": torch.get_num_threads(), "device": a.device}
         if a.only in (None, "train"):
             res["train"] = bench_train(a, work)
-        if a.only in (None, "adam"):
+        if a.only in (None, "adam") and a.device == "cpu":
             res["adam"] = bench_adam(a, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -223,7 +244,10 @@ def main():
         t = res["train"]
         print(f"train: Llama {t['params'] / 1e6:.1f}M params, {t['tokens_per_step']} tokens/step, medians of "
               f"{t['reps']}")
-        print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
+        if a.device == "cuda":
+            print(f"  plain PyTorch on the GPU   {t['torch_gpu_tokens_per_s']:8.1f} tokens/s   ({t['gpu']})")
+        else:
+            print(f"  plain PyTorch in RAM       {t['torch_ram_tokens_per_s']:8.1f} tokens/s")
         print(f"  strata.torch, NVMe         {t['strata_nvme_tokens_per_s']:8.1f} tokens/s   ratio {t['ratio']:.3f}")
     if "adam" not in res:
         return

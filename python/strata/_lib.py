@@ -142,6 +142,7 @@ strata_engine_param_dlpack = _fn("strata_engine_param_dlpack", c_int, c_void_p, 
 strata_engine_reduce_grad_dlpack = _fn("strata_engine_reduce_grad_dlpack", c_int, c_void_p, c_uint32, c_void_p,
                                        c_void_p)
 strata_stream_create = _fn("strata_stream_create", c_int, c_void_p, c_char_p, ctypes.POINTER(c_void_p))
+strata_stream_wrap = _fn("strata_stream_wrap", c_int, c_void_p, c_void_p, ctypes.POINTER(c_void_p))
 strata_stream_destroy = _fn("strata_stream_destroy", c_int, c_void_p)
 strata_stream_synchronize = _fn("strata_stream_synchronize", c_int, c_void_p)
 

@@ -21,13 +21,35 @@ FSDP2 do it.
   (clipping, AdamW, fp16 loss scaling) with the learning rates of the returned
   optimizer's param_groups, which a torch lr_scheduler may drive.
 
-Supported here: CPU models on the host backend (the engine's "device" is RAM).
-A model on a GPU is refused (the CUDA path of this package is not built yet).
+Devices: a model on the CPU gets the host backend (the engine's "device" is
+RAM); a model on one GPU (cuda:N) the CUDA backend on that GPU (the GPU path
+never ran on a GPU yet: unverified). On CUDA:
+- Streams: the engine orders its work against PyTorch's current stream
+  (wrapped with strata_stream_wrap, one wrapper per stream, cached). An
+  acquire makes that stream wait for the upload (no host synchronize); a
+  release lets the buffer be reused once that stream passed it. The stream
+  may change between uses (torch.cuda.stream around a whole micro-batch)
+  while no group is held; a different current stream while groups are held
+  is refused by name (its work would not be ordered against theirs).
+- Threads: backward hooks run on PyTorch's autograd thread for the device;
+  every driving call goes through one lock (the C ABI's driving calls must
+  never overlap) with the engine's device current (the C library sets the
+  calling thread's CUDA device; torch.cuda.device restores the caller's).
+- Memory: the engine's device budget is "strata.device_memory" when the
+  config gives it, else "strata.device_memory_fraction" (default
+  DEVICE_MEMORY_FRACTION) of the GPU memory free at initialize(); the rest
+  is PyTorch's (activations, workspaces, gradients before the engine takes
+  them). "strata.device_reserve" defaults to 0 here: the engine's reserve is
+  for activations of Strata's own trainer, and torch's live outside the
+  engine's budget.
 """
 import collections
+import contextlib
 import ctypes
+import functools
 import json
 import os
+import threading
 
 import torch
 import torch.utils.dlpack
@@ -40,6 +62,40 @@ _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch
 # DeepSpeed config keys this package handles itself or that do not change the
 # math (the rest goes to the engine, whose parser reads or refuses every key).
 _PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "scheduler"}
+# A model on a GPU whose config gives no strata.device_memory: the engine's
+# device budget is this share of the GPU memory free when initialize() runs
+# (config: strata.device_memory_fraction); the rest stays PyTorch's.
+DEVICE_MEMORY_FRACTION = 0.5
+
+
+def _driven(method):
+    """The method runs inside the engine's _driving() context (its lock, and on CUDA its device)."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._driving():
+            return method(self, *args, **kwargs)
+    return run
+
+
+def _is_cuda(device):
+    return device.type == "cuda"
+
+
+def _model_device(model):
+    """The one device all the model's parameters are on (the CPU for a model without any)."""
+    first = None
+    for n, p in model.named_parameters():
+        if first is None:
+            first = (n, p.device)
+        elif p.device != first[1]:
+            raise ValueError(f"strata.torch: parameter {n} is on {p.device} and {first[0]} on {first[1]}: the engine "
+                             "runs on one device; move the whole model to it (model.to(...)) before initialize()")
+    if first is None:
+        return torch.device("cpu")
+    if first[1].type not in ("cpu", "cuda"):
+        raise NotImplementedError(f"strata.torch: parameter {first[0]} is on {first[1]}: the engine runs on the CPU "
+                                  "or on one CUDA GPU")
+    return first[1]
 
 
 def _load_config(config):
@@ -85,10 +141,12 @@ class StrataEngine:
     def __init__(self, model, model_parameters, config, lr_scheduler=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError("strata.torch.initialize: model must be a torch.nn.Module")
-        for n, p in model.named_parameters():
-            if p.device.type != "cpu":
-                raise NotImplementedError(f"strata.torch: parameter {n} is on {p.device}: the GPU path of the "
-                                          "PyTorch package is not built yet; keep the model on the CPU")
+        self.device = _model_device(model)
+        self._cuda = _is_cuda(self.device)
+        self._dev_type = self.device.type  # saved tensors of this device type may view engine buffers
+        self._lock = threading.RLock()     # driving calls never overlap (backward hooks: autograd's thread)
+        self._wrapped = {}                 # CUDA: native stream handle -> (strata stream, torch stream)
+        self._active = None                # CUDA: the native stream of self._s
         cfg = _load_config(config)
         if "scheduler" in cfg and lr_scheduler is not None:
             raise ValueError("strata.torch.initialize: both the config's \"scheduler\" section and lr_scheduler= "
@@ -120,6 +178,7 @@ class StrataEngine:
             raise ValueError("strata.torch: \"strata.average_micro_batches\" is set by the package (DeepSpeed's "
                              "convention: backward() divides the loss by gradient_accumulation_steps)")
         engine_cfg["strata"]["average_micro_batches"] = False
+        self.device_memory = self._device_budget(engine_cfg["strata"])
 
         # Parameter groups (torch's param_groups: lr, weight_decay per group).
         named = {id(p): n for n, p in model.named_parameters(remove_duplicate=True)}
@@ -190,6 +249,7 @@ class StrataEngine:
                     if gi not in self._module_groups[mod]:
                         self._module_groups[mod].append(gi)
         self._group_params = group_params
+        self._group_names = group_names
 
         # The engine.
         descs = (_lib.ParamDesc * len(self._params))()
@@ -215,21 +275,31 @@ class StrataEngine:
         _lib.check(_lib.strata_engine_options_init(ctypes.byref(opts)))
         cfg_bytes = json.dumps(engine_cfg).encode()
         opts.config_json = cfg_bytes
-        opts.device_kind = _lib.DEVICE_HOST
+        if self._cuda:
+            opts.device_kind = _lib.DEVICE_CUDA
+            opts.device_ordinal = self.device.index or 0
+        else:
+            opts.device_kind = _lib.DEVICE_HOST
         e = ctypes.c_void_p()
-        _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self._params), ctypes.byref(e)))
+        with self._driving():
+            _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self._params), ctypes.byref(e)))
         self._e = e
-        s = ctypes.c_void_p()
-        _lib.check(_lib.strata_stream_create(e, b"strata.torch", ctypes.byref(s)), e)
-        self._s = s
+        if self._cuda:
+            self._s = None
+            self._switch(torch.cuda.current_stream(self.device))
+        else:
+            s = ctypes.c_void_p()
+            _lib.check(_lib.strata_stream_create(e, b"strata.torch", ctypes.byref(s)), e)
+            self._s = s
 
-        # Initial values, then the placeholders: one zero scalar (alive as long
-        # as the engine) expanded to each parameter's shape.
-        self._scalar = torch.zeros((), dtype=self.compute_dtype)
+        # Initial values (the engine reads host memory), then the placeholders:
+        # one zero scalar on the model's device (alive as long as the engine)
+        # expanded to each parameter's shape.
+        self._scalar = torch.zeros((), dtype=self.compute_dtype, device=self.device)
         self._scalar_ptr = self._scalar.untyped_storage().data_ptr()
         with torch.no_grad():
             for pid, p in enumerate(self._params):
-                src = p.detach().to(torch.float32).contiguous()
+                src = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
                 self._call(_lib.strata_engine_load_param, pid, src.data_ptr(), _lib.DTYPE_F32, src.numel())
                 p.data = self._placeholder(p)
         self._held = collections.Counter()  # group -> holders
@@ -251,19 +321,112 @@ class StrataEngine:
 
     # ---------------------------------------------------------------- plumbing
 
+    def _device_budget(self, section):
+        """Settles the engine's device budget in the config's "strata" section
+        (changed in place; returns strata.device_memory as the engine gets it).
+
+        On CUDA the engine shares the GPU with PyTorch's caching allocator, so
+        it never detects its budget itself (what is free less 5%, which would
+        leave torch almost nothing): strata.device_memory as given, else
+        strata.device_memory_fraction (default DEVICE_MEMORY_FRACTION) of the
+        memory free now; strata.device_reserve defaults to 0 (torch's
+        activations live outside the engine's budget)."""
+        fraction = section.pop("device_memory_fraction", None)
+        if not self._cuda:
+            if fraction is not None:
+                raise ValueError("strata.torch: strata.device_memory_fraction is for a model on a GPU (this one is "
+                                 "on the CPU: the host backend's budget is strata.device_memory)")
+            return section.get("device_memory")
+        given = section.get("device_memory", 0)
+        if given in (0, "0", None):
+            fraction = DEVICE_MEMORY_FRACTION if fraction is None else fraction
+            if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 < fraction < 1.0:
+                raise ValueError(f"strata.torch: strata.device_memory_fraction is {fraction!r}: a number in (0, 1)")
+            free, _ = torch.cuda.mem_get_info(self.device)
+            section["device_memory"] = int(free * fraction)
+        elif fraction is not None:
+            raise ValueError("strata.torch: the config gives both strata.device_memory and "
+                             "strata.device_memory_fraction: keep one")
+        section.setdefault("device_reserve", 0)
+        return section["device_memory"]
+
     def _call(self, fn, *args):
-        _lib.check(fn(self._e, *args), self._e)
+        with self._driving():
+            _lib.check(fn(self._e, *args), self._e)
+
+    def _driving(self):
+        """Around every call into the engine: the lock (the C ABI's driving
+        calls must never overlap, and backward hooks run on autograd's thread),
+        and on CUDA the engine's device current for the call (the C library
+        sets the calling thread's device; torch.cuda.device puts the caller's
+        back)."""
+        return self._on_device() if self._cuda else self._lock
+
+    @contextlib.contextmanager
+    def _on_device(self):
+        with self._lock, torch.cuda.device(self.device):
+            yield
 
     def _placeholder(self, p):
         return self._scalar.expand(p.shape)
 
+    # ---------------------------------------------------------------- streams (CUDA: PyTorch's)
+
+    def _wrap(self, stream):
+        """The strata stream wrapping a torch.cuda.Stream of the engine's device (one per native stream)."""
+        h = stream.cuda_stream
+        entry = self._wrapped.get(h)
+        if entry is None:
+            s = ctypes.c_void_p()
+            with self._driving():
+                _lib.check(_lib.strata_stream_wrap(self._e, ctypes.c_void_p(h), ctypes.byref(s)), self._e)
+            entry = self._wrapped[h] = (s, stream)  # the torch stream object kept alive with its wrapper
+        return entry[0]
+
+    def _switch(self, stream):
+        self._s = self._wrap(stream)
+        self._active = stream.cuda_stream
+
+    def _use_stream(self):
+        """The stream of work that reads the engine's buffers from here on (an
+        acquire, a held view's use): the host backend's own stream; on CUDA,
+        PyTorch's current stream, which must be the one the held groups were
+        acquired on."""
+        if not self._cuda:
+            return self._s
+        cur = torch.cuda.current_stream(self.device)
+        if cur.cuda_stream != self._active:
+            if self._held:
+                held = [self._group_names[g] for g in self._held]
+                raise StrataError(1, f"strata.torch: PyTorch's current stream on {self.device} is "
+                                     f"{cur.cuda_stream:#x} here, but groups {held[:4]} are held on stream "
+                                     f"{self._active:#x}, where they were acquired: a module's forward and the "
+                                     "backward must each run on one stream (change streams only between "
+                                     "micro-batches, with torch.cuda.stream around the forward and backward)")
+            self._switch(cur)
+        return self._s
+
+    def _grad_stream(self):
+        """The stream a gradient was computed on (the engine reads it once that stream gets there)."""
+        if not self._cuda:
+            return self._s
+        cur = torch.cuda.current_stream(self.device)
+        return self._s if cur.cuda_stream == self._active else self._wrap(cur)
+
+    # ---------------------------------------------------------------- acquire / release
+
+    @_driven
     def _acquire(self, g):
+        s = self._use_stream()
         if self._held[g] == 0:
             pids = self._group_params[g]
             ptrs = (ctypes.c_void_p * len(pids))()
             n = ctypes.c_size_t()
-            self._call(_lib.strata_engine_acquire, g, self._s, ptrs, len(pids), ctypes.byref(n))
-            _lib.check(_lib.strata_stream_synchronize(self._s), self._e)  # host backend: the CPU reads it now
+            self._call(_lib.strata_engine_acquire, g, s, ptrs, len(pids), ctypes.byref(n))
+            if not self._cuda:
+                # Host backend: the CPU reads it now. On CUDA the stream
+                # waits for the upload (an event), the host does not.
+                _lib.check(_lib.strata_stream_synchronize(s), self._e)
             for pid in pids:
                 p = self._params[pid]
                 # The engine's buffer through DLPack: no copy; valid while held.
@@ -273,7 +436,12 @@ class StrataEngine:
                 p.data = view
         self._held[g] += 1
 
-    def _release(self, g, reset=True):
+    @_driven
+    def _release(self, g, reset=True, stream=None):
+        """Drops one hold; at the last, on `stream` (None: the current one,
+        checked as for a use: the release orders the buffer's reuse after the
+        work enqueued on it)."""
+        s = self._use_stream() if stream is None else stream
         self._held[g] -= 1
         if self._held[g] > 0:
             return
@@ -285,15 +453,20 @@ class StrataEngine:
             if reset:
                 p = self._params[pid]
                 p.data = self._placeholder(p)
-        self._call(_lib.strata_engine_release, g, self._s)
+        self._call(_lib.strata_engine_release, g, s)
 
+    @_driven
     def _release_backward(self):
+        # After backward() returned, on the caller's thread: every use of these
+        # groups was enqueued on the stream they were acquired on (checked), so
+        # they are released there, whatever the caller's current stream.
         while self._bwd:
             g, _ = self._bwd.popitem(last=False)
-            self._release(g)
+            self._release(g, stream=self._s)
 
     # ---------------------------------------------------------------- hooks
 
+    @_driven
     def _pre_forward(self, module, args):
         if self._in_backward:
             # Activation checkpointing recomputes this forward inside backward
@@ -315,6 +488,7 @@ class StrataEngine:
         for g in self._module_groups[module]:
             self._acquire(g)
 
+    @_driven
     def _post_forward(self, module, args, output):
         if self._in_backward:
             for g in self._module_groups[module]:
@@ -332,7 +506,9 @@ class StrataEngine:
                     p.data = self._placeholder(p)
 
     def _pack(self, t):
-        if t.device.type != "cpu" or t.layout != torch.strided:
+        # Only a tensor of the engine's device type can view an engine buffer
+        # (the CPU's on the host backend, CUDA's on the CUDA backend).
+        if t.device.type != self._dev_type or t.layout != torch.strided:
             return t
         ptr = t.untyped_storage().data_ptr()
         if self._copies and ptr in self._copies.values():
@@ -350,11 +526,13 @@ class StrataEngine:
                                  "that uses it")
         return t if pid is None else _Saved(pid, t)
 
+    @_driven
     def _unpack(self, obj):
         if not isinstance(obj, _Saved):
             return obj
         g = self._group_of[obj.pid]
         if g in self._bwd:
+            self._use_stream()  # CUDA: the node computes on the stream the group was acquired on
             self._bwd.move_to_end(g)
         else:
             # A backward node unpacks what it needs, computes and is done: at
@@ -376,8 +554,12 @@ class StrataEngine:
                 raise StrataError(1, f"strata.torch: gradient of {self._names[pid]} is {g.dtype}"
                                      f"{' (sparse)' if g.is_sparse else ''}: fp32/bf16/fp16 dense only")
             # Through DLPack the engine owns the gradient until its stream
-            # has read it, then frees it (no wait here).
-            _lib.reduce_grad_capsule(self._e, pid, torch.utils.dlpack.to_dlpack(g.contiguous()), self._s)
+            # has read it, then frees it (no wait here). On CUDA this runs on
+            # autograd's thread, with the stream that computed the gradient
+            # current.
+            with self._driving():
+                _lib.reduce_grad_capsule(self._e, pid, torch.utils.dlpack.to_dlpack(g.contiguous()),
+                                         self._grad_stream())
         return hook
 
     # ---------------------------------------------------------------- DeepSpeed's engine API
@@ -420,6 +602,7 @@ class StrataEngine:
             self._drop_copies(list(self._copies))
         self._micro += 1
 
+    @_driven
     def _abandon(self):
         """An exception in forward or backward: forget the step (groups, gradients)."""
         self._bwd.clear()
@@ -432,7 +615,7 @@ class StrataEngine:
 
     def _release_quiet(self, g):
         try:
-            self._release(g)
+            self._release(g, stream=self._s)  # where the held groups were acquired
         except StrataError:
             pass
 
@@ -509,13 +692,13 @@ class StrataEngine:
         return out
 
     def state_dict(self):
-        """The full trained weights (fp32 masters, CPU) under the model's own state_dict keys."""
+        """The full trained weights (fp32 masters, CPU) under the model's own state_dict keys (buffers: a CPU copy)."""
         out = collections.OrderedDict()
         by_id = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
             pid = self._pid.get(id(t))
             if pid is None:
-                out[key] = t.detach().clone()
+                out[key] = t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
                 continue
             if pid not in by_id:
                 by_id[pid] = self._read(pid)
@@ -562,15 +745,35 @@ class StrataEngine:
                 "nvme_read_bytes": s.nvme_read_bytes, "nvme_write_bytes": s.nvme_write_bytes, "steps": s.steps}
 
     def destroy(self):
-        for h in self._hooks:
+        for h in getattr(self, "_hooks", []):
             h.remove()
         self._hooks = []
-        if getattr(self, "_s", None) is not None and self._s.value:
-            _lib.strata_stream_destroy(self._s)
-            self._s = None
-        if getattr(self, "_e", None) is not None and self._e.value:
-            _lib.strata_engine_destroy(self._e)
-            self._e = None
+        lock = getattr(self, "_lock", None) or contextlib.nullcontext()
+        with lock:
+            device = None
+            if getattr(self, "_cuda", False):
+                try:  # best effort (at interpreter exit torch.cuda may be gone; the engine is freed anyway)
+                    device = torch.cuda.device(self.device)
+                    device.__enter__()
+                except Exception:
+                    device = None
+            try:
+                # Streams first (each waits for its work), then the engine.
+                wrapped = getattr(self, "_wrapped", None) or {}
+                for s, _ in wrapped.values():
+                    _lib.strata_stream_destroy(s)
+                wrapped.clear()
+                if getattr(self, "_cuda", False):
+                    self._s = None
+                if getattr(self, "_s", None) is not None and self._s.value:
+                    _lib.strata_stream_destroy(self._s)
+                    self._s = None
+                if getattr(self, "_e", None) is not None and self._e.value:
+                    _lib.strata_engine_destroy(self._e)
+                    self._e = None
+            finally:
+                if device is not None:
+                    device.__exit__(None, None, None)
 
     def __del__(self):
         try:

@@ -3,7 +3,7 @@ model's parameters, gradients and AdamW state in Strata's engine (host RAM or
 NVMe), the way Trainer(args=TrainingArguments(deepspeed=ds_config)) does it
 with DeepSpeed ZeRO-3 offload:
 
-    trainer = strata.torch.StrataTrainer(model=model, args=TrainingArguments(..., use_cpu=True),
+    trainer = strata.torch.StrataTrainer(model=model, args=TrainingArguments(...),
                                          train_dataset=ds, strata_config="ds_config.json")
     trainer.train()                      # or train(resume_from_checkpoint=True)
     trainer.save_model("out")            # a from_pretrained directory with the trained fp32 weights
@@ -48,8 +48,12 @@ warmup_min_lr ("auto" = 0), warmup_max_lr (learning_rate), total_num_steps
 Strata's bf16/fp16 keep bf16/fp16 compute copies with fp32 masters (what
 DeepSpeed's do): the Trainer's torch autocast is turned off.
 
+The model trains on the device TrainingArguments gives: the CPU (use_cpu=True)
+or one CUDA GPU (the Trainer moves the model there; the engine then runs on
+that GPU: strata.torch.initialize's GPU path, never run on a GPU yet).
+
 Refused by name: TrainingArguments deepspeed, fsdp / fsdp_config, torch_compile,
-more than one process or GPU, a device other than the CPU (use_cpu=True),
+more than one process or GPU, a device other than the CPU or one CUDA GPU,
 optim other than adamw_torch / adamw_torch_fused, optim_args,
 fp16_full_eval / bf16_full_eval, auto_find_batch_size, load_best_model_at_end;
 Trainer's model_init, optimizers and optimizer_cls_and_kwargs; resuming from a
@@ -202,9 +206,9 @@ class StrataTrainer(transformers.Trainer):
         if a.world_size > 1 or a.n_gpu > 1:
             _refuse("TrainingArguments", f"{a.world_size} processes / {a.n_gpu} GPUs: StrataTrainer trains in one "
                     "process")
-        if a.device.type != "cpu":
-            _refuse("TrainingArguments.device", f"{a.device}: the PyTorch package's GPU path is not built yet; "
-                    "use_cpu=True")
+        if a.device.type not in ("cpu", "cuda") or (a.device.type == "cuda" and a.n_gpu != 1):
+            _refuse("TrainingArguments.device", f"{a.device} ({a.n_gpu} GPUs): the engine runs on the CPU "
+                    "(use_cpu=True) or on one CUDA GPU")
         if str(getattr(a.optim, "value", a.optim)) not in _ADAMW:
             _refuse("TrainingArguments.optim", f"{getattr(a.optim, 'value', a.optim)!r}: the engine runs AdamW "
                     f"({' or '.join(_ADAMW)})")
@@ -220,8 +224,11 @@ class StrataTrainer(transformers.Trainer):
             _refuse("optimizer_cls_and_kwargs", "the optimizer is Strata's AdamW (strata_config's \"optimizer\")")
         self.strata_config = self._agree(_load_config(strata_config))
         if a.bf16 or a.fp16:
-            # Strata's bf16/fp16 (the config's) replace torch autocast.
+            # Strata's bf16/fp16 (the config's) replace torch autocast, and
+            # its loss scaling the GradScaler Accelerate makes for fp16 on a
+            # GPU (whose step would find no scaled loss).
             self.accelerator.native_amp = False
+            self.accelerator.scaler = None
 
     # ------------------------------------------------------------ config
 
