@@ -15,7 +15,9 @@
 #      get it (pip install with the CUDA modules: a second build of the
 #      library, minutes), then test_torch_gpu.py again, with a timeout that
 #      ends it by the deadline;
-#   5. leave logs and JSON under $OUT (at most 8 files come back; 8 today:
+#   5. end with one line, "GPU CHECK SUMMARY: ..." (tests run / passed per
+#      step, the demo's and the copy bench's figures), also appended to
+#      bench.err, and leave logs and JSON under $OUT (at most 8 files come back; 8 today:
 #      build.log version.txt ctest-gpu.log torch-gpu.log demo.log
 #      ctest-cpu.log bench.json bench.err).
 # The full build includes both CUDA modules (libstrata_cuda.so and
@@ -49,7 +51,9 @@ tail -5 "$OUT/build.log"
 build-gpu/tools/strata --version > "$OUT/version.txt" 2>&1
 cat "$OUT/version.txt"
 ls -l build-gpu/tools/libstrata_cuda*.so >> "$OUT/version.txt" 2>&1
-(cd build-gpu && ctest -L gpu -LE package --output-on-failure) > "$OUT/ctest-gpu.log" 2>&1
+# STRATA_REQUIRE_GPU=1: a gpu test that would skip fails (with the loader's
+# dlerror text when a module exists but does not load).
+(cd build-gpu && STRATA_REQUIRE_GPU=1 ctest -L gpu -LE package --output-on-failure) > "$OUT/ctest-gpu.log" 2>&1
 tail -15 "$OUT/ctest-gpu.log"
 # strata.torch on the GPU against this build's library (no install: seconds).
 # STRATA_REQUIRE_GPU=1: a test that would skip fails.
@@ -70,10 +74,11 @@ grep -E "^(Ran|OK|FAILED|FAIL:|ERROR:)|rc=|tokens_per_s|\"ratio\"" "$OUT/torch-g
 # The fine-tune demo, end to end (JSON when the command offers it).
 {
   if build-gpu/tools/strata demo --help > /tmp/demo-help.txt 2>&1; then
+    # --device cuda: the GPU or exit 1 with the reason (never the CPU).
     if grep -q -- '--json' /tmp/demo-help.txt; then
-      timeout 300 build-gpu/tools/strata demo --json
+      STRATA_REQUIRE_GPU=1 timeout 300 build-gpu/tools/strata demo --device cuda --json
     else
-      timeout 300 build-gpu/tools/strata demo
+      STRATA_REQUIRE_GPU=1 timeout 300 build-gpu/tools/strata demo --device cuda
     fi
     echo "demo rc=$?"
   else
@@ -102,3 +107,16 @@ LEFT=$((DEADLINE - SECONDS))
   fi
 } >> "$OUT/torch-gpu.log" 2>&1
 tail -4 "$OUT/torch-gpu.log"
+
+# One line: what ran, what passed, what failed, the figures.
+ctest_counts() {  # "P/N" from a ctest log's summary line, or "none"
+  local line
+  line=$(grep -E "tests passed, [0-9]+ tests failed out of [0-9]+" "$1" | tail -1)
+  [[ -z "$line" ]] && { echo "none"; return; }
+  echo "$line" | sed -E 's/.* ([0-9]+) tests failed out of ([0-9]+).*/\2 \1/' | awk '{print ($1-$2) "/" $1}'
+}
+torch_line=$(grep -E "^(OK|FAILED)" "$OUT/torch-gpu.log" | head -1)
+torch_ran=$(grep -E "^Ran [0-9]+ tests" "$OUT/torch-gpu.log" | head -1)
+demo_line=$(grep -E "tokens/s" "$OUT/demo.log" | tail -1)
+copy_fig=$(grep -oE '"h2d_gbps": *[0-9.]+|"d2h_gbps": *[0-9.]+' "$OUT/bench.json" | tr '\n' ' ')
+echo "GPU CHECK SUMMARY: gpu ctest $(ctest_counts "$OUT/ctest-gpu.log") passed; torch-gpu ${torch_ran:-not run} ${torch_line:-}; cpu ctest $(ctest_counts "$OUT/ctest-cpu.log") passed; demo: ${demo_line:-no result}; copy: ${copy_fig:-no result}" | tee -a "$OUT/bench.err"
