@@ -554,6 +554,15 @@ STRATA_API strata_status_t strata_engine_step(strata_engine_t engine, double lr,
  * STRATA_ERR_INVALID_ARGUMENT (no trainable parameter has that lr_group,
  * lr not finite). */
 STRATA_API strata_status_t strata_engine_set_group_lr(strata_engine_t engine, uint32_t lr_group, double lr);
+/* Gives every parameter with this lr_group its own Adam/AdamW betas from the
+ * next update on (< 0: the config's optimizer.params.betas): what a torch
+ * scheduler cycling momentum (DeepSpeed's OneCycle) sets per param_group.
+ * With overlap_backward, set them before the last micro-batch begins. Not
+ * saved in checkpoints. Errors: STRATA_ERR_INVALID_ARGUMENT (no trainable
+ * parameter has that lr_group, a beta >= 1 or not finite, an optimizer
+ * without betas). */
+STRATA_API strata_status_t strata_engine_set_group_betas(strata_engine_t engine, uint32_t lr_group, double beta1,
+                                                         double beta2);
 /* Sets the learning rate of every group without its own (what a torch
  * scheduler sets each step): the next update uses it; with overlap_backward,
  * set it before the last micro-batch begins (strata_engine_step's lr applies

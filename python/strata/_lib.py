@@ -132,6 +132,7 @@ strata_engine_reduce_grad = _fn("strata_engine_reduce_grad", c_int, c_void_p, c_
 strata_engine_discard_step = _fn("strata_engine_discard_step", c_int, c_void_p, c_void_p)
 strata_engine_step = _fn("strata_engine_step", c_int, c_void_p, c_double, ctypes.POINTER(StepResult))
 strata_engine_set_lr = _fn("strata_engine_set_lr", c_int, c_void_p, c_double)
+strata_engine_set_group_betas = _fn("strata_engine_set_group_betas", c_int, c_void_p, c_uint32, c_double, c_double)
 strata_engine_set_group_lr = _fn("strata_engine_set_group_lr", c_int, c_void_p, c_uint32, c_double)
 strata_engine_step_count = _fn("strata_engine_step_count", c_int, c_void_p, ctypes.POINTER(c_int64))
 strata_engine_save_checkpoint = _fn("strata_engine_save_checkpoint", c_int, c_void_p, c_char_p, c_char_p)

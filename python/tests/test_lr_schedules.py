@@ -55,8 +55,8 @@ def lrs(opt):
     return [g["lr"] for g in opt.param_groups]
 
 
-# (type, params) run for N_STEPS steps each. OneCycle always with cycle_momentum
-# false (refused otherwise: see RefusalTest).
+# (type, params) run for N_STEPS steps each; OneCycle with and without its
+# momentum cycling (the betas are compared too).
 CASES = [
     ("WarmupLR", {}),
     ("WarmupLR", {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2, "warmup_num_steps": 10}),
@@ -85,6 +85,13 @@ CASES = [
                   "decay_lr_rate": 0.3, "cycle_momentum": False, "cycle_min_mom": 0.85}),
     ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 5, "cycle_second_step_size": 0,
                   "decay_lr_rate": 1.0, "decay_step_size": 1, "cycle_momentum": False}),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 10}),
+    ("OneCycle", {"cycle_min_lr": [1e-4, 2e-4], "cycle_max_lr": [1e-2, 3e-2], "cycle_first_step_size": 6,
+                  "cycle_second_step_size": 9, "decay_lr_rate": 0.5, "decay_step_size": 4, "cycle_min_mom": [0.8, 0.85],
+                  "cycle_max_mom": [0.95, 0.9], "decay_mom_rate": 0.01}),
+    ("OneCycle", {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": 12, "cycle_second_step_size": 7,
+                  "cycle_first_stair_count": 4, "cycle_second_stair_count": 3, "decay_step_size": 2,
+                  "decay_lr_rate": 0.1}),
     ("LRRangeTest", {}),
     ("LRRangeTest", {"lr_range_test_min_lr": [1e-4, 1e-3], "lr_range_test_step_size": 5,
                      "lr_range_test_step_rate": 2.0}),
@@ -112,6 +119,8 @@ class AgainstDeepSpeedTest(unittest.TestCase):
                     for a, b in zip(lrs(ours_opt), lrs(ref_opt)):
                         worst = max(worst, rel(a, b))
                         self.assertLessEqual(rel(a, b), LR_TOL, f"{kind} {params}: lr after {i} steps: {a} vs {b}")
+                    for ga, gb in zip(ours_opt.param_groups, ref_opt.param_groups):
+                        self.assertEqual(tuple(ga["betas"]), tuple(gb["betas"]), f"{kind} {params}: betas after {i}")
                     if i:
                         self.assertEqual(ours.get_last_lr(), ref.get_last_lr())
                     self.assertEqual(ours.get_lr(), ref.get_lr())
@@ -167,18 +176,16 @@ class RefusalTest(unittest.TestCase):
                     r"warmup_max_lr has 3 values; the optimizer has 2 param groups")
         self.refuse({"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_max_lr": 1e-3}},
                     r"warmup_max_lr: not a parameter of WarmupCosineLR.*ratios")
-        # OneCycle cycles the betas by default (DeepSpeed's cycle_momentum=True): the engine cannot.
-        self.refuse({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2}},
-                    r"cycle_momentum=True \(DeepSpeed's default\).*\"cycle_momentum\": false")
+        # Momentum cycling needs an optimizer with betas (DeepSpeed warns and turns it off).
+        sgd = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+        with self.assertRaisesRegex(ValueError, r"cycle_momentum=True needs an optimizer with betas"):
+            sls.from_config(sgd, {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2}})
 
     def test_initialize_refusals(self):
         from test_torch_engine import llama
         with self.assertRaisesRegex(ValueError, "both the config's \"scheduler\" section and lr_scheduler="):
             st.initialize(model=llama(), config={"scheduler": {"type": "WarmupLR", "params": {}}},
                           lr_scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0))
-        with self.assertRaisesRegex(ValueError, r"initialize: config scheduler: OneCycle: cycle_momentum=True"):
-            st.initialize(model=llama(), config={"scheduler": {"type": "OneCycle", "params": {
-                "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2}}})
 
 
 class ThroughInitializeTest(unittest.TestCase):
@@ -219,6 +226,26 @@ class ThroughInitializeTest(unittest.TestCase):
         self.assertEqual(lrs(opt), lrs(seen[0]))
         EngineTest.compare(self, "llama on NVMe, WarmupDecayLR from the config, accumulation 2", ref, init,
                            engine.state_dict(), l_strata, l_torch)
+        engine.destroy()
+
+    def test_one_cycle_with_momentum_trains_like_torch_adamw_with_deepspeeds_scheduler(self):
+        # DeepSpeed's default OneCycle cycles betas[0] every step: the engine
+        # takes each group's betas per step (strata_engine_set_group_betas).
+        ds = deepspeed_schedules(self)
+        from test_torch_engine import EngineTest, batches, ds_config, llama, torch_run
+        params = {"cycle_min_lr": 1e-4, "cycle_max_lr": 3e-3, "cycle_first_step_size": 3, "cycle_min_mom": 0.8,
+                  "cycle_max_mom": 0.95}
+        data = batches(8)
+        ref = llama()
+        init = copy.deepcopy(ref.state_dict())
+        l_torch = torch_run(ref, data, clip=1.0, sched=lambda opt: ds.OneCycle(opt, **params))
+        engine, opt, _, sched = st.initialize(model=llama(), config=ds_config(self.nvme("oc"), clip=1.0, extra={
+            "scheduler": {"type": "OneCycle", "params": params}}))
+        from test_torch_engine import strata_run
+        l_strata = strata_run(engine, data)
+        self.assertNotEqual(tuple(opt.param_groups[0]["betas"]), (0.9, 0.999))
+        EngineTest.compare(self, "llama on NVMe, OneCycle with momentum cycling", ref, init, engine.state_dict(),
+                           l_strata, l_torch)
         engine.destroy()
 
     def test_checkpoint_resume_continues_the_schedule(self):

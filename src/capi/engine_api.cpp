@@ -477,6 +477,12 @@ strata_status_t strata_engine_set_lr(strata_engine_t engine, double lr) {
   });
 }
 
+strata_status_t strata_engine_set_group_betas(strata_engine_t engine, uint32_t lr_group, double beta1,
+                                              double beta2) {
+  return on_engine(engine, "strata_engine_set_group_betas",
+                   [&]() -> Status { return engine->engine->set_group_betas(lr_group, beta1, beta2); });
+}
+
 strata_status_t strata_engine_set_group_lr(strata_engine_t engine, uint32_t lr_group, double lr) {
   return on_engine(engine, "strata_engine_set_group_lr",
                    [&]() -> Status { return engine->engine->set_group_lr(lr_group, lr); });

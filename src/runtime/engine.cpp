@@ -365,6 +365,10 @@ void Engine::set_lr(double lr) { impl_->stepper.set_lr(lr); }
 
 Status Engine::set_group_lr(uint32_t lr_group, double lr) { return impl_->stepper.set_group_lr(lr_group, lr); }
 
+Status Engine::set_group_betas(uint32_t lr_group, double beta1, double beta2) {
+  return impl_->stepper.set_group_betas(lr_group, beta1, beta2);
+}
+
 Result<StepResult> Engine::step(double lr) {
   Impl& I = *impl_;
   const auto t0 = std::chrono::steady_clock::now();

@@ -269,6 +269,9 @@ class Engine {
   // caller's scheduler sets it every step. Errors: kInvalidArgument (no
   // parameter has that lr_group, or lr not finite).
   Status set_group_lr(uint32_t lr_group, double lr);
+  // The group's own Adam betas from the next update on (< 0: the config's);
+  // what a scheduler cycling momentum sets per step. Not checkpointed.
+  Status set_group_betas(uint32_t lr_group, double beta1, double beta2);
   // The current loss scale (fp16 dynamic scaling; 1 otherwise): multiply the
   // loss by it before backward.
   double loss_scale() const;

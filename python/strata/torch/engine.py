@@ -204,7 +204,8 @@ class StrataEngine:
             og.setdefault("lr", base_lr)
             og["params"] = params
             opt_groups.append(og)
-        defaults = {"lr": base_lr, "weight_decay": base_wd}
+        betas = opt_params.get("betas", [0.9, 0.999])
+        defaults = {"lr": base_lr, "weight_decay": base_wd, "betas": (float(betas[0]), float(betas[1]))}
         self.optimizer = _Optimizer(opt_groups, defaults)
         # The schedule: the config's DeepSpeed "scheduler" section, or a torch
         # scheduler (or a callable building one on the optimizer). Built here,
@@ -308,6 +309,7 @@ class StrataEngine:
         self._bwd = collections.OrderedDict()  # groups acquired in backward, oldest first
         self._in_backward = False  # inside backward(): forwards are checkpoint recomputations
         self._boundary = None      # set_gradient_accumulation_boundary's override
+        self._betas_set = {}       # param group -> the betas last given to the engine
         self._copies = {}          # pid -> storage ptr of its private copy (recomputation)
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
@@ -643,6 +645,12 @@ class StrataEngine:
         for gi, group in enumerate(self.optimizer.param_groups):
             lr = group["lr"]
             self._call(_lib.strata_engine_set_group_lr, gi, float(lr.item() if torch.is_tensor(lr) else lr))
+            # A group's own betas (given in model_parameters, or cycled by
+            # OneCycle's cycle_momentum); the config's otherwise.
+            betas = tuple(float(b) for b in group.get("betas", self.optimizer.defaults["betas"]))
+            if betas != self._betas_set.get(gi, self.optimizer.defaults["betas"]):
+                self._call(_lib.strata_engine_set_group_betas, gi, betas[0], betas[1])
+                self._betas_set[gi] = betas
         r = _lib.StepResult()
         r.struct_size = ctypes.sizeof(r)
         self._call(_lib.strata_engine_step, -1.0, ctypes.byref(r))

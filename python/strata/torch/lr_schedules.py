@@ -23,10 +23,10 @@ Where this differs from DeepSpeed, it refuses instead of guessing:
   cycle_max_lr), and "auto" values (a Hugging Face Trainer convention:
   strata.torch.StrataTrainer fills them in) are ValueErrors naming the key;
 - an unknown warmup_type is refused (DeepSpeed logs a warning and uses "log");
-- OneCycle's cycle_momentum=True (DeepSpeed's default) is refused: it cycles
-  the optimizer's betas[0] each step, and Strata's engine takes the betas from
-  the config once (only the learning rate can change per step). Set
-  "cycle_momentum": false to cycle the learning rate alone.
+- OneCycle's cycle_momentum=True (DeepSpeed's default) cycles each param
+  group's betas[0] as DeepSpeed does; the engine takes them per step
+  (strata_engine_set_group_betas). An optimizer without betas in its defaults
+  is refused (DeepSpeed logs a warning and turns the cycling off).
 """
 import inspect
 import math
@@ -246,10 +246,10 @@ class OneCycle(_Schedule):
     cycle_first_stair_count / cycle_second_stair_count > 0 move the lr in that many stairs per
     half cycle (the second defaults to the first).
 
-    cycle_momentum must be False: Strata's engine cannot change the betas per step
-    (DeepSpeed's default True cycles betas[0] between cycle_max_mom and cycle_min_mom and sets
-    betas[1] to 0.99). cycle_min_mom, cycle_max_mom and decay_mom_rate are then unused, as in
-    DeepSpeed.
+    cycle_momentum (DeepSpeed's default True) moves each group's betas[0] the other way, from
+    cycle_max_mom down to cycle_min_mom and back, with betas[1] set to 0.99; after the cycle
+    betas[0] is cycle_max_mom, times (1 + decay_mom_rate * j / decay_step_size) when
+    decay_mom_rate is nonzero (DeepSpeed's formula). False leaves the betas alone.
     """
 
     def __init__(self, optimizer, cycle_min_lr, cycle_max_lr, decay_lr_rate=0., cycle_first_step_size=2000,
@@ -257,12 +257,11 @@ class OneCycle(_Schedule):
                  decay_step_size=0, cycle_momentum=True, cycle_min_mom=0.8, cycle_max_mom=0.9, decay_mom_rate=0.,
                  last_batch_iteration=-1):
         who = type(self).__name__
-        if cycle_momentum:
-            raise ValueError(f"{who}: cycle_momentum=True (DeepSpeed's default) cycles the optimizer's betas each "
-                             "step, and Strata's engine takes the betas from the config once; set \"cycle_momentum\": "
-                             "false to cycle the learning rate alone")
         super().__init__(optimizer, last_batch_iteration)
-        self.cycle_momentum = False
+        self.cycle_momentum = bool(cycle_momentum)
+        if self.cycle_momentum and "betas" not in self.optimizer.defaults:
+            raise ValueError(f"{who}: cycle_momentum=True needs an optimizer with betas (Adam/AdamW); "
+                             f"{type(self.optimizer).__name__} has none (set \"cycle_momentum\": false)")
         first = float(cycle_first_step_size)
         second = first if cycle_second_step_size is None else float(cycle_second_step_size)
         if first <= 0:
@@ -281,9 +280,17 @@ class OneCycle(_Schedule):
         self.decay_lr_rate = decay_lr_rate
         # No decay after the cycle unless both the interval and the rate are nonzero.
         self.skip_lr_decay = math.isclose(decay_step_size, 0) or math.isclose(decay_lr_rate, 0)
+        if self.cycle_momentum:
+            self.min_moms = [(m, 0.99) for m in _per_group(self.optimizer, cycle_min_mom, "cycle_min_mom", who)]
+            self.max_moms = [(m, 0.99) for m in _per_group(self.optimizer, cycle_max_mom, "cycle_max_mom", who)]
+            self.decay_mom_rate = decay_mom_rate
+            self.skip_mom_decay = math.isclose(decay_mom_rate, 0)
         if last_batch_iteration == -1:
             _set_lrs(self.optimizer, self.min_lrs)
             self._last_lr = list(self.min_lrs)
+            if self.cycle_momentum:
+                for group, betas in zip(self.optimizer.param_groups, self.min_moms):
+                    group["betas"] = betas
 
     def _scale(self):
         """Where in the cycle batch last_batch_iteration + 1 is: 0 at cycle_min_lr, 1 at cycle_max_lr."""
@@ -311,8 +318,23 @@ class OneCycle(_Schedule):
         decay = 1 + self.decay_lr_rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
         return [lo / decay for lo in self.min_lrs]
 
+    def get_mom(self):
+        """The betas (one pair per param group) for batch last_batch_iteration + 1; None without cycling."""
+        if not self.cycle_momentum:
+            return None
+        if self.last_batch_iteration < self.total_size:
+            scale = self._scale()
+            return [(hi[0] - (hi[0] - lo[0]) * scale, lo[1]) for lo, hi in zip(self.min_moms, self.max_moms)]
+        if self.skip_mom_decay:
+            return list(self.max_moms)
+        factor = 1 + self.decay_mom_rate * ((self.last_batch_iteration - self.total_size + 1) / self.decay_step_size)
+        return [(b0 * factor, b1) for b0, b1 in self.max_moms]
+
     def step(self, batch_iteration=None):  # DeepSpeed's argument name for this schedule
         super().step(batch_iteration)
+        if self.cycle_momentum:
+            for group, betas in zip(self.optimizer.param_groups, self.get_mom()):
+                group["betas"] = betas
 
 
 class LRRangeTest(_Schedule):

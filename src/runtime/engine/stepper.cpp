@@ -66,7 +66,7 @@ Status Stepper::allocate() {
       if (it == parts.end()) it = parts.insert(parts.end(), GroupUpdate::Part{p.lr_group, p.weight_decay, {}, {}});
       it->tensors.push_back(t);
       it->ids.push_back(id);
-      if (p.lr_group >= group_lr_.size()) group_lr_.resize(p.lr_group + 1, -1.0);
+      if (p.lr_group >= group_hp_.size()) group_hp_.resize(p.lr_group + 1);
     }
     size_t widest = 0;
     for (const auto& part : groups_[gi].parts) widest = std::max(widest, part.tensors.size());
@@ -98,7 +98,7 @@ void Stepper::begin_overlap(int64_t micro_batches) {
   overlap_coef_ = clip > 0 && prev_norm_ >= 0 ? std::min(1.0, clip / (prev_norm_ + 1e-6)) : 1.0;
   overlap_step_ = steps_ + 1;
   overlap_lr_ = current_lr_;
-  overlap_group_lr_ = group_lr_;
+  overlap_group_hp_ = group_hp_;
   for (auto& g : groups_) {
     g.reduced_last = 0;
     g.queued = g.updated = g.skipped = g.nonfinite = false;
@@ -129,7 +129,26 @@ Status Stepper::set_group_lr(uint32_t lr_group, double lr) {
                   fmt::format("engine: set_group_lr: no trainable parameter has lr_group {}", lr_group));
   if (!std::isfinite(lr))
     return Status(StatusCode::kInvalidArgument, fmt::format("engine: set_group_lr({}): lr {} is not finite", lr_group, lr));
-  group_lr_[lr_group] = lr < 0 ? -1.0 : lr;
+  group_hp_[lr_group].lr = lr < 0 ? -1.0 : lr;
+  return {};
+}
+
+Status Stepper::set_group_betas(uint32_t lr_group, double beta1, double beta2) {
+  bool known = false;
+  for (const auto& g : groups_)
+    for (const auto& part : g.parts) known = known || part.lr_group == lr_group;
+  if (!known)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: set_group_betas: no trainable parameter has lr_group {}", lr_group));
+  if (opt_config_.kind != cpu_optim::OptimizerKind::kAdamW && opt_config_.kind != cpu_optim::OptimizerKind::kAdam)
+    return Status(StatusCode::kInvalidArgument, "engine: set_group_betas: the optimizer has no betas");
+  for (double b : {beta1, beta2})
+    if (!std::isfinite(b) || b >= 1.0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("engine: set_group_betas({}): betas ({}, {}) must be in [0, 1) (< 0: the config's)",
+                                lr_group, beta1, beta2));
+  group_hp_[lr_group].beta1 = beta1 < 0 ? -1.0 : beta1;
+  group_hp_[lr_group].beta2 = beta2 < 0 ? -1.0 : beta2;
   return {};
 }
 
@@ -137,11 +156,16 @@ Status Stepper::set_group_lr(uint32_t lr_group, double lr) {
 // state['step'] per parameter, so one skipped in some steps (reduced by no
 // micro-batch) corrects its moments by the steps it took.
 Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
-                           const std::vector<double>& group_lr, const std::function<bool(ParamId)>& reduced) {
+                           const std::vector<GroupHyper>& group_hp, const std::function<bool(ParamId)>& reduced) {
   std::vector<OptimizerTensor>& some = groups_[gi].scratch;
   for (const auto& part : groups_[gi].parts) {
     cpu_optim::OptimizerConfig pc = c;
-    if (part.lr_group < group_lr.size() && group_lr[part.lr_group] >= 0) pc.lr = group_lr[part.lr_group];
+    if (part.lr_group < group_hp.size()) {
+      const GroupHyper& h = group_hp[part.lr_group];
+      if (h.lr >= 0) pc.lr = h.lr;
+      if (h.beta1 >= 0) pc.beta1 = h.beta1;
+      if (h.beta2 >= 0) pc.beta2 = h.beta2;
+    }
     if (!part.decay) pc.weight_decay = 0;
     some.clear();
     for (size_t i = 0; i < part.ids.size(); ++i) {
@@ -176,7 +200,7 @@ void Stepper::run_group_update(GroupId gi, const std::function<bool(ParamId)>& r
       g.skipped = true;
     } else {
       st = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_,
-                      overlap_group_lr_, reduced);
+                      overlap_group_hp_, reduced);
       if (!st.ok())
         st = st.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
     }
@@ -237,7 +261,7 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
       for (GroupId g = 0; g < groups_.size(); ++g) {
-        Status s = step_group(g, oc, steps_ + 1, group_lr_, reduced);
+        Status s = step_group(g, oc, steps_ + 1, group_hp_, reduced);
         if (!s.ok())
           return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
       }

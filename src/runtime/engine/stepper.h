@@ -29,6 +29,12 @@
 
 namespace strata::engine {
 
+// A learning-rate group's own hyper-parameters; < 0: the step's lr, the
+// config's betas.
+struct GroupHyper {
+  double lr = -1.0, beta1 = -1.0, beta2 = -1.0;
+};
+
 class Stepper {
  public:
   Stepper(Registry& reg, AsyncError& errors) : reg_(reg), errors_(errors) {}
@@ -77,6 +83,9 @@ class Stepper {
   }
   // Driving thread. lr < 0: the group follows the step's lr.
   Status set_group_lr(uint32_t lr_group, double lr);
+  // Driving thread. beta < 0: the config's (a torch scheduler cycling
+  // momentum sets them per step, e.g. DeepSpeed's OneCycle).
+  Status set_group_betas(uint32_t lr_group, double beta1, double beta2);
   double loss_scale() const { return scaler_.scale; }
   int64_t steps() const { return steps_; }
   int64_t steps_published() const { return steps_atomic_.load(std::memory_order_relaxed); }
@@ -117,7 +126,7 @@ class Stepper {
   // The optimizer over group g's tensors, part by part: c.lr replaced by the
   // part's lr group's own lr when it has one (from `group_lr`), weight_decay 0
   // for undecayed parts.
-  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<double>& group_lr,
+  Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
                     const std::function<bool(ParamId)>& reduced = {});
   Status group_stats(GroupId g, double scale);
   // optimizer thread (every parameter of the group was reduced), or driving
@@ -139,8 +148,8 @@ class Stepper {
   std::atomic<int64_t> steps_atomic_{0};  // mirror of steps_ for stats()
   std::atomic<int64_t> skipped_steps_{0};
   double current_lr_ = 0;  // config lr, then the last set_lr()/step(lr)
-  std::vector<double> group_lr_;          // per lr group; < 0: follow the step's lr (driving thread)
-  std::vector<double> overlap_group_lr_;  // snapshot at begin_overlap, read by the optimizer thread
+  std::vector<GroupHyper> group_hp_;          // per lr group (driving thread)
+  std::vector<GroupHyper> overlap_group_hp_;  // snapshot at begin_overlap, read by the optimizer thread
   double prev_norm_ = -1;  // overlap clipping: the previous step's norm (< 0: none yet)
   // Overlap: fixed by begin_overlap for this step's group updates.
   double overlap_lr_ = 0;
