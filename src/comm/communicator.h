@@ -1,0 +1,125 @@
+// Communicator: collectives between the ranks of a data-parallel job, on
+// buffers of a DeviceBackend's memory, ordered on a DeviceStream.
+//
+// Backends: SelfCommunicator (src/comm/self_comm.h; one rank, always
+// available: the 1-rank reference), MpiCommunicator (src/comm/mpi_comm.h;
+// Open MPI over host-backend buffers, built when CMake finds MPI). An NCCL
+// backend over CUDA buffers is planned (issue 14) and does not exist yet.
+// create_communicator() picks one and says why one is unavailable.
+//
+// Ordering. Every collective is *enqueued* on the stream the caller passes
+// and runs once the stream reaches it, like a copy or a kernel: later work
+// on that stream waits for it, other streams order against it through
+// events. An Ok return means only that the arguments were accepted; an error
+// while it runs (a peer that timed out, a transport error) becomes the
+// stream's error, returned by the next synchronize()/query() of the stream
+// (device_backend.h's async error model). On the host backend a collective
+// is a host function on the stream: it occupies the stream's worker thread
+// until done.
+//
+// Matching across ranks. Every rank must enqueue the same collectives, with
+// the same sizes, in the same order (NCCL's rule). The order is that of the
+// calls on this Communicator across all streams: each call takes the next
+// sequence number when it is enqueued, and messages of different calls never
+// match each other, so collectives on different streams may run at the same
+// time. Callers that enqueue from several threads serialize those calls so
+// that every rank makes them in the same order.
+//
+// Determinism. Sums are fp32 and never use the transport's own reduction
+// (whose order depends on the algorithm the library picks). The fixed order:
+//   reduce_scatter: rank r receives slice r of every rank's buffer and
+//     computes out = in_0; out += in_1; ...; out += in_{N-1} element by
+//     element (fp32 adds, no FMA, ranks in order 0..N-1);
+//   all_reduce: the same per element over a fixed split of the buffer into
+//     N contiguous chunks (chunk r = [r*count/N, (r+1)*count/N), rounded
+//     down), each summed by one rank in rank order, then all-gathered.
+// So every element of a sum is ((p_0 + p_1) + p_2) + ... + p_{N-1} of the N
+// ranks' values: bit-identical run to run, on every rank, and bit-identical
+// to a 1-rank sum of the same N partial buffers accumulated in rank order
+// (acc = p_0; for r in 1..N-1: acc[i] += p_r[i]). It differs from a sum in
+// another order in the last bits, as any fp32 sum does.
+//
+// Memory. Buffers are the device backend's memory (host backend: RAM from
+// alloc(), or any host memory) and must stay valid and unmodified until the
+// collective has run (an event recorded after it completes). Sizes may be 0
+// (the collective still matches across ranks and completes).
+//
+// Failure. A collective that cannot complete within the communicator's
+// timeout fails with kUnavailable naming the collective, this rank and the
+// peer it was waiting for. After a failure the communicator is broken: the
+// pending transfers are abandoned and every later collective fails at once
+// with the first error (like ncclCommAbort; make a new communicator, which in
+// practice means a new job).
+//
+// Thread-safety: every method may be called from any thread.
+#pragma once
+
+#include <cstddef>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "common/status.h"
+#include "device/device_backend.h"
+
+namespace strata::comm {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  // This process's rank, 0 .. world_size()-1. Constant.
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // "self", "mpi". Constant.
+  virtual const char* backend_name() const = 0;
+  // The device backend whose buffers and streams the collectives take.
+  virtual DeviceBackend* device() const = 0;
+
+  // recv[r*bytes_per_rank, (r+1)*bytes_per_rank) = rank r's send[0, bytes_per_rank)
+  // for every rank r. recv holds world_size()*bytes_per_rank bytes. send may
+  // be recv's own slot (recv + rank()*bytes_per_rank: in place); no other
+  // overlap.
+  virtual Status all_gather(const void* send, void* recv, std::size_t bytes_per_rank, DeviceStream* stream) = 0;
+
+  // recv[0, count) = sum over ranks, in rank order, of that rank's
+  // send[rank()*count, (rank()+1)*count). send holds world_size()*count
+  // floats; recv must not overlap send.
+  virtual Status reduce_scatter(const float* send, float* recv, std::size_t count, DeviceStream* stream) = 0;
+
+  // recv[i] = sum over ranks, in rank order, of send[i] (the fixed order
+  // above). send == recv is allowed (in place); no other overlap.
+  virtual Status all_reduce(const float* send, float* recv, std::size_t count, DeviceStream* stream) = 0;
+
+  // data[0, bytes) on every rank = root's data. root in [0, world_size()).
+  virtual Status broadcast(void* data, std::size_t bytes, int root, DeviceStream* stream) = 0;
+
+  // Completes on every rank once every rank has reached it on its stream.
+  virtual Status barrier(DeviceStream* stream) = 0;
+};
+
+enum class CommBackendKind { kAuto, kSelf, kMpi, kNccl };
+const char* comm_backend_kind_name(CommBackendKind kind);
+// "auto" | "self" | "mpi" | "nccl"; kInvalidArgument names the text otherwise.
+Result<CommBackendKind> parse_comm_backend_kind(std::string_view text);
+
+struct CommOptions {
+  CommBackendKind kind = CommBackendKind::kAuto;
+  // A collective that has not completed this many seconds after it started
+  // running fails (kUnavailable naming the peer). > 0.
+  double timeout_s = 300.0;
+};
+
+// True when this build has the MPI backend (STRATA_HAVE_MPI).
+bool mpi_backend_built();
+
+// kSelf: one rank, always. kMpi: the MPI backend (initializes MPI if needed;
+// the device must be the host backend). kNccl: kUnavailable (not built yet).
+// kAuto: mpi when this build has MPI and the process runs under mpirun
+// (OMPI_COMM_WORLD_SIZE set), else self.
+// Errors: kUnavailable with the reason (built without MPI: how to get it;
+// NCCL not implemented), kInvalidArgument (null device, timeout <= 0, MPI
+// over a CUDA backend), and those of the backend's constructor.
+Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device, const CommOptions& options);
+
+}  // namespace strata::comm

@@ -1,0 +1,428 @@
+#include "comm/mpi_comm.h"
+
+#include <mpi.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace strata::comm {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Process-wide MPI state: who initialized it and at which thread level.
+std::mutex g_init_mu;
+bool g_we_initialized = false;
+int g_provided = MPI_THREAD_SINGLE;
+// Held around every MPI call when the library is only MPI_THREAD_SERIALIZED.
+std::mutex g_serial_mu;
+
+const char* thread_level_name(int level) {
+  switch (level) {
+    case MPI_THREAD_SINGLE: return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED: return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED: return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE: return "MPI_THREAD_MULTIPLE";
+  }
+  return "unknown thread level";
+}
+
+std::string mpi_error_text(int rc) {
+  char text[MPI_MAX_ERROR_STRING];
+  int len = 0;
+  if (MPI_Error_string(rc, text, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", rc);
+  return std::string(text, static_cast<std::size_t>(len));
+}
+
+void finalize_at_exit() { finalize_mpi(); }
+
+Status ensure_mpi() {
+  std::lock_guard<std::mutex> lock(g_init_mu);
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return Status(StatusCode::kUnavailable, "MPI was already finalized in this process");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  int provided = MPI_THREAD_SINGLE;
+  if (!initialized) {
+    const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+    if (rc != MPI_SUCCESS)
+      return Status(StatusCode::kUnavailable, fmt::format("MPI_Init_thread failed: {}", mpi_error_text(rc)));
+    g_we_initialized = true;
+    std::atexit(finalize_at_exit);
+  } else {
+    MPI_Query_thread(&provided);
+  }
+  g_provided = provided;
+  if (provided < MPI_THREAD_SERIALIZED)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("MPI provides {}; Strata's collectives run on stream worker threads and need "
+                              "MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE",
+                              thread_level_name(provided)));
+  return Status();
+}
+
+// Locks g_serial_mu only when MPI is not MPI_THREAD_MULTIPLE.
+class MpiLock {
+ public:
+  MpiLock() {
+    if (g_provided < MPI_THREAD_MULTIPLE) lock_.emplace(g_serial_mu);
+  }
+
+ private:
+  std::optional<std::unique_lock<std::mutex>> lock_;
+};
+
+constexpr std::size_t kMaxPiece = std::size_t{1} << 30;  // bytes per MPI message
+
+// One collective while it runs: its name, sequence number and the transfers
+// it has posted.
+struct Op {
+  const char* name;
+  uint64_t seq;
+  int rank;
+  int world;
+  int tag_base;
+  Clock::time_point start;
+  std::vector<MPI_Request> reqs;
+  struct Info {
+    int peer;
+    bool recv;
+    std::size_t bytes;
+  };
+  std::vector<Info> info;
+
+  std::string where() const { return fmt::format("{} #{} on rank {} of {} (mpi)", name, seq, rank, world); }
+};
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(DeviceBackend* device, MPI_Comm comm, int rank, int world, int tag_ub, double timeout_s)
+      : device_(device), comm_(comm), rank_(rank), world_(world), tag_ub_(tag_ub), timeout_s_(timeout_s) {}
+
+  ~MpiCommunicator() override {
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (finalized) return;
+    MpiLock lock;
+    MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  const char* backend_name() const override { return "mpi"; }
+  DeviceBackend* device() const override { return device_; }
+
+  Status all_gather(const void* send, void* recv, std::size_t bytes, DeviceStream* stream) override {
+    if (bytes > 0 && (send == nullptr || recv == nullptr))
+      return Status(StatusCode::kInvalidArgument, "all_gather: null buffer");
+    return enqueue("all_gather", stream, [=, this](Op& op) -> Status {
+      auto* out = static_cast<char*>(recv);
+      char* own = out + static_cast<std::size_t>(rank_) * bytes;
+      if (bytes == 0) return Status();
+      if (own != send) std::memmove(own, send, bytes);
+      for (int p = 0; p < world_; ++p) {
+        if (p == rank_) continue;
+        STRATA_RETURN_IF_ERROR(post(op, false, const_cast<char*>(own), bytes, p, 0));
+        STRATA_RETURN_IF_ERROR(post(op, true, out + static_cast<std::size_t>(p) * bytes, bytes, p, 0));
+      }
+      return wait(op);
+    });
+  }
+
+  Status reduce_scatter(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
+    if (count > 0 && (send == nullptr || recv == nullptr))
+      return Status(StatusCode::kInvalidArgument, "reduce_scatter: null buffer");
+    return enqueue("reduce_scatter", stream, [=, this](Op& op) -> Status {
+      if (count == 0) return Status();
+      // Every rank's slice `rank_`, by rank: own from `send`, others received.
+      std::vector<const float*> parts(static_cast<std::size_t>(world_));
+      auto stage = std::make_shared<std::vector<float>>(count * static_cast<std::size_t>(world_ - 1));
+      for (int p = 0, slot = 0; p < world_; ++p) {
+        if (p == rank_) {
+          parts[p] = send + static_cast<std::size_t>(rank_) * count;
+          continue;
+        }
+        float* in = stage->data() + static_cast<std::size_t>(slot++) * count;
+        parts[p] = in;
+        STRATA_RETURN_IF_ERROR(post(op, false, const_cast<float*>(send) + static_cast<std::size_t>(p) * count,
+                                    count * sizeof(float), p, 0));
+        STRATA_RETURN_IF_ERROR(post(op, true, in, count * sizeof(float), p, 0));
+      }
+      STRATA_RETURN_IF_ERROR(wait(op, stage));
+      sum_in_rank_order(parts, recv, count);
+      return Status();
+    });
+  }
+
+  Status all_reduce(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
+    if (count > 0 && (send == nullptr || recv == nullptr))
+      return Status(StatusCode::kInvalidArgument, "all_reduce: null buffer");
+    return enqueue("all_reduce", stream, [=, this](Op& op) -> Status {
+      if (count == 0) return Status();
+      auto begin = [&](int r) {
+        return static_cast<std::size_t>(static_cast<unsigned __int128>(count) * static_cast<unsigned>(r) /
+                                        static_cast<unsigned>(world_));
+      };
+      const std::size_t mine = begin(rank_), mine_n = begin(rank_ + 1) - mine;
+      // Phase 0 (reduce-scatter of uneven chunks): chunk `rank_` of every rank.
+      std::vector<const float*> parts(static_cast<std::size_t>(world_));
+      auto stage = std::make_shared<std::vector<float>>(mine_n * static_cast<std::size_t>(world_));
+      for (int p = 0, slot = 1; p < world_; ++p) {
+        if (p == rank_) {
+          parts[p] = send + mine;
+          continue;
+        }
+        float* in = stage->data() + static_cast<std::size_t>(slot++) * mine_n;
+        parts[p] = in;
+        const std::size_t pb = begin(p), pn = begin(p + 1) - pb;
+        STRATA_RETURN_IF_ERROR(post(op, false, const_cast<float*>(send) + pb, pn * sizeof(float), p, 0));
+        STRATA_RETURN_IF_ERROR(post(op, true, in, mine_n * sizeof(float), p, 0));
+      }
+      STRATA_RETURN_IF_ERROR(wait(op, stage));
+      // Slot 0 of the stage holds the sum: send may be recv (in place), and
+      // recv's chunk must not change before the sum has read send's.
+      float* acc = stage->data();
+      sum_in_rank_order(parts, acc, mine_n);
+      std::memcpy(recv + mine, acc, mine_n * sizeof(float));
+      // Phase 1 (all-gather of the summed chunks).
+      for (int p = 0; p < world_; ++p) {
+        if (p == rank_) continue;
+        const std::size_t pb = begin(p), pn = begin(p + 1) - pb;
+        STRATA_RETURN_IF_ERROR(post(op, false, recv + mine, mine_n * sizeof(float), p, 1));
+        STRATA_RETURN_IF_ERROR(post(op, true, recv + pb, pn * sizeof(float), p, 1));
+      }
+      return wait(op);
+    });
+  }
+
+  Status broadcast(void* data, std::size_t bytes, int root, DeviceStream* stream) override {
+    if (root < 0 || root >= world_)
+      return Status(StatusCode::kInvalidArgument, fmt::format("broadcast: root {} of a world of {}", root, world_));
+    if (bytes > 0 && data == nullptr) return Status(StatusCode::kInvalidArgument, "broadcast: null buffer");
+    return enqueue("broadcast", stream, [=, this](Op& op) -> Status {
+      if (bytes == 0) return Status();
+      if (rank_ == root) {
+        for (int p = 0; p < world_; ++p)
+          if (p != root) STRATA_RETURN_IF_ERROR(post(op, false, data, bytes, p, 0));
+      } else {
+        STRATA_RETURN_IF_ERROR(post(op, true, data, bytes, root, 0));
+      }
+      return wait(op);
+    });
+  }
+
+  Status barrier(DeviceStream* stream) override {
+    return enqueue("barrier", stream, [this](Op& op) -> Status {
+      // An empty message to and from every peer: done once all have arrived.
+      for (int p = 0; p < world_; ++p) {
+        if (p == rank_) continue;
+        STRATA_RETURN_IF_ERROR(post(op, false, nullptr, 0, p, 0));
+        STRATA_RETURN_IF_ERROR(post(op, true, nullptr, 0, p, 0));
+      }
+      return wait(op);
+    });
+  }
+
+ private:
+  // acc = parts[0]; acc += parts[1]; ... (communicator.h's fixed order).
+  // Plain fp32 adds: nothing here can be contracted into an FMA.
+  static void sum_in_rank_order(const std::vector<const float*>& parts, float* acc, std::size_t n) {
+    if (acc != parts[0]) std::memcpy(acc, parts[0], n * sizeof(float));
+    for (std::size_t r = 1; r < parts.size(); ++r) {
+      const float* in = parts[r];
+      for (std::size_t i = 0; i < n; ++i) acc[i] += in[i];
+    }
+  }
+
+  template <typename Body>
+  Status enqueue(const char* name, DeviceStream* stream, Body body) {
+    if (stream == nullptr) return Status(StatusCode::kInvalidArgument, fmt::format("{}: null stream", name));
+    if (Status broken = broken_status(); !broken.ok()) return broken;
+    const uint64_t seq = next_seq_.fetch_add(1);
+    // Tags: 2 per collective (phases), cycling below the MPI tag bound.
+    const int tag_base = static_cast<int>((seq % (static_cast<uint64_t>(tag_ub_) / 2)) * 2);
+    return device_->host_func_async(stream, [this, name, seq, tag_base, body]() -> Status {
+      if (Status broken = broken_status(); !broken.ok()) return broken;
+      Op op{name, seq, rank_, world_, tag_base, Clock::now(), {}, {}};
+      Status st = body(op);
+      if (!st.ok()) {
+        abandon(op);
+        break_with(st);
+      }
+      return st;
+    });
+  }
+
+  // Posts one transfer (split into pieces of at most kMaxPiece bytes; the
+  // pieces of one tag from one peer match in order, MPI's non-overtaking rule).
+  Status post(Op& op, bool recv, void* buf, std::size_t bytes, int peer, int phase) {
+    const int tag = op.tag_base + phase;
+    std::size_t off = 0;
+    do {
+      const std::size_t n = std::min(kMaxPiece, bytes - off);
+      MPI_Request req = MPI_REQUEST_NULL;
+      int rc;
+      {
+        MpiLock lock;
+        char* p = static_cast<char*>(buf) + (buf ? off : 0);
+        rc = recv ? MPI_Irecv(p, static_cast<int>(n), MPI_BYTE, peer, tag, comm_, &req)
+                  : MPI_Isend(p, static_cast<int>(n), MPI_BYTE, peer, tag, comm_, &req);
+      }
+      if (rc != MPI_SUCCESS)
+        return Status(StatusCode::kIoError, fmt::format("{}: {} of {} bytes {} rank {} failed: {}", op.where(),
+                                                        recv ? "MPI_Irecv" : "MPI_Isend", n, recv ? "from" : "to",
+                                                        peer, mpi_error_text(rc)));
+      op.reqs.push_back(req);
+      op.info.push_back({peer, recv, n});
+      off += n;
+    } while (off < bytes);
+    return Status();
+  }
+
+  // Polls the op's transfers until all are done or the deadline passes.
+  // `keep` (staging memory the transfers use) is kept alive for good if the
+  // transfers are abandoned.
+  Status wait(Op& op, std::shared_ptr<std::vector<float>> keep = nullptr) {
+    const auto deadline = op.start + std::chrono::duration_cast<Clock::duration>(
+                                         std::chrono::duration<double>(timeout_s_));
+    const auto spin_until = Clock::now() + std::chrono::milliseconds(20);
+    std::vector<MPI_Status> statuses(op.reqs.size());
+    for (;;) {
+      int done = 0, rc;
+      {
+        MpiLock lock;
+        rc = MPI_Testall(static_cast<int>(op.reqs.size()), op.reqs.data(), &done, statuses.data());
+      }
+      if (rc != MPI_SUCCESS) {
+        std::size_t bad = 0;
+        int err = rc;
+        if (rc == MPI_ERR_IN_STATUS)
+          for (std::size_t i = 0; i < statuses.size(); ++i)
+            if (statuses[i].MPI_ERROR != MPI_SUCCESS && statuses[i].MPI_ERROR != MPI_ERR_PENDING) {
+              bad = i;
+              err = statuses[i].MPI_ERROR;
+              break;
+            }
+        if (keep) graveyard_add(std::move(keep));
+        return Status(StatusCode::kIoError,
+                      fmt::format("{}: {} rank {} failed: {}", op.where(),
+                                  op.info[bad].recv ? "receive from" : "send to", op.info[bad].peer,
+                                  mpi_error_text(err)));
+      }
+      if (done) {
+        op.reqs.clear();
+        op.info.clear();
+        return Status();
+      }
+      const auto now = Clock::now();
+      if (now >= deadline) break;
+      if (now < spin_until)
+        sched_yield();
+      else
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+    }
+    // Timed out: name the first peer we still wait on (a receive before a send:
+    // a missing receive is the peer that did not send).
+    std::optional<std::size_t> first_recv, first_send;
+    {
+      MpiLock lock;
+      for (std::size_t i = 0; i < op.reqs.size(); ++i) {
+        int flag = 0;
+        if (op.reqs[i] != MPI_REQUEST_NULL) MPI_Test(&op.reqs[i], &flag, MPI_STATUS_IGNORE);
+        if (op.reqs[i] == MPI_REQUEST_NULL) continue;
+        auto& first = op.info[i].recv ? first_recv : first_send;
+        if (!first) first = i;
+      }
+    }
+    if (keep) graveyard_add(std::move(keep));
+    const std::size_t i = first_recv ? *first_recv : first_send.value_or(0);
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: timed out after {:g} s waiting for rank {} ({} of {} bytes)", op.where(),
+                              timeout_s_, op.info[i].peer, op.info[i].recv ? "receive" : "send",
+                              op.info[i].bytes));
+  }
+
+  // Cancels what is still pending (receives into the caller's buffers must
+  // not land later) and lets MPI free the requests when it can.
+  void abandon(Op& op) {
+    MpiLock lock;
+    for (MPI_Request& r : op.reqs) {
+      if (r == MPI_REQUEST_NULL) continue;
+      MPI_Cancel(&r);
+      MPI_Request_free(&r);
+    }
+    op.reqs.clear();
+  }
+
+  Status broken_status() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first_error_.ok()) return Status();
+    return Status(first_error_.code(), "communicator broken by an earlier failure: " + first_error_.message());
+  }
+  void break_with(const Status& st) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (first_error_.ok()) first_error_ = st;
+  }
+  void graveyard_add(std::shared_ptr<std::vector<float>> mem) {
+    std::lock_guard<std::mutex> lock(mu_);
+    graveyard_.push_back(std::move(mem));
+  }
+
+  DeviceBackend* const device_;
+  MPI_Comm comm_;
+  const int rank_, world_, tag_ub_;
+  const double timeout_s_;
+  std::atomic<uint64_t> next_seq_{0};
+  std::mutex mu_;  // guards first_error_ and graveyard_
+  Status first_error_;
+  std::vector<std::shared_ptr<std::vector<float>>> graveyard_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* device, const MpiCommOptions& options) {
+  if (device == nullptr) return Status(StatusCode::kInvalidArgument, "mpi communicator: null device backend");
+  if (device->kind() != DeviceKind::kHost)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("mpi communicator: needs the host device backend (got {}); CUDA buffers need NCCL",
+                              device->name()));
+  if (!(options.timeout_s > 0))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("mpi communicator: timeout_s must be > 0 (got {})", options.timeout_s));
+  STRATA_RETURN_IF_ERROR(ensure_mpi());
+  MpiLock lock;
+  MPI_Comm comm = MPI_COMM_NULL;
+  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  if (rc != MPI_SUCCESS)
+    return Status(StatusCode::kUnavailable, fmt::format("mpi communicator: MPI_Comm_dup failed: {}", mpi_error_text(rc)));
+  MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
+  int rank = 0, world = 1, flag = 0;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &world);
+  int* tag_ub = nullptr;
+  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag);
+  const int ub = (flag && tag_ub) ? *tag_ub : 32767;
+  return std::unique_ptr<Communicator>(new MpiCommunicator(device, comm, rank, world, ub, options.timeout_s));
+}
+
+void finalize_mpi() {
+  std::lock_guard<std::mutex> lock(g_init_mu);
+  if (!g_we_initialized) return;
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+  g_we_initialized = false;
+}
+
+}  // namespace strata::comm

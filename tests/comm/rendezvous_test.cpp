@@ -1,0 +1,143 @@
+// The TCP rendezvous with 3 processes on loopback: rank 0 in the test
+// process, ranks 1 and 2 forked. Each child checks its own result and
+// reports through its exit status. Timeouts of the passing cases are generous
+// (the machine may be loaded); the failing ones are short on purpose.
+#include "comm/rendezvous.h"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace strata::comm {
+namespace {
+
+// A port that was free a moment ago (the kernel's pick for port 0).
+uint16_t free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  ::close(fd);
+  return ntohs(sa.sin_port);
+}
+
+// Runs `child` in a forked process; its return value is the exit status.
+pid_t spawn(const std::function<int()>& child) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(child());
+  return pid;
+}
+
+int exit_status(pid_t pid) {
+  int st = 0;
+  ::waitpid(pid, &st, 0);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+}
+
+RendezvousOptions opts(uint16_t port, int rank, int world, double timeout_s) {
+  RendezvousOptions o;
+  o.addr = "127.0.0.1";
+  o.port = port;
+  o.rank = rank;
+  o.world_size = world;
+  o.timeout_s = timeout_s;
+  return o;
+}
+
+bool contains(const Status& st, const std::string& needle) { return st.message().find(needle) != std::string::npos; }
+
+TEST(Rendezvous, ThreeRanksGetRankZerosBlob) {
+  const uint16_t port = free_port();
+  std::vector<uint8_t> blob(128);  // the size of an ncclUniqueId
+  for (std::size_t i = 0; i < blob.size(); ++i) blob[i] = static_cast<uint8_t>(i * 7 + 3);
+  std::vector<pid_t> kids;
+  for (int r = 1; r < 3; ++r)
+    kids.push_back(spawn([&, r] {
+      auto got = rendezvous_broadcast(opts(port, r, 3, 30), {});
+      if (!got.ok()) {
+        fprintf(stderr, "rank %d: %s\n", r, got.status().to_string().c_str());
+        return 1;
+      }
+      return *got == blob ? 0 : 2;
+    }));
+  // Rank 0 starts late: the others retry until it listens.
+  ::usleep(200 * 1000);
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 30), blob);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  EXPECT_EQ(*got, blob);
+  for (pid_t k : kids) EXPECT_EQ(exit_status(k), 0);
+}
+
+TEST(Rendezvous, WrongWorldSizeIsRefusedOnEveryRank) {
+  const uint16_t port = free_port();
+  auto k1 = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 1, 3, 30), {});
+    return !got.ok() && contains(got.status(), "rank 0 refused the rendezvous") ? 0 : 1;
+  });
+  auto k2 = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 2, 4, 30), {});
+    if (got.ok()) return 1;
+    fprintf(stderr, "rank 2 sees: %s\n", got.status().message().c_str());
+    return got.status().code() == StatusCode::kInvalidArgument &&
+                   contains(got.status(), "rank 2 says world size 4, rank 0 has 3")
+               ? 0
+               : 2;
+  });
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 30), {1, 2, 3});
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(got.status(), "rank 2 says world size 4, rank 0 has 3")) << got.status().message();
+  // Rank 1 may have connected before or after rank 2's hello: either it got
+  // the refusal or, connecting after rank 0 closed, it times out; both fail.
+  const int s1 = exit_status(k1);
+  EXPECT_EQ(exit_status(k2), 0);
+  EXPECT_TRUE(s1 == 0 || s1 == 1) << s1;
+}
+
+TEST(Rendezvous, MissingRankTimesOutNamingIt) {
+  const uint16_t port = free_port();
+  auto k1 = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 1, 3, 30), {});
+    return !got.ok() && contains(got.status(), "never came: rank 2") ? 0 : 1;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 1.0), {9});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(contains(got.status(), "never came: rank 2")) << got.status().message();
+  EXPECT_LT(s, 5.0);
+  EXPECT_EQ(exit_status(k1), 0);
+}
+
+TEST(Rendezvous, NoRankZeroTimesOut) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = rendezvous_broadcast(opts(free_port(), 1, 2, 0.5), {});
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
+  EXPECT_TRUE(contains(got.status(), "could not reach rank 0")) << got.status().message();
+  EXPECT_LT(s, 5.0);
+}
+
+TEST(Rendezvous, BadOptions) {
+  EXPECT_EQ(rendezvous_broadcast(opts(1, 2, 2, 1), {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rendezvous_broadcast(opts(1, 0, 2, 0), {}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(rendezvous_broadcast(opts(0, 1, 2, 1), {}).status().code(), StatusCode::kInvalidArgument);
+  auto one = rendezvous_broadcast(opts(0, 0, 1, 1), {5});
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(*one, std::vector<uint8_t>{5});
+}
+
+}  // namespace
+}  // namespace strata::comm
