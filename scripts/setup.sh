@@ -11,7 +11,10 @@ PKGS=(
   libcli11-dev nlohmann-json3-dev libfmt-dev
   fio clang libclang-rt-14-dev
   python3-venv ccache
+  libopenmpi-dev openmpi-bin
 )
+# Open MPI: the communicator's mpi-labelled tests (mpirun -np 2/3) and, later,
+# host ranks; a build without it (STRATA_MPI=OFF) still works.
 # python3-venv: the Python package's test installs it into a fresh virtual
 # environment (ctest python_package); ccache speeds that build up when it repeats.
 # clang with libclang-rt-14-dev (libFuzzer's runtime: only recommended by clang,
@@ -21,8 +24,6 @@ PKGS=(
 #    compiled but run against the scalar one under qemu;
 #  - xfsprogs: the checkpoint reflink test makes an XFS loop image.
 if [[ "${STRATA_SETUP_EXTRAS:-0}" == "1" ]]; then PKGS+=(g++-aarch64-linux-gnu qemu-user xfsprogs); fi
-# MPI for the scale-out work (STRATA_MPI=AUTO picks it up).
-if [[ "${STRATA_SETUP_MPI:-0}" == "1" ]]; then PKGS+=(libopenmpi-dev openmpi-bin); fi
 
 # The reference tests' Python packages (STRATA_SETUP_REFERENCE=1; CI sets
 # it): torch, transformers, tokenizers, safetensors and peft from PyPI, pinned, so
