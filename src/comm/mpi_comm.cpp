@@ -130,7 +130,7 @@ class MpiCommunicator final : public Communicator {
       auto* out = static_cast<char*>(recv);
       char* own = out + static_cast<std::size_t>(rank_) * bytes;
       if (bytes == 0) return Status();
-      if (own != send) std::memmove(own, send, bytes);
+      if (own != send && bytes > 0) std::memmove(own, send, bytes);
       for (int p = 0; p < world_; ++p) {
         if (p == rank_) continue;
         STRATA_RETURN_IF_ERROR(post(op, false, const_cast<char*>(own), bytes, p, 0));
@@ -194,7 +194,7 @@ class MpiCommunicator final : public Communicator {
       // recv's chunk must not change before the sum has read send's.
       float* acc = stage->data();
       sum_in_rank_order(parts, acc, mine_n);
-      std::memcpy(recv + mine, acc, mine_n * sizeof(float));
+      if (mine_n > 0) std::memcpy(recv + mine, acc, mine_n * sizeof(float));
       // Phase 1 (all-gather of the summed chunks).
       for (int p = 0; p < world_; ++p) {
         if (p == rank_) continue;
@@ -238,6 +238,7 @@ class MpiCommunicator final : public Communicator {
   // acc = parts[0]; acc += parts[1]; ... (communicator.h's fixed order).
   // Plain fp32 adds: nothing here can be contracted into an FMA.
   static void sum_in_rank_order(const std::vector<const float*>& parts, float* acc, std::size_t n) {
+    if (n == 0) return;  // empty chunks may come with null pointers (memcpy's contract)
     if (acc != parts[0]) std::memcpy(acc, parts[0], n * sizeof(float));
     for (std::size_t r = 1; r < parts.size(); ++r) {
       const float* in = parts[r];
