@@ -5,6 +5,7 @@
 // The DLPack structs are declared below from the DLPack specification (the
 // unversioned DLManagedTensor of DLPack 0.6+, whose layout is frozen), so
 // libstrata needs no dlpack.h; python/tests check them against torch's.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -225,7 +226,11 @@ strata_status_t strata_engine_reduce_grad_dlpack(strata_engine_t engine, uint32_
     } else {
       STRATA_ASSIGN_OR_RETURN(ev, e.device().create_event());
     }
-    engine->dlpack_pending.reserve(engine->dlpack_pending.size() + 1);
+    // Room for the entry before the reduce, so the push_back below cannot
+    // throw after the engine took the gradient (grown geometrically: reserve
+    // of size + 1 would reallocate on every call).
+    auto& pending = engine->dlpack_pending;
+    if (pending.size() == pending.capacity()) pending.reserve(std::max<size_t>(16, 2 * pending.capacity()));
     Status st = e.reduce_grad(param, data, dt, s);
     // Work enqueued on `stream` after reduce_grad runs after the engine's
     // read (its contract), so this event passing means the read is done.
