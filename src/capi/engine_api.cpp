@@ -128,12 +128,7 @@ Result<strata_stream*> register_stream(strata_engine* e, Result<DeviceStream*> m
   return s;
 }
 
-// The event's engine, refusing a dead handle or a stream of another engine.
-Status event_args(strata_event* ev, strata_stream* s) {
-  if (!ev->engine) return Status(StatusCode::kInvalidArgument, "the event's engine was destroyed");
-  if (s) return stream_arg(ev->engine, s).status();
-  return Status();
-}
+// For calls on an event handle: NULL and dead handles are recorded on the thread.
 template <typename Fn>
 strata_status_t on_event(strata_event* ev, const char* fn, Fn&& body) noexcept {
   if (!ev) return fail(Status(StatusCode::kInvalidArgument, std::string(fn) + ": event is NULL"));
@@ -645,20 +640,17 @@ strata_status_t strata_event_destroy(strata_event_t event) {
   return STRATA_OK;
 }
 
-
 strata_status_t strata_event_record(strata_event_t event, strata_stream_t stream) {
   return on_event(event, "strata_event_record", [&]() -> Status {
-    if (!stream) return null_arg("strata_event_record", "stream");
-    STRATA_RETURN_IF_ERROR(event_args(event, stream));
-    return event->engine->engine->device().record(event->event, stream->stream);
+    STRATA_ASSIGN_OR_RETURN(DeviceStream * s, stream_arg(event->engine, stream));
+    return event->engine->engine->device().record(event->event, s);
   });
 }
 
 strata_status_t strata_stream_wait_event(strata_stream_t stream, strata_event_t event) {
   return on_event(event, "strata_stream_wait_event", [&]() -> Status {
-    if (!stream) return null_arg("strata_stream_wait_event", "stream");
-    STRATA_RETURN_IF_ERROR(event_args(event, stream));
-    return event->engine->engine->device().wait(stream->stream, event->event);
+    STRATA_ASSIGN_OR_RETURN(DeviceStream * s, stream_arg(event->engine, stream));
+    return event->engine->engine->device().wait(s, event->event);
   });
 }
 
