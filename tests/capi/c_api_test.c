@@ -6,16 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "c_check.h"
 #include "strata/strata.h"
 
-static int failures = 0;
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                              \
-    }                                                                          \
-  } while (0)
 
 static void test_basics(void) {
   CHECK(strata_api_version() == STRATA_API_VERSION);
@@ -129,10 +122,5 @@ int main(void) {
   test_basics();
   test_errors();
   test_adamw_matches_reference();
-  if (failures) {
-    fprintf(stderr, "c api: %d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("c api: all checks passed\n");
-  return 0;
+  return check_summary("c api");
 }

@@ -21,28 +21,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "c_check.h"
 #include "strata/strata.h"
-
-static int failures = 0;
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                              \
-    }                                                                          \
-  } while (0)
-/* A call that must succeed; on failure print the engine's message and stop
- * the current test function (returns -1). */
-#define OK(e, call)                                                                                    \
-  do {                                                                                                 \
-    strata_status_t rc_ = (call);                                                                      \
-    if (rc_ != STRATA_OK) {                                                                            \
-      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call, strata_status_string(rc_), \
-              (e) ? strata_engine_last_error(e) : strata_last_error());                              \
-      ++failures;                                                                                      \
-      return -1;                                                                                       \
-    }                                                                                                  \
-  } while (0)
 
 /* ------------------------------------------------------------------ the model
  * x[6] -> h1 = tanh(W0 x + b0)[4] -> h2 = tanh(W1 h1 + b1)[3] -> y = W2 h2 [2]
@@ -679,10 +659,5 @@ int main(void) {
   if (test_ram_matches_reference() == 0) test_nvme_and_checkpoint();
   free_set(g_final_ram);
   rm_tree(g_tmp);
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("engine C API: all checks passed\n");
-  return 0;
+  return check_summary("engine C API");
 }

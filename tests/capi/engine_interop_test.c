@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "c_check.h"
 #include "strata/strata.h"
 
 typedef struct {
@@ -47,24 +48,6 @@ struct DLManagedTensor {
 typedef struct DLManagedTensor DLManagedTensor;
 enum { kDLCPU = 1, kDLCUDA = 2, kDLFloat = 2, kDLInt = 0, kDLBfloat = 4 };
 
-static int failures = 0;
-#define CHECK(cond)                                                            \
-  do {                                                                         \
-    if (!(cond)) {                                                             \
-      fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #cond); \
-      ++failures;                                                              \
-    }                                                                          \
-  } while (0)
-#define OK(e, call)                                                                                    \
-  do {                                                                                                 \
-    strata_status_t rc_ = (call);                                                                      \
-    if (rc_ != STRATA_OK) {                                                                            \
-      fprintf(stderr, "%s:%d: %s -> %s: %s\n", __FILE__, __LINE__, #call, strata_status_string(rc_), \
-              (e) ? strata_engine_last_error(e) : strata_last_error());                              \
-      ++failures;                                                                                      \
-      return -1;                                                                                       \
-    }                                                                                                  \
-  } while (0)
 
 enum { ROWS = 3, COLS = 4, N = ROWS * COLS };
 
@@ -277,10 +260,5 @@ int main(void) {
   test_events();
   test_export();
   test_reduce();
-  if (failures) {
-    fprintf(stderr, "%d check(s) failed\n", failures);
-    return 1;
-  }
-  printf("engine interop C test (events, DLPack): all checks passed\n");
-  return 0;
+  return check_summary("engine interop C test (events, DLPack)");
 }
