@@ -426,6 +426,13 @@ class CPUAdamW(torch.optim.Optimizer):
                 out[t].append((p, off, start, n))
         return dict(sorted(out.items()))
 
+    def _read_moments(self, t, f32, count):
+        """Engine tensor t's exp_avg, exp_avg_sq (and max_exp_avg_sq, from its shadow tensor, when count is 3) into f32."""
+        self._store.read(t, 0, f32[0])
+        self._store.read(t, 1, f32[1])
+        if count == 3:
+            self._store.read(self._shadow[t], 0, f32[2])
+
     def _read_states(self, params):
         """{param: {key: new tensor in the state dtype}} read from the store."""
         out = {}
@@ -435,10 +442,7 @@ class CPUAdamW(torch.optim.Optimizer):
         for t, pieces in self._pieces_by_tensor(params).items():
             count = 3 if any(p in self._has_max for p, _, _, _ in pieces) else 2
             f32, _ = self._buffers(self._store.sizes[t], count)
-            self._store.read(t, 0, f32[0])
-            self._store.read(t, 1, f32[1])
-            if count == 3:
-                self._store.read(self._shadow[t], 0, f32[2])
+            self._read_moments(t, f32, count)
             for p, off, start, n in pieces:
                 for r, k in enumerate(_STATE_KEYS + ("max_exp_avg_sq",)):
                     if k in out[p]:
@@ -543,10 +547,7 @@ class CPUAdamW(torch.optim.Optimizer):
         with a gradient it holds, writes the moments back."""
         count = 3 if any(job[5] for job, _, _, _ in pieces) else 2
         f32, low = self._buffers(self._store.sizes[t], count)
-        self._store.read(t, 0, f32[0])
-        self._store.read(t, 1, f32[1])
-        if count == 3:
-            self._store.read(self._shadow[t], 0, f32[2])
+        self._read_moments(t, f32, count)
         for job, off, _, n in pieces:
             if job[8]:  # the parameter's first step: zero moments whatever the store holds
                 for r in range(count):
