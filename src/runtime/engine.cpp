@@ -177,6 +177,47 @@ Status Engine::read_param(ParamId id, void* dst, DType dtype) {
   return {};
 }
 
+Status Engine::gather_param(ParamId id, void* dst, DType dtype) {
+  Impl& I = *impl_;
+  engine::Registry& R = I.reg;
+  if (R.world == 1) return read_param(id, dst, dtype);
+  if (id >= R.params.size())
+    return Status(StatusCode::kInvalidArgument, fmt::format("engine: gather_param: no parameter {}", id));
+  STRATA_RETURN_IF_ERROR(check_dtype(dtype, "gather_param"));
+  STRATA_RETURN_IF_ERROR(I.wait_idle());
+  ParamState& p = R.params[id];
+  const engine::Bounce b = I.grads.bounce();
+  const size_t out_sz = dtype_size(dtype);
+  const uint64_t n = p.shard.size(), padded = p.shard.padded;
+  std::vector<float> all(static_cast<size_t>(R.world) * std::min(b.elems, std::max<uint64_t>(padded, 1)));
+  // Every rank walks its padded shard in the same pieces; piece k of rank r
+  // lands at r * padded + k's offset of the whole tensor.
+  for (uint64_t off = 0; off < padded; off += b.elems) {
+    const uint64_t cnt = std::min(b.elems, padded - off);
+    const uint64_t have = off < n ? std::min(cnt, n - off) : 0;
+    Status st = !p.trainable || have == 0 ? Status() : R.read_array(p.master, 4, off, have, b.f32);
+    if (st.ok() && !p.trainable && have > 0) {
+      st = R.read_array(p.compute, dtype_size(p.dtype), off, have, b.compute);
+      if (st.ok()) widen_to_f32(b.compute, p.dtype, have, b.f32);
+    }
+    if (!st.ok()) return st.with_context(fmt::format("engine: gather_param({})", p.name));
+    std::fill(b.f32 + have, b.f32 + cnt, 0.0f);
+    float* mine = all.data() + R.rank * cnt;
+    std::memcpy(mine, b.f32, cnt * 4);
+    st = R.blocking_collective([&](DeviceStream* s) { return R.comm->all_gather(mine, all.data(), cnt * 4, s); },
+                               cnt * 4 * (R.world - 1));
+    if (!st.ok()) return st.with_context(fmt::format("engine: gather_param({})", p.name));
+    for (uint32_t r = 0; r < R.world; ++r) {
+      const uint64_t begin = r * padded + off;
+      if (begin >= p.numel) continue;
+      const uint64_t m = std::min(cnt, p.numel - begin);
+      st = narrow_from_f32(all.data() + r * cnt, dtype, m, static_cast<char*>(dst) + begin * out_sz);
+      if (!st.ok()) return st.with_context(fmt::format("engine: gather_param({})", p.name));
+    }
+  }
+  return {};
+}
+
 namespace {
 // The optimizer state array k of p, or why there is none.
 Result<const engine::ArrayLoc*> state_of(const engine::Registry& reg, ParamId id, int k, const char* op) {
@@ -199,7 +240,8 @@ Result<const engine::ArrayLoc*> state_of(const engine::Registry& reg, ParamId id
 Status Engine::read_state(ParamId id, int k, float* dst) {
   Impl& I = *impl_;
   STRATA_ASSIGN_OR_RETURN(const engine::ArrayLoc* a, state_of(I.reg, id, k, "read_state"));
-  if (dst == nullptr) return Status(StatusCode::kInvalidArgument, "engine: read_state: null destination");
+  if (dst == nullptr && I.reg.params[id].shard.size() > 0)
+    return Status(StatusCode::kInvalidArgument, "engine: read_state: null destination");
   STRATA_RETURN_IF_ERROR(I.wait_idle());
   const ParamState& p = I.reg.params[id];
   const DType sd = I.reg.cfg.strata.optimizer_state_dtype;
@@ -428,6 +470,7 @@ EngineStats Engine::stats() const {
   s.prefetch_hits = I.uploader.hits();
   s.prefetch_misses = I.uploader.misses();
   s.order_changes = I.uploader.order_changes();
+  s.comm_bytes = I.reg.traffic.comm.load(std::memory_order_relaxed);
   s.hot_path_allocs = I.hot_allocs.load(std::memory_order_relaxed);
   s.steps = I.stepper.steps_published();
   s.skipped_steps = I.stepper.skipped_steps();

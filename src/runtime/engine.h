@@ -80,12 +80,36 @@
 // tiers from one SwapStore. acquire/release/reduce_grad/step allocate nothing
 // once the first step has run (stats().hot_path_allocs counts them).
 //
-// Sharding. Every parameter is split into world_size shards (model_spec.h's
-// shard_range); this rank keeps the shard of its master, optimizer states and
-// gradient. world_size > 1 needs the collective layer (all-gather in acquire,
-// reduce-scatter in reduce_grad) that is not built yet: create() refuses it
-// with kUnavailable (Strata has no kUnimplemented code: "a feature is
-// missing"). The shard bookkeeping already runs for N ranks.
+// Sharding and ranks (ZeRO stage 3). Every parameter is split into
+// world_size shards (model_spec.h's shard_range: rank r owns elements
+// [r*padded, r*padded + size)); this rank keeps only its shard of the compute
+// copy, master, optimizer states and gradient, each on its home tier. With a
+// communicator of N > 1 ranks (EngineOptions::comm):
+//   - acquire() all-gathers the group's compute copies into the device buffer
+//     (this rank's shard is uploaded, then an in-place all-gather); the
+//     gather is enqueued on the upload stream by the first hold, so every
+//     rank gathers in its program order;
+//   - reduce_grad() reduce-scatters the gradient: the sum over ranks, in rank
+//     order (comm/communicator.h), of each rank's fp32 gradient lands in this
+//     rank's shard and is accumulated there as one micro-batch of a 1-rank
+//     run would be; step() averages over micro-batches x world_size;
+//   - step() sums the per-group squares of every rank (rank order) for the
+//     global norm, so clipping and the inf/NaN skip agree on every rank;
+//   - checkpoints are written by every rank into one directory (a token from
+//     rank 0, then rank 0 commits once every rank finished its shard) and
+//     load on the same world size;
+//   - gather_param() assembles a whole parameter (export).
+// Every rank must make the same calls in the same order (acquire's first
+// holds, reduce_grad, step, save/load, gather_param): they are collectives.
+// A rank that stops making them makes the others fail after the
+// communicator's timeout (kUnavailable naming the peer). With N ranks and
+// micro-batches of b sequences, the step equals a 1-rank step of N
+// micro-batches (rank order) of b sequences: bit-identical when each rank
+// runs one micro-batch per step and clipping does not engage (the norm's
+// per-rank partial sums are added in another order than one rank's, so the
+// clipping coefficient may differ in the last bits). Not with N > 1 yet:
+// overlap_backward, the CUDA backend (no NCCL backend), ZeRO stages 1 and 2
+// (replicated parameters), resharding a checkpoint to another world size.
 //
 // Thread-safety: one thread drives an engine (all calls below, except
 // stats() and trace_*(), which any thread may call). Calls block only where
@@ -109,9 +133,13 @@
 namespace strata::io {
 class FaultInjector;
 }
+namespace strata::comm {
+class Communicator;
+}
 
 namespace strata {
 
+class CheckpointWriter;
 class Tracer;
 
 using ParamId = uint32_t;  // index into ModelSpec::params
@@ -132,6 +160,11 @@ struct EngineOptions {
   // Tests: every NVMe I/O of the engine passes through this fault injector
   // (io/fault_injection.h), so each one can be made to fail in turn.
   std::shared_ptr<io::FaultInjector> io_faults;
+  // The ranks of a data-parallel job (comm/communicator.h); not owned, must
+  // outlive the engine and be over the same device backend. Null: one rank.
+  // Its world size and rank become the plan's (config strata.world_size /
+  // strata.rank, when set, must agree).
+  comm::Communicator* comm = nullptr;
 };
 
 // What the trainer gets from acquire(): one device pointer per parameter of
@@ -163,6 +196,10 @@ struct EngineStats {
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t acquires = 0, prefetch_hits = 0, prefetch_misses = 0, order_changes = 0;
+  // Bytes this rank sent to its peers in collectives (all-gathers in acquire,
+  // reduce-scatters in reduce_grad, the norm, checkpoints, gather_param):
+  // (N-1)/N of each collective's buffer for every all-gather/reduce-scatter.
+  uint64_t comm_bytes = 0;
   uint64_t hot_path_allocs = 0;  // allocations after the first step (should stay 0)
   int64_t steps = 0, skipped_steps = 0;
 };
@@ -174,7 +211,8 @@ class Engine {
   // message), creates the device backend (if not given), I/O engine, swap
   // store, pinned pool, tracer, and allocates every tier's storage (zeroed).
   // Errors: kInvalidArgument (bad config or model; overlap_backward with
-  // fp16 dynamic scaling), kUnavailable (world_size > 1; master/optimizer
+  // fp16 dynamic scaling), kUnavailable (world_size > 1 without a communicator, or with
+  // what N ranks do not support yet (see Sharding); master/optimizer
   // states/gradients planned onto the device; bias_correction false; a model
   // mixing bf16 and fp16; a requested backend), kOutOfBudget, I/O and
   // allocation errors naming what failed.
@@ -201,6 +239,11 @@ class Engine {
   // Copies parameter p (this rank's shard of the fp32 master; world_size 1:
   // the whole tensor) to host memory `dst` in `dtype`. Blocking.
   Status read_param(ParamId p, void* dst, DType dtype);
+  // The whole parameter p (numel elements, fp32 master or a frozen one's
+  // compute copy) into host memory `dst` in `dtype`, assembled from every
+  // rank's shard: a collective (every rank calls it, same p, same order).
+  // One rank: read_param. Blocking.
+  Status gather_param(ParamId p, void* dst, DType dtype);
   // The optimizer state of trainable parameter p as fp32 (AdamW: k = 0 the
   // first moment exp_avg, k = 1 the second exp_avg_sq; torch's names), this
   // rank's shard: read to convert a checkpoint to PyTorch/DeepSpeed, loaded to
@@ -300,6 +343,11 @@ class Engine {
   struct Impl;  // internal (runtime/engine/engine_impl.h)
 
  private:
+  // One rank's part of a checkpoint (engine/checkpointing.cpp). `keep` null:
+  // one rank, committed here; else finished and handed back for N ranks.
+  Status save_shard(const std::string& dir, std::string_view extra_json, const std::string& token,
+                    std::unique_ptr<CheckpointWriter>* keep = nullptr);
+  Status load_shard(const std::string& dir, std::string* extra_json);
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

@@ -11,6 +11,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <random>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
 #include "common/log.h"
@@ -75,9 +78,74 @@ nlohmann::json param_steps_json(const engine::Registry& R, int64_t steps) {
   return o;
 }
 
+// N ranks: every rank's `mine`, in rank order (a blocking all-gather).
+Result<std::vector<double>> gather_flags(engine::Registry& R, double mine) {
+  std::vector<double> all(R.world, 0.0);
+  all[R.rank] = mine;
+  double* slot = all.data() + R.rank;
+  STRATA_RETURN_IF_ERROR(R.blocking_collective(
+      [&](DeviceStream* s) { return R.comm->all_gather(slot, all.data(), sizeof(double), s); },
+      sizeof(double) * (R.world - 1)));
+  return all;
+}
+
+// N ranks: the staging token rank 0 picked ("<pid>-<random>"), broadcast.
+Result<std::string> agree_token(engine::Registry& R) {
+  char buf[64] = {};
+  if (R.rank == 0) {
+    const std::string t = fmt::format("{}-{:08x}", ::getpid(), static_cast<uint32_t>(std::random_device{}()));
+    std::memcpy(buf, t.data(), std::min(t.size(), sizeof(buf) - 1));
+  }
+  STRATA_RETURN_IF_ERROR(R.blocking_collective([&](DeviceStream* s) { return R.comm->broadcast(buf, sizeof(buf), 0, s); },
+                                               R.rank == 0 ? sizeof(buf) * (R.world - 1) : 0));
+  buf[sizeof(buf) - 1] = 0;
+  return std::string(buf);
+}
+
 }  // namespace
 
+// N ranks: each rank writes and finishes its shard; they agree that every
+// shard is finished before rank 0 commits, and rank 0 says whether it did:
+// every rank returns the same outcome, and a checkpoint some rank could not
+// write is never committed (rank 0 removes the staging directory).
 Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_json) {
+  Impl& I = *impl_;
+  engine::Registry& R = I.reg;
+  if (R.world == 1) return save_shard(dir, extra_json, {});
+  STRATA_ASSIGN_OR_RETURN(std::string token, agree_token(R));
+  std::unique_ptr<CheckpointWriter> w;
+  Status mine = save_shard(dir, extra_json, token, &w);
+  STRATA_ASSIGN_OR_RETURN(std::vector<double> done, gather_flags(R, mine.ok() ? 1.0 : 0.0));
+  std::string missing;
+  for (uint32_t r = 0; r < R.world; ++r)
+    if (done[r] == 0.0) missing += fmt::format("{}{}", missing.empty() ? "" : ", ", r);
+  Status commit;
+  if (R.rank == 0) {
+    if (missing.empty()) {
+      commit = w->commit();
+    } else {
+      Status a = abort_checkpoint_staging(dir, token);
+      if (!a.ok()) log_error("engine: removing the staging directory of the failed save {}: {}", dir, a.message());
+    }
+  }
+  STRATA_ASSIGN_OR_RETURN(std::vector<double> committed, gather_flags(R, commit.ok() && missing.empty() ? 1.0 : 0.0));
+  if (!mine.ok()) return mine;
+  if (!missing.empty())
+    return Status(StatusCode::kIoError,
+                  fmt::format("engine: save_checkpoint {}: rank(s) {} could not write their shard (their own errors "
+                              "say why); nothing was committed",
+                              dir, missing));
+  if (!commit.ok()) return commit;
+  if (committed[0] == 0.0)
+    return Status(StatusCode::kIoError,
+                  fmt::format("engine: save_checkpoint {}: rank 0 could not commit the checkpoint (its error says "
+                              "why); the previous checkpoint under {} stays",
+                              dir, dir));
+  return {};
+}
+
+Status Engine::save_shard(const std::string& dir, std::string_view extra_json, const std::string& token,
+                          std::unique_ptr<CheckpointWriter>* keep) {
   Impl& I = *impl_;
   engine::Registry& R = I.reg;
   const engine::Stepper& S = I.stepper;
@@ -99,6 +167,7 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
   CheckpointWriteOptions wo;
   wo.rank = R.plan.rank;
   wo.world_size = R.plan.world_size;
+  wo.token = token;
   STRATA_ASSIGN_OR_RETURN(auto w, CheckpointWriter::create(dir, info, wo));
   std::vector<uint8_t> tmp;
   for (const auto& a : arrays_of(R)) {
@@ -152,10 +221,34 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
   };
   const std::string text = meta.dump();
   STRATA_RETURN_IF_ERROR(w->add_buffer(kMetaEntry, DType::kU8, text.size(), text.data(), text.size()));
-  return w->commit();
+  if (keep == nullptr) return w->commit();
+  STRATA_RETURN_IF_ERROR(w->finish_shard());
+  *keep = std::move(w);
+  return {};
 }
 
+// N ranks: every rank loads its shard, then they agree: if any rank failed,
+// every rank fails (and refuses to step until a load succeeds everywhere).
 Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) {
+  Impl& I = *impl_;
+  engine::Registry& R = I.reg;
+  if (R.world == 1) return load_shard(dir, extra_json);
+  Status mine = load_shard(dir, extra_json);
+  STRATA_ASSIGN_OR_RETURN(std::vector<double> ok, gather_flags(R, mine.ok() ? 1.0 : 0.0));
+  if (!mine.ok()) return mine;
+  for (uint32_t r = 0; r < R.world; ++r)
+    if (ok[r] == 0.0) {
+      I.broken = true;
+      I.broken_status = Status(StatusCode::kIoError, fmt::format("rank {} could not load {}", r, dir));
+      return Status(StatusCode::kIoError,
+                    fmt::format("engine: load_checkpoint {}: rank {} could not load its shard (its error says why); "
+                                "load a checkpoint that every rank can read",
+                                dir, r));
+    }
+  return {};
+}
+
+Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
   Impl& I = *impl_;
   engine::Registry& R = I.reg;
   if (I.uploader.acquired_count() > 0)
@@ -167,6 +260,18 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
   CheckpointOpenOptions oo;
   oo.rank = R.plan.rank;
   oo.verify_all = true;  // every checksum before anything is restored
+  // The world size first: a shard of another world size has another layout.
+  {
+    CheckpointOpenOptions peek = oo;
+    peek.rank = 0;
+    peek.verify_all = false;
+    STRATA_ASSIGN_OR_RETURN(auto r0, CheckpointReader::open(dir, peek));
+    if (r0->info().world_size != R.world)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("engine: checkpoint {} was saved by {} rank(s); this run has {}: resharding a "
+                                "checkpoint to another world size is not built yet (run with {} rank(s))",
+                                dir, r0->info().world_size, R.world, r0->info().world_size));
+  }
   STRATA_ASSIGN_OR_RETURN(auto r, CheckpointReader::open(dir, oo));
   const CheckpointEntry* me = r->find(kMetaEntry);
   if (me == nullptr)

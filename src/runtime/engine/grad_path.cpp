@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -52,6 +53,10 @@ Status GradPath::allocate() {
     dl_free_.push_back(i);
   }
   STRATA_ASSIGN_OR_RETURN(scratch_, reg_.pool->allocate(piece_elems_ * 4));
+  if (reg_.world > 1) {
+    STRATA_ASSIGN_OR_RETURN(void* send, reg_.dev->alloc(piece_elems_ * 4 * reg_.world));
+    send_ = static_cast<float*>(send);
+  }
   return {};
 }
 
@@ -72,6 +77,7 @@ GradPath::~GradPath() {
     reg_.dev->destroy_event(ev_caller_);
     reg_.dev->destroy_event(ev_download_);
     if (download_) (void)reg_.dev->destroy_stream(download_);
+    if (send_) (void)reg_.dev->free(send_);
   }
 }
 
@@ -93,6 +99,7 @@ void GradPath::accumulator_main(const Job& j) {
 }
 
 Status GradPath::accumulate(const Job& j) {
+  if (j.count == 0) return {};  // N ranks: a piece wholly in this rank's padding
   ParamState& p = reg_.params[j.param];
   const void* src = dl_[j.slot].data();
   Tracer* tracer = reg_.tracer.get();
@@ -179,8 +186,12 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
                                        "gradients are torn: discard the step (Engine::discard_step)",
                                        p.name));
   };
-  for (uint64_t off = 0; off < n; off += piece_elems_) {
-    const uint64_t cnt = std::min(piece_elems_, n - off);
+  // N ranks: every rank walks the padded shard length in the same pieces (the
+  // reduce-scatters must match), accumulating the elements of its own shard.
+  const bool scatter = reg_.world > 1;
+  const uint64_t walk = scatter ? p.shard.padded : n;
+  for (uint64_t off = 0; off < walk; off += piece_elems_) {
+    const uint64_t cnt = std::min(piece_elems_, walk - off);
     uint32_t slot;
     {
       std::unique_lock<std::mutex> lock(mu_);
@@ -199,7 +210,9 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
     void* dst = dl_[slot].data();
     const size_t bytes = cnt * esz;
     Status st;
-    if (host) {
+    if (scatter) {
+      st = reduce_scatter_piece(p, grad, dtype, off, cnt, dl_[slot].as<float>());
+    } else if (host) {
       Tracer* tr = reg_.tracer && reg_.tracer->enabled() ? reg_.tracer.get() : nullptr;
       const uint32_t track = reg_.trace_d2h;
       st = reg_.dev->host_func_async(download_, [dst, src, bytes, tr, track] {
@@ -215,15 +228,15 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
       give_back(slot);
       return failed(st);
     }
-    reg_.traffic.d2h += bytes;
+    if (!scatter) reg_.traffic.d2h += bytes;
     Job j;
     j.kind = Job::kAccum;
     j.slot = slot;
     j.param = id;
     j.group = p.group;
     j.offset = off;
-    j.count = cnt;
-    j.dtype = dtype;
+    j.count = scatter ? (off < n ? std::min(cnt, n - off) : 0) : cnt;  // N ranks: the padding is not accumulated
+    j.dtype = scatter ? DType::kF32 : dtype;
     j.first = first;
     st = queue_from_stream(j);
     if (!st.ok()) {
@@ -237,6 +250,32 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
   pg.reduced_micro = micro_index;
   pg.written = true;
   return {};
+}
+
+// N ranks, host backend: on the download stream, rank r's elements
+// [off, off + cnt) of its padded shard, taken from every rank's full gradient
+// and widened to fp32 (zeros past numel), are packed rank by rank into the
+// send buffer; the reduce-scatter then leaves in `out` the rank-order sum of
+// this rank's piece over all ranks (comm/communicator.h's fixed order).
+Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
+                                      float* out) {
+  float* send = send_;
+  const uint32_t world = reg_.world;
+  const uint64_t padded = p.shard.padded, numel = p.numel;
+  const size_t esz = dtype_size(dtype);
+  Status st = reg_.dev->host_func_async(download_, [=] {
+    for (uint32_t r = 0; r < world; ++r) {
+      const uint64_t begin = r * padded + off;
+      const uint64_t have = begin < numel ? std::min(cnt, numel - begin) : 0;
+      float* d = send + static_cast<uint64_t>(r) * cnt;
+      widen_to_f32(static_cast<const char*>(grad) + begin * esz, dtype, have, d);
+      std::fill(d + have, d + cnt, 0.0f);
+    }
+    return Status();
+  });
+  if (st.ok()) st = reg_.comm->reduce_scatter(send, out, cnt, download_);
+  if (st.ok()) reg_.traffic.comm += cnt * 4 * (world - 1);
+  return st;
 }
 
 Status GradPath::queue_group_done(GroupId g) {

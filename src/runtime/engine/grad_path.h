@@ -15,6 +15,9 @@
 // the engine's AsyncError (an accumulation's I/O error), and the
 // on_group_done callback (overlap mode: the stepper's update queue), called
 // on the accumulator thread after every piece of the group was added.
+// N ranks: each piece of the shard is first reduce-scattered (the rank-order
+// sum over ranks, fp32) straight into the pinned piece, on the download
+// stream; the accumulator then adds it as it would a one-rank gradient.
 // Must not: change the accumulation order or arithmetic (host and NVMe
 // results are bit-identical); allocate per reduce (the pieces are the
 // back-pressure: reduce() waits for a free one).
@@ -94,6 +97,8 @@ class GradPath {
   void accumulator_main(const Job& j);  // accumulator thread
   Status accumulate(const Job& j);      // accumulator thread
   Status queue_from_stream(const Job& j);
+  Status reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
+                              float* out);
   Status zero_grad(ParamId p);
 
   Registry& reg_;
@@ -112,6 +117,7 @@ class GradPath {
   std::condition_variable cv_;     // a piece was freed
   std::vector<uint32_t> dl_free_;  // guarded by mu_
   io::PinnedBuffer scratch_;       // accumulator thread: fp32 read-add-write
+  float* send_ = nullptr;          // N ranks: world x piece fp32 (device memory), the reduce-scatter's input
   WorkQueue<Job> queue_;
 };
 

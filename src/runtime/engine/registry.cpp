@@ -9,6 +9,8 @@
 #include <cstring>
 #include <filesystem>
 #include <map>
+#include <random>
+#include <unistd.h>
 
 #include "common/log.h"
 #include "common/units.h"
@@ -49,6 +51,7 @@ Status narrow_from_f32(const float* src, DType dtype, uint64_t n, void* dst) {
 
 Status Registry::init(const EngineOptions& opts) {
   options = opts;
+  STRATA_RETURN_IF_ERROR(set_ranks());
   STRATA_RETURN_IF_ERROR(validate());
 
   // ---- device
@@ -62,6 +65,15 @@ Status Registry::init(const EngineOptions& opts) {
     STRATA_ASSIGN_OR_RETURN(owned_device, create_device_backend(d));
     dev = owned_device.get();
   }
+  if (comm != nullptr && comm->device() != dev)
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: the communicator works on another device backend than the engine's (create it over "
+                  "EngineOptions::device)");
+  if (world > 1 && dev->kind() != DeviceKind::kHost)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("engine: world_size {} on {}: N ranks run on the host backend over MPI; the NCCL "
+                              "backend for CUDA devices is not built yet",
+                              world, dev->name()));
   STRATA_RETURN_IF_ERROR(make_plan_for_budgets());
   {
     const uint64_t chunk = round_up(cfg.strata.optimizer_chunk, 2048);
@@ -84,16 +96,53 @@ Status Registry::init(const EngineOptions& opts) {
   return {};
 }
 
+// The world size and rank: the communicator's; the model's and the config's
+// (when not the default 1/0) must agree with it. Without a communicator only
+// one rank runs.
+Status Registry::set_ranks() {
+  ModelSpec& model = options.model;
+  comm = options.comm;
+  if (comm == nullptr) {
+    const uint32_t ws = std::max(model.world_size, cfg.strata.world_size);
+    if (ws > 1)
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("engine: world_size {} needs a communicator over the job's ranks "
+                                "(EngineOptions::comm: comm::create_communicator under mpirun)",
+                                ws));
+    return {};
+  }
+  world = static_cast<uint32_t>(comm->world_size());
+  rank = static_cast<uint32_t>(comm->rank());
+  auto agree = [&](uint32_t ws, uint32_t rk, const char* what) -> Status {
+    if ((ws == 1 && rk == 0) || (ws == world && rk == rank)) return {};
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: {} says rank {} of {}, but the communicator ({}) is rank {} of {}", what, rk,
+                              ws, comm->backend_name(), rank, world));
+  };
+  STRATA_RETURN_IF_ERROR(agree(model.world_size, model.rank, "the model spec"));
+  STRATA_RETURN_IF_ERROR(agree(cfg.strata.world_size, cfg.strata.rank, "config strata.world_size/rank"));
+  model.world_size = cfg.strata.world_size = world;
+  model.rank = cfg.strata.rank = rank;
+  if (world > 1) {
+    if (cfg.zero.stage == 1 || cfg.zero.stage == 2)
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("engine: zero_optimization.stage {} with {} ranks: stages 1 and 2 (parameters "
+                                "replicated on every rank) are not built yet; Strata runs N ranks as stage 3 "
+                                "(parameters sharded too): set stage 3",
+                                cfg.zero.stage, world));
+    if (cfg.strata.overlap_backward)
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("engine: strata.overlap_backward with {} ranks is not built yet (the group updates "
+                                "would need the global norm before it exists on every rank); turn it off",
+                                world));
+  }
+  return {};
+}
+
 Status Registry::validate() {
   const ModelSpec& model = options.model;
   STRATA_RETURN_IF_ERROR(validate_model_spec(model));
   if (model.params.empty()) return Status(StatusCode::kInvalidArgument, "engine: the model has no parameters");
-  const uint32_t ws = std::max(model.world_size, cfg.strata.world_size);
-  if (ws > 1)
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("engine: world_size {} needs the collective layer (all-gather in acquire, "
-                              "reduce-scatter in reduce_grad), which is not built yet; run with world_size 1",
-                              ws));
   if (cfg.strata.overlap_backward && cfg.fp16.enabled && cfg.fp16.loss_scale == 0)
     return Status(StatusCode::kInvalidArgument,
                   "engine: strata.overlap_backward cannot be combined with fp16 dynamic loss scaling (an overflow "
@@ -175,8 +224,32 @@ void Registry::list_params_and_groups() {
   }
 }
 
+// N ranks share one run directory name (rank 0's, broadcast), so the ranks'
+// swap files sit side by side in one run directory of a shared NVMe
+// directory instead of each rank warning about the others' directories.
+// Always exchanged with N ranks: the plans (and whether any state is on NVMe)
+// may differ between ranks, the sequence of collectives must not.
+Result<std::string> Registry::agree_run_name() {
+  char buf[96] = {};
+  if (rank == 0) {
+    const std::string n = fmt::format("strata-run-{}-{:08x}-job", ::getpid(), static_cast<uint32_t>(std::random_device{}()));
+    std::memcpy(buf, n.data(), std::min(n.size(), sizeof(buf) - 1));
+  }
+  STRATA_RETURN_IF_ERROR(blocking_collective([&](DeviceStream* s) { return comm->broadcast(buf, sizeof(buf), 0, s); },
+                                             rank == 0 ? sizeof(buf) * (world - 1) : 0));
+  buf[sizeof(buf) - 1] = 0;
+  return std::string(buf);
+}
+
 Status Registry::allocate_arrays() {
   const size_t state_size = dtype_size(cfg.strata.optimizer_state_dtype);
+  STRATA_ASSIGN_OR_RETURN(upload, dev->create_stream("strata upload"));
+  std::string run_name;
+  if (world > 1) {
+    auto n = agree_run_name();
+    if (!n.ok()) return n.status().with_context("engine: agreeing on the swap run directory with the other ranks");
+    run_name = *n;
+  }
   bool any_nvme = false;
   for (const auto& p : params)
     any_nvme |= p.compute.tier == Tier::kNvme || p.master.tier == Tier::kNvme || p.state[0].tier == Tier::kNvme ||
@@ -189,6 +262,7 @@ Status Registry::allocate_arrays() {
     if (so.dirs.empty())
       return Status(StatusCode::kInvalidArgument, "engine: state is planned to NVMe but no NVMe directory is set");
     so.rank = static_cast<int>(plan.rank);
+    so.run_name = run_name;
     so.checksum_block = cfg.strata.swap_checksums ? io_quantum * 2 : 0;
     STRATA_ASSIGN_OR_RETURN(store, io::SwapStore::create(*io, so));
   }
@@ -252,7 +326,6 @@ Status Registry::allocate_arrays() {
         return Status(StatusCode::kInternal, fmt::format("engine: {} of {} has no tier", kind, p.name));
     }
   };
-  STRATA_ASSIGN_OR_RETURN(upload, dev->create_stream("strata upload"));
   for (auto& p : params) {
     const uint64_t n = p.shard.padded;
     STRATA_RETURN_IF_ERROR(place(p, p.compute, n * dtype_size(p.dtype), "compute", true));
@@ -320,6 +393,16 @@ Registry::~Registry() {
     Status st = tracer->close();
     if (!st.ok()) log_error("engine: writing the trace: {}", st.message());
   }
+}
+
+// ---------------------------------------------------------------- collectives
+
+Status Registry::blocking_collective(const std::function<Status(DeviceStream*)>& op, uint64_t sent) {
+  Status st = op(upload);
+  Status sync = dev->synchronize(upload);
+  if (st.ok()) st = sync;
+  if (st.ok()) traffic.comm += sent;
+  return st;
 }
 
 // ---------------------------------------------------------------- array helpers

@@ -16,11 +16,13 @@
 #pragma once
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "common/host_memory.h"
+#include "comm/communicator.h"
 #include "io/io_engine.h"
 #include "io/pinned_pool.h"
 #include "io/swap_store.h"
@@ -70,7 +72,7 @@ struct GroupInfo {
 
 // Cumulative traffic (relaxed atomics; stats() may read them on any thread).
 struct TrafficCounters {
-  std::atomic<uint64_t> nvme_read{0}, nvme_write{0}, h2d{0}, d2h{0};
+  std::atomic<uint64_t> nvme_read{0}, nvme_write{0}, h2d{0}, d2h{0}, comm{0};
 };
 
 // The pinned buffers every part asks for, so the pool is sized (and checked
@@ -109,6 +111,10 @@ struct Registry {
 
   std::unique_ptr<DeviceBackend> owned_device;
   DeviceBackend* dev = nullptr;
+  // The data-parallel ranks (EngineOptions::comm; null: one rank). Collectives
+  // are enqueued from the driving thread only, in program order.
+  comm::Communicator* comm = nullptr;
+  uint32_t world = 1, rank = 0;
   std::unique_ptr<Tracer> tracer;
   uint32_t trace_h2d = 0, trace_d2h = 0;  // tracer tracks of the two streams
   std::unique_ptr<io::IoEngine> io;
@@ -148,10 +154,16 @@ struct Registry {
   // The upload stream waits for the last release of p's (device-homed) group.
   Status wait_released(ParamId p);
   Status sync_io(io::IoHandle h, bool write, uint64_t bytes);
+  // ---- collectives (driving thread; world > 1)
+  // A collective on the upload stream, waited for (engine idle: step(),
+  // checkpoints, gather_param). `sent` counts into traffic.comm.
+  Status blocking_collective(const std::function<Status(DeviceStream*)>& op, uint64_t sent);
   // copy_async with h2d/d2h trace events timed by host functions (only when tracing).
   Status traced_copy(void* dst, const void* src, size_t bytes, CopyKind kind, DeviceStream* s);
 
  private:
+  Status set_ranks();
+  Result<std::string> agree_run_name();
   Status validate();
   Status make_plan_for_budgets();
   void list_params_and_groups();

@@ -46,6 +46,7 @@ Status Stepper::allocate() {
   // Optimizer tensors per group (names borrowed from ParamState::name: params never reallocates now).
   const int nstates = cpu_optim::state_count(opt_config_);
   groups_.resize(reg_.groups.size());
+  if (reg_.world > 1) rank_stats_.assign(static_cast<size_t>(reg_.world) * groups_.size() * 2, 0.0);
   for (GroupId gi = 0; gi < reg_.groups.size(); ++gi) {
     for (ParamId id : reg_.groups[gi].params) {
       ParamState& p = reg_.params[id];
@@ -190,6 +191,34 @@ Status Stepper::group_stats(GroupId gi, double scale) {
   return {};
 }
 
+// N ranks: every rank's per-group sums of squares and inf/NaN flags are
+// all-gathered and added in rank order, so every rank has the same norm and
+// the same skip decision.
+Status Stepper::combine_ranks_stats() {
+  const size_t ng = groups_.size(), per_rank = ng * 2;
+  double* mine = rank_stats_.data() + reg_.rank * per_rank;
+  for (size_t g = 0; g < ng; ++g) {
+    mine[2 * g] = groups_[g].sum_sq;
+    mine[2 * g + 1] = groups_[g].nonfinite ? 1.0 : 0.0;
+  }
+  const uint64_t bytes = per_rank * sizeof(double);
+  double* all = rank_stats_.data();
+  Status st = reg_.blocking_collective(
+      [&](DeviceStream* s) { return reg_.comm->all_gather(mine, all, bytes, s); }, bytes * (reg_.world - 1));
+  if (!st.ok()) return st.with_context("engine: step(): combining the gradient norm over ranks");
+  for (size_t g = 0; g < ng; ++g) {
+    double sq = 0;
+    bool bad = false;
+    for (uint32_t r = 0; r < reg_.world; ++r) {
+      sq += all[r * per_rank + 2 * g];
+      bad = bad || all[r * per_rank + 2 * g + 1] != 0.0;
+    }
+    groups_[g].sum_sq = sq;
+    groups_[g].nonfinite = bad;
+  }
+  return {};
+}
+
 // Overlap mode: one group's update with the scale and clipping coefficient
 // fixed when the last micro-batch began.
 void Stepper::run_group_update(GroupId gi, const std::function<bool(ParamId)>& reduced) {
@@ -240,12 +269,14 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       log_warn("engine: step {}: {} group(s) had non-finite gradients and were not updated", overlap_step_,
                r.skipped_groups);
   } else {
-    const double m = reg_.cfg.strata.average_micro_batches ? static_cast<double>(micro) : 1.0;
+    // N ranks: the sum of every rank's micro-batches, averaged over all of them.
+    const double m = reg_.cfg.strata.average_micro_batches ? static_cast<double>(micro) * reg_.world : 1.0;
     const double scale = 1.0 / (m * scaler_.scale);
     double sum = 0;
     bool nonfinite = false;
+    for (GroupId g = 0; g < groups_.size(); ++g) STRATA_RETURN_IF_ERROR(group_stats(g, scale));
+    if (reg_.world > 1) STRATA_RETURN_IF_ERROR(combine_ranks_stats());
     for (GroupId g = 0; g < groups_.size(); ++g) {
-      STRATA_RETURN_IF_ERROR(group_stats(g, scale));
       sum += groups_[g].sum_sq;
       nonfinite = nonfinite || groups_[g].nonfinite;
     }

@@ -129,6 +129,7 @@ class Stepper {
   Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
                     const std::function<bool(ParamId)>& reduced = {});
   Status group_stats(GroupId g, double scale);
+  Status combine_ranks_stats();  // N ranks: the norm's parts of every rank
   // optimizer thread (every parameter of the group was reduced), or driving
   // thread in step() with `reduced`.
   void run_group_update(GroupId g, const std::function<bool(ParamId)>& reduced = {});
@@ -141,6 +142,7 @@ class Stepper {
   uint64_t ring_slot_ = 0;
   std::unique_ptr<NvmeOptimizer> opt_;
   std::vector<GroupUpdate> groups_;
+  std::vector<double> rank_stats_;  // N ranks: world x groups x {sum_sq, nonfinite} (all-gathered)
   WorkQueue<GroupId> queue_;  // overlap: groups whose gradients are complete
 
   LossScaler scaler_;

@@ -20,14 +20,19 @@ void Uploader::lay_out() {
     const GroupInfo& info = reg_.groups[gi];
     GroupSlots& g = groups_[gi];
     g.view.resize(info.params.size());
+    // N ranks: a parameter's slot space holds every rank's padded shard (the
+    // all-gather's layout, rank r at r * padded); staging holds this rank's.
+    const bool gathered = reg_.world > 1;
     for (ParamId id : info.params) {
       const ParamState& p = reg_.params[id];
+      const size_t esz = dtype_size(p.dtype);
       g.slot_offset.push_back(g.slot_bytes);
-      g.slot_bytes += round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 256);
+      g.slot_bytes += round_up(std::max<uint64_t>((gathered ? p.shard.padded * reg_.world : p.numel) * esz, 1), 256);
       g.staging_offset.push_back(g.staging_bytes);
-      g.staging_bytes += round_up(std::max<uint64_t>(p.numel * dtype_size(p.dtype), 1), 4096);
+      g.staging_bytes += round_up(std::max<uint64_t>(p.shard.size() * esz, 1), 4096);
     }
-    if (info.compute_tier == Tier::kDevice) {
+    g.direct = info.compute_tier == Tier::kDevice && !gathered;
+    if (g.direct) {
       for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = reg_.params[info.params[i]].compute.ptr;
     } else {
       any_off_device_ = true;
@@ -155,12 +160,20 @@ Status Uploader::upload_group(int si) {
     if (reg_.tracer) reg_.tracer->complete("nvme_read", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", total}});
   }
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(reg_.upload, s.release_event));
+  // This rank's shard (one rank: the whole parameter) to its place in the
+  // slot; N ranks gather the rest in acquire().
   for (size_t i = 0; i < info.params.size(); ++i) {
     const ParamState& p = reg_.params[info.params[i]];
-    const uint64_t bytes = p.numel * dtype_size(p.dtype);
+    const size_t esz = dtype_size(p.dtype);
+    const uint64_t bytes = p.shard.size() * esz;
+    if (bytes == 0) continue;
     const void* src = stage ? stage + g.staging_offset[i] : p.compute.ptr;
-    STRATA_RETURN_IF_ERROR(reg_.traced_copy(static_cast<char*>(s.ptr) + g.slot_offset[i], src, bytes,
-                                            CopyKind::kHostToDevice, reg_.upload));
+    char* dst = static_cast<char*>(s.ptr) + g.slot_offset[i] + p.shard.begin * esz;
+    if (info.compute_tier == Tier::kDevice) {
+      STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(dst, src, bytes, CopyKind::kDeviceToDevice, reg_.upload));
+      continue;
+    }
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dst, src, bytes, CopyKind::kHostToDevice, reg_.upload));
     reg_.traffic.h2d += bytes;
   }
   if (stage) STRATA_RETURN_IF_ERROR(reg_.dev->record(staging_event_[stage_index], reg_.upload));
@@ -221,7 +234,7 @@ void Uploader::issue_prefetch() {
   std::lock_guard<std::mutex> lock(mu_);
   for (size_t i = pos; i < order_.size() && i < pos + reg_.plan.prefetch_groups; ++i) {
     const GroupId h = order_[i];
-    if (reg_.groups[h].compute_tier == Tier::kDevice || groups_[h].slot >= 0 || groups_[h].holds > 0) continue;
+    if (groups_[h].direct || groups_[h].slot >= 0 || groups_[h].holds > 0) continue;
     if (!start_upload(h, true).ok()) break;
   }
 }
@@ -266,7 +279,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   if (g.holds > 0) {
     // Held already (a tied weight, a nested module): the same pointers; this
     // stream waits for the upload too.
-    if (info.compute_tier != Tier::kDevice) {
+    if (!g.direct) {
       int si;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -292,7 +305,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
     }
   }
   current_.push_back(gid);
-  if (info.compute_tier == Tier::kDevice) {
+  if (g.direct) {
     g.holds = 1;
     g.last_release = nullptr;
     ++acquired_count_;
@@ -323,6 +336,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
     }
   }
   if (!err.ok()) return err.with_context(fmt::format("engine: acquire({})", info.name));
+  if (reg_.world > 1) STRATA_RETURN_IF_ERROR(gather(gid, si));
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, slots_[si].ready_event));
   for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = static_cast<char*>(slots_[si].ptr) + g.slot_offset[i];
   g.holds = 1;
@@ -331,12 +345,32 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   return GroupView{gid, g.view, info.params};
 }
 
+// N ranks: every rank's shard into the slot, an in-place all-gather per
+// parameter on the upload stream behind the upload of this rank's shard.
+// Enqueued here, by the first hold, on the driving thread, also when the slot
+// still holds the gathered group (a cache hit): whether a slot survived
+// depends on timing, the sequence of collectives must not.
+Status Uploader::gather(GroupId gid, int si) {
+  const GroupInfo& info = reg_.groups[gid];
+  const GroupSlots& g = groups_[gid];
+  const uint64_t peers = reg_.world - 1;
+  for (size_t i = 0; i < info.params.size(); ++i) {
+    const ParamState& p = reg_.params[info.params[i]];
+    const uint64_t per_rank = p.shard.padded * dtype_size(p.dtype);
+    char* base = static_cast<char*>(slots_[si].ptr) + g.slot_offset[i];
+    Status st = reg_.comm->all_gather(base + p.shard.begin * dtype_size(p.dtype), base, per_rank, reg_.upload);
+    if (!st.ok()) return st.with_context(fmt::format("engine: acquire({}): gathering {}", info.name, p.name));
+    reg_.traffic.comm += per_rank * peers;
+  }
+  return reg_.dev->record(slots_[si].ready_event, reg_.upload);
+}
+
 // Every release records the group's release event on its stream; when the
 // holds used several streams, each release first makes its stream wait for
 // the previous release's point, so the last record covers them all.
 Status Uploader::release(GroupId gid, DeviceStream* stream) {
   GroupSlots& g = groups_[gid];
-  const bool device_home = reg_.groups[gid].compute_tier == Tier::kDevice;
+  const bool device_home = g.direct;
   DeviceEvent* ev;
   if (device_home) {
     ev = reg_.groups[gid].release_event;

@@ -1,0 +1,375 @@
+// The engine with N ranks (ZeRO stage 3 over the MPI communicator), under
+// mpirun: every rank runs an N-rank engine and, beside it, a 1-rank engine
+// that takes the N ranks' micro-batches as N accumulated micro-batches (rank
+// order). runtime/engine.h promises they are bit-identical while clipping
+// does not engage:
+//   - acquire() gathers exactly the 1-rank compute copies (every element);
+//   - the gradients here are computed from what acquire() returned, so a
+//     wrong gather changes every later step;
+//   - after the steps, gather_param() equals the 1-rank read_param() and this
+//     rank's optimizer states equal its slice of the 1-rank states;
+//   - per-rank bytes are 1/N of the 1-rank run's (padded shards), and the
+//     bytes communicated are exactly the stage-3 volume;
+//   - with clipping on, the norm agrees to 1e-12 (rank-order partial sums);
+//   - a checkpoint saved by N ranks resumes identically and is refused by a
+//     run of another world size; a save some rank cannot write is committed
+//     by nobody.
+// The parameters have sizes that do not divide by 2 or 3, one smaller than
+// the shard alignment (later ranks own none of it), on host and NVMe tiers.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "comm/communicator.h"
+#include "comm/mpi_comm.h"
+#include "common/float_convert.h"
+#include "device/host_backend.h"
+#include "runtime/engine.h"
+
+namespace strata {
+namespace {
+
+struct World {
+  std::unique_ptr<DeviceBackend> dev;
+  std::unique_ptr<comm::Communicator> comm;
+  std::string dir;  // shared by all ranks (rank 0's temp dir, broadcast)
+};
+World* g_world = nullptr;
+
+float rnd(uint64_t seed, uint64_t i) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull + 0x94D049BB133111EBull;
+  x ^= x >> 31;
+  x *= 0xD6E8FEB86659FD93ull;
+  x ^= x >> 29;
+  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
+}
+
+ModelSpec make_model() {
+  ModelSpec m;
+  m.params.push_back({"a.weight", {41, 25}, DType::kBF16, "a"});  // 1025
+  m.params.push_back({"a.bias", {37}, DType::kBF16, "a"});
+  m.params.push_back({"b.weight", {4099}, DType::kBF16, "b"});
+  m.params.push_back({"c.weight", {3, 2}, DType::kBF16, "c"});
+  m.params.push_back({"c.bias", {5}, DType::kBF16, "c"});
+  return m;
+}
+
+enum class Place { kHost, kNvme };
+
+Config make_config(Place place, const std::string& nvme, double clip) {
+  Config c;
+  c.optimizer.type = OptimizerType::kAdamW;
+  c.optimizer.lr = 1e-2;
+  c.optimizer.weight_decay = 0.01;
+  c.gradient_clipping = clip;
+  c.zero.stage = 3;
+  c.strata.device_reserve = 1 << 20;
+  c.strata.optimizer_chunk = 2048;
+  c.strata.shard_alignment = 512;  // 4099 / 3 ranks: shards of 1536
+  const Tier t = place == Place::kHost ? Tier::kHost : Tier::kNvme;
+  c.strata.groups.push_back(GroupTierRule{"*", t, t, t, t});
+  if (!nvme.empty()) c.strata.nvme.push_back(NvmeDir{nvme, 0});
+  return c;
+}
+
+// A run's engine with its stream and gradient buffers.
+struct RankRun {
+  DeviceBackend* dev = nullptr;
+  std::unique_ptr<DeviceBackend> own;
+  DeviceStream* s = nullptr;
+  std::unique_ptr<Engine> e;
+  std::vector<std::vector<float>> grad;
+
+  Status create(const Config& cfg, comm::Communicator* c) {
+    if (c != nullptr) {
+      dev = c->device();
+    } else {
+      STRATA_ASSIGN_OR_RETURN(own, create_host_backend({.budget_bytes = 256ull << 20}));
+      dev = own.get();
+    }
+    EngineOptions eo;
+    eo.config = cfg;
+    eo.model = make_model();
+    eo.device = dev;
+    eo.comm = c;
+    STRATA_ASSIGN_OR_RETURN(e, Engine::create(eo));
+    STRATA_ASSIGN_OR_RETURN(s, dev->create_stream("test"));
+    for (const auto& p : eo.model.params) {
+      std::vector<float> init(p.numel());
+      for (size_t i = 0; i < init.size(); ++i) init[i] = 0.3f * rnd(7 + grad.size(), i);
+      STRATA_RETURN_IF_ERROR(e->load_param(static_cast<ParamId>(grad.size()), init.data(), DType::kF32));
+      grad.emplace_back(p.numel());
+    }
+    return {};
+  }
+  ~RankRun() {
+    e.reset();
+    if (s) (void)dev->destroy_stream(s);
+  }
+
+  // One micro-batch "of rank `who`": every group acquired in order, its
+  // gradients computed from the gathered weights, reduced, released. The
+  // gathered weights of every acquire are appended to `seen`.
+  Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen) {
+    STRATA_RETURN_IF_ERROR(e->begin_micro_batch(last));
+    for (GroupId g = 0; g < e->group_count(); ++g) {
+      STRATA_ASSIGN_OR_RETURN(GroupView v, e->acquire(g, s));
+      STRATA_RETURN_IF_ERROR(dev->synchronize(s));
+      for (size_t i = 0; i < v.params.size(); ++i) {
+        const ParamId p = v.params[i];
+        auto& gr = grad[p];
+        const auto* w = static_cast<const uint16_t*>(v.ptr[i]);
+        if (seen) seen->emplace_back(w, w + gr.size());
+        for (size_t k = 0; k < gr.size(); ++k)
+          gr[k] = 0.5f * bf16_bits_to_f32(w[k]) + rnd(1000 * step + 10 * who + p, k);
+        STRATA_RETURN_IF_ERROR(e->reduce_grad(p, gr.data(), DType::kF32, s));
+      }
+      STRATA_RETURN_IF_ERROR(e->release(g, s));
+    }
+    return dev->synchronize(s);
+  }
+};
+
+class EngineMpi : public ::testing::TestWithParam<Place> {
+ protected:
+  void SetUp() override {
+    comm_ = g_world->comm.get();
+    rank_ = comm_->rank();
+    world_ = comm_->world_size();
+    base_ = g_world->dir + "/" + std::to_string(counter_++);  // the same on every rank
+    if (rank_ == 0) std::filesystem::create_directories(base_);
+    barrier();
+  }
+  void barrier() {
+    auto s = g_world->dev->create_stream("barrier");
+    ASSERT_TRUE(s.ok());
+    ASSERT_TRUE(comm_->barrier(*s).ok());
+    ASSERT_TRUE(g_world->dev->synchronize(*s).ok());
+    ASSERT_TRUE(g_world->dev->destroy_stream(*s).ok());
+  }
+  Config config(double clip, const std::string& sub) {
+    return make_config(GetParam(), GetParam() == Place::kNvme ? base_ + "/" + sub : "", clip);
+  }
+  // N ranks vs 1 rank over `steps` steps; true when every gathered weight and
+  // step result matched (clip 0: bit for bit).
+  void compare(RankRun& multi, RankRun& ref, int first_step, int steps, double clip) {
+    for (int st = first_step; st < first_step + steps; ++st) {
+      std::vector<std::vector<uint16_t>> mine, want;
+      ASSERT_TRUE(multi.micro_batch(st, rank_, true, &mine).ok());
+      for (int m = 0; m < world_; ++m) {
+        Status s = ref.micro_batch(st, m, m == world_ - 1, m == 0 ? &want : nullptr);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+      }
+      ASSERT_EQ(mine.size(), want.size());
+      for (size_t i = 0; i < mine.size(); ++i) ASSERT_EQ(mine[i], want[i]) << "step " << st << " acquire " << i;
+      auto a = multi.e->step();
+      auto b = ref.e->step();
+      ASSERT_TRUE(a.ok()) << a.status().to_string();
+      ASSERT_TRUE(b.ok()) << b.status().to_string();
+      if (clip == 0) {
+        EXPECT_EQ(a->clip_coef, 1.0);
+        EXPECT_NEAR(a->grad_norm, b->grad_norm, 1e-12 * b->grad_norm);
+      } else {
+        EXPECT_LT(a->clip_coef, 1.0);  // engaged
+        EXPECT_NEAR(a->clip_coef, b->clip_coef, 1e-12);
+      }
+      EXPECT_EQ(a->skipped, b->skipped);
+    }
+  }
+  void expect_weights(RankRun& multi, RankRun& ref, double tol) {
+    const ModelSpec spec = make_model();
+    for (ParamId p = 0; p < spec.params.size(); ++p) {
+      const uint64_t n = spec.params[p].numel();
+      std::vector<float> got(n), want(n);
+      ASSERT_TRUE(multi.e->gather_param(p, got.data(), DType::kF32).ok());
+      ASSERT_TRUE(ref.e->read_param(p, want.data(), DType::kF32).ok());
+      for (uint64_t i = 0; i < n; ++i) {
+        if (tol == 0) {
+          ASSERT_EQ(got[i], want[i]) << spec.params[p].name << "[" << i << "]";
+        } else {
+          ASSERT_NEAR(got[i], want[i], tol) << spec.params[p].name << "[" << i << "]";
+        }
+      }
+      // This rank's slice of the optimizer states.
+      const ShardRange sh = shard_range(n, world_, rank_, 512);
+      std::vector<float> ms(sh.size()), mr(n);
+      for (int k = 0; k < 2; ++k) {
+        Status st = multi.e->read_state(p, k, ms.data());
+        ASSERT_TRUE(st.ok()) << st.to_string();
+        ASSERT_TRUE(ref.e->read_state(p, k, mr.data()).ok());
+        for (uint64_t i = 0; i < sh.size(); ++i) {
+          if (tol == 0) {
+            ASSERT_EQ(ms[i], mr[sh.begin + i]) << spec.params[p].name << " state " << k << "[" << i << "]";
+          } else {
+            ASSERT_NEAR(ms[i], mr[sh.begin + i], tol) << spec.params[p].name << " state " << k;
+          }
+        }
+      }
+    }
+  }
+
+  comm::Communicator* comm_ = nullptr;
+  int rank_ = 0, world_ = 1;
+  std::string base_;
+  static inline int counter_ = 0;
+};
+
+TEST_P(EngineMpi, EqualsOneRankRunOfNMicroBatches) {
+  RankRun multi, ref;
+  Status s = multi.create(config(0, "multi"), comm_);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  s = ref.create(config(0, "ref" + std::to_string(rank_)), nullptr);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(multi.e->plan().world_size, static_cast<uint32_t>(world_));
+  compare(multi, ref, 0, 4, 0);
+  expect_weights(multi, ref, 0);
+}
+
+TEST_P(EngineMpi, ClippingAgreesAcrossRanks) {
+  RankRun multi, ref;
+  ASSERT_TRUE(multi.create(config(0.05, "multi"), comm_).ok());
+  ASSERT_TRUE(ref.create(config(0.05, "ref" + std::to_string(rank_)), nullptr).ok());
+  compare(multi, ref, 0, 3, 0.05);
+  expect_weights(multi, ref, 1e-6);
+}
+
+// Per-rank state bytes are the padded shard's; the bytes sent per step are
+// one all-gather of every group (compute dtype) and one reduce-scatter of
+// every gradient (fp32), (N-1)/N of each buffer, plus the norm's few bytes.
+TEST_P(EngineMpi, BytesAreOneNthAndCommunicationIsStageThree) {
+  RankRun multi, ref;
+  ASSERT_TRUE(multi.create(config(0, "multi"), comm_).ok());
+  ASSERT_TRUE(ref.create(config(0, "ref" + std::to_string(rank_)), nullptr).ok());
+  const ModelSpec spec = make_model();
+  uint64_t gather = 0, scatter = 0, shard_elems = 0;
+  for (const auto& p : spec.params) {
+    const ShardRange sh = shard_range(p.numel(), world_, rank_, 512);
+    gather += sh.padded * 2 * (world_ - 1);
+    scatter += sh.padded * 4 * (world_ - 1);
+    shard_elems += sh.padded;
+  }
+  const int tier = static_cast<int>(GetParam() == Place::kHost ? Tier::kHost : Tier::kNvme);
+  // compute (bf16) + master, two moments, gradient (fp32) per padded element.
+  EXPECT_EQ(multi.e->plan().tier_bytes(static_cast<Tier>(tier)), shard_elems * (2 + 4 + 4 + 4 + 4));
+  const uint64_t before = multi.e->stats().comm_bytes;
+  ASSERT_TRUE(multi.micro_batch(0, rank_, true, nullptr).ok());
+  ASSERT_TRUE(multi.e->step().ok());
+  const uint64_t norm_bytes = 3 * 2 * 8 * (world_ - 1);  // 3 groups x {sum_sq, flag} doubles
+  EXPECT_EQ(multi.e->stats().comm_bytes - before, gather + scatter + norm_bytes);
+  (void)ref;
+}
+
+TEST_P(EngineMpi, CheckpointResumesAndRefusesAnotherWorldSize) {
+  RankRun multi, ref;
+  ASSERT_TRUE(multi.create(config(0, "multi"), comm_).ok());
+  ASSERT_TRUE(ref.create(config(0, "ref" + std::to_string(rank_)), nullptr).ok());
+  compare(multi, ref, 0, 2, 0);
+  const std::string ck = base_ + "/ck";
+  Status s = multi.e->save_checkpoint(ck, R"({"who":"test"})");
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_TRUE(std::filesystem::exists(ck + "/manifest.rank" + std::to_string(world_ - 1) + ".json"));
+  // Two more steps, then back to the checkpoint and the same two steps again.
+  std::vector<std::vector<uint16_t>> first, again;
+  for (int st = 2; st < 4; ++st) {
+    ASSERT_TRUE(multi.micro_batch(st, rank_, true, &first).ok());
+    ASSERT_TRUE(multi.e->step().ok());
+  }
+  std::string extra;
+  s = multi.e->load_checkpoint(ck, &extra);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  EXPECT_EQ(extra, R"({"who":"test"})");
+  for (int st = 2; st < 4; ++st) {
+    ASSERT_TRUE(multi.micro_batch(st, rank_, true, &again).ok());
+    ASSERT_TRUE(multi.e->step().ok());
+  }
+  EXPECT_EQ(first, again);
+  // A 1-rank engine cannot take an N-rank checkpoint's shards.
+  s = ref.e->load_checkpoint(ck);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("saved by " + std::to_string(world_) + " rank(s)"), std::string::npos) << s.message();
+}
+
+// A rank that cannot write its shard (its checkpoint parent directory does
+// not exist there) fails the save on every rank and nothing is committed.
+TEST_P(EngineMpi, SaveThatOneRankCannotWriteCommitsNothing) {
+  RankRun multi;
+  ASSERT_TRUE(multi.create(config(0, "multi"), comm_).ok());
+  ASSERT_TRUE(multi.micro_batch(0, rank_, true, nullptr).ok());
+  ASSERT_TRUE(multi.e->step().ok());
+  // The last rank is told another (missing) parent: its writer fails at create.
+  const std::string ck = rank_ == world_ - 1 ? base_ + "/missing/ck" : base_ + "/ck";
+  Status s = multi.e->save_checkpoint(ck);
+  EXPECT_FALSE(s.ok());
+  if (rank_ == 0) {
+    EXPECT_NE(s.message().find("rank(s) " + std::to_string(world_ - 1)), std::string::npos) << s.message();
+  }
+  barrier();
+  EXPECT_FALSE(std::filesystem::exists(base_ + "/ck"));
+  for (const auto& e : std::filesystem::directory_iterator(base_))
+    EXPECT_EQ(e.path().filename().string().rfind("ck.tmp-", 0), std::string::npos) << e.path();
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiers, EngineMpi, ::testing::Values(Place::kHost, Place::kNvme),
+                         [](const auto& info) { return info.param == Place::kHost ? "Host" : "Nvme"; });
+
+}  // namespace
+}  // namespace strata
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  using namespace strata;
+  auto dev = create_host_backend({.budget_bytes = 256ull << 20});
+  if (!dev.ok()) {
+    fprintf(stderr, "host backend: %s\n", dev.status().to_string().c_str());
+    return 1;
+  }
+  comm::MpiCommOptions mo;
+  mo.timeout_s = 120;  // generous: 3 ranks share 2 loaded cores in CI
+  auto c = comm::create_mpi_communicator(dev->get(), mo);
+  if (!c.ok()) {
+    fprintf(stderr, "mpi communicator: %s\n", c.status().to_string().c_str());
+    return 1;
+  }
+  World world{std::move(*dev), std::move(*c), {}};
+  // Rank 0's temp directory, broadcast so every rank uses the same one.
+  char path[256] = {};
+  if (world.comm->rank() == 0) {
+    const char* base = std::getenv("STRATA_TEST_DIR");
+    std::string tmpl = std::string(base && *base ? base : "/tmp") + "/strata-engine-mpi-XXXXXX";
+    std::strncpy(path, tmpl.c_str(), sizeof(path) - 1);
+    if (::mkdtemp(path) == nullptr) {
+      perror("mkdtemp");
+      return 1;
+    }
+  }
+  {
+    auto s = world.dev->create_stream("setup");
+    if (!s.ok() || !world.comm->broadcast(path, sizeof(path), 0, *s).ok() || !world.dev->synchronize(*s).ok()) {
+      fprintf(stderr, "broadcasting the temp dir failed\n");
+      return 1;
+    }
+    (void)world.dev->destroy_stream(*s);
+  }
+  world.dir = path;
+  g_world = &world;
+  const int rc = RUN_ALL_TESTS();
+  {
+    auto s = world.dev->create_stream("teardown");
+    if (s.ok()) {
+      (void)world.comm->barrier(*s);
+      (void)world.dev->synchronize(*s);
+      (void)world.dev->destroy_stream(*s);
+    }
+  }
+  if (world.comm->rank() == 0) std::filesystem::remove_all(world.dir);
+  world.comm.reset();
+  world.dev.reset();
+  comm::finalize_mpi();
+  return rc;
+}
