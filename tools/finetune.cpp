@@ -99,38 +99,46 @@ void run_finetune(const FinetuneFlags& f) {
     return;
   }
   train::Trainer& tr = *t.value();
+  // N ranks (mpirun): rank 0 speaks for the job; every rank reports its own errors.
+  const bool lead = tr.rank() == 0;
+  const std::string who = tr.world_size() > 1 ? fmt::format("strata finetune (rank {})", tr.rank()) : "strata finetune";
   const EngineStats s = tr.engine().stats();
-  std::printf("model %s: %u layers, dim %lu, vocab %lu; %s ops on %s; state: device %s, host %s, NVMe %s\n",
-              f.model.c_str(), tr.model_config().num_hidden_layers,
-              static_cast<unsigned long>(tr.model_config().hidden_size),
-              static_cast<unsigned long>(tr.model_config().vocab_size), tr.ops_name(),
-              tr.device_description().c_str(),
-              format_bytes(s.tier_bytes[static_cast<int>(Tier::kDevice)]).c_str(),
-              format_bytes(s.tier_bytes[static_cast<int>(Tier::kHost)]).c_str(),
-              format_bytes(s.tier_bytes[static_cast<int>(Tier::kNvme)]).c_str());
-  std::printf("data %s: %lu tokens (%lu training, %lu validation); %lld steps of %u x %u x %u tokens%s\n",
-              f.data.c_str(), static_cast<unsigned long>(tr.data().tokens()),
-              static_cast<unsigned long>(tr.data().train_tokens()), static_cast<unsigned long>(tr.data().val_tokens()),
-              static_cast<long long>(f.steps), f.batch, f.seq, o.config.gradient_accumulation_steps,
-              tr.step() > 0 ? fmt::format(" (resuming at step {})", tr.step()).c_str() : "");
-  std::fflush(stdout);
+  if (lead) {
+    std::printf("model %s: %u layers, dim %lu, vocab %lu; %s ops on %s; state: device %s, host %s, NVMe %s\n",
+                f.model.c_str(), tr.model_config().num_hidden_layers,
+                static_cast<unsigned long>(tr.model_config().hidden_size),
+                static_cast<unsigned long>(tr.model_config().vocab_size), tr.ops_name(),
+                tr.device_description().c_str(),
+                format_bytes(s.tier_bytes[static_cast<int>(Tier::kDevice)]).c_str(),
+                format_bytes(s.tier_bytes[static_cast<int>(Tier::kHost)]).c_str(),
+                format_bytes(s.tier_bytes[static_cast<int>(Tier::kNvme)]).c_str());
+    std::printf("data %s: %lu tokens (%lu training, %lu validation); %lld steps of %u x %u x %u tokens%s%s\n",
+                f.data.c_str(), static_cast<unsigned long>(tr.data().tokens()),
+                static_cast<unsigned long>(tr.data().train_tokens()), static_cast<unsigned long>(tr.data().val_tokens()),
+                static_cast<long long>(f.steps), f.batch, f.seq, o.config.gradient_accumulation_steps,
+                tr.world_size() > 1 ? fmt::format(" x {} ranks (state per rank)", tr.world_size()).c_str() : "",
+                tr.step() > 0 ? fmt::format(" (resuming at step {})", tr.step()).c_str() : "");
+    std::fflush(stdout);
+  }
   auto r = tr.run();
   if (!r.ok()) {
-    print_error("strata finetune", r.status());
+    print_error(who.c_str(), r.status());
     set_exit_code(exit_code_for(r.status()));
     return;
   }
   if (r->interrupted) {
-    std::printf("interrupted at step %lld; resume with: strata finetune ... --resume %s\n",
-                static_cast<long long>(r->steps_done), r->last_checkpoint.c_str());
+    if (lead)
+      std::printf("interrupted at step %lld; resume with: strata finetune ... --resume %s\n",
+                  static_cast<long long>(r->steps_done), r->last_checkpoint.c_str());
     set_exit_code(kExitInterrupted);
     return;
   }
+  set_exit_code(0);
+  if (!lead) return;
   std::printf("done: %lld steps, %.0f tokens/s", static_cast<long long>(r->steps_done), r->tokens_per_s);
   if (r->initial_val_loss >= 0)
     std::printf(", validation loss %.4f -> %.4f", r->initial_val_loss, r->final_val_loss);
   std::printf("\n");
-  set_exit_code(0);
 }
 
 }  // namespace

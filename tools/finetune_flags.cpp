@@ -107,6 +107,9 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   cmd->add_option("--progress", f->progress, "auto | bar | lines | quiet")->capture_default_str();
   cmd->add_option("--log-every", f->log_every, "A progress line every N steps (lines mode)")->capture_default_str();
   cmd->add_option("--threads", f->threads, "CPU compute threads (0: all)")->capture_default_str();
+  cmd->add_option("--comm-timeout", f->comm_timeout,
+                  "Under mpirun -np N: seconds after which a collective another rank never joins fails the run")
+      ->capture_default_str();
   cmd->add_option("--device", f->device,
                   "Where the model math runs: auto (the GPU when CUDA model ops can run there, else the CPU) | "
                   "cuda (the GPU or exit 1 with the reason) | cpu")
@@ -238,6 +241,8 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   };
   STRATA_RETURN_IF_ERROR(finite_nonneg("--weight-decay", o->config.optimizer.weight_decay));
   STRATA_RETURN_IF_ERROR(finite_nonneg("--clip", o->config.gradient_clipping));
+  if (!(std::isfinite(f.comm_timeout) && f.comm_timeout > 0))
+    return Status(StatusCode::kInvalidArgument, fmt::format("--comm-timeout {} must be > 0 seconds", f.comm_timeout));
   if (!(f.val_fraction >= 0 && f.val_fraction <= 0.9))
     return Status(StatusCode::kInvalidArgument, fmt::format("--val-fraction {} is outside [0, 0.9]", f.val_fraction));
   // STRATA_CPU_ISA naming an ISA this CPU lacks fails here, not at step 1.
@@ -258,6 +263,7 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   }
   o->log_every = f.log_every;
   o->threads = f.threads;
+  o->comm_timeout_s = f.comm_timeout;
   STRATA_ASSIGN_OR_RETURN(o->device, parse_train_device(f.device));
   STRATA_ASSIGN_OR_RETURN(o->progress, parse_enum<train::ProgressMode>(f.progress, "--progress"));
   return {};

@@ -51,6 +51,7 @@ struct FinetuneFlags {
   int64_t max_skipped_steps = 20;
   std::string device_mem, host_mem, device = "auto";
   int threads = 0;
+  double comm_timeout = 300;
   // LoRA
   uint32_t lora_rank = 0;
   double lora_alpha = 8.0, lora_dropout = 0.0;

@@ -54,6 +54,8 @@ const TokenDataset& Trainer::data() const { return *impl_->data; }
 const model::LlamaConfig& Trainer::model_config() const { return impl_->model.config; }
 const char* Trainer::ops_name() const { return impl_->ops->name(); }
 const std::string& Trainer::device_description() const { return impl_->device_description; }
+uint32_t Trainer::rank() const { return impl_->rank; }
+uint32_t Trainer::world_size() const { return impl_->world; }
 
 Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) {
   auto impl = std::make_unique<Impl>();
@@ -68,6 +70,7 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) 
 // its pool, and the weights need the engine.
 Status Trainer::Impl::setup() {
   STRATA_RETURN_IF_ERROR(check_options());
+  STRATA_RETURN_IF_ERROR(detect_ranks());
   STRATA_RETURN_IF_ERROR(resolve_lora());
   STRATA_RETURN_IF_ERROR(open_model());
   STRATA_RETURN_IF_ERROR(open_data());
@@ -75,6 +78,7 @@ Status Trainer::Impl::setup() {
   STRATA_ASSIGN_OR_RETURN(EngineOptions eo, engine_options());
   const DeviceSizes z = device_sizes(eo.model);
   STRATA_RETURN_IF_ERROR(choose_device(z, &eo.config));
+  STRATA_RETURN_IF_ERROR(join_ranks());
   STRATA_RETURN_IF_ERROR(create_engine(std::move(eo)));
   STRATA_RETURN_IF_ERROR(find_params());
   STRATA_RETURN_IF_ERROR(alloc_buffers());
@@ -85,7 +89,7 @@ Status Trainer::Impl::setup() {
     STRATA_RETURN_IF_ERROR(load_weights());
   }
   STRATA_RETURN_IF_ERROR(open_metrics());
-  return run_dir->record(settings_json());
+  return run_dir ? run_dir->record(settings_json()) : Status();  // N ranks: rank 0's
 }
 
 // The values the tool parsed, checked against each other.
@@ -165,14 +169,17 @@ Status Trainer::Impl::open_data() {
 Status Trainer::Impl::check_output_dirs() {
   STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir"));
   // OUT: locked, a dead job's leftovers removed, and which run it continues
-  // decided now, before hours of work depend on it (run_dir.h).
-  STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
-  if (opt.resume_dir.empty()) {
-    STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite));
-  } else {
-    STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));
-    STRATA_ASSIGN_OR_RETURN(std::string id, checkpoint_run_id(resume_from));
-    STRATA_RETURN_IF_ERROR(run_dir->continue_run(id));
+  // decided now, before hours of work depend on it (run_dir.h). N ranks:
+  // rank 0 owns OUT and tells the others (join_ranks).
+  if (rank == 0) {
+    STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
+    if (opt.resume_dir.empty()) {
+      STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite));
+    } else {
+      STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));
+      STRATA_ASSIGN_OR_RETURN(std::string id, checkpoint_run_id(resume_from));
+      STRATA_RETURN_IF_ERROR(run_dir->continue_run(id));
+    }
   }
   for (const NvmeDir& nd : opt.config.nvme_dirs()) {
     struct stat st {};
@@ -247,6 +254,7 @@ DeviceSizes Trainer::Impl::device_sizes(const ModelSpec& spec) {
 // The engine, on the backend choose_device() picked.
 Status Trainer::Impl::create_engine(EngineOptions eo) {
   eo.device = backend.get();
+  eo.comm = world > 1 ? comm.get() : nullptr;
   eo.budgets_override = opt.budgets_override;
   auto e = Engine::create(eo);
   if (!e.ok()) return e.status().with_context("creating the offload engine");
@@ -322,6 +330,7 @@ Status Trainer::Impl::alloc_buffers() {
 
 // Metrics: a fresh file for a fresh run; a resumed run appends.
 Status Trainer::Impl::open_metrics() {
+  if (rank != 0) return {};  // N ranks: rank 0 writes the metrics
   const std::string mpath = opt.metrics_path.empty() ? opt.out_dir + "/metrics.jsonl" : opt.metrics_path;
   // A resumed run continues the file as if it had never stopped.
   if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step));
@@ -333,6 +342,18 @@ Status Trainer::Impl::open_metrics() {
 // The backend, the trainer's stream and the ops, and the engine's device
 // budget and reserve in *cfg (see "Devices" in trainer.h).
 Status Trainer::Impl::choose_device(const DeviceSizes& z, Config* cfg) {
+  if (world > 1) {
+    // N ranks meet over MPI on the host backend (no NCCL backend yet).
+    if (opt.device == TrainDevice::kCuda)
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("--device cuda with {} ranks: GPU ranks need the NCCL backend, which is not built "
+                                "yet; run N ranks with --device cpu (or auto)",
+                                world));
+    device_description = fmt::format("cpu (host backend; rank {} of {} over MPI)", rank, world);
+    log_once(LogLevel::kInfo, "trainer-device",
+             fmt::format("trainer: CPU model ops on the host backend ({} ranks over MPI)", world));
+    return use_host(z, cfg);
+  }
   if (opt.device == TrainDevice::kCpu) {
     device_description = "cpu (host backend; --device cpu)";
     log_once(LogLevel::kInfo, "trainer-device", "trainer: CPU model ops on the host backend (--device cpu)");
@@ -532,6 +553,7 @@ std::string Trainer::Impl::settings_json() const {
                  {"dropout", opt.lora.dropout},
                  {"targets", lora_target_names(opt.lora.targets)},
                  {"rslora", opt.lora.rslora}};
+  if (world > 1) t["world_size"] = world;  // the data order depends on it
   return t.dump();
 }
 
@@ -540,7 +562,7 @@ std::string Trainer::Impl::extra_json() const {
   t["step"] = step;
   t["tokens"] = tokens_seen;
   t["last_loss"] = last_loss;
-  t["run_id"] = run_dir ? run_dir->run_id() : std::string();
+  t["run_id"] = run_dir ? run_dir->run_id() : run_id;
   return json{{"trainer", t}}.dump();
 }
 
@@ -559,7 +581,7 @@ Status Trainer::Impl::resume(const std::string& dir) {
         continue;
       }
       auto id = checkpoint_run_id(it->path);
-      if (!id.ok() || *id != run_dir->run_id()) continue;
+      if (!id.ok() || !run_dir || *id != run_dir->run_id()) continue;
       if (CheckpointReader::open(it->path).ok())
         return Status(st.code(),
                       st.message() + fmt::format("; {} is intact: resume from it with --resume {}", it->path, it->path));
@@ -587,7 +609,7 @@ Status Trainer::Impl::resume(const std::string& dir) {
   step = t.value("step", int64_t{0});
   tokens_seen = t.value("tokens", uint64_t{0});
   last_loss = t.value("last_loss", 0.0);
-  log_info("resumed run {} from {} at step {}", run_dir->run_id(), dir, step);
+  log_info("resumed run {} from {} at step {}", run_dir ? run_dir->run_id() : run_id, dir, step);
   return {};
 }
 
@@ -764,10 +786,14 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
 Result<StepReport> Trainer::train_step() {
   Impl& m = *impl_;
   const auto t0 = Clock::now();
-  const uint64_t S = static_cast<uint64_t>(m.opt.batch) * m.accum;
+  // N ranks: rank r takes positions r*b .. r*b+b-1 of each global
+  // micro-batch of N*b sequences (trainer.h, "Ranks").
+  const uint64_t global_micro = static_cast<uint64_t>(m.opt.batch) * m.world;
+  const uint64_t S = global_micro * m.accum;
   const int64_t T = m.seq;
   for (uint32_t mb = 0; mb < m.accum; ++mb) {
-    const uint64_t first = static_cast<uint64_t>(m.step) * S + static_cast<uint64_t>(mb) * m.opt.batch;
+    const uint64_t first = static_cast<uint64_t>(m.step) * S + static_cast<uint64_t>(mb) * global_micro +
+                           static_cast<uint64_t>(m.rank) * m.opt.batch;
     STRATA_RETURN_IF_ERROR(m.data->train_batch(first, m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     m.losses[mb] = LossStats{};
@@ -785,12 +811,22 @@ Result<StepReport> Trainer::train_step() {
     total.sum += m.losses[mb].sum;
     total.count += m.losses[mb].count;
   }
+  if (m.world > 1) {  // the loss over every rank's tokens
+    const double mine[2] = {static_cast<double>(total.sum), static_cast<double>(total.count)};
+    std::vector<double> all;
+    STRATA_RETURN_IF_ERROR(m.all_gather(mine, 2, &all));
+    total = LossStats{};
+    for (uint32_t r = 0; r < m.world; ++r) {
+      total.sum += all[2 * r];
+      total.count += static_cast<decltype(total.count)>(all[2 * r + 1]);
+    }
+  }
   Schedule sched = m.opt.schedule;
   sched.total = std::max<int64_t>(1, m.opt.steps);
   const double lr = schedule_lr(sched, m.step);
   STRATA_ASSIGN_OR_RETURN(StepResult r, m.engine->step(lr));
   ++m.step;
-  m.tokens_seen += S * static_cast<uint64_t>(T);
+  m.tokens_seen += S * static_cast<uint64_t>(T);  // every rank's
   m.last_loss = total.mean();
   StepReport rep;
   rep.step = m.step;
@@ -840,19 +876,25 @@ Status Trainer::save_checkpoint(const std::string& dir) {
   return impl_->engine->save_checkpoint(dir, impl_->extra_json());
 }
 
+// N ranks: every rank assembles each tensor (gather_param is a collective),
+// rank 0 writes the files.
 Status Trainer::export_model(const std::string& dir, DType dtype) {
   Impl& m = *impl_;
-  STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
+  const bool writes = m.rank == 0;
   model::LlamaConfig cfg = m.model.config;
   cfg.torch_dtype = dtype;
-  STRATA_RETURN_IF_ERROR(model::save_llama_config(cfg, dir + "/config.json"));
   std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
-  STRATA_ASSIGN_OR_RETURN(auto w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
+  std::unique_ptr<model::SafetensorsWriter> w;
+  if (writes) {
+    STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
+    STRATA_RETURN_IF_ERROR(model::save_llama_config(cfg, dir + "/config.json"));
+    STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
+  }
   std::vector<float> buf, a, b;
   for (const model::TensorDecl& d : decls) {
     STRATA_ASSIGN_OR_RETURN(ParamId p, m.engine->find_param(d.name));
     buf.resize(d.numel());
-    STRATA_RETURN_IF_ERROR(m.engine->read_param(p, buf.data(), DType::kF32));
+    STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
     // LoRA: W + scaling * B A for an adapted projection (PEFT's merge).
     const std::string a_name = d.name.substr(0, d.name.size() - 7) + ".lora_A.weight";  // "<module>.weight"
     if (m.opt.lora.enabled() && d.name.ends_with(".weight") && m.engine->find_param(a_name).ok()) {
@@ -862,8 +904,8 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
       const uint64_t r = m.opt.lora.rank, out = d.shape[0], in = d.shape[1];
       a.resize(r * in);
       b.resize(out * r);
-      STRATA_RETURN_IF_ERROR(m.engine->read_param(pa, a.data(), DType::kF32));
-      STRATA_RETURN_IF_ERROR(m.engine->read_param(pb, b.data(), DType::kF32));
+      STRATA_RETURN_IF_ERROR(m.engine->gather_param(pa, a.data(), DType::kF32));
+      STRATA_RETURN_IF_ERROR(m.engine->gather_param(pb, b.data(), DType::kF32));
       const double sc = m.opt.lora.scaling();
       for (uint64_t i = 0; i < out; ++i)
         for (uint64_t j = 0; j < in; ++j) {
@@ -872,19 +914,22 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
           buf[i * in + j] = static_cast<float>(buf[i * in + j] + sc * acc);
         }
     }
-    STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
+    if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
   }
-  return w->finish();
+  return w ? w->finish() : Status();
 }
 
 Status Trainer::export_adapter(const std::string& dir) {
   Impl& m = *impl_;
   if (!m.opt.lora.enabled()) return Status(StatusCode::kInvalidArgument, "this run trains no LoRA adapters");
-  STRATA_RETURN_IF_ERROR(make_dirs(dir, "adapter dir"));
-  std::error_code ec;
-  const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
-  STRATA_RETURN_IF_ERROR(
-      model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
+  const bool writes = m.rank == 0;  // N ranks: every rank gathers, rank 0 writes
+  if (writes) {
+    STRATA_RETURN_IF_ERROR(make_dirs(dir, "adapter dir"));
+    std::error_code ec;
+    const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
+    STRATA_RETURN_IF_ERROR(
+        model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
+  }
   std::vector<model::TensorDecl> decls;
   std::vector<ParamId> ids;
   const ModelSpec& spec = m.engine->model();
@@ -893,14 +938,17 @@ Status Trainer::export_adapter(const std::string& dir) {
     decls.push_back({peft_tensor_name(spec.params[p].name), model::StDType::kF32, spec.params[p].shape});
     ids.push_back(p);
   }
-  STRATA_ASSIGN_OR_RETURN(auto w, model::SafetensorsWriter::create(dir + "/adapter_model.safetensors", decls));
+  std::unique_ptr<model::SafetensorsWriter> w;
+  if (writes) {
+    STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/adapter_model.safetensors", decls));
+  }
   std::vector<float> buf;
   for (ParamId p : ids) {
     buf.resize(spec.params[p].numel());
-    STRATA_RETURN_IF_ERROR(m.engine->read_param(p, buf.data(), DType::kF32));
-    STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), buf.size()));
+    STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
+    if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), buf.size()));
   }
-  return w->finish();
+  return w ? w->finish() : Status();
 }
 
 }  // namespace strata::train

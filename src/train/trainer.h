@@ -84,6 +84,27 @@
 //   {"event":"checkpoint","step":k,"dir":..,"seconds":..}
 // ("step" is the number of optimizer steps done when the line is written.)
 //
+// Ranks (data parallel, ZeRO stage 3; runtime/engine.h "Sharding and
+// ranks"). Launched by `mpirun -np N`, each process is one rank (the
+// launcher's environment, comm/bootstrap.h) and the trainer joins them over
+// the MPI communicator on the host backend (no NCCL backend yet: N ranks run
+// the CPU ops; a torchrun-style environment with WORLD_SIZE > 1 is refused).
+// Rank r's micro-batch m of step k is positions r*b .. r*b+b-1 of the global
+// micro-batch of N*b sequences, i.e. samples k*S + m*N*b + r*b ... with
+// S = N*b*accumulation: N ranks with batch b see at each step exactly the
+// samples a 1-rank run with batch N*b sees, and the engine's step equals a
+// 1-rank step of those N*b sequences taken as N micro-batches of b (bit for
+// bit with accumulation 1, see the engine). The reported loss is the mean
+// over every rank's tokens. Rank 0 owns OUT (its lock, run.json, metrics,
+// progress, the export's files, removing old checkpoints); every rank saves
+// its shard of each checkpoint into OUT/checkpoint-<step> (committed once
+// every rank finished) and resumes from rank 0's choice. Every rank evaluates
+// every validation batch (the same numbers). A stop request (signal) is
+// agreed on: the ranks stop after the same step. The settings must be the
+// same on every rank (refused otherwise, naming the rank). A rank that dies
+// or stops answering makes the others fail with kUnavailable after
+// comm_timeout_s (mpirun ends the job when a rank exits with an error).
+//
 // Thread-safety: one thread drives a Trainer. Blocking throughout.
 // Errors: Status values naming what, where and why (the model directory,
 // data file, out dir, NVMe directory, config key); kUnavailable when
@@ -186,6 +207,9 @@ struct TrainerOptions {
   TrainDevice device = TrainDevice::kAuto;
   // Tests: the planner's budgets (0 fields: detect / the trainer's choice).
   PlanBudgets budgets_override;
+  // N ranks: a collective not done this many seconds after it started fails
+  // (a dead or hung rank). > 0.
+  double comm_timeout_s = 300;
 };
 
 // The dimensions the model ops compute a config's model with (sizes, RoPE
@@ -254,6 +278,9 @@ class Trainer {
   // The device in words and why it was chosen, e.g. "cuda:0 (NVIDIA H200,
   // ...)" or "cpu (host backend): no CUDA device backend: <reason>".
   const std::string& device_description() const;
+  // This process's rank and the number of ranks (1 without mpirun).
+  uint32_t rank() const;
+  uint32_t world_size() const;
 
  private:
   struct Impl;

@@ -27,6 +27,7 @@
 #include <set>
 #include <type_traits>
 
+#include "comm/communicator.h"
 #include "common/json.h"
 #include "common/log.h"
 #include "common/posix_file.h"
@@ -80,6 +81,11 @@ struct Trainer::Impl {
   // The engine's device (not owned by the engine: declared before it, and
   // ~Impl resets the engine first).
   std::unique_ptr<DeviceBackend> backend;
+  // N ranks (trainer.h, "Ranks"): the communicator over `backend`; rank 0 of
+  // 1 without one.
+  std::unique_ptr<comm::Communicator> comm;
+  uint32_t rank = 0, world = 1;
+  std::string run_id;  // ranks other than 0 (no RunDir): rank 0's run id
   std::string device_description;
   std::unique_ptr<Engine> engine;
   std::unique_ptr<ModelOps> ops;
@@ -149,6 +155,7 @@ struct Trainer::Impl {
     if (staging.ptr) backend->free_pinned(staging);
     if (stream) (void)backend->destroy_stream(stream);
     engine.reset();
+    comm.reset();
     backend.reset();
   }
 
@@ -173,6 +180,13 @@ struct Trainer::Impl {
   Status choose_device(const DeviceSizes& z, Config* cfg);
   Status try_cuda(const DeviceSizes& z, Config* cfg);
   Status use_host(const DeviceSizes& z, Config* cfg);
+  // Ranks (trainer_ranks.cpp).
+  Status detect_ranks();  // the launcher's environment: rank, world
+  Status join_ranks();    // the communicator; rank 0's run id, checkpoint and settings
+  // Every rank's n doubles, rank by rank (a collective on `stream`).
+  Status all_gather(const double* mine, size_t n, std::vector<double>* all);
+  Result<bool> any_rank(bool mine);  // true when it is true on some rank
+  Result<bool> stop_requested();     // opt.stop, agreed on by every rank
   Status stage_tokens();
   Status forward(const int32_t* tokens, bool keep_for_backward);
   Status micro_batch(bool last, LossStats* loss);

@@ -21,7 +21,7 @@ class Trainer::Run {
         has_val_(m_.data->val_batches(m_.opt.batch) > 0),
         eval_n_(std::min<uint64_t>(m_.opt.eval_batches, m_.data->val_batches(m_.opt.batch))),
         first_step_(m_.step),
-        tokens_per_step_(static_cast<uint64_t>(m_.tokens_per_micro) * m_.accum),
+        tokens_per_step_(static_cast<uint64_t>(m_.tokens_per_micro) * m_.accum * m_.world),  // every rank's
         prev_(m_.engine->stats()) {}
 
   Result<TrainResult> execute() {
@@ -33,7 +33,12 @@ class Trainer::Run {
     STRATA_RETURN_IF_ERROR(train());
     // A stop request that came after the last step: the work is saved, as the
     // signal handler promised, and the final evaluation and export skipped.
-    if (!res_.interrupted && m_.opt.stop && m_.opt.stop->load() && m_.step > 0) {
+    // (N ranks: every stop check is agreed on, Impl::stop_requested.)
+    bool late_stop = false;
+    if (!res_.interrupted) {
+      STRATA_ASSIGN_OR_RETURN(late_stop, m_.stop_requested());
+    }
+    if (late_stop && m_.step > 0) {
       if (res_.last_checkpoint != checkpoint_dir()) STRATA_RETURN_IF_ERROR(checkpoint());
       res_.interrupted = true;
     }
@@ -52,7 +57,8 @@ class Trainer::Run {
   // checkpoints on their schedules.
   Status train() {
     while (m_.step < m_.opt.steps) {
-      if (m_.opt.stop && m_.opt.stop->load()) {  // stopped before this run's first step
+      STRATA_ASSIGN_OR_RETURN(const bool stopped, m_.stop_requested());
+      if (stopped) {  // stopped before this run's first step
         STRATA_RETURN_IF_ERROR(checkpoint());
         res_.interrupted = true;
         break;
@@ -60,7 +66,7 @@ class Trainer::Run {
       STRATA_ASSIGN_OR_RETURN(StepReport r, t_.train_step());
       report_step(r);
       STRATA_RETURN_IF_ERROR(check_skipped(r));
-      const bool stop = m_.opt.stop && m_.opt.stop->load();
+      STRATA_ASSIGN_OR_RETURN(const bool stop, m_.stop_requested());
       if (has_val_ && m_.opt.eval_every > 0 && r.step % m_.opt.eval_every == 0 && r.step < m_.opt.steps && !stop) {
         STRATA_ASSIGN_OR_RETURN(double v, evaluate());
         (void)v;
@@ -153,7 +159,7 @@ class Trainer::Run {
     STRATA_RETURN_IF_ERROR(t_.save_checkpoint(dir));
     res_.last_checkpoint = dir;
     m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
-    if (m_.opt.keep > 0) {
+    if (m_.opt.keep > 0 && m_.rank == 0) {  // N ranks: rank 0 owns OUT
       auto cks = list_checkpoint_dirs(m_.opt.out_dir);
       for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {
         if (cks[i].path == dir) continue;

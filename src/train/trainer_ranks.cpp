@@ -1,0 +1,102 @@
+// The trainer's ranks (trainer.h, "Ranks"): which rank this process is, the
+// communicator, what rank 0 decides for all (run id, the checkpoint to
+// resume, the settings every rank must share), and the small agreements of
+// each step (the loss, a stop request). Every function here is a collective
+// once there are N ranks: each rank calls it at the same point of its run.
+#include "comm/bootstrap.h"
+#include "train/trainer_impl.h"
+
+namespace strata::train {
+
+Status Trainer::Impl::detect_ranks() {
+  auto li = comm::detect_launch();
+  if (!li.ok()) return li.status().with_context("the launcher's environment");
+  if (li->world_size == 1) return {};
+  if (li->launcher == comm::Launcher::kTorchrun)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("launched torchrun-style (RANK {}, WORLD_SIZE {}): those ranks meet over NCCL, whose "
+                              "backend is not built yet; launch host ranks with mpirun -np {} instead",
+                              li->rank, li->world_size, li->world_size));
+  if (!comm::mpi_backend_built())
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("launched by mpirun with {} ranks, but this build has no MPI backend (CMake did not "
+                              "find MPI: install libopenmpi-dev and rebuild)",
+                              li->world_size));
+  rank = static_cast<uint32_t>(li->rank);
+  world = static_cast<uint32_t>(li->world_size);
+  if (rank != 0) opt.progress = ProgressMode::kQuiet;
+  return {};
+}
+
+// Rank 0 broadcasts {run id, checkpoint to resume, settings}: its length
+// first, then the text. The others take the first two and must have the same
+// settings (a different batch or model on one rank would train nonsense).
+Status Trainer::Impl::join_ranks() {
+  if (world == 1) return {};
+  comm::CommOptions co;
+  co.kind = comm::CommBackendKind::kMpi;
+  co.timeout_s = opt.comm_timeout_s;
+  auto c = comm::create_communicator(backend.get(), co);
+  if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));
+  comm = std::move(c).value();
+  if (static_cast<uint32_t>(comm->rank()) != rank || static_cast<uint32_t>(comm->world_size()) != world)
+    return Status(StatusCode::kInternal,
+                  fmt::format("MPI says rank {} of {}, the launcher's environment rank {} of {}", comm->rank(),
+                              comm->world_size(), rank, world));
+  const std::string settings = settings_json();
+  std::string text;
+  if (rank == 0) text = json{{"run_id", run_dir->run_id()}, {"resume_from", resume_from}, {"settings", settings}}.dump();
+  uint64_t len = text.size();
+  auto bcast = [&](void* p, size_t n) -> Status {
+    Status st = comm->broadcast(p, n, 0, stream);
+    Status sy = backend->synchronize(stream);
+    return st.ok() ? sy : st;
+  };
+  STRATA_RETURN_IF_ERROR(bcast(&len, sizeof(len)));
+  text.resize(len);
+  STRATA_RETURN_IF_ERROR(bcast(text.data(), len));
+  const json j = json::parse(text, nullptr, false);
+  if (j.is_discarded()) return Status(StatusCode::kInternal, "rank 0's run description did not arrive intact");
+  bool same = j["settings"].get<std::string>() == settings;
+  STRATA_ASSIGN_OR_RETURN(bool differs, any_rank(!same));
+  if (!same)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("rank {}: its settings differ from rank 0's (every rank must run the same model, data, "
+                              "batch and config): {} here, {} on rank 0",
+                              rank, settings, j["settings"].get<std::string>()));
+  if (differs)
+    return Status(StatusCode::kInvalidArgument,
+                  "another rank's settings differ from this rank's (that rank's error shows both)");
+  if (rank != 0) {
+    run_id = j["run_id"].get<std::string>();
+    resume_from = j["resume_from"].get<std::string>();
+  }
+  log_info("rank {} of {} joined (MPI, host backend; collectives time out after {} s)", rank, world,
+           opt.comm_timeout_s);
+  return {};
+}
+
+Status Trainer::Impl::all_gather(const double* mine, size_t n, std::vector<double>* all) {
+  all->assign(n * world, 0.0);
+  std::copy(mine, mine + n, all->begin() + static_cast<std::ptrdiff_t>(n * rank));
+  if (world == 1) return {};
+  double* slot = all->data() + n * rank;
+  Status st = comm->all_gather(slot, all->data(), n * sizeof(double), stream);
+  Status sy = backend->synchronize(stream);
+  return st.ok() ? sy : st;
+}
+
+Result<bool> Trainer::Impl::any_rank(bool mine) {
+  const double v = mine ? 1.0 : 0.0;
+  std::vector<double> all;
+  STRATA_RETURN_IF_ERROR(all_gather(&v, 1, &all));
+  return std::any_of(all.begin(), all.end(), [](double x) { return x != 0.0; });
+}
+
+Result<bool> Trainer::Impl::stop_requested() {
+  const bool mine = opt.stop != nullptr && opt.stop->load();
+  if (world == 1) return mine;
+  return any_rank(mine);
+}
+
+}  // namespace strata::train
