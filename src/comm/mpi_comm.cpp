@@ -23,6 +23,9 @@ using Clock = std::chrono::steady_clock;
 // Process-wide MPI state: who initialized it and at which thread level.
 std::mutex g_init_mu;
 bool g_we_initialized = false;
+// A communicator broke (a peer timed out, a transport error): the job cannot
+// finish collectively, so finalize_mpi() aborts instead of finalizing.
+std::atomic<bool> g_any_broken{false};
 int g_provided = MPI_THREAD_SINGLE;
 // Held around every MPI call when the library is only MPI_THREAD_SERIALIZED.
 std::mutex g_serial_mu;
@@ -374,6 +377,7 @@ class MpiCommunicator final : public Communicator {
   void break_with(const Status& st) {
     std::lock_guard<std::mutex> lock(mu_);
     if (first_error_.ok()) first_error_ = st;
+    g_any_broken = true;
   }
   void graveyard_add(std::shared_ptr<std::vector<float>> mem) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -422,6 +426,12 @@ void finalize_mpi() {
   if (!g_we_initialized) return;
   int finalized = 0;
   MPI_Finalized(&finalized);
+  if (!finalized && g_any_broken) {
+    // MPI_Finalize waits for every peer, and a peer that hung or died never
+    // comes: end the job instead (mpirun then stops the other ranks). The
+    // error that broke the communicator was reported already.
+    MPI_Abort(MPI_COMM_WORLD, 1);
+  }
   if (!finalized) MPI_Finalize();
   g_we_initialized = false;
 }

@@ -58,7 +58,10 @@ struct MpiCommOptions {
 Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* device, const MpiCommOptions& options);
 
 // Calls MPI_Finalize if Strata initialized MPI and nobody finalized it yet
-// (otherwise a no-op). Call after the last communicator is destroyed; if it
+// (otherwise a no-op). If a communicator broke (a peer that timed out or a
+// transport error), MPI_Finalize would wait for that peer forever: it calls
+// MPI_Abort(MPI_COMM_WORLD, 1) instead, which ends this process with status 1
+// and makes mpirun stop the job's other processes. Call after the last communicator is destroyed; if it
 // is never called, it runs at exit. MPI cannot be initialized again after it.
 void finalize_mpi();
 

@@ -9,6 +9,7 @@
 #include "comm/mpi_comm.h"
 
 #include <gtest/gtest.h>
+#include <mpi.h>
 
 #include <chrono>
 #include <cstring>
@@ -266,6 +267,9 @@ int main(int argc, char** argv) {
   const int rc = RUN_ALL_TESTS();
   world.comm.reset();
   world.dev.reset();
-  comm::finalize_mpi();
+  // MPI_Finalize itself, not comm::finalize_mpi(): the timeout test breaks a
+  // communicator on purpose (which makes finalize_mpi() abort the job), and
+  // its silent rank is alive, so finalizing completes here.
+  MPI_Finalize();
   return rc;
 }

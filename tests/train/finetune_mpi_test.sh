@@ -1,0 +1,148 @@
+#!/usr/bin/env bash
+# `mpirun -np N strata finetune` as a user meets it (trainer.h, "Ranks"):
+#   - 2 and 3 ranks with batch b export exactly (cmp) the model of a 1-rank
+#     run with batch b and N x the accumulation, with the same losses per
+#     step, on host RAM and with parameters and optimizer on NVMe;
+#   - SIGTERM to one rank stops every rank after the same step with a
+#     checkpoint (exit 130); --resume finishes the job with the same model as
+#     a run never stopped;
+#   - a rank that stops answering (SIGSTOP) makes the other fail within
+#     --comm-timeout naming it; a rank killed with SIGKILL ends the job;
+#   - what N ranks cannot do yet is refused by name (GPU ranks, torchrun-style
+#     launch, ZeRO stages 1-2, ranks with different settings).
+#   finetune_mpi_test.sh MPIRUN STRATA_BINARY
+# Exit 0 pass, 1 fail.
+set -uo pipefail
+mpirun_bin=${1:?usage: finetune_mpi_test.sh MPIRUN STRATA_BINARY}
+strata=${2:?usage: finetune_mpi_test.sh MPIRUN STRATA_BINARY}
+root=${STRATA_TEST_DIR:-/tmp}
+dir=$(mktemp -d "$root/strata-finetune-mpi.XXXXXX") || exit 1
+cleanup() {
+  pkill -9 -f -- "--out $dir/" 2>/dev/null
+  rm -rf "$dir"
+}
+trap cleanup EXIT
+source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
+export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+mpirun=("$mpirun_bin" --oversubscribe --allow-run-as-root)
+
+"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
+  --tie-embeddings --seed 5 --out "$dir/model" >/dev/null || { echo "init-model failed"; exit 1; }
+words=(cat dog bird fox owl fish)
+for ((i = 0; i < 2000; i++)); do
+  echo "the ${words[i % 6]} sees the ${words[(i * 7 + i / 6) % 6]} . $((i % 10)) plus $((i / 10 % 10)) is $((i % 10 + i / 10 % 10)) ."
+done >"$dir/data.txt"
+common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 3e-3 --progress lines --eval-batches 2
+  --threads 1)
+
+# Losses and lrs per step from a metrics file, one line each.
+losses() { grep '"event":"train"' "$1" | grep -o '"\(loss\|lr\|step\)":[^,}]*' | tr '\n' ' '; }
+same_run() {  # what, 1-rank out, N-rank out
+  cmp -s "$2/model/model.safetensors" "$3/model/model.safetensors" || fail "$1: the exported models differ"
+  [[ "$(losses "$2/metrics.jsonl")" == "$(losses "$3/metrics.jsonl")" ]] ||
+    fail "$1: losses differ: $(losses "$2/metrics.jsonl") vs $(losses "$3/metrics.jsonl")"
+  [[ $(grep -c '"event":"train"' "$3/metrics.jsonl") -ge 4 ]] || fail "$1: no metrics from rank 0"
+}
+
+# ---- N ranks equal one rank with N x the accumulation
+"$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one2" >"$dir/one2.log" 2>&1 ||
+  { cat "$dir/one2.log"; fail "1-rank run (accumulation 2)"; }
+timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two" \
+  >"$dir/two.log" 2>&1 || { cat "$dir/two.log"; fail "mpirun -np 2 finetune"; }
+same_run "2 ranks, RAM" "$dir/one2" "$dir/two"
+grep -q "x 2 ranks" "$dir/two.log" || fail "2 ranks: the header does not say so: $(head -3 "$dir/two.log")"
+[[ $(grep -c '^done:' "$dir/two.log") -eq 1 ]] || fail "2 ranks: more than rank 0 printed the summary"
+
+mkdir -p "$dir/nv1" "$dir/nv3"
+"$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 3 --out "$dir/one3" \
+  --offload-params nvme:"$dir/nv1" --offload-optimizer nvme:"$dir/nv1" >"$dir/one3.log" 2>&1 ||
+  { cat "$dir/one3.log"; fail "1-rank run (accumulation 3, NVMe)"; }
+timeout 300 "${mpirun[@]}" -np 3 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/three" \
+  --offload-params nvme:"$dir/nv3" --offload-optimizer nvme:"$dir/nv3" --save-every 2 >"$dir/three.log" 2>&1 ||
+  { cat "$dir/three.log"; fail "mpirun -np 3 finetune (NVMe)"; }
+same_run "3 ranks, NVMe" "$dir/one3" "$dir/three"
+[[ -f "$dir/three/checkpoint-4/manifest.rank2.json" ]] || fail "3 ranks: checkpoint-4 lacks rank 2's shard"
+[[ -z "$(ls -A "$dir/nv3" | grep -v '^\.strata-scratch$')" ]] || fail "3 ranks: swap files left in $dir/nv3"
+
+# ---- SIGTERM to one rank: every rank stops after the same step, saved; --resume finishes identically
+timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/full" \
+  >"$dir/full.log" 2>&1 || { cat "$dir/full.log"; fail "uninterrupted 40-step run"; }
+"${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" >"$dir/sig.log" 2>&1 &
+job=$!
+for ((i = 0; i < 600; i++)); do
+  grep -q '"step":3' "$dir/sig/metrics.jsonl" 2>/dev/null && break
+  sleep 0.1
+done
+victim=$(pgrep -f -- "--out $dir/sig" | while read -r p; do
+  [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"; done | tail -1)
+[[ -n $victim ]] && kill -TERM "$victim"
+wait "$job"
+rc=$?
+if [[ $rc -eq 0 ]]; then
+  echo "note: the run ended before the signal; the stop agreement was not exercised"
+else
+  grep -q "interrupted at step" "$dir/sig.log" || fail "SIGTERM: no 'interrupted at step' line: $(tail -5 "$dir/sig.log")"
+  timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" \
+    --resume "$dir/sig" >"$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; fail "--resume after SIGTERM"; }
+  cmp -s "$dir/full/model/model.safetensors" "$dir/sig/model/model.safetensors" ||
+    fail "SIGTERM + --resume: the model differs from the uninterrupted run's"
+fi
+
+# ---- a rank that stops answering: the other fails within --comm-timeout, naming it
+"${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/hang" --comm-timeout 3 \
+  >"$dir/hang.log" 2>&1 &
+job=$!
+for ((i = 0; i < 600; i++)); do
+  grep -q '"step":2' "$dir/hang/metrics.jsonl" 2>/dev/null && break
+  sleep 0.1
+done
+victim=$(pgrep -f -- "--out $dir/hang" | while read -r p; do
+  [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"; done | tail -1)
+t0=$SECONDS
+kill -STOP "$victim"
+( sleep 90; kill -9 "$job" "$victim" 2>/dev/null ) &
+guard=$!
+wait "$job"
+rc=$?
+kill "$guard" 2>/dev/null
+kill -9 "$victim" 2>/dev/null
+((rc != 0)) || fail "a stopped rank: the job exited 0"
+((SECONDS - t0 < 60)) || fail "a stopped rank: the job took $((SECONDS - t0)) s to end (timeout 3 s)"
+grep -q "timed out after 3 s waiting for rank" "$dir/hang.log" ||
+  fail "a stopped rank: no timeout error naming the rank: $(tail -8 "$dir/hang.log")"
+
+# ---- a rank killed: the job ends (mpirun ends the others), nothing hangs
+"${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/kill" --comm-timeout 10 \
+  >"$dir/kill.log" 2>&1 &
+job=$!
+for ((i = 0; i < 600; i++)); do
+  grep -q '"step":2' "$dir/kill/metrics.jsonl" 2>/dev/null && break
+  sleep 0.1
+done
+victim=$(pgrep -f -- "--out $dir/kill" | while read -r p; do
+  [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"; done | tail -1)
+t0=$SECONDS
+kill -9 "$victim"
+( sleep 90; kill -9 "$job" 2>/dev/null ) &
+guard=$!
+wait "$job"
+rc=$?
+kill "$guard" 2>/dev/null
+((rc != 0)) || fail "a killed rank: the job exited 0"
+((SECONDS - t0 < 60)) || fail "a killed rank: the job took $((SECONDS - t0)) s to end"
+[[ -z $(pgrep -f -- "--out $dir/kill") ]] || fail "a killed rank: ranks still running"
+
+# ---- refused by name
+cli_command "${mpirun[@]}" -np 2 "$strata" finetune
+expect_error "GPU ranks need the NCCL backend" "${common[@]}" --steps 2 --batch 2 --out "$dir/e1" --device cuda
+printf '{"zero_optimization": {"stage": 2}}' >"$dir/stage2.json"
+expect_error "stages 1 and 2" "${common[@]}" --steps 2 --batch 2 --out "$dir/e2" --config "$dir/stage2.json"
+cli_command env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 "$strata" finetune
+expect_error "torchrun-style" "${common[@]}" --steps 2 --batch 2 --out "$dir/e3"
+out=$(timeout 120 "${mpirun[@]}" -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e4" : \
+  -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 4 --out "$dir/e4" 2>&1)
+rc=$?
+((rc != 0)) || fail "ranks with different --batch: exit 0"
+[[ $out == *"settings differ from rank 0's"* ]] || fail "ranks with different --batch: message lacks the reason: $out"
+
+cli_finish "finetune under mpirun"
