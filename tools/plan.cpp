@@ -50,6 +50,7 @@ using json = nlohmann::json;
 // parameter.
 constexpr double kAssumedH2dGBps = 50;
 constexpr double kAssumedGpuTflops = 400;
+constexpr double kAssumedLinkGBps = 12.5;
 constexpr double kAssumedNvmeReadGBps = 6;
 constexpr double kAssumedNvmeWriteGBps = 4;
 constexpr double kAssumedCpuAdamParamsPerS = 0.7e9;
@@ -71,6 +72,8 @@ struct PlanCliOptions {
   bool measure = true;
   double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
   double cpu_adam_params_per_s = 0, gpu_tflops = 0;
+  uint32_t world_size = 0;  // 0: the config's (1)
+  double link_gbps = 0;
   std::string measure_size = "256MiB";
   bool json = false;
 };
@@ -199,7 +202,7 @@ Result<Figure> measure_cpu_adam(DType state_dtype) {
 }
 
 json link_json(const LinkBytes& l) {
-  return {{"nvme_read", l.nvme_read}, {"nvme_write", l.nvme_write}, {"h2d", l.h2d}, {"d2h", l.d2h}};
+  return {{"nvme_read", l.nvme_read}, {"nvme_write", l.nvme_write}, {"h2d", l.h2d}, {"d2h", l.d2h}, {"comm", l.comm}};
 }
 
 json plan_json(const Plan& plan) {
@@ -242,7 +245,8 @@ int run(const PlanCliOptions& o) {
                          {o.nvme_read_gbps, "--nvme-read-gbps"},
                          {o.nvme_write_gbps, "--nvme-write-gbps"},
                          {o.cpu_adam_params_per_s, "--cpu-adam-params-per-s"},
-                         {o.gpu_tflops, "--gpu-tflops"}})
+                         {o.gpu_tflops, "--gpu-tflops"},
+                         {o.link_gbps, "--link-gbps"}})
     if (!(v >= 0) || !std::isfinite(v)) return fail(fmt::format("{} must be a positive number", flag));
   if (o.model.empty()) return fail("--model is required: a model directory or a config.json");
   const std::string cfg_path = is_dir(o.model) ? o.model + "/config.json" : o.model;
@@ -289,7 +293,11 @@ int run(const PlanCliOptions& o) {
     if (!d.ok()) return fail("--dtype: " + d.status().message());
     shape.dtype = *d;
   }
-  auto spec = llama_model_spec(shape, ds.strata.world_size, ds.strata.rank);
+  // N ranks: rank 0's shard (every rank's is the same size but the last's,
+  // which is no larger).
+  const uint32_t world = o.world_size > 0 ? o.world_size : ds.strata.world_size;
+  if (world > (1u << 20)) return fail("--world-size is implausibly large");
+  auto spec = llama_model_spec(shape, world, 0);
   if (!spec.ok()) return fail(spec.status().message());
 
   // Budgets: flags, else the config, else detected here.
@@ -386,6 +394,8 @@ int run(const PlanCliOptions& o) {
   if (o.nvme_read_gbps > 0) nvr = {o.nvme_read_gbps * 1e9, "given", ""};
   if (o.nvme_write_gbps > 0) nvw = {o.nvme_write_gbps * 1e9, "given", ""};
   if (o.cpu_adam_params_per_s > 0) cpu = {o.cpu_adam_params_per_s, "given", ""};
+  Figure link{kAssumedLinkGBps * 1e9, "assumed", "100 Gb/s between ranks; ranks on one host share memory bandwidth"};
+  if (o.link_gbps > 0) link = {o.link_gbps * 1e9, "given", ""};
   if (measure && !budgets.nvme.empty() && (o.nvme_read_gbps <= 0 || o.nvme_write_gbps <= 0)) {
     auto size = parse_bytes(o.measure_size);
     if (!size.ok() || *size == 0)
@@ -441,6 +451,7 @@ int run(const PlanCliOptions& o) {
   bw.nvme_write = nvw.value;
   bw.cpu_optimizer_params_per_s = cpu.value;
   bw.gpu_flops = gpu.value;
+  bw.link = link.value;
   Workload work;
   work.tokens_per_micro_batch = o.batch * o.seq;
   work.activation_checkpointing = !o.no_checkpointing;
@@ -474,7 +485,8 @@ int run(const PlanCliOptions& o) {
                   {"nvme_read_GBps", fig(nvr, 1e9)},
                   {"nvme_write_GBps", fig(nvw, 1e9)},
                   {"cpu_adam_params_per_s", fig(cpu, 1)},
-                  {"gpu_TFLOPs", fig(gpu, 1e12)}}},
+                  {"gpu_TFLOPs", fig(gpu, 1e12)},
+                  {"link_GBps", fig(link, 1e9)}}},
                 {"workload",
                  {{"batch", o.batch},
                   {"seq", o.seq},
@@ -487,6 +499,7 @@ int run(const PlanCliOptions& o) {
                   {"h2d_s", est->h2d_s},
                   {"d2h_s", est->d2h_s},
                   {"nvme_fb_s", est->nvme_fb_s},
+                  {"comm_s", est->comm_s},
                   {"forward_backward_s", est->forward_backward_s},
                   {"nvme_step_s", est->nvme_step_s},
                   {"cpu_optimizer_s", est->cpu_optimizer_s},
@@ -518,6 +531,7 @@ int run(const PlanCliOptions& o) {
   line("CPU optimizer", cpu, fmt::format("{:.2f} G param/s", cpu.value / 1e9));
   line("GPU", gpu, gpu.value >= 99.95e12 ? fmt::format("{:.0f} TFLOP/s", gpu.value / 1e12)
                                          : fmt::format("{:.3g} TFLOP/s", gpu.value / 1e12));
+  if (world > 1) line("link between ranks", link, format_rate(link.value));
   std::printf(
       "\nWorkload: batch %llu x seq %llu = %llu tokens per micro-batch, %u micro-batch(es) per step; "
       "%.3g FLOP per token (%s)\n",
@@ -561,6 +575,10 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--nvme-write-gbps", o->nvme_write_gbps, "NVMe write GB/s, all directories (default: measured)");
   cmd->add_option("--cpu-adam-params-per-s", o->cpu_adam_params_per_s,
                   "CPU optimizer parameters per second (default: measured)");
+  cmd->add_option("--world-size", o->world_size,
+                  "Data-parallel ranks (ZeRO stage 3: each rank holds 1/N of every state; default 1, or the config's)");
+  cmd->add_option("--link-gbps", o->link_gbps,
+                  "GB/s one rank sends to the others (default: assumed 12.5, a 100 Gb/s network)");
   cmd->add_option("--gpu-tflops", o->gpu_tflops, "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class)");
   cmd->add_flag("--json", o->json, "Print the plan and the estimate as one JSON object");
   for (CLI::Option* opt : cmd->get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);

@@ -27,6 +27,7 @@ LinkBytes& LinkBytes::operator+=(const LinkBytes& o) {
   nvme_write += o.nvme_write;
   h2d += o.h2d;
   d2h += o.d2h;
+  comm += o.comm;
   return *this;
 }
 
@@ -463,6 +464,11 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     // and are accumulated in fp32 where the accumulator lives.
     if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
       plan.forward_backward.d2h += m * g.shard_numel * compute_elem_bytes;
+    // N ranks: every upload is followed by an all-gather of the group, every
+    // micro-batch's gradient by an fp32 reduce-scatter (this rank sends its
+    // shard's worth to each of N-1 peers).
+    const uint64_t peers = plan.world_size - 1;
+    plan.forward_backward.comm += peers * (ups * c + m * gr);
     if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) {
       plan.forward_backward.nvme_write += m * gr;
       plan.forward_backward.nvme_read += (m - 1) * gr;
@@ -556,6 +562,7 @@ std::string Plan::report() const {
   row("NVMe write", forward_backward.nvme_write, optimizer_step.nvme_write);
   row("host -> device", forward_backward.h2d, optimizer_step.h2d);
   row("device -> host", forward_backward.d2h, optimizer_step.d2h);
+  if (world_size > 1) row("to the other ranks", forward_backward.comm, optimizer_step.comm);
   line(fmt::format("  optimizer: {} elements on the CPU, {} on the device", cpu_optimizer_numel, gpu_optimizer_numel));
   return r;
 }
@@ -574,6 +581,7 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   };
   STRATA_RETURN_IF_ERROR(need(bw.h2d, fb.h2d + st.h2d, "host->device"));
   STRATA_RETURN_IF_ERROR(need(bw.d2h, fb.d2h + st.d2h, "device->host"));
+  STRATA_RETURN_IF_ERROR(need(bw.link, fb.comm + st.comm, "the link between ranks"));
   STRATA_RETURN_IF_ERROR(need(bw.nvme_read, fb.nvme_read + st.nvme_read, "NVMe read"));
   STRATA_RETURN_IF_ERROR(need(bw.nvme_write, fb.nvme_write + st.nvme_write, "NVMe write"));
   STRATA_RETURN_IF_ERROR(need(bw.cpu_optimizer_params_per_s, plan.cpu_optimizer_numel, "the CPU optimizer"));
@@ -589,7 +597,8 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   e.h2d_s = secs(fb.h2d, bw.h2d);
   e.d2h_s = secs(fb.d2h, bw.d2h);
   e.nvme_fb_s = secs(fb.nvme_read, bw.nvme_read) + secs(fb.nvme_write, bw.nvme_write);
-  e.forward_backward_s = std::max({e.compute_s, e.h2d_s, e.d2h_s, e.nvme_fb_s});
+  e.comm_s = fb.comm > 0 ? secs(fb.comm, bw.link) : 0;
+  e.forward_backward_s = std::max({e.compute_s, e.h2d_s, e.d2h_s, e.nvme_fb_s, e.comm_s});
 
   e.nvme_step_s = secs(st.nvme_read, bw.nvme_read) + secs(st.nvme_write, bw.nvme_write);
   e.cpu_optimizer_s =
@@ -613,6 +622,7 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
                                             {e.h2d_s, "host->device (forward/backward)"},
                                             {e.d2h_s, "device->host (gradients)"},
                                             {e.nvme_fb_s, "NVMe (forward/backward)"},
+                                            {e.comm_s, "the link between ranks"},
                                             {e.nvme_step_s, "NVMe (optimizer step)"},
                                             {e.cpu_optimizer_s, "CPU optimizer"},
                                             {e.step_h2d_s, "host->device (updated copies)"}};
@@ -620,7 +630,7 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   const bool fb_longer = e.forward_backward_s >= e.optimizer_step_s;
   double best = -1;
   for (size_t i = 0; i < std::size(parts); ++i) {
-    const bool in_fb = i < 4;
+    const bool in_fb = i < 5;
     if (in_fb != fb_longer) continue;
     if (parts[i].first > best) {
       best = parts[i].first;
@@ -634,8 +644,9 @@ std::string StepTimeEstimate::report() const {
   auto t = [](double s) { return format_seconds(s); };
   std::string r;
   r += fmt::format("Predicted step: {} (bottleneck: {})\n", t(total_s), bottleneck);
-  r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {})\n",
-                   t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s));
+  r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {}{})\n",
+                   t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s),
+                   comm_s > 0 ? fmt::format(", other ranks {}", t(comm_s)) : std::string());
   r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}\n",
                    t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s));
   if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {}\n", t(overlap_saved_s));

@@ -80,6 +80,10 @@ struct LinkBytes {
   uint64_t nvme_write = 0;
   uint64_t h2d = 0;  // host to device
   uint64_t d2h = 0;  // device to host
+  // N ranks (ZeRO stage 3): bytes this rank sends to its peers, (N-1)/N of
+  // every all-gather of a group's compute copy and of every fp32 gradient
+  // reduce-scatter.
+  uint64_t comm = 0;
   LinkBytes& operator+=(const LinkBytes& o);
 };
 
@@ -137,6 +141,7 @@ struct Bandwidths {
   double nvme_write = 0;
   double cpu_optimizer_params_per_s = 0;
   double gpu_flops = 0;  // sustained dense matmul throughput
+  double link = 0;       // N ranks: bytes/s one rank sends to its peers
 };
 
 struct Workload {
@@ -150,6 +155,7 @@ struct StepTimeEstimate {
   double h2d_s = 0;      // uploads during forward/backward
   double d2h_s = 0;      // gradient downloads
   double nvme_fb_s = 0;  // NVMe reads+writes during forward/backward
+  double comm_s = 0;     // N ranks: all-gathers and reduce-scatters (overlapped with the rest)
   double forward_backward_s = 0;
   double nvme_step_s = 0;  // NVMe reads+writes of the optimizer step
   double cpu_optimizer_s = 0;

@@ -619,7 +619,8 @@ json Trainer::Impl::stats_json() const {
               {"host_bytes", s.tier_bytes[static_cast<int>(Tier::kHost)]},
               {"nvme_bytes", s.tier_bytes[static_cast<int>(Tier::kNvme)]},
               {"nvme_read_bytes", s.nvme_read_bytes},
-              {"nvme_write_bytes", s.nvme_write_bytes}};
+              {"nvme_write_bytes", s.nvme_write_bytes},
+              {"comm_bytes", s.comm_bytes}};
 }
 
 void Trainer::Impl::write_metrics(const json& j) {

@@ -1,0 +1,101 @@
+#!/usr/bin/env python3
+"""Step time and bytes communicated of `strata finetune` with 1, 2 and 3 host
+ranks (mpirun, ZeRO stage 3 over MPI) on the same global batch, in one run.
+
+  python3 tools/bench_ranks.py --strata build/tools/strata [--steps 12] [--dir /tmp/sbr]
+
+Prints, per world size N: the median step time (steps 3.. of the run) and its
+ratio to the 1-rank run measured here, the bytes each rank sent per step (the
+engine's stats().comm_bytes, from metrics.jsonl) and their ratio to ZeRO
+stage 3's volume, 3 * psi * (N-1)/N per rank per step for psi bytes of
+parameters in the compute dtype (all-gather in forward, again in backward,
+reduce-scatter of the gradients). Strata reduce-scatters fp32 gradients (the
+exact rank-order sum), so with a bf16 model its volume is 4/3 of that formula
+and with an fp32 model exactly it; the embedding and head are gathered as the
+trainer acquires them (the head once per micro-batch for forward and backward).
+Ranks on one host share its cores: the step time of N ranks on a 2-core
+machine measures overhead, not speed-up.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+
+def run(cmd, env=None):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strata", required=True)
+    ap.add_argument("--mpirun", default="mpirun")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--global-batch", type=int, default=6)
+    ap.add_argument("--dtype", default="bf16", help="compute dtype of the run (--bf16 or fp32)")
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args()
+    base = a.dir or tempfile.mkdtemp(prefix="strata-bench-ranks-")
+    os.makedirs(base, exist_ok=True)
+    model = os.path.join(base, "model")
+    run([a.strata, "init-model", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--ffn-dim",
+         "704", "--vocab", "256", "--dtype", "fp32", "--seed", "3", "--out", model])
+    data = os.path.join(base, "data.txt")
+    words = ["cat", "dog", "bird", "fox", "owl", "fish"]
+    with open(data, "w") as f:
+        for i in range(4000):
+            f.write(f"the {words[i % 6]} sees the {words[(i * 7 + i // 6) % 6]} . {i % 10} plus {i // 10 % 10} "
+                    f"is {i % 10 + i // 10 % 10} .\n")
+    with open(os.path.join(model, "config.json")) as f:
+        cfg = json.load(f)
+    env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none", OMPI_MCA_rmaps_base_oversubscribe="1")
+    rows = []
+    psi_bytes = None
+    for n in (1, 2, 3):
+        if a.global_batch % n:
+            continue
+        out = os.path.join(base, f"out{n}")
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch",
+               str(a.global_batch // n), "--steps", str(a.steps), "--eval-batches", "1", "--no-export",
+               "--progress", "quiet", "--out", out, "--device", "cpu"]
+        if a.dtype == "bf16":
+            cmd.append("--bf16")
+        if n > 1:
+            cmd = [a.mpirun, "--oversubscribe", "--allow-run-as-root", "-np", str(n)] + cmd
+        run(cmd, env)
+        lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"train"' in l]
+        steps = [l["step_s"] for l in lines[2:]] or [l["step_s"] for l in lines]
+        comm = [b["comm_bytes"] - p["comm_bytes"] for p, b in zip(lines, lines[1:])]
+        rows.append((n, statistics.median(steps), statistics.median(comm) if comm else 0))
+    params = 0
+    # Parameters of the model: from the 1-rank run's export-free plan is not
+    # at hand; count them from the config (Llama: embed, layers, norm, tied or not).
+    d, f_, v, L = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    kvh = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    hd = d // cfg["num_attention_heads"]
+    per_layer = d * d * 2 + 2 * d * kvh * hd + 3 * d * f_ + 2 * d
+    params = v * d + L * per_layer + d + (0 if cfg.get("tie_word_embeddings") else v * d)
+    esz = 2 if a.dtype == "bf16" else 4
+    psi_bytes = params * esz
+    t1 = rows[0][1]
+    print(f"model: {params} parameters, {a.dtype} compute; global batch {a.global_batch} x 128 tokens; "
+          f"{a.steps} steps; medians of steps 3..{a.steps}")
+    print(f"{'ranks':>5} {'step s':>9} {'vs 1 rank':>10} {'sent/rank/step':>15} {'ZeRO-3 3psi(N-1)/N':>19} {'ratio':>6}")
+    for n, s, c in rows:
+        zero = 3 * psi_bytes * (n - 1) / n
+        ratio = f"{c / zero:.3f}" if zero else "-"
+        print(f"{n:>5} {s:>9.4f} {s / t1:>10.3f} {c:>15.0f} {zero:>19.0f} {ratio:>6}")
+    if not a.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
