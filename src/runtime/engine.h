@@ -97,7 +97,8 @@
 //     global norm, so clipping and the inf/NaN skip agree on every rank;
 //   - checkpoints are written by every rank into one directory (a token from
 //     rank 0, then rank 0 commits once every rank finished its shard) and
-//     load on the same world size;
+//     load on any world size (another one is resharded: each rank reads the
+//     saved shards that overlap its new one, checksums verified);
 //   - gather_param() assembles a whole parameter (export).
 // Every rank must make the same calls in the same order (acquire's first
 // holds, reduce_grad, step, save/load, gather_param): they are collectives.
@@ -109,7 +110,7 @@
 // per-rank partial sums are added in another order than one rank's, so the
 // clipping coefficient may differ in the last bits). Not with N > 1 yet:
 // overlap_backward, the CUDA backend (no NCCL backend), ZeRO stages 1 and 2
-// (replicated parameters), resharding a checkpoint to another world size.
+// (replicated parameters).
 //
 // Thread-safety: one thread drives an engine (all calls below, except
 // stats() and trace_*(), which any thread may call). Calls block only where

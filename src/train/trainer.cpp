@@ -529,7 +529,10 @@ std::string Trainer::Impl::settings_json() const {
   const OptimizerConfig& o = opt.config.optimizer;
   json t;
   t["seed"] = opt.data.seed;
-  t["batch"] = opt.batch;
+  // The global micro-batch (batch x ranks): what the data order depends on,
+  // so a checkpoint resumes on another number of ranks with the same global
+  // batch (the engine reshards it). One rank: --batch, as always.
+  t["batch"] = static_cast<uint64_t>(opt.batch) * world;
   t["seq"] = seq;
   t["grad_accum"] = accum;
   t["data"] = opt.data.path;
@@ -553,7 +556,6 @@ std::string Trainer::Impl::settings_json() const {
                  {"dropout", opt.lora.dropout},
                  {"targets", lora_target_names(opt.lora.targets)},
                  {"rslora", opt.lora.rslora}};
-  if (world > 1) t["world_size"] = world;  // the data order depends on it
   return t.dump();
 }
 
@@ -601,7 +603,7 @@ Status Trainer::Impl::resume(const std::string& dir) {
                                 dir, key, t.contains(key) ? t[key].dump() : "(absent)", now.dump()));
     return {};
   };
-  STRATA_RETURN_IF_ERROR(mismatch("batch", opt.batch));
+  STRATA_RETURN_IF_ERROR(mismatch("batch", static_cast<uint64_t>(opt.batch) * world));  // global: batch x ranks
   STRATA_RETURN_IF_ERROR(mismatch("seq", seq));
   STRATA_RETURN_IF_ERROR(mismatch("grad_accum", accum));
   STRATA_RETURN_IF_ERROR(mismatch("seed", opt.data.seed));

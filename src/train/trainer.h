@@ -98,7 +98,9 @@
 // over every rank's tokens. Rank 0 owns OUT (its lock, run.json, metrics,
 // progress, the export's files, removing old checkpoints); every rank saves
 // its shard of each checkpoint into OUT/checkpoint-<step> (committed once
-// every rank finished) and resumes from rank 0's choice. Every rank evaluates
+// every rank finished) and resumes from rank 0's choice (a checkpoint
+// resumes on another number of ranks with the same global batch, batch x
+// ranks: the engine reshards it and the data continues where it was). Every rank evaluates
 // every validation batch (the same numbers). A stop request (signal) is
 // agreed on: the ranks stop after the same step. The settings must be the
 // same on every rank (refused otherwise, naming the rank). A rank that dies

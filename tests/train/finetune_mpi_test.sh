@@ -3,6 +3,7 @@
 #   - 2 and 3 ranks with batch b export exactly (cmp) the model of a 1-rank
 #     run with batch b and N x the accumulation, with the same losses per
 #     step, on host RAM and with parameters and optimizer on NVMe;
+#   - a checkpoint reshards 2 -> 3 -> 1 ranks on one global batch;
 #   - SIGTERM to one rank stops every rank after the same step with a
 #     checkpoint (exit 130); --resume finishes the job with the same model as
 #     a run never stopped;
@@ -63,6 +64,31 @@ timeout 300 "${mpirun[@]}" -np 3 "$strata" finetune "${common[@]}" --steps 5 --b
 same_run "3 ranks, NVMe" "$dir/one3" "$dir/three"
 [[ -f "$dir/three/checkpoint-4/manifest.rank2.json" ]] || fail "3 ranks: checkpoint-4 lacks rank 2's shard"
 [[ -z "$(ls -A "$dir/nv3" | grep -v '^\.strata-scratch$')" ]] || fail "3 ranks: swap files left in $dir/nv3"
+
+# ---- 2 -> 3 -> 1 ranks on one global batch of 6: each resume reshards the checkpoint
+# (engine_mpi_test checks the state bit for bit); the continued losses follow the
+# uninterrupted 2-rank run (micro-batches of 3, 2, 6 sequences round differently)
+timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 6 --batch 3 --save-every 2 --keep 0 \
+  --out "$dir/rs" >"$dir/rs2.log" 2>&1 || { cat "$dir/rs2.log"; fail "reshard: the 2-rank run"; }
+cp "$dir/rs/metrics.jsonl" "$dir/rs2.metrics"
+timeout 300 "${mpirun[@]}" -np 3 "$strata" finetune "${common[@]}" --steps 6 --batch 2 --save-every 2 --keep 0 \
+  --out "$dir/rs" --resume "$dir/rs/checkpoint-2" >"$dir/rs3.log" 2>&1 ||
+  { cat "$dir/rs3.log"; fail "reshard: 3 ranks resuming the 2-rank checkpoint-2"; }
+grep -q "resuming at step 2" "$dir/rs3.log" || fail "reshard 2 -> 3: not resumed at step 2: $(head -3 "$dir/rs3.log")"
+"$strata" finetune "${common[@]}" --steps 6 --batch 6 --out "$dir/rs" --resume "$dir/rs/checkpoint-4" \
+  >"$dir/rs1.log" 2>&1 || { cat "$dir/rs1.log"; fail "reshard: 1 rank resuming the 3-rank checkpoint-4"; }
+python3 - "$dir/rs2.metrics" "$dir/rs/metrics.jsonl" <<'PY' || fail "reshard 2 -> 3 -> 1: the losses drift from the 2-rank run's"
+import json, sys
+a, b = ([json.loads(l) for l in open(f) if '"train"' in l] for f in sys.argv[1:3])
+assert [x["step"] for x in a] == [x["step"] for x in b] == [1, 2, 3, 4, 5, 6], (a, b)
+for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-4 * abs(x["loss"]), (x["step"], x["loss"], y["loss"])
+PY
+expect_resume_error() {
+  out=$("$strata" finetune "${common[@]}" --steps 6 --batch 4 --out "$dir/rs" --resume "$dir/rs/checkpoint-4" 2>&1)
+  [[ $? -eq 1 && $out == *"batch = 6, this run has 4"* ]] || fail "resume with another global batch: $out"
+}
+expect_resume_error
 
 # ---- SIGTERM to one rank: every rank stops after the same step, saved; --resume finishes identically
 timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/full" \

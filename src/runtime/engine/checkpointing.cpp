@@ -16,6 +16,7 @@
 #include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include "common/host_memory.h"
 #include "common/log.h"
 #include "runtime/checkpoint.h"
 #include "runtime/engine/engine_impl.h"
@@ -76,6 +77,60 @@ nlohmann::json param_steps_json(const engine::Registry& R, int64_t steps) {
   for (const auto& p : R.params)
     if (p.trainable && p.updates != steps) o[p.name] = p.updates;
   return o;
+}
+
+// Resharding: the saved ranks' entries of array `a` tile the whole parameter
+// in rank order (shard_range's layout: each rank's elements follow the
+// previous rank's), whatever alignment the saving run used.
+Status check_reshard_entries(const std::vector<std::unique_ptr<CheckpointReader>>& old_ranks, const ArrayRef& a,
+                             uint64_t numel, const std::string& dir) {
+  uint64_t total = 0;
+  for (size_t q = 0; q < old_ranks.size(); ++q) {
+    const CheckpointEntry* e = old_ranks[q]->find(a.name);
+    if (e == nullptr || e->dtype != a.dtype)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("engine: checkpoint {}: rank {} has {} for {} (want {})", dir, q,
+                                e ? dtype_name(e->dtype) : "no entry", a.name, dtype_name(a.dtype)));
+    total += e->count;
+  }
+  if (total != numel)
+    return Status(StatusCode::kCorrupt,
+                  fmt::format("engine: checkpoint {}: the ranks' shards of {} hold {} elements together, the "
+                              "parameter has {}",
+                              dir, a.name, total, numel));
+  return {};
+}
+
+// Resharding: this rank's new shard of array `a`, cut out of every saved
+// shard that overlaps it (each read whole and checksum-verified), written to
+// the array's home (4 KiB-aligned staging for O_DIRECT swap files).
+Status restore_resharded(engine::Registry& R, const std::vector<std::unique_ptr<CheckpointReader>>& old_ranks,
+                         const ArrayRef& a) {
+  const engine::ParamState& p = R.params[a.param];
+  const size_t esz = dtype_size(a.dtype);
+  const uint64_t nb = p.shard.begin, ns = p.shard.size();
+  if (ns == 0) return {};
+  HostAllocation staging;
+  STRATA_ASSIGN_OR_RETURN(staging, alloc_host(engine::round_up(ns * esz, 4096)));
+  std::vector<uint8_t> old;
+  uint64_t ob = 0;  // the saved rank's first element
+  Status st;
+  for (size_t q = 0; q < old_ranks.size() && st.ok(); ++q) {
+    const CheckpointEntry* e = old_ranks[q]->find(a.name);
+    const uint64_t os = e->count;
+    const uint64_t lo = std::max(ob, nb), hi = std::min(ob + os, nb + ns);
+    if (lo < hi) {
+      old.resize(e->bytes);
+      st = old_ranks[q]->read(a.name, old.data(), old.size());
+      if (st.ok())
+        std::memcpy(static_cast<char*>(staging.ptr) + (lo - nb) * esz, old.data() + (lo - ob) * esz, (hi - lo) * esz);
+    }
+    ob += os;
+  }
+  if (st.ok() && a.loc->tier == Tier::kDevice) st = R.wait_released(a.param);
+  if (st.ok()) st = R.write_array(*a.loc, esz, 0, ns, staging.ptr);
+  free_host(staging);
+  return st;
 }
 
 // N ranks: every rank's `mine`, in rank order (a blocking all-gather).
@@ -260,18 +315,30 @@ Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
   CheckpointOpenOptions oo;
   oo.rank = R.plan.rank;
   oo.verify_all = true;  // every checksum before anything is restored
-  // The world size first: a shard of another world size has another layout.
+  // The world size first: a checkpoint of another world size is resharded
+  // (every rank's part of it read, each array's new shard cut out of the old
+  // ones), one of the same size is read as it was written.
+  uint32_t saved_world = 1;
   {
     CheckpointOpenOptions peek = oo;
     peek.rank = 0;
     peek.verify_all = false;
     STRATA_ASSIGN_OR_RETURN(auto r0, CheckpointReader::open(dir, peek));
-    if (r0->info().world_size != R.world)
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("engine: checkpoint {} was saved by {} rank(s); this run has {}: resharding a "
-                                "checkpoint to another world size is not built yet (run with {} rank(s))",
-                                dir, r0->info().world_size, R.world, r0->info().world_size));
+    saved_world = r0->info().world_size;
   }
+  const bool reshard = saved_world != R.world;
+  std::vector<std::unique_ptr<CheckpointReader>> old_ranks;  // resharding: every saved rank's part
+  if (reshard) {
+    for (uint32_t q = 0; q < saved_world; ++q) {
+      CheckpointOpenOptions o = oo;
+      o.rank = q;
+      STRATA_ASSIGN_OR_RETURN(auto rq, CheckpointReader::open(dir, o));
+      old_ranks.push_back(std::move(rq));
+    }
+    log_info("engine: resharding checkpoint {} from {} rank(s) to {} (this is rank {})", dir, saved_world, R.world,
+             R.rank);
+  }
+  oo.rank = reshard ? 0 : R.plan.rank;
   STRATA_ASSIGN_OR_RETURN(auto r, CheckpointReader::open(dir, oo));
   const CheckpointEntry* me = r->find(kMetaEntry);
   if (me == nullptr)
@@ -312,6 +379,10 @@ Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
   }
   const auto arrays = arrays_of(R);
   for (const auto& a : arrays) {
+    if (reshard) {
+      STRATA_RETURN_IF_ERROR(check_reshard_entries(old_ranks, a, R.params[a.param].numel, dir));
+      continue;
+    }
     const CheckpointEntry* e = r->find(a.name);
     if (e == nullptr || e->count != a.count || e->dtype != a.dtype)
       return Status(StatusCode::kInvalidArgument,
@@ -327,6 +398,14 @@ Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
     const size_t esz = dtype_size(a.dtype);
     const uint64_t bytes = a.count * esz;
     Status st;
+    if (reshard) {
+      st = restore_resharded(R, old_ranks, a);
+      if (!st.ok()) {
+        I.broken_status = st;
+        return st.with_context(fmt::format("engine: restoring {} from {}", a.name, dir));
+      }
+      continue;
+    }
     switch (a.loc->tier) {
       case Tier::kHost:
         st = r->read(a.name, a.loc->ptr, bytes);
