@@ -5,6 +5,7 @@
 #   expect_error "text the message must contain" args...
 #   fail "what went wrong"
 #   cli_finish "name of the checks"         # exit 1 on failures, 0 otherwise
+#   cli_small_model_and_data "$strata" DIR  # DIR/model (2 layers, tied) and DIR/data.txt (~60 KB)
 # Exit status convention: 0 pass, 1 fail, 77 skip (ctest SKIP_RETURN_CODE).
 
 failures=0
@@ -38,4 +39,16 @@ cli_finish() {
   fi
   echo "all $1 checks passed"
   exit 0
+}
+
+# A small model (2 layers, dim 64, tied embeddings, fp32) and text data
+# (sentences from a fixed list, ~60 KB): DIR/model, DIR/data.txt.
+cli_small_model_and_data() {
+  local strata=$1 d=$2 i
+  "$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
+    --tie-embeddings --seed 5 --out "$d/model" >/dev/null || return 1
+  local words=(cat dog bird fox owl fish)
+  for ((i = 0; i < 2000; i++)); do
+    echo "the ${words[i % 6]} sees the ${words[(i * 7 + i / 6) % 6]} . $((i % 10)) plus $((i / 10 % 10)) is $((i % 10 + i / 10 % 10)) ."
+  done >"$d/data.txt"
 }

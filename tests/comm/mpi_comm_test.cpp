@@ -19,6 +19,7 @@
 #include "comm/communicator.h"
 #include "comm_pattern.h"
 #include "device/host_backend.h"
+#include "test_util/mpi_world.h"
 
 namespace strata::comm {
 namespace {
@@ -249,20 +250,10 @@ TEST(MpiTimeout, SilentRankIsNamedWithinTheTimeout) {
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   using namespace strata;
-  auto dev = create_host_backend({});
-  if (!dev.ok()) {
-    fprintf(stderr, "host backend: %s\n", dev.status().to_string().c_str());
-    return 1;
-  }
-  comm::MpiCommOptions mo;
-  mo.timeout_s = 120;  // generous: 3 ranks share 2 loaded cores in CI
-  auto c = comm::create_mpi_communicator(dev->get(), mo);
-  if (!c.ok()) {
-    fprintf(stderr, "mpi communicator: %s\n", c.status().to_string().c_str());
-    return 1;
-  }
-  if ((*c)->world_size() < 2) fprintf(stderr, "warning: 1 rank; run under mpirun -np 2 or more\n");
-  comm::World world{std::move(*dev), std::move(*c)};
+  strata::testing::MpiWorld mw;
+  if (!strata::testing::open_mpi_world(&mw)) return 1;
+  if (mw.comm->world_size() < 2) fprintf(stderr, "warning: 1 rank; run under mpirun -np 2 or more\n");
+  comm::World world{std::move(mw.dev), std::move(mw.comm)};
   comm::g_world = &world;
   const int rc = RUN_ALL_TESTS();
   world.comm.reset();

@@ -31,6 +31,8 @@
 #include "common/float_convert.h"
 #include "device/host_backend.h"
 #include "runtime/engine.h"
+#include "test_util/det_random.h"
+#include "test_util/mpi_world.h"
 
 namespace strata {
 namespace {
@@ -42,13 +44,7 @@ struct World {
 };
 World* g_world = nullptr;
 
-float rnd(uint64_t seed, uint64_t i) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull + 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
+float rnd(uint64_t seed, uint64_t i) { return testing::det_uniform(seed, i); }
 
 ModelSpec make_model() {
   ModelSpec m;
@@ -153,6 +149,23 @@ class EngineMpi : public ::testing::TestWithParam<Place> {
     ASSERT_TRUE(g_world->dev->synchronize(*s).ok());
     ASSERT_TRUE(g_world->dev->destroy_stream(*s).ok());
   }
+  // The N-rank run (swap dir shared by the ranks) and this process's 1-rank
+  // reference (its own swap dir).
+  void create_pair(RankRun& multi, RankRun& ref, double clip = 0) {
+    Status s = multi.create(config(clip, "multi"), comm_);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    s = ref.create(config(clip, "ref" + std::to_string(rank_)), nullptr);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+  }
+  // Both runs two steps, then the N-rank one saves base_/ck.
+  std::string train_and_save(RankRun& multi, RankRun& ref) {
+    create_pair(multi, ref);
+    compare(multi, ref, 0, 2, 0);
+    const std::string ck = base_ + "/ck";
+    Status s = multi.e->save_checkpoint(ck, R"({"who":"test"})");
+    EXPECT_TRUE(s.ok()) << s.to_string();
+    return ck;
+  }
   Config config(double clip, const std::string& sub) {
     return make_config(GetParam(), GetParam() == Place::kNvme ? base_ + "/" + sub : "", clip);
   }
@@ -222,10 +235,7 @@ class EngineMpi : public ::testing::TestWithParam<Place> {
 
 TEST_P(EngineMpi, EqualsOneRankRunOfNMicroBatches) {
   RankRun multi, ref;
-  Status s = multi.create(config(0, "multi"), comm_);
-  ASSERT_TRUE(s.ok()) << s.to_string();
-  s = ref.create(config(0, "ref" + std::to_string(rank_)), nullptr);
-  ASSERT_TRUE(s.ok()) << s.to_string();
+  ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
   EXPECT_EQ(multi.e->plan().world_size, static_cast<uint32_t>(world_));
   compare(multi, ref, 0, 4, 0);
   expect_weights(multi, ref, 0);
@@ -233,8 +243,7 @@ TEST_P(EngineMpi, EqualsOneRankRunOfNMicroBatches) {
 
 TEST_P(EngineMpi, ClippingAgreesAcrossRanks) {
   RankRun multi, ref;
-  ASSERT_TRUE(multi.create(config(0.05, "multi"), comm_).ok());
-  ASSERT_TRUE(ref.create(config(0.05, "ref" + std::to_string(rank_)), nullptr).ok());
+  ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref, 0.05));
   compare(multi, ref, 0, 3, 0.05);
   expect_weights(multi, ref, 1e-6);
 }
@@ -244,8 +253,7 @@ TEST_P(EngineMpi, ClippingAgreesAcrossRanks) {
 // every gradient (fp32), (N-1)/N of each buffer, plus the norm's few bytes.
 TEST_P(EngineMpi, BytesAreOneNthAndCommunicationIsStageThree) {
   RankRun multi, ref;
-  ASSERT_TRUE(multi.create(config(0, "multi"), comm_).ok());
-  ASSERT_TRUE(ref.create(config(0, "ref" + std::to_string(rank_)), nullptr).ok());
+  ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
   const ModelSpec spec = make_model();
   uint64_t gather = 0, scatter = 0, shard_elems = 0;
   for (const auto& p : spec.params) {
@@ -267,12 +275,10 @@ TEST_P(EngineMpi, BytesAreOneNthAndCommunicationIsStageThree) {
 
 TEST_P(EngineMpi, CheckpointResumesIdentically) {
   RankRun multi, ref;
-  ASSERT_TRUE(multi.create(config(0, "multi"), comm_).ok());
-  ASSERT_TRUE(ref.create(config(0, "ref" + std::to_string(rank_)), nullptr).ok());
-  compare(multi, ref, 0, 2, 0);
-  const std::string ck = base_ + "/ck";
-  Status s = multi.e->save_checkpoint(ck, R"({"who":"test"})");
-  ASSERT_TRUE(s.ok()) << s.to_string();
+  std::string ck;
+  ASSERT_NO_FATAL_FAILURE(ck = train_and_save(multi, ref));
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  Status s;
   EXPECT_TRUE(std::filesystem::exists(ck + "/manifest.rank" + std::to_string(world_ - 1) + ".json"));
   // Two more steps, then back to the checkpoint and the same two steps again.
   std::vector<std::vector<uint16_t>> first, again;
@@ -298,12 +304,10 @@ TEST_P(EngineMpi, CheckpointResumesIdentically) {
 // padding each way: 512-element alignment here, whole tensors there).
 TEST_P(EngineMpi, CheckpointReshardsToOneRankAndBack) {
   RankRun multi, ref;
-  ASSERT_TRUE(multi.create(config(0, "multi"), comm_).ok());
-  ASSERT_TRUE(ref.create(config(0, "ref" + std::to_string(rank_)), nullptr).ok());
-  compare(multi, ref, 0, 2, 0);
-  const std::string ck = base_ + "/ck";
-  Status s = multi.e->save_checkpoint(ck, R"({"who":"test"})");
-  ASSERT_TRUE(s.ok()) << s.to_string();
+  std::string ck;
+  ASSERT_NO_FATAL_FAILURE(ck = train_and_save(multi, ref));
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  Status s;
 
   RankRun one;  // this process's own 1-rank engine
   ASSERT_TRUE(one.create(config(0, "one" + std::to_string(rank_)), nullptr).ok());
@@ -354,19 +358,9 @@ INSTANTIATE_TEST_SUITE_P(Tiers, EngineMpi, ::testing::Values(Place::kHost, Place
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
   using namespace strata;
-  auto dev = create_host_backend({.budget_bytes = 256ull << 20});
-  if (!dev.ok()) {
-    fprintf(stderr, "host backend: %s\n", dev.status().to_string().c_str());
-    return 1;
-  }
-  comm::MpiCommOptions mo;
-  mo.timeout_s = 120;  // generous: 3 ranks share 2 loaded cores in CI
-  auto c = comm::create_mpi_communicator(dev->get(), mo);
-  if (!c.ok()) {
-    fprintf(stderr, "mpi communicator: %s\n", c.status().to_string().c_str());
-    return 1;
-  }
-  World world{std::move(*dev), std::move(*c), {}};
+  strata::testing::MpiWorld mw;
+  if (!strata::testing::open_mpi_world(&mw, 120, 256ull << 20)) return 1;
+  World world{std::move(mw.dev), std::move(mw.comm), {}};
   // Rank 0's temp directory, broadcast so every rank uses the same one.
   char path[256] = {};
   if (world.comm->rank() == 0) {

@@ -33,6 +33,7 @@
 #include "device/host_backend.h"
 #include "io/fault_injection.h"
 #include "runtime/engine.h"
+#include "test_util/det_random.h"
 #include "test_util/temp_dir.h"
 #include "test_util/gpu.h"
 
@@ -71,13 +72,7 @@ ModelSpec make_model(DType dt, const std::vector<int>& frozen = {}, const std::v
 }
 
 // A deterministic generator (the same bits on every run and machine).
-float rnd(uint64_t seed, uint64_t i) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + i * 0xBF58476D1CE4E5B9ull + 0x94D049BB133111EBull;
-  x ^= x >> 31;
-  x *= 0xD6E8FEB86659FD93ull;
-  x ^= x >> 29;
-  return static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 * 2.0 - 1.0);
-}
+float rnd(uint64_t seed, uint64_t i) { return ::strata::testing::det_uniform(seed, i); }
 
 uint16_t to16(float f, DType dt) { return dt == DType::kBF16 ? f32_to_bf16_bits(f) : f32_to_f16_bits(f); }
 float from16(uint16_t h, DType dt) { return dt == DType::kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h); }

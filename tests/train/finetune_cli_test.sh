@@ -23,12 +23,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
 cli_command "$strata" finetune
 
 # A small model and text data (sentences from a fixed list, ~60 KB).
-"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
-  --tie-embeddings --seed 5 --out "$dir/model" >/dev/null || { echo "init-model failed"; exit 1; }
-words=(cat dog bird fox owl fish)
-for ((i = 0; i < 2000; i++)); do
-  echo "the ${words[i % 6]} sees the ${words[(i * 7 + i / 6) % 6]} . $((i % 10)) plus $((i / 10 % 10)) is $((i % 10 + i / 10 % 10)) ."
-done >"$dir/data.txt"
+cli_small_model_and_data "$strata" "$dir" || { echo "init-model failed"; exit 1; }
 mkdir -p "$dir/nvme"
 common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --batch 8 --lr 3e-3 --progress lines)
 

@@ -27,15 +27,23 @@ source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
 export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
 mpirun=("$mpirun_bin" --oversubscribe --allow-run-as-root)
 
-"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
-  --tie-embeddings --seed 5 --out "$dir/model" >/dev/null || { echo "init-model failed"; exit 1; }
-words=(cat dog bird fox owl fish)
-for ((i = 0; i < 2000; i++)); do
-  echo "the ${words[i % 6]} sees the ${words[(i * 7 + i / 6) % 6]} . $((i % 10)) plus $((i / 10 % 10)) is $((i % 10 + i / 10 % 10)) ."
-done >"$dir/data.txt"
+cli_small_model_and_data "$strata" "$dir" || { echo "init-model failed"; exit 1; }
 common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 3e-3 --progress lines --eval-batches 2
   --threads 1)
 
+# Waits (up to 60 s) until OUT's metrics show step N; prints nothing.
+wait_step() {
+  for ((i = 0; i < 600; i++)); do
+    grep -q "\"step\":$2" "$1/metrics.jsonl" 2>/dev/null && return 0
+    sleep 0.1
+  done
+}
+# The pid of one rank (not mpirun) of the job writing to OUT.
+rank_pid() {
+  pgrep -f -- "--out $1" | while read -r p; do
+    [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"
+  done | tail -1
+}
 # Losses and lrs per step from a metrics file, one line each.
 losses() { grep '"event":"train"' "$1" | grep -o '"\(loss\|lr\|step\)":[^,}]*' | tr '\n' ' '; }
 same_run() {  # what, 1-rank out, N-rank out
@@ -95,12 +103,8 @@ timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --
   >"$dir/full.log" 2>&1 || { cat "$dir/full.log"; fail "uninterrupted 40-step run"; }
 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" >"$dir/sig.log" 2>&1 &
 job=$!
-for ((i = 0; i < 600; i++)); do
-  grep -q '"step":3' "$dir/sig/metrics.jsonl" 2>/dev/null && break
-  sleep 0.1
-done
-victim=$(pgrep -f -- "--out $dir/sig" | while read -r p; do
-  [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"; done | tail -1)
+wait_step "$dir/sig" 3
+victim=$(rank_pid "$dir/sig")
 [[ -n $victim ]] && kill -TERM "$victim"
 wait "$job"
 rc=$?
@@ -114,48 +118,37 @@ else
     fail "SIGTERM + --resume: the model differs from the uninterrupted run's"
 fi
 
+# A 400-step job of 2 ranks into OUT NAME (extra flags after); once step 2
+# is done, one rank gets signal SIG; the job must end within 60 s, not 0.
+# Sets `elapsed` and `rc`.
+signal_a_rank() {
+  local name=$1 sig=$2
+  shift 2
+  "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/$name" "$@" \
+    >"$dir/$name.log" 2>&1 &
+  local job=$!
+  wait_step "$dir/$name" 2
+  local victim t0=$SECONDS
+  victim=$(rank_pid "$dir/$name")
+  kill "-$sig" "$victim"
+  ( sleep 90; kill -9 "$job" "$victim" 2>/dev/null ) &
+  local guard=$!
+  wait "$job"
+  rc=$?
+  elapsed=$((SECONDS - t0))
+  kill "$guard" 2>/dev/null
+  kill -9 "$victim" 2>/dev/null
+  ((rc != 0)) || fail "SIG$sig to a rank: the job exited 0"
+  ((elapsed < 60)) || fail "SIG$sig to a rank: the job took $elapsed s to end"
+}
+
 # ---- a rank that stops answering: the other fails within --comm-timeout, naming it
-"${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/hang" --comm-timeout 3 \
-  >"$dir/hang.log" 2>&1 &
-job=$!
-for ((i = 0; i < 600; i++)); do
-  grep -q '"step":2' "$dir/hang/metrics.jsonl" 2>/dev/null && break
-  sleep 0.1
-done
-victim=$(pgrep -f -- "--out $dir/hang" | while read -r p; do
-  [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"; done | tail -1)
-t0=$SECONDS
-kill -STOP "$victim"
-( sleep 90; kill -9 "$job" "$victim" 2>/dev/null ) &
-guard=$!
-wait "$job"
-rc=$?
-kill "$guard" 2>/dev/null
-kill -9 "$victim" 2>/dev/null
-((rc != 0)) || fail "a stopped rank: the job exited 0"
-((SECONDS - t0 < 60)) || fail "a stopped rank: the job took $((SECONDS - t0)) s to end (timeout 3 s)"
+signal_a_rank hang STOP --comm-timeout 3
 grep -q "timed out after 3 s waiting for rank" "$dir/hang.log" ||
   fail "a stopped rank: no timeout error naming the rank: $(tail -8 "$dir/hang.log")"
 
 # ---- a rank killed: the job ends (mpirun ends the others), nothing hangs
-"${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/kill" --comm-timeout 10 \
-  >"$dir/kill.log" 2>&1 &
-job=$!
-for ((i = 0; i < 600; i++)); do
-  grep -q '"step":2' "$dir/kill/metrics.jsonl" 2>/dev/null && break
-  sleep 0.1
-done
-victim=$(pgrep -f -- "--out $dir/kill" | while read -r p; do
-  [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"; done | tail -1)
-t0=$SECONDS
-kill -9 "$victim"
-( sleep 90; kill -9 "$job" 2>/dev/null ) &
-guard=$!
-wait "$job"
-rc=$?
-kill "$guard" 2>/dev/null
-((rc != 0)) || fail "a killed rank: the job exited 0"
-((SECONDS - t0 < 60)) || fail "a killed rank: the job took $((SECONDS - t0)) s to end"
+signal_a_rank kill KILL --comm-timeout 10
 [[ -z $(pgrep -f -- "--out $dir/kill") ]] || fail "a killed rank: ranks still running"
 
 # ---- refused by name
