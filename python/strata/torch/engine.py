@@ -133,6 +133,25 @@ class _Optimizer(torch.optim.Optimizer):
         return None
 
 
+def _refuse_data_parallel():
+    """N data-parallel ranks are not built into the package yet (the engine has
+    them, `strata finetune` runs them under mpirun): a process of a multi-rank
+    launch would train alone on its own data, so it is refused by name."""
+    ranks = []
+    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"):
+        v = os.environ.get(var, "")
+        if v.isdigit() and int(v) > 1:
+            ranks.append(f"{var}={v}")
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+            torch.distributed.get_world_size() > 1:
+        ranks.append(f"torch.distributed world size {torch.distributed.get_world_size()}")
+    if ranks:
+        raise NotImplementedError(
+            "strata.torch.initialize: launched as one of several data-parallel ranks (" + ", ".join(ranks) +
+            "); the Python package does not join ranks yet, so each process would train alone on its own data. "
+            "Run one process, or `mpirun -np N strata finetune` for N ranks")
+
+
 class StrataEngine:
     """The object initialize() returns (DeepSpeed's engine API): call it like
     the model, then backward(loss), step(); state_dict(), save_pretrained(),
@@ -141,6 +160,7 @@ class StrataEngine:
     def __init__(self, model, model_parameters, config, lr_scheduler=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError("strata.torch.initialize: model must be a torch.nn.Module")
+        _refuse_data_parallel()
         self.device = _model_device(model)
         self._cuda = _is_cuda(self.device)
         self._dev_type = self.device.type  # saved tensors of this device type may view engine buffers
