@@ -305,6 +305,22 @@ TEST(Planner, ShardsAcrossRanks) {
   // Gathering needs device buffers even when every shard is resident.
   EXPECT_EQ(p.device_buffers, 2u * 4096 * 4 * 2);
   EXPECT_EQ(p.bytes[kHost][kO], 3u * 4096 * 8);
+  // Sent to the 3 other ranks per step: every upload's all-gather (2 per
+  // micro-batch: forward, backward) and one fp32 gradient reduce-scatter.
+  EXPECT_EQ(p.forward_backward.comm, 3u * 3 * (2 * 4096 * 2 + 4096 * 4));
+  EXPECT_EQ(p.optimizer_step.comm, 0u);
+  Bandwidths bw{1e9, 1e9, 1e9, 1e9, 1e9, 1e12, 1e6};
+  Workload w;
+  w.tokens_per_micro_batch = 1;
+  auto e = predict_step_time(p, bw, w);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  EXPECT_DOUBLE_EQ(e->comm_s, p.forward_backward.comm / 1e6);
+  EXPECT_EQ(e->bottleneck, "the link between ranks");
+  bw.link = 0;
+  EXPECT_FALSE(predict_step_time(p, bw, w).ok());  // bytes to send and no link
+  m.world_size = 1;
+  m.rank = 0;
+  EXPECT_EQ(plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o).forward_backward.comm, 0u);
 }
 
 TEST(Planner, RejectsBadInput) {
