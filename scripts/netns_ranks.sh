@@ -8,11 +8,10 @@
 #   scripts/netns_ranks.sh MPIRUN build/tests/runtime/test_engine_mpi build/tools/strata
 # Needs root (CAP_NET_ADMIN) and `ip`; exit 77 where namespaces cannot be
 # made, saying why. Exit 0 pass, 1 fail.
-# Not a ctest: Open MPI's launch through `ip netns exec` hangs now and then
-# when the machine is loaded (a daemon never reports back; about 1 launch in
-# 10 during a ctest -j2 run, none in 40 on an idle machine), which CI cannot
-# afford. Run it by hand on an idle machine; the retry below covers a launch
-# that printed nothing.
+# Not a ctest: jobs across the namespaces hang now and then (3 of 7 runs of
+# this script passed on the development VM; the hang inspected was an Open
+# MPI daemon that never started through `ip netns exec`, before any Strata
+# code ran). Run it by hand; docs/comm.md has the state of it.
 set -uo pipefail
 mpirun_bin=${1:?usage: netns_ranks.sh MPIRUN TEST_ENGINE_MPI STRATA}
 engine_test=${2:?}
