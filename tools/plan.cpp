@@ -500,6 +500,7 @@ int run(const PlanCliOptions& o) {
                   {"d2h_s", est->d2h_s},
                   {"nvme_fb_s", est->nvme_fb_s},
                   {"comm_s", est->comm_s},
+                  {"step_comm_s", est->step_comm_s},
                   {"forward_backward_s", est->forward_backward_s},
                   {"nvme_step_s", est->nvme_step_s},
                   {"cpu_optimizer_s", est->cpu_optimizer_s},
@@ -576,7 +577,8 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--cpu-adam-params-per-s", o->cpu_adam_params_per_s,
                   "CPU optimizer parameters per second (default: measured)");
   cmd->add_option("--world-size", o->world_size,
-                  "Data-parallel ranks (ZeRO stage 3: each rank holds 1/N of every state; default 1, or the config's)");
+                  "Data-parallel ranks (each rank holds 1/N of every state; with zero_optimization.stage 1 or 2 the "
+                  "parameters stay whole on every rank; default 1, or the config's)");
   cmd->add_option("--link-gbps", o->link_gbps,
                   "GB/s one rank sends to the others (default: assumed 12.5, a 100 Gb/s network)");
   cmd->add_option("--gpu-tflops", o->gpu_tflops, "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class)");

@@ -383,6 +383,7 @@ Status read_offload_optimizer(Obj& o, OffloadOptimizerConfig* c) {
 }
 
 Status read_zero(Obj& o, ZeroConfig* z) {
+  z->stage_given = o.has("stage");
   STRATA_RETURN_IF_ERROR(read_uint(o, "stage", &z->stage, 0, 3));
   STRATA_RETURN_IF_ERROR(read_object(
       o, "offload_param", [&](Obj& s) { return read_offload_param(s, &z->offload_param); }, true));
@@ -769,6 +770,7 @@ std::string config_to_json(const Config& c) {
       {"sub_group_size", c.zero.sub_group_size},
       {"stage3_prefetch_bucket_size", c.zero.prefetch_bucket_size},
   };
+  if (!c.zero.stage_given && c.zero.stage == 0) j["zero_optimization"].erase("stage");  // unset stays unset
   // 0 = not set: written as null so that the environment still decides.
   auto unset_null = [](uint64_t v) { return v ? json(v) : json(nullptr); };
   j["aio"] = {{"block_size", unset_null(c.aio.block_size)},

@@ -64,7 +64,11 @@ struct OffloadOptimizerConfig {
 };
 
 struct ZeroConfig {
-  int stage = 0;  // 0..3; Strata shards like stage 3 whenever world_size > 1
+  // 0..3. One rank: the same for every stage. N ranks (engine.h "Sharding and
+  // ranks"): 3 shards everything, 1-2 keep parameters whole on every rank,
+  // 0 is refused; a config without "stage" (stage_given false) runs as 3.
+  int stage = 0;
+  bool stage_given = false;
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
   uint64_t sub_group_size = 1000000000;      // elements per optimizer-step chunk (DeepSpeed default)
@@ -153,6 +157,7 @@ struct StrataConfig {
   // step() averages the gradients over the step's micro-batches (divides by
   // their count, DeepSpeed's engine.backward convention); false: the caller
   // scaled its loss already (torch's `loss / accum`), gradients are summed.
+  // N ranks: divided by the number of ranks either way (their mean).
   bool average_micro_batches = true;
   std::string trace;                                    // Chrome trace-event JSON output file; "" = off
   uint32_t world_size = 1;

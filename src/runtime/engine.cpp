@@ -150,6 +150,19 @@ Status Engine::load_param(ParamId id, const void* src, DType dtype) {
     if (st.ok()) st = I.reg.write_array(p.compute, esz, off, cnt, c);
     if (!st.ok()) return st.with_context(fmt::format("engine: load_param({})", p.name));
   }
+  // Stages 1-2: the other ranks' parts of the replica too (every rank loads
+  // the same whole tensor, so no collective is needed).
+  if (p.replica != nullptr) {
+    engine::ArrayLoc whole = p.compute;
+    whole.ptr = p.replica;
+    for (uint64_t off = 0; off < p.numel; off += b.elems) {
+      const uint64_t cnt = std::min(b.elems, p.numel - off);
+      widen_to_f32(static_cast<const char*>(src) + off * in_sz, dtype, cnt, f);
+      Status st = narrow_from_f32(f, p.dtype, cnt, c);
+      if (st.ok()) st = I.reg.write_array(whole, esz, off, cnt, c);
+      if (!st.ok()) return st.with_context(fmt::format("engine: load_param({})", p.name));
+    }
+  }
   return {};
 }
 

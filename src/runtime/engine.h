@@ -80,7 +80,7 @@
 // tiers from one SwapStore. acquire/release/reduce_grad/step allocate nothing
 // once the first step has run (stats().hot_path_allocs counts them).
 //
-// Sharding and ranks (ZeRO stage 3). Every parameter is split into
+// Sharding and ranks (ZeRO stage 3; 1-2 below). Every parameter is split into
 // world_size shards (model_spec.h's shard_range: rank r owns elements
 // [r*padded, r*padded + size)); this rank keeps only its shard of the compute
 // copy, master, optimizer states and gradient, each on its home tier. With a
@@ -108,9 +108,13 @@
 // micro-batches (rank order) of b sequences: bit-identical when each rank
 // runs one micro-batch per step and clipping does not engage (the norm's
 // per-rank partial sums are added in another order than one rank's, so the
-// clipping coefficient may differ in the last bits). Not with N > 1 yet:
-// overlap_backward, the CUDA backend (no NCCL backend), ZeRO stages 1 and 2
-// (replicated parameters).
+// clipping coefficient may differ in the last bits). ZeRO stages 1 and 2
+// (zero_optimization.stage < 3) keep the compute copy whole on every rank
+// (host or device tier; NVMe refused): acquire() uploads it without a
+// collective, load_param() writes it whole, and step() and load_checkpoint()
+// end with an all-gather of the updated shards into every rank's copy; stage
+// 1 runs as stage 2 (gradients reduce-scattered every micro-batch). Not with
+// N > 1 yet: stage 0, overlap_backward, the CUDA backend (no NCCL backend).
 //
 // Thread-safety: one thread drives an engine (all calls below, except
 // stats() and trace_*(), which any thread may call). Calls block only where

@@ -115,6 +115,7 @@ PlanOptions plan_options_from_config(const Config& c) {
   o.shard_alignment = c.strata.shard_alignment;
   o.optimizer_chunk = c.strata.optimizer_chunk;
   o.optimizer_ring_buffers = static_cast<uint32_t>(std::min<uint64_t>(c.zero.offload_optimizer.buffer_count, 1024));
+  o.replicate_params = c.zero.stage == 1 || c.zero.stage == 2;
   o.overrides = c.strata.groups;
   GroupTierRule ds;
   ds.match = "*";
@@ -185,6 +186,10 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   plan.budgets = budgets;
   plan.options = opt;
   const uint32_t ws = model.world_size;
+  // Stages 1-2 with N ranks: the compute copies are whole on every rank and
+  // no acquire gathers (the step all-gathers the updated shards instead).
+  const bool replicated = opt.replicate_params && ws > 1;
+  const bool gathers = ws > 1 && !replicated;
   const uint64_t state_elem_bytes = uint64_t{opt.optimizer_states} * dtype_size(opt.optimizer_state_dtype);
 
   // ---- sizes per group (this rank's padded shards)
@@ -202,7 +207,8 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
       g.trainable_compute_bytes += sr.padded * dtype_size(p.compute_dtype);
       g.max_trainable_shard = std::max(g.max_trainable_shard, sr.padded);
     }
-    g.bytes[kc(StateKind::kCompute)] += sr.padded * dtype_size(p.compute_dtype);
+    g.bytes[kc(StateKind::kCompute)] += sr.padded * (replicated ? ws : 1) * dtype_size(p.compute_dtype);
+    g.shard_compute_bytes += sr.padded * dtype_size(p.compute_dtype);
     g.gathered_compute_bytes += sr.padded * ws * dtype_size(p.compute_dtype);
   }
   for (auto& g : plan.groups) {
@@ -256,6 +262,13 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
       g.tier[kc(StateKind::kGrad)] = Tier::kDevice;
       g.forced[kc(StateKind::kGrad)] = true;
     }
+    if (replicated && g.tier[kc(StateKind::kCompute)] == Tier::kNvme)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("plan: group {}: parameters on NVMe (offload_param.device nvme or a group rule) with "
+                                "zero_optimization.stage 1 or 2 and {} ranks: stages 1 and 2 keep every parameter "
+                                "whole on every rank, on the device or host (as DeepSpeed allows offload_param with "
+                                "stage 3 only); use stage 3",
+                                g.name, ws));
   }
 
   auto forced_on = [&](Tier t) {
@@ -290,10 +303,10 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     else if (g.tier[kc(StateKind::kCompute)] != Tier::kDevice)
       some_compute_off_device = true;
   }
-  const bool need_buffers = ws > 1 || some_compute_off_device || dev_forced + auto_compute > usable;
+  const bool need_buffers = gathers || some_compute_off_device || dev_forced + auto_compute > usable;
   uint64_t max_gathered = 0;
   for (const auto& g : plan.groups)
-    if (ws > 1 || !(g.forced[kc(StateKind::kCompute)] && g.tier[kc(StateKind::kCompute)] == Tier::kDevice))
+    if (gathers || !(g.forced[kc(StateKind::kCompute)] && g.tier[kc(StateKind::kCompute)] == Tier::kDevice))
       max_gathered = std::max(max_gathered, g.gathered_compute_bytes);
   uint32_t depth = opt.prefetch_depth;
   const uint32_t held = std::max<uint32_t>(opt.held_groups, 1);
@@ -367,6 +380,12 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
         if (g.bytes[kc(k)] <= free) {
           g.tier[kc(k)] = Tier::kHost;
           free -= g.bytes[kc(k)];
+        } else if (replicated && k == StateKind::kCompute) {
+          return out_of_budget(fmt::format(
+              "host: zero_optimization.stage 1 or 2 with {} ranks keeps every parameter whole on every rank, but "
+              "the compute copies of group {} ({}) fit neither the device nor what is left of the host budget "
+              "({}); use stage 3 (parameters sharded, and allowed on NVMe) or raise the host budget",
+              ws, g.name, format_bytes(g.bytes[kc(k)]), format_bytes(free)));
         } else {
           g.tier[kc(k)] = Tier::kNvme;
         }
@@ -448,7 +467,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   for (const auto& g : plan.groups) {
     const uint64_t c = g.bytes[kc(StateKind::kCompute)];
     const uint64_t gr = g.bytes[kc(StateKind::kGrad)];
-    const uint64_t compute_elem_bytes = g.shard_numel ? c / g.shard_numel : 0;
+    const uint64_t compute_elem_bytes = g.shard_numel ? g.shard_compute_bytes / g.shard_numel : 0;
     switch (g.tier[kc(StateKind::kCompute)]) {
       case Tier::kHost:
         plan.forward_backward.h2d += ups * c;
@@ -464,11 +483,12 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     // and are accumulated in fp32 where the accumulator lives.
     if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
       plan.forward_backward.d2h += m * g.shard_numel * compute_elem_bytes;
-    // N ranks: every upload is followed by an all-gather of the group, every
-    // micro-batch's gradient by an fp32 reduce-scatter (this rank sends its
-    // shard's worth to each of N-1 peers).
+    // N ranks: every micro-batch's gradient is reduce-scattered in fp32 (this
+    // rank sends its shard's worth to each of N-1 peers); stage 3 all-gathers
+    // the group after every upload, stages 1-2 once after the step.
     const uint64_t peers = plan.world_size - 1;
-    plan.forward_backward.comm += peers * (ups * c + m * gr);
+    plan.forward_backward.comm += peers * (m * gr + (replicated ? 0 : ups * c));
+    if (replicated) plan.optimizer_step.comm += peers * g.shard_compute_bytes;
     if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) {
       plan.forward_backward.nvme_write += m * gr;
       plan.forward_backward.nvme_read += (m - 1) * gr;
@@ -485,7 +505,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
         plan.optimizer_step.nvme_write += g.bytes[kc(k)];
       }
     // The updated compute copy goes from the CPU optimizer to its home.
-    if (g.tier[kc(StateKind::kCompute)] == Tier::kDevice) plan.optimizer_step.h2d += c;
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kDevice) plan.optimizer_step.h2d += g.shard_compute_bytes;
     if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme) plan.optimizer_step.nvme_write += c;
   }
   return plan;
@@ -607,7 +627,8 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   if (st.nvme_read + st.nvme_write > 0)
     e.pipeline_fill_s =
         secs(plan.optimizer_chunk_bytes, bw.nvme_read) + secs(plan.optimizer_chunk_bytes, bw.nvme_write);
-  e.optimizer_step_s = std::max({e.nvme_step_s, e.cpu_optimizer_s, e.step_h2d_s}) + e.pipeline_fill_s;
+  e.step_comm_s = secs(st.comm, bw.link);
+  e.optimizer_step_s = std::max({e.nvme_step_s, e.cpu_optimizer_s, e.step_h2d_s}) + e.pipeline_fill_s + e.step_comm_s;
 
   if (work.overlap_backward) {
     // Backward is 4 of 6 (or 6 of 8 with recompute) FLOP units of a
@@ -625,7 +646,8 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
                                             {e.comm_s, "the link between ranks"},
                                             {e.nvme_step_s, "NVMe (optimizer step)"},
                                             {e.cpu_optimizer_s, "CPU optimizer"},
-                                            {e.step_h2d_s, "host->device (updated copies)"}};
+                                            {e.step_h2d_s, "host->device (updated copies)"},
+                                            {e.step_comm_s, "the link between ranks (updated shards)"}};
   // The bottleneck is the slowest part of the longer phase.
   const bool fb_longer = e.forward_backward_s >= e.optimizer_step_s;
   double best = -1;
@@ -647,8 +669,9 @@ std::string StepTimeEstimate::report() const {
   r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {}{})\n",
                    t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s),
                    comm_s > 0 ? fmt::format(", other ranks {}", t(comm_s)) : std::string());
-  r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}\n",
-                   t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s));
+  r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}{}\n",
+                   t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s),
+                   step_comm_s > 0 ? fmt::format(" + all-gather to the other ranks {}", t(step_comm_s)) : std::string());
   if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {}\n", t(overlap_saved_s));
   return r;
 }

@@ -50,6 +50,11 @@ struct PlanOptions {
   uint64_t shard_alignment = 2048;         // elements (see shard_range)
   uint64_t optimizer_chunk = 16ull << 20;  // elements per optimizer-step chunk
   uint32_t optimizer_ring_buffers = 4;     // pinned chunk buffers (offload_optimizer.buffer_count)
+  // ZeRO stages 1 and 2 (zero_optimization.stage < 3) with N ranks: every
+  // rank keeps the whole compute copy (N x its shard's bytes, on the device or
+  // host, never NVMe, as DeepSpeed keeps stage 1/2 parameters on the GPU);
+  // master, states and gradients are still 1/N. One rank: no difference.
+  bool replicate_params = false;
   // Tier overrides, first match wins: strata.groups, then the DeepSpeed
   // offload_param / offload_optimizer devices as a "*" rule.
   std::vector<GroupTierRule> overrides;
@@ -70,6 +75,7 @@ struct GroupPlan {
   uint64_t trainable_compute_bytes = 0; // the trainable ones' compute copies (what an optimizer step writes)
   uint64_t max_trainable_shard = 0;     // the largest trainable parameter's padded shard
   uint64_t gathered_compute_bytes = 0;  // the full group in compute dtype, as the GPU needs it
+  uint64_t shard_compute_bytes = 0;     // this rank's padded shards in compute dtype (what its optimizer writes)
   std::array<Tier, kNumStateKinds> tier{};
   std::array<uint64_t, kNumStateKinds> bytes{};  // this rank's bytes of each kind
   std::array<bool, kNumStateKinds> forced{};     // placed by an override
@@ -161,6 +167,7 @@ struct StepTimeEstimate {
   double cpu_optimizer_s = 0;
   double step_h2d_s = 0;       // updated compute copies sent to the device
   double pipeline_fill_s = 0;  // first read and last write of the step
+  double step_comm_s = 0;      // stages 1-2, N ranks: the all-gather of the updated shards, after the update
   double optimizer_step_s = 0;
   double overlap_saved_s = 0;  // step time hidden under backward (overlap_backward)
   double total_s = 0;

@@ -422,9 +422,22 @@ TEST(ConfigRoundTrip, SamplesSurviveToJsonAndBack) {
   }
 }
 
+// "stage" absent and "stage": 0 differ with N ranks (unset runs as stage 3,
+// 0 is refused): both survive the round trip as they were.
+TEST(ConfigRoundTrip, AnUnsetStageStaysUnset) {
+  Config unset = parse_ok("{}");
+  EXPECT_FALSE(unset.zero.stage_given);
+  EXPECT_EQ(parse_ok(config_to_json(unset)), unset);
+  Config zero = parse_ok(R"({"zero_optimization": {"stage": 0}})");
+  EXPECT_TRUE(zero.zero.stage_given);
+  EXPECT_EQ(zero.zero.stage, 0);
+  EXPECT_EQ(parse_ok(config_to_json(zero)), zero);
+}
+
 TEST(ConfigRoundTrip, NonDefaultValuesEverywhere) {
   Config c;
   c.zero.stage = 1;
+  c.zero.stage_given = true;
   c.zero.offload_param = {OffloadDevice::kCpu, "/p", 7, 12345, 99, true};
   c.zero.offload_optimizer = {OffloadDevice::kNone, "", 9, true, true, false, true, 0.25};
   c.zero.sub_group_size = 123;

@@ -1,21 +1,25 @@
-// The engine with N ranks (ZeRO stage 3 over the MPI communicator), under
-// mpirun: every rank runs an N-rank engine and, beside it, a 1-rank engine
+// The engine with N ranks (ZeRO stages 1, 2 and 3 over the MPI communicator),
+// under mpirun: every rank runs an N-rank engine and, beside it, a 1-rank engine
 // that takes the N ranks' micro-batches as N accumulated micro-batches (rank
 // order). runtime/engine.h promises they are bit-identical while clipping
 // does not engage:
-//   - acquire() gathers exactly the 1-rank compute copies (every element);
+//   - acquire() gives exactly the 1-rank compute copies (every element):
+//     gathered there (stage 3), or whole replicas all-gathered after each
+//     step (stages 1-2);
 //   - the gradients here are computed from what acquire() returned, so a
 //     wrong gather changes every later step;
 //   - after the steps, gather_param() equals the 1-rank read_param() and this
 //     rank's optimizer states equal its slice of the 1-rank states;
-//   - per-rank bytes are 1/N of the 1-rank run's (padded shards), and the
-//     bytes communicated are exactly the stage-3 volume;
+//   - per-rank bytes are 1/N of the 1-rank run's (padded shards; stages 1-2
+//     keep the compute copy whole), and the bytes communicated are exactly
+//     the stage's volume;
 //   - with clipping on, the norm agrees to 1e-12 (rank-order partial sums);
 //   - a checkpoint saved by N ranks resumes identically, reshards to 1 rank
 //     (exactly the gathered state) and back to N; a save some rank cannot
 //     write is committed by nobody.
 // The parameters have sizes that do not divide by 2 or 3, one smaller than
-// the shard alignment (later ranks own none of it), on host and NVMe tiers.
+// the shard alignment (later ranks own none of it), on host and NVMe tiers
+// (stages 1-2: the compute copies on the host, the rest on NVMe).
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -57,19 +61,29 @@ ModelSpec make_model() {
 }
 
 enum class Place { kHost, kNvme };
+struct Case {
+  Place place;
+  int stage;
+};
 
-Config make_config(Place place, const std::string& nvme, double clip) {
+void PrintTo(const Case& k, std::ostream* os) {
+  *os << (k.place == Place::kHost ? "host" : "nvme") << ", stage " << k.stage;
+}
+
+Config make_config(Case k, const std::string& nvme, double clip) {
   Config c;
   c.optimizer.type = OptimizerType::kAdamW;
   c.optimizer.lr = 1e-2;
   c.optimizer.weight_decay = 0.01;
   c.gradient_clipping = clip;
-  c.zero.stage = 3;
+  c.zero.stage = k.stage;
+  c.zero.stage_given = true;
   c.strata.device_reserve = 1 << 20;
   c.strata.optimizer_chunk = 2048;
   c.strata.shard_alignment = 512;  // 4099 / 3 ranks: shards of 1536
-  const Tier t = place == Place::kHost ? Tier::kHost : Tier::kNvme;
-  c.strata.groups.push_back(GroupTierRule{"*", t, t, t, t});
+  const Tier t = k.place == Place::kHost ? Tier::kHost : Tier::kNvme;
+  // Stages 1-2 keep parameters whole on every rank, never on NVMe.
+  c.strata.groups.push_back(GroupTierRule{"*", k.stage == 3 ? t : Tier::kHost, t, t, t});
   if (!nvme.empty()) c.strata.nvme.push_back(NvmeDir{nvme, 0});
   return c;
 }
@@ -132,7 +146,7 @@ struct RankRun {
   }
 };
 
-class EngineMpi : public ::testing::TestWithParam<Place> {
+class EngineMpi : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     comm_ = g_world->comm.get();
@@ -167,7 +181,7 @@ class EngineMpi : public ::testing::TestWithParam<Place> {
     return ck;
   }
   Config config(double clip, const std::string& sub) {
-    return make_config(GetParam(), GetParam() == Place::kNvme ? base_ + "/" + sub : "", clip);
+    return make_config(GetParam(), GetParam().place == Place::kNvme ? base_ + "/" + sub : "", clip);
   }
   // N ranks vs 1 rank over `steps` steps; true when every gathered weight and
   // step result matched (clip 0: bit for bit).
@@ -248,10 +262,13 @@ TEST_P(EngineMpi, ClippingAgreesAcrossRanks) {
   expect_weights(multi, ref, 1e-6);
 }
 
-// Per-rank state bytes are the padded shard's; the bytes sent per step are
-// one all-gather of every group (compute dtype) and one reduce-scatter of
-// every gradient (fp32), (N-1)/N of each buffer, plus the norm's few bytes.
-TEST_P(EngineMpi, BytesAreOneNthAndCommunicationIsStageThree) {
+// Per-rank state bytes are the padded shard's (stages 1-2: the compute copy
+// whole); the bytes sent per step are one all-gather of every group (compute
+// dtype: in acquire for stage 3, after the step for stages 1-2) and one
+// reduce-scatter of every gradient (fp32), (N-1)/N of each buffer, plus the
+// norm's few bytes: ZeRO's 3 x and 2 x the parameters' bytes (one acquire per
+// micro-batch here).
+TEST_P(EngineMpi, BytesAreOneNthAndCommunicationIsTheStages) {
   RankRun multi, ref;
   ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
   const ModelSpec spec = make_model();
@@ -262,9 +279,16 @@ TEST_P(EngineMpi, BytesAreOneNthAndCommunicationIsStageThree) {
     scatter += sh.padded * 4 * (world_ - 1);
     shard_elems += sh.padded;
   }
-  const int tier = static_cast<int>(GetParam() == Place::kHost ? Tier::kHost : Tier::kNvme);
+  const Tier tier = GetParam().place == Place::kHost ? Tier::kHost : Tier::kNvme;
   // compute (bf16) + master, two moments, gradient (fp32) per padded element.
-  EXPECT_EQ(multi.e->plan().tier_bytes(static_cast<Tier>(tier)), shard_elems * (2 + 4 + 4 + 4 + 4));
+  const uint64_t compute = shard_elems * 2 * (GetParam().stage == 3 ? 1 : world_);
+  const uint64_t rest = shard_elems * (4 + 4 + 4 + 4);
+  if (GetParam().place == Place::kHost || GetParam().stage == 3) {
+    EXPECT_EQ(multi.e->plan().tier_bytes(tier), compute + rest);
+  } else {
+    EXPECT_EQ(multi.e->plan().tier_bytes(Tier::kHost), compute);
+    EXPECT_EQ(multi.e->plan().tier_bytes(Tier::kNvme), rest);
+  }
   const uint64_t before = multi.e->stats().comm_bytes;
   ASSERT_TRUE(multi.micro_batch(0, rank_, true, nullptr).ok());
   ASSERT_TRUE(multi.e->step().ok());
@@ -349,8 +373,34 @@ TEST_P(EngineMpi, SaveThatOneRankCannotWriteCommitsNothing) {
     EXPECT_EQ(e.path().filename().string().rfind("ck.tmp-", 0), std::string::npos) << e.path();
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiers, EngineMpi, ::testing::Values(Place::kHost, Place::kNvme),
-                         [](const auto& info) { return info.param == Place::kHost ? "Host" : "Nvme"; });
+INSTANTIATE_TEST_SUITE_P(Stages, EngineMpi,
+                         ::testing::Values(Case{Place::kHost, 3}, Case{Place::kNvme, 3}, Case{Place::kHost, 2},
+                                           Case{Place::kNvme, 2}, Case{Place::kHost, 1}),
+                         [](const auto& info) {
+                           return std::string(info.param.place == Place::kHost ? "Host" : "Nvme") + "Stage" +
+                                  std::to_string(info.param.stage);
+                         });
+
+// Refused by name: stage 0 (nothing sharded) with N ranks; parameters on
+// NVMe with stages 1-2 (kept whole on every rank, as DeepSpeed allows
+// offload_param with stage 3 only).
+TEST(EngineMpiRefusals, StageZeroAndReplicatedParamsOnNvme) {
+  comm::Communicator* c = g_world->comm.get();
+  EngineOptions eo;
+  eo.model = make_model();
+  eo.device = c->device();
+  eo.comm = c;
+  eo.config = make_config(Case{Place::kHost, 0}, "", 0);
+  auto e = Engine::create(eo);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("stage 0"), std::string::npos) << e.status().message();
+  eo.config = make_config(Case{Place::kHost, 2}, g_world->dir, 0);
+  eo.config.strata.groups[0].compute = Tier::kNvme;
+  e = Engine::create(eo);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("stage 1 or 2"), std::string::npos) << e.status().message();
+  EXPECT_NE(e.status().message().find("use stage 3"), std::string::npos) << e.status().message();
+}
 
 }  // namespace
 }  // namespace strata

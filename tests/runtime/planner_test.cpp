@@ -318,6 +318,32 @@ TEST(Planner, ShardsAcrossRanks) {
   EXPECT_EQ(e->bottleneck, "the link between ranks");
   bw.link = 0;
   EXPECT_FALSE(predict_step_time(p, bw, w).ok());  // bytes to send and no link
+
+  // Stages 1-2: the compute copies stay whole (4 ranks x 4096 padded), so no
+  // gathering buffers; per step one fp32 reduce-scatter per micro-batch
+  // during backward and one all-gather of this rank's shard after the update.
+  o.replicate_params = true;
+  Plan r = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  EXPECT_EQ(r.groups[0].bytes[kC], 4u * 4096 * 2);
+  EXPECT_EQ(r.groups[0].bytes[kO], 4096u * 8);
+  EXPECT_EQ(r.device_buffers, 0u);
+  EXPECT_EQ(r.forward_backward.comm, 3u * 3 * 4096 * 4);
+  EXPECT_EQ(r.optimizer_step.comm, 3u * 3 * 4096 * 2);
+  bw.link = 1e6;
+  auto er = predict_step_time(r, bw, w);
+  ASSERT_TRUE(er.ok()) << er.status().to_string();
+  EXPECT_DOUBLE_EQ(er->step_comm_s, r.optimizer_step.comm / 1e6);
+  EXPECT_GE(er->optimizer_step_s, er->step_comm_s);
+  // Parameters on NVMe are refused with stages 1-2 (kept whole on every rank).
+  o.overrides.push_back(GroupTierRule{"*", Tier::kNvme, Tier::kAuto, Tier::kAuto, Tier::kAuto});
+  auto bad = make_plan(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {{"/n", 1 * kGiB}}}, o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("use stage 3"), std::string::npos) << bad.status().message();
+  // ... and so is an automatic placement that would need NVMe for them.
+  o.overrides.clear();
+  bad = make_plan(m, PlanBudgets{64 * 1024, 80 * 1024, 0, {{"/n", 1 * kGiB}}}, o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("stage 1 or 2"), std::string::npos) << bad.status().message();
   m.world_size = 1;
   m.rank = 0;
   EXPECT_EQ(plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o).forward_backward.comm, 0u);

@@ -300,6 +300,18 @@ Status Engine::load_checkpoint(const std::string& dir, std::string* extra_json) 
                                 "load a checkpoint that every rank can read",
                                 dir, r));
     }
+  // Stages 1-2: each rank restored its shard of the compute copies; every
+  // rank needs them whole.
+  if (R.replicated) {
+    std::vector<ParamId> all(R.params.size());
+    for (ParamId id = 0; id < all.size(); ++id) all[id] = id;
+    Status st = R.gather_replicas(all);
+    if (!st.ok()) {
+      I.broken = true;
+      I.broken_status = st;
+      return st.with_context(fmt::format("engine: load_checkpoint {}", dir));
+    }
+  }
   return {};
 }
 

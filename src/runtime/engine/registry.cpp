@@ -124,12 +124,21 @@ Status Registry::set_ranks() {
   model.world_size = cfg.strata.world_size = world;
   model.rank = cfg.strata.rank = rank;
   if (world > 1) {
-    if (cfg.zero.stage == 1 || cfg.zero.stage == 2)
+    if (cfg.zero.stage == 0 && cfg.zero.stage_given)
       return Status(StatusCode::kUnavailable,
-                    fmt::format("engine: zero_optimization.stage {} with {} ranks: stages 1 and 2 (parameters "
-                                "replicated on every rank) are not built yet; Strata runs N ranks as stage 3 "
-                                "(parameters sharded too): set stage 3",
-                                cfg.zero.stage, world));
+                    fmt::format("engine: zero_optimization.stage 0 (nothing sharded: every rank keeping the whole "
+                                "optimizer state) with {} ranks is not built; use stage 1 or 2 (optimizer states and "
+                                "gradients sharded, parameters whole on every rank) or 3 (parameters sharded too)",
+                                world));
+    // Stage 1 runs as stage 2: each micro-batch's gradient is reduce-scattered
+    // into this rank's shard of the fp32 accumulator, so no rank ever holds
+    // the whole gradient (stage 1's only difference, a memory cost, is
+    // dropped; the result is the same sum).
+    replicated = cfg.zero.stage == 1 || cfg.zero.stage == 2;
+    if (cfg.zero.stage == 1)
+      log_info("engine: zero_optimization.stage 1 with {} ranks runs as stage 2 (gradients reduce-scattered into "
+               "each rank's shard every micro-batch; the same result, less memory)",
+               world);
     if (cfg.strata.overlap_backward)
       return Status(StatusCode::kUnavailable,
                     fmt::format("engine: strata.overlap_backward with {} ranks is not built yet (the group updates "
@@ -275,9 +284,12 @@ Status Registry::allocate_arrays() {
     uint64_t& total = compute && pin_compute ? pinned_bytes : host_bytes;
     total += round_up(std::max<uint64_t>(bytes, 1), 4096);
   };
+  // Stages 1-2 with N ranks: the compute copy is the whole parameter in the
+  // all-gather's layout (rank r's padded shard at r * padded).
+  const uint64_t compute_span = replicated ? world : 1;
   for (const auto& p : params) {
     const uint64_t n = p.shard.padded;
-    host_size(p.compute, n * dtype_size(p.dtype), true);
+    host_size(p.compute, n * compute_span * dtype_size(p.dtype), true);
     host_size(p.master, n * 4, false);
     host_size(p.state[0], n * state_size, false);
     host_size(p.state[1], n * state_size, false);
@@ -328,7 +340,17 @@ Status Registry::allocate_arrays() {
   };
   for (auto& p : params) {
     const uint64_t n = p.shard.padded;
-    STRATA_RETURN_IF_ERROR(place(p, p.compute, n * dtype_size(p.dtype), "compute", true));
+    if (replicated) {
+      if (p.compute.tier == Tier::kNvme)  // the planner refuses it; never a shard-sized file read as a whole
+        return Status(StatusCode::kInternal, fmt::format("engine: {}: a replicated compute copy on NVMe", p.name));
+      STRATA_RETURN_IF_ERROR(place(p, p.compute, n * world * dtype_size(p.dtype), "compute", true));
+      // Everything that works on this rank's shard of the compute copy (the
+      // optimizer's output, load_param, checkpoints) sees its own slot.
+      p.replica = p.compute.ptr;
+      p.compute.ptr = static_cast<char*>(p.replica) + uint64_t{rank} * n * dtype_size(p.dtype);
+    } else {
+      STRATA_RETURN_IF_ERROR(place(p, p.compute, n * dtype_size(p.dtype), "compute", true));
+    }
     if (p.trainable) {
       STRATA_RETURN_IF_ERROR(place(p, p.master, n * 4, "master", false));
       STRATA_RETURN_IF_ERROR(place(p, p.state[0], n * state_size, "exp_avg", false));
@@ -401,6 +423,27 @@ Status Registry::blocking_collective(const std::function<Status(DeviceStream*)>&
   Status st = op(upload);
   Status sync = dev->synchronize(upload);
   if (st.ok()) st = sync;
+  if (st.ok()) traffic.comm += sent;
+  return st;
+}
+
+// One in-place all-gather per parameter, all enqueued on the upload stream
+// (behind the release of a device-homed group) and waited for once.
+Status Registry::gather_replicas(const std::vector<ParamId>& ids) {
+  uint64_t sent = 0;
+  Status st = blocking_collective(
+      [&](DeviceStream* s) -> Status {
+        for (ParamId id : ids) {
+          const ParamState& p = params[id];
+          if (p.compute.tier == Tier::kDevice) STRATA_RETURN_IF_ERROR(wait_released(id));
+          const uint64_t per_rank = p.shard.padded * dtype_size(p.dtype);
+          Status st = comm->all_gather(p.compute.ptr, p.replica, per_rank, s);
+          if (!st.ok()) return st.with_context(fmt::format("engine: all-gathering the updated {}", p.name));
+          sent += per_rank * (world - 1);
+        }
+        return {};
+      },
+      0);
   if (st.ok()) traffic.comm += sent;
   return st;
 }

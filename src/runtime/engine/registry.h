@@ -59,6 +59,10 @@ struct ParamState {
   ShardRange shard;
   ArrayLoc compute, master, state[2], grad;  // frozen: master/state/grad unplaced (tier kAuto)
   bool refresh_from_master = false;  // compute copy rebuilt from the master after a step
+  // Stages 1-2 with N ranks (Registry::replicated): the whole parameter in
+  // compute dtype, every rank's padded shard at rank * shard.padded (host or
+  // device tier); `compute` is then this rank's slot in it. Null otherwise.
+  void* replica = nullptr;
 };
 
 struct GroupInfo {
@@ -115,6 +119,10 @@ struct Registry {
   // are enqueued from the driving thread only, in program order.
   comm::Communicator* comm = nullptr;
   uint32_t world = 1, rank = 0;
+  // ZeRO stage 1 or 2 with N ranks: parameters whole on every rank
+  // (ParamState::replica), all-gathered after each step and checkpoint load
+  // (gather_replicas) instead of in every acquire (stage 3).
+  bool replicated = false;
   std::unique_ptr<Tracer> tracer;
   uint32_t trace_h2d = 0, trace_d2h = 0;  // tracer tracks of the two streams
   std::unique_ptr<io::IoEngine> io;
@@ -158,6 +166,10 @@ struct Registry {
   // A collective on the upload stream, waited for (engine idle: step(),
   // checkpoints, gather_param). `sent` counts into traffic.comm.
   Status blocking_collective(const std::function<Status(DeviceStream*)>& op, uint64_t sent);
+  // Stages 1-2: every rank's shard of each listed parameter's compute copy
+  // into every rank's replica (in place; engine idle). All ranks pass the
+  // same list.
+  Status gather_replicas(const std::vector<ParamId>& ids);
   // copy_async with h2d/d2h trace events timed by host functions (only when tracing).
   Status traced_copy(void* dst, const void* src, size_t bytes, CopyKind kind, DeviceStream* s);
 

@@ -47,6 +47,8 @@ Status Stepper::allocate() {
   const int nstates = cpu_optim::state_count(opt_config_);
   groups_.resize(reg_.groups.size());
   if (reg_.world > 1) rank_stats_.assign(static_cast<size_t>(reg_.world) * groups_.size() * 2, 0.0);
+  for (ParamId id = 0; id < reg_.params.size(); ++id)
+    if (reg_.params[id].trainable) trainable_.push_back(id);
   for (GroupId gi = 0; gi < reg_.groups.size(); ++gi) {
     for (ParamId id : reg_.groups[gi].params) {
       ParamState& p = reg_.params[id];
@@ -269,8 +271,10 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       log_warn("engine: step {}: {} group(s) had non-finite gradients and were not updated", overlap_step_,
                r.skipped_groups);
   } else {
-    // N ranks: the sum of every rank's micro-batches, averaged over all of them.
-    const double m = reg_.cfg.strata.average_micro_batches ? static_cast<double>(micro) * reg_.world : 1.0;
+    // N ranks: the sum of every rank's micro-batches, averaged over all of
+    // them; a caller that averaged its own micro-batches (average false)
+    // still gets the mean over ranks, as a data-parallel all-reduce gives.
+    const double m = (reg_.cfg.strata.average_micro_batches ? static_cast<double>(micro) : 1.0) * reg_.world;
     const double scale = 1.0 / (m * scaler_.scale);
     double sum = 0;
     bool nonfinite = false;
@@ -309,6 +313,10 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       Status s = reg_.refresh_compute(id, bounce);
       if (!s.ok()) return s.with_context("engine: updating the compute copy of " + reg_.params[id].name);
     }
+    // Stages 1-2: each rank updated its shard of the compute copies; every
+    // rank needs them whole (the decision to update is the same on every
+    // rank: the norm and the inf/NaN flags were combined).
+    if (reg_.replicated) STRATA_RETURN_IF_ERROR(reg_.gather_replicas(trainable_));
   } else {
     ++skipped_steps_;
   }

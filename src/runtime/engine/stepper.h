@@ -143,6 +143,7 @@ class Stepper {
   std::unique_ptr<NvmeOptimizer> opt_;
   std::vector<GroupUpdate> groups_;
   std::vector<double> rank_stats_;  // N ranks: world x groups x {sum_sq, nonfinite} (all-gathered)
+  std::vector<ParamId> trainable_;  // what a step updates (stages 1-2 all-gather them after it)
   WorkQueue<GroupId> queue_;  // overlap: groups whose gradients are complete
 
   LossScaler scaler_;

@@ -20,9 +20,10 @@ void Uploader::lay_out() {
     const GroupInfo& info = reg_.groups[gi];
     GroupSlots& g = groups_[gi];
     g.view.resize(info.params.size());
-    // N ranks: a parameter's slot space holds every rank's padded shard (the
-    // all-gather's layout, rank r at r * padded); staging holds this rank's.
-    const bool gathered = reg_.world > 1;
+    // N ranks, stage 3: a parameter's slot space holds every rank's padded
+    // shard (the all-gather's layout, rank r at r * padded); staging holds
+    // this rank's. Stages 1-2 upload the whole replica like one rank.
+    const bool gathered = gathers();
     for (ParamId id : info.params) {
       const ParamState& p = reg_.params[id];
       const size_t esz = dtype_size(p.dtype);
@@ -33,7 +34,10 @@ void Uploader::lay_out() {
     }
     g.direct = info.compute_tier == Tier::kDevice && !gathered;
     if (g.direct) {
-      for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = reg_.params[info.params[i]].compute.ptr;
+      for (size_t i = 0; i < info.params.size(); ++i) {
+        const ParamState& p = reg_.params[info.params[i]];
+        g.view[i] = p.replica ? p.replica : p.compute.ptr;
+      }
     } else {
       any_off_device_ = true;
       slot_bytes_ = std::max(slot_bytes_, g.slot_bytes);
@@ -161,14 +165,15 @@ Status Uploader::upload_group(int si) {
   }
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(reg_.upload, s.release_event));
   // This rank's shard (one rank: the whole parameter) to its place in the
-  // slot; N ranks gather the rest in acquire().
+  // slot; stage 3 gathers the rest in acquire(). A replica (stages 1-2) is
+  // the whole parameter.
   for (size_t i = 0; i < info.params.size(); ++i) {
     const ParamState& p = reg_.params[info.params[i]];
     const size_t esz = dtype_size(p.dtype);
-    const uint64_t bytes = p.shard.size() * esz;
+    const uint64_t bytes = (p.replica ? p.numel : p.shard.size()) * esz;
     if (bytes == 0) continue;
-    const void* src = stage ? stage + g.staging_offset[i] : p.compute.ptr;
-    char* dst = static_cast<char*>(s.ptr) + g.slot_offset[i] + p.shard.begin * esz;
+    const void* src = stage ? stage + g.staging_offset[i] : p.replica ? p.replica : p.compute.ptr;
+    char* dst = static_cast<char*>(s.ptr) + g.slot_offset[i] + (p.replica ? 0 : p.shard.begin * esz);
     if (info.compute_tier == Tier::kDevice) {
       STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(dst, src, bytes, CopyKind::kDeviceToDevice, reg_.upload));
       continue;
@@ -336,7 +341,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
     }
   }
   if (!err.ok()) return err.with_context(fmt::format("engine: acquire({})", info.name));
-  if (reg_.world > 1) STRATA_RETURN_IF_ERROR(gather(gid, si));
+  if (gathers()) STRATA_RETURN_IF_ERROR(gather(gid, si));
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, slots_[si].ready_event));
   for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = static_cast<char*>(slots_[si].ptr) + g.slot_offset[i];
   g.holds = 1;
@@ -345,7 +350,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   return GroupView{gid, g.view, info.params};
 }
 
-// N ranks: every rank's shard into the slot, an in-place all-gather per
+// N ranks, stage 3: every rank's shard into the slot, an in-place all-gather per
 // parameter on the upload stream behind the upload of this rank's shard.
 // Enqueued here, by the first hold, on the driving thread, also when the slot
 // still holds the gathered group (a cache hit): whether a slot survived

@@ -88,11 +88,12 @@ class Uploader {
     std::vector<void*> view;  // pointers handed out by acquire()
     int slot = -1;            // device slot holding the group (off-device homes; mu_)
     uint32_t holds = 0;       // acquires not yet released
-    bool direct = false;      // device-homed with one rank: the view is the compute copy itself
+    bool direct = false;      // device-homed, not gathered: the view is the compute copy (replica) itself
     DeviceStream* last_release = nullptr;  // stream of this hold's last release (joins streams)
   };
 
-  Status gather(GroupId g, int slot);                 // driving thread, N ranks
+  Status gather(GroupId g, int slot);                 // driving thread, N ranks (stage 3)
+  bool gathers() const { return reg_.world > 1 && !reg_.replicated; }
   void upload_main(int slot);                         // uploader thread
   Status upload_group(int slot);                      // uploader thread
   int find_victim(const std::vector<GroupId>& keep);  // mu_ held
