@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 4
+#define STRATA_API_VERSION 5
 
 /* ------------------------------------------------------------------ status */
 
@@ -252,6 +252,12 @@ typedef enum strata_device_kind {
   STRATA_DEVICE_HOST = 2  /* "device memory" is RAM; always available */
 } strata_device_kind_t;
 
+/* Data-parallel ranks (docs/comm.md): how an engine meets the other ranks. */
+typedef enum strata_comm_kind {
+  STRATA_COMM_NONE = 0, /* one rank */
+  STRATA_COMM_MPI = 1   /* one rank of an MPI communicator (strata_engine_options_t.mpi_comm) */
+} strata_comm_kind_t;
+
 /* Home tiers; the values index strata_engine_stats_t.tier_bytes. */
 typedef enum strata_tier {
   STRATA_TIER_AUTO = 0, /* not placed (never returned for a planned state) */
@@ -286,6 +292,23 @@ typedef struct strata_engine_options {
   const char* config_path;
   strata_device_kind_t device_kind; /* 0: auto */
   int device_ordinal;               /* CUDA device; 0: the first. Ignored on the host backend. */
+  /* Ranks (API 5). STRATA_COMM_MPI: this process is one rank of the MPI
+   * communicator `mpi_comm`, given as its Fortran handle (MPI_Comm_c2f(comm)
+   * in C, comm.py2f() in mpi4py; MPI must then be initialized by the caller)
+   * or -1 for MPI_COMM_WORLD (MPI initialized by Strata if needed, e.g. under
+   * mpirun). The engine works on its own duplicate, so its messages never
+   * match the caller's. Every rank creates its engine with the same config and
+   * parameters (strata_engine_create is then collective), and from then on
+   * makes the same driving calls in the same order: they are collectives
+   * (runtime/engine.h "Sharding and ranks"; zero_optimization.stage 3 shards
+   * parameters too, 1-2 keep them whole on every rank). Each rank passes the
+   * gradients of its own micro-batches; step() averages over all ranks'.
+   * Host device backend only (GPU ranks need NCCL, not built yet). A peer
+   * that stops taking part fails the call after comm_timeout_s seconds
+   * (0: 300) with STRATA_ERR_UNAVAILABLE naming it. */
+  strata_comm_kind_t comm_kind;
+  int64_t mpi_comm;
+  double comm_timeout_s;
 } strata_engine_options_t;
 
 /* One parameter of the model. Zero-initialise, set struct_size and the rest. */
@@ -358,6 +381,7 @@ typedef struct strata_engine_stats {
   uint64_t acquires, prefetch_hits, prefetch_misses, order_changes;
   uint64_t hot_path_allocs; /* allocations after the first step (should stay 0) */
   int64_t steps, skipped_steps;
+  uint64_t comm_bytes; /* sent to the other ranks (API 5) */
 } strata_engine_stats_t;
 
 /* Sets struct_size and the defaults (every other field 0: no config, auto
@@ -413,6 +437,9 @@ STRATA_API strata_status_t strata_engine_group_params(strata_engine_t engine, ui
  * *name is owned by the engine, valid until strata_engine_destroy. */
 STRATA_API strata_status_t strata_engine_device(strata_engine_t engine, strata_device_kind_t* kind,
                                                 const char** name);
+/* This engine's rank and the number of ranks (1 and 0 without a
+ * communicator). */
+STRATA_API strata_status_t strata_engine_ranks(strata_engine_t engine, uint32_t* rank, uint32_t* world_size);
 /* The plan as multi-line text (tiers, groups, traffic per step); *text is
  * allocated for the caller: free with strata_free. */
 STRATA_API strata_status_t strata_engine_plan_report(strata_engine_t engine, char** text);
@@ -426,11 +453,14 @@ STRATA_API strata_status_t strata_engine_plan_report(strata_engine_t engine, cha
  * (id, dtype, count), I/O errors. */
 STRATA_API strata_status_t strata_engine_load_param(strata_engine_t engine, uint32_t param, const void* src,
                                                     strata_dtype_t dtype, size_t count);
-/* Copies the fp32 master of `param` (world_size 1: the whole tensor) to host
- * memory `dst` as `count` (= numel) elements of `dtype`. */
+/* Copies the fp32 master of `param` to host memory `dst` as `count` (=
+ * numel) elements of `dtype`: the whole tensor, on every rank (N ranks: a
+ * collective, every rank must call it for the same parameter). */
 STRATA_API strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param, void* dst,
                                                     strata_dtype_t dtype, size_t count);
-/* The optimizer state of trainable `param` as `count` (= numel) fp32 values:
+/* The optimizer state of trainable `param` as `count` (= numel) fp32 values
+ * (read: one rank only, STRATA_ERR_UNAVAILABLE with N ranks; load: each rank
+ * takes its shard of the whole tensor):
  * state 0 is AdamW's exp_avg, 1 its exp_avg_sq (torch.optim.AdamW's state
  * names; the step count is strata_engine_step_count). read: to convert a
  * checkpoint to PyTorch or DeepSpeed; load: to convert one in (bf16 states

@@ -152,8 +152,42 @@ strata_status_t strata_engine_options_init(strata_engine_options_t* options) {
   *options = strata_engine_options_t{};
   options->struct_size = sizeof(*options);
   options->device_kind = STRATA_DEVICE_AUTO;
+  options->comm_kind = STRATA_COMM_NONE;
+  options->mpi_comm = -1;
   return STRATA_OK;
 }
+
+namespace {
+// STRATA_COMM_MPI: the host backend and a communicator over the caller's MPI
+// communicator, owned by the handle and lent to the engine.
+Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOptions& eo) {
+  const int kind = enum_value(o.comm_kind);
+  if (kind == STRATA_COMM_NONE) return Status();
+  if (kind != STRATA_COMM_MPI)
+    return Status(StatusCode::kInvalidArgument, "options.comm_kind: unknown kind " + std::to_string(kind));
+  if (enum_value(o.device_kind) == STRATA_DEVICE_CUDA)
+    return Status(StatusCode::kUnavailable,
+                  "options.comm_kind STRATA_COMM_MPI with STRATA_DEVICE_CUDA: GPU ranks need the NCCL backend, which "
+                  "is not built yet; MPI ranks run on the host backend");
+  if (!(o.comm_timeout_s >= 0))
+    return Status(StatusCode::kInvalidArgument,
+                  "options.comm_timeout_s is " + std::to_string(o.comm_timeout_s) + " (seconds; 0: 300)");
+  DeviceBackendOptions d;  // as Engine::create would make it
+  d.kind = DeviceBackendKind::kHost;
+  d.budget_bytes = eo.config.strata.device_memory;
+  STRATA_ASSIGN_OR_RETURN(e.device, create_device_backend(d));
+  comm::CommOptions co;
+  co.kind = comm::CommBackendKind::kMpi;
+  co.timeout_s = o.comm_timeout_s > 0 ? o.comm_timeout_s : 300.0;
+  co.mpi_fortran_comm = o.mpi_comm;
+  auto c = comm::create_communicator(e.device.get(), co);
+  if (!c.ok()) return c.status().with_context("options.comm_kind STRATA_COMM_MPI");
+  e.comm = std::move(c).value();
+  eo.device = e.device.get();
+  eo.comm = e.comm.get();
+  return Status();
+}
+}  // namespace
 
 strata_status_t strata_engine_create(const strata_engine_options_t* options, const strata_param_desc_t* params,
                                      size_t param_count, strata_engine_t* out) {
@@ -178,6 +212,7 @@ strata_status_t strata_engine_create(const strata_engine_options_t* options, con
                      : device_kind == STRATA_DEVICE_HOST ? DeviceBackendKind::kHost
                                                          : DeviceBackendKind::kAuto;
     eo.device_ordinal = options->device_ordinal;
+    STRATA_RETURN_IF_ERROR(join_ranks(*options, *e, eo));
     STRATA_ASSIGN_OR_RETURN(e->engine, Engine::create(eo));
     e->device_name = e->engine->device().name();
     for (uint32_t g = 0; g < e->engine->group_count(); ++g) e->group_names.push_back(e->engine->group_name(g));
@@ -326,6 +361,16 @@ strata_status_t strata_engine_device(strata_engine_t engine, strata_device_kind_
   });
 }
 
+strata_status_t strata_engine_ranks(strata_engine_t engine, uint32_t* rank, uint32_t* world_size) {
+  return on_engine(engine, "strata_engine_ranks", [&]() -> Status {
+    if (!rank) return null_arg("strata_engine_ranks", "rank");
+    if (!world_size) return null_arg("strata_engine_ranks", "world_size");
+    *rank = engine->engine->plan().rank;
+    *world_size = engine->engine->plan().world_size;
+    return Status();
+  });
+}
+
 strata_status_t strata_engine_plan_report(strata_engine_t engine, char** text) {
   return on_engine(engine, "strata_engine_plan_report", [&]() -> Status {
     if (!text) return null_arg("strata_engine_plan_report", "text");
@@ -352,7 +397,7 @@ strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param,
     STRATA_RETURN_IF_ERROR(check_param(*engine->engine, param));
     STRATA_ASSIGN_OR_RETURN(DType dt, to_dtype(dtype, "dtype"));
     STRATA_RETURN_IF_ERROR(check_count(*engine->engine, param, count));
-    return engine->engine->read_param(param, dst, dt);
+    return engine->engine->gather_param(param, dst, dt);  // one rank: read_param
   });
 }
 
@@ -362,6 +407,10 @@ strata_status_t strata_engine_read_state(strata_engine_t engine, uint32_t param,
     if (!dst) return null_arg("strata_engine_read_state", "dst");
     STRATA_RETURN_IF_ERROR(check_param(*engine->engine, param));
     STRATA_RETURN_IF_ERROR(check_count(*engine->engine, param, count));
+    if (engine->engine->plan().world_size > 1)
+      return Status(StatusCode::kUnavailable,
+                    "strata_engine_read_state with N ranks: each rank holds only its shard of the states, and "
+                    "gathering them is not built yet; save a checkpoint, which holds every rank's");
     return engine->engine->read_state(param, state, dst);
   });
 }
@@ -534,6 +583,7 @@ strata_status_t strata_engine_stats(strata_engine_t engine, strata_engine_stats_
     stats->hot_path_allocs = s.hot_path_allocs;
     stats->steps = s.steps;
     stats->skipped_steps = s.skipped_steps;
+    stats->comm_bytes = s.comm_bytes;
     return Status();
   });
 }

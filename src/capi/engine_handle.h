@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "capi/c_api_util.h"
+#include "comm/communicator.h"
 #include "device/device_backend.h"
 #include "runtime/engine.h"
 #include "strata/strata.h"
@@ -33,6 +34,10 @@ struct strata_stream {
 };
 
 struct strata_engine {
+  // With ranks (strata_engine_options_t.comm_kind): the device backend and
+  // the communicator the engine borrows; declared first, destroyed last.
+  std::unique_ptr<strata::DeviceBackend> device;
+  std::unique_ptr<strata::comm::Communicator> comm;
   std::unique_ptr<strata::Engine> engine;
   std::string device_name;
   std::vector<std::string> group_names;  // stable storage for strata_group_info_t.name

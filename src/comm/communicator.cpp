@@ -45,6 +45,7 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
 #if STRATA_HAVE_MPI
       MpiCommOptions mo;
       mo.timeout_s = options.timeout_s;
+      mo.fortran_comm = options.mpi_fortran_comm;
       return create_mpi_communicator(device, mo);
 #else
       return Status(StatusCode::kUnavailable,

@@ -108,6 +108,9 @@ struct CommOptions {
   // A collective that has not completed this many seconds after it started
   // running fails (kUnavailable naming the peer). > 0.
   double timeout_s = 300.0;
+  // kMpi: the ranks of this communicator (Fortran handle, see mpi_comm.h);
+  // -1: MPI_COMM_WORLD.
+  int64_t mpi_fortran_comm = -1;
 };
 
 // True when this build has the MPI backend (STRATA_HAVE_MPI).

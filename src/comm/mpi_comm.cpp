@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -405,10 +406,42 @@ Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* dev
   if (!(options.timeout_s > 0))
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("mpi communicator: timeout_s must be > 0 (got {})", options.timeout_s));
+  MPI_Comm base = MPI_COMM_WORLD;
+  if (options.fortran_comm != -1) {
+    int initialized = 0;
+    MPI_Initialized(&initialized);
+    if (!initialized)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("mpi communicator: given communicator handle {}, but MPI is not initialized (the "
+                                "caller that made the communicator initializes MPI)",
+                                options.fortran_comm));
+    if (options.fortran_comm < std::numeric_limits<MPI_Fint>::min() ||
+        options.fortran_comm > std::numeric_limits<MPI_Fint>::max())
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("mpi communicator: {} is not a Fortran communicator handle", options.fortran_comm));
+    base = MPI_Comm_f2c(static_cast<MPI_Fint>(options.fortran_comm));
+    if (base == MPI_COMM_NULL)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("mpi communicator: handle {} is not a communicator MPI knows (pass "
+                                "MPI_Comm_c2f(comm), or comm.py2f() from mpi4py)",
+                                options.fortran_comm));
+  }
   STRATA_RETURN_IF_ERROR(ensure_mpi());
   MpiLock lock;
   MPI_Comm comm = MPI_COMM_NULL;
-  int rc = MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  // A handle MPI does not know is reported on MPI_COMM_WORLD, whose handler
+  // aborts the job by default: return the error instead, for this one call.
+  MPI_Errhandler world_handler = MPI_ERRHANDLER_NULL;
+  MPI_Comm_get_errhandler(MPI_COMM_WORLD, &world_handler);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  int rc = MPI_Comm_dup(base, &comm);
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, world_handler);
+  MPI_Errhandler_free(&world_handler);
+  if (rc != MPI_SUCCESS && options.fortran_comm != -1)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("mpi communicator: duplicating the communicator of handle {} failed ({}): pass "
+                              "MPI_Comm_c2f(comm), or comm.py2f() from mpi4py",
+                              options.fortran_comm, mpi_error_text(rc)));
   if (rc != MPI_SUCCESS)
     return Status(StatusCode::kUnavailable, fmt::format("mpi communicator: MPI_Comm_dup failed: {}", mpi_error_text(rc)));
   MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
@@ -416,7 +449,7 @@ Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* dev
   MPI_Comm_rank(comm, &rank);
   MPI_Comm_size(comm, &world);
   int* tag_ub = nullptr;
-  MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag);
+  MPI_Comm_get_attr(comm, MPI_TAG_UB, &tag_ub, &flag);
   const int ub = (flag && tag_ub) ? *tag_ub : 32767;
   return std::unique_ptr<Communicator>(new MpiCommunicator(device, comm, rank, world, ub, options.timeout_s));
 }

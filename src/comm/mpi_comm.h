@@ -46,15 +46,22 @@ namespace strata::comm {
 
 struct MpiCommOptions {
   double timeout_s = 300.0;  // per collective, from when it starts running; > 0
+  // The communicator whose ranks these are, as a Fortran handle
+  // (MPI_Comm_c2f(comm) in C, comm.py2f() in mpi4py): a trainer's own group
+  // of ranks. -1: MPI_COMM_WORLD. Either way Strata works on a duplicate.
+  // A handle needs MPI initialized by the caller (it made the communicator).
+  int64_t fortran_comm = -1;
 };
 
 // Initializes MPI if it is not yet (see above) and makes a communicator over
-// a duplicate of MPI_COMM_WORLD. Collective over all ranks of the job (every
-// rank must call it, in the same order as its other communicators).
+// a duplicate of MPI_COMM_WORLD (or of options.fortran_comm). Collective over
+// all ranks of that communicator (every rank must call it, in the same order
+// as its other communicators).
 // `device` must be a host backend and outlive the communicator. Destroy the
 // communicator only once no collective of it is queued (synchronize the
 // streams first). Errors: kInvalidArgument (null or CUDA device, timeout <= 0),
-// kUnavailable (MPI already finalized, init failed, thread level too low).
+// kUnavailable (MPI already finalized, init failed, thread level too low),
+// kInvalidArgument (a handle MPI does not know, or given before MPI_Init).
 Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* device, const MpiCommOptions& options);
 
 // Calls MPI_Finalize if Strata initialized MPI and nobody finalized it yet
