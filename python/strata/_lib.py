@@ -11,10 +11,11 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 4  # STRATA_API_VERSION these bindings speak
+API_VERSION = 5  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
+COMM_NONE, COMM_MPI = 0, 1  # strata_comm_kind_t
 OPT_ADAMW, OPT_ADAM = 0, 1
 ISA_AUTO = 0
 MAX_DIMS = 8
@@ -58,7 +59,8 @@ c_void_p, c_char_p, c_int, c_int32, c_uint32, c_uint64, c_int64, c_size_t, c_dou
 
 class EngineOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("config_json", c_char_p), ("config_path", c_char_p),
-                ("device_kind", c_int), ("device_ordinal", c_int)]
+                ("device_kind", c_int), ("device_ordinal", c_int), ("comm_kind", c_int), ("mpi_comm", c_int64),
+                ("comm_timeout_s", c_double)]
 
 
 class ParamDesc(ctypes.Structure):
@@ -78,7 +80,8 @@ class EngineStats(ctypes.Structure):
                 ("pinned_bytes", c_uint64), ("nvme_read_bytes", c_uint64), ("nvme_write_bytes", c_uint64),
                 ("h2d_bytes", c_uint64), ("d2h_bytes", c_uint64), ("acquires", c_uint64),
                 ("prefetch_hits", c_uint64), ("prefetch_misses", c_uint64), ("order_changes", c_uint64),
-                ("hot_path_allocs", c_uint64), ("steps", c_int64), ("skipped_steps", c_int64)]
+                ("hot_path_allocs", c_uint64), ("steps", c_int64), ("skipped_steps", c_int64),
+                ("comm_bytes", c_uint64)]
 
 
 class OptimizerConfig(ctypes.Structure):
@@ -120,6 +123,7 @@ strata_engine_last_error = _fn("strata_engine_last_error", c_char_p, c_void_p)
 strata_engine_find_group = _fn("strata_engine_find_group", c_int, c_void_p, c_char_p, ctypes.POINTER(c_uint32))
 strata_engine_load_param = _fn("strata_engine_load_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
 strata_engine_read_param = _fn("strata_engine_read_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
+strata_engine_ranks = _fn("strata_engine_ranks", c_int, c_void_p, ctypes.POINTER(c_uint32), ctypes.POINTER(c_uint32))
 strata_engine_read_state = _fn("strata_engine_read_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
 strata_engine_load_state = _fn("strata_engine_load_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
 strata_engine_param_steps = _fn("strata_engine_param_steps", c_int, c_void_p, c_uint32, ctypes.POINTER(c_int64))

@@ -133,23 +133,42 @@ class _Optimizer(torch.optim.Optimizer):
         return None
 
 
-def _refuse_data_parallel():
-    """N data-parallel ranks are not built into the package yet (the engine has
-    them, `strata finetune` runs them under mpirun): a process of a multi-rank
-    launch would train alone on its own data, so it is refused by name."""
-    ranks = []
-    for var in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE"):
-        v = os.environ.get(var, "")
+def _ranks(mpi_comm, cuda):
+    """How this process meets the other data-parallel ranks: (comm_kind,
+    Fortran handle). Under mpirun (OMPI_COMM_WORLD_SIZE > 1) or with
+    mpi_comm= (an mpi4py communicator or its Fortran handle, comm.py2f()),
+    the engine is one rank of an MPI job (docs/python.md "Ranks"); otherwise
+    one rank. A launch the package cannot join is refused by name: each
+    process would otherwise train alone on its own data."""
+    if mpi_comm is not None:
+        handle = mpi_comm.py2f() if hasattr(mpi_comm, "py2f") else mpi_comm
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise TypeError("strata.torch.initialize: mpi_comm must be an mpi4py communicator or its Fortran "
+                            f"handle (comm.py2f()), not {type(mpi_comm).__name__}")
+    else:
+        handle = None
+    world = os.environ.get("OMPI_COMM_WORLD_SIZE", "")
+    under_mpirun = world.isdigit() and int(world) > 1
+    if handle is None and not under_mpirun:
+        ranks = []
+        v = os.environ.get("WORLD_SIZE", "")
         if v.isdigit() and int(v) > 1:
-            ranks.append(f"{var}={v}")
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-            torch.distributed.get_world_size() > 1:
-        ranks.append(f"torch.distributed world size {torch.distributed.get_world_size()}")
-    if ranks:
+            ranks.append(f"WORLD_SIZE={v}")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            ranks.append(f"torch.distributed world size {torch.distributed.get_world_size()}")
+        if ranks:
+            raise NotImplementedError(
+                "strata.torch.initialize: launched as one of several data-parallel ranks (" + ", ".join(ranks) +
+                ") by a launcher the package cannot join: those ranks would meet over NCCL, which is not built "
+                "yet, and each process would train alone on its own data. Launch host ranks with "
+                "`mpirun -np N python ...` (or pass mpi_comm=), or run one process")
+        return _lib.COMM_NONE, -1
+    if cuda:
         raise NotImplementedError(
-            "strata.torch.initialize: launched as one of several data-parallel ranks (" + ", ".join(ranks) +
-            "); the Python package does not join ranks yet, so each process would train alone on its own data. "
-            "Run one process, or `mpirun -np N strata finetune` for N ranks")
+            "strata.torch.initialize: data-parallel ranks with a model on a GPU: GPU ranks need the NCCL "
+            "backend, which is not built yet; MPI ranks train a CPU model")
+    return _lib.COMM_MPI, (-1 if handle is None else handle)
 
 
 class StrataEngine:
@@ -157,12 +176,12 @@ class StrataEngine:
     the model, then backward(loss), step(); state_dict(), save_pretrained(),
     save_checkpoint(), load_checkpoint()."""
 
-    def __init__(self, model, model_parameters, config, lr_scheduler=None):
+    def __init__(self, model, model_parameters, config, lr_scheduler=None, mpi_comm=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError("strata.torch.initialize: model must be a torch.nn.Module")
-        _refuse_data_parallel()
         self.device = _model_device(model)
         self._cuda = _is_cuda(self.device)
+        comm_kind, comm_handle = _ranks(mpi_comm, self._cuda)
         self._dev_type = self.device.type  # saved tensors of this device type may view engine buffers
         self._lock = threading.RLock()     # driving calls never overlap (backward hooks: autograd's thread)
         self._wrapped = {}                 # CUDA: native stream handle -> (strata stream, torch stream)
@@ -301,10 +320,14 @@ class StrataEngine:
             opts.device_ordinal = self.device.index or 0
         else:
             opts.device_kind = _lib.DEVICE_HOST
+        opts.comm_kind, opts.mpi_comm = comm_kind, comm_handle  # timeout: the library's 300 s
         e = ctypes.c_void_p()
         with self._driving():
             _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self._params), ctypes.byref(e)))
         self._e = e
+        rank, world = ctypes.c_uint32(), ctypes.c_uint32()
+        _lib.check(_lib.strata_engine_ranks(e, ctypes.byref(rank), ctypes.byref(world)), e)
+        self.rank, self.world_size = rank.value, world.value
         if self._cuda:
             self._s = None
             self._switch(torch.cuda.current_stream(self.device))
@@ -720,7 +743,8 @@ class StrataEngine:
         return out
 
     def state_dict(self):
-        """The full trained weights (fp32 masters, CPU) under the model's own state_dict keys (buffers: a CPU copy)."""
+        """The full trained weights (fp32 masters, CPU) under the model's own state_dict keys (buffers: a CPU copy).
+        N ranks: a collective (every rank calls it and gets the whole weights)."""
         out = collections.OrderedDict()
         by_id = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
@@ -734,10 +758,13 @@ class StrataEngine:
         return out
 
     def save_pretrained(self, directory, **kwargs):
-        """A Hugging Face model directory with the trained weights (the model's own save_pretrained)."""
+        """A Hugging Face model directory with the trained weights (the model's own save_pretrained).
+        N ranks: every rank calls it (the weights are gathered); rank 0 writes."""
         if not hasattr(self.module, "save_pretrained"):
             raise TypeError("strata.torch: the model has no save_pretrained; use engine.state_dict()")
-        self.module.save_pretrained(directory, state_dict=self.state_dict(), **kwargs)
+        state = self.state_dict()
+        if self.rank == 0:
+            self.module.save_pretrained(directory, state_dict=state, **kwargs)
 
     def save_checkpoint(self, directory, client_state=None):
         """Strata's checkpoint of the whole training state (weights, AdamW state, step, loss scale) and
@@ -770,7 +797,8 @@ class StrataEngine:
         s.struct_size = ctypes.sizeof(s)
         self._call(_lib.strata_engine_stats, ctypes.byref(s))
         return {"tier_bytes": {"device": s.tier_bytes[1], "host": s.tier_bytes[2], "nvme": s.tier_bytes[3]},
-                "nvme_read_bytes": s.nvme_read_bytes, "nvme_write_bytes": s.nvme_write_bytes, "steps": s.steps}
+                "nvme_read_bytes": s.nvme_read_bytes, "nvme_write_bytes": s.nvme_write_bytes, "steps": s.steps,
+                "comm_bytes": s.comm_bytes}
 
     def destroy(self):
         for h in getattr(self, "_hooks", []):
@@ -810,7 +838,8 @@ class StrataEngine:
             pass
 
 
-def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None, optimizer=None, **unsupported):
+def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None, optimizer=None, mpi_comm=None,
+               **unsupported):
     """DeepSpeed's initialize(): returns (engine, optimizer, None, lr_scheduler).
 
     config: a DeepSpeed config dict or JSON path; zero_optimization.offload_param /
@@ -822,11 +851,17 @@ def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None
     returned optimizer) instead of the config's; either is stepped after each
     optimizer step the engine takes (not after one skipped for non-finite
     gradients) and is the 4th value returned.
+
+    Ranks: under `mpirun -np N` (or with mpi_comm=, an mpi4py communicator or
+    its Fortran handle) every process is one data-parallel rank of one engine
+    (ZeRO stage 3, or 1-2 from the config): each rank passes its own
+    micro-batches and the step averages the gradients over all ranks; every
+    rank must run the same model through the same calls (docs/python.md).
     """
     if unsupported:
         raise TypeError(f"strata.torch.initialize: {sorted(unsupported)} not supported")
     if optimizer is not None:
         raise ValueError("strata.torch.initialize: the optimizer comes from the config's \"optimizer\" section "
                          "(Strata's AdamW runs inside the engine); do not pass a torch optimizer")
-    engine = StrataEngine(model, model_parameters, config, lr_scheduler=lr_scheduler)
+    engine = StrataEngine(model, model_parameters, config, lr_scheduler=lr_scheduler, mpi_comm=mpi_comm)
     return engine, engine.optimizer, None, engine.lr_scheduler

@@ -1,0 +1,50 @@
+"""One rank of test_torch_ranks.py, run as `mpirun -np N python _ranks_worker.py
+OUT STAGE NVME`: trains the tests' small Llama through strata.torch.initialize
+(launched by mpirun, so the engine joins the job's ranks) on its rows of each
+batch (rank r takes row r), then writes OUT/losses<rank>.json, and (rank 0)
+OUT/state.pt from engine.state_dict() and OUT/model from save_pretrained."""
+import json
+import os
+import sys
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import strata.torch as st
+
+VOCAB = 96
+
+
+def main():
+    out, stage, nvme = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, initializer_range=0.1))
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+           "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"},
+                                 "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+    engine, _, _, _ = st.initialize(model=model, config=cfg)
+    g = torch.Generator().manual_seed(1)
+    data = [torch.randint(0, VOCAB, (engine.world_size, 33), generator=g) for _ in range(4)]
+    losses = []
+    for x in data:
+        mine = x[engine.rank:engine.rank + 1]
+        logits = engine(input_ids=mine[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1))
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    with open(os.path.join(out, f"losses{engine.rank}.json"), "w") as f:
+        json.dump({"rank": engine.rank, "world_size": engine.world_size, "losses": losses,
+                   "comm_bytes": engine.stats()["comm_bytes"]}, f)
+    state = engine.state_dict()  # a collective: every rank
+    engine.save_pretrained(os.path.join(out, "model"))  # every rank; rank 0 writes
+    if engine.rank == 0:
+        torch.save(state, os.path.join(out, "state.pt"))
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""strata.torch with data-parallel ranks (issue 14): `mpirun -np 2 python
+_ranks_worker.py` trains the tests' small Llama through
+strata.torch.initialize, each rank on its own row of every batch of 2, and
+one process here trains the same model on the same rows as 2 accumulated
+micro-batches (rank order) with gradient_accumulation_steps 2. ZeRO stage 3
+and stage 2 (parameters whole on every rank), optimizer states on NVMe,
+clipping off: the final weights (engine.state_dict(), gathered on every
+rank) and every loss are bit-identical. The exactness: backward(loss / 2) is
+exactly half of backward(loss) (a power of two), so the one process
+accumulates g0/2 + g1/2 = (g0 + g1)/2, what the ranks' sum averaged over 2
+gives; the engine's rank-order sum is the one-rank accumulation order.
+save_pretrained is written by rank 0 only.
+
+Needs mpirun and a package built with MPI: skipped without them, a failure
+instead under STRATA_REQUIRE_REFERENCE=1 (CI).
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import unittest
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import strata.torch as st
+
+VOCAB = 96
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def mpirun():
+    exe = shutil.which("mpirun")
+    if exe is None and os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+        raise AssertionError("mpirun is not installed and STRATA_REQUIRE_REFERENCE=1 (apt-get install openmpi-bin)")
+    return exe
+
+
+class RanksTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="strata-torch-ranks-", dir=os.environ.get("STRATA_TEST_DIR"))
+
+    def tearDown(self):
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def one_process(self, stage, nvme):
+        """The reference: one process, the ranks' rows as accumulated micro-batches."""
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                             initializer_range=0.1))
+        cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 2, "gradient_clipping": 0.0,
+               "optimizer": {"type": "AdamW", "params": {"lr": 2e-3, "weight_decay": 0.01}},
+               "zero_optimization": {"stage": stage, "offload_param": {"device": "cpu"},
+                                     "offload_optimizer": {"device": "nvme", "nvme_path": nvme}}}
+        engine, _, _, _ = st.initialize(model=model, config=cfg)
+        self.assertEqual((engine.rank, engine.world_size), (0, 1))
+        g = torch.Generator().manual_seed(1)
+        data = [torch.randint(0, VOCAB, (2, 33), generator=g) for _ in range(4)]
+        losses = []
+        for x in data:
+            for r in range(2):
+                mine = x[r:r + 1]
+                logits = engine(input_ids=mine[:, :-1]).logits
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), mine[:, 1:].reshape(-1))
+                engine.backward(loss)
+                engine.step()  # steps at the accumulation boundary only
+                losses.append(loss.item())
+        state = engine.state_dict()
+        self.assertEqual(engine.stats()["comm_bytes"], 0)
+        engine.destroy()
+        return losses, state
+
+    def test_two_ranks_equal_one_process_of_two_micro_batches(self):
+        exe = mpirun()
+        if exe is None:
+            self.skipTest("mpirun is not installed")
+        env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none",
+                   OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
+        for stage in (3, 2):
+            out = os.path.join(self.dir, f"stage{stage}")
+            nvme = os.path.join(self.dir, f"nvme{stage}")
+            os.makedirs(out)
+            os.makedirs(nvme)
+            r = subprocess.run([exe, "--oversubscribe", "--allow-run-as-root", "-np", "2", sys.executable,
+                                os.path.join(HERE, "_ranks_worker.py"), out, str(stage), nvme],
+                               env=env, capture_output=True, text=True, timeout=600)
+            self.assertEqual(r.returncode, 0, f"stage {stage}: the 2-rank job failed:\n{r.stdout[-3000:]}\n"
+                                              f"{r.stderr[-3000:]}")
+            ranks = []
+            for k in range(2):
+                with open(os.path.join(out, f"losses{k}.json")) as f:
+                    ranks.append(json.load(f))
+            self.assertEqual([x["world_size"] for x in ranks], [2, 2])
+            self.assertTrue(all(x["comm_bytes"] > 0 for x in ranks))
+            ref_losses, ref_state = self.one_process(stage, os.path.join(self.dir, f"ref{stage}"))
+            for step in range(4):
+                for k in range(2):
+                    self.assertEqual(ranks[k]["losses"][step], ref_losses[2 * step + k],
+                                     f"stage {stage}, step {step}, rank {k}")
+            state = torch.load(os.path.join(out, "state.pt"))
+            self.assertEqual(sorted(state), sorted(ref_state))
+            for key in ref_state:
+                self.assertTrue(torch.equal(state[key], ref_state[key]), f"stage {stage}: {key} differs")
+            self.assertTrue(os.path.isfile(os.path.join(out, "model", "config.json")))
+            print(f"  stage {stage}: 2 ranks x 4 steps equal one process of 2 micro-batches bit for bit "
+                  f"(losses {[round(x, 4) for x in ref_losses]}); sent per rank: {ranks[0]['comm_bytes']} bytes")
+
+    def test_a_launch_it_cannot_join_is_refused_by_name(self):
+        # torchrun-style ranks meet over NCCL (not built): each process would
+        # otherwise train alone on its own data.
+        os.environ["WORLD_SIZE"] = "2"
+        try:
+            with self.assertRaisesRegex(NotImplementedError, "WORLD_SIZE=2.*NCCL.*mpirun -np N python"):
+                st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}})
+        finally:
+            del os.environ["WORLD_SIZE"]
+        with self.assertRaisesRegex(TypeError, "mpi_comm must be an mpi4py communicator"):
+            st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}}, mpi_comm="world")
+
+
+if __name__ == "__main__":
+    unittest.main()
