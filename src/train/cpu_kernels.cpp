@@ -257,23 +257,37 @@ void attn_rows_dl(const S* out, const S* dout, const S* lse, int64_t b, int64_t 
   }
 }
 
-// One (query block, key block) tile of the backward, in place: on entry s =
-// Q_i K_j^T and dp = dO_i V_j^T [nq, nk]; on return s = P = exp(scale s - L)
-// and dp = dS = P (dP - D) scale, both 0 where causality masks. Both
-// backward passes run this on the same inputs, so they see the same bits.
+// A slot's layout in the backward: the P and dS tiles, then the query rows' D and L.
 template <typename S>
-void attn_tile_grads(S* s, S* dp, int64_t nq, int64_t nk, int64_t i0, int64_t j0,
-                     const S* d_rows, const S* l_rows, S scale) {
+struct AttnBwdSlot {
+  S *p, *ds, *d_rows, *l_rows;
+  explicit AttnBwdSlot(S* slot)
+      : p(slot),
+        ds(p + kAttnQBlock * kAttnKBlock),
+        d_rows(ds + kAttnQBlock * kAttnKBlock),
+        l_rows(d_rows + kAttnQBlock) {}
+};
+
+// One (query block i, key block j) tile of the backward: t.p = P = exp(scale
+// Q_i K_j^T - L) and t.ds = dS = P (dO_i V_j^T - D) scale [nq, nk], both 0
+// where causality masks; t.d_rows and t.l_rows hold the block's D and L.
+// Both backward passes run this on the same inputs, so they see the same bits.
+template <typename S>
+void attn_tile_grads(const S* qi, const S* doi, int64_t qd, const S* kj, const S* vj, int64_t kvd,
+                     int64_t nq, int64_t nk, int64_t hd, int64_t i0, int64_t j0, S scale,
+                     const AttnBwdSlot<S>& t) {
+  gemm<S>(false, true, nq, nk, hd, qi, qd, kj, kvd, t.p, nk, false);
+  gemm<S>(false, true, nq, nk, hd, doi, qd, vj, kvd, t.ds, nk, false);
   for (int64_t r = 0; r < nq; ++r) {
-    S* sr = s + r * nk;
-    S* dr = dp + r * nk;
+    S* pr = t.p + r * nk;
+    S* dr = t.ds + r * nk;
     const int64_t valid = causal_keys(i0, r, j0, nk);
     for (int64_t c = 0; c < valid; ++c) {
-      const S p = std::exp(sr[c] * scale - l_rows[r]);
-      sr[c] = p;
-      dr[c] = p * (dr[c] - d_rows[r]) * scale;
+      const S p = std::exp(pr[c] * scale - t.l_rows[r]);
+      pr[c] = p;
+      dr[c] = p * (dr[c] - t.d_rows[r]) * scale;
     }
-    for (int64_t c = valid; c < nk; ++c) sr[c] = dr[c] = 0;
+    for (int64_t c = valid; c < nk; ++c) pr[c] = dr[c] = 0;
   }
 }
 
@@ -346,7 +360,6 @@ void attention_backward(const S* q, const S* k, const S* v, const S* out, const 
   const int64_t qd = heads * hd, kvd = kv_heads * hd, group = heads / kv_heads;
   const int64_t nqb = (T + kAttnQBlock - 1) / kAttnQBlock, nkb = (T + kAttnKBlock - 1) / kAttnKBlock;
   const S scale = S(1) / std::sqrt(static_cast<S>(hd));
-  constexpr int64_t tile = kAttnQBlock * kAttnKBlock;
   // Pass 1, dK and dV: one task per (batch, kv head, key block) owns those
   // rows and sums into them over the group's query heads, then the query
   // blocks, in that order.
@@ -354,10 +367,7 @@ void attention_backward(const S* q, const S* k, const S* v, const S* out, const 
     const int64_t b = task / (kv_heads * nkb), kvh = task / nkb % kv_heads,
                   j0 = task % nkb * kAttnKBlock;
     const int64_t nk = std::min(kAttnKBlock, T - j0);
-    S* s = scratch.slot();
-    S* dp = s + tile;
-    S* d_rows = dp + tile;
-    S* l_rows = d_rows + kAttnQBlock;
+    const AttnBwdSlot<S> t(scratch.slot());
     const S* kj = k + (b * T + j0) * kvd + kvh * hd;
     const S* vj = v + (b * T + j0) * kvd + kvh * hd;
     S* dkj = dk + (b * T + j0) * kvd + kvh * hd;
@@ -370,12 +380,10 @@ void attention_backward(const S* q, const S* k, const S* v, const S* out, const 
         const int64_t nq = std::min(kAttnQBlock, T - i0);
         const S* qi = q + (b * T + i0) * qd + h * hd;
         const S* doi = dout + (b * T + i0) * qd + h * hd;
-        attn_rows_dl(out, dout, lse, b, T, h, heads, hd, i0, nq, d_rows, l_rows);
-        gemm<S>(false, true, nq, nk, hd, qi, qd, kj, kvd, s, nk, false);
-        gemm<S>(false, true, nq, nk, hd, doi, qd, vj, kvd, dp, nk, false);
-        attn_tile_grads(s, dp, nq, nk, i0, j0, d_rows, l_rows, scale);
-        gemm<S>(true, false, nk, hd, nq, s, nk, doi, qd, dvj, kvd, !first);   // dV += P^T dO
-        gemm<S>(true, false, nk, hd, nq, dp, nk, qi, qd, dkj, kvd, !first);   // dK += dS^T Q
+        attn_rows_dl(out, dout, lse, b, T, h, heads, hd, i0, nq, t.d_rows, t.l_rows);
+        attn_tile_grads(qi, doi, qd, kj, vj, kvd, nq, nk, hd, i0, j0, scale, t);
+        gemm<S>(true, false, nk, hd, nq, t.p, nk, doi, qd, dvj, kvd, !first);   // dV += P^T dO
+        gemm<S>(true, false, nk, hd, nq, t.ds, nk, qi, qd, dkj, kvd, !first);  // dK += dS^T Q
         first = false;
       }
     }
@@ -386,22 +394,17 @@ void attention_backward(const S* q, const S* k, const S* v, const S* out, const 
   for_each_index(B * heads * nqb, [&](int64_t task) {
     const int64_t b = task / (heads * nqb), h = task / nqb % heads, i0 = task % nqb * kAttnQBlock;
     const int64_t nq = std::min(kAttnQBlock, T - i0), kvh = h / group;
-    S* s = scratch.slot();
-    S* dp = s + tile;
-    S* d_rows = dp + tile;
-    S* l_rows = d_rows + kAttnQBlock;
+    const AttnBwdSlot<S> t(scratch.slot());
     const S* qi = q + (b * T + i0) * qd + h * hd;
     const S* doi = dout + (b * T + i0) * qd + h * hd;
     const S* kh = k + b * T * kvd + kvh * hd;
     const S* vh = v + b * T * kvd + kvh * hd;
     S* dqi = dq + (b * T + i0) * qd + h * hd;
-    attn_rows_dl(out, dout, lse, b, T, h, heads, hd, i0, nq, d_rows, l_rows);
+    attn_rows_dl(out, dout, lse, b, T, h, heads, hd, i0, nq, t.d_rows, t.l_rows);
     for (int64_t j0 = 0; j0 < i0 + nq; j0 += kAttnKBlock) {
       const int64_t nk = std::min(kAttnKBlock, T - j0);
-      gemm<S>(false, true, nq, nk, hd, qi, qd, kh + j0 * kvd, kvd, s, nk, false);
-      gemm<S>(false, true, nq, nk, hd, doi, qd, vh + j0 * kvd, kvd, dp, nk, false);
-      attn_tile_grads(s, dp, nq, nk, i0, j0, d_rows, l_rows, scale);
-      gemm<S>(false, false, nq, hd, nk, dp, nk, kh + j0 * kvd, kvd, dqi, qd, j0 > 0);  // dQ += dS K
+      attn_tile_grads(qi, doi, qd, kh + j0 * kvd, vh + j0 * kvd, kvd, nq, nk, hd, i0, j0, scale, t);
+      gemm<S>(false, false, nq, hd, nk, t.ds, nk, kh + j0 * kvd, kvd, dqi, qd, j0 > 0);  // dQ += dS K
     }
   });
 }
