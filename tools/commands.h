@@ -32,6 +32,9 @@ void register_bench_lora(CLI::App& bench);
 // `strata bench copy ...` (tools/bench_copy.cpp): host<->device bandwidth
 void register_bench_copy(CLI::App& bench);
 
+// `strata bench attention ...` (tools/bench_attention.cpp): the CPU attention, tiled vs untiled
+void register_bench_attention(CLI::App& bench);
+
 // `strata finetune ...` (tools/finetune.cpp) and `strata demo` (tools/demo.cpp)
 void register_finetune(CLI::App& app);
 void register_demo(CLI::App& app);

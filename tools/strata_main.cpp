@@ -40,6 +40,7 @@ int main(int argc, char** argv) {
   register_bench_copy(*bench);
   register_bench_step(*bench);
   register_bench_lora(*bench);
+  register_bench_attention(*bench);
   register_init_model(app);
   register_plan(app);
   register_finetune(app);

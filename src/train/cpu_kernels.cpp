@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "model/rope.h"
 
@@ -44,27 +45,6 @@ constexpr int64_t kElemBlock = 16384;
 template <typename S>
 S sigmoid(S x) {
   return S(1) / (S(1) + std::exp(-x));
-}
-
-// Row-wise causal softmax of scale * row[0..i] (in place); row[i+1..T) = 0.
-template <typename S>
-void causal_softmax_rows(S* p, int64_t T, S scale) {
-  for (int64_t i = 0; i < T; ++i) {
-    S* row = p + i * T;
-    S mx = -std::numeric_limits<S>::infinity();
-    for (int64_t j = 0; j <= i; ++j) {
-      row[j] *= scale;
-      mx = std::max(mx, row[j]);
-    }
-    S sum = 0;
-    for (int64_t j = 0; j <= i; ++j) {
-      row[j] = std::exp(row[j] - mx);
-      sum += row[j];
-    }
-    const S inv = S(1) / sum;
-    for (int64_t j = 0; j <= i; ++j) row[j] *= inv;
-    for (int64_t j = i + 1; j < T; ++j) row[j] = 0;
-  }
 }
 
 }  // namespace
@@ -227,9 +207,19 @@ void rope_apply(S* x, int64_t n, int64_t T, int64_t heads, int64_t head_dim,
 // ---------------------------------------------------------------- attention
 
 template <typename S>
-void AttnScratch<S>::init(int slots_, int64_t max_seq) {
+int64_t AttnScratch<S>::values_per_slot(int64_t head_dim) {
+  constexpr int64_t tile = kAttnQBlock * kAttnKBlock;
+  // forward: scores/probabilities, the output accumulator, running max and sum;
+  // backward: P and dS, and each query row's L and D.
+  const int64_t fwd = tile + kAttnQBlock * head_dim + 2 * kAttnQBlock;
+  const int64_t bwd = 2 * tile + 2 * kAttnQBlock;
+  return std::max(fwd, bwd);
+}
+
+template <typename S>
+void AttnScratch<S>::init(int slots_, int64_t head_dim) {
   slots = slots_;
-  per_slot = 2 * max_seq * max_seq;
+  per_slot = values_per_slot(head_dim);
   buf.assign(static_cast<size_t>(slots) * static_cast<size_t>(per_slot), S(0));
 }
 
@@ -242,59 +232,179 @@ S* AttnScratch<S>::slot() {
   return buf.data() + static_cast<size_t>(idx) * static_cast<size_t>(per_slot);
 }
 
+namespace {
+
+// Keys a query row sees in the key block starting at j0 of nk keys: query
+// i0 + r sees keys <= i0 + r (0 for a block wholly in its future).
+inline int64_t causal_keys(int64_t i0, int64_t r, int64_t j0, int64_t nk) {
+  return std::clamp<int64_t>(i0 + r - j0 + 1, 0, nk);
+}
+
+// D and L of the nq query rows from i0 of head h: D_r = dO_r . O_r (the
+// row's sum of P * dP), L_r from the forward.
 template <typename S>
-void attention_forward(const S* q, const S* k, const S* v, S* out, int64_t B, int64_t T,
+void attn_rows_dl(const S* out, const S* dout, const S* lse, int64_t b, int64_t T, int64_t h,
+                  int64_t heads, int64_t hd, int64_t i0, int64_t nq, S* d_rows, S* l_rows) {
+  const int64_t qd = heads * hd;
+  for (int64_t r = 0; r < nq; ++r) {
+    const int64_t row = b * T + i0 + r;
+    const S* o = out + row * qd + h * hd;
+    const S* g = dout + row * qd + h * hd;
+    S dot = 0;
+    for (int64_t c = 0; c < hd; ++c) dot += g[c] * o[c];
+    d_rows[r] = dot;
+    l_rows[r] = lse[row * heads + h];
+  }
+}
+
+// A slot's layout in the backward: the P and dS tiles, then the query rows' D and L.
+template <typename S>
+struct AttnBwdSlot {
+  S *p, *ds, *d_rows, *l_rows;
+  explicit AttnBwdSlot(S* slot)
+      : p(slot),
+        ds(p + kAttnQBlock * kAttnKBlock),
+        d_rows(ds + kAttnQBlock * kAttnKBlock),
+        l_rows(d_rows + kAttnQBlock) {}
+};
+
+// One (query block i, key block j) tile of the backward: t.p = P = exp(scale
+// Q_i K_j^T - L) and t.ds = dS = P (dO_i V_j^T - D) scale [nq, nk], both 0
+// where causality masks; t.d_rows and t.l_rows hold the block's D and L.
+// Both backward passes run this on the same inputs, so they see the same bits.
+template <typename S>
+void attn_tile_grads(const S* qi, const S* doi, int64_t qd, const S* kj, const S* vj, int64_t kvd,
+                     int64_t nq, int64_t nk, int64_t hd, int64_t i0, int64_t j0, S scale,
+                     const AttnBwdSlot<S>& t) {
+  gemm<S>(false, true, nq, nk, hd, qi, qd, kj, kvd, t.p, nk, false);
+  gemm<S>(false, true, nq, nk, hd, doi, qd, vj, kvd, t.ds, nk, false);
+  for (int64_t r = 0; r < nq; ++r) {
+    S* pr = t.p + r * nk;
+    S* dr = t.ds + r * nk;
+    const int64_t valid = causal_keys(i0, r, j0, nk);
+    for (int64_t c = 0; c < valid; ++c) {
+      const S p = std::exp(pr[c] * scale - t.l_rows[r]);
+      pr[c] = p;
+      dr[c] = p * (dr[c] - t.d_rows[r]) * scale;
+    }
+    for (int64_t c = valid; c < nk; ++c) pr[c] = dr[c] = 0;
+  }
+}
+
+}  // namespace
+
+template <typename S>
+void attention_forward(const S* q, const S* k, const S* v, S* out, S* lse, int64_t B, int64_t T,
                        int64_t heads, int64_t kv_heads, int64_t hd, AttnScratch<S>& scratch) {
   const int64_t qd = heads * hd, kvd = kv_heads * hd, group = heads / kv_heads;
+  const int64_t nqb = (T + kAttnQBlock - 1) / kAttnQBlock;
   const S scale = S(1) / std::sqrt(static_cast<S>(hd));
-  for_each_index(B * heads, [&](int64_t task) {
-    const int64_t b = task / heads, h = task % heads, kvh = h / group;
-    S* p = scratch.slot();
-    const S* qh = q + b * T * qd + h * hd;
+  constexpr S kNegInf = -std::numeric_limits<S>::infinity();
+  // One task per (batch, head, query block): it alone writes those rows of
+  // out and lse.
+  for_each_index(B * heads * nqb, [&](int64_t task) {
+    const int64_t b = task / (heads * nqb), h = task / nqb % heads, i0 = task % nqb * kAttnQBlock;
+    const int64_t nq = std::min(kAttnQBlock, T - i0), kvh = h / group;
+    S* s = scratch.slot();
+    S* acc = s + kAttnQBlock * kAttnKBlock;  // [nq, hd], unnormalised output
+    S* m = acc + kAttnQBlock * hd;           // running max of the scaled scores
+    S* l = m + kAttnQBlock;                  // running sum of exp(score - m)
+    std::fill(m, m + nq, kNegInf);
+    std::fill(l, l + nq, S(0));
+    const S* qi = q + (b * T + i0) * qd + h * hd;
     const S* kh = k + b * T * kvd + kvh * hd;
     const S* vh = v + b * T * kvd + kvh * hd;
-    gemm<S>(false, true, T, T, hd, qh, qd, kh, kvd, p, T, false);
-    causal_softmax_rows(p, T, scale);
-    gemm<S>(false, false, T, hd, T, p, T, vh, kvd, out + b * T * qd + h * hd, qd, false);
+    // Key blocks in order up to the diagonal; the first one (key 0) is seen by
+    // every row, so m is finite from then on.
+    for (int64_t j0 = 0; j0 < i0 + nq; j0 += kAttnKBlock) {
+      const int64_t nk = std::min(kAttnKBlock, i0 + nq - j0);
+      gemm<S>(false, true, nq, nk, hd, qi, qd, kh + j0 * kvd, kvd, s, nk, false);
+      for (int64_t r = 0; r < nq; ++r) {
+        S* sr = s + r * nk;
+        const int64_t valid = causal_keys(i0, r, j0, nk);
+        S mx = m[r];
+        for (int64_t c = 0; c < valid; ++c) {
+          sr[c] *= scale;
+          mx = std::max(mx, sr[c]);
+        }
+        S sum = 0;
+        for (int64_t c = 0; c < valid; ++c) {
+          sr[c] = std::exp(sr[c] - mx);
+          sum += sr[c];
+        }
+        for (int64_t c = valid; c < nk; ++c) sr[c] = 0;
+        if (j0 > 0 && mx != m[r]) {  // rescale what the earlier blocks summed
+          const S corr = std::exp(m[r] - mx);
+          l[r] *= corr;
+          for (int64_t c = 0; c < hd; ++c) acc[r * hd + c] *= corr;
+        }
+        l[r] += sum;
+        m[r] = mx;
+      }
+      gemm<S>(false, false, nq, hd, nk, s, nk, vh + j0 * kvd, kvd, acc, hd, j0 > 0);
+    }
+    for (int64_t r = 0; r < nq; ++r) {
+      const int64_t row = b * T + i0 + r;
+      const S inv = S(1) / l[r];
+      S* o = out + row * qd + h * hd;
+      for (int64_t c = 0; c < hd; ++c) o[c] = acc[r * hd + c] * inv;
+      lse[row * heads + h] = m[r] + std::log(l[r]);
+    }
   });
 }
 
 template <typename S>
-void attention_backward(const S* q, const S* k, const S* v, const S* dout, S* dq, S* dk, S* dv,
-                        int64_t B, int64_t T, int64_t heads, int64_t kv_heads, int64_t hd,
-                        AttnScratch<S>& scratch) {
+void attention_backward(const S* q, const S* k, const S* v, const S* out, const S* lse,
+                        const S* dout, S* dq, S* dk, S* dv, int64_t B, int64_t T, int64_t heads,
+                        int64_t kv_heads, int64_t hd, AttnScratch<S>& scratch) {
   const int64_t qd = heads * hd, kvd = kv_heads * hd, group = heads / kv_heads;
+  const int64_t nqb = (T + kAttnQBlock - 1) / kAttnQBlock, nkb = (T + kAttnKBlock - 1) / kAttnKBlock;
   const S scale = S(1) / std::sqrt(static_cast<S>(hd));
-  // One task per (batch, kv head): the query heads sharing a kv head add
-  // into its dK/dV one after another, in head order, so no two tasks write
-  // the same memory and the sum order is fixed.
-  for_each_index(B * kv_heads, [&](int64_t task) {
-    const int64_t b = task / kv_heads, kvh = task % kv_heads;
-    S* p = scratch.slot();
-    S* ds = p + T * T;
-    const S* kh = k + b * T * kvd + kvh * hd;
-    const S* vh = v + b * T * kvd + kvh * hd;
-    S* dkh = dk + b * T * kvd + kvh * hd;
-    S* dvh = dv + b * T * kvd + kvh * hd;
+  // Pass 1, dK and dV: one task per (batch, kv head, key block) owns those
+  // rows and sums into them over the group's query heads, then the query
+  // blocks, in that order.
+  for_each_index(B * kv_heads * nkb, [&](int64_t task) {
+    const int64_t b = task / (kv_heads * nkb), kvh = task / nkb % kv_heads,
+                  j0 = task % nkb * kAttnKBlock;
+    const int64_t nk = std::min(kAttnKBlock, T - j0);
+    const AttnBwdSlot<S> t(scratch.slot());
+    const S* kj = k + (b * T + j0) * kvd + kvh * hd;
+    const S* vj = v + (b * T + j0) * kvd + kvh * hd;
+    S* dkj = dk + (b * T + j0) * kvd + kvh * hd;
+    S* dvj = dv + (b * T + j0) * kvd + kvh * hd;
+    bool first = true;
     for (int64_t gi = 0; gi < group; ++gi) {
       const int64_t h = kvh * group + gi;
-      const S* qh = q + b * T * qd + h * hd;
-      const S* doh = dout + b * T * qd + h * hd;
-      gemm<S>(false, true, T, T, hd, qh, qd, kh, kvd, p, T, false);
-      causal_softmax_rows(p, T, scale);
-      // dP = dO V^T; dS = P * (dP - rowsum(P * dP)) * scale.
-      gemm<S>(false, true, T, T, hd, doh, qd, vh, kvd, ds, T, false);
-      for (int64_t i = 0; i < T; ++i) {
-        const S* pr = p + i * T;
-        S* dr = ds + i * T;
-        S dot = 0;
-        for (int64_t j = 0; j <= i; ++j) dot += pr[j] * dr[j];
-        for (int64_t j = 0; j <= i; ++j) dr[j] = pr[j] * (dr[j] - dot) * scale;
-        for (int64_t j = i + 1; j < T; ++j) dr[j] = 0;
+      // From the query block holding row j0: earlier rows do not see these keys.
+      for (int64_t i0 = j0 / kAttnQBlock * kAttnQBlock; i0 < T; i0 += kAttnQBlock) {
+        const int64_t nq = std::min(kAttnQBlock, T - i0);
+        const S* qi = q + (b * T + i0) * qd + h * hd;
+        const S* doi = dout + (b * T + i0) * qd + h * hd;
+        attn_rows_dl(out, dout, lse, b, T, h, heads, hd, i0, nq, t.d_rows, t.l_rows);
+        attn_tile_grads(qi, doi, qd, kj, vj, kvd, nq, nk, hd, i0, j0, scale, t);
+        gemm<S>(true, false, nk, hd, nq, t.p, nk, doi, qd, dvj, kvd, !first);   // dV += P^T dO
+        gemm<S>(true, false, nk, hd, nq, t.ds, nk, qi, qd, dkj, kvd, !first);  // dK += dS^T Q
+        first = false;
       }
-      gemm<S>(false, false, T, hd, T, ds, T, kh, kvd, dq + b * T * qd + h * hd, qd, false);
-      gemm<S>(true, false, T, hd, T, ds, T, qh, qd, dkh, kvd, gi > 0);
-      gemm<S>(true, false, T, hd, T, p, T, doh, qd, dvh, kvd, gi > 0);
+    }
+  });
+  // Pass 2, dQ: one task per (batch, head, query block) owns those rows and
+  // sums over the key blocks in order. Recomputing P and dS here (instead of
+  // adding into dQ from pass 1) keeps every output written by one task.
+  for_each_index(B * heads * nqb, [&](int64_t task) {
+    const int64_t b = task / (heads * nqb), h = task / nqb % heads, i0 = task % nqb * kAttnQBlock;
+    const int64_t nq = std::min(kAttnQBlock, T - i0), kvh = h / group;
+    const AttnBwdSlot<S> t(scratch.slot());
+    const S* qi = q + (b * T + i0) * qd + h * hd;
+    const S* doi = dout + (b * T + i0) * qd + h * hd;
+    const S* kh = k + b * T * kvd + kvh * hd;
+    const S* vh = v + b * T * kvd + kvh * hd;
+    S* dqi = dq + (b * T + i0) * qd + h * hd;
+    attn_rows_dl(out, dout, lse, b, T, h, heads, hd, i0, nq, t.d_rows, t.l_rows);
+    for (int64_t j0 = 0; j0 < i0 + nq; j0 += kAttnKBlock) {
+      const int64_t nk = std::min(kAttnKBlock, T - j0);
+      attn_tile_grads(qi, doi, qd, kh + j0 * kvd, vh + j0 * kvd, kvd, nq, nk, hd, i0, j0, scale, t);
+      gemm<S>(false, false, nq, hd, nk, t.ds, nk, kh + j0 * kvd, kvd, dqi, qd, j0 > 0);  // dQ += dS K
     }
   });
 }
@@ -407,13 +517,14 @@ LayerMath<S>::LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_s
   const int64_t n = max_tokens, D = dims.dim, qd = dims.q_dim(), kvd = dims.kv_dim(),
                 F = dims.ffn_dim;
   rope_.init(max_seq, dims.head_dim, dims.rope_theta, dims.rope_inv_freq, dims.rope_attention_scaling);
-  scratch_.init(attn_slots, max_seq);
+  scratch_.init(attn_slots, dims.head_dim);
   resize(rstd1_, n);
   resize(n1_, n * D);
   resize(q_, n * qd);
   resize(k_, n * kvd);
   resize(v_, n * kvd);
   resize(att_, n * qd);
+  resize(lse_, n * dims.heads);
   resize(h_, n * D);
   resize(rstd2_, n);
   resize(n2_, n * D);
@@ -549,8 +660,8 @@ void LayerMath<S>::run_forward(const LayerParams<S>& p, const S* x, int64_t B, i
   }
   rope_apply(q_.data(), n, T, d_.heads, d_.head_dim, rope_, false);
   rope_apply(k_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, false);
-  attention_forward(q_.data(), k_.data(), v_.data(), att_.data(), B, T, d_.heads, d_.kv_heads,
-                    d_.head_dim, scratch_);
+  attention_forward(q_.data(), k_.data(), v_.data(), att_.data(), lse_.data(), B, T, d_.heads,
+                    d_.kv_heads, d_.head_dim, scratch_);
   linear_forward(att_.data(), p[kOProj], h_.data(), n, qd, D);
   lora_forward(p, kOProj, att_.data(), h_.data(), n, qd, D, dr);
   add_into(h_.data(), x, n * D);  // h = x + attn
@@ -605,8 +716,9 @@ void LayerMath<S>::backward(const LayerParams<S>& p, const S* x, const S* dy, S*
   linear_backward_input(dh, p[kOProj], datt_.data(), n, qd, D, false);
   weight_grad(kOProj, dh, att_.data(), qd, D);
   lora_backward(p, kOProj, att_.data(), dh, datt_.data(), g, n, qd, D, dr);
-  attention_backward(q_.data(), k_.data(), v_.data(), datt_.data(), dq_.data(), dk_.data(),
-                     dv_.data(), B, T, d_.heads, d_.kv_heads, d_.head_dim, scratch_);
+  attention_backward(q_.data(), k_.data(), v_.data(), att_.data(), lse_.data(), datt_.data(),
+                     dq_.data(), dk_.data(), dv_.data(), B, T, d_.heads, d_.kv_heads, d_.head_dim,
+                     scratch_);
   rope_apply(dq_.data(), n, T, d_.heads, d_.head_dim, rope_, true);
   rope_apply(dk_.data(), n, T, d_.kv_heads, d_.head_dim, rope_, true);
   if (d_.qk_norm) {  // through the per-head norms to the projections' outputs
@@ -711,11 +823,11 @@ void HeadMath<S>::logits(const S* norm_w, const S* lm_head, const S* x, int64_t 
   template void rope_apply<S>(S*, int64_t, int64_t, int64_t, int64_t, const RopeTable<S>&,     \
                               bool);                                                            \
   template struct AttnScratch<S>;                                                               \
-  template void attention_forward<S>(const S*, const S*, const S*, S*, int64_t, int64_t,       \
+  template void attention_forward<S>(const S*, const S*, const S*, S*, S*, int64_t, int64_t,   \
                                      int64_t, int64_t, int64_t, AttnScratch<S>&);               \
-  template void attention_backward<S>(const S*, const S*, const S*, const S*, S*, S*, S*,      \
-                                      int64_t, int64_t, int64_t, int64_t, int64_t,              \
-                                      AttnScratch<S>&);                                         \
+  template void attention_backward<S>(const S*, const S*, const S*, const S*, const S*,        \
+                                      const S*, S*, S*, S*, int64_t, int64_t, int64_t, int64_t, \
+                                      int64_t, AttnScratch<S>&);                                \
   template void swiglu_forward<S>(const S*, const S*, S*, int64_t);                             \
   template void swiglu_backward<S>(const S*, const S*, const S*, S*, S*, int64_t);              \
   template void embed_forward<S>(const S*, const int32_t*, S*, int64_t, int64_t);               \

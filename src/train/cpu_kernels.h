@@ -84,27 +84,56 @@ template <typename S>
 void rope_apply(S* x, int64_t n, int64_t T, int64_t heads, int64_t head_dim,
                 const RopeTable<S>& table, bool inverse);
 
-// ---- causal grouped-query attention
+// ---- causal grouped-query attention, tiled (flash attention on the CPU)
+// Memory is O(T): no T x T matrix exists. The forward walks each block of
+// kAttnQBlock query rows over the key blocks up to the diagonal (those wholly
+// in the future are skipped, the diagonal one masked), with an online
+// softmax: running max m and sum l per row, the output accumulator rescaled
+// when m grows. It saves each row's log-sum-exp L = m + log(l), [n, heads]
+// (the layout of the activations): the backward recomputes the tiles'
+// probabilities as exp(score - L) from it, flash-attention-2 style, with
+// D = rowsum(dO * O) in place of the softmax's row dot product. L is saved
+// rather than recomputed because LayerMath::backward re-runs the layer's
+// forward (activation recompute) just before, so L costs n * heads values
+// (as much as one per-head norm's rstd) and no third pass over QK^T.
+//
+// The backward is two passes so that every output has one writer, with no
+// atomics and a fixed summation order (results do not depend on threads):
+// dK/dV by one task per (batch, kv head, key block), summing over the
+// group's query heads in order, then the query blocks in order; dQ by one
+// task per (batch, head, query block), summing over the key blocks in order.
+// The price is P and dS computed twice (7 block products per tile instead
+// of 5); skipping the tiles above the diagonal pays for it: 1.3-1.9x faster
+// than the untiled kernel it replaced from T = 2048 on (BENCHMARKS.md).
+//
+// Block products run the single-threaded gemm<S> above.
+inline constexpr int64_t kAttnQBlock = 64;  // query rows per tile
+inline constexpr int64_t kAttnKBlock = 64;  // keys per tile
+
 // Scratch per TBB thread slot of the arena the calls run in: slots must be
 // the arena's max_concurrency() (tbb::this_task_arena::max_concurrency()
-// inside it).
+// inside it). A slot holds a few tiles, independent of T.
 template <typename S>
 struct AttnScratch {
   int slots = 0;
-  int64_t per_slot = 0;
+  int64_t per_slot = 0;  // values
   std::vector<S> buf;
-  void init(int slots, int64_t max_seq);  // 2 * max_seq^2 per slot
-  S* slot();                              // this thread's slot
+  static int64_t values_per_slot(int64_t head_dim);  // ~2 tiles + a [block, head_dim] accumulator
+  void init(int slots, int64_t head_dim);
+  S* slot();  // this thread's slot
+  size_t bytes() const { return buf.size() * sizeof(S); }
 };
-// q [n, heads*hd], k, v [n, kv_heads*hd] (rope already applied), out [n, heads*hd].
+// q [n, heads*hd], k, v [n, kv_heads*hd] (rope already applied), out [n,
+// heads*hd], lse [n, heads] (written: each row's log-sum-exp of the scaled
+// scores, for the backward). Query head h reads kv head h / (heads / kv_heads).
 template <typename S>
-void attention_forward(const S* q, const S* k, const S* v, S* out, int64_t B, int64_t T,
+void attention_forward(const S* q, const S* k, const S* v, S* out, S* lse, int64_t B, int64_t T,
                        int64_t heads, int64_t kv_heads, int64_t hd, AttnScratch<S>& scratch);
-// Recomputes the probabilities; dq, dk, dv are overwritten.
+// out and lse: the forward's on the same q, k, v. dq, dk, dv are overwritten.
 template <typename S>
-void attention_backward(const S* q, const S* k, const S* v, const S* dout, S* dq, S* dk, S* dv,
-                        int64_t B, int64_t T, int64_t heads, int64_t kv_heads, int64_t hd,
-                        AttnScratch<S>& scratch);
+void attention_backward(const S* q, const S* k, const S* v, const S* out, const S* lse,
+                        const S* dout, S* dq, S* dk, S* dv, int64_t B, int64_t T, int64_t heads,
+                        int64_t kv_heads, int64_t hd, AttnScratch<S>& scratch);
 
 // ---- SwiGLU: a = silu(g) * u, elementwise over n*f values
 template <typename S>
@@ -154,7 +183,7 @@ template <typename S>
 class LayerMath {
  public:
   // Allocates everything (may throw std::bad_alloc; CpuOps catches it).
-  // attn_slots: see AttnScratch.
+  // attn_slots: see AttnScratch. max_seq sizes only the RoPE table (O(max_seq)).
   LayerMath(const LlamaDims& dims, int64_t max_tokens, int64_t max_seq, int attn_slots);
   // y may equal x.
   void forward(const LayerParams<S>& p, const S* x, S* y, int64_t B, int64_t T, const LoraDropout& dr = {});
@@ -173,8 +202,9 @@ class LayerMath {
   int64_t max_tokens_;
   RopeTable<S> rope_;
   AttnScratch<S> scratch_;
-  // Saved by run_forward (per token): n1, q, k, v (roped), att, h, n2, g, u, a.
-  std::vector<S> rstd1_, n1_, q_, k_, v_, att_, h_, rstd2_, n2_, g_, u_, a_;
+  // Saved by run_forward (per token): n1, q, k, v (roped), att and its
+  // log-sum-exp per head, h, n2, g, u, a.
+  std::vector<S> rstd1_, n1_, q_, k_, v_, att_, lse_, h_, rstd2_, n2_, g_, u_, a_;
   // qk_norm (Qwen3): q and k before their per-head RMSNorm, and its rstd.
   std::vector<S> q_raw_, k_raw_, rstd_q_, rstd_k_;
   // Backward scratch.

@@ -14,8 +14,10 @@
 // one workspace); distinct objects are independent.
 //
 // Memory: create() allocates the activations of one layer for max_batch *
-// max_seq tokens, the attention scratch (2 * max_seq^2 per arena thread) and
-// the head's chunked logits. Weights in fp32 are used in place; bf16/fp16
+// max_seq tokens (attention adds one log-sum-exp per token and head; it is
+// tiled, so no max_seq x max_seq matrix exists), the attention scratch (a few
+// 64 x 64 tiles per arena thread, whatever max_seq is), the RoPE table
+// (max_seq x head_dim) and the head's chunked logits. Weights in fp32 are used in place; bf16/fp16
 // weights are converted into one buffer of max(layer_params, vocab*dim + dim)
 // floats, allocated by the first call that needs it and reused after, so
 // steady-state calls allocate nothing.

@@ -77,12 +77,13 @@ int main(int argc, char** argv) {
   auto x = rnd(rng, n * D, 1.f), dy = rnd(rng, n * D, 1e-3f);
   std::vector<float> y(n * D), dx(n * D);
 
-  // FLOPs as executed: the linears, and attention over the full T x T score
-  // matrix (the causal half is computed and discarded).
+  // FLOPs: the linears, and attention over the causal half of the score
+  // matrix (the tiled kernel skips key blocks above the diagonal): two block
+  // products forward, seven backward (P and dS are computed in both passes).
   const double lin = 2.0 * n * (D * qd + 2.0 * D * kvd + qd * D + 3.0 * D * F);
-  const double att_f = 4.0 * B * d.heads * double(T) * T * d.head_dim;
+  const double att_f = 4.0 * B * d.heads * (double(T) * (T + 1) / 2) * d.head_dim;
   const double fwd = lin + att_f;
-  const double bwd = fwd /*recompute*/ + 2 * lin + 2.5 * att_f;
+  const double bwd = fwd /*recompute*/ + 2 * lin + 3.5 * att_f;
 
   auto time_it = [&](auto&& fn) {
     fn();  // warm-up (first-touch, caches)

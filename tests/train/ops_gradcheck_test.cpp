@@ -109,17 +109,19 @@ TEST_P(OpsGradCheckAttention, GroupedQueryCausal) {
   std::mt19937_64 rng(4 + H * 10 + KV);
   const int64_t B = 2, T = 7, hd = 6, n = B * T;
   cpu::AttnScratch<double> scratch;
-  scratch.init(slots(), T);
+  scratch.init(slots(), hd);
   V q = random_vec<double>(rng, n * H * hd), k = random_vec<double>(rng, n * KV * hd),
     v = random_vec<double>(rng, n * KV * hd), r = random_vec<double>(rng, n * H * hd),
-    out(n * H * hd);
+    out(n * H * hd), lse(n * H);
   auto f = [&] {
-    cpu::attention_forward(q.data(), k.data(), v.data(), out.data(), B, T, H, KV, hd, scratch);
+    cpu::attention_forward(q.data(), k.data(), v.data(), out.data(), lse.data(), B, T, H, KV, hd,
+                           scratch);
     return dot(r, out);
   };
   V dq(q.size(), 5.0), dk(k.size(), 5.0), dv(v.size(), 5.0);
-  cpu::attention_backward(q.data(), k.data(), v.data(), r.data(), dq.data(), dk.data(), dv.data(),
-                          B, T, H, KV, hd, scratch);
+  f();  // out and lse of these inputs
+  cpu::attention_backward(q.data(), k.data(), v.data(), out.data(), lse.data(), r.data(), dq.data(),
+                          dk.data(), dv.data(), B, T, H, KV, hd, scratch);
   STRATA_CHECK_GRAD("attention dq", q, dq, f);
   STRATA_CHECK_GRAD("attention dk", k, dk, f);
   STRATA_CHECK_GRAD("attention dv", v, dv, f);
