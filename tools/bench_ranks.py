@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """Step time and bytes communicated of `strata finetune` with 1, 2 and 3 host
-ranks (mpirun, ZeRO stage 3 over MPI) on the same global batch, in one run.
+ranks (mpirun, ZeRO stages 3 and 2 over MPI) on the same global batch, in one run.
 
-  python3 tools/bench_ranks.py --strata build/tools/strata [--steps 12] [--dir /tmp/sbr]
+  python3 tools/bench_ranks.py --strata build/tools/strata [--steps 12] [--stages 3,2] [--dir /tmp/sbr]
 
 Prints, per world size N: the median step time (steps 3.. of the run) and its
 ratio to the 1-rank run measured here, the bytes each rank sent per step (the
-engine's stats().comm_bytes, from metrics.jsonl) and their ratio to ZeRO
-stage 3's volume, 3 * psi * (N-1)/N per rank per step for psi bytes of
-parameters in the compute dtype (all-gather in forward, again in backward,
-reduce-scatter of the gradients). Strata reduce-scatters fp32 gradients (the
-exact rank-order sum), so with a bf16 model its volume is 4/3 of that formula
-and with an fp32 model exactly it; the embedding and head are gathered as the
+engine's stats().comm_bytes, from metrics.jsonl) and their ratio to ZeRO's
+volume per rank per step for psi bytes of parameters in the compute dtype:
+stage 3, 3 * psi * (N-1)/N (all-gather in forward, again in backward,
+reduce-scatter of the gradients); stages 1-2, 2 * psi * (N-1)/N (reduce-scatter,
+all-gather of the updated shards). Strata reduce-scatters fp32 gradients (the
+exact rank-order sum), so with a bf16 model its volume is 4/3 (stage 3) and 3/2
+(stage 2) of those formulas and with an fp32 model exactly them; the embedding and head are gathered as the
 trainer acquires them (the head once per micro-batch for forward and backward).
 Ranks on one host share its cores: the step time of N ranks on a 2-core
 machine measures overhead, not speed-up.
@@ -40,6 +41,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--global-batch", type=int, default=6)
     ap.add_argument("--dtype", default="bf16", help="compute dtype of the run (--bf16 or fp32)")
+    ap.add_argument("--stages", default="3,2", help="ZeRO stages to run with N > 1 ranks (3, 2, 1)")
     ap.add_argument("--dir", default=None)
     a = ap.parse_args()
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-ranks-")
@@ -58,14 +60,19 @@ def main():
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none", OMPI_MCA_rmaps_base_oversubscribe="1")
     rows = []
     psi_bytes = None
-    for n in (1, 2, 3):
+    stages = [int(x) for x in a.stages.split(",")]
+    runs = [(1, stages[0])] + [(n, st) for n in (2, 3) for st in stages]
+    for n, stage in runs:
         if a.global_batch % n:
             continue
-        out = os.path.join(base, f"out{n}")
+        out = os.path.join(base, f"out{n}-{stage}")
+        cfg_path = os.path.join(base, f"stage{stage}.json")
+        with open(cfg_path, "w") as f:
+            json.dump({"zero_optimization": {"stage": stage}}, f)
         shutil.rmtree(out, ignore_errors=True)
         cmd = [a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch",
                str(a.global_batch // n), "--steps", str(a.steps), "--eval-batches", "1", "--no-export",
-               "--progress", "quiet", "--out", out, "--device", "cpu"]
+               "--progress", "quiet", "--out", out, "--device", "cpu", "--config", cfg_path]
         if a.dtype == "bf16":
             cmd.append("--bf16")
         if n > 1:
@@ -74,7 +81,7 @@ def main():
         lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"train"' in l]
         steps = [l["step_s"] for l in lines[2:]] or [l["step_s"] for l in lines]
         comm = [b["comm_bytes"] - p["comm_bytes"] for p, b in zip(lines, lines[1:])]
-        rows.append((n, statistics.median(steps), statistics.median(comm) if comm else 0))
+        rows.append((n, stage, statistics.median(steps), statistics.median(comm) if comm else 0))
     params = 0
     # Parameters of the model: from the 1-rank run's export-free plan is not
     # at hand; count them from the config (Llama: embed, layers, norm, tied or not).
@@ -85,14 +92,15 @@ def main():
     params = v * d + L * per_layer + d + (0 if cfg.get("tie_word_embeddings") else v * d)
     esz = 2 if a.dtype == "bf16" else 4
     psi_bytes = params * esz
-    t1 = rows[0][1]
+    t1 = rows[0][2]
     print(f"model: {params} parameters, {a.dtype} compute; global batch {a.global_batch} x 128 tokens; "
           f"{a.steps} steps; medians of steps 3..{a.steps}")
-    print(f"{'ranks':>5} {'step s':>9} {'vs 1 rank':>10} {'sent/rank/step':>15} {'ZeRO-3 3psi(N-1)/N':>19} {'ratio':>6}")
-    for n, s, c in rows:
-        zero = 3 * psi_bytes * (n - 1) / n
+    print(f"{'ranks':>5} {'stage':>5} {'step s':>9} {'vs 1 rank':>10} {'sent/rank/step':>15} "
+          f"{'ZeRO k*psi(N-1)/N':>18} {'ratio':>6}")
+    for n, stage, s, c in rows:
+        zero = (3 if stage == 3 else 2) * psi_bytes * (n - 1) / n
         ratio = f"{c / zero:.3f}" if zero else "-"
-        print(f"{n:>5} {s:>9.4f} {s / t1:>10.3f} {c:>15.0f} {zero:>19.0f} {ratio:>6}")
+        print(f"{n:>5} {stage if n > 1 else '-':>5} {s:>9.4f} {s / t1:>10.3f} {c:>15.0f} {zero:>18.0f} {ratio:>6}")
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
 
