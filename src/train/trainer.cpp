@@ -622,6 +622,8 @@ json Trainer::Impl::stats_json() const {
               {"nvme_bytes", s.tier_bytes[static_cast<int>(Tier::kNvme)]},
               {"nvme_read_bytes", s.nvme_read_bytes},
               {"nvme_write_bytes", s.nvme_write_bytes},
+              {"h2d_bytes", s.h2d_bytes},
+              {"d2h_bytes", s.d2h_bytes},
               {"comm_bytes", s.comm_bytes}};
 }
 

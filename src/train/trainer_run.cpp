@@ -25,6 +25,7 @@ class Trainer::Run {
         prev_(m_.engine->stats()) {}
 
   Result<TrainResult> execute() {
+    write_plan();
     if (has_val_) {
       // A resumed run's file already holds this evaluation (metrics read as
       // if the run never stopped): printed, not written again.
@@ -79,6 +80,25 @@ class Trainer::Run {
       if (m_.opt.save_every > 0 && r.step % m_.opt.save_every == 0) STRATA_RETURN_IF_ERROR(checkpoint());
     }
     return {};
+  }
+
+  // What the engine's placement moves per optimizer step (the planner's
+  // model: every group uploaded in forward and again in backward, gradients
+  // downloaded once per micro-batch, NVMe states read and written once), so
+  // each train line's measured bytes can be held against it
+  // (tools/bench_bytes.py).
+  void write_plan() {
+    const Plan& p = m_.engine->plan();
+    auto link = [](const LinkBytes& l) {
+      return json{{"nvme_read_bytes", l.nvme_read}, {"nvme_write_bytes", l.nvme_write}, {"h2d_bytes", l.h2d},
+                  {"d2h_bytes", l.d2h}, {"comm_bytes", l.comm}};
+    };
+    m_.write_metrics({{"event", "plan"},
+                      {"micro_batches", p.options.micro_batches},
+                      {"uploads_per_micro_batch", p.options.uploads_per_micro_batch},
+                      {"forward_backward", link(p.forward_backward)},
+                      {"optimizer_step", link(p.optimizer_step)},
+                      {"per_step", link(p.per_step())}});
   }
 
   // The step's totals, its metrics line and its progress line.

@@ -377,13 +377,26 @@ TEST_F(TrainerTest, RunWritesMetricsCheckpointsAndModel) {
   EXPECT_TRUE(fs::exists(dir_ + "/out/model/config.json"));
   EXPECT_TRUE(fs::exists(dir_ + "/out/model/model.safetensors"));
   std::ifstream f(dir_ + "/out/metrics.jsonl");
-  int train = 0, eval = 0, ck = 0;
+  int train = 0, eval = 0, ck = 0, plan = 0;
   for (std::string line; std::getline(f, line);) {
+    // The placement's bytes per step, once, before the steps; every train
+    // line carries the cumulative bytes to hold against it.
+    if (line.find("\"event\":\"plan\"") != std::string::npos) {
+      EXPECT_EQ(train, 0);
+      EXPECT_NE(line.find("\"per_step\":{"), std::string::npos) << line;
+      EXPECT_NE(line.find("\"h2d_bytes\""), std::string::npos) << line;
+      ++plan;
+    }
+    if (line.find("\"event\":\"train\"") != std::string::npos) {
+      EXPECT_NE(line.find("\"h2d_bytes\""), std::string::npos) << line;
+      EXPECT_NE(line.find("\"d2h_bytes\""), std::string::npos) << line;
+    }
     train += line.find("\"event\":\"train\"") != std::string::npos;
     eval += line.find("\"event\":\"eval\"") != std::string::npos;
     ck += line.find("\"event\":\"checkpoint\"") != std::string::npos;
   }
   EXPECT_EQ(train, 5);
+  EXPECT_EQ(plan, 1);
   EXPECT_EQ(eval, 1 + 2 + 1);  // before, steps 2 and 4, after
   EXPECT_EQ(ck, 2);
 }
