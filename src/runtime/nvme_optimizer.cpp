@@ -188,8 +188,10 @@ void NvmeOptimizer::prepare_io_locked(std::size_t si, std::size_t ci, bool write
 }
 
 void NvmeOptimizer::submit(Pending& p) {
+  std::atomic<std::uint64_t>* counter = p.write ? options_.write_bytes : options_.read_bytes;
   for (int i = 0; i < p.n; ++i) {
     const auto& r = p.req[i];
+    if (counter) counter->fetch_add(r.length, std::memory_order_relaxed);
     auto cb = [this, slot = p.slot, a = r.array](const Status& st) { piece_done(slot, a, st); };
     if (p.write)
       store_->write(r.t, r.offset, r.length, r.buf, cb);

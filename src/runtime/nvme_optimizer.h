@@ -68,6 +68,7 @@
 // Thread-safety: one call at a time per NvmeOptimizer (it owns one ring).
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -127,6 +128,10 @@ struct NvmeOptimizerOptions {
   DType out_dtype = DType::kBF16;   // of params_out: bf16 or fp16
   cpu_optim::ExecOptions exec;
   Tracer* tracer = nullptr;  // read/write spans on one track per ring slot, updates on the caller's thread
+  // Where to add the bytes of every read and write submitted to the swap
+  // store (the engine's traffic counters); null: not counted.
+  std::atomic<std::uint64_t>* read_bytes = nullptr;
+  std::atomic<std::uint64_t>* write_bytes = nullptr;
 };
 
 // Where the last step stands (see the header comment).

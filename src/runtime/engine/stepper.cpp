@@ -41,6 +41,8 @@ Status Stepper::allocate() {
   oo.state_dtype = reg_.cfg.strata.optimizer_state_dtype;
   oo.out_dtype = reg_.out_dtype;
   oo.tracer = reg_.tracer.get();
+  oo.read_bytes = &reg_.traffic.nvme_read;
+  oo.write_bytes = &reg_.traffic.nvme_write;
   STRATA_ASSIGN_OR_RETURN(opt_, NvmeOptimizer::create(reg_.store.get(), *reg_.pool, opt_config_, oo));
 
   // Optimizer tensors per group (names borrowed from ParamState::name: params never reallocates now).
