@@ -1,0 +1,90 @@
+#!/usr/bin/env python3
+"""Bytes moved per optimizer step by `strata finetune`, measured, against what
+the placement requires (the planner's count, written by the run itself as the
+"plan" line of metrics.jsonl), on each link: NVMe read, NVMe write,
+host->device, device->host.
+
+  python3 tools/bench_bytes.py --strata build/tools/strata [--steps 12] [--dir /tmp/sbb]
+
+Runs a 3.08M-parameter Llama (4 layers, dim 256) with parameters and optimizer
+states on NVMe, at gradient accumulation 1 and 4 (--grad-accum), and with every
+state in RAM; prints, per run and link, the median over steps 3.. of the bytes
+each step moved (differences of the cumulative counters on the metrics' train
+lines), the plan's bytes per step, and their ratio (1.000: exactly what the
+placement requires; above: bytes moved that need not be; below: the planner
+over-counts, e.g. a group still in its device slot is not uploaded again). The
+runs use the CPU ops on the host backend, where "device" memory is RAM: the
+host->device bytes are the copies the engine makes into its device slots.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+LINKS = ("nvme_read_bytes", "nvme_write_bytes", "h2d_bytes", "d2h_bytes")
+
+
+def run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
+    return r.stdout
+
+
+def measure(metrics):
+    lines = [json.loads(l) for l in open(metrics)]
+    plan = next(l for l in lines if l.get("event") == "plan")
+    train = [l for l in lines if l.get("event") == "train"]
+    per = {k: [b[k] - a[k] for a, b in zip(train, train[1:])][1:] for k in LINKS}  # steps 3..
+    return plan, {k: statistics.median(v) if v else 0 for k, v in per.items()}, \
+        statistics.median(l["step_s"] for l in train[2:])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--strata", required=True)
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--dir", default=None)
+    a = ap.parse_args()
+    base = a.dir or tempfile.mkdtemp(prefix="strata-bench-bytes-")
+    os.makedirs(base, exist_ok=True)
+    model = os.path.join(base, "model")
+    run([a.strata, "init-model", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--ffn-dim",
+         "704", "--vocab", "256", "--dtype", "fp32", "--seed", "3", "--out", model])
+    data = os.path.join(base, "data.txt")
+    words = ["cat", "dog", "bird", "fox", "owl", "fish"]
+    with open(data, "w") as f:
+        for i in range(4000):
+            f.write(f"the {words[i % 6]} sees the {words[(i * 7 + i // 6) % 6]} . {i % 10} plus {i // 10 % 10} "
+                    f"is {i % 10 + i // 10 % 10} .\n")
+    runs = [("NVMe, accumulation 1", True, 1), ("NVMe, accumulation 4", True, 4), ("RAM, accumulation 1", False, 1)]
+    print(f"{a.steps} steps of 4 x 128 tokens per micro-batch, bf16 compute, CPU ops; medians of steps 3..{a.steps}")
+    print(f"{'run':<22} {'link':<17} {'measured/step':>14} {'plan/step':>14} {'ratio':>7}")
+    for name, nvme, accum in runs:
+        out = os.path.join(base, "out")
+        nv = os.path.join(base, "nvme")
+        shutil.rmtree(out, ignore_errors=True)
+        shutil.rmtree(nv, ignore_errors=True)
+        os.makedirs(nv)
+        cmd = [a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch", "4", "--grad-accum",
+               str(accum), "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1", "--no-export",
+               "--progress", "quiet", "--out", out, "--device", "cpu", "--bf16"]
+        if nvme:
+            cmd += ["--offload-params", "nvme:" + nv, "--offload-optimizer", "nvme:" + nv]
+        run(cmd)
+        plan, got, step_s = measure(os.path.join(out, "metrics.jsonl"))
+        for k in LINKS:
+            want = plan["per_step"][k]
+            ratio = f"{got[k] / want:.3f}" if want else ("-" if got[k] == 0 else "inf")
+            print(f"{name:<22} {k[:-6]:<17} {got[k]:>14.0f} {want:>14} {ratio:>7}")
+        print(f"{name:<22} {'(step s)':<17} {step_s:>14.4f}")
+    if not a.dir:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
