@@ -77,10 +77,12 @@ struct StepBuffers {
   // bf16 states only: how they are rounded (types.h). Stochastic rounding's
   // random bits are a hash of (rounding_seed, rounding_stream, step, the
   // element's index index_base + i, the state slot), never a generator's
-  // state: give each tensor its own stream (e.g. rounding_stream(name)) and,
-  // when a tensor is updated in pieces (chunks, shards), each piece the index
-  // of its first element in the whole tensor; then the bits depend on neither
-  // the split, the ISA nor the thread count. index_base + count < 2^63.
+  // state. When a tensor is updated in pieces (chunks, shards), give each
+  // piece the index of its first element in the whole tensor: then the bits
+  // depend on neither the split, the ISA nor the thread count. The runtime
+  // and the C ABI leave rounding_stream 0 (same bits on both); a caller may
+  // give tensors streams of their own to decorrelate them.
+  // index_base + count < 2^63.
   StateRounding state_rounding = StateRounding::kStochastic;
   std::uint64_t rounding_seed = kDefaultRoundingSeed;
   std::uint64_t rounding_stream = 0;

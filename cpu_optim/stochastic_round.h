@@ -83,12 +83,4 @@ inline uint16_t f32_to_bf16_bits_sr(float f, uint32_t r) {
   return static_cast<uint16_t>((u + r) >> 16);
 }
 
-// FNV-1a of a name: a stable stream id for a tensor (its identity across
-// runs, tiers and ranks).
-inline uint64_t rounding_stream(const char* s, size_t n) {
-  uint64_t h = 0xcbf29ce484222325ull;
-  for (size_t i = 0; i < n; ++i) h = (h ^ static_cast<unsigned char>(s[i])) * 0x100000001b3ull;
-  return h;
-}
-
 }  // namespace strata::cpu_optim

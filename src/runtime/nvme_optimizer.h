@@ -112,8 +112,8 @@ struct OptimizerTensor {
   std::int64_t step = 0;
   // The global index of element 0 in the whole tensor (a rank's shard
   // offset): with bf16 states rounded stochastically, an element's random
-  // bits hash its global index and the tensor's name, so they do not depend
-  // on chunking, tier or rank count (cpu_optim/stochastic_round.h).
+  // bits hash its global index (and the step and state), so they do not
+  // depend on chunking, tier or rank count (cpu_optim/stochastic_round.h).
   std::uint64_t first_index = 0;
 };
 
