@@ -16,8 +16,9 @@
 // finite bf16 rounds up to inf with the probability of its distance to it.
 //
 // The random bits of one element are a pure function of
-//   (seed, stream: the tensor's identity, step, the element's global index
-//    within the tensor, the state slot 0..2)
+//   (seed, stream: an optional tensor identity, 0 in the runtime and the C
+//    ABI, step, the element's global index within the tensor, the state
+//    slot 0..2)
 // never of a stateful generator, thread or chunk: results are bit-identical
 // across ISAs, thread counts, chunkings (the NVMe ring updates a tensor chunk
 // by chunk: each call passes the global index of its first element), RAM and
