@@ -20,6 +20,7 @@
 #include "common/tunables.h"
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/dispatch.h"
+#include "cpu_optim/stochastic_round.h"
 
 namespace strata {
 template <>
@@ -162,6 +163,11 @@ Status step(const OptimizerConfig& c, std::int64_t t, const StepBuffers& b, std:
     return invalid(std::string("state dtype ") + dtype_name(b.state_dtype) + " is not supported (fp32 or bf16)");
   if (b.params_out && b.out_dtype != DType::kBF16 && b.out_dtype != DType::kF16)
     return invalid(std::string("params_out dtype ") + dtype_name(b.out_dtype) + " is not supported (bf16 or fp16)");
+  if (b.state_rounding != StateRounding::kStochastic && b.state_rounding != StateRounding::kNearest)
+    return invalid("unknown state rounding " + std::to_string(static_cast<int>(b.state_rounding)));
+  if (b.index_base > (~std::uint64_t{0} >> 1) - count)
+    return invalid("index_base " + std::to_string(b.index_base) + " + count " + std::to_string(count) +
+                   " is out of range (< 2^63)");
   const int nstates = state_count(c);
   if (count > 0) {
     if (!b.params) return invalid("params is null");
@@ -203,6 +209,7 @@ Status step(const OptimizerConfig& c, std::int64_t t, const StepBuffers& b, std:
   a.one_minus_dampening = static_cast<float>(1.0 - c.dampening);
   a.l2 = wd != 0.0 && c.kind != OptimizerKind::kAdamW && c.kind != OptimizerKind::kLion;
   a.decoupled_wd = wd != 0.0 && (c.kind == OptimizerKind::kAdamW || c.kind == OptimizerKind::kLion);
+  a.sr_states = b.state_dtype == DType::kBF16 && b.state_rounding == StateRounding::kStochastic;
   a.amsgrad = c.amsgrad;
   a.has_momentum = c.momentum != 0.0;
   a.nesterov = c.nesterov;
@@ -228,11 +235,35 @@ Status step(const OptimizerConfig& c, std::int64_t t, const StepBuffers& b, std:
   detail::StepFn fn = table->select_step(a);
   if (!fn) return Status(StatusCode::kInternal, "cpu_optim: no kernel for this dtype combination");
 
+  // Stochastic rounding: the keys hold for one value of the global index's
+  // high word, so a range that crosses a multiple of 2^32 is updated in
+  // pieces, each with keys of its own (stochastic_round.h).
+  const std::uint64_t base = b.index_base;
+  auto set_keys = [&](detail::StepArgs& x, std::uint64_t global) {
+    for (int k = 0; k < 3; ++k)
+      x.sr_key[k] = rounding_key(b.rounding_seed, b.rounding_stream, t, static_cast<std::uint32_t>(global >> 32), k);
+  };
+  a.sr_lo0 = static_cast<std::uint32_t>(base);
+  if (a.sr_states) set_keys(a, base);
+  auto run = [&](std::size_t lo, std::size_t hi) {
+    if (!a.sr_states) return fn(a, lo, hi);
+    while (lo < hi) {
+      const std::uint64_t g = base + lo;
+      const std::uint64_t next = ((g >> 32) + 1) << 32;  // index_base + count < 2^64 - 2^32: checked above
+      const std::size_t stop = static_cast<std::size_t>(std::min<std::uint64_t>(hi, next - base));
+      if ((g >> 32) == (base >> 32)) {
+        fn(a, lo, stop);
+      } else {
+        detail::StepArgs x = a;
+        set_keys(x, g);
+        fn(x, lo, stop);
+      }
+      lo = stop;
+    }
+  };
   const int threads = detail::resolve_threads(exec.threads);
   const std::size_t nblocks = (count + detail::kStepBlock - 1) / detail::kStepBlock;
-  auto body = [&](std::size_t b0, std::size_t b1) {
-    fn(a, b0 * detail::kStepBlock, std::min(count, b1 * detail::kStepBlock));
-  };
+  auto body = [&](std::size_t b0, std::size_t b1) { run(b0 * detail::kStepBlock, std::min(count, b1 * detail::kStepBlock)); };
   run_blocks(nblocks, threads, body);
   return Status::ok_status();
 }

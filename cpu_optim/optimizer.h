@@ -30,6 +30,7 @@
 
 #include "common/dtype_parse.h"
 #include "common/status.h"
+#include "cpu_optim/stochastic_round.h"
 #include "cpu_optim/types.h"
 
 namespace strata::cpu_optim {
@@ -73,6 +74,19 @@ struct StepBuffers {
   // out_dtype (bf16 or fp16) in the same pass (the compute copy for the GPU).
   void* params_out = nullptr;
   DType out_dtype = DType::kBF16;
+  // bf16 states only: how they are rounded (types.h). Stochastic rounding's
+  // random bits are a hash of (rounding_seed, rounding_stream, step, the
+  // element's index index_base + i, the state slot), never a generator's
+  // state. When a tensor is updated in pieces (chunks, shards), give each
+  // piece the index of its first element in the whole tensor: then the bits
+  // depend on neither the split, the ISA nor the thread count. The runtime
+  // and the C ABI leave rounding_stream 0 (same bits on both); a caller may
+  // give tensors streams of their own to decorrelate them.
+  // index_base + count < 2^63.
+  StateRounding state_rounding = StateRounding::kStochastic;
+  std::uint64_t rounding_seed = kDefaultRoundingSeed;
+  std::uint64_t rounding_stream = 0;
+  std::uint64_t index_base = 0;
 };
 
 // How to run. kAuto/0 take STRATA_CPU_ISA / STRATA_THREADS, else the best ISA

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "cpu_optim/numeric.h"
+#include "cpu_optim/stochastic_round.h"
 
 namespace strata::cpu_optim {
 namespace {
@@ -18,11 +19,14 @@ double load(const void* base, DType d, std::size_t i) {
   return 0.0;
 }
 
-void store(void* base, DType d, std::size_t i, double x) {
+// `r`: 16 random bits for stochastic rounding to bf16, or -1 for round to nearest even.
+void store(void* base, DType d, std::size_t i, double x, std::int64_t r = -1) {
   float f = static_cast<float>(x);
   switch (d) {
     case DType::kF32: static_cast<float*>(base)[i] = f; break;
-    case DType::kBF16: static_cast<uint16_t*>(base)[i] = f32_to_bf16_bits(f); break;
+    case DType::kBF16:
+      static_cast<uint16_t*>(base)[i] = r < 0 ? f32_to_bf16_bits(f) : f32_to_bf16_bits_sr(f, static_cast<uint32_t>(r));
+      break;
     case DType::kF16: static_cast<uint16_t*>(base)[i] = f32_to_f16_bits(f); break;
     case DType::kU8: case DType::kF64: case DType::kI32: case DType::kI64: break;  // refused by step()
   }
@@ -105,7 +109,17 @@ Status reference_step(const OptimizerConfig& c, std::int64_t step, const StepBuf
     for (int k = 0; k < ns; ++k) e.s[k] = load(b.state[k], b.state_dtype, i);
     reference_step_element(c, step, load(b.grads, b.grad_dtype, i), e);
     b.params[i] = static_cast<float>(e.p);
-    for (int k = 0; k < ns; ++k) store(b.state[k], b.state_dtype, i, e.s[k]);
+    // Stochastic rounding, element by element from its global index (the
+    // kernels vectorise the same hash: stochastic_round.h).
+    const bool sr = b.state_dtype == DType::kBF16 && b.state_rounding == StateRounding::kStochastic;
+    const std::uint64_t gi = b.index_base + i;
+    for (int k = 0; k < ns; ++k) {
+      const std::int64_t r =
+          sr ? rounding_bits(rounding_key(b.rounding_seed, b.rounding_stream, step, static_cast<uint32_t>(gi >> 32), k),
+                             static_cast<uint32_t>(gi))
+             : -1;
+      store(b.state[k], b.state_dtype, i, e.s[k], r);
+    }
     if (b.params_out) store(b.params_out, b.out_dtype, i, b.params[i]);
   }
   return Status::ok_status();

@@ -31,7 +31,10 @@ void reference_step_element(const OptimizerConfig& config, std::int64_t step, do
 
 // reference_step_element over buffers in their storage dtypes: values are
 // read, updated in double and written back rounded to nearest even (double ->
-// fp32 -> bf16/fp16 for 16-bit storage). Same validation as step().
+// fp32 -> bf16/fp16 for 16-bit storage), except bf16 states with
+// StateRounding::kStochastic: double -> fp32, then stochastically to bf16 with
+// the random bits step() uses (stochastic_round.h), element by element from
+// index_base + i. Same validation as step().
 Status reference_step(const OptimizerConfig& config, std::int64_t step, const StepBuffers& buffers,
                       std::size_t count);
 

@@ -22,6 +22,13 @@ enum class OptimizerKind : uint8_t {
   kSgd = 4,      // torch.optim.SGD with momentum, dampening, Nesterov
 };
 
+// How a state kept in bf16 is rounded when stored (fp32 states are exact).
+//   kStochastic: up or down at random, with the probability that makes the
+//     stored value unbiased (cpu_optim/stochastic_round.h). The default: with
+//     round-to-nearest, Adam's exp_avg_sq stops following small gradients.
+//   kNearest: round to nearest even, as PyTorch's bf16 state tensors.
+enum class StateRounding : uint8_t { kStochastic = 0, kNearest = 1 };
+
 // Instruction sets with a kernel. kAuto = the STRATA_CPU_ISA override if set,
 // else the best one this CPU and OS support.
 enum class Isa : uint8_t { kAuto = 0, kScalar = 1, kAvx2 = 2, kAvx512 = 3, kNeon = 4 };

@@ -22,6 +22,14 @@ struct StepArgs {
   bool nesterov;     // SGD
   bool first_step;   // SGD: step == 1, the momentum buffer starts as the gradient
   bool stream_out;   // write params_out with non-temporal stores (it is 64-byte aligned)
+  // bf16 states: stochastic rounding (stochastic_round.h), else round to
+  // nearest even. The random bits of element i of the buffers are
+  // rounding_bits(sr_key[slot], sr_lo0 + i): sr_lo0 is the low word of the
+  // global index of element 0, and sr_key[] holds for every element of the
+  // call (optimizer.cpp never lets a call straddle a 2^32 boundary).
+  bool sr_states;
+  uint32_t sr_lo0;
+  uint32_t sr_key[3];
 
   float* params;
   const void* grads;

@@ -14,6 +14,9 @@
 //   using F; static constexpr int W;           vector of W floats
 //   set1, load/store for float/Bf16/F16, add, mul, div, sqrt,
 //   store_rounded(Bf16*, F): store, returning the value as stored,
+//   store_rounded_sr(Bf16*, F, uint32_t lo, uint32_t key): the same with
+//     stochastic rounding, lane j taking rounding_bits(key, lo + j)
+//     (stochastic_round.h; the hash vectorised on 32-bit integer lanes),
 //   stream(Bf16*/F16*, F): non-temporal store to an aligned address (or a
 //     plain store where the ISA has none), fence(): orders those stores,
 //   fma(a, b, c) = a*b + c (one rounding), max(a, b) = a > b ? a : b,
@@ -24,6 +27,7 @@
 
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/numeric.h"
+#include "cpu_optim/stochastic_round.h"
 
 #ifndef STRATA_CPU_OPTIM_NS
 #error "define STRATA_CPU_OPTIM_NS (the per-ISA namespace) before including kernels_impl.h"
@@ -42,6 +46,8 @@ inline constexpr bool kSame = false;
 template <class A>
 inline constexpr bool kSame<A, A> = true;
 
+// The element pointers of one vector, and its first element's index in the
+// buffers (stochastic rounding hashes it).
 template <class G, class S, class O>
 struct Ptrs {
   float* p;
@@ -50,9 +56,10 @@ struct Ptrs {
   S* s1;
   S* s2;
   O* out;
-  Ptrs at(size_t i) const {
-    return {p + i, g + i, s0 ? s0 + i : nullptr, s1 ? s1 + i : nullptr, s2 ? s2 + i : nullptr,
-            out ? out + i : nullptr};
+  size_t i;
+  Ptrs at(size_t k) const {
+    return {p + k, g + k, s0 ? s0 + k : nullptr, s1 ? s1 + k : nullptr, s2 ? s2 + k : nullptr,
+            out ? out + k : nullptr, i + k};
   }
 };
 
@@ -68,14 +75,28 @@ STRATA_ALWAYS_INLINE inline void store_out(O* o, typename V::F x, bool stream) {
   }
 }
 
-// Stores a state and returns the value as stored: with bf16 states the next
-// operation uses the rounded value, as PyTorch does with bf16 state tensors.
-template <class V, class S>
-STRATA_ALWAYS_INLINE inline typename V::F store_state(S* s, typename V::F x) {
+// How bf16 states are rounded, captured by value in the loop bodies.
+struct RoundCtx {
+  bool sr;
+  uint32_t lo0;
+  uint32_t key[3];
+};
+inline RoundCtx round_ctx(const StepArgs& a) {
+  return {a.sr_states, a.sr_lo0, {a.sr_key[0], a.sr_key[1], a.sr_key[2]}};
+}
+
+// Stores state slot `k` of the vector at element index `i` and returns the
+// value as stored: with bf16 states the next operation uses the rounded
+// value, as PyTorch does with bf16 state tensors.
+template <class V, int k, class S>
+STRATA_ALWAYS_INLINE inline typename V::F store_state(S* s, typename V::F x, const RoundCtx& r, size_t i) {
   if constexpr (kSame<S, float>) {
+    (void)r;
+    (void)i;
     V::store(s, x);
     return x;
   } else {
+    if (r.sr) return V::store_rounded_sr(s, x, r.lo0 + static_cast<uint32_t>(i), r.key[k]);
     return V::store_rounded(s, x);
   }
 }
@@ -106,7 +127,7 @@ STRATA_ALWAYS_INLINE inline void drive(const Ptrs<G, S, O>& P, size_t begin, siz
     if (Q.s2) s2[k] = Q.s2[k];
   }
   body(Ptrs<G, S, O>{p, g, Q.s0 ? s0 : nullptr, Q.s1 ? s1 : nullptr, Q.s2 ? s2 : nullptr,
-                     Q.out ? o : nullptr},
+                     Q.out ? o : nullptr, Q.i},
        true);
   for (size_t k = 0; k < n; ++k) {
     Q.p[k] = p[k];
@@ -126,7 +147,8 @@ inline Ptrs<G, S, O> ptrs(const StepArgs& a) {
           static_cast<S*>(a.state[0]),
           static_cast<S*>(a.state[1]),
           static_cast<S*>(a.state[2]),
-          kSame<O, NoOut> ? nullptr : static_cast<O*>(a.out)};
+          kSame<O, NoOut> ? nullptr : static_cast<O*>(a.out),
+          0};
 }
 
 // Adam / AdamW, following torch.optim.Adam(W)'s single-tensor formulas:
@@ -143,6 +165,7 @@ void adam_range(const StepArgs& a, size_t begin, size_t end) {
   const F eps = V::set1(a.eps), nstep = V::set1(a.neg_step_size), rsbc2 = V::set1(a.inv_sqrt_bc2);
   const bool l2 = a.l2, dwd = a.decoupled_wd;
   const bool stream = a.stream_out && !kSame<O, NoOut>;
+  const RoundCtx rnd = round_ctx(a);
   drive<V>(ptrs<G, S, O>(a), begin, end, [=](const Ptrs<G, S, O>& P, bool tail) STRATA_ALWAYS_INLINE {
     F g = V::mul(V::load(P.g), scale);
     F p = V::load(P.p);
@@ -151,9 +174,9 @@ void adam_range(const StepArgs& a, size_t begin, size_t end) {
     } else {
       if (l2) g = V::fma(wd, p, g);
     }
-    F m = store_state<V>(P.s0, V::fma(b1, V::load(P.s0), V::mul(c1, g)));
-    F v = store_state<V>(P.s1, V::fma(V::mul(c2, g), g, V::mul(b2, V::load(P.s1))));
-    if constexpr (kAms) v = store_state<V>(P.s2, V::max(V::load(P.s2), v));
+    F m = store_state<V, 0>(P.s0, V::fma(b1, V::load(P.s0), V::mul(c1, g)), rnd, P.i);
+    F v = store_state<V, 1>(P.s1, V::fma(V::mul(c2, g), g, V::mul(b2, V::load(P.s1))), rnd, P.i);
+    if constexpr (kAms) v = store_state<V, 2>(P.s2, V::max(V::load(P.s2), v), rnd, P.i);
     F denom = V::fma(V::sqrt(v), rsbc2, eps);
     p = V::fma(nstep, V::div(m, denom), p);
     V::store(P.p, p);
@@ -171,11 +194,12 @@ void adagrad_range(const StepArgs& a, size_t begin, size_t end) {
   const F eps = V::set1(a.eps), nclr = V::set1(a.neg_step_size);
   const bool l2 = a.l2;
   const bool stream = a.stream_out && !kSame<O, NoOut>;
+  const RoundCtx rnd = round_ctx(a);
   drive<V>(ptrs<G, S, O>(a), begin, end, [=](const Ptrs<G, S, O>& P, bool tail) STRATA_ALWAYS_INLINE {
     F g = V::mul(V::load(P.g), scale);
     F p = V::load(P.p);
     if (l2) g = V::fma(wd, p, g);
-    F s = store_state<V>(P.s0, V::fma(g, g, V::load(P.s0)));
+    F s = store_state<V, 0>(P.s0, V::fma(g, g, V::load(P.s0)), rnd, P.i);
     p = V::fma(nclr, V::div(g, V::add(V::sqrt(s), eps)), p);
     V::store(P.p, p);
     store_out<V>(P.out, p, stream && !tail);
@@ -193,6 +217,7 @@ void lion_range(const StepArgs& a, size_t begin, size_t end) {
   const F nlr = V::set1(a.neg_step_size);
   const bool dwd = a.decoupled_wd;
   const bool stream = a.stream_out && !kSame<O, NoOut>;
+  const RoundCtx rnd = round_ctx(a);
   drive<V>(ptrs<G, S, O>(a), begin, end, [=](const Ptrs<G, S, O>& P, bool tail) STRATA_ALWAYS_INLINE {
     F g = V::mul(V::load(P.g), scale);
     F p = V::load(P.p);
@@ -200,7 +225,7 @@ void lion_range(const StepArgs& a, size_t begin, size_t end) {
     F m = V::load(P.s0);
     F c = V::fma(b1, m, V::mul(c1, g));
     p = V::fma(nlr, V::sign(c), p);
-    store_state<V>(P.s0, V::fma(b2, m, V::mul(c2, g)));
+    store_state<V, 0>(P.s0, V::fma(b2, m, V::mul(c2, g)), rnd, P.i);
     V::store(P.p, p);
     store_out<V>(P.out, p, stream && !tail);
   });
@@ -219,13 +244,14 @@ void sgd_range(const StepArgs& a, size_t begin, size_t end) {
   const F nlr = V::set1(a.neg_step_size);
   const bool l2 = a.l2, has_mom = a.has_momentum, nesterov = a.nesterov, first = a.first_step;
   const bool stream = a.stream_out && !kSame<O, NoOut>;
+  const RoundCtx rnd = round_ctx(a);
   drive<V>(ptrs<G, S, O>(a), begin, end, [=](const Ptrs<G, S, O>& P, bool tail) STRATA_ALWAYS_INLINE {
     F g = V::mul(V::load(P.g), scale);
     F p = V::load(P.p);
     if (l2) g = V::fma(wd, p, g);
     if (has_mom) {
       F buf = first ? g : V::fma(mom, V::load(P.s0), V::mul(damp, g));
-      buf = store_state<V>(P.s0, buf);
+      buf = store_state<V, 0>(P.s0, buf, rnd, P.i);
       g = nesterov ? V::fma(mom, buf, g) : buf;
     }
     p = V::fma(nlr, g, p);

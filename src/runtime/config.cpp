@@ -44,6 +44,10 @@ template <>
 inline constexpr auto kEnumNames<OptimizerType> =
     std::to_array<EnumName<OptimizerType>>({{OptimizerType::kAdam, "Adam"}, {OptimizerType::kAdamW, "AdamW"}});
 
+template <>
+inline constexpr auto kEnumNames<cpu_optim::StateRounding> = std::to_array<EnumName<cpu_optim::StateRounding>>(
+    {{cpu_optim::StateRounding::kStochastic, "stochastic"}, {cpu_optim::StateRounding::kNearest, "nearest"}});
+
 const char* tier_name(Tier t) { return enum_name(t); }
 const char* offload_device_name(OffloadDevice d) { return enum_name(d); }
 const char* io_backend_name(IoBackendChoice b) { return enum_name(b); }
@@ -575,6 +579,8 @@ Status read_strata(Obj& o, StrataConfig* s) {
   STRATA_RETURN_IF_ERROR(read_size(o, "prefetch_bytes", &s->prefetch_bytes));
   constexpr auto kStateDtypes = std::to_array<EnumName<DType>>({{DType::kF32, "fp32"}, {DType::kBF16, "bf16"}});
   STRATA_RETURN_IF_ERROR(read_enum(o, "optimizer_state_dtype", &s->optimizer_state_dtype, kStateDtypes));
+  STRATA_RETURN_IF_ERROR(read_enum(o, "optimizer_state_rounding", &s->optimizer_state_rounding,
+                                   kEnumNames<cpu_optim::StateRounding>));
   STRATA_RETURN_IF_ERROR(read_enum(o, "io_backend", &s->io_backend, kEnumNames<IoBackendChoice>));
   STRATA_RETURN_IF_ERROR(read_bool(o, "overlap_backward", &s->overlap_backward));
   STRATA_RETURN_IF_ERROR(read_bool(o, "average_micro_batches", &s->average_micro_batches));
@@ -817,6 +823,7 @@ std::string config_to_json(const Config& c) {
                  {"debug_poison_released", s.debug_poison_released},
                  {"prefetch_bytes", s.prefetch_bytes},
                  {"optimizer_state_dtype", dtype_name(s.optimizer_state_dtype)},
+                 {"optimizer_state_rounding", enum_name(s.optimizer_state_rounding)},
                  {"io_backend", io_backend_name(s.io_backend)},
                  {"overlap_backward", s.overlap_backward},
                  {"average_micro_batches", s.average_micro_batches},

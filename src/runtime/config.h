@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "common/status.h"
+#include "cpu_optim/types.h"
 #include "runtime/model_spec.h"
 
 namespace strata {
@@ -152,6 +153,8 @@ struct StrataConfig {
   bool debug_poison_released = false;                   // fill a released gathered group's buffer with NaN
   uint64_t prefetch_bytes = 0;                          // cap on bytes in flight for prefetch; 0: depth decides
   DType optimizer_state_dtype = DType::kF32;           // Adam m and v: fp32 or bf16
+  // bf16 states: stochastic rounding (unbiased; the default) or nearest.
+  cpu_optim::StateRounding optimizer_state_rounding = cpu_optim::StateRounding::kStochastic;
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
   bool overlap_backward = false;                        // start a group's optimizer step during backward
   // step() averages the gradients over the step's micro-batches (divides by

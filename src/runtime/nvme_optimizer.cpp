@@ -296,6 +296,10 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
         b.grad_dtype = DType::kF32;
         for (int k = 0; k < nstates_; ++k) b.state[k] = ptr(kState0 + k);
         b.state_dtype = options_.state_dtype;
+        b.state_rounding = options_.state_rounding;
+        // Stream 0 for every tensor, as a caller of cpu_optim::step or the
+        // C ABI gets by default: the same bits as those on whole tensors.
+        b.index_base = t.first_index + c.offset;
         b.params_out = ptr(kOut);
         b.out_dtype = options_.out_dtype;
         st = cpu_optim::step(*config, t.step > 0 ? t.step : step, b, c.count, options_.exec);

@@ -111,6 +111,11 @@ struct OptimizerTensor {
   // state['step']: a parameter skipped in some steps has taken fewer); 0:
   // the call's step. The call's step still orders the calls (see step()).
   std::int64_t step = 0;
+  // The global index of element 0 in the whole tensor (a rank's shard
+  // offset): with bf16 states rounded stochastically, an element's random
+  // bits hash its global index (and the step and state), so they do not
+  // depend on chunking, tier or rank count (cpu_optim/stochastic_round.h).
+  std::uint64_t first_index = 0;
 };
 
 struct NvmeOptimizerOptions {
@@ -125,6 +130,8 @@ struct NvmeOptimizerOptions {
   // write that frees its slot.
   unsigned ring_buffers = 4;
   DType state_dtype = DType::kF32;  // fp32 or bf16
+  // bf16 states: stochastic (default) or nearest; see cpu_optim::StepBuffers.
+  cpu_optim::StateRounding state_rounding = cpu_optim::StateRounding::kStochastic;
   DType out_dtype = DType::kBF16;   // of params_out: bf16 or fp16
   cpu_optim::ExecOptions exec;
   Tracer* tracer = nullptr;  // read/write spans on one track per ring slot, updates on the caller's thread

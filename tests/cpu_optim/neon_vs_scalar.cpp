@@ -90,6 +90,11 @@ void check_step(OptimizerKind kind, bool ams, DType gd, DType sd, int out, size_
     for (size_t i = 0; i < n; ++i) put(b[0].g, gd, i, random_value(rng, gd));
     b[1].g = b[0].g;
     a.first_step = t == 1;
+    // bf16 states: stochastic rounding on odd sizes, round to nearest on even
+    // ones; a low index word that wraps inside the buffers.
+    a.sr_states = n % 2 == 1;
+    a.sr_lo0 = 0xffffffffu - static_cast<uint32_t>(n / 2);
+    for (int k = 0; k < 3; ++k) a.sr_key[k] = 0x9e3779b9u * static_cast<uint32_t>(t * 3 + k + 1);
     a.neg_step_size = static_cast<float>(-1e-3 / (1 - std::pow(0.9, t)));
     for (int w = 0; w < 2; ++w) {
       StepArgs x = a;

@@ -153,6 +153,7 @@ TEST(ConfigSamples, StrataSection) {
   EXPECT_EQ(s.prefetch_depth, 3u);
   EXPECT_EQ(s.prefetch_bytes, 4ull << 30);
   EXPECT_EQ(s.optimizer_state_dtype, DType::kBF16);
+  EXPECT_EQ(s.optimizer_state_rounding, cpu_optim::StateRounding::kNearest);
   EXPECT_EQ(s.io_backend, IoBackendChoice::kUring);
   EXPECT_TRUE(s.overlap_backward);
   EXPECT_EQ(s.trace, "/tmp/strata-trace.json");
@@ -318,6 +319,8 @@ TEST(ConfigErrors, StrataKeysAreStrict) {
             "<string>: strata.rank: 4 is out of range for world_size 4");
   EXPECT_EQ(error_of(R"({"strata": {"optimizer_state_dtype": "fp16"}})"),
             "<string>: strata.optimizer_state_dtype: expected \"fp32\" or \"bf16\", got \"fp16\"");
+  EXPECT_EQ(error_of(R"({"strata": {"optimizer_state_rounding": "round"}})"),
+            "<string>: strata.optimizer_state_rounding: expected \"stochastic\" or \"nearest\", got \"round\"");
   EXPECT_EQ(error_of(R"({"strata": {"groups": [{"compute": "host"}]}})"), "<string>: strata.groups[0].match: required");
   EXPECT_EQ(error_of(R"({"strata": {"groups": [{"match": "x", "grad": "gpu"}]}})"),
             "<string>: strata.groups[0].grad: expected \"auto\", \"device\", \"host\" or \"nvme\", got \"gpu\"");

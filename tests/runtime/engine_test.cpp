@@ -952,6 +952,55 @@ TEST(EngineNvme, CheckpointResumeIsBitIdentical) {
   EXPECT_NE(st.message().find(std::filesystem::path(victim).filename().string()), std::string::npos)
       << st.message();
 }
+// bf16 optimizer states, rounded stochastically: the random bits hash each
+// element's global index, its tensor's name and its step, so RAM and NVMe
+// tiers with different chunkings train the same bits, and a checkpoint
+// resumes bit-identically (the steps are in the checkpoint).
+TEST(EngineNvme, Bf16StatesStochasticRoundingSameBitsOnEveryTierChunkingAndResume) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.micro = 2;
+  o.clip = 0.2;
+  Config ram_cfg = make_config(o, Place::kHost, "");
+  ram_cfg.strata.optimizer_state_dtype = DType::kBF16;
+  ram_cfg.strata.optimizer_chunk = 1 << 20;  // whole tensors in one call
+  Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
+  cfg.strata.optimizer_state_dtype = DType::kBF16;  // 2048-element chunks
+  RunResult ram = train(d.dev.get(), o, ram_cfg, 8);
+  RunResult nvme = train(d.dev.get(), o, cfg, 8);
+  ASSERT_EQ(ram.logs.size(), nvme.logs.size());
+  for (size_t i = 0; i < ram.logs.size(); ++i) EXPECT_EQ(ram.logs[i].loss, nvme.logs[i].loss) << "step " << i;
+  EXPECT_TRUE(bits_equal(ram.params, nvme.params));
+  EXPECT_TRUE(bits_equal(ram.compute, nvme.compute));
+  // Round to nearest trains other bits (the key is honoured).
+  Config rne = ram_cfg;
+  rne.strata.optimizer_state_rounding = cpu_optim::StateRounding::kNearest;
+  EXPECT_FALSE(bits_equal(train(d.dev.get(), o, rne, 8).params, ram.params));
+
+  // Steps 0-3, a checkpoint, then a fresh engine from it for steps 4-7.
+  const std::string ck = dir.path() + "/ck";
+  for (int phase = 0; phase < 2; ++phase) {
+    Trainer t(d.dev.get(), o);
+    ASSERT_TRUE(t.init(cfg, /*load_init=*/phase == 0).ok());
+    Status st = phase == 1 ? t.e->load_checkpoint(ck) : Status();
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    for (int i = 4 * phase; i < 4 * phase + 4; ++i) {
+      auto r = t.run_step(i);
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      EXPECT_EQ(r->loss, nvme.logs[i].loss) << "step " << i;
+    }
+    if (phase == 0) {
+      st = t.e->save_checkpoint(ck, "{}");
+      ASSERT_TRUE(st.ok()) << st.to_string();
+    } else {
+      EXPECT_TRUE(bits_equal(t.params(), nvme.params));
+      EXPECT_TRUE(bits_equal(t.compute_copies(), nvme.compute));
+    }
+  }
+}
+
 // Bytes of a swap file that change behind Strata's back (a failing SSD, a
 // stray writer) are caught by the block checksums: a checkpoint save refuses
 // to copy them (and leaves nothing behind), the step that reads them fails

@@ -48,6 +48,7 @@ struct Model {
   io::SwapTensor s_master, s_grads, s_state[2], s_out;
   bool swap_master = true, swap_grads = true, swap_states = true, swap_out = true;
   std::string name;
+  std::uint64_t first_index = 0;  // OptimizerTensor::first_index (a shard's offset)
 };
 
 class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsigned>> {
@@ -134,6 +135,7 @@ class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsi
       for (int k = 0; k < 2; ++k)
         t.state[k] = m.swap_states ? Placement::in_swap(m.s_state[k]) : Placement::in_host(m.h_state[k].data());
       t.params_out = m.swap_out ? Placement::in_swap(m.s_out) : Placement::in_host(m.h_out.data());
+      t.first_index = m.first_index;
       ts.push_back(t);
     }
     return ts;
@@ -159,6 +161,9 @@ class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsi
       b.state[1] = m.state[1].data();
       b.state_dtype = state_dtype();
       b.params_out = m.out.data();
+      // bf16 states round stochastically by each element's global index:
+      // whole tensors here, chunks in the optimizer.
+      b.index_base = m.first_index;
       ASSERT_TRUE(cpu_optim::step(config_, t, b, m.count).ok());
     }
   }
@@ -192,6 +197,7 @@ class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsi
     add("tiny", 5, true, true, true, false);           // one chunk, smaller than a page
     add("host_states", 2048 * 3 + 17, false, true, false, true);  // master + states in RAM, grads on NVMe
     add("host_grads", 40000, true, false, true, false);          // grads in RAM
+    models_.back().first_index = 123457;                          // a shard from the middle of its tensor
   }
 
   TempDir dir_;

@@ -4,6 +4,7 @@
 
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/numeric.h"
+#include "cpu_optim/stochastic_round.h"
 
 namespace strata::cpu_optim::detail::avx2 {
 
@@ -35,6 +36,24 @@ struct V {
   // store(p, x), returning the value as stored (without reloading it).
   static F store_rounded(Bf16* p, F x) {
     __m256i r = round_bf16(x);
+    store_lanes(p, r);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
+  }
+  // Stochastic rounding (stochastic_round.h): mix32 on 8 lanes, lane j
+  // hashing index lo + j; then (bits + r) >> 16, NaN -> 0x7FC0.
+  static __m256i mix32(__m256i x) {
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMix32A)));
+    x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+    x = _mm256_mullo_epi32(x, _mm256_set1_epi32(static_cast<int>(kMix32B)));
+    return _mm256_xor_si256(x, _mm256_srli_epi32(x, 16));
+  }
+  static F store_rounded_sr(Bf16* p, F x, uint32_t lo, uint32_t key) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(lo)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    const __m256i rnd = _mm256_srli_epi32(mix32(_mm256_xor_si256(idx, _mm256_set1_epi32(static_cast<int>(key)))), 16);
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), rnd), 16);
+    __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0), nan);
     store_lanes(p, r);
     return _mm256_castsi256_ps(_mm256_slli_epi32(r, 16));
   }

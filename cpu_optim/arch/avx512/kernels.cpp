@@ -10,6 +10,7 @@
 
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/numeric.h"
+#include "cpu_optim/stochastic_round.h"
 
 namespace strata::cpu_optim::detail::avx512 {
 
@@ -35,6 +36,25 @@ struct V {
   }
   static F store_rounded(Bf16* p, F x) {
     __m512i r = round_bf16(x);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
+  }
+  // Stochastic rounding (stochastic_round.h): mix32 on 16 lanes, lane j
+  // hashing index lo + j; then (bits + r) >> 16, NaN -> 0x7FC0.
+  static __m512i mix32(__m512i x) {
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kMix32A)));
+    x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+    x = _mm512_mullo_epi32(x, _mm512_set1_epi32(static_cast<int>(kMix32B)));
+    return _mm512_xor_si512(x, _mm512_srli_epi32(x, 16));
+  }
+  static F store_rounded_sr(Bf16* p, F x, uint32_t lo, uint32_t key) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(lo)),
+                                         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const __m512i rnd = _mm512_srli_epi32(mix32(_mm512_xor_si512(idx, _mm512_set1_epi32(static_cast<int>(key)))), 16);
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), rnd), 16);
+    __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    r = _mm512_mask_blend_epi32(nan, r, _mm512_set1_epi32(0x7fc0));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
     return _mm512_castsi512_ps(_mm512_slli_epi32(r, 16));
   }

@@ -6,6 +6,7 @@
 
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/numeric.h"
+#include "cpu_optim/stochastic_round.h"
 
 namespace strata::cpu_optim::detail::neon {
 
@@ -28,6 +29,24 @@ struct V {
   static void store(Bf16* p, F x) { vst1_u16(reinterpret_cast<uint16_t*>(p), vmovn_u32(round_bf16(x))); }
   static F store_rounded(Bf16* p, F x) {
     uint32x4_t r = round_bf16(x);
+    vst1_u16(reinterpret_cast<uint16_t*>(p), vmovn_u32(r));
+    return vreinterpretq_f32_u32(vshlq_n_u32(r, 16));
+  }
+  // Stochastic rounding (stochastic_round.h): mix32 on 4 lanes, lane j
+  // hashing index lo + j; then (bits + r) >> 16, NaN -> 0x7FC0.
+  static uint32x4_t mix32(uint32x4_t x) {
+    x = veorq_u32(x, vshrq_n_u32(x, 16));
+    x = vmulq_u32(x, vdupq_n_u32(kMix32A));
+    x = veorq_u32(x, vshrq_n_u32(x, 15));
+    x = vmulq_u32(x, vdupq_n_u32(kMix32B));
+    return veorq_u32(x, vshrq_n_u32(x, 16));
+  }
+  static F store_rounded_sr(Bf16* p, F x, uint32_t lo, uint32_t key) {
+    static const uint32_t kIota[4] = {0, 1, 2, 3};
+    const uint32x4_t idx = vaddq_u32(vdupq_n_u32(lo), vld1q_u32(kIota));
+    const uint32x4_t rnd = vshrq_n_u32(mix32(veorq_u32(idx, vdupq_n_u32(key))), 16);
+    uint32x4_t r = vshrq_n_u32(vaddq_u32(vreinterpretq_u32_f32(x), rnd), 16);
+    r = vbslq_u32(vceqq_f32(x, x), r, vdupq_n_u32(0x7fc0));
     vst1_u16(reinterpret_cast<uint16_t*>(p), vmovn_u32(r));
     return vreinterpretq_f32_u32(vshlq_n_u32(r, 16));
   }

@@ -2,6 +2,7 @@
 // fallback on any CPU and the bit-exact baseline the SIMD tests compare to.
 #include "cpu_optim/arch/kernel_table.h"
 #include "cpu_optim/numeric.h"
+#include "cpu_optim/stochastic_round.h"
 
 namespace strata::cpu_optim::detail::scalar {
 
@@ -15,6 +16,10 @@ struct V {
   static void store(Bf16* p, F x) { p->bits = f32_to_bf16_bits(x); }
   static F store_rounded(Bf16* p, F x) {
     p->bits = f32_to_bf16_bits(x);
+    return bf16_bits_to_f32(p->bits);
+  }
+  static F store_rounded_sr(Bf16* p, F x, uint32_t lo, uint32_t key) {
+    p->bits = f32_to_bf16_bits_sr(x, rounding_bits(key, lo));
     return bf16_bits_to_f32(p->bits);
   }
   static F load(const F16* p) { return f16_bits_to_f32(p->bits); }

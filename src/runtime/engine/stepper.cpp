@@ -39,6 +39,7 @@ Status Stepper::allocate() {
   oo.chunk_elems = chunk_;
   oo.ring_buffers = ring_;
   oo.state_dtype = reg_.cfg.strata.optimizer_state_dtype;
+  oo.state_rounding = reg_.cfg.strata.optimizer_state_rounding;
   oo.out_dtype = reg_.out_dtype;
   oo.tracer = reg_.tracer.get();
   oo.read_bytes = &reg_.traffic.nvme_read;
@@ -59,6 +60,7 @@ Status Stepper::allocate() {
       OptimizerTensor t;
       t.name = p.name;
       t.count = p.shard.size();
+      t.first_index = p.shard.begin;  // stochastic rounding hashes the index in the whole tensor
       t.master = p.master.placement();
       t.grads = p.grad.placement();
       for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
