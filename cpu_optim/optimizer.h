@@ -83,7 +83,7 @@ struct StepBuffers {
   // and the C ABI leave rounding_stream 0 (same bits on both); a caller may
   // give tensors streams of their own to decorrelate them.
   // index_base + count < 2^63.
-  StateRounding state_rounding = StateRounding::kStochastic;
+  StateRounding state_rounding = StateRounding::kNearest;
   std::uint64_t rounding_seed = kDefaultRoundingSeed;
   std::uint64_t rounding_stream = 0;
   std::uint64_t index_base = 0;

@@ -24,9 +24,12 @@ enum class OptimizerKind : uint8_t {
 
 // How a state kept in bf16 is rounded when stored (fp32 states are exact).
 //   kStochastic: up or down at random, with the probability that makes the
-//     stored value unbiased (cpu_optim/stochastic_round.h). The default: with
-//     round-to-nearest, Adam's exp_avg_sq stops following small gradients.
-//   kNearest: round to nearest even, as PyTorch's bf16 state tensors.
+//     stored value unbiased (cpu_optim/stochastic_round.h): with
+//     round-to-nearest, Adam's exp_avg_sq stops following gradients whose
+//     square is below half an ulp of it. Opt-in: it costs a third of the
+//     bf16 kernels' speed and showed no gain on a fine-tune (BENCHMARKS.md).
+//   kNearest: round to nearest even, as PyTorch's bf16 state tensors (the
+//     default).
 enum class StateRounding : uint8_t { kStochastic = 0, kNearest = 1 };
 
 // Instruction sets with a kernel. kAuto = the STRATA_CPU_ISA override if set,

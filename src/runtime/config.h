@@ -154,7 +154,7 @@ struct StrataConfig {
   uint64_t prefetch_bytes = 0;                          // cap on bytes in flight for prefetch; 0: depth decides
   DType optimizer_state_dtype = DType::kF32;           // Adam m and v: fp32 or bf16
   // bf16 states: stochastic rounding (unbiased; the default) or nearest.
-  cpu_optim::StateRounding optimizer_state_rounding = cpu_optim::StateRounding::kStochastic;
+  cpu_optim::StateRounding optimizer_state_rounding = cpu_optim::StateRounding::kNearest;
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
   bool overlap_backward = false;                        // start a group's optimizer step during backward
   // step() averages the gradients over the step's micro-batches (divides by

@@ -131,7 +131,7 @@ struct NvmeOptimizerOptions {
   unsigned ring_buffers = 4;
   DType state_dtype = DType::kF32;  // fp32 or bf16
   // bf16 states: stochastic (default) or nearest; see cpu_optim::StepBuffers.
-  cpu_optim::StateRounding state_rounding = cpu_optim::StateRounding::kStochastic;
+  cpu_optim::StateRounding state_rounding = cpu_optim::StateRounding::kNearest;
   DType out_dtype = DType::kBF16;   // of params_out: bf16 or fp16
   cpu_optim::ExecOptions exec;
   Tracer* tracer = nullptr;  // read/write spans on one track per ring slot, updates on the caller's thread

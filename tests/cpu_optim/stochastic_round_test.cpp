@@ -60,6 +60,7 @@ struct Tensor {
       for (std::size_t off = 0; off < n; off += piece) {
         const std::size_t cnt = std::min(piece, n - off);
         StepBuffers b;
+        b.state_rounding = StateRounding::kStochastic;  // opt-in (the default is nearest)
         b.params = p.data() + off;
         b.grads = g.data() + off;
         for (int k = 0; k < state_count(c); ++k) b.state[k] = static_cast<std::uint16_t*>(s[k].data()) + off;
@@ -188,6 +189,7 @@ TEST_P(StochasticRounding, UnbiasedAndExactValuesUnchanged) {
     Buf m(DType::kBF16, n);
     for (std::uint64_t seed : {1ull, 2ull}) {
       StepBuffers b;
+      b.state_rounding = StateRounding::kStochastic;  // opt-in (the default is nearest)
       b.params = p.data();
       b.grads = g.data();
       b.state[0] = m.data();
@@ -266,6 +268,7 @@ TEST(StochasticRoundingArgs, BadIndexBaseIsRefused) {
   float p = 0, g = 0;
   std::uint16_t m = 0, v = 0;
   StepBuffers b;
+  b.state_rounding = StateRounding::kStochastic;  // opt-in (the default is nearest)
   b.params = &p;
   b.grads = &g;
   b.state[0] = &m;

@@ -965,9 +965,11 @@ TEST(EngineNvme, Bf16StatesStochasticRoundingSameBitsOnEveryTierChunkingAndResum
   o.clip = 0.2;
   Config ram_cfg = make_config(o, Place::kHost, "");
   ram_cfg.strata.optimizer_state_dtype = DType::kBF16;
+  ram_cfg.strata.optimizer_state_rounding = cpu_optim::StateRounding::kStochastic;
   ram_cfg.strata.optimizer_chunk = 1 << 20;  // whole tensors in one call
   Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
   cfg.strata.optimizer_state_dtype = DType::kBF16;  // 2048-element chunks
+  cfg.strata.optimizer_state_rounding = cpu_optim::StateRounding::kStochastic;
   RunResult ram = train(d.dev.get(), o, ram_cfg, 8);
   RunResult nvme = train(d.dev.get(), o, cfg, 8);
   ASSERT_EQ(ram.logs.size(), nvme.logs.size());
