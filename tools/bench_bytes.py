@@ -21,18 +21,11 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 
+from bench_model import run, small_model_and_data
+
 LINKS = ("nvme_read_bytes", "nvme_write_bytes", "h2d_bytes", "d2h_bytes")
-
-
-def run(cmd):
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return r.stdout
 
 
 def measure(metrics):
@@ -52,15 +45,7 @@ def main():
     a = ap.parse_args()
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-bytes-")
     os.makedirs(base, exist_ok=True)
-    model = os.path.join(base, "model")
-    run([a.strata, "init-model", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--ffn-dim",
-         "704", "--vocab", "256", "--dtype", "fp32", "--seed", "3", "--out", model])
-    data = os.path.join(base, "data.txt")
-    words = ["cat", "dog", "bird", "fox", "owl", "fish"]
-    with open(data, "w") as f:
-        for i in range(4000):
-            f.write(f"the {words[i % 6]} sees the {words[(i * 7 + i // 6) % 6]} . {i % 10} plus {i // 10 % 10} "
-                    f"is {i % 10 + i // 10 % 10} .\n")
+    model, data = small_model_and_data(a.strata, base)
     runs = [("NVMe, accumulation 1", True, 1), ("NVMe, accumulation 4", True, 4), ("RAM, accumulation 1", False, 1)]
     print(f"{a.steps} steps of 4 x 128 tokens per micro-batch, bf16 compute, CPU ops; medians of steps 3..{a.steps}")
     print(f"{'run':<22} {'link':<17} {'measured/step':>14} {'plan/step':>14} {'ratio':>7}")

@@ -22,16 +22,9 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 
-
-def run(cmd, env=None):
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        sys.exit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}")
-    return r.stdout
+from bench_model import run, small_model_and_data
 
 
 def main():
@@ -46,15 +39,7 @@ def main():
     a = ap.parse_args()
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-ranks-")
     os.makedirs(base, exist_ok=True)
-    model = os.path.join(base, "model")
-    run([a.strata, "init-model", "--layers", "4", "--dim", "256", "--heads", "8", "--kv-heads", "4", "--ffn-dim",
-         "704", "--vocab", "256", "--dtype", "fp32", "--seed", "3", "--out", model])
-    data = os.path.join(base, "data.txt")
-    words = ["cat", "dog", "bird", "fox", "owl", "fish"]
-    with open(data, "w") as f:
-        for i in range(4000):
-            f.write(f"the {words[i % 6]} sees the {words[(i * 7 + i // 6) % 6]} . {i % 10} plus {i // 10 % 10} "
-                    f"is {i % 10 + i // 10 % 10} .\n")
+    model, data = small_model_and_data(a.strata, base)
     with open(os.path.join(model, "config.json")) as f:
         cfg = json.load(f)
     env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none", OMPI_MCA_rmaps_base_oversubscribe="1")
