@@ -197,7 +197,8 @@ struct EngineStats {
   uint64_t tier_bytes[4] = {};
   uint64_t device_buffer_bytes = 0;  // device bytes held for gathered groups now
   uint64_t pinned_bytes = 0;         // pinned pool bytes in use
-  // Cumulative traffic since create().
+  // Cumulative traffic since create(). NVMe: every read and write the engine
+  // submits (uploads, gradients, the optimizer step's chunks, checkpoints).
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t acquires = 0, prefetch_hits = 0, prefetch_misses = 0, order_changes = 0;
