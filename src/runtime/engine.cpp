@@ -9,6 +9,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <initializer_list>
+#include <utility>
 
 #include "common/float_convert.h"
 #include "common/log.h"
@@ -150,13 +152,16 @@ Status Engine::load_param(ParamId id, const void* src, DType dtype) {
     if (st.ok()) st = I.reg.write_array(p.compute, esz, off, cnt, c);
     if (!st.ok()) return st.with_context(fmt::format("engine: load_param({})", p.name));
   }
-  // Stages 1-2: the other ranks' parts of the replica too (every rank loads
-  // the same whole tensor, so no collective is needed).
-  if (p.replica != nullptr) {
-    engine::ArrayLoc whole = p.compute;
-    whole.ptr = p.replica;
-    for (uint64_t off = 0; off < p.numel; off += b.elems) {
-      const uint64_t cnt = std::min(b.elems, p.numel - off);
+  // Stages 1-2: the other ranks' parts of the replica too, before and after
+  // this rank's slot (every rank loads the same whole tensor, so no
+  // collective is needed; the replica is host or device memory, no NVMe
+  // alignment applies).
+  if (p.replica == nullptr) return {};
+  engine::ArrayLoc whole = p.compute;
+  whole.ptr = p.replica;
+  for (auto [lo, hi] : {std::pair<uint64_t, uint64_t>{0, p.shard.begin}, {p.shard.end, p.numel}}) {
+    for (uint64_t off = lo; off < hi; off += b.elems) {
+      const uint64_t cnt = std::min(b.elems, hi - off);
       widen_to_f32(static_cast<const char*>(src) + off * in_sz, dtype, cnt, f);
       Status st = narrow_from_f32(f, p.dtype, cnt, c);
       if (st.ok()) st = I.reg.write_array(whole, esz, off, cnt, c);
