@@ -150,7 +150,8 @@ RunDir::~RunDir() {
 }
 
 // Under the lock no other (current) job writes here, so staging directories
-// are a dead job's; export temp files are removed only when their pid is dead.
+// are a dead job's; temp files of atomic writes are removed only when their
+// pid is dead.
 Status RunDir::remove_leftovers() {
   std::error_code ec;
   std::vector<std::string> checkpoint_dirs;
@@ -170,8 +171,10 @@ Status RunDir::remove_leftovers() {
       return st.with_context("out dir " + path_ + ": removing what an interrupted save left");
     log_info("out dir {}: removed what an interrupted save of {} left", path_, base_of(c));
   }
-  const std::string model = join_path(path_, "model");
-  for (fs::directory_iterator it(model, ec), end; !ec && it != end; it.increment(ec)) {
+  // write_file_atomic's "<name>.tmp.<pid>" files of a dead process: OUT's own
+  // (run.json, killed mid-write) and the export's.
+  for (const std::string& dir : {path_, join_path(path_, "model")})
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
     const size_t at = name.rfind(".tmp.");
     if (at == std::string::npos) continue;
@@ -181,7 +184,7 @@ Status RunDir::remove_leftovers() {
     std::error_code rec;
     fs::remove(it->path(), rec);
     if (rec) return Status::from_errno(rec.value(), "removing the interrupted export's " + it->path().string());
-    log_info("out dir {}: removed {} (an export interrupted by the death of process {})", path_, name, pid);
+    log_info("out dir {}: removed {} (a write interrupted by the death of process {})", path_, name, pid);
   }
   return {};
 }
