@@ -293,6 +293,23 @@ Result<GradStats> grad_stats(const void* grads, DType dtype, std::size_t count, 
   return out;
 }
 
+Status accumulate(float* dst, const void* src, DType src_dtype, std::size_t count, bool first, double* block_sq,
+                  const ExecOptions& exec) {
+  if (!valid_dtype(src_dtype)) return invalid("accumulate: invalid gradient dtype");
+  if (count > 0 && (!dst || !src)) return invalid("accumulate: null buffer");
+  STRATA_ASSIGN_OR_RETURN(const detail::KernelTable* table, table_for(exec.isa));
+  detail::AccumFn fn = table->accumulate[static_cast<int>(src_dtype)];
+  const std::size_t nblocks = (count + kNormBlock - 1) / kNormBlock;
+  auto body = [&](std::size_t b0, std::size_t b1) {
+    for (std::size_t blk = b0; blk < b1; ++blk) {
+      const double sq = fn(dst, src, blk * kNormBlock, std::min(count, (blk + 1) * kNormBlock), first);
+      if (block_sq) block_sq[blk] = sq;
+    }
+  };
+  run_blocks(nblocks, detail::resolve_threads(exec.threads), body);
+  return Status::ok_status();
+}
+
 Status convert(const float* src, void* dst, DType dst_dtype, std::size_t count, const ExecOptions& exec) {
   if (dst_dtype != DType::kBF16 && dst_dtype != DType::kF16)
     return invalid(std::string("convert: destination dtype ") + dtype_name(dst_dtype) + " (expected bf16 or fp16)");

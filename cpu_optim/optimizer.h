@@ -130,6 +130,21 @@ Result<GradStats> grad_stats(const void* grads, DType dtype, std::size_t count, 
                              const ExecOptions& exec = {});
 inline constexpr std::size_t kNormBlock = 16384;
 
+// Gradient accumulation with the norm's squares in the same pass:
+// dst[i] = float(src[i]) when `first`, else dst[i] + float(src[i]) (one fp32
+// add: exact widening, no FMA, the same bits on every ISA), for i < count.
+// When block_sq is not null, block_sq[b] receives the sum of squares of the
+// new dst over block b = [b * kNormBlock, (b+1) * kNormBlock) ∩ [0, count),
+// computed as grad_stats computes its blocks: adding block_sq[0..nblocks) in
+// order gives grad_stats(dst, kF32, count, 1.0).sum_sq bit for bit, so a
+// caller that accumulates a gradient piece by piece (pieces starting at
+// multiples of kNormBlock) has its norm without reading the gradient again.
+// A non-finite block_sq[b] means a non-finite element in block b.
+// Vectorized and parallel over blocks like grad_stats. Errors:
+// kInvalidArgument (invalid source dtype, null buffers with count > 0).
+Status accumulate(float* dst, const void* src, DType src_dtype, std::size_t count, bool first, double* block_sq,
+                  const ExecOptions& exec = {});
+
 // dst[i] = round(src[i]) to bf16 or fp16 (round to nearest even), vectorized
 // and parallel like step(). Errors: kInvalidArgument (null, dst_dtype fp32).
 Status convert(const float* src, void* dst, DType dst_dtype, std::size_t count, const ExecOptions& exec = {});

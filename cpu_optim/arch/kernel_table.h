@@ -58,6 +58,10 @@ using StepFn = void (*)(const StepArgs& args, size_t begin, size_t end);
 // (element begin+i into lane i % 16, in index order) that are then combined
 // by a fixed pairwise tree: the result is the same on every ISA.
 using SumSqFn = double (*)(const void* grads, size_t begin, size_t end);
+// Gradient accumulation: dst[i] = float(src[i]) (first) or dst[i] + float(src[i])
+// over [begin, end), returning the sum of squares of the new dst[begin, end)
+// exactly as SumSqFn over them would (same lanes, same order).
+using AccumFn = double (*)(float* dst, const void* src, size_t begin, size_t end, bool first);
 // dst[begin, end) = round(src[begin, end)) to bf16 or fp16.
 using ConvertFn = void (*)(const float* src, void* dst, size_t begin, size_t end);
 // b[i] += s * c[i] over [begin, end): the memory-bandwidth ceiling kernel.
@@ -67,6 +71,7 @@ struct KernelTable {
   const char* name;
   StepFn (*select_step)(const StepArgs& args);  // never null for valid args
   SumSqFn sumsq[3];                             // by DType
+  AccumFn accumulate[3];                        // by the source's DType
   ConvertFn convert[3];                         // by DType; [kF32] is null
   MembwFn membw;
 };

@@ -332,6 +332,35 @@ double sumsq_range(const void* grads, size_t begin, size_t end) {
   return combine16(lanes);
 }
 
+// Accumulates in sub-ranges small enough to stay in L1, squaring each one
+// right after writing it. The sub-ranges are multiples of 16 elements and
+// sumsq16 adds into the lanes, so every lane sums its elements in the same
+// order as one sumsq_range<float> over the whole range: the same bits.
+template <class T>
+double accumulate_range(float* dst, const void* src, size_t begin, size_t end, bool first) {
+  constexpr size_t kSub = 2048;  // 8 KiB of fp32: a multiple of 16 and of every V::W
+  const T* s = static_cast<const T*>(src);
+  double lanes[16] = {};
+  for (size_t lo = begin; lo < end; lo += kSub) {
+    const size_t hi = end - lo < kSub ? end : lo + kSub;
+    size_t i = lo;
+    if (first) {
+      for (; i + V::W <= hi; i += V::W) V::store(dst + i, V::load(s + i));
+      for (; i < hi; ++i) dst[i] = to_f32(s[i]);
+    } else {
+      for (; i + V::W <= hi; i += V::W) V::store(dst + i, V::add(V::load(dst + i), V::load(s + i)));
+      for (; i < hi; ++i) dst[i] = dst[i] + to_f32(s[i]);
+    }
+    const size_t n = hi - lo, n16 = n / 16 * 16;
+    V::sumsq16(dst + lo, n16, lanes);
+    for (size_t k = n16; k < n; ++k) {  // only in the last sub-range: the others are multiples of 16
+      double x = static_cast<double>(dst[lo + k]);
+      lanes[k % 16] += x * x;
+    }
+  }
+  return combine16(lanes);
+}
+
 template <class T>
 void convert_range(const float* src, void* dst, size_t begin, size_t end) {
   T* d = static_cast<T*>(dst);
@@ -356,6 +385,7 @@ inline constexpr KernelTable make_table(const char* name) {
   return KernelTable{name,
                      &select_step,
                      {&sumsq_range<float>, &sumsq_range<Bf16>, &sumsq_range<F16>},
+                     {&accumulate_range<float>, &accumulate_range<Bf16>, &accumulate_range<F16>},
                      {nullptr, &convert_range<Bf16>, &convert_range<F16>},
                      &membw_range};
 }

@@ -152,6 +152,17 @@ int main() {
       ++g_failures;
     }
     ++cases;
+    // Gradient accumulation (first, then adding) and its squares.
+    std::vector<float> a0(src.rbegin(), src.rend()), a1 = a0;
+    for (bool first : {true, false, false}) {
+      double q0 = kScalarKernels.accumulate[static_cast<int>(d)](a0.data(), g.data(), 3, n, first);
+      double q1 = kNeonKernels.accumulate[static_cast<int>(d)](a1.data(), g.data(), 3, n, first);
+      if (std::memcmp(&q0, &q1, 8) != 0 || std::memcmp(a0.data(), a1.data(), n * 4) != 0) {
+        std::printf("MISMATCH accumulate dtype=%d first=%d: %.17g vs %.17g\n", static_cast<int>(d), int{first}, q0, q1);
+        ++g_failures;
+      }
+      ++cases;
+    }
   }
   for (DType d : {DType::kBF16, DType::kF16}) {
     std::vector<uint16_t> c0(n), c1(n);

@@ -86,7 +86,8 @@ struct V {
   static void sumsq16(const T* g, size_t n, double* lanes) {
     // Four named accumulators (not an array: gcc keeps arrays of vectors on
     // the stack here, which made this loop 4x slower).
-    __m256d a0 = _mm256_setzero_pd(), a1 = _mm256_setzero_pd(), a2 = _mm256_setzero_pd(), a3 = _mm256_setzero_pd();
+    __m256d a0 = _mm256_loadu_pd(lanes), a1 = _mm256_loadu_pd(lanes + 4), a2 = _mm256_loadu_pd(lanes + 8),
+            a3 = _mm256_loadu_pd(lanes + 12);
     for (size_t i = 0; i < n; i += 16) {
       F x0 = load(g + i), x1 = load(g + i + 8);
       __m256d d0 = _mm256_cvtps_pd(_mm256_castps256_ps128(x0)), d1 = _mm256_cvtps_pd(_mm256_extractf128_ps(x0, 1));

@@ -87,7 +87,7 @@ struct V {
   }
   template <class T>
   static void sumsq16(const T* g, size_t n, double* lanes) {
-    __m512d acc0 = _mm512_setzero_pd(), acc1 = _mm512_setzero_pd();
+    __m512d acc0 = _mm512_loadu_pd(lanes), acc1 = _mm512_loadu_pd(lanes + 8);
     for (size_t i = 0; i < n; i += 16) {
       F x = load(g + i);
       __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));

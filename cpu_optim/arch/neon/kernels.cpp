@@ -77,7 +77,7 @@ struct V {
   static void sumsq16(const T* g, size_t n, double* lanes) {
     float64x2_t acc[8];
 #pragma GCC unroll 8
-    for (int k = 0; k < 8; ++k) acc[k] = vdupq_n_f64(0.0);
+    for (int k = 0; k < 8; ++k) acc[k] = vld1q_f64(lanes + 2 * k);
     for (size_t i = 0; i < n; i += 16) {
 #pragma GCC unroll 4
       for (int q = 0; q < 4; ++q) {
