@@ -20,6 +20,8 @@ void print_error(std::string_view command, const Status& st);
 
 // `strata bench io ...` (tools/bench_io.cpp)
 void register_bench_io(CLI::App& bench);
+// `strata bench accumulate ...` (tools/bench_accumulate.cpp): gradient accumulation vs bandwidth
+void register_bench_accumulate(CLI::App& bench);
 // `strata bench adam ...` (tools/bench_adam.cpp)
 void register_bench_adam(CLI::App& bench);
 

@@ -37,6 +37,7 @@ int main(int argc, char** argv) {
   bench->require_subcommand(1);
   register_bench_io(*bench);
   register_bench_adam(*bench);
+  register_bench_accumulate(*bench);
   register_bench_copy(*bench);
   register_bench_step(*bench);
   register_bench_lora(*bench);

@@ -54,7 +54,7 @@ Status Engine::Impl::init(const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(reg.create_pinned_pool(needs));
   STRATA_RETURN_IF_ERROR(grads.allocate());
   STRATA_RETURN_IF_ERROR(uploader.allocate_staging());
-  STRATA_RETURN_IF_ERROR(stepper.allocate());
+  STRATA_RETURN_IF_ERROR(stepper.allocate([this](ParamId id) { return grads.sum_sq(id); }));
   STRATA_RETURN_IF_ERROR(uploader.allocate_slots());
 
   // ---- threads

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "cpu_optim/optimizer.h"
 #include "device/device_backend.h"
 #include "runtime/engine.h"
 
@@ -224,6 +225,53 @@ TEST(EngineReduce, DiscardedMicroBatchesLeaveNoTrace) {
   ASSERT_TRUE(r.engine->step(1e-2).ok());
   EXPECT_EQ(r.weights(0), want[0]);
   EXPECT_EQ(r.weights(1), want[1]);
+}
+
+// The norm is summed while the gradients are accumulated (no pass over them
+// at step time): it must be the accumulated gradient's own, bit for bit —
+// each parameter's grad_stats over its whole fp32 sum, scaled, groups in
+// order — across a 5M-element parameter's two download pieces, after a
+// discarded micro-batch, and with a parameter left out of a step.
+TEST(EngineReduce, TheNormIsTheAccumulatedGradientsOwnBitForBit) {
+  Rig r(3);
+  auto norm_of = [](const std::vector<std::vector<float>>& sums, double scale) {
+    double total = 0;
+    for (const auto& g : sums) {  // one parameter per group, groups in order
+      auto st = cpu_optim::grad_stats(g.data(), DType::kF32, g.size(), 1.0);
+      total += st->sum_sq * (scale * scale);
+    }
+    return std::sqrt(total);
+  };
+  // A discarded micro-batch of large gradients first: its squares must not count.
+  const auto junk_b = Rig::grad(kBig, 50.0f), junk_s = Rig::grad(kSmall, 70.0f);
+  ASSERT_TRUE(r.engine->begin_micro_batch(false).ok());
+  ASSERT_TRUE(r.reduce_all(junk_b, junk_s).ok());
+  ASSERT_TRUE(r.engine->discard_step(nullptr).ok());
+  std::vector<std::vector<float>> gb, gs;
+  for (int m = 0; m < 3; ++m) {
+    gb.push_back(Rig::grad(kBig, 0.01f * static_cast<float>(m + 1)));
+    gs.push_back(Rig::grad(kSmall, -0.3f + 0.1f * static_cast<float>(m)));
+    for (uint64_t i = 0; i < kBig; i += 4099) gb[m][i] += 1e-3f * static_cast<float>(i % 7);
+  }
+  std::vector<float> sum_b(kBig, 0.0f), sum_s(kSmall, 0.0f);
+  for (int m = 0; m < 3; ++m) {
+    ASSERT_TRUE(r.engine->begin_micro_batch(m == 2).ok());
+    ASSERT_TRUE(r.reduce_all(gb[m], gs[m]).ok());
+    for (uint64_t i = 0; i < kBig; ++i) sum_b[i] = m == 0 ? gb[m][i] : sum_b[i] + gb[m][i];
+    for (uint64_t i = 0; i < kSmall; ++i) sum_s[i] = m == 0 ? gs[m][i] : sum_s[i] + gs[m][i];
+  }
+  auto res = r.engine->step(1e-2);
+  ASSERT_TRUE(res.ok()) << res.status().to_string();
+  EXPECT_EQ(res->grad_norm, norm_of({sum_b, sum_s}, 1.0 / 3)) << res->grad_norm;
+  // Next step: only "big" is reduced; "small" contributes nothing.
+  for (int m = 0; m < 3; ++m) {
+    ASSERT_TRUE(r.engine->begin_micro_batch(m == 2).ok());
+    ASSERT_TRUE(r.engine->reduce_grad(0, gb[2 - m].data(), DType::kF32, r.stream).ok());
+  }
+  for (uint64_t i = 0; i < kBig; ++i) sum_b[i] = (gb[2][i] + gb[1][i]) + gb[0][i];
+  res = r.engine->step(1e-2);
+  ASSERT_TRUE(res.ok()) << res.status().to_string();
+  EXPECT_EQ(res->grad_norm, norm_of({sum_b}, 1.0 / 3)) << res->grad_norm;
 }
 
 TEST(EngineForeign, OptimizerStateIsTorchsAndRoundTrips) {

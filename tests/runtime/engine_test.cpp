@@ -232,17 +232,20 @@ struct Reference {
     double total = 0;
     bool nonfinite = false;
     for (int l = 0; l < kLayers; ++l) {
+      // The engine's documented sum: each parameter's norm blocks in order,
+      // parameters in group order, then scaled; groups in order.
       double group = 0;
       for (int k = 0; k < 2; ++k) {
         if (o.is_frozen(2 * l + k)) continue;
         const auto& a = acc[2 * l + k];
-        for (size_t off = 0; off < a.size(); off += 2048) {
-          auto r = cpu_optim::grad_stats(a.data() + off, DType::kF32, std::min<size_t>(2048, a.size() - off), gs);
+        for (size_t off = 0; off < a.size(); off += cpu_optim::kNormBlock) {
+          auto r = cpu_optim::grad_stats(a.data() + off, DType::kF32,
+                                         std::min<size_t>(cpu_optim::kNormBlock, a.size() - off), 1.0);
           group += r->sum_sq;
           nonfinite |= r->has_inf_nan;
         }
       }
-      total += group;
+      total += group * (gs * gs);
     }
     const double norm = std::sqrt(total);
     norms.push_back(norm);

@@ -9,37 +9,18 @@
 #include <cstring>
 
 #include "common/float_convert.h"
+#include "cpu_optim/optimizer.h"
 
 namespace strata::engine {
-
-namespace {
-// dst[i] += float(src[i]): the one accumulation formula of every tier.
-void add_f32(float* dst, const void* src, DType dtype, uint64_t n) {
-  switch (dtype) {
-    case DType::kF32: {
-      const float* s = static_cast<const float*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] = dst[i] + s[i];
-      return;
-    }
-    case DType::kBF16: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] = dst[i] + bf16_bits_to_f32(s[i]);
-      return;
-    }
-    default: {
-      const auto* s = static_cast<const uint16_t*>(src);
-      for (uint64_t i = 0; i < n; ++i) dst[i] = dst[i] + f16_bits_to_f32(s[i]);
-      return;
-    }
-  }
-}
-}  // namespace
 
 // ---------------------------------------------------------------- creation
 
 Status GradPath::prepare() {
   params_.resize(reg_.params.size());
-  piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20), reg_.io_quantum);
+  // Pieces start at multiples of the norm's blocks (and of the I/O quantum:
+  // both powers of two), so each piece's squares land in whole blocks.
+  piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20),
+                          std::max<uint64_t>(reg_.io_quantum, cpu_optim::kNormBlock));
   STRATA_ASSIGN_OR_RETURN(download_, reg_.dev->create_stream("strata download"));
   STRATA_ASSIGN_OR_RETURN(ev_caller_, reg_.dev->create_event());
   STRATA_ASSIGN_OR_RETURN(ev_download_, reg_.dev->create_event());
@@ -53,6 +34,9 @@ Status GradPath::allocate() {
     dl_free_.push_back(i);
   }
   STRATA_ASSIGN_OR_RETURN(scratch_, reg_.pool->allocate(piece_elems_ * 4));
+  for (ParamId id = 0; id < reg_.params.size(); ++id)
+    if (reg_.params[id].trainable)
+      params_[id].block_sq.assign(round_up(reg_.params[id].shard.size(), cpu_optim::kNormBlock) / cpu_optim::kNormBlock, 0.0);
   if (reg_.world > 1) {
     STRATA_ASSIGN_OR_RETURN(void* send, reg_.dev->alloc(piece_elems_ * 4 * reg_.world));
     send_ = static_cast<float*>(send);
@@ -104,28 +88,28 @@ Status GradPath::accumulate(const Job& j) {
   const void* src = dl_[j.slot].data();
   Tracer* tracer = reg_.tracer.get();
   TraceSpan span(tracer, "accumulate", trace_cat::kOptim, {{"elements", j.count}, {"first", int{j.first}}});
+  // The squares of the new sums go to the piece's norm blocks (pieces start
+  // at multiples of the block): at step time the blocks hold the final
+  // gradient's, whatever the number of micro-batches.
+  double* block_sq = params_[j.param].block_sq.data() + j.offset / cpu_optim::kNormBlock;
   if (p.grad.tier == Tier::kHost) {
     float* dst = static_cast<float*>(p.grad.ptr) + j.offset;
-    if (j.first)
-      widen_to_f32(src, j.dtype, j.count, dst);
-    else
-      add_f32(dst, src, j.dtype, j.count);
-    return {};
+    Status st = cpu_optim::accumulate(dst, src, j.dtype, j.count, j.first, block_sq);
+    return st.ok() ? st : st.with_context("engine: accumulating the gradient of " + p.name);
   }
   // NVMe: the same arithmetic through the scratch buffer.
   float* buf = scratch_.as<float>();
   const uint64_t bytes = j.count * 4;
-  if (j.first) {
-    widen_to_f32(src, j.dtype, j.count, buf);
-  } else {
+  if (!j.first) {
     const uint64_t t0 = Tracer::now_ns();
     Status st = reg_.sync_io(reg_.store->read(p.grad.swap, j.offset * 4, bytes, buf), false, bytes);
     if (!st.ok())
       return st.with_context(
           fmt::format("engine: reading the gradient of {} (elements {}..{})", p.name, j.offset, j.offset + j.count));
     if (tracer) tracer->complete("nvme_read", trace_cat::kIo, t0, Tracer::now_ns(), {{"bytes", bytes}});
-    add_f32(buf, src, j.dtype, j.count);
   }
+  Status acc = cpu_optim::accumulate(buf, src, j.dtype, j.count, j.first, block_sq);
+  if (!acc.ok()) return acc.with_context("engine: accumulating the gradient of " + p.name);
   const uint64_t t0 = Tracer::now_ns();
   Status st = reg_.sync_io(reg_.store->write(p.grad.swap, j.offset * 4, bytes, buf), true, bytes);
   if (!st.ok())
@@ -320,10 +304,17 @@ Status GradPath::zero_unwritten() {
   return {};
 }
 
+double GradPath::sum_sq(ParamId id) const {
+  double total = 0;
+  for (double b : params_[id].block_sq) total += b;  // blocks in order: grad_stats's association
+  return total;
+}
+
 void GradPath::reset_step() {
   for (auto& pg : params_) {
     pg.written = false;
     pg.reduced_micro = -1;
+    std::fill(pg.block_sq.begin(), pg.block_sq.end(), 0.0);
   }
   torn_.clear();
 }

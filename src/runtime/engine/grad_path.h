@@ -10,7 +10,10 @@
 // copy per piece on the download stream, then a host function on that stream
 // queues the piece); the accumulator thread writes float(g) (first
 // micro-batch) or adds float(g) into the host-tier accumulator, or does the
-// same arithmetic as an NVMe read-add-write through the scratch buffer.
+// same arithmetic as an NVMe read-add-write through the scratch buffer
+// (cpu_optim::accumulate: vectorized, on the oneTBB workers). The same pass
+// leaves the squares of the new sums in the parameter's norm blocks, so the
+// step has its norm without reading the gradients again (sum_sq).
 // Borrows: the registry (params, device, swap store, tracer, counters, pool),
 // the engine's AsyncError (an accumulation's I/O error), and the
 // on_group_done callback (overlap mode: the stepper's update queue), called
@@ -70,6 +73,12 @@ class GradPath {
   Status zero_unwritten();
   // Whether a micro-batch of this step reduced p (driving thread).
   bool written(ParamId p) const { return params_[p].written; }
+  // The sum of squares of p's accumulated gradient shard (unscaled; not
+  // finite when an element is not): its norm blocks added in order, as
+  // cpu_optim::grad_stats would sum them. 0 when nothing was reduced this
+  // step. Any thread that has seen p's pieces accumulated (the step after
+  // wait_idle, the optimizer thread after the group's marker).
+  double sum_sq(ParamId p) const;
   // Forgets the step's per-parameter state.
   void reset_step();
   // Why this step's gradients are torn (a reduce failed after part of it was
@@ -92,6 +101,10 @@ class GradPath {
   struct ParamGrad {
     bool written = false;        // a micro-batch of this step wrote the accumulator
     int64_t reduced_micro = -1;  // micro-batch index of the last reduce
+    // Per cpu_optim::kNormBlock elements of the shard: the sum of squares of
+    // the accumulator's current values (accumulator thread; zeroed by
+    // reset_step).
+    std::vector<double> block_sq;
   };
 
   void accumulator_main(const Job& j);  // accumulator thread

@@ -34,7 +34,8 @@ void Stepper::configure() {
                round_up(chunk_ * dtype_size(reg_.out_dtype), 4096);
 }
 
-Status Stepper::allocate() {
+Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
+  grad_sum_sq_ = std::move(grad_sum_sq);
   NvmeOptimizerOptions oo;
   oo.chunk_elems = chunk_;
   oo.ring_buffers = ring_;
@@ -66,6 +67,7 @@ Status Stepper::allocate() {
       for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
       if (!p.refresh_from_master) t.params_out = p.compute.placement();
       groups_[gi].tensors.push_back(t);
+      groups_[gi].ids.push_back(id);
       auto& parts = groups_[gi].parts;
       auto it = std::find_if(parts.begin(), parts.end(), [&](const GroupUpdate::Part& q) {
         return q.lr_group == p.lr_group && q.decay == p.weight_decay;
@@ -188,12 +190,15 @@ Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int6
   return {};
 }
 
+// The norm's squares were summed while the gradients were accumulated
+// (GradPath::sum_sq): no pass over the gradients here. Parameters in the
+// group's order, each one's blocks in order: the same sum on every tier.
 Status Stepper::group_stats(GroupId gi, double scale) {
   GroupUpdate& g = groups_[gi];
-  auto r = opt_->grad_stats(g.tensors, scale);
-  if (!r.ok()) return r.status().with_context(fmt::format("engine: gradient norm of group {}", reg_.groups[gi].name));
-  g.sum_sq = r->sum_sq;
-  g.nonfinite = r->has_inf_nan;
+  double total = 0;
+  for (ParamId id : g.ids) total += grad_sum_sq_(id);
+  g.nonfinite = !std::isfinite(total);  // squares of finite floats cannot overflow the double sum
+  g.sum_sq = total * (scale * scale);
   return {};
 }
 

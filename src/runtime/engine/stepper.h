@@ -12,9 +12,10 @@
 // Borrows: the registry (params, groups, swap store, pool, tracer, the array
 // helpers for the compute-copy refresh), the engine's AsyncError, and bounce
 // buffers from the gradient path (passed to update()).
-// Must not: change the order of the norm's summation (chunks in order, groups
-// in order) or of the per-group updates; touch device slots (the uploader
-// drops them after the step).
+// Must not: change the order of the norm's summation (each parameter's
+// blocks in order, parameters in group order, groups in order) or of the
+// per-group updates; touch device slots (the uploader drops them after the
+// step).
 #pragma once
 
 #include <atomic>
@@ -47,7 +48,10 @@ class Stepper {
   void configure();
   unsigned ring_buffers() const { return ring_; }
   uint64_t ring_slot_bytes() const { return ring_slot_; }
-  Status allocate();  // the NvmeOptimizer (ring from the registry's pool) and the group tensors
+  // The NvmeOptimizer (ring from the registry's pool) and the group tensors;
+  // grad_sum_sq(p): the sum of squares of p's accumulated gradient (the
+  // norm's part, GradPath::sum_sq).
+  Status allocate(std::function<double(ParamId)> grad_sum_sq);
   Status start();     // the optimizer thread, with strata.overlap_backward
   void stop();        // finishes queued group updates, joins the thread
   void wait_idle() { queue_.wait_idle(); }
@@ -101,7 +105,8 @@ class Stepper {
 
  private:
   struct GroupUpdate {
-    std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState (the norm runs over these)
+    std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState
+    std::vector<ParamId> ids;              // the tensors' parameters, in the same order (the norm sums over these)
     // The same tensors split by (lr group, weight decay): the update runs once
     // per part, with that group's lr and weight_decay 0 for undecayed parts.
     struct Part {
@@ -141,6 +146,7 @@ class Stepper {
   unsigned ring_ = 0;
   uint64_t ring_slot_ = 0;
   std::unique_ptr<NvmeOptimizer> opt_;
+  std::function<double(ParamId)> grad_sum_sq_;
   std::vector<GroupUpdate> groups_;
   std::vector<double> rank_stats_;  // N ranks: world x groups x {sum_sq, nonfinite} (all-gathered)
   std::vector<ParamId> trainable_;  // what a step updates (stages 1-2 all-gather them after it)
