@@ -583,6 +583,7 @@ Status read_strata(Obj& o, StrataConfig* s) {
                                    kEnumNames<cpu_optim::StateRounding>));
   STRATA_RETURN_IF_ERROR(read_enum(o, "io_backend", &s->io_backend, kEnumNames<IoBackendChoice>));
   STRATA_RETURN_IF_ERROR(read_bool(o, "overlap_backward", &s->overlap_backward));
+  STRATA_RETURN_IF_ERROR(read_bool(o, "pipelined_step", &s->pipelined_step));
   STRATA_RETURN_IF_ERROR(read_bool(o, "average_micro_batches", &s->average_micro_batches));
   STRATA_RETURN_IF_ERROR(read_string(o, "trace", &s->trace));
   STRATA_RETURN_IF_ERROR(read_uint(o, "world_size", &s->world_size, 1, 1u << 20));
@@ -826,6 +827,7 @@ std::string config_to_json(const Config& c) {
                  {"optimizer_state_rounding", enum_name(s.optimizer_state_rounding)},
                  {"io_backend", io_backend_name(s.io_backend)},
                  {"overlap_backward", s.overlap_backward},
+                 {"pipelined_step", s.pipelined_step},
                  {"average_micro_batches", s.average_micro_batches},
                  {"trace", s.trace},
                  {"world_size", s.world_size},

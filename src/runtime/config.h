@@ -157,6 +157,10 @@ struct StrataConfig {
   cpu_optim::StateRounding optimizer_state_rounding = cpu_optim::StateRounding::kNearest;
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
   bool overlap_backward = false;                        // start a group's optimizer step during backward
+  // step() returns once the norm and the decision are made; the groups'
+  // updates run on the optimizer thread, each finished before its group is
+  // next used (exact: the same bits as a synchronous step).
+  bool pipelined_step = true;
   // step() averages the gradients over the step's micro-batches (divides by
   // their count, DeepSpeed's engine.backward convention); false: the caller
   // scaled its loss already (torch's `loss / accum`), gradients are summed.

@@ -42,6 +42,8 @@ Status Engine::Impl::init(const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(reg.init(options));
   stepper.configure();
   STRATA_RETURN_IF_ERROR(reg.allocate_arrays());
+  stepper.plan_pipeline();
+  if (stepper.pipelined()) reg.await_update = [this](GroupId g) { return stepper.wait_group(g); };
   uploader.lay_out();
   STRATA_RETURN_IF_ERROR(grads.prepare());
   engine::PinnedNeeds needs;
@@ -69,6 +71,12 @@ Status Engine::Impl::init(const EngineOptions& options) {
 }
 
 Engine::Impl::~Impl() {
+  if (stepper.pipelined()) {
+    stepper.wait_idle();
+    if (Status pe = stepper.pipeline_error(); !pe.ok())
+      log_error("engine: a pipelined optimizer update failed ({}); the swap state is torn: resume from a checkpoint",
+                pe.message());
+  }
   // Threads first (in the order work flows: an accumulation may still hand a
   // group to the optimizer thread), then the streams, then each part frees
   // what it owns (members in reverse order; the registry last).
@@ -83,7 +91,18 @@ Engine::Impl::~Impl() {
 
 Status Engine::Impl::wait_idle() {
   Status st = grads.wait_idle();  // the download stream, then the accumulator
-  stepper.wait_idle();            // overlapped group updates the accumulator queued
+  stepper.wait_idle();            // overlapped group updates the accumulator queued, or a pipelined step's
+  // A pipelined step that failed after step() returned left torn state: the
+  // engine refuses steps and saves until load_checkpoint (which clears it),
+  // and every call that waits here reports it.
+  Status pe = stepper.pipeline_error();
+  if (!pe.ok()) {
+    if (!broken) {
+      broken = true;
+      broken_status = pe;
+    }
+    if (st.ok()) st = pe;
+  }
   uploader.wait_idle();
   Status up = reg.dev->synchronize(reg.upload);
   if (st.ok()) st = up;
@@ -312,6 +331,7 @@ Status Engine::set_param_steps(ParamId id, int64_t steps) {
   if (I.micro_index >= 0)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("engine: set_param_steps({}): only between steps", p.name));
+  I.stepper.wait_idle();  // a pipelined step's updates read the counts
   p.updates = steps;
   return {};
 }
@@ -390,6 +410,9 @@ Status Engine::reduce_grad(ParamId id, const void* grad, DType dtype, DeviceStre
                               p.name));
   STRATA_RETURN_IF_ERROR(I.errors.take());
   if (I.micro_index < 0) STRATA_RETURN_IF_ERROR(begin_micro_batch(I.reg.cfg.gradient_accumulation_steps <= 1));
+  // Pipelined step: the previous step's update of this group reads the
+  // accumulator (it is done long before, unless the trainer skipped forward).
+  if (I.stepper.pipelined()) STRATA_RETURN_IF_ERROR(I.stepper.wait_group(p.group));
   STRATA_RETURN_IF_ERROR(I.grads.reduce(id, grad, dtype, stream, I.micro_index));
   // Overlap: the group's update may start once its last parameter's pieces are accumulated.
   if (I.overlap_running && I.stepper.count_reduced(p.group)) STRATA_RETURN_IF_ERROR(I.grads.queue_group_done(p.group));
@@ -427,6 +450,15 @@ Status Engine::set_group_lr(uint32_t lr_group, double lr) { return impl_->steppe
 
 Status Engine::set_group_betas(uint32_t lr_group, double beta1, double beta2) {
   return impl_->stepper.set_group_betas(lr_group, beta1, beta2);
+}
+
+bool Engine::pipelined_step() const { return impl_->stepper.pipelined(); }
+
+Status Engine::synchronize() {
+  Impl& I = *impl_;
+  Status st = I.wait_idle();
+  Status ae = I.errors.take();
+  return st.ok() ? ae : st;
 }
 
 Result<StepResult> Engine::step(double lr) {

@@ -62,6 +62,19 @@
 //      and written to its home; device-resident state uses the device's AdamW.
 // The gradient accumulators then count as empty.
 //
+// Pipelined step (strata.pipelined_step, default on; one rank, no
+// overlap_backward, no trainable compute copy homed on the device). step()
+// does 1-3 and returns; 4 runs on the optimizer thread, group by group in
+// group order, each group's compute copy refreshed after its update, while
+// the trainer computes the next forward: acquire(g) (its upload) and
+// reduce_grad of g's parameters wait for g's update, and every other call
+// that reads or writes state waits for all of them. The same arithmetic in
+// the same order: bit-identical to the synchronous step. An update that
+// fails after step() returned is reported by the next call that meets it
+// (acquire, reduce_grad, step, synchronize, read/save/load calls) and leaves
+// the engine refusing steps and saves until load_checkpoint, as a failed
+// synchronous step does. synchronize() waits for it explicitly.
+//
 // Overlap with backward (strata.overlap_backward, opt-in). On the last
 // micro-batch, a group's optimizer update starts as soon as every parameter
 // of that group has been reduced, on the engine's optimizer thread, while the
@@ -298,7 +311,17 @@ class Engine {
   // started updating a group of this step (the weights moved: reload a
   // checkpoint instead).
   Status discard_step(DeviceStream* stream);
-  // Blocks until the step is done (all gradients reduced, all tiers updated).
+  // Blocks until the engine's background work is done (a pipelined step's
+  // updates, uploads, gradient accumulation) and returns the first error of
+  // it: a pipelined step's failure (the engine then refuses steps and saves
+  // until load_checkpoint), or an I/O error of a prefetch.
+  Status synchronize();
+  // Whether step() runs pipelined (strata.pipelined_step and the conditions
+  // in the header comment).
+  bool pipelined_step() const;
+  // Blocks until the step is decided (all gradients reduced; with
+  // strata.pipelined_step the updates continue in the background, see the
+  // header comment; without it, all tiers updated).
   // lr < 0 keeps the current lr (the last lr >= 0 given here or to set_lr; at
   // first config.optimizer.lr). Errors: the first asynchronous error of
   // the step's work (I/O: with tensor and chunk), kInvalidArgument (groups

@@ -156,6 +156,7 @@ TEST(ConfigSamples, StrataSection) {
   EXPECT_EQ(s.optimizer_state_rounding, cpu_optim::StateRounding::kNearest);
   EXPECT_EQ(s.io_backend, IoBackendChoice::kUring);
   EXPECT_TRUE(s.overlap_backward);
+  EXPECT_FALSE(s.pipelined_step);
   EXPECT_EQ(s.trace, "/tmp/strata-trace.json");
   EXPECT_EQ(s.world_size, 2u);
   EXPECT_EQ(s.rank, 1u);

@@ -320,7 +320,10 @@ Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
   engine::Registry& R = I.reg;
   if (I.uploader.acquired_count() > 0)
     return Status(StatusCode::kInvalidArgument, "engine: load_checkpoint with groups still acquired");
-  STRATA_RETURN_IF_ERROR(I.wait_idle());
+  {
+    Status w = I.wait_idle();  // a failed pipelined step is what loading a checkpoint repairs
+    if (!w.ok() && I.stepper.pipeline_error().ok()) return w;
+  }
   I.uploader.invalidate_slots();  // no prefetch may read the compute copies while they are restored
   (void)I.errors.take();          // the state is being replaced
   TraceSpan span(R.tracer.get(), "load_checkpoint", trace_cat::kRuntime);

@@ -136,6 +136,11 @@ struct Registry {
   DeviceStream* upload = nullptr;
 
   TrafficCounters traffic;
+  // Pipelined step (Stepper::wait_group): blocks until group g's optimizer
+  // update is applied; its error if it failed. Empty when step() is
+  // synchronous. Set once by Engine::Impl::init; called by the uploader
+  // thread before it reads a compute copy.
+  std::function<Status(GroupId)> await_update;
 
   Registry() = default;
   Registry(const Registry&) = delete;

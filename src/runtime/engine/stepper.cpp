@@ -47,6 +47,16 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
   oo.write_bytes = &reg_.traffic.nvme_write;
   STRATA_ASSIGN_OR_RETURN(opt_, NvmeOptimizer::create(reg_.store.get(), *reg_.pool, opt_config_, oo));
 
+  // Pipelined: the compute-copy refresh bounces through buffers of its own.
+  uint64_t widest_refresh = 0;
+  for (const ParamState& p : reg_.params)
+    if (p.refresh_from_master) widest_refresh = std::max(widest_refresh, p.shard.size());
+  if (pipelined_ && widest_refresh > 0) {
+    pipe_elems_ = round_up(std::min<uint64_t>(widest_refresh, uint64_t{4} << 20), reg_.io_quantum);
+    STRATA_ASSIGN_OR_RETURN(pipe_f32_, HostArray<float>::create(pipe_elems_));
+    STRATA_ASSIGN_OR_RETURN(pipe_compute_, HostArray<uint16_t>::create(pipe_elems_ * 2));  // up to 4-byte elements
+  }
+
   // Optimizer tensors per group (names borrowed from ParamState::name: params never reallocates now).
   const int nstates = cpu_optim::state_count(opt_config_);
   groups_.resize(reg_.groups.size());
@@ -84,9 +94,22 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
   return {};
 }
 
+void Stepper::plan_pipeline() {
+  pipelined_ = reg_.cfg.strata.pipelined_step && !reg_.cfg.strata.overlap_backward && reg_.world == 1;
+  for (const ParamState& p : reg_.params)
+    if (p.trainable && p.compute.tier == Tier::kDevice) pipelined_ = false;  // the refresh would race the uploads
+  pipe_pending_.assign(reg_.groups.size(), 0);
+  pipe_reduced_.assign(reg_.params.size(), 0);
+}
+
 Status Stepper::start() {
-  if (!reg_.cfg.strata.overlap_backward) return {};
-  return queue_.start("optimizer", [this](const GroupId& g) { run_group_update(g); });
+  if (!reg_.cfg.strata.overlap_backward && !pipelined_) return {};
+  return queue_.start("optimizer", [this](const GroupId& g) {
+    if (pipelined_)
+      run_pipelined_update(g);
+    else
+      run_group_update(g);
+  });
 }
 
 void Stepper::stop() {
@@ -165,7 +188,8 @@ Status Stepper::set_group_betas(uint32_t lr_group, double beta1, double beta2) {
 // state['step'] per parameter, so one skipped in some steps (reduced by no
 // micro-batch) corrects its moments by the steps it took.
 Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
-                           const std::vector<GroupHyper>& group_hp, const std::function<bool(ParamId)>& reduced) {
+                           const std::vector<GroupHyper>& group_hp, const std::function<bool(ParamId)>& reduced,
+                           bool counted) {
   std::vector<OptimizerTensor>& some = groups_[gi].scratch;
   for (const auto& part : groups_[gi].parts) {
     cpu_optim::OptimizerConfig pc = c;
@@ -180,10 +204,11 @@ Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int6
     for (size_t i = 0; i < part.ids.size(); ++i) {
       if (reduced && !reduced(part.ids[i])) continue;  // only the parameters this step reduced
       some.push_back(part.tensors[i]);
-      some.back().step = reg_.params[part.ids[i]].updates + 1;
+      some.back().step = reg_.params[part.ids[i]].updates + (counted ? 0 : 1);
     }
     if (some.empty()) continue;
     STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, some));
+    if (counted) continue;
     for (size_t i = 0; i < part.ids.size(); ++i)
       if (!reduced || reduced(part.ids[i])) ++reg_.params[part.ids[i]].updates;
   }
@@ -249,6 +274,63 @@ void Stepper::run_group_update(GroupId gi, const std::function<bool(ParamId)>& r
   if (!st.ok()) errors_.set(st);
 }
 
+// ---------------------------------------------------------------- pipelined step
+
+void Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced) {
+  pipe_config_ = c;
+  pipe_step_ = steps_ + 1;
+  pipe_group_hp_ = group_hp_;
+  for (ParamId id = 0; id < reg_.params.size(); ++id) {
+    pipe_reduced_[id] = !reduced || reduced(id);
+    // Counted here, as the synchronous step counts them: param_steps() and
+    // the next step see this step's counts without waiting.
+    if (reg_.params[id].trainable && pipe_reduced_[id]) ++reg_.params[id].updates;
+  }
+  {
+    std::lock_guard<std::mutex> lock(pipe_mu_);
+    std::fill(pipe_pending_.begin(), pipe_pending_.end(), uint8_t{1});
+  }
+  for (GroupId g = 0; g < groups_.size(); ++g) queue_.push(g);
+}
+
+Status Stepper::refresh_group(GroupId gi, const Bounce& b) {
+  for (ParamId id : reg_.groups[gi].params) {
+    if (!reg_.params[id].refresh_from_master) continue;
+    Status s = reg_.refresh_compute(id, b);
+    if (!s.ok()) return s.with_context("engine: updating the compute copy of " + reg_.params[id].name);
+  }
+  return {};
+}
+
+void Stepper::run_pipelined_update(GroupId gi) {
+  Status st = pipeline_error();  // after a failure the step is torn: the rest is not applied
+  if (st.ok()) {
+    st = step_group(gi, pipe_config_, pipe_step_, pipe_group_hp_,
+                    [this](ParamId id) { return pipe_reduced_[id] != 0; }, true);
+    if (!st.ok())
+      st = st.with_context(fmt::format("engine: optimizer step {} of group {}", pipe_step_, reg_.groups[gi].name));
+  }
+  if (st.ok()) st = refresh_group(gi, Bounce{pipe_f32_.data(), pipe_compute_.data(), pipe_elems_});
+  {
+    std::lock_guard<std::mutex> lock(pipe_mu_);
+    pipe_pending_[gi] = 0;
+    if (!st.ok() && pipe_error_.ok()) pipe_error_ = st;
+  }
+  pipe_cv_.notify_all();
+  if (!st.ok()) errors_.set(st);
+}
+
+Status Stepper::wait_group(GroupId g) {
+  std::unique_lock<std::mutex> lock(pipe_mu_);
+  pipe_cv_.wait(lock, [&] { return pipe_pending_[g] == 0; });
+  return pipe_error_;
+}
+
+Status Stepper::pipeline_error() {
+  std::lock_guard<std::mutex> lock(pipe_mu_);
+  return pipe_error_;
+}
+
 // ---------------------------------------------------------------- step
 
 double Stepper::begin_step(bool overlap, double lr) {
@@ -304,10 +386,14 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       const double clip = reg_.cfg.gradient_clipping;
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
-      for (GroupId g = 0; g < groups_.size(); ++g) {
-        Status s = step_group(g, oc, steps_ + 1, group_hp_, reduced);
-        if (!s.ok())
-          return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
+      if (pipelined_) {
+        queue_pipeline(oc, reduced);
+      } else {
+        for (GroupId g = 0; g < groups_.size(); ++g) {
+          Status s = step_group(g, oc, steps_ + 1, group_hp_, reduced);
+          if (!s.ok())
+            return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
+        }
       }
       updated_any = true;
       if (scaler_.dynamic) scaler_.update(false, reg_.cfg.fp16);
@@ -316,7 +402,7 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
   }
   if (updated_any) {
     ++steps_;
-    for (ParamId id = 0; id < reg_.params.size(); ++id) {
+    for (ParamId id = 0; id < reg_.params.size() && !pipelined_; ++id) {  // pipelined: per group, queued
       if (!reg_.params[id].refresh_from_master) continue;
       if (overlap && groups_[reg_.params[id].group].skipped) continue;
       Status s = reg_.refresh_compute(id, bounce);
@@ -339,6 +425,10 @@ void Stepper::finish_step(StepResult& r) {
 }
 
 void Stepper::restore(int64_t steps, const LossScaler& scaler, double prev_norm, double lr) {
+  {
+    std::lock_guard<std::mutex> lock(pipe_mu_);
+    pipe_error_ = Status();  // the torn state was replaced
+  }
   steps_ = steps;
   scaler_ = scaler;
   prev_norm_ = prev_norm;

@@ -19,9 +19,13 @@
 #pragma once
 
 #include <atomic>
-#include <memory>
+#include <condition_variable>
 #include <functional>
+#include <memory>
+#include <mutex>
 #include <vector>
+
+#include "common/host_memory.h"
 
 #include "runtime/engine/async_error.h"
 #include "runtime/engine/loss_scaler.h"
@@ -52,7 +56,9 @@ class Stepper {
   // grad_sum_sq(p): the sum of squares of p's accumulated gradient (the
   // norm's part, GradPath::sum_sq).
   Status allocate(std::function<double(ParamId)> grad_sum_sq);
-  Status start();     // the optimizer thread, with strata.overlap_backward
+  // After the arrays are placed: whether step() runs pipelined (below).
+  void plan_pipeline();
+  Status start();     // the optimizer thread, with strata.overlap_backward or a pipelined step
   void stop();        // finishes queued group updates, joins the thread
   void wait_idle() { queue_.wait_idle(); }
 
@@ -66,6 +72,22 @@ class Stepper {
   bool count_reduced(GroupId g);
   // Accumulator thread: every gradient of g is in; update it.
   void queue_update(GroupId g) { queue_.push(g); }
+
+  // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward,
+  // no trainable compute copy homed on the device)
+  // step() computes the norm and the decision (the norm's squares are
+  // already summed), then hands every group's update, and its compute-copy
+  // refresh, to the optimizer thread in group order and returns: the update
+  // of group k runs while the trainer computes the next forward of the
+  // groups before k. Exactly the same arithmetic as the synchronous step.
+  // Whoever touches a group's compute copy or gradient first waits for its
+  // update: the uploader before reading the compute copy, reduce_grad
+  // before accumulating, everything else through wait_idle().
+  bool pipelined() const { return pipelined_; }
+  // Any thread: blocks while g's update is queued or running; the first
+  // error of a pipelined update (sticky until restore(): the state is torn).
+  Status wait_group(GroupId g);
+  Status pipeline_error();
 
   // ---- step() (driving thread, engine idle)
   // The lr of this step (overlap: the one fixed by begin_overlap); lr >= 0
@@ -131,8 +153,13 @@ class Stepper {
   // The optimizer over group g's tensors, part by part: c.lr replaced by the
   // part's lr group's own lr when it has one (from `group_lr`), weight_decay 0
   // for undecayed parts.
+  // counted: the parameters' update counts were already advanced for this
+  // step (pipelined: at queue time, on the driving thread).
   Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
-                    const std::function<bool(ParamId)>& reduced = {});
+                    const std::function<bool(ParamId)>& reduced = {}, bool counted = false);
+  void queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced);
+  void run_pipelined_update(GroupId g);  // optimizer thread
+  Status refresh_group(GroupId g, const Bounce& b);
   Status group_stats(GroupId g, double scale);
   Status combine_ranks_stats();  // N ranks: the norm's parts of every rank
   // optimizer thread (every parameter of the group was reduced), or driving
@@ -150,7 +177,22 @@ class Stepper {
   std::vector<GroupUpdate> groups_;
   std::vector<double> rank_stats_;  // N ranks: world x groups x {sum_sq, nonfinite} (all-gathered)
   std::vector<ParamId> trainable_;  // what a step updates (stages 1-2 all-gather them after it)
-  WorkQueue<GroupId> queue_;  // overlap: groups whose gradients are complete
+  WorkQueue<GroupId> queue_;  // overlap: groups whose gradients are complete; pipelined: groups to update
+
+  // Pipelined step. Set on the driving thread before the groups are queued,
+  // read by the optimizer thread (the queue orders them).
+  bool pipelined_ = false;
+  cpu_optim::OptimizerConfig pipe_config_;
+  int64_t pipe_step_ = 0;
+  std::vector<GroupHyper> pipe_group_hp_;
+  std::vector<uint8_t> pipe_reduced_;  // per param: reduced in the step being applied
+  HostArray<float> pipe_f32_;          // the refresh's own bounce buffers (the gradient
+  HostArray<uint16_t> pipe_compute_;   //   path's are in use by then)
+  uint64_t pipe_elems_ = 0;
+  std::mutex pipe_mu_;
+  std::condition_variable pipe_cv_;
+  std::vector<uint8_t> pipe_pending_;  // per group (pipe_mu_)
+  Status pipe_error_;                  // first failed update (pipe_mu_), until restore()
 
   LossScaler scaler_;
   int64_t steps_ = 0;

@@ -133,6 +133,12 @@ Status Uploader::upload_group(int si) {
   }
   const GroupInfo& info = reg_.groups[gi];
   const GroupSlots& g = groups_[gi];
+  if (reg_.await_update) {  // pipelined step: the compute copy is final once the group's update is
+    TraceSpan wait(reg_.tracer.get(), "wait_update", trace_cat::kRuntime, {{"group", info.name.c_str()}});
+    Status st = reg_.await_update(static_cast<GroupId>(gi));
+    if (!st.ok())
+      return st.with_context(fmt::format("engine: uploading group {}: its optimizer update failed", info.name));
+  }
   TraceSpan span(reg_.tracer.get(), "upload_group", trace_cat::kRuntime, {{"group", info.name.c_str()}});
   char* stage = nullptr;
   size_t stage_index = 0;
