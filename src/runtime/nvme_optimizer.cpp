@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstring>
 
 #include "common/units.h"
 
@@ -76,6 +77,10 @@ void NvmeOptimizer::set_completed_step(std::int64_t step) {
   progress_.step = step;
 }
 
+std::size_t NvmeOptimizer::element_size(int a, const OptimizerTensor& t) const {
+  return a == kOut && t.out_is_master ? 4 : element_size(a);
+}
+
 std::size_t NvmeOptimizer::element_size(int a) const {
   if (a == kOut) return dtype_size(options_.out_dtype);
   if (a >= kState0 && a < kState0 + 3) return dtype_size(options_.state_dtype);
@@ -123,9 +128,9 @@ Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors, Mode mo
         return bad(fmt::format("{} is host-resident with a null pointer", kArrayNames[a]));
       if (p.tier == Placement::Tier::kSwap) {
         if (store_ == nullptr) return bad(fmt::format("{} is in a swap store but the optimizer has none", kArrayNames[a]));
-        if (p.swap.bytes < t.count * element_size(a))
+        if (p.swap.bytes < t.count * element_size(a, t))
           return bad(fmt::format("{} swap tensor holds {} bytes, {} needed", kArrayNames[a], p.swap.bytes,
-                                 t.count * element_size(a)));
+                                 t.count * element_size(a, t)));
       }
     }
     if (mode == Mode::kStep)
@@ -173,8 +178,12 @@ void NvmeOptimizer::prepare_io_locked(std::size_t si, std::size_t ci, bool write
   std::uint64_t bytes = 0;
   for (int a = 0; a < kArrays; ++a) {
     if (!(write ? writes(a, t) : reads(a, t))) continue;
-    const std::size_t es = element_size(a);
-    p->req[p->n++] = {placement(t, a).swap, c.offset * es, c.count * es, s.part[a], a};
+    const std::size_t es = element_size(a, t);
+    void* buf = s.part[a];
+    if (a == kOut && t.out_is_master)  // the updated master chunk itself
+      buf = t.master.tier == Placement::Tier::kSwap ? s.part[kMaster]
+                                                     : static_cast<void*>(static_cast<char*>(t.master.host) + c.offset * 4);
+    p->req[p->n++] = {placement(t, a).swap, c.offset * es, c.count * es, buf, a};
     bytes += c.count * es;
   }
   s.bytes = bytes;
@@ -281,7 +290,7 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
     const OptimizerTensor& t = tensors_[c.tensor];
     auto ptr = [&](int a) -> void* {
       const Placement& p = placement(t, a);
-      if (p.tier == Placement::Tier::kHost) return static_cast<char*>(p.host) + c.offset * element_size(a);
+      if (p.tier == Placement::Tier::kHost) return static_cast<char*>(p.host) + c.offset * element_size(a, t);
       if (p.tier == Placement::Tier::kSwap) return s.part[a];
       return nullptr;
     };
@@ -300,9 +309,13 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
         // Stream 0 for every tensor, as a caller of cpu_optim::step or the
         // C ABI gets by default: the same bits as those on whole tensors.
         b.index_base = t.first_index + c.offset;
-        b.params_out = ptr(kOut);
+        b.params_out = t.out_is_master ? nullptr : ptr(kOut);
         b.out_dtype = options_.out_dtype;
         st = cpu_optim::step(*config, t.step > 0 ? t.step : step, b, c.count, options_.exec);
+        // An fp32 compute copy on the host: the updated master's bits (one
+        // in a swap store is written from the master's chunk below).
+        if (st.ok() && t.out_is_master && t.params_out.tier == Placement::Tier::kHost)
+          std::memcpy(ptr(kOut), b.params, c.count * 4);
       } else {
         auto r = cpu_optim::grad_stats(ptr(kGrads), DType::kF32, c.count, scale, options_.exec);
         if (r.ok()) {

@@ -107,6 +107,10 @@ struct OptimizerTensor {
   Placement grads;       // fp32, read only (required)
   Placement state[3];    // as cpu_optim::StepBuffers::state, dtype = options.state_dtype
   Placement params_out;  // optional: the updated compute copy in options.out_dtype
+  // params_out is an fp32 copy of the master (an fp32 model's compute copy):
+  // the updated master chunk is written there as well, with no conversion
+  // (from the ring, or copied from a host-resident master).
+  bool out_is_master = false;
   // This tensor's own bias-correction step (torch's per-parameter
   // state['step']: a parameter skipped in some steps has taken fewer); 0:
   // the call's step. The call's step still orders the calls (see step()).
@@ -226,6 +230,7 @@ class NvmeOptimizer {
   Status run(Mode mode, const cpu_optim::OptimizerConfig* config, std::int64_t step, double scale,
              std::size_t* chunks_done, cpu_optim::GradStats* stats);
   std::size_t element_size(int array) const;
+  std::size_t element_size(int array, const OptimizerTensor& t) const;  // out_is_master: 4
   bool reads(int array, const OptimizerTensor& t) const;
   bool writes(int array, const OptimizerTensor& t) const;
   void prepare_io_locked(std::size_t slot, std::size_t chunk, bool write, Pending* p);

@@ -228,6 +228,45 @@ TEST_P(NvmeOptimizerTest, BitIdenticalToInMemoryStepOverSeveralSteps) {
   }
 }
 
+// out_is_master (an fp32 model's compute copy): the output is the updated
+// master's bits, on every combination of master and output tier, with the
+// master and states still bit-identical to the in-memory step.
+TEST_P(NvmeOptimizerTest, Fp32OutputIsACopyOfTheUpdatedMaster) {
+  add("swap_swap", 100003, true, true, true, true);
+  add("swap_host", 2048 * 3 + 17, true, true, true, false);
+  add("host_swap", 40000, false, true, false, true);
+  add("host_host", 5000, false, false, false, false);
+  std::vector<io::SwapTensor> s_out32;
+  std::vector<std::vector<float>> h_out32;
+  for (auto& m : models_) {
+    auto t = store_->add_tensor(m.name + ".out32", m.count * 4);
+    ASSERT_TRUE(t.ok());
+    s_out32.push_back(*t);
+    h_out32.emplace_back(m.count, -1.0f);
+  }
+  auto opt = make();
+  ASSERT_TRUE(opt.ok()) << opt.status().to_string();
+  for (std::int64_t t = 1; t <= 3; ++t) {
+    new_grads();
+    reference_step(t);
+    auto ts = tensors();
+    for (size_t i = 0; i < ts.size(); ++i) {
+      ts[i].out_is_master = true;
+      ts[i].params_out = models_[i].swap_out ? Placement::in_swap(s_out32[i]) : Placement::in_host(h_out32[i].data());
+    }
+    Status s = (*opt)->step(config_, t, ts);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    for (size_t i = 0; i < models_.size(); ++i) {
+      const Model& m = models_[i];
+      std::vector<float> master(m.count), out(m.count);
+      if (m.swap_master) read_swap(m.s_master, &master); else master = m.h_master;
+      if (m.swap_out) read_swap(s_out32[i], &out); else out = h_out32[i];
+      EXPECT_EQ(0, std::memcmp(master.data(), m.master.data(), m.count * 4)) << m.name << " master, step " << t;
+      EXPECT_EQ(0, std::memcmp(out.data(), m.master.data(), m.count * 4)) << m.name << " fp32 output, step " << t;
+    }
+  }
+}
+
 TEST_P(NvmeOptimizerTest, TraceShowsEveryReadUpdateAndWrite) {
   add("a", 50000, true, true, true, true);
   const std::string path = dir_.path() + "/step.trace.json";

@@ -357,7 +357,10 @@ Status Registry::allocate_arrays() {
       STRATA_RETURN_IF_ERROR(place(p, p.state[1], n * state_size, "exp_avg_sq", false));
       STRATA_RETURN_IF_ERROR(place(p, p.grad, n * 4, "grad", false));
     }
-    p.refresh_from_master = p.trainable && (p.compute.tier == Tier::kDevice || p.dtype == DType::kF32);
+    // Device-homed compute copies are rebuilt from the master after a step;
+    // the others are written by the optimizer pass itself (bf16/fp16
+    // converted, fp32 as a copy of the updated master).
+    p.refresh_from_master = p.trainable && p.compute.tier == Tier::kDevice;
   }
   STRATA_RETURN_IF_ERROR(dev->synchronize(upload));
   for (auto& g : groups) {

@@ -47,16 +47,6 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
   oo.write_bytes = &reg_.traffic.nvme_write;
   STRATA_ASSIGN_OR_RETURN(opt_, NvmeOptimizer::create(reg_.store.get(), *reg_.pool, opt_config_, oo));
 
-  // Pipelined: the compute-copy refresh bounces through buffers of its own.
-  uint64_t widest_refresh = 0;
-  for (const ParamState& p : reg_.params)
-    if (p.refresh_from_master) widest_refresh = std::max(widest_refresh, p.shard.size());
-  if (pipelined_ && widest_refresh > 0) {
-    pipe_elems_ = round_up(std::min<uint64_t>(widest_refresh, uint64_t{4} << 20), reg_.io_quantum);
-    STRATA_ASSIGN_OR_RETURN(pipe_f32_, HostArray<float>::create(pipe_elems_));
-    STRATA_ASSIGN_OR_RETURN(pipe_compute_, HostArray<uint16_t>::create(pipe_elems_ * 2));  // up to 4-byte elements
-  }
-
   // Optimizer tensors per group (names borrowed from ParamState::name: params never reallocates now).
   const int nstates = cpu_optim::state_count(opt_config_);
   groups_.resize(reg_.groups.size());
@@ -75,7 +65,10 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
       t.master = p.master.placement();
       t.grads = p.grad.placement();
       for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
-      if (!p.refresh_from_master) t.params_out = p.compute.placement();
+      if (!p.refresh_from_master) {
+        t.params_out = p.compute.placement();
+        t.out_is_master = p.dtype == DType::kF32;
+      }
       groups_[gi].tensors.push_back(t);
       groups_[gi].ids.push_back(id);
       auto& parts = groups_[gi].parts;
@@ -97,7 +90,7 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
 void Stepper::plan_pipeline() {
   pipelined_ = reg_.cfg.strata.pipelined_step && !reg_.cfg.strata.overlap_backward && reg_.world == 1;
   for (const ParamState& p : reg_.params)
-    if (p.trainable && p.compute.tier == Tier::kDevice) pipelined_ = false;  // the refresh would race the uploads
+    if (p.refresh_from_master) pipelined_ = false;  // device-homed: its refresh would race the uploads
   pipe_pending_.assign(reg_.groups.size(), 0);
   pipe_reduced_.assign(reg_.params.size(), 0);
 }
@@ -293,15 +286,6 @@ void Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::fun
   for (GroupId g = 0; g < groups_.size(); ++g) queue_.push(g);
 }
 
-Status Stepper::refresh_group(GroupId gi, const Bounce& b) {
-  for (ParamId id : reg_.groups[gi].params) {
-    if (!reg_.params[id].refresh_from_master) continue;
-    Status s = reg_.refresh_compute(id, b);
-    if (!s.ok()) return s.with_context("engine: updating the compute copy of " + reg_.params[id].name);
-  }
-  return {};
-}
-
 void Stepper::run_pipelined_update(GroupId gi) {
   Status st = pipeline_error();  // after a failure the step is torn: the rest is not applied
   if (st.ok()) {
@@ -310,7 +294,6 @@ void Stepper::run_pipelined_update(GroupId gi) {
     if (!st.ok())
       st = st.with_context(fmt::format("engine: optimizer step {} of group {}", pipe_step_, reg_.groups[gi].name));
   }
-  if (st.ok()) st = refresh_group(gi, Bounce{pipe_f32_.data(), pipe_compute_.data(), pipe_elems_});
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
     pipe_pending_[gi] = 0;

@@ -25,7 +25,6 @@
 #include <mutex>
 #include <vector>
 
-#include "common/host_memory.h"
 
 #include "runtime/engine/async_error.h"
 #include "runtime/engine/loss_scaler.h"
@@ -76,8 +75,8 @@ class Stepper {
   // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward,
   // no trainable compute copy homed on the device)
   // step() computes the norm and the decision (the norm's squares are
-  // already summed), then hands every group's update, and its compute-copy
-  // refresh, to the optimizer thread in group order and returns: the update
+  // already summed), then hands every group's update (which also writes its
+  // compute copies) to the optimizer thread in group order and returns: the update
   // of group k runs while the trainer computes the next forward of the
   // groups before k. Exactly the same arithmetic as the synchronous step.
   // Whoever touches a group's compute copy or gradient first waits for its
@@ -159,7 +158,6 @@ class Stepper {
                     const std::function<bool(ParamId)>& reduced = {}, bool counted = false);
   void queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced);
   void run_pipelined_update(GroupId g);  // optimizer thread
-  Status refresh_group(GroupId g, const Bounce& b);
   Status group_stats(GroupId g, double scale);
   Status combine_ranks_stats();  // N ranks: the norm's parts of every rank
   // optimizer thread (every parameter of the group was reduced), or driving
@@ -186,9 +184,6 @@ class Stepper {
   int64_t pipe_step_ = 0;
   std::vector<GroupHyper> pipe_group_hp_;
   std::vector<uint8_t> pipe_reduced_;  // per param: reduced in the step being applied
-  HostArray<float> pipe_f32_;          // the refresh's own bounce buffers (the gradient
-  HostArray<uint16_t> pipe_compute_;   //   path's are in use by then)
-  uint64_t pipe_elems_ = 0;
   std::mutex pipe_mu_;
   std::condition_variable pipe_cv_;
   std::vector<uint8_t> pipe_pending_;  // per group (pipe_mu_)
