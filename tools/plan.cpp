@@ -456,6 +456,7 @@ int run(const PlanCliOptions& o) {
   work.tokens_per_micro_batch = o.batch * o.seq;
   work.activation_checkpointing = !o.no_checkpointing;
   work.overlap_backward = ds.strata.overlap_backward;
+  work.pipelined_step = ds.strata.pipelined_step;
   auto est = predict_step_time(*plan, bw, work);
   if (!est.ok()) return fail(est.status().message());
   const double tokens_per_step = static_cast<double>(work.tokens_per_micro_batch) * options.micro_batches;

@@ -63,10 +63,10 @@
 // The gradient accumulators then count as empty.
 //
 // Pipelined step (strata.pipelined_step, default on; one rank, no
-// overlap_backward, no trainable compute copy homed on the device). step()
-// does 1-3 and returns; 4 runs on the optimizer thread, group by group in
-// group order, each group's compute copy refreshed after its update, while
-// the trainer computes the next forward: acquire(g) (its upload) and
+// overlap_backward). step() does 1-3 and returns; 4 runs on the optimizer
+// thread, group by group in group order (groups whose compute copies are
+// homed on the device are still updated inside step()), while the trainer
+// computes the next forward: acquire(g) (its upload) and
 // reduce_grad of g's parameters wait for g's update, and every other call
 // that reads or writes state waits for all of them. The same arithmetic in
 // the same order: bit-identical to the synchronous step. An update that

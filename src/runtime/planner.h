@@ -154,6 +154,10 @@ struct Workload {
   uint64_t tokens_per_micro_batch = 0;   // per rank
   bool activation_checkpointing = true;  // recompute forward in backward
   bool overlap_backward = false;         // optimizer may start during the last backward
+  // strata.pipelined_step (the engine's default; off here unless set): the
+  // optimizer step runs behind the next forward (one rank; groups with
+  // device-homed compute copies still update inside step()).
+  bool pipelined_step = false;
 };
 
 struct StepTimeEstimate {
@@ -170,6 +174,7 @@ struct StepTimeEstimate {
   double step_comm_s = 0;      // stages 1-2, N ranks: the all-gather of the updated shards, after the update
   double optimizer_step_s = 0;
   double overlap_saved_s = 0;  // step time hidden under backward (overlap_backward)
+  double pipelined_saved_s = 0;  // step time hidden under the next forward (pipelined step)
   double total_s = 0;
   std::string bottleneck;  // the part that sets the time, e.g. "NVMe (optimizer step)"
   std::string report() const;
@@ -181,7 +186,9 @@ struct StepTimeEstimate {
 // writes share the drives (their times add). The optimizer step is a
 // pipeline: NVMe traffic, the CPU update and uploads of updated copies
 // overlap, plus the first chunk's read and the last chunk's write. With
-// overlap_backward the step may hide under the last micro-batch's backward.
+// overlap_backward the step may hide under the last micro-batch's backward;
+// with a pipelined step, under the next step's first forward (each group's
+// update must finish before its forward, so at most that forward's length).
 // kInvalidArgument when a bandwidth the plan needs is zero or negative, or
 // tokens_per_micro_batch is zero.
 Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& bw, const Workload& work);

@@ -513,6 +513,29 @@ TEST(Planner70B, PredictedStepTime) {
   EXPECT_NEAR(o->overlap_saved_s, std::min(o->forward_backward_s * 0.75, o->optimizer_step_s), 1e-9);
   EXPECT_NEAR(o->total_s, e->total_s - o->overlap_saved_s, 1e-9);
 
+  // A pipelined step hides at most the next forward (2/8 of a micro-batch
+  // with recompute), and not with overlap_backward.
+  w.pipelined_step = true;
+  auto both = predict_step_time(p, bw, w);
+  ASSERT_TRUE(both.ok());
+  EXPECT_EQ(both->pipelined_saved_s, 0.0);
+  w.overlap_backward = false;
+  auto pl = predict_step_time(p, bw, w);
+  ASSERT_TRUE(pl.ok());
+  uint64_t all = 0, queued = 0;  // groups with device-homed compute copies are updated inside step()
+  for (const GroupPlan& g : p.groups) {
+    all += g.trainable_shard_numel;
+    if (g.tier[static_cast<int>(StateKind::kCompute)] != Tier::kDevice) queued += g.trainable_shard_numel;
+  }
+  ASSERT_GT(queued, 0u);
+  EXPECT_NEAR(pl->pipelined_saved_s,
+              std::min(pl->forward_backward_s * 0.25, pl->optimizer_step_s * double(queued) / double(all)), 1e-9);
+  EXPECT_GT(pl->pipelined_saved_s, 0.0);
+  EXPECT_NEAR(pl->total_s, e->total_s - pl->pipelined_saved_s, 1e-9);
+  EXPECT_NE(pl->report().find("hidden under the next forward"), std::string::npos);
+  w.overlap_backward = true;
+  w.pipelined_step = false;
+
   bw.nvme_read = 0;
   auto bad = predict_step_time(p, bw, w);
   ASSERT_FALSE(bad.ok());

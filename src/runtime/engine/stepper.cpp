@@ -89,9 +89,13 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
 
 void Stepper::plan_pipeline() {
   pipelined_ = reg_.cfg.strata.pipelined_step && !reg_.cfg.strata.overlap_backward && reg_.world == 1;
-  for (const ParamState& p : reg_.params)
-    if (p.refresh_from_master) pipelined_ = false;  // device-homed: its refresh would race the uploads
   pipe_pending_.assign(reg_.groups.size(), 0);
+  // A group with device-homed compute copies is updated in step() itself:
+  // its acquire hands out the copy directly (no upload to wait in) and its
+  // refresh writes device memory.
+  pipe_sync_.assign(reg_.groups.size(), 0);
+  for (const ParamState& p : reg_.params)
+    if (p.refresh_from_master) pipe_sync_[p.group] = 1;
   pipe_reduced_.assign(reg_.params.size(), 0);
 }
 
@@ -269,7 +273,7 @@ void Stepper::run_group_update(GroupId gi, const std::function<bool(ParamId)>& r
 
 // ---------------------------------------------------------------- pipelined step
 
-void Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced) {
+Status Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced) {
   pipe_config_ = c;
   pipe_step_ = steps_ + 1;
   pipe_group_hp_ = group_hp_;
@@ -279,11 +283,22 @@ void Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::fun
     // the next step see this step's counts without waiting.
     if (reg_.params[id].trainable && pipe_reduced_[id]) ++reg_.params[id].updates;
   }
+  // Device-homed groups now, on this thread (the queue is idle: no other
+  // NvmeOptimizer call runs); the rest queued.
+  auto is_reduced = [this](ParamId id) { return pipe_reduced_[id] != 0; };
+  for (GroupId g = 0; g < groups_.size(); ++g) {
+    if (!pipe_sync_[g]) continue;
+    Status st = step_group(g, pipe_config_, pipe_step_, pipe_group_hp_, is_reduced, true);
+    if (!st.ok())
+      return st.with_context(fmt::format("engine: optimizer step {} of group {}", pipe_step_, reg_.groups[g].name));
+  }
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
-    std::fill(pipe_pending_.begin(), pipe_pending_.end(), uint8_t{1});
+    for (GroupId g = 0; g < groups_.size(); ++g) pipe_pending_[g] = !pipe_sync_[g];
   }
-  for (GroupId g = 0; g < groups_.size(); ++g) queue_.push(g);
+  for (GroupId g = 0; g < groups_.size(); ++g)
+    if (!pipe_sync_[g]) queue_.push(g);
+  return {};
 }
 
 void Stepper::run_pipelined_update(GroupId gi) {
@@ -370,7 +385,7 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
       if (pipelined_) {
-        queue_pipeline(oc, reduced);
+        STRATA_RETURN_IF_ERROR(queue_pipeline(oc, reduced));
       } else {
         for (GroupId g = 0; g < groups_.size(); ++g) {
           Status s = step_group(g, oc, steps_ + 1, group_hp_, reduced);
@@ -385,7 +400,9 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
   }
   if (updated_any) {
     ++steps_;
-    for (ParamId id = 0; id < reg_.params.size() && !pipelined_; ++id) {  // pipelined: per group, queued
+    // (Pipelined: these are the device-homed groups', updated above; the
+    // queued groups' updates write their own compute copies.)
+    for (ParamId id = 0; id < reg_.params.size(); ++id) {
       if (!reg_.params[id].refresh_from_master) continue;
       if (overlap && groups_[reg_.params[id].group].skipped) continue;
       Status s = reg_.refresh_compute(id, bounce);

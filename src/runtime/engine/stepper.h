@@ -72,8 +72,9 @@ class Stepper {
   // Accumulator thread: every gradient of g is in; update it.
   void queue_update(GroupId g) { queue_.push(g); }
 
-  // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward,
-  // no trainable compute copy homed on the device)
+  // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward;
+  // groups whose compute copies are homed on the device are still updated
+  // inside step())
   // step() computes the norm and the decision (the norm's squares are
   // already summed), then hands every group's update (which also writes its
   // compute copies) to the optimizer thread in group order and returns: the update
@@ -156,7 +157,7 @@ class Stepper {
   // step (pipelined: at queue time, on the driving thread).
   Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
                     const std::function<bool(ParamId)>& reduced = {}, bool counted = false);
-  void queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced);
+  Status queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced);
   void run_pipelined_update(GroupId g);  // optimizer thread
   Status group_stats(GroupId g, double scale);
   Status combine_ranks_stats();  // N ranks: the norm's parts of every rank
@@ -187,6 +188,7 @@ class Stepper {
   std::mutex pipe_mu_;
   std::condition_variable pipe_cv_;
   std::vector<uint8_t> pipe_pending_;  // per group (pipe_mu_)
+  std::vector<uint8_t> pipe_sync_;     // per group: device-homed compute copies, updated in step()
   Status pipe_error_;                  // first failed update (pipe_mu_), until restore()
 
   LossScaler scaler_;
