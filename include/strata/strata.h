@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 5
+#define STRATA_API_VERSION 6
 
 /* ------------------------------------------------------------------ status */
 
@@ -570,12 +570,23 @@ STRATA_API strata_status_t strata_engine_reduce_grad_dlpack(strata_engine_t engi
  * alone: no update, no weight decay, as torch skips a grad of None).
  * lr < 0 keeps the current lr: the last lr >= 0 given to a step, at first
  * the config's optimizer.lr. Learning-rate groups with their own lr
- * (strata_engine_set_group_lr) use theirs. Blocks until done. result may be NULL; else its
+ * (strata_engine_set_group_lr) use theirs. Blocks until the step is decided
+ * (pipelined, the default: the updates finish in the background, see
+ * strata_engine_synchronize; else until done). result may be NULL; else its
  * struct_size is checked before the step runs. Errors: the first error of
  * the step's asynchronous work (I/O: naming tensor and chunk),
  * STRATA_ERR_INVALID_ARGUMENT (groups still acquired). After an error the
  * engine refuses further steps until a checkpoint is loaded. */
 STRATA_API strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_step_result_t* result);
+/* Blocks until the engine's background work is done and returns its first
+ * error. With strata.pipelined_step (the default; docs/engine.md),
+ * strata_engine_step returns once the step is decided (norm, skip, loss
+ * scale, clipping: the result is final) and the groups' updates are applied
+ * behind the next forward; a failure of one (an NVMe error) is reported by
+ * the next call that meets it, or here. Call it before exiting when the last
+ * step's outcome matters without a save. After such an error the engine
+ * refuses steps and saves until a checkpoint is loaded. (API version 6.) */
+STRATA_API strata_status_t strata_engine_synchronize(strata_engine_t engine);
 /* Gives every parameter with this lr_group (strata_param_desc_t) its own
  * learning rate from the next update on: what a torch scheduler sets per
  * param_group. lr < 0: the group follows the lr given to strata_engine_step

@@ -201,6 +201,8 @@ class Engine {
   // Abandons the step in progress (strata_engine_discard_step); s may be a
   // null stream when no group is acquired.
   Error discard_step(strata_stream_t s = nullptr) { return Error::from(strata_engine_discard_step(e_, s)); }
+  // Waits for a pipelined step's updates; their error (strata_engine_synchronize).
+  Error synchronize() { return Error::from(strata_engine_synchronize(e_)); }
   // lr < 0 keeps the config's learning rate. `result` may be null.
   Error step(double lr = -1, strata_step_result_t* result = nullptr) {
     if (result) result->struct_size = sizeof(*result);

@@ -11,7 +11,7 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 5  # STRATA_API_VERSION these bindings speak
+API_VERSION = 6  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
@@ -135,6 +135,7 @@ strata_engine_release = _fn("strata_engine_release", c_int, c_void_p, c_uint32, 
 strata_engine_reduce_grad = _fn("strata_engine_reduce_grad", c_int, c_void_p, c_uint32, c_void_p, c_int, c_void_p)
 strata_engine_discard_step = _fn("strata_engine_discard_step", c_int, c_void_p, c_void_p)
 strata_engine_step = _fn("strata_engine_step", c_int, c_void_p, c_double, ctypes.POINTER(StepResult))
+strata_engine_synchronize = _fn("strata_engine_synchronize", c_int, c_void_p)
 strata_engine_set_lr = _fn("strata_engine_set_lr", c_int, c_void_p, c_double)
 strata_engine_set_group_betas = _fn("strata_engine_set_group_betas", c_int, c_void_p, c_uint32, c_double, c_double)
 strata_engine_set_group_lr = _fn("strata_engine_set_group_lr", c_int, c_void_p, c_uint32, c_double)

@@ -512,6 +512,10 @@ strata_status_t strata_engine_step(strata_engine_t engine, double lr, strata_ste
   });
 }
 
+strata_status_t strata_engine_synchronize(strata_engine_t engine) {
+  return on_engine(engine, "strata_engine_synchronize", [&]() -> Status { return engine->engine->synchronize(); });
+}
+
 strata_status_t strata_engine_set_lr(strata_engine_t engine, double lr) {
   return on_engine(engine, "strata_engine_set_lr", [&]() -> Status {
     if (!std::isfinite(lr) || lr < 0)

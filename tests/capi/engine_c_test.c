@@ -283,6 +283,7 @@ static int train_step(Run* r, int step, strata_step_result_t* res) {
   memset(res, 0, sizeof(*res));
   res->struct_size = sizeof(*res);
   OK(e, strata_engine_step(e, -1, res));
+  OK(e, strata_engine_synchronize(e));
   return 0;
 }
 
@@ -559,6 +560,7 @@ static int test_errors(void) {
 
   /* NULL handles. */
   CHECK(strata_engine_step(NULL, -1, NULL) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strata_engine_synchronize(NULL) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_last_error(), "engine is NULL") != NULL);
   CHECK(strata_stream_synchronize(NULL) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strcmp(strata_engine_last_error(NULL), "") == 0);

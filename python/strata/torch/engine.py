@@ -710,6 +710,11 @@ class StrataEngine:
                           "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
         return self.last_step
 
+    def synchronize(self):
+        """Waits until the last step's updates are applied (strata.pipelined_step: step() returns once the
+        step is decided and the updates run behind the next forward) and raises their error, if any."""
+        self._call(_lib.strata_engine_synchronize)
+
     def get_lr(self):
         return [g["lr"] for g in self.optimizer.param_groups]
 

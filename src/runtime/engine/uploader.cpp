@@ -338,7 +338,10 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   Status err;
   {
     std::unique_lock<std::mutex> lock(mu_);
-    slot_cv_.wait(lock, [&] { return slots_[si].enqueued; });
+    if (!slots_[si].enqueued) {  // the trainer waits for the upload (a prefetch miss, or one still running)
+      TraceSpan wait(reg_.tracer.get(), "acquire_wait", trace_cat::kRuntime, {{"group", info.name.c_str()}});
+      slot_cv_.wait(lock, [&] { return slots_[si].enqueued; });
+    }
     err = slots_[si].error;
     if (!err.ok()) {
       slots_[si].state = Slot::kFree;
