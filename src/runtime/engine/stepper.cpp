@@ -69,7 +69,6 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
         t.params_out = p.compute.placement();
         t.out_is_master = p.dtype == DType::kF32;
       }
-      groups_[gi].tensors.push_back(t);
       groups_[gi].ids.push_back(id);
       auto& parts = groups_[gi].parts;
       auto it = std::find_if(parts.begin(), parts.end(), [&](const GroupUpdate::Part& q) {

@@ -127,8 +127,7 @@ class Stepper {
 
  private:
   struct GroupUpdate {
-    std::vector<OptimizerTensor> tensors;  // names borrowed from ParamState
-    std::vector<ParamId> ids;              // the tensors' parameters, in the same order (the norm sums over these)
+    std::vector<ParamId> ids;  // the group's trainable parameters, in order (the norm sums over these)
     // The same tensors split by (lr group, weight decay): the update runs once
     // per part, with that group's lr and weight_decay 0 for undecayed parts.
     struct Part {
