@@ -59,14 +59,17 @@
 //   4. the optimizer over every shard: NVMe-resident state streams through
 //      the pinned ring of runtime/nvme_optimizer.h (read k+1 | update k |
 //      write k-1) and the updated compute copy is produced in the same pass
-//      and written to its home; device-resident state uses the device's AdamW.
+//      and written to its home (a device-homed one uploaded from the ring,
+//      chunk by chunk, on a stream of its own; with overlap_backward it is
+//      rebuilt from the master after the pass, once backward is done).
+//      Masters, states and gradients live on host or NVMe: a plan that puts
+//      them on the device is refused (no device-side optimizer in the engine yet).
 // The gradient accumulators then count as empty.
 //
 // Pipelined step (strata.pipelined_step, default on; one rank, no
 // overlap_backward). step() does 1-3 and returns; 4 runs on the optimizer
-// thread, group by group in group order (groups whose compute copies are
-// homed on the device are still updated inside step()), while the trainer
-// computes the next forward: acquire(g) (its upload) and
+// thread, group by group in group order, while the trainer computes the
+// next forward: acquire(g) (its upload, or a device-homed group itself) and
 // reduce_grad of g's parameters wait for g's update, and every other call
 // that reads or writes state waits for all of them. The same arithmetic in
 // the same order: bit-identical to the synchronous step. An update that

@@ -124,8 +124,13 @@ Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors, Mode mo
         if (a == kOut) continue;
         return bad(fmt::format("no {} array", kArrayNames[a]));
       }
-      if (p.tier == Placement::Tier::kHost && p.host == nullptr && t.count > 0)
-        return bad(fmt::format("{} is host-resident with a null pointer", kArrayNames[a]));
+      if ((p.tier == Placement::Tier::kHost || p.tier == Placement::Tier::kDevice) && p.host == nullptr && t.count > 0)
+        return bad(fmt::format("{} is {}-resident with a null pointer", kArrayNames[a],
+                               p.tier == Placement::Tier::kHost ? "host" : "device"));
+      if (p.tier == Placement::Tier::kDevice && a != kOut)
+        return bad(fmt::format("{} is on the device; only params_out may be", kArrayNames[a]));
+      if (p.tier == Placement::Tier::kDevice && options_.device_out == nullptr)
+        return bad("params_out is on the device but the optimizer has no device_out");
       if (p.tier == Placement::Tier::kSwap) {
         if (store_ == nullptr) return bad(fmt::format("{} is in a swap store but the optimizer has none", kArrayNames[a]));
         if (p.swap.bytes < t.count * element_size(a, t))
@@ -273,9 +278,22 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
 
   Status failure;
   Tracer* tr = options_.tracer;
+  // Device outputs: which slots have copies in flight (this thread only).
+  std::vector<std::uint8_t>& copying = out_copying_;
+  copying.assign(depth, 0);
+  auto wait_out = [&](std::size_t si) -> Status {
+    if (!copying[si]) return {};
+    copying[si] = 0;
+    return options_.device_out->wait(static_cast<unsigned>(si));
+  };
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t si = i % depth;
     Slot& s = *slots_[si];
+    // The slot's output is written below: its previous upload must be done.
+    if (Status w = wait_out(si); !w.ok()) {
+      out_failed(chunk_error("uploading", i >= depth ? i - depth : i, kOut, w));
+      break;
+    }
     {
       TraceSpan wait(tr, "wait_read", trace_cat::kRuntime);
       std::unique_lock<std::mutex> lock(mu_);
@@ -291,7 +309,7 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
     auto ptr = [&](int a) -> void* {
       const Placement& p = placement(t, a);
       if (p.tier == Placement::Tier::kHost) return static_cast<char*>(p.host) + c.offset * element_size(a, t);
-      if (p.tier == Placement::Tier::kSwap) return s.part[a];
+      if (p.tier == Placement::Tier::kSwap || p.tier == Placement::Tier::kDevice) return s.part[a];
       return nullptr;
     };
     Status st;
@@ -330,6 +348,20 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
       failure = chunk_error("updating", i, -1, st);
       break;
     }
+    if (mode == Mode::kStep && t.params_out.tier == Placement::Tier::kDevice) {
+      // The fp32 copy of a master is uploaded from the master's chunk, which
+      // the slot's next read overwrites: that one upload is waited for here.
+      const std::size_t es = element_size(kOut, t);
+      const void* src = t.out_is_master ? ptr(kMaster) : ptr(kOut);
+      void* dst = static_cast<char*>(t.params_out.host) + c.offset * es;
+      Status w = options_.device_out->copy(static_cast<unsigned>(si), dst, src, c.count * es);
+      copying[si] = 1;
+      if (w.ok() && t.out_is_master && t.master.tier == Placement::Tier::kSwap) w = wait_out(si);
+      if (!w.ok()) {
+        out_failed(chunk_error("uploading", i, kOut, w));
+        break;
+      }
+    }
     ++*chunks_done;
     bool any_write = false;
     if (mode == Mode::kStep)
@@ -351,11 +383,22 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
   }
   // Drain: nothing new is read; every request already issued completes
   // before the ring (and the caller's tensors) can be touched again.
+  for (std::size_t si = 0; si < depth; ++si)
+    if (Status w = wait_out(si); !w.ok()) out_failed(w.with_context(fmt::format("optimizer step {}: uploading the compute copy", step_)));
   std::unique_lock<std::mutex> lock(mu_);
   stop_ = true;
   cv_.wait(lock, [&] { return inflight_ == 0; });
   if (!write_error_.ok()) return write_error_;
   return failure;
+}
+
+// A failed upload leaves a device compute copy that no longer matches its
+// master: handled as a failed write-back (the state counts as torn).
+void NvmeOptimizer::out_failed(const Status& st) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (write_error_.ok()) write_error_ = st;
+  stop_ = true;
+  cv_.notify_all();
 }
 
 Status NvmeOptimizer::step(const cpu_optim::OptimizerConfig& config, std::int64_t step,

@@ -15,7 +15,8 @@
 // the completion callback of the write that frees its slot, so the disk always
 // has reads and writes queued without the calling thread waking up for it.
 // The bf16/fp16 compute copy is produced in the same pass
-// (StepBuffers::params_out) and written to its place (host or swap store).
+// (StepBuffers::params_out) and written to its place (host, swap store, or
+// device memory through a DeviceOutput, overlapped with the next chunk).
 // Host-resident arrays are used in place: nothing is copied or written for
 // them.
 //
@@ -53,7 +54,8 @@
 //     refused with kInvalidArgument until step t is complete.
 //   * A write error: the chunk being written is torn on disk (some of its
 //     pieces hold step t, some step t-1), its updated bytes are gone from the
-//     ring, and chunks updated after it may or may not have been written. progress().torn is set and every later step() returns
+//     ring, and chunks updated after it may or may not have been written.
+//     A failed upload to a device params_out counts as a write error. progress().torn is set and every later step() returns
 //     kCorrupt: restore the state (a checkpoint), then set_completed_step().
 //   * step() with a number other than last+1 after a complete step is refused
 //     (kInvalidArgument), so a step cannot be applied twice by mistake. A new
@@ -86,17 +88,33 @@
 
 namespace strata {
 
-// Where one array of a tensor lives: a swap-store tensor, host memory, or
-// nowhere (an optional array that is absent).
+// Where one array of a tensor lives: a swap-store tensor, host memory,
+// device memory (params_out only, through NvmeOptimizerOptions::device_out),
+// or nowhere (an optional array that is absent).
 struct Placement {
-  enum class Tier : std::uint8_t { kNone = 0, kHost = 1, kSwap = 2 };
+  enum class Tier : std::uint8_t { kNone = 0, kHost = 1, kSwap = 2, kDevice = 3 };
   Tier tier = Tier::kNone;
-  void* host = nullptr;  // kHost: the array's first element
+  void* host = nullptr;  // kHost: the array's first element; kDevice: its device address
   io::SwapTensor swap;   // kSwap: the array's bytes, from element 0
 
   static Placement in_host(void* p) { return {Tier::kHost, p, {}}; }
   static Placement in_swap(const io::SwapTensor& t) { return {Tier::kSwap, nullptr, t}; }
+  static Placement on_device(void* p) { return {Tier::kDevice, p, {}}; }
   bool present() const { return tier != Tier::kNone; }
+};
+
+// Where device-resident compute copies are written (params_out on
+// Placement::Tier::kDevice): each updated chunk's output, still in its ring
+// slot, goes to copy(), which enqueues an asynchronous host -> device copy;
+// before that slot's output is written again, and before step() returns,
+// the optimizer calls wait(slot). So the upload of chunk k overlaps the
+// update of chunk k+1 and no master is read back to rebuild the copy.
+class DeviceOutput {
+ public:
+  virtual ~DeviceOutput() = default;
+  virtual Status copy(unsigned slot, void* device_dst, const void* host_src, std::size_t bytes) = 0;
+  // Blocks until every copy() of `slot` so far is complete; its error.
+  virtual Status wait(unsigned slot) = 0;
 };
 
 // One tensor of the step: `count` elements in each array.
@@ -137,6 +155,8 @@ struct NvmeOptimizerOptions {
   // bf16 states: stochastic (default) or nearest; see cpu_optim::StepBuffers.
   cpu_optim::StateRounding state_rounding = cpu_optim::StateRounding::kNearest;
   DType out_dtype = DType::kBF16;   // of params_out: bf16 or fp16
+  // Required when a params_out is on the device; borrowed.
+  DeviceOutput* device_out = nullptr;
   cpu_optim::ExecOptions exec;
   Tracer* tracer = nullptr;  // read/write spans on one track per ring slot, updates on the caller's thread
   // Where to add the bytes of every read and write submitted to the swap
@@ -238,6 +258,7 @@ class NvmeOptimizer {
   void piece_done(std::size_t slot, int array, const Status& st);
   void issue_read(std::size_t slot, std::size_t chunk);
   Status chunk_error(const char* what, std::size_t chunk, int array, const Status& st) const;
+  void out_failed(const Status& st);
 
   io::SwapStore* store_;
   NvmeOptimizerOptions options_;
@@ -256,7 +277,8 @@ class NvmeOptimizer {
   std::condition_variable cv_;
   std::size_t inflight_ = 0;  // pieces + submission guards not yet done (mu_)
   bool stop_ = false;         // no further reads (mu_)
-  Status write_error_;        // first failed write-back (mu_)
+  Status write_error_;        // first failed write-back or upload (mu_)
+  std::vector<std::uint8_t> out_copying_;  // per slot: device_out copies in flight (calling thread)
 };
 
 }  // namespace strata

@@ -637,16 +637,16 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
     const double window = e.forward_backward_s / m * bwd_share;
     e.overlap_saved_s = std::min(window, e.optimizer_step_s);
   } else if (work.pipelined_step && plan.world_size == 1) {
-    // Groups with device-homed compute copies are updated inside step();
-    // the others' share of the step (by trainable elements) can hide under
-    // the next forward: 2 of 6 (or of 8 with recompute) FLOP units of a
-    // micro-batch.
-    uint64_t all = 0, queued = 0;
+    // Every group's update is queued in order; the next forward's first
+    // group waits for its own, so all but the first group's share of the
+    // step (by trainable elements) can hide under the next forward: 2 of 6
+    // (or of 8 with recompute) FLOP units of a micro-batch.
+    uint64_t all = 0, first = 0;
     for (const GroupPlan& g : plan.groups) {
+      if (all == 0) first = g.trainable_shard_numel;
       all += g.trainable_shard_numel;
-      if (g.tier[static_cast<int>(StateKind::kCompute)] != Tier::kDevice) queued += g.trainable_shard_numel;
     }
-    const double share = all ? static_cast<double>(queued) / static_cast<double>(all) : 0.0;
+    const double share = all ? static_cast<double>(all - first) / static_cast<double>(all) : 0.0;
     const double fwd_share = work.activation_checkpointing ? 2.0 / 8.0 : 2.0 / 6.0;
     e.pipelined_saved_s = std::min(e.forward_backward_s / m * fwd_share, e.optimizer_step_s * share);
   }

@@ -155,8 +155,8 @@ struct Workload {
   bool activation_checkpointing = true;  // recompute forward in backward
   bool overlap_backward = false;         // optimizer may start during the last backward
   // strata.pipelined_step (the engine's default; off here unless set): the
-  // optimizer step runs behind the next forward (one rank; groups with
-  // device-homed compute copies still update inside step()).
+  // optimizer step runs behind the next forward (one rank; all but the first
+  // group's update can hide).
   bool pipelined_step = false;
 };
 

@@ -640,19 +640,28 @@ TEST(Engine, Fp16OverflowSkipsTheStepAndLowersTheScale) {
 TEST(Engine, OverlapWithoutClippingEqualsNormalMode) {
   Device d = make_device();
   SKIP_WITHOUT_DEVICE(d);
-  RunOptions o;
-  o.micro = 2;
-  RunResult normal = train(d.dev.get(), o, make_config(o, Place::kHost, ""), 10);
-  RunOptions ov = o;
-  ov.overlap = true;
-  RunResult overlap = train(d.dev.get(), ov, make_config(ov, Place::kHost, ""), 10);
-  ASSERT_EQ(normal.logs.size(), overlap.logs.size());
-  for (size_t i = 0; i < normal.logs.size(); ++i) {
-    EXPECT_EQ(normal.logs[i].loss, overlap.logs[i].loss);
-    EXPECT_EQ(normal.logs[i].r.grad_norm, overlap.logs[i].r.grad_norm);
+  // Host-homed compute copies, and device-homed ones (the auto plan: the
+  // optimizer pass uploads them; with overlap they are rebuilt from the
+  // masters in step()).
+  for (Place place : {Place::kHost, Place::kAuto}) {
+    SCOPED_TRACE(place == Place::kHost ? "host" : "auto (device-homed compute copies)");
+    RunOptions o;
+    o.micro = 2;
+    RunResult normal = train(d.dev.get(), o, make_config(o, place, ""), 10);
+    RunOptions ov = o;
+    ov.overlap = true;
+    RunResult overlap = train(d.dev.get(), ov, make_config(ov, place, ""), 10);
+    ASSERT_EQ(normal.logs.size(), overlap.logs.size());
+    for (size_t i = 0; i < normal.logs.size(); ++i) {
+      EXPECT_EQ(normal.logs[i].loss, overlap.logs[i].loss);
+      EXPECT_EQ(normal.logs[i].r.grad_norm, overlap.logs[i].r.grad_norm);
+    }
+    EXPECT_TRUE(bits_equal(normal.params, overlap.params));
+    EXPECT_TRUE(bits_equal(normal.compute, overlap.compute));
+    if (place == Place::kAuto) {
+      EXPECT_GT(normal.stats.tier_bytes[static_cast<int>(Tier::kDevice)], 0u);
+    }
   }
-  EXPECT_TRUE(bits_equal(normal.params, overlap.params));
-  EXPECT_TRUE(bits_equal(normal.compute, overlap.compute));
 }
 
 TEST(Engine, OverlapClipsByThePreviousNorm) {
@@ -1137,8 +1146,8 @@ TEST(EngineNvme, PipelinedStepIsBitIdenticalToTheSynchronousStep) {
     for (int i = 5; i < 8; ++i) ASSERT_TRUE(c.run_step(i).ok());
     EXPECT_TRUE(bits_equal(c.params(), b.params()));
   }
-  // Compute copies homed on the device (the auto plan here): those groups
-  // are updated inside step(), the others pipelined; the same bits.
+  // Compute copies homed on the device (the auto plan here): queued like
+  // the others, their update uploads them; the same bits.
   {
     RunOptions o;
     o.micro = 2;
@@ -1164,6 +1173,59 @@ TEST(EngineNvme, PipelinedStepIsBitIdenticalToTheSynchronousStep) {
   Trainer ov(d.dev.get(), o);
   ASSERT_TRUE(ov.init(make_config(o, Place::kHost, "")).ok());
   EXPECT_FALSE(ov.e->pipelined_step());
+}
+
+// Device-homed compute copies (issue 13 §3) come out of the optimizer pass:
+// uploaded from its ring chunk by chunk, with no master read back, pipelined
+// (queued like every group; acquire waits for the group's update) or not.
+// The reference's bits either way; per step, NVMe reads and writes are
+// exactly master + moments + gradient and host->device exactly the compute
+// copies (the planner's minimum for this placement).
+TEST(EngineNvme, DeviceHomedComputeCopiesAreUploadedByTheOptimizerPass) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.clip = 0.2;
+  uint64_t elems = 0, compute = 0;
+  for (const auto& p : make_model(compute_dtype(o)).params) {
+    elems += p.numel();
+    compute += p.numel() * dtype_size(p.compute_dtype);
+  }
+  for (bool pipelined : {true, false}) {
+    SCOPED_TRACE(pipelined ? "pipelined" : "synchronous");
+    Config cfg = make_config(o, Place::kAuto, dir.path() + (pipelined ? "/p" : "/s"));
+    cfg.strata.groups.push_back(GroupTierRule{"*", Tier::kDevice, Tier::kNvme, Tier::kNvme, Tier::kNvme});
+    cfg.strata.pipelined_step = pipelined;
+    Trainer t(d.dev.get(), o);
+    Status init = t.init(cfg);
+    ASSERT_TRUE(init.ok()) << init.to_string();
+    EXPECT_EQ(t.e->pipelined_step(), pipelined);
+    for (const auto& g : t.e->plan().groups)
+      ASSERT_EQ(g.tier[static_cast<int>(StateKind::kCompute)], Tier::kDevice) << g.name;
+    Reference ref(o);
+    constexpr int kMeasured = 5;
+    EngineStats before;
+    for (int i = 0; i < kSteps; ++i) {
+      if (i == kSteps - kMeasured) {
+        ASSERT_TRUE(t.e->synchronize().ok());
+        before = t.e->stats();
+      }
+      auto r = t.run_step(i);
+      ASSERT_TRUE(r.ok()) << "step " << i << ": " << r.status().to_string();
+      EXPECT_EQ(r->loss, ref.run_step(i)) << "step " << i;
+      EXPECT_EQ(r->r.grad_norm, ref.norms.back()) << "step " << i;
+    }
+    ASSERT_TRUE(t.e->synchronize().ok());
+    const EngineStats after = t.e->stats();
+    EXPECT_EQ(after.nvme_read_bytes - before.nvme_read_bytes, kMeasured * elems * (4 + 4 + 4 + 4));
+    EXPECT_EQ(after.nvme_write_bytes - before.nvme_write_bytes, kMeasured * elems * (4 + 4 + 4 + 4));
+    EXPECT_EQ(after.h2d_bytes - before.h2d_bytes, kMeasured * compute);
+    EXPECT_TRUE(bits_equal(t.params(), ref.master)) << "masters differ from the reference";
+    std::vector<std::vector<float>> c;
+    for (size_t p = 0; p < ref.master.size(); ++p) c.push_back(ref.compute(p));
+    EXPECT_TRUE(bits_equal(t.compute_copies(), c)) << "compute copies differ from the reference";
+  }
 }
 
 // The fault campaign (issue 10, RELIABILITY.md): every NVMe I/O of a step

@@ -267,6 +267,104 @@ TEST_P(NvmeOptimizerTest, Fp32OutputIsACopyOfTheUpdatedMaster) {
   }
 }
 
+// A DeviceOutput that copies only when waited for: an optimizer that wrote a
+// slot's output again, or let a read overwrite the master chunk an fp32
+// output is uploaded from, before waiting would upload the wrong bytes; one
+// that returned with copies not waited for leaves them in flight.
+class LazyDeviceOutput final : public DeviceOutput {
+ public:
+  explicit LazyDeviceOutput(unsigned slots) : pending_(slots) {}
+  Status copy(unsigned slot, void* dst, const void* src, std::size_t bytes) override {
+    if (slot >= pending_.size()) return Status(StatusCode::kInternal, "slot out of range");
+    if (++copies == fail_at) return Status(StatusCode::kIoError, "injected device copy failure");
+    pending_[slot].push_back({dst, src, bytes});
+    total_bytes += bytes;
+    return {};
+  }
+  Status wait(unsigned slot) override {
+    for (const auto& c : pending_[slot]) std::memcpy(c.dst, c.src, c.bytes);
+    pending_[slot].clear();
+    return {};
+  }
+  std::size_t in_flight() const {
+    std::size_t n = 0;
+    for (const auto& p : pending_) n += p.size();
+    return n;
+  }
+  std::uint64_t total_bytes = 0;
+  int copies = 0, fail_at = -1;
+
+ private:
+  struct Copy {
+    void* dst;
+    const void* src;
+    std::size_t bytes;
+  };
+  std::vector<std::vector<Copy>> pending_;
+};
+
+// Device-resident params_out: every chunk's output reaches the device copy
+// with the in-RAM step's bits (bf16, and fp32 copies of the master), nothing
+// is left in flight when step() returns, and the bytes are exactly the
+// outputs'.
+TEST_P(NvmeOptimizerTest, DeviceOutputsAreUploadedFromTheRingBeforeTheSlotIsReused) {
+  add_default_models();
+  add("host_master_fp32", 9000, false, true, true, true);
+  LazyDeviceOutput dev(depth());
+  NvmeOptimizerOptions o;
+  o.chunk_elems = 4096;
+  o.ring_buffers = depth();
+  o.state_dtype = state_dtype();
+  o.device_out = &dev;
+  auto opt = NvmeOptimizer::create(store_.get(), *pool_, config_, o);
+  ASSERT_TRUE(opt.ok()) << opt.status().to_string();
+  std::vector<std::vector<std::uint16_t>> d16;
+  std::vector<std::vector<float>> d32;
+  std::uint64_t elems = 0;
+  for (const auto& m : models_) {
+    d16.emplace_back(m.count, 0xFFFF);
+    d32.emplace_back(m.count, -1.0f);
+    elems += m.count;
+  }
+  for (std::int64_t t = 1; t <= 4; ++t) {
+    const bool fp32 = t > 2;
+    new_grads();
+    reference_step(t);
+    auto ts = tensors();
+    for (size_t i = 0; i < ts.size(); ++i) {
+      ts[i].params_out = fp32 ? Placement::on_device(d32[i].data()) : Placement::on_device(d16[i].data());
+      ts[i].out_is_master = fp32;
+    }
+    const std::uint64_t bytes0 = dev.total_bytes;
+    Status s = (*opt)->step(config_, t, ts);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(dev.in_flight(), 0u) << "step " << t;
+    EXPECT_EQ(dev.total_bytes - bytes0, elems * (fp32 ? 4 : 2)) << "step " << t;
+    for (size_t i = 0; i < models_.size(); ++i) {
+      const Model& m = models_[i];
+      if (fp32) {
+        EXPECT_EQ(0, std::memcmp(d32[i].data(), m.master.data(), m.count * 4)) << m.name << " step " << t;
+      } else {
+        EXPECT_EQ(0, std::memcmp(d16[i].data(), m.out.data(), m.count * 2)) << m.name << " step " << t;
+      }
+    }
+  }
+  // Refused by name: a device params_out without a DeviceOutput, or any
+  // other array on the device.
+  auto plain = make();
+  ASSERT_TRUE(plain.ok());
+  auto ts = tensors();
+  ts[0].params_out = Placement::on_device(d16[0].data());
+  Status s = (*plain)->step(config_, 1, ts);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("no device_out"), std::string::npos) << s.message();
+  ts = tensors();
+  ts[0].master = Placement::on_device(d32[0].data());
+  s = (*opt)->step(config_, 5, ts);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("master is on the device"), std::string::npos) << s.message();
+}
+
 TEST_P(NvmeOptimizerTest, TraceShowsEveryReadUpdateAndWrite) {
   add("a", 50000, true, true, true, true);
   const std::string path = dir_.path() + "/step.trace.json";
@@ -382,6 +480,34 @@ TEST_P(NvmeOptimizerErrors, WriteErrorMidStepMarksTheStateTorn) {
   // After restoring a checkpoint the caller says so and continues.
   (*opt)->set_completed_step(1);
   EXPECT_TRUE((*opt)->step(config_, 2, ts).ok());
+}
+
+// A failed upload leaves a device compute copy behind its master: the step
+// fails naming it, and the state counts as torn (as after a failed write).
+TEST_P(NvmeOptimizerErrors, FailedDeviceUploadMarksTheStateTorn) {
+  add_default_models();
+  LazyDeviceOutput dev(depth());
+  dev.fail_at = 7;
+  NvmeOptimizerOptions o;
+  o.chunk_elems = 4096;
+  o.ring_buffers = depth();
+  o.state_dtype = state_dtype();
+  o.device_out = &dev;
+  auto opt = NvmeOptimizer::create(store_.get(), *pool_, config_, o);
+  ASSERT_TRUE(opt.ok());
+  std::vector<std::vector<std::uint16_t>> d16;
+  for (const auto& m : models_) d16.emplace_back(m.count, 0);
+  new_grads();
+  auto ts = tensors();
+  for (size_t i = 0; i < ts.size(); ++i) ts[i].params_out = Placement::on_device(d16[i].data());
+  Status s = (*opt)->step(config_, 1, ts);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.code(), StatusCode::kIoError);
+  EXPECT_NE(s.message().find("optimizer step 1: uploading params_out elements"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("injected device copy failure"), std::string::npos) << s.message();
+  EXPECT_TRUE((*opt)->progress().torn);
+  EXPECT_EQ(dev.in_flight(), 0u);
+  EXPECT_EQ((*opt)->step(config_, 1, ts).code(), StatusCode::kCorrupt);
 }
 
 INSTANTIATE_TEST_SUITE_P(Depths, NvmeOptimizerErrors,

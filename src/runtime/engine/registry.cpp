@@ -357,10 +357,12 @@ Status Registry::allocate_arrays() {
       STRATA_RETURN_IF_ERROR(place(p, p.state[1], n * state_size, "exp_avg_sq", false));
       STRATA_RETURN_IF_ERROR(place(p, p.grad, n * 4, "grad", false));
     }
-    // Device-homed compute copies are rebuilt from the master after a step;
-    // the others are written by the optimizer pass itself (bf16/fp16
-    // converted, fp32 as a copy of the updated master).
-    p.refresh_from_master = p.trainable && p.compute.tier == Tier::kDevice;
+    // The optimizer pass writes every compute copy (bf16/fp16 converted,
+    // fp32 as a copy of the updated master; device-homed ones uploaded from
+    // its ring), except device-homed ones with overlap_backward: the pass
+    // runs while backward still reads them, so they are rebuilt from the
+    // master in step().
+    p.refresh_from_master = p.trainable && p.compute.tier == Tier::kDevice && cfg.strata.overlap_backward;
   }
   STRATA_RETURN_IF_ERROR(dev->synchronize(upload));
   for (auto& g : groups) {
@@ -517,7 +519,7 @@ Status Registry::wait_released(ParamId id) {
 }
 
 // The compute copy rebuilt from the master (round to nearest even, as the
-// optimizer's params_out): device-homed and fp32 compute copies.
+// optimizer's params_out): device-homed ones with overlap_backward.
 Status Registry::refresh_compute(ParamId id, const Bounce& b) {
   ParamState& p = params[id];
   const size_t esz = dtype_size(p.dtype);

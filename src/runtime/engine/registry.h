@@ -58,7 +58,7 @@ struct ParamState {
   uint32_t lr_group = 0;       // ParamSpec::lr_group
   ShardRange shard;
   ArrayLoc compute, master, state[2], grad;  // frozen: master/state/grad unplaced (tier kAuto)
-  bool refresh_from_master = false;  // compute copy rebuilt from the master after a step
+  bool refresh_from_master = false;  // device-homed with overlap_backward: rebuilt from the master in step()
   // Stages 1-2 with N ranks (Registry::replicated): the whole parameter in
   // compute dtype, every rank's padded shard at rank * shard.padded (host or
   // device tier); `compute` is then this rank's slot in it. Null otherwise.
@@ -162,7 +162,7 @@ struct Registry {
   // ---- array helpers (driving thread, engine idle)
   Status read_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64_t count, void* dst);
   Status write_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64_t count, const void* src);
-  // The compute copy rebuilt from the master (device-homed and fp32 copies).
+  // The compute copy rebuilt from the master (ParamState::refresh_from_master).
   Status refresh_compute(ParamId p, const Bounce& b);
   // The upload stream waits for the last release of p's (device-homed) group.
   Status wait_released(ParamId p);

@@ -11,6 +11,46 @@
 
 namespace strata::engine {
 
+// ---------------------------------------------------------------- device outputs
+
+// Each chunk's bf16/fp16 output (an fp32 model's: the master chunk) goes from
+// the ring slot to the device-homed compute copy on this stream; the slot's
+// event tells the optimizer when it may write the slot's output again.
+class Stepper::DeviceUpload final : public DeviceOutput {
+ public:
+  explicit DeviceUpload(Registry& reg) : reg_(reg) {}
+  ~DeviceUpload() override {
+    if (stream_ != nullptr) (void)reg_.dev->synchronize(stream_);
+    for (DeviceEvent* e : events_) reg_.dev->destroy_event(e);
+    if (stream_ != nullptr) (void)reg_.dev->destroy_stream(stream_);
+  }
+  Status create(unsigned slots) {
+    STRATA_ASSIGN_OR_RETURN(stream_, reg_.dev->create_stream("optimizer out"));
+    for (unsigned i = 0; i < slots; ++i) {
+      STRATA_ASSIGN_OR_RETURN(DeviceEvent * e, reg_.dev->create_event());
+      events_.push_back(e);
+    }
+    return {};
+  }
+  DeviceStream* stream() const { return stream_; }
+  Status copy(unsigned slot, void* dst, const void* src, std::size_t bytes) override {
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dst, src, bytes, CopyKind::kHostToDevice, stream_));
+    reg_.traffic.h2d += bytes;
+    return reg_.dev->record(events_[slot], stream_);
+  }
+  Status wait(unsigned slot) override { return reg_.dev->synchronize(events_[slot]); }
+
+ private:
+  Registry& reg_;
+  DeviceStream* stream_ = nullptr;
+  std::vector<DeviceEvent*> events_;
+};
+
+Status Stepper::wait_released(GroupId g) {
+  if (!device_homed_[g]) return {};
+  return reg_.dev->wait(device_out_->stream(), reg_.groups[g].release_event);
+}
+
 // ---------------------------------------------------------------- creation
 
 void Stepper::configure() {
@@ -36,7 +76,17 @@ void Stepper::configure() {
 
 Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
   grad_sum_sq_ = std::move(grad_sum_sq);
+  // Device-homed compute copies written by the optimizer pass itself (not
+  // with overlap_backward: those are rebuilt in step(), once backward is done).
+  device_homed_.assign(reg_.groups.size(), 0);
+  for (const ParamState& p : reg_.params)
+    if (p.trainable && p.compute.tier == Tier::kDevice && !p.refresh_from_master) device_homed_[p.group] = 1;
   NvmeOptimizerOptions oo;
+  if (std::find(device_homed_.begin(), device_homed_.end(), 1) != device_homed_.end()) {
+    device_out_ = std::make_unique<DeviceUpload>(reg_);
+    STRATA_RETURN_IF_ERROR(device_out_->create(ring_));
+    oo.device_out = device_out_.get();
+  }
   oo.chunk_elems = chunk_;
   oo.ring_buffers = ring_;
   oo.state_dtype = reg_.cfg.strata.optimizer_state_dtype;
@@ -66,7 +116,7 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
       t.grads = p.grad.placement();
       for (int s = 0; s < nstates && s < 2; ++s) t.state[s] = p.state[s].placement();
       if (!p.refresh_from_master) {
-        t.params_out = p.compute.placement();
+        t.params_out = p.compute.tier == Tier::kDevice ? Placement::on_device(p.compute.ptr) : p.compute.placement();
         t.out_is_master = p.dtype == DType::kF32;
       }
       groups_[gi].ids.push_back(id);
@@ -89,12 +139,6 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
 void Stepper::plan_pipeline() {
   pipelined_ = reg_.cfg.strata.pipelined_step && !reg_.cfg.strata.overlap_backward && reg_.world == 1;
   pipe_pending_.assign(reg_.groups.size(), 0);
-  // A group with device-homed compute copies is updated in step() itself:
-  // its acquire hands out the copy directly (no upload to wait in) and its
-  // refresh writes device memory.
-  pipe_sync_.assign(reg_.groups.size(), 0);
-  for (const ParamState& p : reg_.params)
-    if (p.refresh_from_master) pipe_sync_[p.group] = 1;
   pipe_reduced_.assign(reg_.params.size(), 0);
 }
 
@@ -112,9 +156,12 @@ void Stepper::stop() {
   queue_.stop();
 }
 
+Stepper::Stepper(Registry& reg, AsyncError& errors) : reg_(reg), errors_(errors) {}
+
 Stepper::~Stepper() {
   stop();
   opt_.reset();
+  device_out_.reset();
 }
 
 // ---------------------------------------------------------------- overlap with backward
@@ -186,6 +233,7 @@ Status Stepper::set_group_betas(uint32_t lr_group, double beta1, double beta2) {
 Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
                            const std::vector<GroupHyper>& group_hp, const std::function<bool(ParamId)>& reduced,
                            bool counted) {
+  STRATA_RETURN_IF_ERROR(wait_released(gi));
   std::vector<OptimizerTensor>& some = groups_[gi].scratch;
   for (const auto& part : groups_[gi].parts) {
     cpu_optim::OptimizerConfig pc = c;
@@ -282,21 +330,11 @@ Status Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::f
     // the next step see this step's counts without waiting.
     if (reg_.params[id].trainable && pipe_reduced_[id]) ++reg_.params[id].updates;
   }
-  // Device-homed groups now, on this thread (the queue is idle: no other
-  // NvmeOptimizer call runs); the rest queued.
-  auto is_reduced = [this](ParamId id) { return pipe_reduced_[id] != 0; };
-  for (GroupId g = 0; g < groups_.size(); ++g) {
-    if (!pipe_sync_[g]) continue;
-    Status st = step_group(g, pipe_config_, pipe_step_, pipe_group_hp_, is_reduced, true);
-    if (!st.ok())
-      return st.with_context(fmt::format("engine: optimizer step {} of group {}", pipe_step_, reg_.groups[g].name));
-  }
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
-    for (GroupId g = 0; g < groups_.size(); ++g) pipe_pending_[g] = !pipe_sync_[g];
+    for (GroupId g = 0; g < groups_.size(); ++g) pipe_pending_[g] = 1;
   }
-  for (GroupId g = 0; g < groups_.size(); ++g)
-    if (!pipe_sync_[g]) queue_.push(g);
+  for (GroupId g = 0; g < groups_.size(); ++g) queue_.push(g);
   return {};
 }
 
@@ -399,8 +437,9 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
   }
   if (updated_any) {
     ++steps_;
-    // (Pipelined: these are the device-homed groups', updated above; the
-    // queued groups' updates write their own compute copies.)
+    // overlap_backward: the device-homed compute copies, which the pass
+    // could not write while backward read them (every other compute copy
+    // was written by the optimizer pass).
     for (ParamId id = 0; id < reg_.params.size(); ++id) {
       if (!reg_.params[id].refresh_from_master) continue;
       if (overlap && groups_[reg_.params[id].group].skipped) continue;

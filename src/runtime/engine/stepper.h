@@ -1,7 +1,8 @@
 // Stepper: what step() does to the accumulated gradients.
 //
 // Owns: the optimizer hyper-parameters and the NvmeOptimizer (its pinned
-// ring), each group's optimizer tensors, the loss scaler, the step count,
+// ring), the stream and ring events that upload the optimizer's output to
+// device-homed compute copies, each group's optimizer tensors, the loss scaler, the step count,
 // the learning rate, the previous step's norm (overlap clipping), the
 // overlap-with-backward bookkeeping of every group, and the optimizer thread
 // (overlap mode only) with its queue.
@@ -15,7 +16,8 @@
 // Must not: change the order of the norm's summation (each parameter's
 // blocks in order, parameters in group order, groups in order) or of the
 // per-group updates; touch device slots (the uploader drops them after the
-// step).
+// step); write a device-homed compute copy before its group's release event
+// (the update's upload stream waits on it).
 #pragma once
 
 #include <atomic>
@@ -41,7 +43,7 @@ struct GroupHyper {
 
 class Stepper {
  public:
-  Stepper(Registry& reg, AsyncError& errors) : reg_(reg), errors_(errors) {}
+  Stepper(Registry& reg, AsyncError& errors);
   ~Stepper();
   Stepper(const Stepper&) = delete;
   Stepper& operator=(const Stepper&) = delete;
@@ -72,16 +74,15 @@ class Stepper {
   // Accumulator thread: every gradient of g is in; update it.
   void queue_update(GroupId g) { queue_.push(g); }
 
-  // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward;
-  // groups whose compute copies are homed on the device are still updated
-  // inside step())
+  // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward)
   // step() computes the norm and the decision (the norm's squares are
   // already summed), then hands every group's update (which also writes its
-  // compute copies) to the optimizer thread in group order and returns: the update
-  // of group k runs while the trainer computes the next forward of the
-  // groups before k. Exactly the same arithmetic as the synchronous step.
-  // Whoever touches a group's compute copy or gradient first waits for its
-  // update: the uploader before reading the compute copy, reduce_grad
+  // compute copies, on the device too) to the optimizer thread in group
+  // order and returns: the update of group k runs while the trainer computes
+  // the next forward of the groups before k. Exactly the same arithmetic as
+  // the synchronous step. Whoever touches a group's compute copy or gradient
+  // first waits for its update: the uploader before reading the compute
+  // copy, acquire of a device-homed group before handing it out, reduce_grad
   // before accumulating, everything else through wait_idle().
   bool pipelined() const { return pipelined_; }
   // Any thread: blocks while g's update is queued or running; the first
@@ -93,8 +94,9 @@ class Stepper {
   // The lr of this step (overlap: the one fixed by begin_overlap); lr >= 0
   // also becomes the current lr.
   double begin_step(bool overlap, double lr);
-  // Norm, loss scaling, clipping and the optimizer over every group, then the
-  // refreshed compute copies. Fills r's norm, coefficient, skip fields.
+  // Norm, loss scaling, clipping and the optimizer over every group (which
+  // writes every compute copy; overlap_backward: device-homed ones are
+  // rebuilt from the masters after it). Fills r's norm, coefficient, skip fields.
   // Errors are the step's failure (the engine turns broken).
   // `reduced` (may be empty): which parameters a micro-batch of this step
   // reduced; the others are left alone (no update, no decay, moments kept),
@@ -164,8 +166,17 @@ class Stepper {
   // thread in step() with `reduced`.
   void run_group_update(GroupId g, const std::function<bool(ParamId)>& reduced = {});
 
+  // The optimizer's output to device-homed compute copies: one stream, an
+  // event per ring slot (NvmeOptimizer waits on a slot's before reusing it).
+  class DeviceUpload;
+  // Before the update of g writes its device-homed compute copies: the
+  // upload stream waits for the group's last release (backward's reads).
+  Status wait_released(GroupId g);
+
   Registry& reg_;
   AsyncError& errors_;
+  std::unique_ptr<DeviceUpload> device_out_;  // null: no device-homed trainable compute copy
+  std::vector<uint8_t> device_homed_;         // per group: a trainable compute copy on the device (written by the pass)
   cpu_optim::OptimizerConfig opt_config_;
   uint64_t chunk_ = 0;
   unsigned ring_ = 0;
@@ -187,7 +198,6 @@ class Stepper {
   std::mutex pipe_mu_;
   std::condition_variable pipe_cv_;
   std::vector<uint8_t> pipe_pending_;  // per group (pipe_mu_)
-  std::vector<uint8_t> pipe_sync_;     // per group: device-homed compute copies, updated in step()
   Status pipe_error_;                  // first failed update (pipe_mu_), until restore()
 
   LossScaler scaler_;

@@ -317,6 +317,14 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   }
   current_.push_back(gid);
   if (g.direct) {
+    // Pipelined step: the optimizer writes the copy itself (and has waited
+    // for its uploads) by the time the group's update is done.
+    if (reg_.await_update) {
+      TraceSpan wait(reg_.tracer.get(), "wait_update", trace_cat::kRuntime, {{"group", info.name.c_str()}});
+      Status st = reg_.await_update(gid);
+      if (!st.ok())
+        return st.with_context(fmt::format("engine: acquire({}): its optimizer update failed", info.name));
+    }
     g.holds = 1;
     g.last_release = nullptr;
     ++acquired_count_;

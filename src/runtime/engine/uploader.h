@@ -12,7 +12,8 @@
 // Borrows: the registry (groups, params, device, swap store, upload stream,
 // tracer, traffic counters, the pinned pool for staging).
 // Must not: touch masters, optimizer states or gradients; block acquire longer
-// than until its upload is enqueued.
+// than until its upload is enqueued (a device-homed group: until its
+// pipelined optimizer update is done).
 #pragma once
 
 #include <atomic>
