@@ -239,6 +239,15 @@ Status read_bool(Obj& o, std::string_view key, bool* out) {
   return Status::ok_status();
 }
 
+// A boolean whose absence (or null) means "Strata decides".
+Status read_bool(Obj& o, std::string_view key, std::optional<bool>* out) {
+  const json* v = o.take(key);
+  if (!v || v->is_null()) return Status::ok_status();
+  if (!v->is_boolean()) return expected(o.child(key), "true, false or null", *v);
+  *out = v->get<bool>();
+  return Status::ok_status();
+}
+
 template <typename T>
 Status read_uint(Obj& o, std::string_view key, T* out, uint64_t min, uint64_t max) {
   const json* v = o.take(key);
@@ -423,7 +432,7 @@ Status read_zero(Obj& o, ZeroConfig* z) {
     o.ctx().notes.warnings.push_back(o.child("cpu_offload_param") + " is deprecated: use offload_param.device \"cpu\"");
   }
   if (has_pin) {
-    z->offload_param.pin_memory = z->offload_param.pin_memory || pin;
+    z->offload_param.pin_memory = z->offload_param.pin_memory.value_or(false) || pin;
     z->offload_optimizer.pin_memory = z->offload_optimizer.pin_memory || pin;
   }
 
@@ -764,7 +773,7 @@ std::string config_to_json(const Config& c) {
         {"buffer_count", op.buffer_count},
         {"buffer_size", op.buffer_size},
         {"max_in_cpu", op.max_in_cpu},
-        {"pin_memory", op.pin_memory}}},
+        {"pin_memory", op.pin_memory ? json(*op.pin_memory) : json(nullptr)}}},
       {"offload_optimizer",
        {{"device", offload_device_name(oo.device)},
         {"nvme_path", oo.nvme_path.empty() ? json(nullptr) : json(oo.nvme_path)},

@@ -20,6 +20,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -47,7 +48,13 @@ struct OffloadParamConfig {
   uint64_t buffer_count = 5;         // pinned parameter staging buffers
   uint64_t buffer_size = 100000000;  // elements per staging buffer
   uint64_t max_in_cpu = 1000000000;  // elements of compute copies kept in host RAM when device is nvme
-  bool pin_memory = false;           // host-resident compute copies in page-locked memory
+  // Host-resident compute copies in page-locked memory (asynchronous uploads
+  // on a GPU). Unset (absent or null, the default): pinned when the device
+  // needs pinning and the pinned budget (strata.pinned_memory) holds them
+  // next to the staging and optimizer buffers; if the pinned allocation is
+  // refused (RLIMIT_MEMLOCK, the driver), pageable, said in the log. false:
+  // pageable; true: pinned or an error.
+  std::optional<bool> pin_memory = std::nullopt;
   bool operator==(const OffloadParamConfig&) const = default;
 };
 

@@ -48,7 +48,7 @@ TEST(ConfigSamples, ZeroInfinityNvme) {
   EXPECT_EQ(c.zero.stage, 3);
   EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kNvme);
   EXPECT_EQ(c.zero.offload_param.nvme_path, "/local_nvme");
-  EXPECT_TRUE(c.zero.offload_param.pin_memory);
+  EXPECT_EQ(c.zero.offload_param.pin_memory, std::optional<bool>(true));
   EXPECT_EQ(c.zero.offload_param.buffer_count, 5u);
   EXPECT_EQ(c.zero.offload_param.buffer_size, 100000000u);  // written 1e8
   EXPECT_EQ(c.zero.offload_param.max_in_cpu, 1000000000u);
@@ -102,7 +102,7 @@ TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
   EXPECT_EQ(c.zero.prefetch_bucket_size, d.zero.prefetch_bucket_size);
   EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kCpu);
   EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);
-  EXPECT_TRUE(c.zero.offload_param.pin_memory);
+  EXPECT_EQ(c.zero.offload_param.pin_memory, std::optional<bool>(true));
   EXPECT_TRUE(c.nvme_dirs().empty());
   EXPECT_TRUE(contains(notes.ignored_keys, "zero_optimization.reduce_bucket_size"));
   EXPECT_TRUE(contains(notes.ignored_keys, "train_batch_size"));
@@ -207,6 +207,20 @@ TEST(ConfigDefaults, PresentOffloadObjectDefaultsToNone) {
   EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kAuto);
 }
 
+TEST(ConfigDefaults, PinMemoryIsDecidedByStrataUnlessGiven) {
+  EXPECT_EQ(parse_ok("{}").zero.offload_param.pin_memory, std::nullopt);
+  EXPECT_EQ(parse_ok(R"({"zero_optimization": {"offload_param": {"pin_memory": null}}})").zero.offload_param.pin_memory,
+            std::nullopt);
+  EXPECT_EQ(parse_ok(R"({"zero_optimization": {"offload_param": {"pin_memory": false}}})").zero.offload_param.pin_memory,
+            std::optional<bool>(false));
+  Config c = parse_ok(R"({"zero_optimization": {"cpu_offload_use_pin_memory": false}})");
+  EXPECT_EQ(c.zero.offload_param.pin_memory, std::optional<bool>(false));
+  for (const char* text : {"{}", R"({"zero_optimization": {"offload_param": {"pin_memory": false}}})"}) {
+    const Config a = parse_ok(text);
+    EXPECT_EQ(parse_ok(config_to_json(a)), a) << text;
+  }
+}
+
 TEST(ConfigDefaults, DeprecatedCpuOffloadBooleans) {
   ConfigNotes notes;
   Config c = parse_ok(R"({"zero_optimization": {"stage": 2, "cpu_offload": true, "cpu_offload_use_pin_memory": true}})",
@@ -260,7 +274,7 @@ TEST(ConfigErrors, WrongTypesNamePathAndValue) {
             "<string>: zero_optimization.offload_param.device: expected \"none\", \"cpu\", \"nvme\" or \"auto\", got "
             "\"gpu\"");
   EXPECT_EQ(error_of(R"({"zero_optimization": {"offload_param": {"pin_memory": "yes"}}})"),
-            "<string>: zero_optimization.offload_param.pin_memory: expected true or false, got \"yes\"");
+            "<string>: zero_optimization.offload_param.pin_memory: expected true, false or null, got \"yes\"");
   EXPECT_EQ(error_of(R"({"zero_optimization": {"offload_optimizer": {"ratio": 1.5}}})"),
             "<string>: zero_optimization.offload_optimizer.ratio: expected a number from 0 to 1, got 1.5");
   EXPECT_EQ(error_of(R"({"zero_optimization": []})"), "<string>: zero_optimization: expected an object, got []");

@@ -276,13 +276,12 @@ Status Registry::allocate_arrays() {
     STRATA_ASSIGN_OR_RETURN(store, io::SwapStore::create(*io, so));
   }
 
-  // Host arena: every host-tier array, 4 KiB aligned.
-  uint64_t host_bytes = 0, pinned_bytes = 0;
-  const bool pin_compute = cfg.zero.offload_param.pin_memory;
+  // Host arena: every host-tier array, 4 KiB aligned; host compute copies
+  // in a pinned arena of their own (offload_param.pin_memory).
+  uint64_t host_bytes = 0, compute_bytes = 0;
   auto host_size = [&](const ArrayLoc& a, uint64_t bytes, bool compute) {
     if (a.tier != Tier::kHost) return;
-    uint64_t& total = compute && pin_compute ? pinned_bytes : host_bytes;
-    total += round_up(std::max<uint64_t>(bytes, 1), 4096);
+    (compute ? compute_bytes : host_bytes) += round_up(std::max<uint64_t>(bytes, 1), 4096);
   };
   // Stages 1-2 with N ranks: the compute copy is the whole parameter in the
   // all-gather's layout (rank r's padded shard at r * padded).
@@ -295,11 +294,39 @@ Status Registry::allocate_arrays() {
     host_size(p.state[1], n * state_size, false);
     host_size(p.grad, n * 4, false);
   }
+  bool pin_compute = false;
+  if (compute_bytes > 0) {
+    const std::optional<bool> asked = cfg.zero.offload_param.pin_memory;
+    if (asked.has_value()) {
+      pin_compute = *asked;
+    } else if (dev->host_registrar() != nullptr) {
+      // Unset: pinned when the device needs pinned memory for asynchronous
+      // uploads and the pinned budget holds it next to the pool's buffers.
+      const uint64_t cap = plan.budgets.pinned_bytes;
+      pin_compute = cap == 0 || compute_bytes + plan.pinned_total() <= cap;
+      if (!pin_compute)
+        log_info("engine: host compute copies ({}) in pageable memory: the pinned budget {} holds {} of buffers "
+                 "besides (set offload_param.pin_memory to choose)",
+                 format_bytes(compute_bytes), format_bytes(cap), format_bytes(plan.pinned_total()));
+    }
+  }
+  if (pin_compute) {
+    auto a = dev->alloc_pinned(compute_bytes);
+    if (a.ok()) {
+      pinned_arena = *a;
+    } else if (cfg.zero.offload_param.pin_memory.has_value()) {
+      return a.status().with_context(
+          fmt::format("engine: pinning the host compute copies ({}; offload_param.pin_memory true)",
+                      format_bytes(compute_bytes)));
+    } else {
+      log_info("engine: host compute copies ({}) in pageable memory: pinning them was refused ({})",
+               format_bytes(compute_bytes), a.status().message());
+      pin_compute = false;
+    }
+  }
+  if (!pin_compute) host_bytes += compute_bytes;
   if (host_bytes > 0) {
     STRATA_ASSIGN_OR_RETURN(host_arena, alloc_host(host_bytes));
-  }
-  if (pinned_bytes > 0) {
-    STRATA_ASSIGN_OR_RETURN(pinned_arena, dev->alloc_pinned(pinned_bytes));
   }
   uint64_t host_off = 0, pinned_off = 0;
   // `bytes`: the padded shard's; NVMe tensors hold exactly the shard (every
