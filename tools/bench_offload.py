@@ -4,11 +4,14 @@ same run with everything in RAM, with the pipelined step on and off
 (strata.pipelined_step), all measured in one invocation.
 
   python3 tools/bench_offload.py --strata build/tools/strata [--steps 40] [--reps 3] [--dir /var/tmp/sbo]
+      [--placements RAM,NVMe,GPU+NVMe] [--baseline OTHER/strata]
 
 Trains the 3.08M-parameter Llama of bench_model.py (4 layers, dim 256, fp32
 like `strata demo`; 8 x 128 tokens per step, CPU ops on the host backend) in
-four configurations, interleaved --reps times so drift on a shared machine
-hits all alike: {RAM, NVMe} x {pipelined, synchronous}. Per run: the median
+configurations interleaved --reps times so drift on a shared machine hits all
+alike: placements (RAM; NVMe: parameters and states on NVMe; GPU+NVMe:
+compute copies on the device, master and moments on NVMe) x {pipelined,
+synchronous} x the binaries (--strata and an optional --baseline). Per run: the median
 step time over steps 5.. from metrics.jsonl; per configuration: the median
 over repetitions. Prints tokens/s and the ratio NVMe / RAM for each step mode
 (target >= 0.95: the NVMe traffic hidden behind compute), and pipelined /
@@ -25,59 +28,90 @@ import tempfile
 from bench_model import run, small_model_and_data
 
 
-def config(nvme_dir, pipelined):
-    off = {"device": "nvme", "nvme_path": nvme_dir} if nvme_dir else {"device": "cpu"}
-    return {"zero_optimization": {"stage": 3, "offload_param": dict(off), "offload_optimizer": dict(off)},
+PLACEMENTS = {
+    # name: (offload_param, offload_optimizer) as functions of the NVMe directory
+    "RAM": lambda nv: ({"device": "cpu"}, {"device": "cpu"}),
+    "NVMe": lambda nv: ({"device": "nvme", "nvme_path": nv}, {"device": "nvme", "nvme_path": nv}),
+    # Compute copies homed on the (host backend's) device, master and moments on NVMe:
+    # the one-GPU case where the model's bf16/fp32 copy fits on the GPU.
+    "GPU+NVMe": lambda nv: ({"device": "none"}, {"device": "nvme", "nvme_path": nv}),
+}
+
+
+def config(place, nvme_dir, pipelined):
+    op, oo = PLACEMENTS[place](nvme_dir)
+    return {"zero_optimization": {"stage": 3, "offload_param": op, "offload_optimizer": oo},
             "strata": {"pipelined_step": pipelined}}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strata", required=True)
+    ap.add_argument("--baseline", default=None,
+                    help="a second strata binary (e.g. an older commit's), run interleaved with --strata")
+    ap.add_argument("--placements", default="RAM,NVMe", help=f"comma-separated, of {', '.join(PLACEMENTS)}")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=None, help="work directory (its disk is the NVMe tier); default: a temp dir")
     a = ap.parse_args()
+    places = a.placements.split(",")
+    for p in places:
+        if p not in PLACEMENTS:
+            raise SystemExit(f"unknown placement {p!r} (known: {', '.join(PLACEMENTS)})")
+    bins = [("new", a.strata)] + ([("base", a.baseline)] if a.baseline else [])
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-offload-")
     os.makedirs(base, exist_ok=True)
     model, data = small_model_and_data(a.strata, base)
     tokens_per_step = 8 * 128
-    kinds = [("RAM", False, True), ("RAM", False, False), ("NVMe", True, True), ("NVMe", True, False)]
+    kinds = [(b, p, pl) for b, _ in bins for p in places for pl in (True, False)]
+    binary = dict(bins)
     step_s = {k: [] for k in kinds}
     losses = {}
     for rep in range(a.reps):
         for k in kinds:
-            _, nvme, pipelined = k
+            b, place, pipelined = k
             out, nv = os.path.join(base, "out"), os.path.join(base, "nvme")
             shutil.rmtree(out, ignore_errors=True)
             shutil.rmtree(nv, ignore_errors=True)
             os.makedirs(nv)
             cfg = os.path.join(base, "config.json")
             with open(cfg, "w") as f:
-                json.dump(config(nv if nvme else None, pipelined), f)
-            run([a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch", "8", "--steps",
+                json.dump(config(place, nv, pipelined), f)
+            run([binary[b], "finetune", "--model", model, "--data", data, "--seq", "128", "--batch", "8", "--steps",
                  str(a.steps), "--eval-every", "0", "--eval-batches", "1", "--no-export", "--progress", "quiet",
                  "--out", out, "--device", "cpu", "--config", cfg])
             train = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl"))]
             train = [l for l in train if l.get("event") == "train"]
             step_s[k].append(statistics.median(l["step_s"] for l in train[4:]))
-            losses.setdefault(k[:2], set()).add(train[-1]["loss"])
-    for (place, _), seen in losses.items():
+            losses.setdefault((b, place), set()).add(train[-1]["loss"])
+    for (b, place), seen in losses.items():
         if len(seen) != 1:
-            raise SystemExit(f"{place}: pipelined and synchronous runs ended with different losses {seen}")
+            raise SystemExit(f"{b} {place}: pipelined and synchronous runs ended with different losses {seen}")
     med = {k: statistics.median(v) for k, v in step_s.items()}
     print(f"{a.steps} steps of 8 x 128 tokens, fp32, CPU ops; median step time over steps 5..{a.steps}, "
           f"median of {a.reps} interleaved runs")
-    print(f"{'placement':<6} {'step':<12} {'s/step':>8} {'tokens/s':>9}   runs (s/step)")
+    print(f"{'binary':<6} {'placement':<9} {'step':<12} {'s/step':>8} {'tokens/s':>9}   runs (s/step)")
     for k in kinds:
-        print(f"{k[0]:<6} {'pipelined' if k[2] else 'synchronous':<12} {med[k]:>8.4f} {tokens_per_step / med[k]:>9.0f}"
-              f"   {' '.join(f'{x:.4f}' for x in step_s[k])}")
-    for pipelined in (True, False):
-        r = med[("RAM", False, pipelined)] / med[("NVMe", True, pipelined)]
-        print(f"NVMe / RAM tokens/s, {'pipelined' if pipelined else 'synchronous'} step: {r:.3f}")
-    for place, nvme in (("RAM", False), ("NVMe", True)):
-        r = med[(place, nvme, False)] / med[(place, nvme, True)]
-        print(f"{place}: pipelined / synchronous tokens/s: {r:.3f}")
+        print(f"{k[0]:<6} {k[1]:<9} {'pipelined' if k[2] else 'synchronous':<12} {med[k]:>8.4f} "
+              f"{tokens_per_step / med[k]:>9.0f}   {' '.join(f'{x:.4f}' for x in step_s[k])}")
+    for b, _ in bins:
+        for pipelined in (True, False):
+            mode = "pipelined" if pipelined else "synchronous"
+            if "RAM" in places:
+                for place in places:
+                    if place != "RAM":
+                        r = med[(b, "RAM", pipelined)] / med[(b, place, pipelined)]
+                        print(f"{b}: {place} / RAM tokens/s, {mode} step: {r:.3f}")
+        for place in places:
+            r = med[(b, place, False)] / med[(b, place, True)]
+            print(f"{b}: {place}: pipelined / synchronous tokens/s: {r:.3f}")
+    if a.baseline:
+        for place in places:
+            for pipelined in (True, False):
+                r = med[("base", place, pipelined)] / med[("new", place, pipelined)]
+                same = losses[("new", place)] == losses[("base", place)]
+                print(f"new / base tokens/s, {place}, {'pipelined' if pipelined else 'synchronous'}: {r:.3f}"
+                      f" (final loss {'identical' if same else 'DIFFERS'})")
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
 

@@ -168,6 +168,15 @@ struct StrataConfig {
   // updates run on the optimizer thread, each finished before its group is
   // next used (exact: the same bits as a synchronous step).
   bool pipelined_step = true;
+  // reduce_grad first copies each gradient piece into an engine-owned device
+  // buffer and the caller's stream waits only for that device-to-device
+  // copy; the device -> host download then runs behind it, so backward does
+  // not wait for the offload and the caller may reuse its gradient buffer at
+  // once. Costs 4 x the gradient piece (<= 16 MiB) x 4 bytes of device
+  // memory. Unset: on for CUDA, off on the host backend (whose "device" may
+  // be handed host memory); N ranks: off (the reduce-scatter reads the
+  // caller's buffer).
+  std::optional<bool> gradient_staging = std::nullopt;
   // step() averages the gradients over the step's micro-batches (divides by
   // their count, DeepSpeed's engine.backward convention); false: the caller
   // scaled its loss already (torch's `loss / accum`), gradients are summed.

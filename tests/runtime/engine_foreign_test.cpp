@@ -27,9 +27,9 @@
 namespace strata {
 namespace {
 
-// The host backend, with host functions on the stream named "strata download"
-// failing when armed: fail_in = k fails the k-th such call from now (1: the
-// next one).
+// The host backend, with host functions (a piece's copy) and event records
+// (a piece's completion) on the stream named "strata download" failing when
+// armed: fail_in = k fails the k-th such call from now (1: the next one).
 class FlakyBackend final : public DeviceBackend {
  public:
   FlakyBackend() {
@@ -53,7 +53,10 @@ class FlakyBackend final : public DeviceBackend {
   Result<bool> query(DeviceStream* s) override { return in_->query(s); }
   Result<DeviceEvent*> create_event() override { return in_->create_event(); }
   void destroy_event(DeviceEvent* e) override { in_->destroy_event(e); }
-  Status record(DeviceEvent* e, DeviceStream* s) override { return in_->record(e, s); }
+  Status record(DeviceEvent* e, DeviceStream* s) override {
+    if (armed(s)) return Status(StatusCode::kIoError, "injected: the download stream refused the piece's event");
+    return in_->record(e, s);
+  }
   Status wait(DeviceStream* s, DeviceEvent* e) override { return in_->wait(s, e); }
   Result<bool> query(DeviceEvent* e) override { return in_->query(e); }
   Status synchronize(DeviceEvent* e) override { return in_->synchronize(e); }
@@ -64,8 +67,7 @@ class FlakyBackend final : public DeviceBackend {
     return in_->fill_bytes_async(dst, bytes, value, s);
   }
   Status host_func_async(DeviceStream* s, std::function<Status()> fn) override {
-    if (s->name() == "strata download" && fail_in.load() > 0 && fail_in.fetch_sub(1) == 1)
-      return Status(StatusCode::kIoError, "injected: the download stream refused the piece");
+    if (armed(s)) return Status(StatusCode::kIoError, "injected: the download stream refused the piece");
     return in_->host_func_async(s, std::move(fn));
   }
   Status cast_async(void* dst, DType dt, const void* src, DType st, std::size_t n, float scale,
@@ -82,6 +84,9 @@ class FlakyBackend final : public DeviceBackend {
   Status adamw_async(const AdamWArgs& a, DeviceStream* s) override { return in_->adamw_async(a, s); }
 
  private:
+  bool armed(DeviceStream* s) {
+    return s != nullptr && s->name() == "strata download" && fail_in.load() > 0 && fail_in.fetch_sub(1) == 1;
+  }
   std::unique_ptr<DeviceBackend> in_;
 };
 
@@ -163,7 +168,7 @@ TEST(EngineReduce, FailedCallsChangeNothingLeakNothingAndARetrySucceeds) {
       Status st = r.engine->reduce_grad(1, gs.data(), DType::kF32, r.stream);
       ASSERT_FALSE(st.ok());
       EXPECT_NE(st.message().find("nothing was accumulated"), std::string::npos) << st.to_string();
-      // The queueing of the first piece (after its copy) failing is the same.
+      // The first piece's completion event (after its copy) failing is the same.
       r.dev.fail_in = 2;
       st = r.engine->reduce_grad(1, gs.data(), DType::kF32, r.stream);
       ASSERT_FALSE(st.ok());
@@ -185,7 +190,7 @@ TEST(EngineReduce, ATornReduceBlocksTheStepUntilDiscarded) {
   const auto before = r.weights(0);
   ASSERT_TRUE(r.engine->begin_micro_batch(true).ok());
   ASSERT_TRUE(r.engine->reduce_grad(1, gs.data(), DType::kF32, r.stream).ok());
-  r.dev.fail_in = 3;  // piece 0 copied and queued, piece 1's copy refused
+  r.dev.fail_in = 3;  // piece 0 copied and its event recorded, piece 1's copy refused
   Status st = r.engine->reduce_grad(0, gb.data(), DType::kF32, r.stream);
   ASSERT_FALSE(st.ok());
   EXPECT_NE(st.message().find("torn"), std::string::npos) << st.to_string();

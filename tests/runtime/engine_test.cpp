@@ -155,6 +155,10 @@ struct RunOptions {
   std::vector<int> frozen;           // frozen parameters (no gradient, never updated)
   std::vector<int> lr_group1;        // parameters in lr group 1, whose lr is set to lr1
   double lr1 = -1;
+  // After each reduce_grad the trainer overwrites its gradient buffer on its
+  // stream at once (NaN bytes), as a trainer reusing one buffer does: the
+  // engine must have read it first.
+  bool poison_grad_buffers = false;
   bool is_frozen(size_t p) const { return std::find(frozen.begin(), frozen.end(), int(p)) != frozen.end(); }
 };
 
@@ -442,6 +446,10 @@ struct Trainer {
           if (o.is_frozen(p)) continue;  // a frozen parameter has no gradient to give
           write_grad(p, k == 0 ? dW : db);
           STRATA_RETURN_IF_ERROR(e->reduce_grad(p, grad_buf[p], o.grad_dtype, s));
+          if (o.poison_grad_buffers) {
+            const size_t n = (k == 0 ? dW : db).size() * dtype_size(o.grad_dtype);
+            STRATA_RETURN_IF_ERROR(dev->fill_bytes_async(grad_buf[p], n, 0xFF, s));
+          }
         }
         STRATA_RETURN_IF_ERROR(e->release(l, s));
         d = din;
@@ -1173,6 +1181,45 @@ TEST(EngineNvme, PipelinedStepIsBitIdenticalToTheSynchronousStep) {
   Trainer ov(d.dev.get(), o);
   ASSERT_TRUE(ov.init(make_config(o, Place::kHost, "")).ok());
   EXPECT_FALSE(ov.e->pipelined_step());
+}
+
+// strata.gradient_staging (issue 13 §3): each gradient piece is copied to
+// an engine-owned device buffer and the trainer's stream waits only for that
+// copy; the trainer overwrites its buffer right after every reduce_grad
+// (on its stream, without waiting), with and without staging, on host and
+// NVMe accumulators, and still trains the reference's bits. A gradient in
+// host memory cannot be staged on the host backend: refused, retryable.
+TEST(EngineNvme, GradientStagingLetsTheTrainerReuseItsBufferAtOnce) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  for (Place place : {Place::kHost, Place::kNvme}) {
+    for (bool staging : {true, false}) {
+      SCOPED_TRACE(std::string(place == Place::kHost ? "host" : "nvme") + (staging ? ", staged" : ", not staged"));
+      RunOptions o;
+      o.micro = 2;
+      o.clip = 0.2;
+      o.poison_grad_buffers = true;
+      Config cfg = make_config(o, place, place == Place::kNvme ? dir.path() + "/swap" : "");
+      cfg.strata.gradient_staging = staging;
+      RunResult run = train(d.dev.get(), o, cfg, 6);
+      Reference ref(o);
+      expect_matches_reference(run, ref, 6);
+    }
+  }
+  RunOptions o;
+  Config cfg = make_config(o, Place::kHost, "");
+  cfg.strata.gradient_staging = true;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(cfg).ok());
+  std::vector<float> host(uint64_t(kDims[1]) * kDims[0], 1.0f);
+  Status st = t.e->reduce_grad(0, host.data(), DType::kF32, t.s);
+  if (t.dev->kind() == DeviceKind::kHost) {
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("nothing was accumulated; the call may be retried"), std::string::npos)
+        << st.message();
+    ASSERT_TRUE(t.e->reduce_grad(0, t.grad_buf[0], DType::kF32, t.s).ok());
+  }
 }
 
 // Device-homed compute copies (issue 13 §3) come out of the optimizer pass:

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/float_convert.h"
+#include "common/units.h"
 #include "cpu_optim/optimizer.h"
 
 namespace strata::engine {
@@ -21,9 +22,26 @@ Status GradPath::prepare() {
   // both powers of two), so each piece's squares land in whole blocks.
   piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20),
                           std::max<uint64_t>(reg_.io_quantum, cpu_optim::kNormBlock));
+  const std::optional<bool> want = reg_.cfg.strata.gradient_staging;
+  if (want.value_or(false) && reg_.world > 1)
+    return Status(StatusCode::kUnavailable,
+                  "engine: strata.gradient_staging is true with N ranks, where the reduce-scatter reads the caller's "
+                  "gradient buffer itself (no staging); leave it unset or false");
+  staging_ = reg_.world == 1 && want.value_or(reg_.dev->kind() == DeviceKind::kCuda);
   STRATA_ASSIGN_OR_RETURN(download_, reg_.dev->create_stream("strata download"));
   STRATA_ASSIGN_OR_RETURN(ev_caller_, reg_.dev->create_event());
   STRATA_ASSIGN_OR_RETURN(ev_download_, reg_.dev->create_event());
+  for (uint32_t i = 0; i < kPieces; ++i) {
+    STRATA_ASSIGN_OR_RETURN(DeviceEvent * e, reg_.dev->create_event());
+    ready_.push_back(e);
+  }
+  if (staging_) {
+    STRATA_ASSIGN_OR_RETURN(stage_stream_, reg_.dev->create_stream("strata grad stage"));
+    for (uint32_t i = 0; i < kPieces; ++i) {
+      STRATA_ASSIGN_OR_RETURN(DeviceEvent * e, reg_.dev->create_event());
+      staged_.push_back(e);
+    }
+  }
   return {};
 }
 
@@ -40,6 +58,14 @@ Status GradPath::allocate() {
   if (reg_.world > 1) {
     STRATA_ASSIGN_OR_RETURN(void* send, reg_.dev->alloc(piece_elems_ * 4 * reg_.world));
     send_ = static_cast<float*>(send);
+  }
+  for (uint32_t i = 0; staging_ && i < kPieces; ++i) {
+    auto b = reg_.dev->alloc(piece_elems_ * 4);
+    if (!b.ok())
+      return b.status().with_context(fmt::format("engine: gradient staging buffers ({} x {} on the device; "
+                                                 "strata.gradient_staging false does without)",
+                                                 kPieces, format_bytes(piece_elems_ * 4)));
+    stage_.push_back(*b);
   }
   return {};
 }
@@ -58,8 +84,14 @@ GradPath::~GradPath() {
   dl_.clear();
   scratch_.reset();
   if (reg_.dev != nullptr) {
+    if (stage_stream_) (void)reg_.dev->synchronize(stage_stream_);
+    if (download_) (void)reg_.dev->synchronize(download_);
     reg_.dev->destroy_event(ev_caller_);
     reg_.dev->destroy_event(ev_download_);
+    for (DeviceEvent* e : ready_) reg_.dev->destroy_event(e);
+    for (DeviceEvent* e : staged_) reg_.dev->destroy_event(e);
+    for (void* b : stage_) (void)reg_.dev->free(b);
+    if (stage_stream_) (void)reg_.dev->destroy_stream(stage_stream_);
     if (download_) (void)reg_.dev->destroy_stream(download_);
     if (send_) (void)reg_.dev->free(send_);
   }
@@ -83,10 +115,17 @@ void GradPath::accumulator_main(const Job& j) {
 }
 
 Status GradPath::accumulate(const Job& j) {
-  if (j.count == 0) return {};  // N ranks: a piece wholly in this rank's padding
   ParamState& p = reg_.params[j.param];
-  const void* src = dl_[j.slot].data();
   Tracer* tracer = reg_.tracer.get();
+  {
+    TraceSpan wait(tracer, "wait_download", trace_cat::kRuntime);
+    Status st = reg_.dev->synchronize(ready_[j.slot]);
+    if (!st.ok())
+      return st.with_context(fmt::format("engine: downloading the gradient of {} (elements {}..{})", p.name, j.offset,
+                                         j.offset + j.count));
+  }
+  if (j.count == 0) return {};  // N ranks: a piece wholly in this rank's padding
+  const void* src = dl_[j.slot].data();
   TraceSpan span(tracer, "accumulate", trace_cat::kOptim, {{"elements", j.count}, {"first", int{j.first}}});
   // The squares of the new sums go to the piece's norm blocks (pieces start
   // at multiples of the block): at step time the blocks hold the final
@@ -121,14 +160,31 @@ Status GradPath::accumulate(const Job& j) {
 
 // ---------------------------------------------------------------- driving thread
 
-// A host function on the download stream queues the job once the stream got
-// there (the piece's copy is done; a marker follows every piece before it).
-Status GradPath::queue_from_stream(const Job& j) {
-  WorkQueue<Job>* q = &queue_;
-  return reg_.dev->host_func_async(download_, [q, j] {
-    q->push(j);
-    return Status();
-  });
+// One piece of the caller's gradient into the pinned piece dl_[slot]: with
+// staging, a device copy on the stage stream first (the caller waits only for
+// that), then the download from the staging buffer; on the host backend
+// without staging, a memcpy on the download stream (the caller's gradient
+// may be any host memory, e.g. a torch CPU tensor). Then the piece's event.
+Status GradPath::download_piece(uint32_t slot, const void* src, size_t bytes) {
+  void* dst = dl_[slot].data();
+  if (staging_) {
+    STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(stage_[slot], src, bytes, CopyKind::kDeviceToDevice, stage_stream_));
+    STRATA_RETURN_IF_ERROR(reg_.dev->record(staged_[slot], stage_stream_));
+    STRATA_RETURN_IF_ERROR(reg_.dev->wait(download_, staged_[slot]));
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dst, stage_[slot], bytes, CopyKind::kDeviceToHost, download_));
+  } else if (reg_.dev->kind() == DeviceKind::kHost) {
+    Tracer* tr = reg_.tracer && reg_.tracer->enabled() ? reg_.tracer.get() : nullptr;
+    const uint32_t track = reg_.trace_d2h;
+    STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(download_, [dst, src, bytes, tr, track] {
+      const uint64_t t0 = tr ? Tracer::now_ns() : 0;
+      std::memcpy(dst, src, bytes);
+      if (tr) tr->complete("d2h", trace_cat::kCopy, t0, Tracer::now_ns(), {{"bytes", uint64_t{bytes}}}, track);
+      return Status();
+    }));
+  } else {
+    STRATA_RETURN_IF_ERROR(reg_.traced_copy(dst, src, bytes, CopyKind::kDeviceToHost, download_));
+  }
+  return reg_.dev->record(ready_[slot], download_);
 }
 
 // A failed call changes nothing when no piece was queued yet (the usual case:
@@ -144,12 +200,9 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
                   fmt::format("engine: reduce_grad({}): reduced twice in micro-batch {}", p.name, micro_index));
   const bool first = !pg.written;
   STRATA_RETURN_IF_ERROR(reg_.dev->record(ev_caller_, stream));
-  STRATA_RETURN_IF_ERROR(reg_.dev->wait(download_, ev_caller_));
+  STRATA_RETURN_IF_ERROR(reg_.dev->wait(staging_ ? stage_stream_ : download_, ev_caller_));
   const size_t esz = dtype_size(dtype);
   const uint64_t n = p.shard.size();
-  // The host backend's "device" is RAM: the caller's gradient may be any
-  // host memory (a torch CPU tensor), copied on the download stream in order.
-  const bool host = reg_.dev->kind() == DeviceKind::kHost;
   uint64_t queued = 0;
   auto give_back = [&](uint32_t slot) {
     {
@@ -191,25 +244,19 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
       dl_free_.pop_back();
     }
     const char* src = static_cast<const char*>(grad) + (p.shard.begin + off) * esz;
-    void* dst = dl_[slot].data();
     const size_t bytes = cnt * esz;
     Status st;
     if (scatter) {
       st = reduce_scatter_piece(p, grad, dtype, off, cnt, dl_[slot].as<float>());
-    } else if (host) {
-      Tracer* tr = reg_.tracer && reg_.tracer->enabled() ? reg_.tracer.get() : nullptr;
-      const uint32_t track = reg_.trace_d2h;
-      st = reg_.dev->host_func_async(download_, [dst, src, bytes, tr, track] {
-        const uint64_t t0 = tr ? Tracer::now_ns() : 0;
-        std::memcpy(dst, src, bytes);
-        if (tr) tr->complete("d2h", trace_cat::kCopy, t0, Tracer::now_ns(), {{"bytes", uint64_t{bytes}}}, track);
-        return Status();
-      });
+      if (st.ok()) st = reg_.dev->record(ready_[slot], download_);
     } else {
-      st = reg_.traced_copy(dst, src, bytes, CopyKind::kDeviceToHost, download_);
+      st = download_piece(slot, src, bytes);
     }
     if (!st.ok()) {
-      give_back(slot);
+      // Copies into the piece may have been enqueued: it is given back once
+      // the streams got past them.
+      Status s1 = staging_ ? reg_.dev->synchronize(stage_stream_) : Status();
+      if (reg_.dev->synchronize(download_).ok() && s1.ok()) give_back(slot);
       return failed(st);
     }
     if (!scatter) reg_.traffic.d2h += bytes;
@@ -222,13 +269,7 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
     j.count = scatter ? (off < n ? std::min(cnt, n - off) : 0) : cnt;  // N ranks: the padding is not accumulated
     j.dtype = scatter ? DType::kF32 : dtype;
     j.first = first;
-    st = queue_from_stream(j);
-    if (!st.ok()) {
-      // The copy may still be in flight: the slot is given back once the
-      // stream got past it.
-      if (reg_.dev->synchronize(download_).ok()) give_back(slot);
-      return failed(st);
-    }
+    queue_.push(j);  // the accumulator waits for the piece's event
     ++queued;
   }
   pg.reduced_micro = micro_index;
@@ -262,20 +303,26 @@ Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DTy
   return st;
 }
 
+// Behind the group's pieces in the queue: the accumulator gets there after
+// adding every one of them.
 Status GradPath::queue_group_done(GroupId g) {
   Job j;
   j.kind = Job::kGroupDone;
   j.group = g;
-  return queue_from_stream(j);
+  queue_.push(j);
+  return {};
 }
 
 Status GradPath::end_reduce(DeviceStream* stream) {
-  STRATA_RETURN_IF_ERROR(reg_.dev->record(ev_download_, download_));
+  DeviceStream* reads = staging_ ? stage_stream_ : download_;
+  STRATA_RETURN_IF_ERROR(reg_.dev->record(ev_download_, reads));
   return reg_.dev->wait(stream, ev_download_);
 }
 
 Status GradPath::wait_idle() {
-  Status st = reg_.dev->synchronize(download_);
+  Status st = staging_ ? reg_.dev->synchronize(stage_stream_) : Status();
+  Status dl = reg_.dev->synchronize(download_);
+  if (st.ok()) st = dl;
   queue_.wait_idle();
   return st;
 }

@@ -1,14 +1,17 @@
 // GradPath: the gradients' way from the trainer's device buffers into each
 // parameter's fp32 accumulator.
 //
-// Owns: the download stream and its two events, the pinned download pieces
-// (kPieces buffers of piece_elems() fp32 elements) and their free list, the
-// accumulation scratch buffer, every parameter's per-step gradient state
-// (reduced in which micro-batch, written this step), and the accumulator
-// thread with its queue.
-// Thread: reduce()/queue_group_done()/end_reduce() on the driving thread (one
-// copy per piece on the download stream, then a host function on that stream
-// queues the piece); the accumulator thread writes float(g) (first
+// Owns: the download stream and its events (one per piece: its download is
+// done), the pinned download pieces (kPieces buffers of piece_elems() fp32
+// elements) and their free list, with gradient staging the stage stream and
+// kPieces device buffers of the same size, the accumulation scratch buffer,
+// every parameter's per-step gradient state (reduced in which micro-batch,
+// written this step), and the accumulator thread with its queue.
+// Thread: reduce()/queue_group_done()/end_reduce() on the driving thread (per
+// piece: with staging a device copy on the stage stream, then the download
+// on the download stream and its event; the piece is queued to the
+// accumulator at once, with no host callback); the accumulator thread waits
+// for the piece's event, then writes float(g) (first
 // micro-batch) or adds float(g) into the host-tier accumulator, or does the
 // same arithmetic as an NVMe read-add-write through the scratch buffer
 // (cpu_optim::accumulate: vectorized, on the oneTBB workers). The same pass
@@ -47,11 +50,12 @@ class GradPath {
   GradPath& operator=(const GradPath&) = delete;
 
   // ---- create()
-  // Sizes the pieces (up to 4 Mi elements) and creates the download stream
-  // and its events.
+  // Sizes the pieces (up to 4 Mi elements), decides on staging
+  // (strata.gradient_staging) and creates the streams and events.
   Status prepare();
+  bool staging() const { return staging_; }
   uint64_t piece_elems() const { return piece_elems_; }
-  Status allocate();  // pieces and scratch, from the registry's pool
+  Status allocate();  // pieces and scratch from the registry's pool; staging buffers on the device
   Status start(std::function<void(GroupId)> on_group_done);
   void stop();  // finishes queued accumulations, joins the thread
   DeviceStream* download() const { return download_; }
@@ -64,10 +68,11 @@ class GradPath {
   // Overlap mode: a marker behind the group's pieces; the accumulator hands
   // the group to on_group_done once it gets there.
   Status queue_group_done(GroupId g);
-  // `stream` waits for the downloads queued so far (the caller may then
-  // reuse its gradient buffer).
+  // `stream` waits until the gradients queued so far were read (the caller
+  // may then reuse its gradient buffer): with staging, their device copies
+  // only; without, their downloads.
   Status end_reduce(DeviceStream* stream);
-  // Synchronizes the download stream, then waits for the accumulator.
+  // Synchronizes the stage and download streams, then waits for the accumulator.
   Status wait_idle();
   // step(): accumulators no micro-batch wrote this step are zeroed.
   Status zero_unwritten();
@@ -109,7 +114,8 @@ class GradPath {
 
   void accumulator_main(const Job& j);  // accumulator thread
   Status accumulate(const Job& j);      // accumulator thread
-  Status queue_from_stream(const Job& j);
+  // The piece's copies, from the caller's `src` into dl_[slot] (driving thread).
+  Status download_piece(uint32_t slot, const void* src, size_t bytes);
   Status reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
                               float* out);
   Status zero_grad(ParamId p);
@@ -121,7 +127,15 @@ class GradPath {
 
   DeviceStream* download_ = nullptr;
   DeviceEvent* ev_caller_ = nullptr;    // caller's stream point before a download
-  DeviceEvent* ev_download_ = nullptr;  // download done: the caller's stream waits
+  DeviceEvent* ev_download_ = nullptr;  // the caller's buffer was read: the caller's stream waits
+  std::vector<DeviceEvent*> ready_;     // per piece: its download is done (the accumulator waits)
+  // Gradient staging (strata.gradient_staging): the caller's piece is copied
+  // to stage_[slot] on the stage stream (staged_[slot] after it), the
+  // download stream takes it from there.
+  bool staging_ = false;
+  DeviceStream* stage_stream_ = nullptr;
+  std::vector<void*> stage_;
+  std::vector<DeviceEvent*> staged_;
 
   // Download pieces and scratch (elements of fp32 each).
   uint64_t piece_elems_ = 0;
