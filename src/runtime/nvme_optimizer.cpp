@@ -99,25 +99,23 @@ const Placement& placement(const OptimizerTensor& t, int a) {
 }  // namespace
 
 bool NvmeOptimizer::reads(int a, const OptimizerTensor& t) const {
-  if (mode_ == Mode::kStats) return a == kGrads && t.grads.tier == Placement::Tier::kSwap;
   if (a == kOut) return false;
   if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates_) return false;
   return placement(t, a).tier == Placement::Tier::kSwap;
 }
 
 bool NvmeOptimizer::writes(int a, const OptimizerTensor& t) const {
-  if (mode_ == Mode::kStats || a == kGrads) return false;
+  if (a == kGrads) return false;
   if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates_) return false;
   return placement(t, a).tier == Placement::Tier::kSwap;
 }
 
-Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors, Mode mode) const {
+Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors) const {
   for (const auto& t : tensors) {
     auto bad = [&](const std::string& why) {
       return Status(StatusCode::kInvalidArgument, fmt::format("nvme optimizer: tensor '{}': {}", t.name, why));
     };
-    const int last = mode == Mode::kStats ? kGrads : kOut;
-    for (int a = mode == Mode::kStats ? kGrads : 0; a <= last; ++a) {
+    for (int a = 0; a <= kOut; ++a) {
       if (a >= kState0 && a < kState0 + 3 && a - kState0 >= nstates_) continue;
       const Placement& p = placement(t, a);
       if (!p.present()) {
@@ -138,8 +136,7 @@ Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors, Mode mo
                                  t.count * element_size(a, t)));
       }
     }
-    if (mode == Mode::kStep)
-      for (int s = nstates_; s < 3; ++s)
+    for (int s = nstates_; s < 3; ++s)
         if (t.state[s].present()) return bad(fmt::format("state{} given but the optimizer uses {}", s, nstates_));
   }
   return {};
@@ -166,9 +163,7 @@ void NvmeOptimizer::build_chunks(std::span<const OptimizerTensor> tensors, std::
 
 Status NvmeOptimizer::chunk_error(const char* what, std::size_t ci, int array, const Status& st) const {
   const Chunk& c = chunks_[ci];
-  const std::string head =
-      mode_ == Mode::kStep ? fmt::format("optimizer step {}", step_) : std::string("gradient norm pass");
-  return st.with_context(fmt::format("{}: {} {}elements {}..{} of tensor '{}'", head, what,
+  return st.with_context(fmt::format("optimizer step {}: {} {}elements {}..{} of tensor '{}'", step_, what,
                                      array >= 0 ? std::string(kArrayNames[array]) + " " : std::string(), c.offset,
                                      c.offset + c.count, tensors_[c.tensor].name));
 }
@@ -263,8 +258,7 @@ void NvmeOptimizer::piece_done(std::size_t si, int array, const Status& st) {
   if (issue) submit(next);
 }
 
-Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, std::int64_t step, double scale,
-                          std::size_t* chunks_done, cpu_optim::GradStats* stats) {
+Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::size_t* chunks_done) {
   *chunks_done = 0;
   const std::size_t n = chunks_.size();
   const std::size_t depth = slots_.size();
@@ -314,41 +308,31 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
     };
     Status st;
     {
-      TraceSpan span(tr, mode == Mode::kStep ? "optimizer_chunk" : "grad_stats_chunk", trace_cat::kOptim,
+      TraceSpan span(tr, "optimizer_chunk", trace_cat::kOptim,
                      {{"elements", c.count}, {"chunk", static_cast<std::uint64_t>(i)}});
-      if (mode == Mode::kStep) {
-        cpu_optim::StepBuffers b;
-        b.params = static_cast<float*>(ptr(kMaster));
-        b.grads = ptr(kGrads);
-        b.grad_dtype = DType::kF32;
-        for (int k = 0; k < nstates_; ++k) b.state[k] = ptr(kState0 + k);
-        b.state_dtype = options_.state_dtype;
-        b.state_rounding = options_.state_rounding;
-        // Stream 0 for every tensor, as a caller of cpu_optim::step or the
-        // C ABI gets by default: the same bits as those on whole tensors.
-        b.index_base = t.first_index + c.offset;
-        b.params_out = t.out_is_master ? nullptr : ptr(kOut);
-        b.out_dtype = options_.out_dtype;
-        st = cpu_optim::step(*config, t.step > 0 ? t.step : step, b, c.count, options_.exec);
-        // An fp32 compute copy on the host: the updated master's bits (one
-        // in a swap store is written from the master's chunk below).
-        if (st.ok() && t.out_is_master && t.params_out.tier == Placement::Tier::kHost)
-          std::memcpy(ptr(kOut), b.params, c.count * 4);
-      } else {
-        auto r = cpu_optim::grad_stats(ptr(kGrads), DType::kF32, c.count, scale, options_.exec);
-        if (r.ok()) {
-          stats->sum_sq += r->sum_sq;
-          stats->has_inf_nan = stats->has_inf_nan || r->has_inf_nan;
-        } else {
-          st = r.status();
-        }
-      }
+      cpu_optim::StepBuffers b;
+      b.params = static_cast<float*>(ptr(kMaster));
+      b.grads = ptr(kGrads);
+      b.grad_dtype = DType::kF32;
+      for (int k = 0; k < nstates_; ++k) b.state[k] = ptr(kState0 + k);
+      b.state_dtype = options_.state_dtype;
+      b.state_rounding = options_.state_rounding;
+      // Stream 0 for every tensor, as a caller of cpu_optim::step or the
+      // C ABI gets by default: the same bits as those on whole tensors.
+      b.index_base = t.first_index + c.offset;
+      b.params_out = t.out_is_master ? nullptr : ptr(kOut);
+      b.out_dtype = options_.out_dtype;
+      st = cpu_optim::step(config, t.step > 0 ? t.step : step, b, c.count, options_.exec);
+      // An fp32 compute copy on the host: the updated master's bits (one
+      // in a swap store is written from the master's chunk below).
+      if (st.ok() && t.out_is_master && t.params_out.tier == Placement::Tier::kHost)
+        std::memcpy(ptr(kOut), b.params, c.count * 4);
     }
     if (!st.ok()) {
       failure = chunk_error("updating", i, -1, st);
       break;
     }
-    if (mode == Mode::kStep && t.params_out.tier == Placement::Tier::kDevice) {
+    if (t.params_out.tier == Placement::Tier::kDevice) {
       // The fp32 copy of a master is uploaded from the master's chunk, which
       // the slot's next read overwrites: that one upload is waited for here.
       const std::size_t es = element_size(kOut, t);
@@ -364,8 +348,7 @@ Status NvmeOptimizer::run(Mode mode, const cpu_optim::OptimizerConfig* config, s
     }
     ++*chunks_done;
     bool any_write = false;
-    if (mode == Mode::kStep)
-      for (int a = 0; a < kArrays; ++a) any_write = any_write || writes(a, t);
+    for (int a = 0; a < kArrays; ++a) any_write = any_write || writes(a, t);
     if (any_write) {
       Pending p;
       {
@@ -442,15 +425,14 @@ Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::i
                   fmt::format("nvme optimizer: step {} after completed step {}: expected step {}", step,
                               progress_.step, progress_.step + 1));
   }
-  mode_ = Mode::kStep;
-  STRATA_RETURN_IF_ERROR(validate(tensors, Mode::kStep));
+  STRATA_RETURN_IF_ERROR(validate(tensors));
   tensors_ = tensors;
   step_ = step;
   build_chunks(tensors, skip);
   TraceSpan span(options_.tracer, "optimizer_step", trace_cat::kOptim,
                  {{"step", step}, {"elements", total - skip}, {"chunks", static_cast<std::uint64_t>(chunks_.size())}});
   std::size_t done = 0;
-  Status st = run(Mode::kStep, &config, step, 1.0, &done, nullptr);
+  Status st = run(config, step, &done);
   progress_.step = step;
   progress_.total_elems = total;
   if (st.ok()) {
@@ -470,19 +452,6 @@ Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::i
   for (std::size_t i = 0; i < done; ++i) d += chunks_[i].count;
   progress_.done_elems = d;
   return st;
-}
-
-Result<cpu_optim::GradStats> NvmeOptimizer::grad_stats(std::span<const OptimizerTensor> tensors, double scale) {
-  mode_ = Mode::kStats;
-  STRATA_RETURN_IF_ERROR(validate(tensors, Mode::kStats));
-  tensors_ = tensors;
-  build_chunks(tensors, 0);
-  TraceSpan span(options_.tracer, "grad_stats", trace_cat::kOptim,
-                 {{"chunks", static_cast<std::uint64_t>(chunks_.size())}});
-  cpu_optim::GradStats stats;
-  std::size_t done = 0;
-  STRATA_RETURN_IF_ERROR(run(Mode::kStats, nullptr, 0, scale, &done, &stats));
-  return stats;
 }
 
 }  // namespace strata

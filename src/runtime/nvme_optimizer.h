@@ -25,21 +25,17 @@
 //                     .master = Placement::in_swap(master), .grads = Placement::in_swap(grads),
 //                     .params_out = Placement::in_host(bf16_copy)};
 //   t.state[0] = Placement::in_swap(exp_avg); t.state[1] = Placement::in_swap(exp_avg_sq);
-//   auto stats = (*opt)->grad_stats(tensors, scale);  // global norm (a streamed pass)
-//   config.grad_scale = scale * clip_coefficient;
+//   config.grad_scale = scale * clip_coefficient;  // the norm comes from the caller
 //   Status s = (*opt)->step(config, t_step, tensors);
 //
-// Gradient norm. grad_stats() is a separate streamed pass over the gradients
-// (read-only, through the same ring). It cannot be fused into the step's
-// reads: clipping needs the global norm before the first chunk is updated.
-// It costs one extra read of the gradients (4 of the step's 16 bytes read per
-// fp32 parameter). The result is deterministic for a given chunk size (chunks
-// are summed in order, in double), but not bit-identical to one whole-tensor
-// cpu_optim::grad_stats call (different association of the block sums).
+// Gradient norm. Not computed here: clipping needs the global norm before the
+// first chunk is updated, so the caller computes it while the gradients are
+// accumulated (the engine's GradPath::sum_sq) and passes the clipping
+// coefficient in config.grad_scale.
 //
 // Allocation. The ring is allocated once, by create(), from the pinned pool:
 // a pool too small for it fails there with kOutOfBudget, never mid-step.
-// step() and grad_stats() allocate no buffers (the I/O engine keeps a small
+// step() allocates no buffers (the I/O engine keeps a small
 // per-request record, as for every request).
 //
 // Failures and the step counter. The optimizer remembers its progress
@@ -64,7 +60,7 @@
 // Ownership: the store, the pool and the tracer are borrowed and must outlive
 // the optimizer; the ring's buffers are owned and returned at destruction.
 // Host arrays belong to the caller and must stay valid during a call.
-// Blocking: step() and grad_stats() block the calling thread until every
+// Blocking: step() blocks the calling thread until every
 // request they issued has completed (also on error), and use up to
 // exec.threads-1 oneTBB workers for the updates.
 // Thread-safety: one call at a time per NvmeOptimizer (it owns one ring).
@@ -204,9 +200,6 @@ class NvmeOptimizer {
   Status step_part(const cpu_optim::OptimizerConfig& config, std::int64_t step,
                    std::span<const OptimizerTensor> tensors);
 
-  // Σ(scale·g)² and inf/NaN over every tensor's gradients, streamed through
-  // the ring. Does not change progress(). Errors: I/O errors as step().
-  Result<cpu_optim::GradStats> grad_stats(std::span<const OptimizerTensor> tensors, double scale);
 
   const StepProgress& progress() const { return progress_; }
   // After restoring the state (a checkpoint at step `step`): clears `torn`
@@ -219,7 +212,6 @@ class NvmeOptimizer {
 
  private:
   enum Array { kMaster = 0, kState0 = 1, kGrads = 4, kOut = 5, kArrays = 6 };
-  enum class Mode { kStep, kStats };
   enum class Phase { kIdle, kReading, kReadDone, kWriting };
   struct Chunk {
     std::uint32_t tensor;
@@ -245,10 +237,9 @@ class NvmeOptimizer {
       : store_(store), options_(o), nstates_(nstates) {}
   Status step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
                    std::span<const OptimizerTensor> tensors, bool part);
-  Status validate(std::span<const OptimizerTensor> tensors, Mode mode) const;
+  Status validate(std::span<const OptimizerTensor> tensors) const;
   void build_chunks(std::span<const OptimizerTensor> tensors, std::uint64_t skip_elems);
-  Status run(Mode mode, const cpu_optim::OptimizerConfig* config, std::int64_t step, double scale,
-             std::size_t* chunks_done, cpu_optim::GradStats* stats);
+  Status run(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::size_t* chunks_done);
   std::size_t element_size(int array) const;
   std::size_t element_size(int array, const OptimizerTensor& t) const;  // out_is_master: 4
   bool reads(int array, const OptimizerTensor& t) const;
@@ -270,7 +261,6 @@ class NvmeOptimizer {
   StepProgress progress_;
 
   // Per call (set before any I/O, read by the I/O thread's callbacks).
-  Mode mode_ = Mode::kStep;
   std::span<const OptimizerTensor> tensors_;
   std::int64_t step_ = 0;
   std::mutex mu_;

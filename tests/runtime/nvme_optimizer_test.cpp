@@ -396,26 +396,6 @@ TEST_P(NvmeOptimizerTest, TraceShowsEveryReadUpdateAndWrite) {
   EXPECT_EQ(slot_tracks, static_cast<int>(depth()));
 }
 
-TEST_P(NvmeOptimizerTest, GradStatsMatchesInMemory) {
-  add_default_models();
-  new_grads();
-  auto opt = make();
-  ASSERT_TRUE(opt.ok());
-  double ref = 0;
-  for (auto& m : models_) ref += cpu_optim::grad_stats(m.grads.data(), DType::kF32, m.count, 0.5)->sum_sq;
-  auto ts = tensors();
-  auto st = (*opt)->grad_stats(ts, 0.5);
-  ASSERT_TRUE(st.ok()) << st.status().to_string();
-  EXPECT_FALSE(st->has_inf_nan);
-  EXPECT_NEAR(st->sum_sq, ref, 1e-12 * ref);
-  // An inf in a swap-resident gradient is seen.
-  float inf = INFINITY;
-  ASSERT_TRUE(store_->write(models_[0].s_grads, 4 * 77777, 4, &inf).wait().ok());
-  auto st2 = (*opt)->grad_stats(ts, 0.5);
-  ASSERT_TRUE(st2.ok());
-  EXPECT_TRUE(st2->has_inf_nan);
-}
-
 INSTANTIATE_TEST_SUITE_P(StatesAndDepths, NvmeOptimizerTest,
                          ::testing::Combine(::testing::Values(DType::kF32, DType::kBF16),
                                             ::testing::Values(2u, 3u, 4u)),
