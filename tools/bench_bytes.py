@@ -7,8 +7,10 @@ host->device, device->host.
   python3 tools/bench_bytes.py --strata build/tools/strata [--steps 12] [--dir /tmp/sbb]
 
 Runs a 3.08M-parameter Llama (4 layers, dim 256) with parameters and optimizer
-states on NVMe, at gradient accumulation 1 and 4 (--grad-accum), and with every
-state in RAM; prints, per run and link, the median over steps 3.. of the bytes
+states on NVMe, at gradient accumulation 1 and 4 (--grad-accum), with the
+compute copies on the device and master and moments on NVMe, and with the
+automatic placement (everything fits: compute copies on the device, the rest
+in RAM); prints, per run and link, the median over steps 3.. of the bytes
 each step moved (differences of the cumulative counters on the metrics' train
 lines), the plan's bytes per step, and their ratio (1.000: exactly what the
 placement requires; above: bytes moved that need not be; below: the planner
@@ -46,10 +48,12 @@ def main():
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-bytes-")
     os.makedirs(base, exist_ok=True)
     model, data = small_model_and_data(a.strata, base)
-    runs = [("NVMe, accumulation 1", True, 1), ("NVMe, accumulation 4", True, 4), ("RAM, accumulation 1", False, 1)]
+    # (name, --offload-params, --offload-optimizer, accumulation); "nv" stands for nvme:DIR
+    runs = [("NVMe, accumulation 1", "nv", "nv", 1), ("NVMe, accumulation 4", "nv", "nv", 4),
+            ("GPU params, NVMe opt", "none", "nv", 1), ("auto (all fits)", "auto", "auto", 1)]
     print(f"{a.steps} steps of 4 x 128 tokens per micro-batch, bf16 compute, CPU ops; medians of steps 3..{a.steps}")
     print(f"{'run':<22} {'link':<17} {'measured/step':>14} {'plan/step':>14} {'ratio':>7}")
-    for name, nvme, accum in runs:
+    for name, params, optim, accum in runs:
         out = os.path.join(base, "out")
         nv = os.path.join(base, "nvme")
         shutil.rmtree(out, ignore_errors=True)
@@ -58,8 +62,8 @@ def main():
         cmd = [a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch", "4", "--grad-accum",
                str(accum), "--steps", str(a.steps), "--eval-every", "0", "--eval-batches", "1", "--no-export",
                "--progress", "quiet", "--out", out, "--device", "cpu", "--bf16"]
-        if nvme:
-            cmd += ["--offload-params", "nvme:" + nv, "--offload-optimizer", "nvme:" + nv]
+        where = lambda t: "nvme:" + nv if t == "nv" else t
+        cmd += ["--offload-params", where(params), "--offload-optimizer", where(optim)]
         run(cmd)
         plan, got, step_s = measure(os.path.join(out, "metrics.jsonl"))
         for k in LINKS:

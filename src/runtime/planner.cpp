@@ -464,17 +464,44 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   // ---- bytes per step on each link (this rank)
   const uint64_t m = opt.micro_batches;
   const uint64_t ups = uint64_t{opt.uploads_per_micro_batch} * m;
-  for (const auto& g : plan.groups) {
+  // Uploads per group and step. The engine's device slots (held + prefetch
+  // + one cached when it fits, Uploader::allocate_slots) keep the last groups used: with
+  // two acquires per micro-batch (backward in reverse order), the last S
+  // slot-using groups of forward are still there when backward starts, and
+  // the first S of backward's end when the next micro-batch of the step
+  // starts (a step changes the copies: the slots are dropped). When every
+  // slot-using group fits in the slots, each is uploaded once per step.
+  std::vector<uint64_t> uploads(plan.groups.size(), ups);
+  {
+    std::vector<size_t> slotted;  // groups that pass through the slots, in order
+    for (size_t i = 0; i < plan.groups.size(); ++i)
+      if (gathers || plan.groups[i].tier[kc(StateKind::kCompute)] != Tier::kDevice) slotted.push_back(i);
+    // The cached slot is allocated when the device budget has room for it.
+    const uint64_t placed = plan.tier_bytes(Tier::kDevice) + plan.device_buffers;
+    const bool cached = budgets.device_bytes >= placed && budgets.device_bytes - placed >= max_gathered;
+    const size_t slots = need_buffers ? size_t{held} + depth + (cached ? 1 : 0) : 0;
+    for (size_t k = 0; k < slotted.size(); ++k) {
+      uint64_t& u = uploads[slotted[k]];
+      if (slotted.size() <= slots) {
+        u = 1;
+      } else if (opt.uploads_per_micro_batch >= 2) {
+        if (k + slots >= slotted.size()) u -= m;  // a hit when backward starts
+        if (k < slots) u -= m - 1;                // a hit when the next micro-batch starts
+      }
+    }
+  }
+  for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
+    const GroupPlan& g = plan.groups[gi];
     const uint64_t c = g.bytes[kc(StateKind::kCompute)];
     const uint64_t gr = g.bytes[kc(StateKind::kGrad)];
     const uint64_t compute_elem_bytes = g.shard_numel ? g.shard_compute_bytes / g.shard_numel : 0;
     switch (g.tier[kc(StateKind::kCompute)]) {
       case Tier::kHost:
-        plan.forward_backward.h2d += ups * c;
+        plan.forward_backward.h2d += uploads[gi] * c;
         break;
       case Tier::kNvme:
-        plan.forward_backward.nvme_read += ups * c;
-        plan.forward_backward.h2d += ups * c;
+        plan.forward_backward.nvme_read += uploads[gi] * c;
+        plan.forward_backward.h2d += uploads[gi] * c;
         break;
       default:
         break;
