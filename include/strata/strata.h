@@ -516,7 +516,9 @@ STRATA_API strata_status_t strata_engine_release(strata_engine_t engine, uint32_
  * reaches this point. The buffer: device memory on CUDA; on the host
  * backend any host memory (the caller's own, e.g. a torch CPU tensor's
  * data_ptr()). Asynchronous: the buffer may be reused by work enqueued on
- * `stream` after the call. A failed call changes nothing and may be retried
+ * `stream` after the call (`stream` waits until it was read: with
+ * strata.gradient_staging, the default on CUDA, a device copy only, not the
+ * download to host). A failed call changes nothing and may be retried
  * (no buffer is leaked, nothing waits forever), unless its message says part
  * of the gradient was accumulated: then strata_engine_step refuses until
  * strata_engine_discard_step. Errors: STRATA_ERR_INVALID_ARGUMENT (id, dtype,

@@ -17,10 +17,12 @@
 // Streams. acquire() returns device pointers and makes the caller's stream
 // wait (an event, never a device-wide sync) on the upload. release() lets the
 // buffers be reused once the caller's stream has passed that point.
-// reduce_grad() reads the caller's gradient buffer on the download stream
+// reduce_grad() reads the caller's gradient buffer on the engine's streams
 // after the caller's stream reaches that point; the buffer may be freed or
 // overwritten by work enqueued on the caller's stream after the call (the
-// caller's stream waits for the download).
+// caller's stream waits until it was read: with strata.gradient_staging, the
+// default on CUDA, only for a device-to-device copy into the engine's
+// staging buffers, so backward is not held up by the download to host).
 //
 // Holds. acquire() of a group already held (a tied weight, a nested module)
 // adds a hold and returns the same pointers, which stay put until the last
