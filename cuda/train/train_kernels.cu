@@ -182,117 +182,174 @@ __global__ void rope_kernel(float* x, int64_t n, int64_t T, int64_t heads, int64
 }
 
 // ---------------------------------------------------------------- attention
-// Grid (T, H, B): one block per query row i of head h in sequence b.
-// Shared memory: one row of hd floats. P rows are [T] floats at
-// P + ((b*H + h)*T + i)*T.
+// Flash-attention style, in fp32, without the T x T matrix: the forward keeps
+// per query row only the log-sum-exp of its scores (lse, [B, H, T]); the
+// backward recomputes each probability from it. Memory O(B H T), not
+// O(B H T^2). One block per row (of queries in the forward and for dq, of
+// keys for dk/dv); each warp takes every nwarps-th key (or query), with an
+// online softmax and a running sum of its own in shared memory, and the warps'
+// partials are combined in warp order: the same bits on every run (no atomics).
 
 constexpr int kAttnThreads = 128;
+constexpr int kAttnWarps = kAttnThreads / 32;
 
-// Scores by one warp per key (lanes split head_dim: coalesced reads of k),
-// then max-subtracted softmax over j <= i in fp32.
-__global__ void attn_softmax_kernel(const float* q, const float* k, float* P, int64_t T, int64_t H, int64_t KVH,
-                                    int64_t hd, float scale) {
-  extern __shared__ float qs[];
-  __shared__ float sh[32];
+// Grid (T, H, B): query row i of head h in sequence b. Shared: q_i [hd], the
+// warps' unnormalised outputs [warps, hd], their max and sum.
+__global__ void attn_forward_kernel(const float* q, const float* k, const float* v, float* out, float* lse, int64_t T,
+                                    int64_t H, int64_t KVH, int64_t hd, float scale) {
+  extern __shared__ float smem[];
+  __shared__ float wmax[kAttnWarps], wsum[kAttnWarps];
+  float* qs = smem;
+  float* acc = smem + hd;
   const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const int64_t kvh = h / (H / KVH);
   const int64_t qd = H * hd, kd = KVH * hd;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const float* qrow = q + (b * T + i) * qd + h * hd;
   for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) qs[c] = qrow[c];
+  float* mine = acc + warp * hd;
+  for (int64_t c = lane; c < hd; c += 32) mine[c] = 0.0f;
   __syncthreads();
-  float* prow = P + ((b * H + h) * T + i) * T;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int64_t j = warp; j <= i; j += nwarps) {
+  float m = -INFINITY, l = 0.0f;
+  for (int64_t j = warp; j <= i; j += kAttnWarps) {
     const float* krow = k + (b * T + j) * kd + kvh * hd;
-    float s = 0;
-    for (int64_t c = lane; c < hd; c += 32) s += qs[c] * krow[c];
-    s = warp_sum(s);
-    if (lane == 0) prow[j] = s * scale;
-  }
-  __syncthreads();
-  float m = -INFINITY;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) m = fmaxf(m, prow[j]);
-  m = block_reduce<true>(m, sh);
-  float sum = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) {
-    const float e = expf(prow[j] - m);
-    prow[j] = e;
-    sum += e;
-  }
-  sum = block_reduce<false>(sum, sh);
-  const float inv = 1.0f / sum;
-  for (int64_t j = threadIdx.x; j < T; j += blockDim.x) prow[j] = j <= i ? prow[j] * inv : 0.0f;
-}
-
-// out[i, h, c] = sum_{j <= i} P[i, j] v[j, kvh, c]; threads split head_dim.
-__global__ void attn_pv_kernel(const float* P, const float* v, float* out, int64_t T, int64_t H, int64_t KVH,
-                               int64_t hd) {
-  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int64_t kvh = h / (H / KVH);
-  const int64_t qd = H * hd, kd = KVH * hd;
-  const float* prow = P + ((b * H + h) * T + i) * T;
-  for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) {
-    float s = 0;
-    for (int64_t j = 0; j <= i; ++j) s += prow[j] * v[(b * T + j) * kd + kvh * hd + c];
-    out[(b * T + i) * qd + h * hd + c] = s;
-  }
-}
-
-// Per query row: dP_j = dout_i . v_j, delta = sum_j P_ij dP_j,
-// dS_ij = P_ij (dP_j - delta), dq_i = scale * sum_j dS_ij k_j.
-__global__ void attn_bwd_rows_kernel(const float* k, const float* v, const float* P, const float* dout, float* dS,
-                                     float* dq, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale) {
-  extern __shared__ float ds[];
-  __shared__ float sh[32];
-  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int64_t kvh = h / (H / KVH);
-  const int64_t qd = H * hd, kd = KVH * hd;
-  const float* drow = dout + (b * T + i) * qd + h * hd;
-  for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) ds[c] = drow[c];
-  __syncthreads();
-  const float* prow = P + ((b * H + h) * T + i) * T;
-  float* srow = dS + ((b * H + h) * T + i) * T;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-  for (int64_t j = warp; j <= i; j += nwarps) {
     const float* vrow = v + (b * T + j) * kd + kvh * hd;
     float s = 0;
-    for (int64_t c = lane; c < hd; c += 32) s += ds[c] * vrow[c];
-    s = warp_sum(s);
-    if (lane == 0) srow[j] = s;  // dP for now
+    for (int64_t c = lane; c < hd; c += 32) s += qs[c] * krow[c];
+    s = warp_sum(s) * scale;  // every lane has it
+    const float m_new = fmaxf(m, s);
+    const float corr = expf(m - m_new);  // 0 on the first key (m = -inf)
+    const float p = expf(s - m_new);
+    l = l * corr + p;
+    for (int64_t c = lane; c < hd; c += 32) mine[c] = mine[c] * corr + p * vrow[c];
+    m = m_new;
+  }
+  if (lane == 0) {
+    wmax[warp] = m;
+    wsum[warp] = l;
   }
   __syncthreads();
-  float delta = 0;
-  for (int64_t j = threadIdx.x; j <= i; j += blockDim.x) delta += prow[j] * srow[j];
-  delta = block_reduce<false>(delta, sh);
-  for (int64_t j = threadIdx.x; j < T; j += blockDim.x) srow[j] = j <= i ? prow[j] * (srow[j] - delta) : 0.0f;
+  float M = -INFINITY;
+  for (int w = 0; w < kAttnWarps; ++w) M = fmaxf(M, wmax[w]);
+  float scale_w[kAttnWarps];
+  float L = 0.0f;
+  for (int w = 0; w < kAttnWarps; ++w) {
+    scale_w[w] = wsum[w] > 0.0f ? expf(wmax[w] - M) : 0.0f;  // a warp without keys adds nothing
+    L += wsum[w] * scale_w[w];
+  }
+  const float inv = 1.0f / L;  // row i has keys 0..i: L >= 1
+  float* orow = out + (b * T + i) * qd + h * hd;
+  for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) {
+    float o = 0.0f;
+    for (int w = 0; w < kAttnWarps; ++w) o += acc[w * hd + c] * scale_w[w];
+    orow[c] = o * inv;
+  }
+  if (threadIdx.x == 0) lse[(b * H + h) * T + i] = M + logf(L);
+}
+
+// Grid (T, H, B): query row i. delta_i = dout_i . out_i (stored for the kv
+// kernel); per key j <= i: P_ij = exp(scale q_i.k_j - lse_i),
+// dS_ij = P_ij (dout_i.v_j - delta_i); dq_i = scale * sum_j dS_ij k_j.
+__global__ void attn_bwd_q_kernel(const float* q, const float* k, const float* v, const float* out,
+                                  const float* lse, const float* dout, float* delta, float* dq, int64_t T, int64_t H,
+                                  int64_t KVH, int64_t hd, float scale) {
+  extern __shared__ float smem[];
+  __shared__ float sh[32];
+  float* qs = smem;
+  float* ds = smem + hd;
+  float* acc = smem + 2 * hd;
+  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t kvh = h / (H / KVH);
+  const int64_t qd = H * hd, kd = KVH * hd;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t row = (b * T + i) * qd + h * hd;
+  float dot = 0;
+  for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) {
+    qs[c] = q[row + c];
+    ds[c] = dout[row + c];
+    dot += ds[c] * out[row + c];
+  }
+  float* mine = acc + warp * hd;
+  for (int64_t c = lane; c < hd; c += 32) mine[c] = 0.0f;
+  const float dl = block_reduce<false>(dot, sh);  // also orders the shared writes above
+  const int64_t r = (b * H + h) * T + i;
+  if (threadIdx.x == 0) delta[r] = dl;
+  const float li = lse[r];
+  for (int64_t j = warp; j <= i; j += kAttnWarps) {
+    const float* krow = k + (b * T + j) * kd + kvh * hd;
+    const float* vrow = v + (b * T + j) * kd + kvh * hd;
+    float s = 0, dp = 0;
+    for (int64_t c = lane; c < hd; c += 32) {
+      s += qs[c] * krow[c];
+      dp += ds[c] * vrow[c];
+    }
+    s = warp_sum(s);
+    dp = warp_sum(dp);
+    const float p = expf(s * scale - li);
+    const float dS = p * (dp - dl);
+    for (int64_t c = lane; c < hd; c += 32) mine[c] += dS * krow[c];
+  }
   __syncthreads();
   for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) {
-    float s = 0;
-    for (int64_t j = 0; j <= i; ++j) s += srow[j] * k[(b * T + j) * kd + kvh * hd + c];
-    dq[(b * T + i) * qd + h * hd + c] = s * scale;
+    float g = 0.0f;
+    for (int w = 0; w < kAttnWarps; ++w) g += acc[w * hd + c];
+    dq[row + c] = g * scale;
   }
 }
 
-// Grid (T, KVH, B): key row j of kv head kvh. Sums over the query heads of
-// the group and the rows i >= j, in that order:
-// dv_j = sum P_ij dout_i, dk_j = scale * sum dS_ij q_i.
-__global__ void attn_bwd_kv_kernel(const float* q, const float* P, const float* dS, const float* dout, float* dk,
-                                   float* dv, int64_t T, int64_t H, int64_t KVH, int64_t hd, float scale) {
+// Grid (T, KVH, B): key row j of kv head kvh. Over the query heads of the
+// group and the rows i >= j (each warp every nwarps-th row, heads in order):
+// dv_j = sum P_ij dout_i, dk_j = scale * sum dS_ij q_i, with P and dS
+// recomputed from lse and delta.
+__global__ void attn_bwd_kv_kernel(const float* q, const float* k, const float* v, const float* lse,
+                                   const float* delta, const float* dout, float* dk, float* dv, int64_t T, int64_t H,
+                                   int64_t KVH, int64_t hd, float scale) {
+  extern __shared__ float smem[];
+  float* ks = smem;
+  float* vs = smem + hd;
+  float* dk_acc = smem + 2 * hd;
+  float* dv_acc = dk_acc + kAttnWarps * hd;
   const int64_t j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int64_t group = H / KVH;
   const int64_t qd = H * hd, kd = KVH * hd;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t krow = (b * T + j) * kd + kvh * hd;
   for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) {
-    float sk = 0, sv = 0;
-    for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-      const int64_t pbase = (b * H + h) * T * T;
-      for (int64_t i = j; i < T; ++i) {
-        const int64_t qi = (b * T + i) * qd + h * hd + c;
-        sv += P[pbase + i * T + j] * dout[qi];
-        sk += dS[pbase + i * T + j] * q[qi];
+    ks[c] = k[krow + c];
+    vs[c] = v[krow + c];
+  }
+  float* mk = dk_acc + warp * hd;
+  float* mv = dv_acc + warp * hd;
+  for (int64_t c = lane; c < hd; c += 32) mk[c] = mv[c] = 0.0f;
+  __syncthreads();
+  for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+    for (int64_t i = j + warp; i < T; i += kAttnWarps) {
+      const int64_t row = (b * T + i) * qd + h * hd;
+      const int64_t r = (b * H + h) * T + i;
+      float s = 0, dp = 0;
+      for (int64_t c = lane; c < hd; c += 32) {
+        s += q[row + c] * ks[c];
+        dp += dout[row + c] * vs[c];
+      }
+      s = warp_sum(s);
+      dp = warp_sum(dp);
+      const float p = expf(s * scale - lse[r]);
+      const float dS = p * (dp - delta[r]);
+      for (int64_t c = lane; c < hd; c += 32) {
+        mv[c] += p * dout[row + c];
+        mk[c] += dS * q[row + c];
       }
     }
-    dk[(b * T + j) * kd + kvh * hd + c] = sk * scale;
-    dv[(b * T + j) * kd + kvh * hd + c] = sv;
+  }
+  __syncthreads();
+  for (int64_t c = threadIdx.x; c < hd; c += blockDim.x) {
+    float gk = 0.0f, gv = 0.0f;
+    for (int w = 0; w < kAttnWarps; ++w) {
+      gk += dk_acc[w * hd + c];
+      gv += dv_acc[w * hd + c];
+    }
+    dk[krow + c] = gk * scale;
+    dv[krow + c] = gv;
   }
 }
 
@@ -503,28 +560,29 @@ cudaError_t rope(float* x, int64_t n, int64_t T, int64_t heads, int64_t hd, cons
 
 namespace {
 float attn_scale(int64_t hd) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))); }
-unsigned hd_threads(int64_t hd) { return static_cast<unsigned>(std::min<int64_t>(((hd + 31) / 32) * 32, 1024)); }
 }  // namespace
 
-cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* P, int64_t B,
+cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B,
                               int64_t T, int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  if (!grid_ok(grid)) return cudaErrorInvalidConfiguration;
-  const size_t smem = static_cast<size_t>(hd) * sizeof(float);
-  attn_softmax_kernel<<<grid, kAttnThreads, smem, stream>>>(q, k, P, T, H, KVH, hd, attn_scale(hd));
-  attn_pv_kernel<<<grid, hd_threads(hd), 0, stream>>>(P, v, out, T, H, KVH, hd);
+  if (!grid_ok(grid) || hd > 1024) return cudaErrorInvalidConfiguration;
+  const size_t smem = static_cast<size_t>(hd) * (1 + kAttnWarps) * sizeof(float);
+  attn_forward_kernel<<<grid, kAttnThreads, smem, stream>>>(q, k, v, out, lse, T, H, KVH, hd, attn_scale(hd));
   return cudaGetLastError();
 }
 
-cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* P, const float* dout,
-                               float* dS, float* dq, float* dk, float* dv, int64_t B, int64_t T, int64_t H,
-                               int64_t KVH, int64_t hd, cudaStream_t stream) {
+cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                               const float* dout, float* delta, float* dq, float* dk, float* dv, int64_t B, int64_t T,
+                               int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  if (!grid_ok(grid)) return cudaErrorInvalidConfiguration;
-  const size_t smem = static_cast<size_t>(hd) * sizeof(float);
-  attn_bwd_rows_kernel<<<grid, kAttnThreads, smem, stream>>>(k, v, P, dout, dS, dq, T, H, KVH, hd, attn_scale(hd));
   const dim3 kv_grid(static_cast<unsigned>(T), static_cast<unsigned>(KVH), static_cast<unsigned>(B));
-  attn_bwd_kv_kernel<<<kv_grid, hd_threads(hd), 0, stream>>>(q, P, dS, dout, dk, dv, T, H, KVH, hd, attn_scale(hd));
+  if (!grid_ok(grid) || !grid_ok(kv_grid) || hd > 1024) return cudaErrorInvalidConfiguration;
+  const size_t q_smem = static_cast<size_t>(hd) * (2 + kAttnWarps) * sizeof(float);
+  attn_bwd_q_kernel<<<grid, kAttnThreads, q_smem, stream>>>(q, k, v, out, lse, dout, delta, dq, T, H, KVH, hd,
+                                                            attn_scale(hd));
+  const size_t kv_smem = static_cast<size_t>(hd) * (2 + 2 * kAttnWarps) * sizeof(float);
+  attn_bwd_kv_kernel<<<kv_grid, kAttnThreads, kv_smem, stream>>>(q, k, v, lse, delta, dout, dk, dv, T, H, KVH, hd,
+                                                                 attn_scale(hd));
   return cudaGetLastError();
 }
 

@@ -43,15 +43,17 @@ cudaError_t rmsnorm_backward(const float* x, const void* w, int dtype, const flo
 cudaError_t rope(float* x, int64_t n, int64_t T, int64_t heads, int64_t hd, const float* cos_table,
                  const float* sin_table, bool inverse, cudaStream_t stream);
 
-// Causal GQA attention. q, out [B*T, H*hd]; k, v [B*T, KVH*hd]. P [B, H, T, T]
-// receives the probabilities (entries above the diagonal are 0).
-cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* P, int64_t B,
+// Causal GQA attention, flash-attention style (no T x T matrix). q, out
+// [B*T, H*hd]; k, v [B*T, KVH*hd]; hd <= 1024. lse [B, H, T] receives each
+// query row's log-sum-exp of its scaled scores (the backward recomputes the
+// probabilities from it).
+cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B,
                               int64_t T, int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream);
-// From P (the forward's) and dout: dS [B, H, T, T] scratch; dq, dk, dv
-// overwritten.
-cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* P, const float* dout,
-                               float* dS, float* dq, float* dk, float* dv, int64_t B, int64_t T, int64_t H,
-                               int64_t KVH, int64_t hd, cudaStream_t stream);
+// From the forward's out and lse and dout: delta [B, H, T] scratch; dq, dk,
+// dv overwritten.
+cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
+                               const float* dout, float* delta, float* dq, float* dk, float* dv, int64_t B, int64_t T,
+                               int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream);
 
 // a = silu(g) * u.
 cudaError_t swiglu_forward(const float* g, const float* u, float* a, size_t count, cudaStream_t stream);

@@ -42,7 +42,7 @@ struct strata_cuda_train_ctx_s {
   // Saved by the forward (recomputed in backward): per token.
   float *rstd1 = nullptr, *rstd2 = nullptr, *n1 = nullptr, *q = nullptr, *k = nullptr, *v = nullptr;
   float *att = nullptr, *h = nullptr, *n2 = nullptr, *g = nullptr, *u = nullptr, *a = nullptr;
-  float *P = nullptr, *dS = nullptr;  // [B, heads, T, T]
+  float *lse = nullptr, *delta = nullptr;  // attention: per query row [B, heads, T]
   // Backward scratch.
   float *dbig = nullptr, *dh = nullptr, *datt = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
   float *dn = nullptr, *partial = nullptr;
@@ -135,9 +135,9 @@ void carve(Ctx& c, Carver& cv) {
   c.g = cv.take<float>(n * F);
   c.u = cv.take<float>(n * F);
   c.a = cv.take<float>(n * F);
-  // B*T <= n and T <= S, so B*heads*T*T <= heads*n*S.
-  c.P = cv.take<float>(static_cast<size_t>(d.heads) * n * S);
-  c.dS = cv.take<float>(static_cast<size_t>(d.heads) * n * S);
+  // B*T <= n, so B*heads*T <= heads*n.
+  c.lse = cv.take<float>(static_cast<size_t>(d.heads) * n);
+  c.delta = cv.take<float>(static_cast<size_t>(d.heads) * n);
   c.dbig = cv.take<float>(n * F);
   c.dh = cv.take<float>(n * D);
   c.datt = cv.take<float>(n * Q);
@@ -379,7 +379,7 @@ int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int
   }
   CUDA_TRY(k::rope(c->q, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, false, s));
   CUDA_TRY(k::rope(c->k, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, false, s));
-  CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->P, B, T, d.heads, d.kv_heads, d.head_dim, s));
+  CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->lse, B, T, d.heads, d.kv_heads, d.head_dim, s));
   // h = x + o_proj(att): the residual first, the product added by cuBLAS (beta 1).
   CUDA_TRY(cudaMemcpyAsync(c->h, x, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
   Mat at;
@@ -451,8 +451,8 @@ int layer_backward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_
   TRY(act(c, c->att, n, Q, dt, 1, &atm, err, err_len));
   TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_O_PROJ], dhm, atm, n, Q, D, err, err_len));
   TRY(lora_bwd(c, w, g, kLoraO, c->att, c->dh, c->datt, n, Q, D, err, err_len));
-  CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->P, c->datt, c->dS, c->dq, c->dk, c->dv, B, T, d.heads, d.kv_heads,
-                                 d.head_dim, s));
+  CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->att, c->lse, c->datt, c->delta, c->dq, c->dk, c->dv, B, T,
+                                 d.heads, d.kv_heads, d.head_dim, s));
   CUDA_TRY(k::rope(c->dq, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   CUDA_TRY(k::rope(c->dk, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   float* dq = c->dq;

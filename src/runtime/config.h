@@ -160,7 +160,7 @@ struct StrataConfig {
   bool debug_poison_released = false;                   // fill a released gathered group's buffer with NaN
   uint64_t prefetch_bytes = 0;                          // cap on bytes in flight for prefetch; 0: depth decides
   DType optimizer_state_dtype = DType::kF32;           // Adam m and v: fp32 or bf16
-  // bf16 states: stochastic rounding (unbiased; the default) or nearest.
+  // bf16 states: round to nearest even (the default) or stochastic (unbiased).
   cpu_optim::StateRounding optimizer_state_rounding = cpu_optim::StateRounding::kNearest;
   IoBackendChoice io_backend = IoBackendChoice::kAuto;  // kAuto: STRATA_IO_BACKEND, then best
   bool overlap_backward = false;                        // start a group's optimizer step during backward

@@ -148,7 +148,7 @@ struct NvmeOptimizerOptions {
   // write that frees its slot.
   unsigned ring_buffers = 4;
   DType state_dtype = DType::kF32;  // fp32 or bf16
-  // bf16 states: stochastic (default) or nearest; see cpu_optim::StepBuffers.
+  // bf16 states: nearest (default) or stochastic; see cpu_optim::StepBuffers.
   cpu_optim::StateRounding state_rounding = cpu_optim::StateRounding::kNearest;
   DType out_dtype = DType::kBF16;   // of params_out: bf16 or fp16
   // Required when a params_out is on the device; borrowed.

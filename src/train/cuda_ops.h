@@ -18,13 +18,14 @@
 //
 // Memory: create_cuda_ops() allocates one workspace from the backend's
 // budgeted device pool (activations of one layer for max_batch * max_seq
-// tokens, the attention probabilities and their gradient, 2 x 4 *
-// heads * max_tokens * max_seq bytes, head logits in chunks of at most 2^24
-// values, the rounded-activation scratch and 32 MiB for cuBLAS) plus one
-// small pinned buffer; calls allocate nothing. The attention materialises
-// the T x T probabilities per (sequence, head): fine for the demo's
-// sequence lengths (T = 1024 with 8 heads and 8K tokens is 512 MiB), not
-// for long contexts.
+// tokens, the attention's per-row log-sum-exp and delta, 2 x 4 * heads *
+// max_tokens bytes, head logits in chunks of at most 2^24 values, the
+// rounded-activation scratch and 32 MiB for cuBLAS) plus one small pinned
+// buffer; calls allocate nothing. The attention is flash-attention style:
+// no T x T matrix (the backward recomputes the probabilities from the
+// log-sum-exp), so memory is linear in the sequence length. Unverified on a
+// GPU: the kernels have never run (the gpu-labelled tests compare them with
+// the CPU ops).
 //
 // Asynchrony (device_backend.h's model): every pointer is device memory
 // (tokens, targets and mask too) and every call only enqueues on the stream

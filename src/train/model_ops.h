@@ -204,7 +204,7 @@ class ModelOps {
 
   virtual const LlamaDims& dims() const = 0;
   virtual int64_t max_tokens() const = 0;  // B*T capacity of the workspace
-  virtual int64_t max_seq() const = 0;     // T capacity (rope tables; CUDA: attention probabilities)
+  virtual int64_t max_seq() const = 0;     // T capacity (rope tables)
   virtual const char* name() const = 0;    // "cpu", "cuda"
   // True when every call has finished its work (and read and written every
   // buffer) by the time it returns, so the caller must make the memory it

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "common/float_convert.h"
+#include "common/log.h"
 #include "common/units.h"
 #include "cpu_optim/optimizer.h"
 
@@ -61,11 +62,21 @@ Status GradPath::allocate() {
   }
   for (uint32_t i = 0; staging_ && i < kPieces; ++i) {
     auto b = reg_.dev->alloc(piece_elems_ * 4);
-    if (!b.ok())
+    if (b.ok()) {
+      stage_.push_back(*b);
+      continue;
+    }
+    if (reg_.cfg.strata.gradient_staging.has_value())  // asked for: an error
       return b.status().with_context(fmt::format("engine: gradient staging buffers ({} x {} on the device; "
                                                  "strata.gradient_staging false does without)",
                                                  kPieces, format_bytes(piece_elems_ * 4)));
-    stage_.push_back(*b);
+    // The default: without staging (the caller's stream waits for the downloads).
+    log_info("engine: no gradient staging ({} x {} of device memory refused: {}); reduce_grad's caller waits for "
+             "the downloads",
+             kPieces, format_bytes(piece_elems_ * 4), b.status().message());
+    for (void* p : stage_) (void)reg_.dev->free(p);
+    stage_.clear();
+    staging_ = false;
   }
   return {};
 }
