@@ -164,6 +164,16 @@ struct RunOptions {
 
 DType compute_dtype(const RunOptions& o) { return o.fp16 ? DType::kF16 : DType::kBF16; }
 
+// The model's elements and its compute copies' bytes.
+std::pair<uint64_t, uint64_t> model_sizes(const RunOptions& o) {
+  uint64_t elems = 0, compute = 0;
+  for (const auto& p : make_model(compute_dtype(o)).params) {
+    elems += p.numel();
+    compute += p.numel() * dtype_size(p.compute_dtype);
+  }
+  return {elems, compute};
+}
+
 struct StepLog {
   float loss = 0;
   StepResult r;
@@ -800,11 +810,7 @@ TEST(EngineNvme, NvmeTiersBitIdenticalToRam) {
   // Every step's optimizer pass reads and writes the master and both
   // moments on NVMe (counted in stats: before, only uploads and gradients
   // were), and writes the updated compute copy: at least this many bytes.
-  uint64_t elems = 0, compute = 0;
-  for (const auto& p : make_model(compute_dtype(o)).params) {
-    elems += p.numel();
-    compute += p.numel() * dtype_size(p.compute_dtype);
-  }
+  const auto [elems, compute] = model_sizes(o);
   EXPECT_GE(nvme.stats.nvme_read_bytes, kSteps * elems * (4 + 4 + 4));
   EXPECT_GE(nvme.stats.nvme_write_bytes, kSteps * (elems * (4 + 4 + 4) + compute));
   EXPECT_GT(nvme.stats.prefetch_hits, 0u);
@@ -1234,11 +1240,7 @@ TEST(EngineNvme, DeviceHomedComputeCopiesAreUploadedByTheOptimizerPass) {
   TempDir dir;
   RunOptions o;
   o.clip = 0.2;
-  uint64_t elems = 0, compute = 0;
-  for (const auto& p : make_model(compute_dtype(o)).params) {
-    elems += p.numel();
-    compute += p.numel() * dtype_size(p.compute_dtype);
-  }
+  const auto [elems, compute] = model_sizes(o);
   for (bool pipelined : {true, false}) {
     SCOPED_TRACE(pipelined ? "pipelined" : "synchronous");
     Config cfg = make_config(o, Place::kAuto, dir.path() + (pipelined ? "/p" : "/s"));

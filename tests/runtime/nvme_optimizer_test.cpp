@@ -184,11 +184,12 @@ class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsi
     }
   }
 
-  Result<std::unique_ptr<NvmeOptimizer>> make(std::size_t chunk = 4096) {
+  Result<std::unique_ptr<NvmeOptimizer>> make(std::size_t chunk = 4096, DeviceOutput* device_out = nullptr) {
     NvmeOptimizerOptions o;
     o.chunk_elems = chunk;
     o.ring_buffers = depth();
     o.state_dtype = state_dtype();
+    o.device_out = device_out;
     return NvmeOptimizer::create(store_.get(), *pool_, config_, o);
   }
 
@@ -311,12 +312,7 @@ TEST_P(NvmeOptimizerTest, DeviceOutputsAreUploadedFromTheRingBeforeTheSlotIsReus
   add_default_models();
   add("host_master_fp32", 9000, false, true, true, true);
   LazyDeviceOutput dev(depth());
-  NvmeOptimizerOptions o;
-  o.chunk_elems = 4096;
-  o.ring_buffers = depth();
-  o.state_dtype = state_dtype();
-  o.device_out = &dev;
-  auto opt = NvmeOptimizer::create(store_.get(), *pool_, config_, o);
+  auto opt = make(4096, &dev);
   ASSERT_TRUE(opt.ok()) << opt.status().to_string();
   std::vector<std::vector<std::uint16_t>> d16;
   std::vector<std::vector<float>> d32;
@@ -468,12 +464,7 @@ TEST_P(NvmeOptimizerErrors, FailedDeviceUploadMarksTheStateTorn) {
   add_default_models();
   LazyDeviceOutput dev(depth());
   dev.fail_at = 7;
-  NvmeOptimizerOptions o;
-  o.chunk_elems = 4096;
-  o.ring_buffers = depth();
-  o.state_dtype = state_dtype();
-  o.device_out = &dev;
-  auto opt = NvmeOptimizer::create(store_.get(), *pool_, config_, o);
+  auto opt = make(4096, &dev);
   ASSERT_TRUE(opt.ok());
   std::vector<std::vector<std::uint16_t>> d16;
   for (const auto& m : models_) d16.emplace_back(m.count, 0);
