@@ -165,7 +165,7 @@ struct RunOptions {
 DType compute_dtype(const RunOptions& o) { return o.fp16 ? DType::kF16 : DType::kBF16; }
 
 // The model's elements and its compute copies' bytes.
-std::pair<uint64_t, uint64_t> model_sizes(const RunOptions& o) {
+[[maybe_unused]] std::pair<uint64_t, uint64_t> model_sizes(const RunOptions& o) {
   uint64_t elems = 0, compute = 0;
   for (const auto& p : make_model(compute_dtype(o)).params) {
     elems += p.numel();

@@ -125,11 +125,11 @@ class CudaOpsTest : public ::testing::Test {
     }
   }
 
-  void make_ops(const LlamaDims& dims, bool tf32 = false) {
+  void make_ops(const LlamaDims& dims, bool tf32 = false, int64_t max_batch = kMaxBatch, int64_t max_seq = kMaxSeq) {
     CudaOpsOptions co;
     co.dims = dims;
-    co.max_batch = kMaxBatch;
-    co.max_seq = kMaxSeq;
+    co.max_batch = max_batch;
+    co.max_seq = max_seq;
     co.allow_tf32 = tf32;
     auto g = create_cuda_ops(*backend_, stream_, co);
     ASSERT_TRUE(g.ok()) << "a CUDA device exists but the CUDA ops do not start: " << g.status().to_string();
@@ -137,8 +137,8 @@ class CudaOpsTest : public ::testing::Test {
     ASSERT_STREQ(gpu_->name(), "cuda");
     CpuOpsOptions po;
     po.dims = dims;
-    po.max_batch = kMaxBatch;
-    po.max_seq = kMaxSeq;
+    po.max_batch = max_batch;
+    po.max_seq = max_seq;
     auto c = create_cpu_ops(po);
     ASSERT_TRUE(c.ok()) << c.status().to_string();
     cpu_ = std::move(c).value();
@@ -335,6 +335,42 @@ TEST_P(CudaOpsLayerTest, ForwardAndBackwardMatchCpu) {
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOpsLayerTest, ::testing::Values(DType::kF32, DType::kBF16, DType::kF16),
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+// A long sequence at a real head size: head_dim 128, GQA 8/2, one sequence
+// of 4096 tokens, fp32 and bf16 against the CPU ops. The attention keeps no
+// T x T matrix (per-row log-sum-exp, probabilities recomputed in backward):
+// its scratch is 2 x 8 x 4096 floats, where the probabilities and their
+// gradient would take 2 x 8 x 4096^2 x 4 B = 1 GiB, the whole budget here.
+TEST_F(CudaOpsTest, LongSequenceAtRealHeadSizeMatchesCpu) {
+  LlamaDims d = testing::small_dims(/*ffn_dim=*/1536, /*vocab=*/97);
+  d.dim = 1024;
+  d.heads = 8;
+  d.kv_heads = 2;
+  d.head_dim = 128;
+  const int64_t B = 1, T = 4096, n = B * T;
+  make_ops(d, false, B, T);
+  for (DType dt : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(dt));
+    std::mt19937_64 rng(11);
+    const Layer layer = make_layer(rng, d, dt);
+    const std::vector<float> x = randn(rng, n * d.dim, 1.0);
+    const std::vector<float> dy = randn(rng, n * d.dim, 1.0);
+    const float* x_d = up(x);
+    std::vector<float> y(x.size());
+    ASSERT_TRUE(cpu_->layer_forward(layer.weights(false), B, T, x.data(), y.data()).ok());
+    float* y_d = nan_buffer(n * d.dim);
+    ASSERT_TRUE(gpu_->layer_forward(layer.weights(true), B, T, x_d, y_d).ok());
+    EXPECT_CLOSE(down(y_d, n * d.dim), y, tol_for(dt), "layer output, T = 4096");
+    std::vector<float> dx(x.size());
+    Grads g = make_grads(d);
+    ASSERT_TRUE(cpu_->layer_backward(layer.weights(false), B, T, x.data(), dy.data(), dx.data(), g.view(false)).ok());
+    const float* dy_d = up(dy);
+    float* dx_d = nan_buffer(n * d.dim);
+    ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dy_d, dx_d, g.view(true)).ok());
+    EXPECT_CLOSE(down(dx_d, n * d.dim), dx, tol_for(dt), "layer dx, T = 4096");
+    expect_grads(g, tol_for(dt), "layer, T = 4096");
+  }
+}
 
 // Qwen2's biases, Qwen3's q/k norms with an explicit head_dim, LoRA adapters
 // (all or some projections, dropout on, the base frozen: null gradients)
