@@ -594,6 +594,7 @@ Status read_strata(Obj& o, StrataConfig* s) {
   STRATA_RETURN_IF_ERROR(read_bool(o, "overlap_backward", &s->overlap_backward));
   STRATA_RETURN_IF_ERROR(read_bool(o, "pipelined_step", &s->pipelined_step));
   STRATA_RETURN_IF_ERROR(read_bool(o, "gradient_staging", &s->gradient_staging));
+  STRATA_RETURN_IF_ERROR(read_bool(o, "gradient_in_compute_dtype", &s->gradient_in_compute_dtype));
   STRATA_RETURN_IF_ERROR(read_bool(o, "average_micro_batches", &s->average_micro_batches));
   STRATA_RETURN_IF_ERROR(read_string(o, "trace", &s->trace));
   STRATA_RETURN_IF_ERROR(read_uint(o, "world_size", &s->world_size, 1, 1u << 20));
@@ -839,6 +840,8 @@ std::string config_to_json(const Config& c) {
                  {"overlap_backward", s.overlap_backward},
                  {"pipelined_step", s.pipelined_step},
                  {"gradient_staging", s.gradient_staging ? json(*s.gradient_staging) : json(nullptr)},
+                 {"gradient_in_compute_dtype",
+                  s.gradient_in_compute_dtype ? json(*s.gradient_in_compute_dtype) : json(nullptr)},
                  {"average_micro_batches", s.average_micro_batches},
                  {"trace", s.trace},
                  {"world_size", s.world_size},

@@ -177,6 +177,13 @@ struct StrataConfig {
   // be handed host memory); N ranks: off (the reduce-scatter reads the
   // caller's buffer).
   std::optional<bool> gradient_staging = std::nullopt;
+  // With staging: an fp32 gradient of a bf16/fp16 parameter is rounded to the
+  // parameter's compute dtype (round to nearest even) in the staging copy and
+  // downloaded and accumulated from that: half the device -> host bytes, and
+  // the gradient a bf16/fp16 torch model has (param.grad in its dtype, as
+  // DeepSpeed reduces). false: downloaded as given. Unset: true when staging
+  // is on. true without staging is refused.
+  std::optional<bool> gradient_in_compute_dtype = std::nullopt;
   // step() averages the gradients over the step's micro-batches (divides by
   // their count, DeepSpeed's engine.backward convention); false: the caller
   // scaled its loss already (torch's `loss / accum`), gradients are summed.

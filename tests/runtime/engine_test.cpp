@@ -1213,6 +1213,36 @@ TEST(EngineNvme, GradientStagingLetsTheTrainerReuseItsBufferAtOnce) {
       expect_matches_reference(run, ref, 6);
     }
   }
+  // fp32 gradients of a bf16 model: rounded to bf16 in the staging copy
+  // (strata.gradient_in_compute_dtype, the default with staging), so the run
+  // is the one whose trainer hands bf16 gradients, with half the
+  // device -> host bytes; with it false, the fp32 run.
+  {
+    RunOptions given;
+    given.micro = 2;
+    given.clip = 0.2;
+    given.grad_dtype = DType::kF32;
+    RunOptions rounded = given;
+    rounded.grad_dtype = DType::kBF16;
+    const uint64_t elems = model_sizes(given).first;
+    for (bool narrow : {true, false}) {
+      SCOPED_TRACE(narrow ? "fp32 gradients sent as bf16" : "fp32 gradients sent as fp32");
+      Config cfg = make_config(given, Place::kHost, "");
+      cfg.strata.gradient_staging = true;
+      if (!narrow) cfg.strata.gradient_in_compute_dtype = false;
+      RunResult run = train(d.dev.get(), given, cfg, 4);
+      Reference ref(narrow ? rounded : given);
+      expect_matches_reference(run, ref, 4);
+      EXPECT_EQ(run.stats.d2h_bytes, 4u * 2 * elems * (narrow ? 2 : 4));
+    }
+    Config bad = make_config(given, Place::kHost, "");
+    bad.strata.gradient_staging = false;
+    bad.strata.gradient_in_compute_dtype = true;
+    Trainer t(d.dev.get(), given);
+    Status st = t.init(bad);
+    EXPECT_EQ(st.code(), StatusCode::kInvalidArgument) << st.to_string();
+    EXPECT_NE(st.message().find("gradient_in_compute_dtype"), std::string::npos) << st.message();
+  }
   RunOptions o;
   Config cfg = make_config(o, Place::kHost, "");
   cfg.strata.gradient_staging = true;

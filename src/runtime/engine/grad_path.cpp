@@ -29,6 +29,13 @@ Status GradPath::prepare() {
                   "engine: strata.gradient_staging is true with N ranks, where the reduce-scatter reads the caller's "
                   "gradient buffer itself (no staging); leave it unset or false");
   staging_ = reg_.world == 1 && want.value_or(reg_.dev->kind() == DeviceKind::kCuda);
+  const std::optional<bool> narrow = reg_.cfg.strata.gradient_in_compute_dtype;
+  if (narrow.value_or(false) && !staging_)
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: strata.gradient_in_compute_dtype is true but gradients are not staged (the rounding "
+                  "happens in the staging copy): set strata.gradient_staging true (one rank), or leave "
+                  "gradient_in_compute_dtype unset");
+  narrow_ = staging_ && narrow.value_or(true);
   STRATA_ASSIGN_OR_RETURN(download_, reg_.dev->create_stream("strata download"));
   STRATA_ASSIGN_OR_RETURN(ev_caller_, reg_.dev->create_event());
   STRATA_ASSIGN_OR_RETURN(ev_download_, reg_.dev->create_event());
@@ -176,10 +183,14 @@ Status GradPath::accumulate(const Job& j) {
 // that), then the download from the staging buffer; on the host backend
 // without staging, a memcpy on the download stream (the caller's gradient
 // may be any host memory, e.g. a torch CPU tensor). Then the piece's event.
-Status GradPath::download_piece(uint32_t slot, const void* src, size_t bytes) {
+Status GradPath::download_piece(uint32_t slot, const void* src, DType given, DType sent, uint64_t cnt) {
   void* dst = dl_[slot].data();
+  const size_t bytes = cnt * dtype_size(sent);
   if (staging_) {
-    STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(stage_[slot], src, bytes, CopyKind::kDeviceToDevice, stage_stream_));
+    if (sent != given)  // rounded to the compute dtype on the way (round to nearest even)
+      STRATA_RETURN_IF_ERROR(reg_.dev->cast_async(stage_[slot], sent, src, given, cnt, 1.0f, stage_stream_));
+    else
+      STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(stage_[slot], src, bytes, CopyKind::kDeviceToDevice, stage_stream_));
     STRATA_RETURN_IF_ERROR(reg_.dev->record(staged_[slot], stage_stream_));
     STRATA_RETURN_IF_ERROR(reg_.dev->wait(download_, staged_[slot]));
     STRATA_RETURN_IF_ERROR(reg_.traced_copy(dst, stage_[slot], bytes, CopyKind::kDeviceToHost, download_));
@@ -214,6 +225,9 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(staging_ ? stage_stream_ : download_, ev_caller_));
   const size_t esz = dtype_size(dtype);
   const uint64_t n = p.shard.size();
+  // What crosses to the host: the gradient as given, or an fp32 one rounded
+  // to the parameter's 16-bit compute dtype (strata.gradient_in_compute_dtype).
+  const DType sent = narrow_ && dtype == DType::kF32 && dtype_size(p.dtype) == 2 ? p.dtype : dtype;
   uint64_t queued = 0;
   auto give_back = [&](uint32_t slot) {
     {
@@ -255,13 +269,13 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
       dl_free_.pop_back();
     }
     const char* src = static_cast<const char*>(grad) + (p.shard.begin + off) * esz;
-    const size_t bytes = cnt * esz;
+    const size_t bytes = cnt * dtype_size(sent);
     Status st;
     if (scatter) {
       st = reduce_scatter_piece(p, grad, dtype, off, cnt, dl_[slot].as<float>());
       if (st.ok()) st = reg_.dev->record(ready_[slot], download_);
     } else {
-      st = download_piece(slot, src, bytes);
+      st = download_piece(slot, src, dtype, sent, cnt);
     }
     if (!st.ok()) {
       // Copies into the piece may have been enqueued: it is given back once
@@ -278,7 +292,7 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
     j.group = p.group;
     j.offset = off;
     j.count = scatter ? (off < n ? std::min(cnt, n - off) : 0) : cnt;  // N ranks: the padding is not accumulated
-    j.dtype = scatter ? DType::kF32 : dtype;
+    j.dtype = scatter ? DType::kF32 : sent;
     j.first = first;
     queue_.push(j);  // the accumulator waits for the piece's event
     ++queued;

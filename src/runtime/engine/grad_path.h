@@ -54,6 +54,9 @@ class GradPath {
   // (strata.gradient_staging) and creates the streams and events.
   Status prepare();
   bool staging() const { return staging_; }
+  // Whether an fp32 gradient of a bf16/fp16 parameter is rounded to the
+  // compute dtype in the staging copy (strata.gradient_in_compute_dtype).
+  bool narrows() const { return narrow_; }
   uint64_t piece_elems() const { return piece_elems_; }
   Status allocate();  // pieces and scratch from the registry's pool; staging buffers on the device
   Status start(std::function<void(GroupId)> on_group_done);
@@ -114,8 +117,9 @@ class GradPath {
 
   void accumulator_main(const Job& j);  // accumulator thread
   Status accumulate(const Job& j);      // accumulator thread
-  // The piece's copies, from the caller's `src` into dl_[slot] (driving thread).
-  Status download_piece(uint32_t slot, const void* src, size_t bytes);
+  // The piece's copies, `cnt` elements from the caller's `src` (in `given`)
+  // into dl_[slot] in `sent` (given, or the compute dtype when narrowed).
+  Status download_piece(uint32_t slot, const void* src, DType given, DType sent, uint64_t cnt);
   Status reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
                               float* out);
   Status zero_grad(ParamId p);
@@ -133,6 +137,7 @@ class GradPath {
   // to stage_[slot] on the stage stream (staged_[slot] after it), the
   // download stream takes it from there.
   bool staging_ = false;
+  bool narrow_ = false;  // strata.gradient_in_compute_dtype (with staging)
   DeviceStream* stage_stream_ = nullptr;
   std::vector<void*> stage_;
   std::vector<DeviceEvent*> staged_;
