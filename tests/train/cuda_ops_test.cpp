@@ -236,6 +236,40 @@ class CudaOpsTest : public ::testing::Test {
                    what + " grad " + testing::label(t));
   }
 
+  // One layer's forward and backward on B x T tokens against the CPU ops,
+  // out of place and in place (x_out == x_in, dx == dy, as the trainer runs
+  // them; the in-place backward overwrites fresh gradients).
+  void check_layer(const Layer& layer, const LlamaDims& d, DType dt, int64_t B, int64_t T, std::mt19937_64& rng) {
+    const int64_t n = B * T;
+    const std::vector<float> x = randn(rng, n * d.dim, 1.0);
+    const std::vector<float> dy = randn(rng, n * d.dim, 1.0);
+    const float* x_d = up(x);
+
+    std::vector<float> y(x.size());
+    ASSERT_TRUE(cpu_->layer_forward(layer.weights(false), B, T, x.data(), y.data()).ok());
+    float* y_d = nan_buffer(n * d.dim);
+    ASSERT_TRUE(gpu_->layer_forward(layer.weights(true), B, T, x_d, y_d).ok());
+    EXPECT_CLOSE(down(y_d, n * d.dim), y, tol_for(dt), "layer output");
+    float* xy_d = up(x);
+    ASSERT_TRUE(gpu_->layer_forward(layer.weights(true), B, T, xy_d, xy_d).ok());
+    EXPECT_CLOSE(down(xy_d, n * d.dim), y, tol_for(dt), "layer output in place");
+
+    std::vector<float> dx(x.size());
+    Grads g = make_grads(d);
+    ASSERT_TRUE(cpu_->layer_backward(layer.weights(false), B, T, x.data(), dy.data(), dx.data(), g.view(false)).ok());
+    const float* dy_d = up(dy);
+    float* dx_d = nan_buffer(n * d.dim);
+    ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dy_d, dx_d, g.view(true)).ok());
+    EXPECT_CLOSE(down(dx_d, n * d.dim), dx, tol_for(dt), "layer dx");
+    expect_grads(g, tol_for(dt), "layer");
+    float* dxy_d = up(dy);
+    Grads g2 = make_grads(d);
+    g2.host = g.host;
+    ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dxy_d, dxy_d, g2.view(true)).ok());
+    EXPECT_CLOSE(down(dxy_d, n * d.dim), dx, tol_for(dt), "layer dx in place");
+    expect_grads(g2, tol_for(dt), "layer (in place)");
+  }
+
   std::vector<int32_t> random_ids(std::mt19937_64& rng, int64_t n, int64_t vocab) {
     std::uniform_int_distribution<int32_t> dist(0, static_cast<int32_t>(vocab - 1));
     std::vector<int32_t> v(static_cast<size_t>(n));
@@ -298,38 +332,7 @@ TEST_P(CudaOpsLayerTest, ForwardAndBackwardMatchCpu) {
   // The full shape, then a ragged one (B*T below capacity, T < max_seq).
   for (auto [B, T] : {std::pair<int64_t, int64_t>{2, 16}, {3, 7}}) {
     SCOPED_TRACE("B=" + std::to_string(B) + " T=" + std::to_string(T));
-    const int64_t n = B * T;
-    const std::vector<float> x = randn(rng, n * d.dim, 1.0);
-    const std::vector<float> dy = randn(rng, n * d.dim, 1.0);
-    const float* x_d = up(x);
-
-    std::vector<float> y(x.size());
-    ASSERT_TRUE(cpu_->layer_forward(layer.weights(false), B, T, x.data(), y.data()).ok());
-    float* y_d = nan_buffer(n * d.dim);
-    ASSERT_TRUE(gpu_->layer_forward(layer.weights(true), B, T, x_d, y_d).ok());
-    EXPECT_CLOSE(down(y_d, n * d.dim), y, tol_for(dt), "layer output");
-
-    // In place (x_out == x_in), as the trainer runs it.
-    float* xy_d = up(x);
-    ASSERT_TRUE(gpu_->layer_forward(layer.weights(true), B, T, xy_d, xy_d).ok());
-    EXPECT_CLOSE(down(xy_d, n * d.dim), y, tol_for(dt), "layer output in place");
-
-    std::vector<float> dx(x.size());
-    Grads g = make_grads(d);
-    ASSERT_TRUE(cpu_->layer_backward(layer.weights(false), B, T, x.data(), dy.data(), dx.data(), g.view(false)).ok());
-    const float* dy_d = up(dy);
-    float* dx_d = nan_buffer(n * d.dim);
-    ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dy_d, dx_d, g.view(true)).ok());
-    EXPECT_CLOSE(down(dx_d, n * d.dim), dx, tol_for(dt), "layer dx");
-    expect_grads(g, tol_for(dt), "layer");
-
-    // dx == dy, as the trainer runs it; the gradients again (overwritten).
-    float* dxy_d = up(dy);
-    Grads g2 = make_grads(d);
-    g2.host = g.host;
-    ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dxy_d, dxy_d, g2.view(true)).ok());
-    EXPECT_CLOSE(down(dxy_d, n * d.dim), dx, tol_for(dt), "layer dx in place");
-    expect_grads(g2, tol_for(dt), "layer (in place)");
+    ASSERT_NO_FATAL_FAILURE(check_layer(layer, d, dt, B, T, rng));
   }
 }
 
@@ -347,28 +350,12 @@ TEST_F(CudaOpsTest, LongSequenceAtRealHeadSizeMatchesCpu) {
   d.heads = 8;
   d.kv_heads = 2;
   d.head_dim = 128;
-  const int64_t B = 1, T = 4096, n = B * T;
-  make_ops(d, false, B, T);
+  make_ops(d, false, /*max_batch=*/1, /*max_seq=*/4096);
   for (DType dt : {DType::kF32, DType::kBF16}) {
-    SCOPED_TRACE(dtype_name(dt));
+    SCOPED_TRACE(std::string(dtype_name(dt)) + ", T = 4096");
     std::mt19937_64 rng(11);
     const Layer layer = make_layer(rng, d, dt);
-    const std::vector<float> x = randn(rng, n * d.dim, 1.0);
-    const std::vector<float> dy = randn(rng, n * d.dim, 1.0);
-    const float* x_d = up(x);
-    std::vector<float> y(x.size());
-    ASSERT_TRUE(cpu_->layer_forward(layer.weights(false), B, T, x.data(), y.data()).ok());
-    float* y_d = nan_buffer(n * d.dim);
-    ASSERT_TRUE(gpu_->layer_forward(layer.weights(true), B, T, x_d, y_d).ok());
-    EXPECT_CLOSE(down(y_d, n * d.dim), y, tol_for(dt), "layer output, T = 4096");
-    std::vector<float> dx(x.size());
-    Grads g = make_grads(d);
-    ASSERT_TRUE(cpu_->layer_backward(layer.weights(false), B, T, x.data(), dy.data(), dx.data(), g.view(false)).ok());
-    const float* dy_d = up(dy);
-    float* dx_d = nan_buffer(n * d.dim);
-    ASSERT_TRUE(gpu_->layer_backward(layer.weights(true), B, T, x_d, dy_d, dx_d, g.view(true)).ok());
-    EXPECT_CLOSE(down(dx_d, n * d.dim), dx, tol_for(dt), "layer dx, T = 4096");
-    expect_grads(g, tol_for(dt), "layer, T = 4096");
+    ASSERT_NO_FATAL_FAILURE(check_layer(layer, d, dt, 1, 4096, rng));
   }
 }
 
