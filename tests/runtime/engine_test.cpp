@@ -1315,8 +1315,18 @@ TEST(EngineNvme, DeviceHomedComputeCopiesAreUploadedByTheOptimizerPass) {
 // short transfer is resubmitted: the step succeeds with the same bits.
 // Some failures are also repaired in the same engine: discard_step, then
 // load_checkpoint (a pipelined step's failure leaves it refusing saves and
-// steps until then).
-TEST(EngineNvme, EveryFailedIoOfAStepIsAnErrorAndTheCheckpointStillResumes) {
+// steps until then). One test per kind of failure, so that the four
+// campaigns spread over the cores ctest has.
+struct FailedIo {
+  io::IoOpKind op;
+  int err;
+};
+void PrintTo(const FailedIo& f, std::ostream* os) {
+  *os << (f.op == io::IoOpKind::kRead ? "read" : "write") << " errno " << f.err;
+}
+class EngineNvmeFaults : public ::testing::TestWithParam<FailedIo> {};
+
+TEST_P(EngineNvmeFaults, EveryFailedIoOfAStepIsAnErrorAndTheCheckpointStillResumes) {
   Device d = make_device();
   SKIP_WITHOUT_DEVICE(d);
   TempDir dir;
@@ -1326,82 +1336,95 @@ TEST(EngineNvme, EveryFailedIoOfAStepIsAnErrorAndTheCheckpointStillResumes) {
   constexpr int kBefore = 2, kTotal = 4;
   RunResult straight = train(d.dev.get(), o, cfg, kTotal);
   const std::string ck = dir.path() + "/ck";
-  struct Kind {
-    io::IoOpKind op;
-    int err;
-  };
+  const FailedIo k = GetParam();
   int failed_runs = 0, injected_total = 0, torn_repaired = 0;
-  for (Kind k : {Kind{io::IoOpKind::kRead, EIO}, Kind{io::IoOpKind::kWrite, EIO}, Kind{io::IoOpKind::kWrite, ENOSPC},
-                 Kind{io::IoOpKind::kRead, ENOSPC}}) {
-    for (uint64_t n = 1; n <= 400; ++n) {
-      SCOPED_TRACE(::testing::Message() << (k.op == io::IoOpKind::kRead ? "read" : "write") << " #" << n
-                                        << " fails with errno " << k.err);
-      auto faults = std::make_shared<io::FaultInjector>();
-      Trainer t(d.dev.get(), o);
-      t.expect_ok = false;
-      ASSERT_TRUE(t.init(cfg, true, faults).ok());
-      for (int i = 0; i < kBefore; ++i) ASSERT_TRUE(t.run_step(i).ok());
-      std::filesystem::remove_all(ck);
-      ASSERT_TRUE(t.e->save_checkpoint(ck).ok());
-      faults->set_plan({.op = k.op, .fail_nth = n, .fail_errno = k.err});
-      Status st;
-      for (int i = kBefore; i < kTotal && st.ok(); ++i) st = t.run_step(i).status();
-      if (st.ok()) st = t.e->synchronize();  // the last step's pipelined updates
-      const bool hit = faults->faults_injected() > 0;
-      faults->set_plan({});
-      if (!hit) {
-        EXPECT_TRUE(st.ok()) << st.to_string();
-        break;  // every I/O of these steps has failed once
+  for (uint64_t n = 1; n <= 400; ++n) {
+    SCOPED_TRACE(::testing::Message() << (k.op == io::IoOpKind::kRead ? "read" : "write") << " #" << n
+                                      << " fails with errno " << k.err);
+    auto faults = std::make_shared<io::FaultInjector>();
+    Trainer t(d.dev.get(), o);
+    t.expect_ok = false;
+    ASSERT_TRUE(t.init(cfg, true, faults).ok());
+    for (int i = 0; i < kBefore; ++i) ASSERT_TRUE(t.run_step(i).ok());
+    std::filesystem::remove_all(ck);
+    ASSERT_TRUE(t.e->save_checkpoint(ck).ok());
+    faults->set_plan({.op = k.op, .fail_nth = n, .fail_errno = k.err});
+    Status st;
+    for (int i = kBefore; i < kTotal && st.ok(); ++i) st = t.run_step(i).status();
+    if (st.ok()) st = t.e->synchronize();  // the last step's pipelined updates
+    const bool hit = faults->faults_injected() > 0;
+    faults->set_plan({});
+    if (!hit) {
+      EXPECT_TRUE(st.ok()) << st.to_string();
+      break;  // every I/O of these steps has failed once
+    }
+    ++injected_total;
+    if (st.ok()) continue;  // the failed I/O was not needed (e.g. a prefetch replaced later)
+    ++failed_runs;
+    EXPECT_NE(st.message().find(k.err == EIO ? "Input/output error" : "No space left"), std::string::npos)
+        << st.to_string();
+    const bool torn = st.message().find("optimizer step") != std::string::npos;  // not a failed upload
+    if (failed_runs % 64 == 1 || (torn && torn_repaired < 3)) {
+      // The same engine: it refuses to save or step on the torn state, and
+      // loading the checkpoint repairs it (a pipelined step's failure is
+      // cleared by the load, as a synchronous one's).
+      (void)t.e->discard_step(t.s);
+      if (torn) {
+        ++torn_repaired;
+        EXPECT_FALSE(t.e->save_checkpoint(dir.path() + "/torn").ok());
+        EXPECT_FALSE(t.e->step().ok());
       }
-      ++injected_total;
-      if (st.ok()) continue;  // the failed I/O was not needed (e.g. a prefetch replaced later)
-      ++failed_runs;
-      EXPECT_NE(st.message().find(k.err == EIO ? "Input/output error" : "No space left"), std::string::npos)
-          << st.to_string();
-      const bool torn = st.message().find("optimizer step") != std::string::npos;  // not a failed upload
-      if (failed_runs % 64 == 1 || (torn && torn_repaired < 3)) {
-        // The same engine: it refuses to save or step on the torn state, and
-        // loading the checkpoint repairs it (a pipelined step's failure is
-        // cleared by the load, as a synchronous one's).
-        (void)t.e->discard_step(t.s);
-        if (torn) {
-          ++torn_repaired;
-          EXPECT_FALSE(t.e->save_checkpoint(dir.path() + "/torn").ok());
-          EXPECT_FALSE(t.e->step().ok());
-        }
-        Status ls = t.e->load_checkpoint(ck);
-        ASSERT_TRUE(ls.ok()) << ls.to_string();
-        t.expect_ok = true;
-        t.failed = Status();
-        for (int i = kBefore; i < kTotal; ++i) {
-          auto r = t.run_step(i);
-          ASSERT_TRUE(r.ok()) << st.to_string() << " then " << r.status().to_string();
-          EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
-        }
-        EXPECT_TRUE(t.e->synchronize().ok());
-        EXPECT_TRUE(bits_equal(t.params(), straight.params));
-      }
-      // As after `strata finetune` exits 1: a new engine (a new process)
-      // loads the checkpoint from before the failure and the run continues
-      // as if nothing had happened.
-      Trainer r2(d.dev.get(), o);
-      ASSERT_TRUE(r2.init(cfg, /*load_init=*/false).ok());
-      Status ls = r2.e->load_checkpoint(ck);
+      Status ls = t.e->load_checkpoint(ck);
       ASSERT_TRUE(ls.ok()) << ls.to_string();
+      t.expect_ok = true;
+      t.failed = Status();
       for (int i = kBefore; i < kTotal; ++i) {
-        auto r = r2.run_step(i);
-        ASSERT_TRUE(r.ok()) << r.status().to_string();
+        auto r = t.run_step(i);
+        ASSERT_TRUE(r.ok()) << st.to_string() << " then " << r.status().to_string();
         EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
       }
-      EXPECT_TRUE(bits_equal(r2.params(), straight.params));
+      EXPECT_TRUE(t.e->synchronize().ok());
+      EXPECT_TRUE(bits_equal(t.params(), straight.params));
     }
+    // As after `strata finetune` exits 1: a new engine (a new process)
+    // loads the checkpoint from before the failure and the run continues
+    // as if nothing had happened.
+    Trainer r2(d.dev.get(), o);
+    ASSERT_TRUE(r2.init(cfg, /*load_init=*/false).ok());
+    Status ls = r2.e->load_checkpoint(ck);
+    ASSERT_TRUE(ls.ok()) << ls.to_string();
+    for (int i = kBefore; i < kTotal; ++i) {
+      auto r = r2.run_step(i);
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
+    }
+    EXPECT_TRUE(bits_equal(r2.params(), straight.params));
   }
   EXPECT_GT(failed_runs, 0);
   EXPECT_GT(torn_repaired, 0);
-  std::printf("fault campaign: %d I/Os failed one at a time, %d of them ended the step with an error; %d "
-              "optimizer-step failures repaired in the same engine\n",
-              injected_total, failed_runs, torn_repaired);
-  // Every piece cut short: resubmitted, same bits.
+  std::printf("fault campaign (%s, errno %d): %d I/Os failed one at a time, %d of them ended the step with an "
+              "error; %d optimizer-step failures repaired in the same engine\n",
+              k.op == io::IoOpKind::kRead ? "reads" : "writes", k.err, injected_total, failed_runs, torn_repaired);
+}
+INSTANTIATE_TEST_SUITE_P(ReadsAndWrites, EngineNvmeFaults,
+                         ::testing::Values(FailedIo{io::IoOpKind::kRead, EIO}, FailedIo{io::IoOpKind::kWrite, EIO},
+                                           FailedIo{io::IoOpKind::kWrite, ENOSPC},
+                                           FailedIo{io::IoOpKind::kRead, ENOSPC}),
+                         [](const ::testing::TestParamInfo<FailedIo>& i) {
+                           return std::string(i.param.op == io::IoOpKind::kRead ? "Read" : "Write") +
+                                  (i.param.err == EIO ? "Eio" : "Enospc");
+                         });
+
+// Every piece cut short: resubmitted, same bits.
+TEST(EngineNvme, EveryShortTransferIsResubmittedWithTheSameBits) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  o.clip = 0.2;
+  const Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
+  constexpr int kTotal = 4;
+  RunResult straight = train(d.dev.get(), o, cfg, kTotal);
   auto faults = std::make_shared<io::FaultInjector>();
   faults->set_plan({.op = std::nullopt, .short_every = 1});
   Trainer t(d.dev.get(), o);
