@@ -52,15 +52,17 @@ def main():
     ap.add_argument("--placements", default="RAM,NVMe", help=f"comma-separated, of {', '.join(PLACEMENTS)}")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--dir", default=None, help="work directory (its disk is the NVMe tier); default: a temp dir")
+    ap.add_argument("--dir", default=None,
+                    help="where to make the work directory (its disk is the NVMe tier); default: $TMPDIR")
     a = ap.parse_args()
     places = a.placements.split(",")
     for p in places:
         if p not in PLACEMENTS:
             raise SystemExit(f"unknown placement {p!r} (known: {', '.join(PLACEMENTS)})")
     bins = [("new", a.strata)] + ([("base", a.baseline)] if a.baseline else [])
-    base = a.dir or tempfile.mkdtemp(prefix="strata-bench-offload-")
-    os.makedirs(base, exist_ok=True)
+    if a.dir:
+        os.makedirs(a.dir, exist_ok=True)
+    base = tempfile.mkdtemp(prefix="strata-bench-offload-", dir=a.dir)
     model, data = small_model_and_data(a.strata, base)
     tokens_per_step = 8 * 128
     kinds = [(b, p, pl) for b, _ in bins for p in places for pl in (True, False)]
@@ -112,8 +114,7 @@ def main():
                 same = losses[("new", place)] == losses[("base", place)]
                 print(f"new / base tokens/s, {place}, {'pipelined' if pipelined else 'synchronous'}: {r:.3f}"
                       f" (final loss {'identical' if same else 'DIFFERS'})")
-    if not a.dir:
-        shutil.rmtree(base, ignore_errors=True)
+    shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

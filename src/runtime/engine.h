@@ -220,6 +220,9 @@ struct EngineStats {
   uint64_t nvme_read_bytes = 0, nvme_write_bytes = 0;
   uint64_t h2d_bytes = 0, d2h_bytes = 0;
   uint64_t acquires = 0, prefetch_hits = 0, prefetch_misses = 0, order_changes = 0;
+  // Chunks of the optimizer step whose masters and moments were read ahead
+  // (after the previous step, during forward and backward) and used.
+  uint64_t optimizer_read_ahead = 0;
   // Bytes this rank sent to its peers in collectives (all-gathers in acquire,
   // reduce-scatters in reduce_grad, the norm, checkpoints, gather_param):
   // (N-1)/N of each collective's buffer for every all-gather/reduce-scatter.

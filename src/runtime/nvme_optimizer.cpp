@@ -16,19 +16,6 @@ constexpr const char* kArrayNames[] = {"master", "state0", "state1", "state2", "
 std::size_t round_up(std::size_t v, std::size_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
-// Up to one request per array, prepared under mu_ and submitted after it
-// (submitting can call back synchronously into piece_done, which locks).
-struct NvmeOptimizer::Pending {
-  std::size_t slot = 0;
-  bool write = false;
-  int n = 0;
-  struct Req {
-    io::SwapTensor t;
-    std::uint64_t offset, length;
-    void* buf;
-    int array;
-  } req[kArrays];
-};
 
 Result<std::unique_ptr<NvmeOptimizer>> NvmeOptimizer::create(io::SwapStore* store, io::PinnedPool& pool,
                                                              const cpu_optim::OptimizerConfig& config,
@@ -70,7 +57,43 @@ Result<std::unique_ptr<NvmeOptimizer>> NvmeOptimizer::create(io::SwapStore* stor
   return opt;
 }
 
-NvmeOptimizer::~NvmeOptimizer() = default;  // run() never returns with requests in flight
+NvmeOptimizer::~NvmeOptimizer() { drop_prefetch(); }  // run() never returns with requests in flight
+
+void NvmeOptimizer::prefetch(std::span<const OptimizerTensor> tensors) {
+  drop_prefetch();
+  if (progress_.torn || !progress_.complete || store_ == nullptr || !validate(tensors).ok()) return;
+  tensors_ = tensors;
+  build_chunks(tensors, 0);
+  const std::size_t n = std::min(slots_.size(), chunks_.size());
+  prefetched_.assign(slots_.size(), 0);
+  prefetch_req_.resize(slots_.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    const OptimizerTensor& t = tensors[chunks_[i].tensor];
+    if (t.grads.tier == Placement::Tier::kSwap) break;  // not final before the step
+    bool any = false;
+    for (int a = 0; a < kArrays; ++a) any = any || reads(a, t);
+    if (!any) break;  // host-resident: nothing to read ahead
+    Pending p;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      prepare_io_locked(i, i, false, &p);
+      prefetch_req_[i] = p;
+      prefetched_[i] = 1;
+    }
+    submit(p);
+  }
+  tensors_ = {};
+  chunks_.clear();
+}
+
+void NvmeOptimizer::drop_prefetch() {
+  if (prefetched_.empty()) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return inflight_ == 0; });
+  for (std::size_t si = 0; si < prefetched_.size(); ++si)
+    if (prefetched_[si]) slots_[si]->phase = Phase::kIdle;
+  prefetched_.clear();
+}
 
 void NvmeOptimizer::set_completed_step(std::int64_t step) {
   progress_ = StepProgress{};
@@ -138,6 +161,9 @@ Status NvmeOptimizer::validate(std::span<const OptimizerTensor> tensors) const {
     }
     for (int s = nstates_; s < 3; ++s)
         if (t.state[s].present()) return bad(fmt::format("state{} given but the optimizer uses {}", s, nstates_));
+    if (t.config != nullptr && cpu_optim::state_count(*t.config) != nstates_)
+      return bad(fmt::format("its config needs {} states but the ring was built for {}",
+                             cpu_optim::state_count(*t.config), nstates_));
   }
   return {};
 }
@@ -168,8 +194,8 @@ Status NvmeOptimizer::chunk_error(const char* what, std::size_t ci, int array, c
                                      c.offset + c.count, tensors_[c.tensor].name));
 }
 
-void NvmeOptimizer::prepare_io_locked(std::size_t si, std::size_t ci, bool write, Pending* p) {
-  Slot& s = *slots_[si];
+std::uint64_t NvmeOptimizer::fill_requests(std::size_t si, std::size_t ci, bool write, Pending* p) const {
+  const Slot& s = *slots_[si];
   const Chunk& c = chunks_[ci];
   const OptimizerTensor& t = tensors_[c.tensor];
   p->slot = si;
@@ -186,7 +212,12 @@ void NvmeOptimizer::prepare_io_locked(std::size_t si, std::size_t ci, bool write
     p->req[p->n++] = {placement(t, a).swap, c.offset * es, c.count * es, buf, a};
     bytes += c.count * es;
   }
-  s.bytes = bytes;
+  return bytes;
+}
+
+void NvmeOptimizer::prepare_io_locked(std::size_t si, std::size_t ci, bool write, Pending* p) {
+  Slot& s = *slots_[si];
+  s.bytes = fill_requests(si, ci, write, p);
   s.chunk = ci;
   s.phase = write ? Phase::kWriting : Phase::kReading;
   s.error = Status();
@@ -245,6 +276,7 @@ void NvmeOptimizer::piece_done(std::size_t si, int array, const Status& st) {
         s.phase = Phase::kIdle;
       } else {
         s.phase = Phase::kIdle;
+        chunk_part_done_locked(s.chunk);
         const std::size_t ci = s.chunk + slots_.size();
         if (!stop_ && ci < chunks_.size()) {
           prepare_io_locked(si, ci, false, &next);
@@ -258,31 +290,101 @@ void NvmeOptimizer::piece_done(std::size_t si, int array, const Status& st) {
   if (issue) submit(next);
 }
 
+// A chunk is finished when its update, its write-back (if any array is in
+// the swap store) and its upload (a device params_out) are; done_ hears of
+// every new prefix of whole tensors.
+void NvmeOptimizer::chunk_part_done_locked(std::size_t ci) {
+  if (!done_ || --chunk_left_[ci] != 0) return;
+  const std::size_t n = chunks_.size();
+  while (finished_ < n && chunk_left_[finished_] == 0) ++finished_;
+  const std::size_t t = finished_ < n ? chunks_[finished_].tensor : tensors_.size();
+  if (t > reported_) {
+    reported_ = t;
+    done_(t);
+  }
+}
+
 Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::size_t* chunks_done) {
   *chunks_done = 0;
   const std::size_t n = chunks_.size();
   const std::size_t depth = slots_.size();
+  // A read-ahead slot is kept when it holds exactly what chunk `slot` of this
+  // call reads; any other is waited for (its read still lands there) and
+  // read again.
+  std::vector<std::uint8_t> keep(depth, 0);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     stop_ = false;
     write_error_ = Status();
-    for (auto& s : slots_) s->phase = Phase::kIdle;
+    for (std::size_t si = 0; si < depth; ++si) {
+      Slot& s = *slots_[si];
+      if (si < prefetched_.size() && prefetched_[si]) {
+        if (si < n) {
+          Pending want;
+          fill_requests(si, si, false, &want);
+          const Pending& got = prefetch_req_[si];
+          keep[si] = want.n == got.n;
+          for (int k = 0; keep[si] && k < want.n; ++k) {
+            const auto &x = want.req[k], &y = got.req[k];
+            keep[si] = x.t.id == y.t.id && x.t.base == y.t.base && x.offset == y.offset && x.length == y.length &&
+                       x.buf == y.buf && x.array == y.array;
+          }
+        }
+        if (!keep[si]) cv_.wait(lock, [&] { return s.pending == 0; });
+        prefetched_[si] = 0;
+      }
+      if (!keep[si]) s.phase = Phase::kIdle;
+    }
+    finished_ = reported_ = 0;
+    if (done_) {
+      chunk_left_.assign(n, 1);
+      for (std::size_t i = 0; i < n; ++i) {
+        const OptimizerTensor& t = tensors_[chunks_[i].tensor];
+        for (int a = 0; a < kArrays; ++a)
+          if (writes(a, t)) {
+            ++chunk_left_[i];
+            break;
+          }
+        if (t.params_out.tier == Placement::Tier::kDevice) ++chunk_left_[i];
+      }
+    }
   }
-  for (std::size_t i = 0; i < std::min(depth, n); ++i) issue_read(i, i);
+  for (std::size_t i = 0; i < std::min(depth, n); ++i) {
+    if (keep[i])
+      prefetch_hits_.fetch_add(1, std::memory_order_relaxed);
+    else
+      issue_read(i, i);
+  }
 
   Status failure;
   Tracer* tr = options_.tracer;
   // Device outputs: which slots have copies in flight (this thread only).
   std::vector<std::uint8_t>& copying = out_copying_;
   copying.assign(depth, 0);
+  out_chunk_.assign(depth, 0);
   auto wait_out = [&](std::size_t si) -> Status {
     if (!copying[si]) return {};
     copying[si] = 0;
-    return options_.device_out->wait(static_cast<unsigned>(si));
+    Status w = options_.device_out->wait(static_cast<unsigned>(si));
+    if (w.ok() && done_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      chunk_part_done_locked(out_chunk_[si]);
+    }
+    return w;
+  };
+  // Uploads already complete are reported without waiting (done_ only).
+  auto poll_out = [&] {
+    for (std::size_t k = 0; k < depth; ++k) {
+      if (!copying[k] || !options_.device_out->done(static_cast<unsigned>(k))) continue;
+      copying[k] = 0;
+      std::lock_guard<std::mutex> lock(mu_);
+      chunk_part_done_locked(out_chunk_[k]);
+    }
   };
   for (std::size_t i = 0; i < n; ++i) {
     const std::size_t si = i % depth;
     Slot& s = *slots_[si];
+    if (done_ && options_.device_out != nullptr) poll_out();
     // The slot's output is written below: its previous upload must be done.
     if (Status w = wait_out(si); !w.ok()) {
       out_failed(chunk_error("uploading", i >= depth ? i - depth : i, kOut, w));
@@ -322,7 +424,8 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
       b.index_base = t.first_index + c.offset;
       b.params_out = t.out_is_master ? nullptr : ptr(kOut);
       b.out_dtype = options_.out_dtype;
-      st = cpu_optim::step(config, t.step > 0 ? t.step : step, b, c.count, options_.exec);
+      st = cpu_optim::step(t.config != nullptr ? *t.config : config, t.step > 0 ? t.step : step, b, c.count,
+                           options_.exec);
       // An fp32 compute copy on the host: the updated master's bits (one
       // in a swap store is written from the master's chunk below).
       if (st.ok() && t.out_is_master && t.params_out.tier == Placement::Tier::kHost)
@@ -340,6 +443,7 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
       void* dst = static_cast<char*>(t.params_out.host) + c.offset * es;
       Status w = options_.device_out->copy(static_cast<unsigned>(si), dst, src, c.count * es);
       copying[si] = 1;
+      out_chunk_[si] = i;
       if (w.ok() && t.out_is_master && t.master.tier == Placement::Tier::kSwap) w = wait_out(si);
       if (!w.ok()) {
         out_failed(chunk_error("uploading", i, kOut, w));
@@ -353,12 +457,14 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
       Pending p;
       {
         std::lock_guard<std::mutex> lock(mu_);
+        chunk_part_done_locked(i);  // the update
         prepare_io_locked(si, i, true, &p);
       }
       submit(p);  // its completion issues the read of chunk i + depth
     } else {
       {
         std::lock_guard<std::mutex> lock(mu_);
+        chunk_part_done_locked(i);
         s.phase = Phase::kIdle;
       }
       if (i + depth < n) issue_read(si, i + depth);
@@ -372,6 +478,10 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
   stop_ = true;
   cv_.wait(lock, [&] { return inflight_ == 0; });
   if (!write_error_.ok()) return write_error_;
+  if (failure.ok() && done_ && reported_ < tensors_.size()) {  // e.g. no chunk at all
+    reported_ = tensors_.size();
+    done_(reported_);
+  }
   return failure;
 }
 
@@ -385,17 +495,17 @@ void NvmeOptimizer::out_failed(const Status& st) {
 }
 
 Status NvmeOptimizer::step(const cpu_optim::OptimizerConfig& config, std::int64_t step,
-                           std::span<const OptimizerTensor> tensors) {
-  return step_impl(config, step, tensors, false);
+                           std::span<const OptimizerTensor> tensors, const TensorsDone& done) {
+  return step_impl(config, step, tensors, false, done);
 }
 
 Status NvmeOptimizer::step_part(const cpu_optim::OptimizerConfig& config, std::int64_t step,
                                 std::span<const OptimizerTensor> tensors) {
-  return step_impl(config, step, tensors, true);
+  return step_impl(config, step, tensors, true, {});
 }
 
 Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
-                                std::span<const OptimizerTensor> tensors, bool part) {
+                                std::span<const OptimizerTensor> tensors, bool part, const TensorsDone& done) {
   if (progress_.torn)
     return Status(StatusCode::kCorrupt,
                   fmt::format("nvme optimizer: a write-back failed during step {}, so the state on disk is torn; "
@@ -431,8 +541,10 @@ Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::i
   build_chunks(tensors, skip);
   TraceSpan span(options_.tracer, "optimizer_step", trace_cat::kOptim,
                  {{"step", step}, {"elements", total - skip}, {"chunks", static_cast<std::uint64_t>(chunks_.size())}});
-  std::size_t done = 0;
-  Status st = run(config, step, &done);
+  std::size_t chunks_done = 0;
+  done_ = done;
+  Status st = run(config, step, &chunks_done);
+  done_ = nullptr;
   progress_.step = step;
   progress_.total_elems = total;
   if (st.ok()) {
@@ -449,7 +561,7 @@ Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::i
   progress_.torn = torn;
   // Without a write error every computed chunk was written back.
   std::uint64_t d = skip;
-  for (std::size_t i = 0; i < done; ++i) d += chunks_[i].count;
+  for (std::size_t i = 0; i < chunks_done; ++i) d += chunks_[i].count;
   progress_.done_elems = d;
   return st;
 }

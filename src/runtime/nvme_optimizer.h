@@ -70,6 +70,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -103,7 +104,8 @@ struct Placement {
 // Placement::Tier::kDevice): each updated chunk's output, still in its ring
 // slot, goes to copy(), which enqueues an asynchronous host -> device copy;
 // before that slot's output is written again, and before step() returns,
-// the optimizer calls wait(slot). So the upload of chunk k overlaps the
+// the optimizer calls wait(slot), unless done(slot) already said the slot's
+// copies are complete. So the upload of chunk k overlaps the
 // update of chunk k+1 and no master is read back to rebuild the copy.
 class DeviceOutput {
  public:
@@ -111,6 +113,10 @@ class DeviceOutput {
   virtual Status copy(unsigned slot, void* device_dst, const void* host_src, std::size_t bytes) = 0;
   // Blocks until every copy() of `slot` so far is complete; its error.
   virtual Status wait(unsigned slot) = 0;
+  // Without blocking: whether every copy() of `slot` so far has completed
+  // without error (false when it cannot tell). Lets step() report a tensor
+  // done (TensorsDone) before the slot is next waited for.
+  virtual bool done(unsigned /*slot*/) { return false; }
 };
 
 // One tensor of the step: `count` elements in each array.
@@ -134,7 +140,21 @@ struct OptimizerTensor {
   // bits hash its global index (and the step and state), so they do not
   // depend on chunking, tier or rank count (cpu_optim/stochastic_round.h).
   std::uint64_t first_index = 0;
+  // This tensor's own hyper-parameters (its parameter group's lr, betas,
+  // weight decay), borrowed for the call; null: the call's config. It must
+  // use the same optimizer kind (state count) as the call's. One call can so
+  // update tensors of every parameter group in one pass through the ring.
+  const cpu_optim::OptimizerConfig* config = nullptr;
 };
+
+// step()'s completion callback: `tensors_done` leading tensors of the call
+// are updated, written back and uploaded (a device params_out). Called with
+// increasing values, the last one the call's tensor count (on success), on
+// the I/O thread or the calling thread, under the optimizer's lock: it must
+// not block or call into the optimizer. A device upload counts as done when
+// DeviceOutput::done() says so (polled before each chunk's update) or when
+// its slot is next waited for (the slot's reuse, or the end of the call).
+using TensorsDone = std::function<void(std::size_t tensors_done)>;
 
 struct NvmeOptimizerOptions {
   // Elements per chunk. Rounded up to a multiple of 2048 so that every chunk
@@ -191,7 +211,10 @@ class NvmeOptimizer {
   // dtype mismatch, a step number out of order: see above), the I/O error of
   // the first failed read or write (with the tensor, chunk and step named),
   // kCorrupt (state torn by an earlier write failure), cpu_optim's errors.
-  Status step(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::span<const OptimizerTensor> tensors);
+  // `done` (optional): see TensorsDone; lets a caller use the first tensors
+  // while the pass goes on with the rest (the engine's pipelined step).
+  Status step(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::span<const OptimizerTensor> tensors,
+              const TensorsDone& done = {});
   // The same for one of several disjoint tensor sets that together make up
   // step `step` (the engine updates one parameter group at a time, e.g. while
   // backward runs): after a complete step, the same number is accepted again
@@ -200,6 +223,23 @@ class NvmeOptimizer {
   Status step_part(const cpu_optim::OptimizerConfig& config, std::int64_t step,
                    std::span<const OptimizerTensor> tensors);
 
+
+  // Read-ahead: issues the reads of the first ring_buffers() chunks of a
+  // coming step() over `tensors` now and returns at once (masters and
+  // moments do not depend on the gradients, so they can be read while
+  // backward runs). It stops at the first chunk whose gradients are in the
+  // swap store (they are not final yet). The next step()/step_part() uses a
+  // read-ahead slot when it would read exactly the same bytes into it; any
+  // other is waited for and read again. Whoever changes a swap-resident
+  // array of those tensors between prefetch() and that step (a checkpoint
+  // load) must call drop_prefetch() before the step, so that the slots'
+  // possibly stale bytes are not used. Does nothing after a failed or
+  // incomplete step. Same thread rules as step().
+  void prefetch(std::span<const OptimizerTensor> tensors);
+  // Waits for the read-ahead's requests and forgets them.
+  void drop_prefetch();
+  // Chunks a step() took from a read-ahead instead of reading them (total).
+  std::uint64_t prefetch_hits() const { return prefetch_hits_.load(std::memory_order_relaxed); }
 
   const StepProgress& progress() const { return progress_; }
   // After restoring the state (a checkpoint at step `step`): clears `torn`
@@ -231,12 +271,24 @@ class NvmeOptimizer {
     std::uint64_t bytes = 0;   // its bytes (trace)
     std::uint32_t track = 0;
   };
-  struct Pending;  // requests prepared under the lock, submitted after it
+  // Up to one request per array, prepared under mu_ and submitted after it
+  // (submitting can call back synchronously into piece_done, which locks).
+  struct Pending {
+    std::size_t slot = 0;
+    bool write = false;
+    int n = 0;
+    struct Req {
+      io::SwapTensor t;
+      std::uint64_t offset, length;
+      void* buf;
+      int array;
+    } req[kArrays];
+  };
 
   NvmeOptimizer(io::SwapStore* store, const NvmeOptimizerOptions& o, int nstates)
       : store_(store), options_(o), nstates_(nstates) {}
   Status step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
-                   std::span<const OptimizerTensor> tensors, bool part);
+                   std::span<const OptimizerTensor> tensors, bool part, const TensorsDone& done);
   Status validate(std::span<const OptimizerTensor> tensors) const;
   void build_chunks(std::span<const OptimizerTensor> tensors, std::uint64_t skip_elems);
   Status run(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::size_t* chunks_done);
@@ -244,12 +296,17 @@ class NvmeOptimizer {
   std::size_t element_size(int array, const OptimizerTensor& t) const;  // out_is_master: 4
   bool reads(int array, const OptimizerTensor& t) const;
   bool writes(int array, const OptimizerTensor& t) const;
+  // The requests of chunk `chunk` in `slot` (reads or writes); their bytes.
+  std::uint64_t fill_requests(std::size_t slot, std::size_t chunk, bool write, Pending* p) const;
   void prepare_io_locked(std::size_t slot, std::size_t chunk, bool write, Pending* p);
   void submit(Pending& p);
   void piece_done(std::size_t slot, int array, const Status& st);
   void issue_read(std::size_t slot, std::size_t chunk);
   Status chunk_error(const char* what, std::size_t chunk, int array, const Status& st) const;
   void out_failed(const Status& st);
+  // Completion tracking for `done_`: one of chunk ci's parts (update,
+  // write-back, upload) finished; reports the new prefix of whole tensors.
+  void chunk_part_done_locked(std::size_t ci);
 
   io::SwapStore* store_;
   NvmeOptimizerOptions options_;
@@ -269,6 +326,16 @@ class NvmeOptimizer {
   bool stop_ = false;         // no further reads (mu_)
   Status write_error_;        // first failed write-back or upload (mu_)
   std::vector<std::uint8_t> out_copying_;  // per slot: device_out copies in flight (calling thread)
+  std::vector<std::size_t> out_chunk_;     // per slot: the chunk of that copy (calling thread)
+  TensorsDone done_;                       // the call's callback (may be empty)
+  // Read-ahead (prefetch()): per slot, the requests it issued into the slot
+  // (chunk index = slot index). Calling thread only.
+  std::vector<std::uint8_t> prefetched_;
+  std::vector<Pending> prefetch_req_;
+  std::atomic<std::uint64_t> prefetch_hits_{0};  // written by the calling thread, read by any
+  std::vector<std::uint8_t> chunk_left_;   // per chunk: parts not yet finished (mu_)
+  std::size_t finished_ = 0;               // chunks finished as a prefix (mu_)
+  std::size_t reported_ = 0;               // tensors reported to done_ (mu_)
 };
 
 }  // namespace strata

@@ -978,6 +978,73 @@ TEST(EngineNvme, CheckpointResumeIsBitIdentical) {
   EXPECT_NE(st.message().find(std::filesystem::path(victim).filename().string()), std::string::npos)
       << st.message();
 }
+// After each step the optimizer reads the first chunks of the next step's
+// masters and moments ahead (gradients in RAM: nothing it reads depends on
+// them). A checkpoint loaded into the same engine, or load_param /
+// load_state, replaces that state: the read-ahead must be dropped, and the
+// run repeats bit-identically, in the pipelined and the synchronous step.
+TEST(EngineNvme, ReadAheadIsDroppedWhenACheckpointIsLoaded) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  for (bool pipelined : {true, false}) {
+    SCOPED_TRACE(pipelined ? "pipelined step" : "synchronous step");
+    TempDir dir;
+    RunOptions o;
+    o.clip = 0.2;
+    Config cfg = make_config(o, Place::kNvme, dir.path() + "/swap");
+    cfg.strata.groups[0].grad = Tier::kHost;
+    cfg.strata.pipelined_step = pipelined;
+    RunResult straight = train(d.dev.get(), o, cfg, 8);
+    const std::string ck = dir.path() + "/ck";
+    Trainer t(d.dev.get(), o);
+    ASSERT_TRUE(t.init(cfg).ok());
+    EXPECT_EQ(t.e->pipelined_step(), pipelined);
+    for (int i = 0; i < 4; ++i) ASSERT_TRUE(t.run_step(i).ok());
+    Status st = t.e->save_checkpoint(ck);
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    for (int i = 4; i < 8; ++i) ASSERT_TRUE(t.run_step(i).ok());
+    ASSERT_TRUE(t.e->synchronize().ok());
+    const uint64_t ahead = t.e->stats().optimizer_read_ahead;
+    EXPECT_GE(ahead, 4u * 7) << "every step after the first takes its first ring-full of chunks from the read-ahead";
+    st = t.e->load_checkpoint(ck);  // the read-ahead holds step 9's state
+    ASSERT_TRUE(st.ok()) << st.to_string();
+    for (int i = 4; i < 8; ++i) {
+      auto r = t.run_step(i);
+      ASSERT_TRUE(r.ok()) << r.status().to_string();
+      EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
+    }
+    EXPECT_TRUE(bits_equal(t.params(), straight.params));
+
+    // The same through load_param / load_state (a trainer restoring its own
+    // state_dict): the masters, moments and step counts after step 8, put
+    // back after two more steps, repeat those two steps.
+    const size_t np = t.e->model().params.size();
+    std::vector<std::vector<float>> master(np), m(np), v(np);
+    std::vector<int64_t> steps(np);
+    for (ParamId p = 0; p < np; ++p) {
+      const size_t n = t.e->model().params[p].numel();
+      master[p].resize(n);
+      m[p].resize(n);
+      v[p].resize(n);
+      ASSERT_TRUE(t.e->read_param(p, master[p].data(), DType::kF32).ok());
+      ASSERT_TRUE(t.e->read_state(p, 0, m[p].data()).ok());
+      ASSERT_TRUE(t.e->read_state(p, 1, v[p].data()).ok());
+      auto ps = t.e->param_steps(p);
+      ASSERT_TRUE(ps.ok());
+      steps[p] = *ps;
+    }
+    std::vector<double> first;
+    for (int i = 8; i < 10; ++i) first.push_back(t.run_step(i)->loss);
+    for (ParamId p = 0; p < np; ++p) {
+      ASSERT_TRUE(t.e->load_param(p, master[p].data(), DType::kF32).ok());
+      ASSERT_TRUE(t.e->load_state(p, 0, m[p].data()).ok());
+      ASSERT_TRUE(t.e->load_state(p, 1, v[p].data()).ok());
+      ASSERT_TRUE(t.e->set_param_steps(p, steps[p]).ok());
+    }
+    for (int i = 8; i < 10; ++i) EXPECT_EQ(t.run_step(i)->loss, first[i - 8]) << "step " << i << " after load_state";
+  }
+}
+
 // bf16 optimizer states, rounded stochastically: the random bits hash each
 // element's global index, its tensor's name and its step, so RAM and NVMe
 // tiers with different chunkings train the same bits, and a checkpoint

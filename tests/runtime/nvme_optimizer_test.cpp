@@ -9,6 +9,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -400,6 +402,135 @@ INSTANTIATE_TEST_SUITE_P(StatesAndDepths, NvmeOptimizerTest,
                                   std::to_string(std::get<1>(info.param));
                          });
 
+// One pass over tensors with their own hyper-parameters (the engine's
+// parameter groups: lr, betas, no weight decay) gives each tensor the bits of
+// a separate step with its config. The completion callback counts whole
+// tensors in increasing order, ends at the tensor count, and never reports a
+// tensor before its device output is uploaded (the lazy output copies only
+// when waited for).
+TEST_P(NvmeOptimizerTest, OnePassWithPerTensorConfigsReportsTensorsInOrder) {
+  add_default_models();
+  LazyDeviceOutput dev(depth());
+  auto opt = make(4096, &dev);
+  ASSERT_TRUE(opt.ok()) << opt.status().to_string();
+  std::vector<OptimizerConfig> cfg(models_.size(), config_);
+  for (size_t i = 0; i < cfg.size(); ++i) {
+    cfg[i].lr = 1e-2 * static_cast<double>(i + 1);
+    if (i % 2 == 1) cfg[i].weight_decay = 0;
+    if (i == 2) cfg[i].beta1 = 0.8;
+  }
+  std::vector<std::vector<std::uint16_t>> d16;
+  for (const auto& m : models_) d16.emplace_back(m.count, 0xFFFF);
+  for (std::int64_t t = 1; t <= 2; ++t) {
+    new_grads();
+    for (size_t i = 0; i < models_.size(); ++i) {  // the reference, each with its own config
+      Model& m = models_[i];
+      cpu_optim::StepBuffers b;
+      b.params = m.master.data();
+      b.grads = m.grads.data();
+      b.state[0] = m.state[0].data();
+      b.state[1] = m.state[1].data();
+      b.state_dtype = state_dtype();
+      b.params_out = m.out.data();
+      b.index_base = m.first_index;
+      ASSERT_TRUE(cpu_optim::step(cfg[i], t, b, m.count).ok());
+    }
+    auto ts = tensors();
+    for (size_t i = 0; i < ts.size(); ++i) {
+      ts[i].config = &cfg[i];
+      ts[i].params_out = Placement::on_device(d16[i].data());
+    }
+    std::vector<std::size_t> calls;
+    std::atomic<int> early{0};
+    Status s = (*opt)->step(config_, t, ts, [&](std::size_t done) {
+      calls.push_back(done);
+      for (std::size_t j = 0; j < done; ++j)
+        if (std::memcmp(d16[j].data(), models_[j].out.data(), models_[j].count * 2) != 0) ++early;
+    });
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    EXPECT_EQ(early.load(), 0) << "a tensor was reported before its output was uploaded (step " << t << ")";
+    ASSERT_FALSE(calls.empty());
+    EXPECT_TRUE(std::is_sorted(calls.begin(), calls.end()) &&
+                std::adjacent_find(calls.begin(), calls.end()) == calls.end())
+        << "reported out of order or twice";
+    EXPECT_EQ(calls.back(), ts.size());
+    for (size_t i = 0; i < models_.size(); ++i) {
+      const Model& m = models_[i];
+      std::vector<float> master(m.count);
+      if (m.swap_master) read_swap(m.s_master, &master); else master = m.h_master;
+      EXPECT_EQ(0, std::memcmp(master.data(), m.master.data(), m.count * 4)) << m.name << " step " << t;
+      EXPECT_EQ(0, std::memcmp(d16[i].data(), m.out.data(), m.count * 2)) << m.name << " step " << t;
+    }
+  }
+  // A config for another optimizer kind (another state count) is refused by name.
+  OptimizerConfig sgd = config_;
+  sgd.kind = cpu_optim::OptimizerKind::kSgd;
+  auto ts = tensors();
+  ts[1].config = &sgd;
+  Status s = (*opt)->step(config_, 3, ts);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("its config needs"), std::string::npos) << s.message();
+}
+
+// Read-ahead: the first ring-full of chunks read before the step (masters and
+// moments; gradients in RAM) is used by the step, with the same bits as
+// without it. It stops at a tensor whose gradients are in the swap store. A
+// read-ahead for other tensors than the step's is not used; one dropped after
+// the state changed does not leak the old bytes; an optimizer destroyed with
+// reads ahead in flight waits for them.
+TEST_P(NvmeOptimizerTest, ReadAheadIsUsedOnlyWhenItHoldsWhatTheStepReads) {
+  add("a", 100003, true, false, true, true);  // gradients in RAM: read ahead
+  add("b", 5000, true, false, true, false);
+  add("c", 9000, true, true, true, true);     // gradients on NVMe: the read-ahead stops here
+  auto opt = make();
+  ASSERT_TRUE(opt.ok()) << opt.status().to_string();
+  std::int64_t t = 1;
+  auto step = [&](const char* when) {
+    new_grads();
+    reference_step(t);
+    auto ts = tensors();
+    Status s = (*opt)->step(config_, t, ts);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    expect_identical(when);
+    ++t;
+  };
+  step("step 1");
+  auto ts = tensors();
+  (*opt)->prefetch(ts);
+  step("after a read-ahead");
+  EXPECT_EQ((*opt)->prefetch_hits(), depth()) << "tensor a's first chunks came from the read-ahead";
+
+  // The state changes after the read-ahead (a checkpoint load): dropped, the
+  // step reads the new bytes.
+  ts = tensors();
+  (*opt)->prefetch(ts);
+  std::normal_distribution<float> d(0.f, 1.f);
+  for (auto& x : models_[0].master) x = d(rng_);
+  write_swap(models_[0].s_master, models_[0].master.data(), models_[0].count * 4);
+  (*opt)->drop_prefetch();
+  step("after a dropped read-ahead");
+  EXPECT_EQ((*opt)->prefetch_hits(), depth());
+
+  // Read ahead for a list the step does not take (b first): none of it used.
+  ts = tensors();
+  std::swap(ts[0], ts[1]);
+  (*opt)->prefetch(ts);
+  step("after a read-ahead of other chunks");
+  EXPECT_EQ((*opt)->prefetch_hits(), depth());
+
+  // Gradients in the swap store from the first tensor on: nothing read ahead.
+  ts = tensors();
+  std::rotate(ts.begin(), ts.begin() + 2, ts.end());
+  (*opt)->prefetch(ts);
+  std::rotate(models_.begin(), models_.begin() + 2, models_.end());
+  step("after a read-ahead that stopped at once");
+  EXPECT_EQ((*opt)->prefetch_hits(), depth());
+
+  ts = tensors();
+  (*opt)->prefetch(ts);
+  opt->reset();  // waits for the reads in flight (ASan/TSan would see them land in freed memory)
+}
+
 class NvmeOptimizerErrors : public NvmeOptimizerTest {};
 
 TEST_P(NvmeOptimizerErrors, ReadErrorMidStepIsClearAndTheStepResumesExactly) {
@@ -479,6 +610,26 @@ TEST_P(NvmeOptimizerErrors, FailedDeviceUploadMarksTheStateTorn) {
   EXPECT_TRUE((*opt)->progress().torn);
   EXPECT_EQ(dev.in_flight(), 0u);
   EXPECT_EQ((*opt)->step(config_, 1, ts).code(), StatusCode::kCorrupt);
+}
+
+// A read ahead that failed is the step's read error, and the step resumes.
+TEST_P(NvmeOptimizerErrors, FailedReadAheadIsTheStepsReadError) {
+  add("a", 100003, true, false, true, true);
+  auto opt = make();
+  ASSERT_TRUE(opt.ok());
+  new_grads();
+  reference_step(1);
+  auto ts = tensors();
+  faults_->set_plan({.op = io::IoOpKind::kRead, .fail_nth = 1, .fail_errno = EIO});
+  (*opt)->prefetch(ts);
+  Status s = (*opt)->step(config_, 1, ts);
+  faults_->set_plan({});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("optimizer step 1: reading "), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("Input/output error"), std::string::npos) << s.message();
+  s = (*opt)->step(config_, 1, ts);
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  expect_identical("after the resumed step");
 }
 
 INSTANTIATE_TEST_SUITE_P(Depths, NvmeOptimizerErrors,

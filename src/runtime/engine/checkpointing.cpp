@@ -325,6 +325,7 @@ Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
     if (!w.ok() && I.stepper.pipeline_error().ok()) return w;
   }
   I.uploader.invalidate_slots();  // no prefetch may read the compute copies while they are restored
+  I.stepper.drop_read_ahead();    // nor may the optimizer's read-ahead read the states
   (void)I.errors.take();          // the state is being replaced
   TraceSpan span(R.tracer.get(), "load_checkpoint", trace_cat::kRuntime);
   CheckpointOpenOptions oo;

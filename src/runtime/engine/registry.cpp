@@ -529,8 +529,11 @@ Status Registry::write_array(const ArrayLoc& a, size_t esz, uint64_t off, uint64
     case Tier::kHost:
       std::memcpy(static_cast<char*>(a.ptr) + off * esz, src, bytes);
       return {};
-    case Tier::kNvme:
-      return sync_io(store->write(a.swap, off * esz, bytes, src), true, bytes);
+    case Tier::kNvme: {
+      Status st = sync_io(store->write(a.swap, off * esz, bytes, src), true, bytes);
+      array_writes.fetch_add(1, std::memory_order_acq_rel);  // after the write: see the read-ahead
+      return st;
+    }
     case Tier::kDevice:
       STRATA_RETURN_IF_ERROR(
           traced_copy(static_cast<char*>(a.ptr) + off * esz, src, bytes, CopyKind::kHostToDevice, upload));

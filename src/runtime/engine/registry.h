@@ -136,6 +136,11 @@ struct Registry {
   DeviceStream* upload = nullptr;
 
   TrafficCounters traffic;
+  // Swap-store writes made by write_array (counted once each is complete):
+  // the optimizer's read-ahead of masters and moments is dropped when this
+  // changed after it was issued (set_param, set_optimizer_state; a
+  // checkpoint load drops it in Stepper::restore).
+  std::atomic<uint64_t> array_writes{0};
   // Pipelined step (Stepper::wait_group): blocks until group g's optimizer
   // update is applied; its error if it failed. Empty when step() is
   // synchronous. Set once by Engine::Impl::init; called by the uploader

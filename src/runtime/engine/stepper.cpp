@@ -39,6 +39,10 @@ class Stepper::DeviceUpload final : public DeviceOutput {
     return reg_.dev->record(events_[slot], stream_);
   }
   Status wait(unsigned slot) override { return reg_.dev->synchronize(events_[slot]); }
+  bool done(unsigned slot) override {
+    Result<bool> r = reg_.dev->query(events_[slot]);
+    return r.ok() && *r;  // an error is left for wait() to report
+  }
 
  private:
   Registry& reg_;
@@ -146,7 +150,7 @@ Status Stepper::start() {
   if (!reg_.cfg.strata.overlap_backward && !pipelined_) return {};
   return queue_.start("optimizer", [this](const GroupId& g) {
     if (pipelined_)
-      run_pipelined_update(g);
+      run_pipelined_pass();
     else
       run_group_update(g);
   });
@@ -227,36 +231,98 @@ Status Stepper::set_group_betas(uint32_t lr_group, double beta1, double beta2) {
   return {};
 }
 
+cpu_optim::OptimizerConfig Stepper::part_config(const cpu_optim::OptimizerConfig& c, const GroupUpdate::Part& part,
+                                                const std::vector<GroupHyper>& group_hp) {
+  cpu_optim::OptimizerConfig pc = c;
+  if (part.lr_group < group_hp.size()) {
+    const GroupHyper& h = group_hp[part.lr_group];
+    if (h.lr >= 0) pc.lr = h.lr;
+    if (h.beta1 >= 0) pc.beta1 = h.beta1;
+    if (h.beta2 >= 0) pc.beta2 = h.beta2;
+  }
+  if (!part.decay) pc.weight_decay = 0;
+  return pc;
+}
+
 // Each tensor carries its parameter's own step (updates + 1): torch counts
 // state['step'] per parameter, so one skipped in some steps (reduced by no
 // micro-batch) corrects its moments by the steps it took.
 Status Stepper::step_group(GroupId gi, const cpu_optim::OptimizerConfig& c, int64_t step,
-                           const std::vector<GroupHyper>& group_hp, const std::function<bool(ParamId)>& reduced,
-                           bool counted) {
+                           const std::vector<GroupHyper>& group_hp, const std::function<bool(ParamId)>& reduced) {
   STRATA_RETURN_IF_ERROR(wait_released(gi));
   std::vector<OptimizerTensor>& some = groups_[gi].scratch;
   for (const auto& part : groups_[gi].parts) {
-    cpu_optim::OptimizerConfig pc = c;
-    if (part.lr_group < group_hp.size()) {
-      const GroupHyper& h = group_hp[part.lr_group];
-      if (h.lr >= 0) pc.lr = h.lr;
-      if (h.beta1 >= 0) pc.beta1 = h.beta1;
-      if (h.beta2 >= 0) pc.beta2 = h.beta2;
-    }
-    if (!part.decay) pc.weight_decay = 0;
+    const cpu_optim::OptimizerConfig pc = part_config(c, part, group_hp);
     some.clear();
     for (size_t i = 0; i < part.ids.size(); ++i) {
       if (reduced && !reduced(part.ids[i])) continue;  // only the parameters this step reduced
       some.push_back(part.tensors[i]);
-      some.back().step = reg_.params[part.ids[i]].updates + (counted ? 0 : 1);
+      some.back().step = reg_.params[part.ids[i]].updates + 1;
     }
     if (some.empty()) continue;
     STRATA_RETURN_IF_ERROR(opt_->step_part(pc, step, some));
-    if (counted) continue;
     for (size_t i = 0; i < part.ids.size(); ++i)
       if (!reduced || reduced(part.ids[i])) ++reg_.params[part.ids[i]].updates;
   }
   return {};
+}
+
+// Counted before the pass (driving thread): param_steps() and the next step
+// see this step's counts without waiting for a pipelined pass. A failed step
+// breaks the engine until a checkpoint is loaded, which restores them.
+void Stepper::count_updates(const std::function<bool(ParamId)>& reduced) {
+  for (ParamId id = 0; id < reg_.params.size(); ++id)
+    if (reg_.params[id].trainable && (!reduced || reduced(id))) ++reg_.params[id].updates;
+}
+
+Status Stepper::step_all(const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
+                         const std::function<bool(ParamId)>& reduced, const std::function<void(GroupId)>& group_done) {
+  const size_t ng = groups_.size();
+  size_t nparts = 0;
+  for (const auto& g : groups_) nparts += g.parts.size();
+  pass_configs_.clear();
+  pass_configs_.reserve(nparts);  // no reallocation below: the tensors point into it
+  pass_tensors_.clear();
+  pass_group_end_.assign(ng, 0);
+  for (GroupId gi = 0; gi < ng; ++gi) {
+    STRATA_RETURN_IF_ERROR(wait_released(gi));
+    for (const auto& part : groups_[gi].parts) {
+      pass_configs_.push_back(part_config(c, part, group_hp));
+      for (size_t i = 0; i < part.ids.size(); ++i) {
+        if (reduced && !reduced(part.ids[i])) continue;  // only the parameters this step reduced
+        OptimizerTensor t = part.tensors[i];
+        t.step = reg_.params[part.ids[i]].updates;
+        t.config = &pass_configs_.back();
+        pass_tensors_.push_back(t);
+      }
+    }
+    pass_group_end_[gi] = pass_tensors_.size();
+  }
+  if (reg_.array_writes.load(std::memory_order_acquire) != ahead_writes_) opt_->drop_prefetch();
+  size_t next = 0;  // the first group not yet reported (written under the optimizer's lock, then read here after it)
+  auto report = [&](size_t tensors_done) {
+    while (next < ng && pass_group_end_[next] <= tensors_done) {
+      if (group_done) group_done(static_cast<GroupId>(next));
+      ++next;
+    }
+  };
+  Status st = opt_->step(c, step, pass_tensors_, report);
+  if (!st.ok())
+    return st.with_context(
+        fmt::format("engine: optimizer step {} of group {}", step, reg_.groups[std::min(next, ng - 1)].name));
+  report(pass_tensors_.size());  // groups after the last tensor (none of theirs updated this step)
+  read_ahead();
+  return {};
+}
+
+void Stepper::read_ahead() {
+  ahead_tensors_.clear();
+  for (const auto& g : groups_)
+    for (const auto& part : g.parts) ahead_tensors_.insert(ahead_tensors_.end(), part.tensors.begin(), part.tensors.end());
+  // Read before the reads are issued: a write completing after this point
+  // changes the count, and the step drops what was read.
+  ahead_writes_ = reg_.array_writes.load(std::memory_order_acquire);
+  opt_->prefetch(ahead_tensors_);
 }
 
 // The norm's squares were summed while the gradients were accumulated
@@ -324,31 +390,30 @@ Status Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::f
   pipe_config_ = c;
   pipe_step_ = steps_ + 1;
   pipe_group_hp_ = group_hp_;
-  for (ParamId id = 0; id < reg_.params.size(); ++id) {
-    pipe_reduced_[id] = !reduced || reduced(id);
-    // Counted here, as the synchronous step counts them: param_steps() and
-    // the next step see this step's counts without waiting.
-    if (reg_.params[id].trainable && pipe_reduced_[id]) ++reg_.params[id].updates;
-  }
+  for (ParamId id = 0; id < reg_.params.size(); ++id) pipe_reduced_[id] = !reduced || reduced(id);
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
     for (GroupId g = 0; g < groups_.size(); ++g) pipe_pending_[g] = 1;
   }
-  for (GroupId g = 0; g < groups_.size(); ++g) queue_.push(g);
+  queue_.push(0);  // one pass over every group (the value is not used)
   return {};
 }
 
-void Stepper::run_pipelined_update(GroupId gi) {
-  Status st = pipeline_error();  // after a failure the step is torn: the rest is not applied
+void Stepper::run_pipelined_pass() {
+  Status st = pipeline_error();  // after a failure the state is torn: nothing more is applied
   if (st.ok()) {
-    st = step_group(gi, pipe_config_, pipe_step_, pipe_group_hp_,
-                    [this](ParamId id) { return pipe_reduced_[id] != 0; }, true);
-    if (!st.ok())
-      st = st.with_context(fmt::format("engine: optimizer step {} of group {}", pipe_step_, reg_.groups[gi].name));
+    st = step_all(pipe_config_, pipe_step_, pipe_group_hp_, [this](ParamId id) { return pipe_reduced_[id] != 0; },
+                  [this](GroupId g) {
+                    {
+                      std::lock_guard<std::mutex> lock(pipe_mu_);
+                      pipe_pending_[g] = 0;
+                    }
+                    pipe_cv_.notify_all();
+                  });
   }
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
-    pipe_pending_[gi] = 0;
+    for (auto& p : pipe_pending_) p = 0;  // after a failure the waiters get the error
     if (!st.ok() && pipe_error_.ok()) pipe_error_ = st;
   }
   pipe_cv_.notify_all();
@@ -421,15 +486,11 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       const double clip = reg_.cfg.gradient_clipping;
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
-      if (pipelined_) {
+      count_updates(reduced);
+      if (pipelined_)
         STRATA_RETURN_IF_ERROR(queue_pipeline(oc, reduced));
-      } else {
-        for (GroupId g = 0; g < groups_.size(); ++g) {
-          Status s = step_group(g, oc, steps_ + 1, group_hp_, reduced);
-          if (!s.ok())
-            return s.with_context(fmt::format("engine: optimizer step {} of group {}", steps_ + 1, reg_.groups[g].name));
-        }
-      }
+      else
+        STRATA_RETURN_IF_ERROR(step_all(oc, steps_ + 1, group_hp_, reduced, {}));
       updated_any = true;
       if (scaler_.dynamic) scaler_.update(false, reg_.cfg.fp16);
       prev_norm_ = r.grad_norm;
@@ -471,6 +532,7 @@ void Stepper::restore(int64_t steps, const LossScaler& scaler, double prev_norm,
   scaler_ = scaler;
   prev_norm_ = prev_norm;
   current_lr_ = lr;
+  opt_->drop_prefetch();  // load_shard dropped it; nothing may survive a restore
   opt_->set_completed_step(steps_);
   steps_atomic_.store(steps_, std::memory_order_relaxed);
 }

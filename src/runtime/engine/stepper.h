@@ -1,7 +1,7 @@
 // Stepper: what step() does to the accumulated gradients.
 //
 // Owns: the optimizer hyper-parameters and the NvmeOptimizer (its pinned
-// ring), the stream and ring events that upload the optimizer's output to
+// ring and its read-ahead), the stream and ring events that upload the optimizer's output to
 // device-homed compute copies, each group's optimizer tensors, the loss scaler, the step count,
 // the learning rate, the previous step's norm (overlap clipping), the
 // overlap-with-backward bookkeeping of every group, and the optimizer thread
@@ -62,6 +62,13 @@ class Stepper {
   Status start();     // the optimizer thread, with strata.overlap_backward or a pipelined step
   void stop();        // finishes queued group updates, joins the thread
   void wait_idle() { queue_.wait_idle(); }
+  // Driving thread, engine idle: waits for the optimizer's read-ahead and
+  // forgets it (before the state it read is replaced).
+  void drop_read_ahead() {
+    if (opt_) opt_->drop_prefetch();
+  }
+  // Any thread: chunks the optimizer took from its read-ahead (read_ahead()).
+  uint64_t read_ahead_hits() const { return opt_ ? opt_->prefetch_hits() : 0; }
 
   // ---- overlap with backward
   // begin_micro_batch(last): fixes the scale, lr and clipping coefficient of
@@ -76,11 +83,14 @@ class Stepper {
 
   // ---- pipelined step (strata.pipelined_step; one rank, no overlap_backward)
   // step() computes the norm and the decision (the norm's squares are
-  // already summed), then hands every group's update (which also writes its
-  // compute copies, on the device too) to the optimizer thread in group
-  // order and returns: the update of group k runs while the trainer computes
-  // the next forward of the groups before k. Exactly the same arithmetic as
-  // the synchronous step. Whoever touches a group's compute copy or gradient
+  // already summed), then hands one pass over every group (step_all, which
+  // also writes the compute copies, on the device too) to the optimizer
+  // thread and returns: each group counts as updated as soon as the pass has
+  // written it back, so the update of group k runs while the trainer
+  // computes the next forward of the groups before k. Exactly the same
+  // arithmetic as the synchronous step. After the pass the optimizer reads
+  // the next step's first chunks ahead (read_ahead()), during the next
+  // forward and backward. Whoever touches a group's compute copy or gradient
   // first waits for its update: the uploader before reading the compute
   // copy, acquire of a device-homed group before handing it out, reduce_grad
   // before accumulating, everything else through wait_idle().
@@ -151,15 +161,32 @@ class Stepper {
   };
 
   cpu_optim::OptimizerConfig optimizer_config(double lr, double grad_scale) const;
-  // The optimizer over group g's tensors, part by part: c.lr replaced by the
-  // part's lr group's own lr when it has one (from `group_lr`), weight_decay 0
-  // for undecayed parts.
-  // counted: the parameters' update counts were already advanced for this
-  // step (pipelined: at queue time, on the driving thread).
+  // c with a part's own hyper-parameters: its lr group's lr and betas when
+  // set (from `group_hp`), weight_decay 0 for an undecayed part.
+  static cpu_optim::OptimizerConfig part_config(const cpu_optim::OptimizerConfig& c, const GroupUpdate::Part& part,
+                                                const std::vector<GroupHyper>& group_hp);
+  // The optimizer over group g's tensors, part by part (overlap_backward:
+  // groups are complete one at a time, in backward's order).
   Status step_group(GroupId g, const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
-                    const std::function<bool(ParamId)>& reduced = {}, bool counted = false);
+                    const std::function<bool(ParamId)>& reduced = {});
+  // Synchronous and pipelined steps: one pass of the optimizer over every
+  // group's tensors in group order (each part with its own
+  // hyper-parameters), so the ring's reads run ahead across group
+  // boundaries instead of filling and draining once per group.
+  // group_done(g) (optional) hears, in order, that group g is updated,
+  // written back and uploaded; it runs under the optimizer's lock. The
+  // update counts of this step's parameters are already advanced
+  // (count_updates).
+  Status step_all(const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
+                  const std::function<bool(ParamId)>& reduced, const std::function<void(GroupId)>& group_done);
+  void count_updates(const std::function<bool(ParamId)>& reduced);
+  // After a complete pass (not with overlap_backward, whose groups come in
+  // backward's order): the optimizer reads the first chunks of the next
+  // pass ahead, during the next forward and backward. Dropped by step_all
+  // when a write_array came in between (Registry::array_writes).
+  void read_ahead();
   Status queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced);
-  void run_pipelined_update(GroupId g);  // optimizer thread
+  void run_pipelined_pass();  // optimizer thread
   Status group_stats(GroupId g, double scale);
   Status combine_ranks_stats();  // N ranks: the norm's parts of every rank
   // optimizer thread (every parameter of the group was reduced), or driving
@@ -186,6 +213,14 @@ class Stepper {
   std::vector<GroupUpdate> groups_;
   std::vector<double> rank_stats_;  // N ranks: world x groups x {sum_sq, nonfinite} (all-gathered)
   std::vector<ParamId> trainable_;  // what a step updates (stages 1-2 all-gather them after it)
+  // step_all's pass (driving thread, or the optimizer thread for a pipelined
+  // step): every group's tensors in order, one config per part (reserved:
+  // the tensors point into it), where each group's tensors end.
+  std::vector<OptimizerTensor> pass_tensors_;
+  std::vector<cpu_optim::OptimizerConfig> pass_configs_;
+  std::vector<size_t> pass_group_end_;
+  std::vector<OptimizerTensor> ahead_tensors_;  // read_ahead's list: every trainable tensor in pass order
+  uint64_t ahead_writes_ = 0;                   // Registry::array_writes when the read-ahead was issued
   WorkQueue<GroupId> queue_;  // overlap: groups whose gradients are complete; pipelined: groups to update
 
   // Pipelined step. Set on the driving thread before the groups are queued,
