@@ -527,6 +527,22 @@ RunResult train(DeviceBackend* dev, const RunOptions& o, const Config& cfg, int 
   return res;
 }
 
+// As after `strata finetune` exits 1: a new engine (a new process) loads
+// checkpoint `ck` and steps from..to-1 as the uninterrupted run did.
+[[maybe_unused]] void expect_resumes(DeviceBackend* dev, const RunOptions& o, const Config& cfg, const std::string& ck, int from,
+                    int to, const RunResult& straight) {
+  Trainer t(dev, o);
+  ASSERT_TRUE(t.init(cfg, /*load_init=*/false).ok());
+  Status ls = t.e->load_checkpoint(ck);
+  ASSERT_TRUE(ls.ok()) << ls.to_string();
+  for (int i = from; i < to; ++i) {
+    auto r = t.run_step(i);
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+    EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
+  }
+  EXPECT_TRUE(bits_equal(t.params(), straight.params));
+}
+
 void expect_matches_reference(const RunResult& run, Reference& ref, int steps) {
   ASSERT_EQ(run.logs.size(), size_t(steps));
   for (int i = 0; i < steps; ++i) {
@@ -1145,16 +1161,7 @@ TEST(EngineNvme, SwapFileCorruptionIsFoundNeverCheckpointedAndTheRunResumes) {
   EXPECT_NE(st.message().find("rank00000.stripe0.swap offset"), std::string::npos) << st.message();
   std::printf("the step's error: %s\n", st.to_string().c_str());
 
-  Trainer r2(d.dev.get(), o);
-  ASSERT_TRUE(r2.init(cfg, /*load_init=*/false).ok());
-  Status ls = r2.e->load_checkpoint(ck);
-  ASSERT_TRUE(ls.ok()) << ls.to_string();
-  for (int i = kBefore; i < kTotal; ++i) {
-    auto r = r2.run_step(i);
-    ASSERT_TRUE(r.ok()) << r.status().to_string();
-    EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
-  }
-  EXPECT_TRUE(bits_equal(r2.params(), straight.params));
+  expect_resumes(d.dev.get(), o, cfg, ck, kBefore, kTotal, straight);
 }
 
 // Checksums off (strata.swap_checksums false) trains the same bits.
@@ -1453,19 +1460,9 @@ TEST_P(EngineNvmeFaults, EveryFailedIoOfAStepIsAnErrorAndTheCheckpointStillResum
       EXPECT_TRUE(t.e->synchronize().ok());
       EXPECT_TRUE(bits_equal(t.params(), straight.params));
     }
-    // As after `strata finetune` exits 1: a new engine (a new process)
-    // loads the checkpoint from before the failure and the run continues
-    // as if nothing had happened.
-    Trainer r2(d.dev.get(), o);
-    ASSERT_TRUE(r2.init(cfg, /*load_init=*/false).ok());
-    Status ls = r2.e->load_checkpoint(ck);
-    ASSERT_TRUE(ls.ok()) << ls.to_string();
-    for (int i = kBefore; i < kTotal; ++i) {
-      auto r = r2.run_step(i);
-      ASSERT_TRUE(r.ok()) << r.status().to_string();
-      EXPECT_EQ(r->loss, straight.logs[i].loss) << "step " << i;
-    }
-    EXPECT_TRUE(bits_equal(r2.params(), straight.params));
+    // A new engine (a new process) loads the checkpoint from before the
+    // failure and the run continues as if nothing had happened.
+    expect_resumes(d.dev.get(), o, cfg, ck, kBefore, kTotal, straight);
   }
   EXPECT_GT(failed_runs, 0);
   EXPECT_GT(torn_repaired, 0);

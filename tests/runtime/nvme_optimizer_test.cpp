@@ -153,9 +153,11 @@ class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsi
     }
   }
 
-  // The reference: cpu_optim::step on whole tensors in RAM.
-  void reference_step(std::int64_t t) {
-    for (auto& m : models_) {
+  // The reference: cpu_optim::step on whole tensors in RAM; model i with
+  // (*configs)[i] when given, else config_.
+  void reference_step(std::int64_t t, const std::vector<OptimizerConfig>* configs = nullptr) {
+    for (size_t i = 0; i < models_.size(); ++i) {
+      Model& m = models_[i];
       cpu_optim::StepBuffers b;
       b.params = m.master.data();
       b.grads = m.grads.data();
@@ -166,7 +168,7 @@ class NvmeOptimizerTest : public ::testing::TestWithParam<std::tuple<DType, unsi
       // bf16 states round stochastically by each element's global index:
       // whole tensors here, chunks in the optimizer.
       b.index_base = m.first_index;
-      ASSERT_TRUE(cpu_optim::step(config_, t, b, m.count).ok());
+      ASSERT_TRUE(cpu_optim::step(configs ? (*configs)[i] : config_, t, b, m.count).ok());
     }
   }
 
@@ -423,18 +425,7 @@ TEST_P(NvmeOptimizerTest, OnePassWithPerTensorConfigsReportsTensorsInOrder) {
   for (const auto& m : models_) d16.emplace_back(m.count, 0xFFFF);
   for (std::int64_t t = 1; t <= 2; ++t) {
     new_grads();
-    for (size_t i = 0; i < models_.size(); ++i) {  // the reference, each with its own config
-      Model& m = models_[i];
-      cpu_optim::StepBuffers b;
-      b.params = m.master.data();
-      b.grads = m.grads.data();
-      b.state[0] = m.state[0].data();
-      b.state[1] = m.state[1].data();
-      b.state_dtype = state_dtype();
-      b.params_out = m.out.data();
-      b.index_base = m.first_index;
-      ASSERT_TRUE(cpu_optim::step(cfg[i], t, b, m.count).ok());
-    }
+    reference_step(t, &cfg);  // each with its own config
     auto ts = tensors();
     for (size_t i = 0; i < ts.size(); ++i) {
       ts[i].config = &cfg[i];
