@@ -457,10 +457,13 @@ int run(const PlanCliOptions& o) {
   work.activation_checkpointing = !o.no_checkpointing;
   work.overlap_backward = ds.strata.overlap_backward;
   work.pipelined_step = ds.strata.pipelined_step;
+  work.attention_forward_flops_per_token =
+      attention_forward_flops_per_token(shape.layers, shape.heads, shape.head_dim_or_default(), o.seq);
+  work.non_matmul_params = shape.tied_embeddings ? 0 : shape.vocab * shape.dim;  // the input embedding: a lookup
   auto est = predict_step_time(*plan, bw, work);
   if (!est.ok()) return fail(est.status().message());
   const double tokens_per_step = static_cast<double>(work.tokens_per_micro_batch) * options.micro_batches;
-  const double flops_per_token = (work.activation_checkpointing ? 8.0 : 6.0) * static_cast<double>(spec->numel());
+  const double token_flops = flops_per_token(*plan, work);
 
   if (o.json) {
     auto fig = [](const Figure& f, double scale) {
@@ -493,7 +496,7 @@ int run(const PlanCliOptions& o) {
                   {"seq", o.seq},
                   {"micro_batches", options.micro_batches},
                   {"tokens_per_step", tokens_per_step},
-                  {"flops_per_token", flops_per_token},
+                  {"flops_per_token", token_flops},
                   {"activation_checkpointing", work.activation_checkpointing}}},
                 {"estimate",
                  {{"compute_s", est->compute_s},
@@ -538,8 +541,10 @@ int run(const PlanCliOptions& o) {
       "\nWorkload: batch %llu x seq %llu = %llu tokens per micro-batch, %u micro-batch(es) per step; "
       "%.3g FLOP per token (%s)\n",
       static_cast<unsigned long long>(o.batch), static_cast<unsigned long long>(o.seq),
-      static_cast<unsigned long long>(work.tokens_per_micro_batch), options.micro_batches, flops_per_token,
-      work.activation_checkpointing ? "8 x params: forward, recompute, backward" : "6 x params");
+      static_cast<unsigned long long>(work.tokens_per_micro_batch), options.micro_batches, token_flops,
+      work.activation_checkpointing
+          ? "8 x matmul weights + 4 x attention's forward: forward, recompute, backward"
+          : "6 x matmul weights + 3 x attention's forward");
   std::printf("%s", est->report().c_str());
   std::printf("Predicted: %s per optimizer step, %.0f tokens/s (bottleneck: %s)\n",
               format_seconds(est->total_s).c_str(), tokens_per_step / est->total_s, est->bottleneck.c_str());

@@ -616,6 +616,17 @@ std::string Plan::report() const {
 
 // ------------------------------------------------------------------ step time
 
+double attention_forward_flops_per_token(uint64_t layers, uint64_t heads, uint64_t head_dim, uint64_t seq) {
+  return 2.0 * static_cast<double>(seq + 1) * static_cast<double>(heads) * static_cast<double>(head_dim) *
+         static_cast<double>(layers);
+}
+
+double flops_per_token(const Plan& plan, const Workload& work) {
+  const double passes = work.activation_checkpointing ? 4.0 : 3.0;  // forward units: fwd, (recompute), bwd = 2
+  const uint64_t matmul = plan.model_numel - std::min(plan.model_numel, work.non_matmul_params);
+  return passes * (2.0 * static_cast<double>(matmul) + work.attention_forward_flops_per_token);
+}
+
 Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& bw, const Workload& work) {
   if (work.tokens_per_micro_batch == 0)
     return Status(StatusCode::kInvalidArgument, "step time: tokens_per_micro_batch must be positive");
@@ -636,11 +647,8 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
 
   auto secs = [](uint64_t bytes, double rate) { return bytes ? static_cast<double>(bytes) / rate : 0.0; };
   StepTimeEstimate e;
-  // Dense matmul FLOPs: 2 per parameter per token forward, 4 backward, and 2
-  // more when the forward is recomputed (attention scores are not counted).
-  const double flops_per_token = (work.activation_checkpointing ? 8.0 : 6.0) * static_cast<double>(plan.model_numel);
   const double m = plan.options.micro_batches;
-  e.compute_s = flops_per_token * static_cast<double>(work.tokens_per_micro_batch) * m / bw.gpu_flops;
+  e.compute_s = flops_per_token(plan, work) * static_cast<double>(work.tokens_per_micro_batch) * m / bw.gpu_flops;
   e.h2d_s = secs(fb.h2d, bw.h2d);
   e.d2h_s = secs(fb.d2h, bw.d2h);
   e.nvme_fb_s = secs(fb.nvme_read, bw.nvme_read) + secs(fb.nvme_write, bw.nvme_write);

@@ -153,12 +153,30 @@ struct Bandwidths {
 struct Workload {
   uint64_t tokens_per_micro_batch = 0;   // per rank
   bool activation_checkpointing = true;  // recompute forward in backward
+  // What the parameter count leaves out (set from the model's shape:
+  // attention_workload(); both 0: every parameter a matmul weight, no
+  // attention). Forward FLOPs per token of attention's scores and weighted
+  // sums over all layers, and parameters that are no matmul weight (an
+  // untied input embedding is a lookup).
+  double attention_forward_flops_per_token = 0;
+  uint64_t non_matmul_params = 0;
   bool overlap_backward = false;         // optimizer may start during the last backward
   // strata.pipelined_step (the engine's default; off here unless set): the
   // optimizer step runs behind the next forward (one rank; all but the first
   // group's update can hide).
   bool pipelined_step = false;
 };
+
+// Causal attention over sequences of `seq` tokens: each query sees (seq+1)/2
+// keys on average; the scores (q·k) and the weighted sum of values cost
+// 2 x heads x head_dim FLOP per key each: 2 x (seq+1) x heads x head_dim per
+// layer and token, forward.
+double attention_forward_flops_per_token(uint64_t layers, uint64_t heads, uint64_t head_dim, uint64_t seq);
+
+// FLOPs of one token's forward and backward (and recompute): 2 per matmul
+// weight forward, 4 backward, 2 more recomputed; attention in the same
+// proportions (the backward of both products is twice the forward).
+double flops_per_token(const Plan& plan, const Workload& work);
 
 struct StepTimeEstimate {
   double compute_s = 0;  // GPU forward+backward, all micro-batches

@@ -482,6 +482,43 @@ TEST(Planner70B, On24GiBGpu64GiBHost2TBNvme) {
             "optimizer states (saves 262.8 GiB)");
 }
 
+// Compute counts attention (it grows with the sequence: a long-context
+// fine-tune is not 8 x params per token) and not the input embedding of an
+// untied model (a lookup, no matmul). Llama-3-8B's shape, counted by hand.
+TEST(Planner, ComputeCountsAttentionAndNotTheEmbeddingLookup) {
+  auto m = llama_model_spec({32, 4096, 32, 8, 14336, 128256});
+  ASSERT_TRUE(m.ok());
+  auto r = make_plan(m.value(), PlanBudgets{80 * kGiB, 256 * kGiB, 0, {}}, PlanOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const Plan& p = r.value();
+  const double numel = static_cast<double>(p.model_numel);
+  const double embed = 128256.0 * 4096;
+  // Per layer and token, forward: q.k over (seq+1)/2 keys and the weighted
+  // sum of as many values, 2 FLOP per multiply-add, 32 heads x 128.
+  for (uint64_t seq : {2048ull, 4096ull, 32768ull}) {
+    const double attn = 32 * 2.0 * (2.0 * (seq + 1) / 2.0) * 32 * 128;
+    EXPECT_DOUBLE_EQ(attention_forward_flops_per_token(32, 32, 128, seq), attn) << seq;
+  }
+  Bandwidths bw{25e9, 25e9, 12e9, 6e9, 2e9, 400e12, 0};
+  Workload w;
+  w.tokens_per_micro_batch = 4096;
+  const double before = flops_per_token(p, w);
+  EXPECT_DOUBLE_EQ(before, 8.0 * numel);  // nothing set: every parameter a matmul weight
+  w.attention_forward_flops_per_token = attention_forward_flops_per_token(32, 32, 128, 4096);
+  w.non_matmul_params = 128256ull * 4096;
+  const double attn = w.attention_forward_flops_per_token;
+  EXPECT_DOUBLE_EQ(flops_per_token(p, w), 4.0 * (2.0 * (numel - embed) + attn));
+  auto e = predict_step_time(p, bw, w);
+  ASSERT_TRUE(e.ok()) << e.status().to_string();
+  EXPECT_NEAR(e->compute_s, 4.0 * (2.0 * (numel - embed) + attn) * 4096 / 400e12, 1e-12);
+  // At 4096 tokens attention is ~7% of the matmuls; at 32768 more than half.
+  EXPECT_NEAR(attn / (2.0 * (numel - embed)), 0.072, 0.005);
+  EXPECT_GT(attention_forward_flops_per_token(32, 32, 128, 32768) / (2.0 * (numel - embed)), 0.5);
+  // Without recompute: 3 forward units instead of 4.
+  w.activation_checkpointing = false;
+  EXPECT_DOUBLE_EQ(flops_per_token(p, w), 3.0 * (2.0 * (numel - embed) + attn));
+}
+
 TEST(Planner70B, PredictedStepTime) {
   auto m = llama_model_spec({80, 8192, 64, 8, 28672, 128256});
   ASSERT_TRUE(m.ok());
