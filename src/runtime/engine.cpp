@@ -92,6 +92,10 @@ Engine::Impl::~Impl() {
 Status Engine::Impl::wait_idle() {
   Status st = grads.wait_idle();  // the download stream, then the accumulator
   stepper.wait_idle();            // overlapped group updates the accumulator queued, or a pipelined step's
+  // The optimizer's read-ahead keeps its bytes, but no read of it may still
+  // be in flight when the caller writes state (load_param: the swap store's
+  // checksums and the file bytes; array_writes then makes the step drop it).
+  stepper.settle_read_ahead();
   // A pipelined step that failed after step() returned left torn state: the
   // engine refuses steps and saves until load_checkpoint (which clears it),
   // and every call that waits here reports it.

@@ -86,6 +86,12 @@ void NvmeOptimizer::prefetch(std::span<const OptimizerTensor> tensors) {
   chunks_.clear();
 }
 
+void NvmeOptimizer::settle_prefetch() {
+  if (prefetched_.empty()) return;
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return inflight_ == 0; });
+}
+
 void NvmeOptimizer::drop_prefetch() {
   if (prefetched_.empty()) return;
   std::unique_lock<std::mutex> lock(mu_);

@@ -238,6 +238,10 @@ class NvmeOptimizer {
   void prefetch(std::span<const OptimizerTensor> tensors);
   // Waits for the read-ahead's requests and forgets them.
   void drop_prefetch();
+  // Waits for the read-ahead's requests and keeps them: after it, the swap
+  // store's arrays may be written without racing a read (the caller then
+  // drops the read-ahead before the step, as above).
+  void settle_prefetch();
   // Chunks a step() took from a read-ahead instead of reading them (total).
   std::uint64_t prefetch_hits() const { return prefetch_hits_.load(std::memory_order_relaxed); }
 

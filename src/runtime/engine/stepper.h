@@ -67,6 +67,11 @@ class Stepper {
   void drop_read_ahead() {
     if (opt_) opt_->drop_prefetch();
   }
+  // Driving thread, engine idle: waits until no read of the read-ahead is in
+  // flight (it stays usable).
+  void settle_read_ahead() {
+    if (opt_) opt_->settle_prefetch();
+  }
   // Any thread: chunks the optimizer took from its read-ahead (read_ahead()).
   uint64_t read_ahead_hits() const { return opt_ ? opt_->prefetch_hits() : 0; }
 
