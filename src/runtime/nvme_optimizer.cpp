@@ -94,8 +94,8 @@ void NvmeOptimizer::settle_prefetch() {
 
 void NvmeOptimizer::drop_prefetch() {
   if (prefetched_.empty()) return;
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return inflight_ == 0; });
+  settle_prefetch();
+  std::lock_guard<std::mutex> lock(mu_);
   for (std::size_t si = 0; si < prefetched_.size(); ++si)
     if (prefetched_[si]) slots_[si]->phase = Phase::kIdle;
   prefetched_.clear();
@@ -317,7 +317,8 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
   // A read-ahead slot is kept when it holds exactly what chunk `slot` of this
   // call reads; any other is waited for (its read still lands there) and
   // read again.
-  std::vector<std::uint8_t> keep(depth, 0);
+  std::vector<std::uint8_t>& keep = keep_;  // capacity kept between calls: no allocation per step
+  keep.assign(depth, 0);
   {
     std::unique_lock<std::mutex> lock(mu_);
     stop_ = false;

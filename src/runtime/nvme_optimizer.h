@@ -336,6 +336,7 @@ class NvmeOptimizer {
   // (chunk index = slot index). Calling thread only.
   std::vector<std::uint8_t> prefetched_;
   std::vector<Pending> prefetch_req_;
+  std::vector<std::uint8_t> keep_;  // run(): per slot, its read-ahead is used
   std::atomic<std::uint64_t> prefetch_hits_{0};  // written by the calling thread, read by any
   std::vector<std::uint8_t> chunk_left_;   // per chunk: parts not yet finished (mu_)
   std::size_t finished_ = 0;               // chunks finished as a prefix (mu_)
