@@ -19,7 +19,7 @@ install(TARGETS libstrata EXPORT StrataTargets
 install(FILES ${PROJECT_SOURCE_DIR}/include/strata/strata.h ${PROJECT_SOURCE_DIR}/include/strata/strata.hpp
   DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/strata)
 install(TARGETS strata RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
-foreach(_module strata_cuda strata_cuda_train)
+foreach(_module strata_cuda strata_cuda_train strata_nccl)
   if(TARGET ${_module})
     install(TARGETS ${_module} LIBRARY DESTINATION ${CMAKE_INSTALL_LIBDIR}/strata)
   endif()

@@ -20,8 +20,10 @@
 #      bench.err, and leave logs and JSON under $OUT (at most 8 files come back; 8 today:
 #      build.log version.txt ctest-gpu.log torch-gpu.log demo.log
 #      ctest-cpu.log bench.json bench.err).
-# The full build includes both CUDA modules (libstrata_cuda.so and
-# libstrata_cuda_train.so, next to build-gpu/tools/strata) for sm_90.
+# The full build includes the CUDA modules (libstrata_cuda.so,
+# libstrata_cuda_train.so and, with NCCL, libstrata_nccl.so, next to
+# build-gpu/tools/strata) for sm_90; the gpu tests include test_comm_nccl
+# (every collective through NCCL with one rank).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 
@@ -42,8 +44,18 @@ cd "$ROOT"
   for f in .deps/*.deb; do dpkg -x "$f" /tmp/deps; done
   export CMAKE_PREFIX_PATH=/tmp/deps/usr LD_LIBRARY_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}
   export PKG_CONFIG_PATH=/tmp/deps/usr/lib/x86_64-linux-gnu/pkgconfig:/tmp/deps/usr/share/pkgconfig
+  # NCCL: the machine has it as the nvidia-nccl wheel (no unversioned .so, not
+  # where CMake looks): point CMake at it, and the loader at its lib/.
+  nccl_args=()
+  nccl_dir=$(python3 -c 'import nvidia.nccl as n; print(list(n.__path__)[0])' 2>/dev/null)
+  if [[ -n "$nccl_dir" && -f "$nccl_dir/include/nccl.h" ]]; then
+    nccl_lib=$(ls "$nccl_dir"/lib/libnccl.so* 2>/dev/null | head -1)
+    nccl_args=(-DNCCL_INCLUDE_DIR="$nccl_dir/include" -DNCCL_LIBRARY="$nccl_lib")
+    echo "NCCL from the wheel: $nccl_dir ($nccl_lib)"
+    export LD_LIBRARY_PATH="$nccl_dir/lib:$LD_LIBRARY_PATH"
+  fi
   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_CUDA=ON \
-    -DCMAKE_CUDA_ARCHITECTURES=90 -DSTRATA_BUILD_BENCHMARKS=OFF && cmake --build build-gpu -j "$(nproc)"
+    -DCMAKE_CUDA_ARCHITECTURES=90 -DSTRATA_BUILD_BENCHMARKS=OFF "${nccl_args[@]}" && cmake --build build-gpu -j "$(nproc)"
 } > "$OUT/build.log" 2>&1
 echo "build rc=$?" | tee -a "$OUT/build.log"
 tail -5 "$OUT/build.log"

@@ -4,11 +4,69 @@
 
 #include <fmt/format.h>
 
+#include "comm/bootstrap.h"
 #include "comm/mpi_comm.h"
+#include "comm/nccl_comm.h"
+#include "comm/rendezvous.h"
 #include "comm/self_comm.h"
+#include "device/host_backend.h"
 #include "strata/strata_config.h"
 
 namespace strata::comm {
+namespace {
+
+// Under mpirun: rank 0's blob to every rank with an MPI broadcast (a host
+// backend and an MPI communicator made for it; MPI stays initialized).
+Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::size_t bytes,
+                                       const CommOptions& options) {
+#if STRATA_HAVE_MPI
+  STRATA_ASSIGN_OR_RETURN(auto host, create_host_backend(HostBackendOptions{1u << 20, false}));
+  MpiCommOptions mo;
+  mo.timeout_s = options.timeout_s;
+  mo.fortran_comm = options.mpi_fortran_comm;
+  STRATA_ASSIGN_OR_RETURN(auto mpi, create_mpi_communicator(host.get(), mo));
+  STRATA_ASSIGN_OR_RETURN(DeviceStream * stream, host->create_stream("bootstrap"));
+  std::vector<uint8_t> out(bytes);
+  if (mpi->rank() == 0) std::copy_n(blob.begin(), std::min(bytes, blob.size()), out.begin());
+  Status st = mpi->broadcast(out.data(), bytes, 0, stream);
+  Status synced = host->synchronize(stream);
+  if (st.ok()) st = synced;
+  (void)host->destroy_stream(stream);
+  if (!st.ok()) return st.with_context("broadcast over MPI");
+  return out;
+#else
+  (void)blob, (void)bytes, (void)options;
+  return Status(StatusCode::kUnavailable,
+                "under mpirun the NCCL id travels over MPI, which is not in this build; launch torchrun-style "
+                "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) instead");
+#endif
+}
+
+// NCCL over the launcher's ranks: rank 0's NCCL id travels by MPI (mpirun)
+// or the TCP rendezvous (torchrun style).
+Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const CommOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+  NcclCommOptions no;
+  no.rank = li.rank;
+  no.world_size = li.world_size;
+  no.timeout_s = options.timeout_s;
+  if (li.launcher == Launcher::kTorchrun) {
+    no.share_id = [li, options](const std::vector<uint8_t>& blob) {
+      RendezvousOptions ro;
+      ro.addr = li.master_addr;
+      ro.port = li.master_port;
+      ro.rank = li.rank;
+      ro.world_size = li.world_size;
+      ro.timeout_s = options.timeout_s;
+      return rendezvous_broadcast(ro, blob);
+    };
+  } else if (li.launcher == Launcher::kMpirun) {
+    no.share_id = [options](const std::vector<uint8_t>& blob) { return mpi_share(blob, 128, options); };
+  }
+  return create_nccl_communicator(device, no);
+}
+
+}  // namespace
 
 const char* comm_backend_kind_name(CommBackendKind kind) {
   switch (kind) {
@@ -35,9 +93,16 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("create_communicator: timeout_s must be > 0 (got {})", options.timeout_s));
   CommBackendKind kind = options.kind;
-  if (kind == CommBackendKind::kAuto)
-    kind = (mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) ? CommBackendKind::kMpi
-                                                                                  : CommBackendKind::kSelf;
+  if (kind == CommBackendKind::kAuto) {
+    // GPU ranks meet over NCCL, host ranks over MPI; one rank needs neither.
+    if (device->kind() == DeviceKind::kCuda) {
+      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+      kind = li.world_size > 1 ? CommBackendKind::kNccl : CommBackendKind::kSelf;
+    } else {
+      kind = (mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) ? CommBackendKind::kMpi
+                                                                                    : CommBackendKind::kSelf;
+    }
+  }
   switch (kind) {
     case CommBackendKind::kSelf:
       return create_self_communicator(device);
@@ -54,8 +119,7 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
 #endif
     }
     case CommBackendKind::kNccl:
-      return Status(StatusCode::kUnavailable,
-                    "the NCCL communicator does not exist yet (issue 14); use mpi over the host backend");
+      return create_nccl(device, options);
     case CommBackendKind::kAuto:
       break;
   }

@@ -3,8 +3,9 @@
 //
 // Backends: SelfCommunicator (src/comm/self_comm.h; one rank, always
 // available: the 1-rank reference), MpiCommunicator (src/comm/mpi_comm.h;
-// Open MPI over host-backend buffers, built when CMake finds MPI). An NCCL
-// backend over CUDA buffers is planned (issue 14) and does not exist yet.
+// Open MPI over host-backend buffers, built when CMake finds MPI),
+// NcclCommunicator (src/comm/nccl_comm.h; NCCL over CUDA-backend buffers,
+// built when CMake finds CUDA and NCCL; never run on a GPU yet).
 // create_communicator() picks one and says why one is unavailable.
 //
 // Ordering. Every collective is *enqueued* on the stream the caller passes
@@ -117,12 +118,17 @@ struct CommOptions {
 bool mpi_backend_built();
 
 // kSelf: one rank, always. kMpi: the MPI backend (initializes MPI if needed;
-// the device must be the host backend). kNccl: kUnavailable (not built yet).
-// kAuto: mpi when this build has MPI and the process runs under mpirun
-// (OMPI_COMM_WORLD_SIZE set), else self.
-// Errors: kUnavailable with the reason (built without MPI: how to get it;
-// NCCL not implemented), kInvalidArgument (null device, timeout <= 0, MPI
-// over a CUDA backend), and those of the backend's constructor.
+// the device must be the host backend). kNccl: the NCCL backend over the
+// launcher's ranks (bootstrap.h: under mpirun rank 0's NCCL id travels by an
+// MPI broadcast, torchrun style by the TCP rendezvous at MASTER_ADDR:
+// MASTER_PORT; no launcher: one rank); the device must be a CUDA backend.
+// kAuto: a CUDA device: nccl when the launcher says N > 1 ranks, else self;
+// the host backend: mpi when this build has MPI and the process runs under
+// mpirun (OMPI_COMM_WORLD_SIZE set), else self.
+// Errors: kUnavailable with the reason (built without MPI or NCCL: how to get
+// it; the NCCL module or libnccl not loadable), kInvalidArgument (null device,
+// timeout <= 0, MPI over a CUDA backend, NCCL over the host backend, a
+// malformed launcher environment), and those of the backend's constructor.
 Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device, const CommOptions& options);
 
 }  // namespace strata::comm

@@ -1,0 +1,215 @@
+// libstrata_nccl.so: NCCL for the communicator (src/comm/nccl_comm.cpp),
+// loaded with dlopen. Exports only strata_nccl_api_v1. Plain C++ over the
+// CUDA runtime and NCCL: no kernels (the rank-order sums run on the device
+// backend's accumulate kernel).
+#include <cuda_runtime.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <thread>
+
+#include "cuda/nccl/nccl_module_abi.h"
+
+static_assert(NCCL_UNIQUE_ID_BYTES == STRATA_NCCL_UNIQUE_ID_BYTES, "unique id size");
+static_assert(sizeof(ncclUniqueId) == STRATA_NCCL_UNIQUE_ID_BYTES, "unique id size");
+static_assert(static_cast<int>(ncclInProgress) == 7, "ncclInProgress (the ABI says 7)");
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+int cuda_fail(cudaError_t e, const char* what, char* err, size_t err_len) {
+  if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  return static_cast<int>(e);
+}
+
+int nccl_fail(ncclResult_t r, ncclComm_t comm, const char* what, char* err, size_t err_len) {
+  const char* last = ncclGetLastError(comm);
+  if (err && err_len)
+    std::snprintf(err, err_len, "%s: %s%s%s", what, ncclGetErrorString(r), last && last[0] ? ": " : "",
+                  last ? last : "");
+  return STRATA_NCCL_ERR_BASE + static_cast<int>(r);
+}
+
+#define CUDA_TRY(expr)                                               \
+  do {                                                               \
+    cudaError_t _e = (expr);                                         \
+    if (_e != cudaSuccess) return cuda_fail(_e, #expr, err, err_len); \
+  } while (0)
+
+// A non-blocking communicator answers ncclInProgress while it finishes the
+// host side of a call; poll until it is done (NCCL's rule: no other call on
+// the communicator before that). Enqueueing never waits on peers, so no
+// deadline here.
+ncclResult_t settle(ncclComm_t comm, ncclResult_t r) {
+  while (r == ncclInProgress) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) return q;
+    r = state;
+    if (r == ncclInProgress) std::this_thread::yield();
+  }
+  return r;
+}
+
+#define NCCL_TRY(comm, expr)                                        \
+  do {                                                              \
+    ncclResult_t _r = settle(comm, (expr));                         \
+    if (_r != ncclSuccess) return nccl_fail(_r, comm, #expr, err, err_len); \
+  } while (0)
+
+// Polls the communicator's state until it leaves ncclInProgress or the
+// deadline passes (0: ready, else an error code).
+int wait_ready(ncclComm_t comm, double timeout_s, const char* what, char* err, size_t err_len) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    ncclResult_t state = ncclSuccess;
+    const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
+    if (q != ncclSuccess) return nccl_fail(q, comm, "ncclCommGetAsyncError", err, err_len);
+    if (state == ncclSuccess) return 0;
+    if (state != ncclInProgress) return nccl_fail(state, comm, what, err, err_len);
+    if (Clock::now() > deadline) {
+      if (err && err_len) std::snprintf(err, err_len, "%s: not done after %.0f s", what, timeout_s);
+      return STRATA_NCCL_ERR_TIMEOUT;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+}
+
+int version(int* out, char* err, size_t err_len) {
+  const ncclResult_t r = ncclGetVersion(out);
+  if (r != ncclSuccess) return nccl_fail(r, nullptr, "ncclGetVersion", err, err_len);
+  return 0;
+}
+
+int unique_id(uint8_t* id, char* err, size_t err_len) {
+  ncclUniqueId u;
+  const ncclResult_t r = ncclGetUniqueId(&u);
+  if (r != ncclSuccess) return nccl_fail(r, nullptr, "ncclGetUniqueId", err, err_len);
+  std::memcpy(id, u.internal, sizeof(u.internal));
+  return 0;
+}
+
+int comm_init(int device, const uint8_t* id, int world, int rank, double timeout_s, void** out, char* err,
+              size_t err_len) {
+  *out = nullptr;
+  CUDA_TRY(cudaSetDevice(device));
+  ncclUniqueId u;
+  std::memcpy(u.internal, id, sizeof(u.internal));
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, world, u, rank, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm) ncclCommAbort(comm);
+    return nccl_fail(r, nullptr, "ncclCommInitRankConfig", err, err_len);
+  }
+  const int rc = wait_ready(comm, timeout_s, "ncclCommInitRankConfig (waiting for every rank to join)", err, err_len);
+  if (rc != 0) {
+    ncclCommAbort(comm);
+    return rc;
+  }
+  *out = comm;
+  return 0;
+}
+
+int comm_finalize_destroy(int device, void* c, double timeout_s, char* err, size_t err_len) {
+  CUDA_TRY(cudaSetDevice(device));
+  auto comm = static_cast<ncclComm_t>(c);
+  ncclResult_t r = ncclCommFinalize(comm);
+  int rc = 0;
+  if (r != ncclSuccess && r != ncclInProgress)
+    rc = nccl_fail(r, comm, "ncclCommFinalize", err, err_len);
+  else
+    rc = wait_ready(comm, timeout_s, "ncclCommFinalize (flushing the last operations)", err, err_len);
+  if (rc != 0) {
+    ncclCommAbort(comm);
+    return rc;
+  }
+  r = ncclCommDestroy(comm);
+  if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(r, nullptr, "ncclCommDestroy", err, err_len);
+  return 0;
+}
+
+int comm_abort(int device, void* c, char* err, size_t err_len) {
+  CUDA_TRY(cudaSetDevice(device));
+  const ncclResult_t r = ncclCommAbort(static_cast<ncclComm_t>(c));
+  if (r != ncclSuccess && r != ncclInProgress) return nccl_fail(r, nullptr, "ncclCommAbort", err, err_len);
+  return 0;
+}
+
+int comm_async_error(void* c, int* state, char* err, size_t err_len) {
+  auto comm = static_cast<ncclComm_t>(c);
+  ncclResult_t s = ncclSuccess;
+  const ncclResult_t q = ncclCommGetAsyncError(comm, &s);
+  if (q != ncclSuccess) return nccl_fail(q, comm, "ncclCommGetAsyncError", err, err_len);
+  *state = static_cast<int>(s);
+  if (s != ncclSuccess && s != ncclInProgress) nccl_fail(s, comm, "NCCL operation", err, err_len);
+  return 0;
+}
+
+int all_gather(int device, void* c, const void* send, void* recv, size_t bytes_per_rank, void* stream, char* err,
+               size_t err_len) {
+  CUDA_TRY(cudaSetDevice(device));
+  auto comm = static_cast<ncclComm_t>(c);
+  NCCL_TRY(comm, ncclAllGather(send, recv, bytes_per_rank, ncclUint8, comm, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int exchange(int device, void* c, const strata_nccl_xfer_t* xfers, int count, void* stream, char* err,
+             size_t err_len) {
+  CUDA_TRY(cudaSetDevice(device));
+  auto comm = static_cast<ncclComm_t>(c);
+  auto s = static_cast<cudaStream_t>(stream);
+  NCCL_TRY(comm, ncclGroupStart());
+  ncclResult_t first = ncclSuccess;
+  for (int i = 0; i < count && first == ncclSuccess; ++i) {
+    const strata_nccl_xfer_t& x = xfers[i];
+    if (x.send_bytes) first = ncclSend(x.send, x.send_bytes, ncclUint8, x.peer, comm, s);
+    if (first == ncclSuccess && x.recv_bytes) first = ncclRecv(x.recv, x.recv_bytes, ncclUint8, x.peer, comm, s);
+  }
+  // The group is always closed (an open group would swallow later calls).
+  const ncclResult_t end = settle(comm, ncclGroupEnd());
+  if (first != ncclSuccess && first != ncclInProgress)
+    return nccl_fail(first, comm, "ncclSend/ncclRecv in a group", err, err_len);
+  if (end != ncclSuccess) return nccl_fail(end, comm, "ncclGroupEnd", err, err_len);
+  return 0;
+}
+
+int broadcast(int device, void* c, void* data, size_t bytes, int root, void* stream, char* err, size_t err_len) {
+  CUDA_TRY(cudaSetDevice(device));
+  auto comm = static_cast<ncclComm_t>(c);
+  NCCL_TRY(comm, ncclBroadcast(data, data, bytes, ncclUint8, root, comm, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+int all_reduce_unordered(int device, void* c, const float* send, float* recv, size_t count, void* stream, char* err,
+                         size_t err_len) {
+  CUDA_TRY(cudaSetDevice(device));
+  auto comm = static_cast<ncclComm_t>(c);
+  NCCL_TRY(comm, ncclAllReduce(send, recv, count, ncclFloat32, ncclSum, comm, static_cast<cudaStream_t>(stream)));
+  return 0;
+}
+
+const strata_nccl_api_v1_t kApi = {
+    sizeof(strata_nccl_api_v1_t),
+    STRATA_NCCL_ABI_VERSION,
+    version,
+    unique_id,
+    comm_init,
+    comm_finalize_destroy,
+    comm_abort,
+    comm_async_error,
+    all_gather,
+    exchange,
+    broadcast,
+    all_reduce_unordered,
+};
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) const strata_nccl_api_v1_t* strata_nccl_api_v1(void) {
+  return &kApi;
+}

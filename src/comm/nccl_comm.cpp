@@ -1,0 +1,468 @@
+#include "comm/nccl_comm.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "strata/strata_config.h"
+
+#if STRATA_HAVE_NCCL
+#include <dlfcn.h>
+#include <unistd.h>
+
+#include "cuda/nccl/nccl_module_abi.h"
+#include "device/cuda_backend.h"
+#include "device/cuda_loader.h"
+#include "device/cuda_status.h"
+#endif
+
+namespace strata::comm {
+
+bool nccl_backend_built() { return STRATA_HAVE_NCCL != 0; }
+
+#if !STRATA_HAVE_NCCL
+
+Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend*, const NcclCommOptions&) {
+  return Status(StatusCode::kUnavailable,
+                "the NCCL communicator is not in this build (configured without CUDA or NCCL, or STRATA_NCCL=OFF; "
+                "install the CUDA toolkit and NCCL and reconfigure)");
+}
+
+#else
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr const char* kModuleName = "libstrata_nccl.so";
+constexpr std::size_t kDefaultScratch = 64ull << 20;
+
+struct Err {
+  char text[1024] = {0};
+};
+
+// A module code as a Status (cuda/nccl/nccl_module_abi.h's codes).
+Status nccl_status(int rc, const char* text, const std::string& what) {
+  const std::string t = text && text[0] ? text : "error " + std::to_string(rc);
+  if (rc == STRATA_NCCL_ERR_TIMEOUT) return Status(StatusCode::kUnavailable, what + " failed: " + t);
+  if (rc >= STRATA_NCCL_ERR_BASE && rc < STRATA_NCCL_ERR_TIMEOUT) {
+    const int r = rc - STRATA_NCCL_ERR_BASE;  // ncclResult_t
+    // 2 ncclSystemError, 6 ncclRemoteError: a peer or the network; 4
+    // ncclInvalidArgument, 5 ncclInvalidUsage: the call.
+    const StatusCode code = r == 2 || r == 6   ? StatusCode::kUnavailable
+                            : r == 4 || r == 5 ? StatusCode::kInvalidArgument
+                                               : StatusCode::kInternal;
+    return Status(code, what + " failed: " + t);
+  }
+  return cuda_module_status(rc, text, what);
+}
+
+std::string dir_of(const std::string& path) {
+  const auto slash = path.rfind('/');
+  return slash == std::string::npos ? "." : path.substr(0, slash);
+}
+
+Result<const strata_nccl_api_v1_t*> load_once() {
+  STRATA_ASSIGN_OR_RETURN(CudaBackend backend, load_cuda_backend());
+  std::vector<std::string> candidates;
+  if (const char* env = std::getenv("STRATA_NCCL_MODULE"); env && env[0]) candidates.push_back(env);
+  if (backend.module_path.find('/') != std::string::npos)
+    candidates.push_back(dir_of(backend.module_path) + "/" + kModuleName);
+  candidates.push_back(kModuleName);
+  std::string errors;
+  for (const auto& path : candidates) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+      const char* e = dlerror();
+      // A file that exists but does not load (libnccl.so.2 missing) is the reason worth giving.
+      if (access(path.c_str(), F_OK) == 0 || path.find('/') == std::string::npos)
+        errors += (errors.empty() ? "" : "; ") + std::string(e ? e : path.c_str());
+      continue;
+    }
+    auto fn = reinterpret_cast<strata_nccl_api_v1_fn>(dlsym(handle, STRATA_NCCL_API_SYMBOL));
+    if (!fn) {
+      errors += (errors.empty() ? "" : "; ") + path + " has no symbol " STRATA_NCCL_API_SYMBOL;
+      dlclose(handle);
+      continue;
+    }
+    const strata_nccl_api_v1_t* api = fn();
+    if (!api || api->abi_version != STRATA_NCCL_ABI_VERSION || api->struct_size < sizeof(strata_nccl_api_v1_t)) {
+      dlclose(handle);
+      return Status(StatusCode::kUnavailable, path + " speaks another NCCL module ABI version; rebuild Strata");
+    }
+    return api;  // never unloaded: CUDA libraries do not unload safely
+  }
+  return Status(StatusCode::kUnavailable,
+                "NCCL module not loadable: " +
+                    (errors.empty() ? std::string(kModuleName) + " not found next to " + backend.module_path : errors));
+}
+
+Result<const strata_nccl_api_v1_t*> load_module() {
+  static std::once_flag once;
+  static Result<const strata_nccl_api_v1_t*> result = Status(StatusCode::kInternal, "not loaded");
+  std::call_once(once, [] { result = load_once(); });
+  return result;
+}
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(DeviceBackend* dev, const strata_nccl_api_v1_t* api, int device, const NcclCommOptions& o)
+      : dev_(dev), api_(api), device_(device), rank_(o.rank), world_(o.world_size), timeout_s_(o.timeout_s) {}
+
+  ~NcclCommunicator() override {
+    {
+      // The last collectives finish (or the watchdog ends them) before the
+      // watchdog goes: a stream synchronize below must not wait forever.
+      std::unique_lock<std::mutex> lock(mu_);
+      while (!pending_.empty() && broken_.ok() && watchdog_.joinable())
+        cv_.wait_for(lock, std::chrono::milliseconds(10));
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+    if (stream_) (void)dev_->synchronize(stream_);
+    if (comm_) {
+      Err err;
+      const int rc = api_->comm_finalize_destroy(device_, comm_, timeout_s_, err.text, sizeof(err.text));
+      (void)rc;  // aborted inside on failure; nothing more to do in a destructor
+    }
+    for (DeviceEvent* e : free_events_) dev_->destroy_event(e);
+    for (auto& p : pending_) dev_->destroy_event(p.done);
+    for (DeviceEvent* e : {ev_in_, ev_out_})
+      if (e) dev_->destroy_event(e);
+    if (scratch_) (void)dev_->free(scratch_);
+    if (stream_) (void)dev_->destroy_stream(stream_);
+  }
+
+  Status init(const uint8_t* id, std::size_t scratch_bytes) {
+    STRATA_ASSIGN_OR_RETURN(stream_, dev_->create_stream("nccl"));
+    STRATA_ASSIGN_OR_RETURN(CudaNativeStream ns, cuda_native_stream(stream_));
+    native_ = ns.stream;
+    STRATA_ASSIGN_OR_RETURN(ev_in_, dev_->create_event());
+    STRATA_ASSIGN_OR_RETURN(ev_out_, dev_->create_event());
+    // Scratch: world x chunk floats for the sums, plus one float for barriers.
+    const std::size_t bytes = std::max<std::size_t>(scratch_bytes ? scratch_bytes : kDefaultScratch,
+                                                     (static_cast<std::size_t>(world_) + 1) * 256 * sizeof(float));
+    STRATA_ASSIGN_OR_RETURN(void* s, dev_->alloc(bytes));
+    scratch_ = static_cast<float*>(s);
+    chunk_ = (bytes / sizeof(float) - 1) / static_cast<std::size_t>(world_);
+    barrier_flag_ = scratch_ + chunk_ * world_;
+    Err err;
+    const int rc = api_->comm_init(device_, id, world_, rank_, timeout_s_, &comm_, err.text, sizeof(err.text));
+    if (rc != 0)
+      return nccl_status(rc, err.text, fmt::format("nccl communicator: joining rank {} of {}", rank_, world_));
+    watchdog_ = std::thread([this] { watchdog_main(); });
+    return {};
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  const char* backend_name() const override { return "nccl"; }
+  DeviceBackend* device() const override { return dev_; }
+
+  Status all_gather(const void* send, void* recv, std::size_t bytes, DeviceStream* stream) override {
+    if (bytes > 0 && (send == nullptr || recv == nullptr))
+      return Status(StatusCode::kInvalidArgument, "all_gather: null buffer");
+    const char* own = static_cast<const char*>(recv) + static_cast<std::size_t>(rank_) * bytes;
+    const char* s = static_cast<const char*>(send);
+    const char* r = static_cast<const char*>(recv);
+    if (s != own && s < r + bytes * world_ && r < s + bytes)
+      return Status(StatusCode::kInvalidArgument, "all_gather: send overlaps recv other than at this rank's slot");
+    return run("all_gather", stream, [&]() -> Status {
+      Err err;
+      const int rc = api_->all_gather(device_, comm_, send, recv, bytes, native_, err.text, sizeof(err.text));
+      return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclAllGather");
+    });
+  }
+
+  Status reduce_scatter(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
+    if (count > 0 && (send == nullptr || recv == nullptr))
+      return Status(StatusCode::kInvalidArgument, "reduce_scatter: null buffer");
+    if (count > 0 && recv < send + count * world_ && send < recv + count)
+      return Status(StatusCode::kInvalidArgument, "reduce_scatter: recv overlaps send");
+    return run("reduce_scatter", stream, [&]() -> Status {
+      for (std::size_t c0 = 0; c0 < count; c0 += chunk_) {
+        const std::size_t n = std::min(chunk_, count - c0);
+        xfers_.clear();
+        for (int j = 0; j < world_; ++j)
+          xfers_.push_back(xfer(j, send + static_cast<std::size_t>(j) * count + c0, n, scratch_ + j * n, n));
+        STRATA_RETURN_IF_ERROR(exchange());
+        STRATA_RETURN_IF_ERROR(sum_into(recv + c0, n, n));
+      }
+      return Status();
+    });
+  }
+
+  Status all_reduce(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
+    if (count > 0 && (send == nullptr || recv == nullptr))
+      return Status(StatusCode::kInvalidArgument, "all_reduce: null buffer");
+    if (count > 0 && send != recv && recv < send + count && send < recv + count)
+      return Status(StatusCode::kInvalidArgument, "all_reduce: send and recv overlap (in place is send == recv)");
+    // communicator.h's split: chunk r = [r*count/N, (r+1)*count/N), summed by rank r.
+    auto begin = [&](int r) { return static_cast<std::size_t>(r) * count / static_cast<std::size_t>(world_); };
+    auto len = [&](int r) { return begin(r + 1) - begin(r); };
+    std::size_t longest = 0;
+    for (int r = 0; r < world_; ++r) longest = std::max(longest, len(r));
+    return run("all_reduce", stream, [&]() -> Status {
+      // Sub-ranges [o, o + chunk_) of every rank's chunk, in step.
+      for (std::size_t o = 0; o < longest; o += chunk_) {
+        auto part = [&](int r) { return len(r) > o ? std::min(chunk_, len(r) - o) : std::size_t{0}; };
+        const std::size_t mine = part(rank_);
+        xfers_.clear();
+        for (int j = 0; j < world_; ++j)
+          xfers_.push_back(xfer(j, send + begin(j) + o, part(j), scratch_ + j * chunk_, mine));
+        STRATA_RETURN_IF_ERROR(exchange());
+        if (mine > 0) STRATA_RETURN_IF_ERROR(sum_into(recv + begin(rank_) + o, mine, chunk_));
+        xfers_.clear();
+        for (int j = 0; j < world_; ++j)
+          if (j != rank_) xfers_.push_back(xfer(j, recv + begin(rank_) + o, mine, recv + begin(j) + o, part(j)));
+        STRATA_RETURN_IF_ERROR(exchange());
+      }
+      return Status();
+    });
+  }
+
+  Status broadcast(void* data, std::size_t bytes, int root, DeviceStream* stream) override {
+    if (root < 0 || root >= world_)
+      return Status(StatusCode::kInvalidArgument, fmt::format("broadcast: root {} of a world of {}", root, world_));
+    if (data == nullptr && bytes > 0) return Status(StatusCode::kInvalidArgument, "broadcast: null buffer");
+    return run("broadcast", stream, [&]() -> Status {
+      Err err;
+      const int rc = api_->broadcast(device_, comm_, data, bytes, root, native_, err.text, sizeof(err.text));
+      return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclBroadcast");
+    });
+  }
+
+  Status barrier(DeviceStream* stream) override {
+    return run("barrier", stream, [&]() -> Status {
+      Err err;
+      const int rc = api_->all_reduce_unordered(device_, comm_, barrier_flag_, barrier_flag_, 1, native_, err.text,
+                                                sizeof(err.text));
+      return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclAllReduce (barrier)");
+    });
+  }
+
+ private:
+  struct Pending {
+    DeviceEvent* done = nullptr;  // recorded on the comm stream after the collective
+    uint64_t seq = 0;
+    const char* what = "";
+    Clock::time_point enqueued;
+  };
+
+  static strata_nccl_xfer_t xfer(int peer, const float* send, std::size_t send_n, float* recv, std::size_t recv_n) {
+    strata_nccl_xfer_t x{};
+    x.peer = peer;
+    x.send = send;
+    x.send_bytes = send_n * sizeof(float);
+    x.recv = recv;
+    x.recv_bytes = recv_n * sizeof(float);
+    return x;
+  }
+
+  // mu_ held: one group of sends and receives (xfers_) on the comm stream.
+  Status exchange() {
+    Err err;
+    const int rc = api_->exchange(device_, comm_, xfers_.data(), static_cast<int>(xfers_.size()), native_, err.text,
+                                  sizeof(err.text));
+    return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclSend/ncclRecv");
+  }
+
+  // mu_ held: out[0, n) = part_0 + part_1 + ... (rank order) of the parts
+  // at scratch_ + r * stride, on the comm stream.
+  Status sum_into(float* out, std::size_t n, std::size_t stride) {
+    STRATA_RETURN_IF_ERROR(dev_->copy_async(out, scratch_, n * sizeof(float), CopyKind::kDeviceToDevice, stream_));
+    for (int r = 1; r < world_; ++r)
+      STRATA_RETURN_IF_ERROR(dev_->accumulate_async(out, scratch_ + r * stride, DType::kF32, n, 1.0f, stream_));
+    return Status();
+  }
+
+  // The collective's frame: refuse once broken; order the comm stream after
+  // the caller's, enqueue, hand the watchdog an event, order the caller's
+  // stream after the comm stream, and report a failure on the caller's stream.
+  template <typename Body>
+  Status run(const char* what, DeviceStream* stream, Body&& body) {
+    if (stream == nullptr) return Status(StatusCode::kInvalidArgument, fmt::format("{}: null stream", what));
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!broken_.ok()) return broken_status();
+    const uint64_t seq = ++seq_;
+    Status st = dev_->record(ev_in_, stream);
+    if (st.ok()) st = dev_->wait(stream_, ev_in_);
+    if (st.ok()) st = body();
+    DeviceEvent* done = nullptr;
+    if (st.ok()) {
+      if (!free_events_.empty()) {
+        done = free_events_.back();
+        free_events_.pop_back();
+      } else {
+        auto e = dev_->create_event();
+        st = e.status();
+        if (st.ok()) done = *e;
+      }
+    }
+    if (st.ok()) st = dev_->record(done, stream_);
+    if (!st.ok()) {
+      // Part of the collective may be enqueued: the ranks no longer agree on
+      // what runs next. Nothing after it can be trusted.
+      if (done) free_events_.push_back(done);
+      const Status failed = st.with_context(where(what, seq));
+      break_locked(failed, seq);
+      return failed;
+    }
+    pending_.push_back(Pending{done, seq, what, Clock::now()});
+    st = dev_->record(ev_out_, stream_);
+    if (st.ok()) st = dev_->wait(stream, ev_out_);
+    lock.unlock();
+    cv_.notify_all();
+    if (st.ok())
+      st = dev_->host_func_async(stream, [this, seq]() -> Status {
+        std::lock_guard<std::mutex> l(err_mu_);
+        return !first_error_.ok() && seq >= failed_seq_ ? first_error_ : Status();
+      });
+    return st.ok() ? st : st.with_context(where(what, seq));
+  }
+
+  std::string where(const char* what, uint64_t seq) const {
+    return fmt::format("{} #{} on rank {} of {} (nccl)", what, seq, rank_, world_);
+  }
+
+  Status broken_status() const {
+    std::lock_guard<std::mutex> l(err_mu_);
+    return Status(first_error_.code(), "communicator broken by an earlier failure: " + first_error_.message());
+  }
+
+  // mu_ held. The first failure wins: abort NCCL (its kernels return), and
+  // fail collective `seq` and every later one.
+  void break_locked(const Status& why, uint64_t seq) {
+    {
+      std::lock_guard<std::mutex> l(err_mu_);
+      if (!first_error_.ok()) return;
+      first_error_ = why;
+      failed_seq_ = seq;
+    }
+    broken_ = why;
+    if (comm_) {
+      Err err;
+      (void)api_->comm_abort(device_, comm_, err.text, sizeof(err.text));
+      comm_ = nullptr;
+    }
+  }
+
+  void watchdog_main() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (!stop_) {
+      cv_.wait_for(lock, std::chrono::milliseconds(pending_.empty() ? 200 : 10));
+      if (stop_ || !broken_.ok()) continue;
+      // Completed collectives leave in order (one stream).
+      while (!pending_.empty()) {
+        auto q = dev_->query(pending_.front().done);
+        if (!q.ok() || !*q) break;
+        free_events_.push_back(pending_.front().done);
+        pending_.pop_front();
+        last_done_ = Clock::now();
+      }
+      int state = 0;
+      Err err;
+      const int rc = api_->comm_async_error(comm_, &state, err.text, sizeof(err.text));
+      const uint64_t first = pending_.empty() ? seq_ + 1 : pending_.front().seq;
+      const char* what = pending_.empty() ? "next collective" : pending_.front().what;
+      if (rc != 0 || (state != 0 && state != 7)) {
+        const Status s = rc != 0 ? nccl_status(rc, err.text, "ncclCommGetAsyncError")
+                                 : nccl_status(STRATA_NCCL_ERR_BASE + state, err.text, "NCCL");
+        break_locked(Status(s.code(), where(what, first) + ": " + s.message()), first);
+        continue;
+      }
+      if (pending_.empty()) continue;
+      const Clock::time_point started = std::max(pending_.front().enqueued, last_done_);
+      const double waited = std::chrono::duration<double>(Clock::now() - started).count();
+      if (waited > timeout_s_) {
+        const char* last = err.text[0] ? err.text : "no NCCL error reported";
+        break_locked(Status(StatusCode::kUnavailable,
+                            fmt::format("{}: timed out after {:.0f} s (a peer died, hangs, or called other "
+                                        "collectives; NCCL does not say which: {})",
+                                        where(what, first), timeout_s_, last)),
+                     first);
+      }
+    }
+  }
+
+  DeviceBackend* dev_;
+  const strata_nccl_api_v1_t* api_;
+  const int device_, rank_, world_;
+  const double timeout_s_;
+
+  DeviceStream* stream_ = nullptr;  // the comm stream
+  void* native_ = nullptr;          // its cudaStream_t
+  float* scratch_ = nullptr;        // world_ x chunk_ floats, then the barrier's float
+  float* barrier_flag_ = nullptr;
+  std::size_t chunk_ = 0;
+
+  // mu_: the NCCL communicator and everything enqueued through it (calls,
+  // the watchdog, abort), and the state below.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  void* comm_ = nullptr;  // ncclComm_t; null once aborted
+  DeviceEvent* ev_in_ = nullptr;
+  DeviceEvent* ev_out_ = nullptr;
+  std::vector<strata_nccl_xfer_t> xfers_;
+  std::deque<Pending> pending_;
+  std::vector<DeviceEvent*> free_events_;
+  uint64_t seq_ = 0;
+  Clock::time_point last_done_{};
+  Status broken_;
+  bool stop_ = false;
+  std::thread watchdog_;
+
+  // err_mu_: read by the host functions on CUDA's callback thread (which must
+  // not wait for mu_: a call holding mu_ may be waiting in CUDA).
+  mutable std::mutex err_mu_;
+  Status first_error_;
+  uint64_t failed_seq_ = 0;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* device, const NcclCommOptions& o) {
+  if (device == nullptr) return Status(StatusCode::kInvalidArgument, "nccl communicator: null device backend");
+  if (device->kind() != DeviceKind::kCuda)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nccl communicator: needs the CUDA device backend (got {}); host ranks use mpi",
+                              device->name()));
+  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nccl communicator: rank {} of a world of {}", o.rank, o.world_size));
+  if (!(o.timeout_s > 0))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nccl communicator: timeout_s must be > 0 (got {})", o.timeout_s));
+  if (o.world_size > 1 && !o.share_id)
+    return Status(StatusCode::kInvalidArgument,
+                  "nccl communicator: N ranks need a way to share rank 0's NCCL id (share_id)");
+  STRATA_ASSIGN_OR_RETURN(const strata_nccl_api_v1_t* api, load_module());
+  std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
+  if (o.rank == 0) {
+    Err err;
+    const int rc = api->unique_id(id.data(), err.text, sizeof(err.text));
+    if (rc != 0) return nccl_status(rc, err.text, "nccl communicator: ncclGetUniqueId");
+  }
+  if (o.world_size > 1) {
+    auto shared = o.share_id(o.rank == 0 ? id : std::vector<uint8_t>{});
+    if (!shared.ok()) return shared.status().with_context("nccl communicator: sharing rank 0's NCCL id");
+    if (shared->size() != id.size())
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("nccl communicator: rank 0's NCCL id has {} bytes, expected {}", shared->size(),
+                                id.size()));
+    id = std::move(*shared);
+  }
+  auto c = std::make_unique<NcclCommunicator>(device, api, device->ordinal(), o);
+  STRATA_RETURN_IF_ERROR(c->init(id.data(), o.scratch_bytes));
+  return std::unique_ptr<Communicator>(std::move(c));
+}
+
+#endif  // STRATA_HAVE_NCCL
+
+}  // namespace strata::comm
