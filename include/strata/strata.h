@@ -255,7 +255,8 @@ typedef enum strata_device_kind {
 /* Data-parallel ranks (docs/comm.md): how an engine meets the other ranks. */
 typedef enum strata_comm_kind {
   STRATA_COMM_NONE = 0, /* one rank */
-  STRATA_COMM_MPI = 1   /* one rank of an MPI communicator (strata_engine_options_t.mpi_comm) */
+  STRATA_COMM_MPI = 1,  /* one rank of an MPI communicator (strata_engine_options_t.mpi_comm) */
+  STRATA_COMM_NCCL = 2  /* one GPU rank of the launcher's job, over NCCL (never run on a GPU yet) */
 } strata_comm_kind_t;
 
 /* Home tiers; the values index strata_engine_stats_t.tier_bytes. */
@@ -303,9 +304,16 @@ typedef struct strata_engine_options {
    * (runtime/engine.h "Sharding and ranks"; zero_optimization.stage 3 shards
    * parameters too, 1-2 keep them whole on every rank). Each rank passes the
    * gradients of its own micro-batches; step() averages over all ranks'.
-   * Host device backend only (GPU ranks need NCCL, not built yet). A peer
+   * STRATA_COMM_MPI runs on the host device backend. STRATA_COMM_NCCL: this
+   * process is rank RANK of WORLD_SIZE GPU ranks as the launcher says
+   * (torchrun style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, rank 0's
+   * NCCL id travelling over a TCP rendezvous there; or mpirun, the id over
+   * MPI); the engine runs on the CUDA backend on device_ordinal (usually
+   * LOCAL_RANK), one GPU per rank; device_kind must be AUTO or CUDA. It has
+   * been compiled and tested on the host only: no GPU has run it yet. A peer
    * that stops taking part fails the call after comm_timeout_s seconds
-   * (0: 300) with STRATA_ERR_UNAVAILABLE naming it. */
+   * (0: 300) with STRATA_ERR_UNAVAILABLE naming it (MPI) or the collective
+   * (NCCL). */
   strata_comm_kind_t comm_kind;
   int64_t mpi_comm;
   double comm_timeout_s;

@@ -15,7 +15,7 @@ API_VERSION = 6  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
-COMM_NONE, COMM_MPI = 0, 1  # strata_comm_kind_t
+COMM_NONE, COMM_MPI, COMM_NCCL = 0, 1, 2  # strata_comm_kind_t
 OPT_ADAMW, OPT_ADAM = 0, 1
 ISA_AUTO = 0
 MAX_DIMS = 8

@@ -109,7 +109,7 @@ class RanksTest(unittest.TestCase):
                   f"(losses {[round(x, 4) for x in ref_losses]}); sent per rank: {ranks[0]['comm_bytes']} bytes")
 
     def test_a_launch_it_cannot_join_is_refused_by_name(self):
-        # torchrun-style ranks meet over NCCL (not built): each process would
+        # torchrun-style ranks with a CPU model (NCCL ranks train GPU models): each process would
         # otherwise train alone on its own data.
         os.environ["WORLD_SIZE"] = "2"
         try:

@@ -159,29 +159,40 @@ strata_status_t strata_engine_options_init(strata_engine_options_t* options) {
 
 namespace {
 // STRATA_COMM_MPI: the host backend and a communicator over the caller's MPI
-// communicator, owned by the handle and lent to the engine.
+// communicator; STRATA_COMM_NCCL: the CUDA backend on device_ordinal and an
+// NCCL communicator over the launcher's ranks. Owned by the handle and lent
+// to the engine.
 Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOptions& eo) {
   const int kind = enum_value(o.comm_kind);
   if (kind == STRATA_COMM_NONE) return Status();
-  if (kind != STRATA_COMM_MPI)
+  if (kind != STRATA_COMM_MPI && kind != STRATA_COMM_NCCL)
     return Status(StatusCode::kInvalidArgument, "options.comm_kind: unknown kind " + std::to_string(kind));
-  if (enum_value(o.device_kind) == STRATA_DEVICE_CUDA)
-    return Status(StatusCode::kUnavailable,
-                  "options.comm_kind STRATA_COMM_MPI with STRATA_DEVICE_CUDA: GPU ranks need the NCCL backend, which "
-                  "is not built yet; MPI ranks run on the host backend");
+  const bool nccl = kind == STRATA_COMM_NCCL;
+  const char* what = nccl ? "options.comm_kind STRATA_COMM_NCCL" : "options.comm_kind STRATA_COMM_MPI";
+  if (!nccl && enum_value(o.device_kind) == STRATA_DEVICE_CUDA)
+    return Status(StatusCode::kInvalidArgument,
+                  "options.comm_kind STRATA_COMM_MPI with STRATA_DEVICE_CUDA: MPI ranks run on the host backend; "
+                  "GPU ranks use STRATA_COMM_NCCL");
+  if (nccl && enum_value(o.device_kind) == STRATA_DEVICE_HOST)
+    return Status(StatusCode::kInvalidArgument,
+                  "options.comm_kind STRATA_COMM_NCCL with STRATA_DEVICE_HOST: NCCL ranks run on GPUs; host ranks "
+                  "use STRATA_COMM_MPI");
   if (!(o.comm_timeout_s >= 0))
     return Status(StatusCode::kInvalidArgument,
                   "options.comm_timeout_s is " + std::to_string(o.comm_timeout_s) + " (seconds; 0: 300)");
   DeviceBackendOptions d;  // as Engine::create would make it
-  d.kind = DeviceBackendKind::kHost;
+  d.kind = nccl ? DeviceBackendKind::kCuda : DeviceBackendKind::kHost;
+  d.device = o.device_ordinal;
   d.budget_bytes = eo.config.strata.device_memory;
-  STRATA_ASSIGN_OR_RETURN(e.device, create_device_backend(d));
+  auto dev = create_device_backend(d);
+  if (!dev.ok()) return dev.status().with_context(what);
+  e.device = std::move(dev).value();
   comm::CommOptions co;
-  co.kind = comm::CommBackendKind::kMpi;
+  co.kind = nccl ? comm::CommBackendKind::kNccl : comm::CommBackendKind::kMpi;
   co.timeout_s = o.comm_timeout_s > 0 ? o.comm_timeout_s : 300.0;
   co.mpi_fortran_comm = o.mpi_comm;
   auto c = comm::create_communicator(e.device.get(), co);
-  if (!c.ok()) return c.status().with_context("options.comm_kind STRATA_COMM_MPI");
+  if (!c.ok()) return c.status().with_context(what);
   e.comm = std::move(c).value();
   eo.device = e.device.get();
   eo.comm = e.comm.get();

@@ -245,8 +245,7 @@ Status Engine::gather_param(ParamId id, void* dst, DType dtype) {
     std::fill(b.f32 + have, b.f32 + cnt, 0.0f);
     float* mine = all.data() + R.rank * cnt;
     std::memcpy(mine, b.f32, cnt * 4);
-    st = R.blocking_collective([&](DeviceStream* s) { return R.comm->all_gather(mine, all.data(), cnt * 4, s); },
-                               cnt * 4 * (R.world - 1));
+    st = R.host_all_gather(mine, all.data(), cnt * 4);
     if (!st.ok()) return st.with_context(fmt::format("engine: gather_param({})", p.name));
     for (uint32_t r = 0; r < R.world; ++r) {
       const uint64_t begin = r * padded + off;

@@ -131,8 +131,11 @@
 // (host or device tier; NVMe refused): acquire() uploads it without a
 // collective, load_param() writes it whole, and step() and load_checkpoint()
 // end with an all-gather of the updated shards into every rank's copy; stage
-// 1 runs as stage 2 (gradients reduce-scattered every micro-batch). Not with
-// N > 1 yet: stage 0, overlap_backward, the CUDA backend (no NCCL backend).
+// 1 runs as stage 2 (gradients reduce-scattered every micro-batch). On the
+// CUDA backend (an NCCL communicator; never run on GPUs yet) stages 1-2 need
+// every compute copy on the device (NCCL moves device memory): the plan
+// must place them there (kOutOfBudget otherwise). Not with N > 1 yet: stage
+// 0, overlap_backward.
 //
 // Thread-safety: one thread drives an engine (all calls below, except
 // stats() and trace_*(), which any thread may call). Calls block only where

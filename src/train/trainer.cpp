@@ -342,13 +342,20 @@ Status Trainer::Impl::open_metrics() {
 // The backend, the trainer's stream and the ops, and the engine's device
 // budget and reserve in *cfg (see "Devices" in trainer.h).
 Status Trainer::Impl::choose_device(const DeviceSizes& z, Config* cfg) {
+  if (world > 1 && opt.device == TrainDevice::kCuda) {
+    // GPU ranks: one GPU each (LOCAL_RANK), meeting over NCCL (join_ranks).
+    Status cuda = try_cuda(z, cfg);
+    if (!cuda.ok())
+      return Status(cuda.code(), fmt::format("--device cuda with {} GPU ranks: rank {} cannot train on GPU {} (its "
+                                             "LOCAL_RANK): {}",
+                                             world, rank, local_rank, cuda.message()));
+    device_description = fmt::format("{} (rank {} of {} over NCCL)", backend->name(), rank, world);
+    log_once(LogLevel::kInfo, "trainer-device",
+             fmt::format("trainer: CUDA model ops on {} (rank {} of {} over NCCL)", backend->name(), rank, world));
+    return {};
+  }
   if (world > 1) {
-    // N ranks meet over MPI on the host backend (no NCCL backend yet).
-    if (opt.device == TrainDevice::kCuda)
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("--device cuda with {} ranks: GPU ranks need the NCCL backend, which is not built "
-                                "yet; run N ranks with --device cpu (or auto)",
-                                world));
+    // Host ranks (--device cpu or auto) meet over MPI on the host backend.
     device_description = fmt::format("cpu (host backend; rank {} of {} over MPI)", rank, world);
     log_once(LogLevel::kInfo, "trainer-device",
              fmt::format("trainer: CPU model ops on the host backend ({} ranks over MPI)", world));
@@ -393,6 +400,7 @@ Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
   // context and libraries), and the planner gets the same figure.
   DeviceBackendOptions d;
   d.kind = DeviceBackendKind::kCuda;
+  d.device = local_rank;
   d.budget_bytes = cfg->strata.device_memory;
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<DeviceBackend> b, create_device_backend(d));
   const uint64_t budget = b->memory_stats().budget;

@@ -85,6 +85,7 @@ struct Trainer::Impl {
   // 1 without one.
   std::unique_ptr<comm::Communicator> comm;
   uint32_t rank = 0, world = 1;
+  int local_rank = 0;  // N GPU ranks: this rank's GPU (the launcher's LOCAL_RANK)
   std::string run_id;  // ranks other than 0 (no RunDir): rank 0's run id
   std::string device_description;
   std::unique_ptr<Engine> engine;

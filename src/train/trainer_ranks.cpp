@@ -4,6 +4,8 @@
 // each step (the loss, a stop request). Every function here is a collective
 // once there are N ranks: each rank calls it at the same point of its run.
 #include "comm/bootstrap.h"
+#include "comm/host_collectives.h"
+#include "comm/nccl_comm.h"
 #include "train/trainer_impl.h"
 
 namespace strata::train {
@@ -12,18 +14,28 @@ Status Trainer::Impl::detect_ranks() {
   auto li = comm::detect_launch();
   if (!li.ok()) return li.status().with_context("the launcher's environment");
   if (li->world_size == 1) return {};
-  if (li->launcher == comm::Launcher::kTorchrun)
+  // GPU ranks (--device cuda) meet over NCCL, rank 0's NCCL id travelling
+  // by the TCP rendezvous (torchrun style) or MPI (mpirun); host ranks meet
+  // over MPI, which only mpirun starts.
+  const bool gpu = opt.device == TrainDevice::kCuda;
+  if (li->launcher == comm::Launcher::kTorchrun && !gpu)
     return Status(StatusCode::kUnavailable,
-                  fmt::format("launched torchrun-style (RANK {}, WORLD_SIZE {}): those ranks meet over NCCL, whose "
-                              "backend is not built yet; launch host ranks with mpirun -np {} instead",
+                  fmt::format("launched torchrun-style (RANK {}, WORLD_SIZE {}): those ranks meet over NCCL, so "
+                              "they train on GPUs: add --device cuda, or launch host ranks with mpirun -np {}",
                               li->rank, li->world_size, li->world_size));
-  if (!comm::mpi_backend_built())
+  if (gpu && !comm::nccl_backend_built())
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("--device cuda with {} ranks: GPU ranks meet over NCCL, which this build does not have "
+                              "(CMake found no CUDA or NCCL: install them and rebuild)",
+                              li->world_size));
+  if (li->launcher == comm::Launcher::kMpirun && !comm::mpi_backend_built())
     return Status(StatusCode::kUnavailable,
                   fmt::format("launched by mpirun with {} ranks, but this build has no MPI backend (CMake did not "
                               "find MPI: install libopenmpi-dev and rebuild)",
                               li->world_size));
   rank = static_cast<uint32_t>(li->rank);
   world = static_cast<uint32_t>(li->world_size);
+  local_rank = li->local_rank;
   if (rank != 0) opt.progress = ProgressMode::kQuiet;
   return {};
 }
@@ -34,24 +46,20 @@ Status Trainer::Impl::detect_ranks() {
 Status Trainer::Impl::join_ranks() {
   if (world == 1) return {};
   comm::CommOptions co;
-  co.kind = comm::CommBackendKind::kMpi;
+  co.kind = backend->kind() == DeviceKind::kCuda ? comm::CommBackendKind::kNccl : comm::CommBackendKind::kMpi;
   co.timeout_s = opt.comm_timeout_s;
   auto c = comm::create_communicator(backend.get(), co);
   if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));
   comm = std::move(c).value();
   if (static_cast<uint32_t>(comm->rank()) != rank || static_cast<uint32_t>(comm->world_size()) != world)
     return Status(StatusCode::kInternal,
-                  fmt::format("MPI says rank {} of {}, the launcher's environment rank {} of {}", comm->rank(),
-                              comm->world_size(), rank, world));
+                  fmt::format("the {} communicator says rank {} of {}, the launcher's environment rank {} of {}",
+                              comm->backend_name(), comm->rank(), comm->world_size(), rank, world));
   const std::string settings = settings_json();
   std::string text;
   if (rank == 0) text = json{{"run_id", run_dir->run_id()}, {"resume_from", resume_from}, {"settings", settings}}.dump();
   uint64_t len = text.size();
-  auto bcast = [&](void* p, size_t n) -> Status {
-    Status st = comm->broadcast(p, n, 0, stream);
-    Status sy = backend->synchronize(stream);
-    return st.ok() ? sy : st;
-  };
+  auto bcast = [&](void* p, size_t n) -> Status { return comm::broadcast_host(*comm, stream, p, n, 0); };
   STRATA_RETURN_IF_ERROR(bcast(&len, sizeof(len)));
   text.resize(len);
   STRATA_RETURN_IF_ERROR(bcast(text.data(), len));
@@ -71,8 +79,8 @@ Status Trainer::Impl::join_ranks() {
     run_id = j["run_id"].get<std::string>();
     resume_from = j["resume_from"].get<std::string>();
   }
-  log_info("rank {} of {} joined (MPI, host backend; collectives time out after {} s)", rank, world,
-           opt.comm_timeout_s);
+  log_info("rank {} of {} joined ({}, {}; collectives time out after {} s)", rank, world, comm->backend_name(),
+           backend->name(), opt.comm_timeout_s);
   return {};
 }
 
@@ -80,10 +88,7 @@ Status Trainer::Impl::all_gather(const double* mine, size_t n, std::vector<doubl
   all->assign(n * world, 0.0);
   std::copy(mine, mine + n, all->begin() + static_cast<std::ptrdiff_t>(n * rank));
   if (world == 1) return {};
-  double* slot = all->data() + n * rank;
-  Status st = comm->all_gather(slot, all->data(), n * sizeof(double), stream);
-  Status sy = backend->synchronize(stream);
-  return st.ok() ? sy : st;
+  return comm::all_gather_host(*comm, stream, all->data() + n * rank, all->data(), n * sizeof(double));
 }
 
 Result<bool> Trainer::Impl::any_rank(bool mine) {

@@ -11,7 +11,8 @@
  *     every rank's micro-batch of the job in rank order: the weights acquired
  *     and strata_engine_read_param (whole tensors, a collective) are
  *     bit-identical, and stats.comm_bytes is nonzero only with 2 ranks;
- *   - refused by name: STRATA_COMM_MPI with STRATA_DEVICE_CUDA, an unknown
+ *   - refused by name: STRATA_COMM_MPI with STRATA_DEVICE_CUDA, NCCL with the
+ *     host device, NCCL where no GPU is (unavailable), an unknown
  *     comm_kind, a handle MPI does not know, read_state with 2 ranks.
  * Exit status 0 = pass (every rank). */
 #define _DEFAULT_SOURCE
@@ -180,8 +181,16 @@ static int refusals(void) {
   strata_engine_t e = NULL;
   o.comm_kind = STRATA_COMM_MPI;
   o.device_kind = STRATA_DEVICE_CUDA;
+  CHECK(strata_engine_create(&o, &d, 1, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "STRATA_COMM_NCCL") != NULL);
+  o.comm_kind = STRATA_COMM_NCCL;
+  o.device_kind = STRATA_DEVICE_HOST;
+  CHECK(strata_engine_create(&o, &d, 1, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "STRATA_COMM_MPI") != NULL);
+  /* GPU ranks where there is no GPU (or no CUDA/NCCL build): unavailable, with the reason. */
+  o.device_kind = STRATA_DEVICE_AUTO;
   CHECK(strata_engine_create(&o, &d, 1, &e) == STRATA_ERR_UNAVAILABLE);
-  CHECK(strstr(strata_last_error(), "NCCL") != NULL);
+  CHECK(strstr(strata_last_error(), "STRATA_COMM_NCCL") != NULL);
   o.device_kind = STRATA_DEVICE_HOST;
   o.comm_kind = (strata_comm_kind_t)7;
   CHECK(strata_engine_create(&o, &d, 1, &e) == STRATA_ERR_INVALID_ARGUMENT);

@@ -188,7 +188,8 @@ class EngineMpi : public ::testing::TestWithParam<Case> {
   void compare(RankRun& multi, RankRun& ref, int first_step, int steps, double clip) {
     for (int st = first_step; st < first_step + steps; ++st) {
       std::vector<std::vector<uint16_t>> mine, want;
-      ASSERT_TRUE(multi.micro_batch(st, rank_, true, &mine).ok());
+      Status mb = multi.micro_batch(st, rank_, true, &mine);
+      ASSERT_TRUE(mb.ok()) << mb.to_string();
       for (int m = 0; m < world_; ++m) {
         Status s = ref.micro_batch(st, m, m == world_ - 1, m == 0 ? &want : nullptr);
         ASSERT_TRUE(s.ok()) << s.to_string();

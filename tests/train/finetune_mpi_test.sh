@@ -10,8 +10,9 @@
 #   - a rank that stops answering (SIGSTOP) makes the other fail within
 #     --comm-timeout naming it; a rank killed with SIGKILL ends the job;
 #   - ZeRO stage 2 (parameters whole on every rank) gives the same model;
-#   - what N ranks cannot do yet is refused by name (GPU ranks, torchrun-style
-#     launch, parameters on NVMe with stage 2, ranks with different settings).
+#   - what N ranks cannot do is refused by name (GPU ranks where no GPU or
+#     no NCCL, torchrun-style host ranks, parameters on NVMe with stage 2,
+#     ranks with different settings).
 #   finetune_mpi_test.sh MPIRUN STRATA_BINARY
 # Exit 0 pass, 1 fail.
 set -uo pipefail
@@ -168,10 +169,11 @@ signal_a_rank kill KILL --comm-timeout 10
 
 # ---- refused by name
 cli_command "${mpirun[@]}" -np 2 "$strata" finetune
-expect_error "GPU ranks need the NCCL backend" "${common[@]}" --steps 2 --batch 2 --out "$dir/e1" --device cuda
+# (GPU ranks over NCCL: here no GPU, or a build without CUDA/NCCL, says why)
+expect_error "GPU ranks" "${common[@]}" --steps 2 --batch 2 --out "$dir/e1" --device cuda
 expect_error "use stage 3" "${common[@]}" --steps 2 --batch 2 --out "$dir/e2" --config "$dir/stage2-params-nvme.json"
 cli_command env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 "$strata" finetune
-expect_error "torchrun-style" "${common[@]}" --steps 2 --batch 2 --out "$dir/e3"
+expect_error "add --device cuda" "${common[@]}" --steps 2 --batch 2 --out "$dir/e3"
 out=$(timeout 120 "${mpirun[@]}" -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e4" : \
   -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 4 --out "$dir/e4" 2>&1)
 rc=$?

@@ -135,11 +135,13 @@ class _Optimizer(torch.optim.Optimizer):
 
 def _ranks(mpi_comm, cuda):
     """How this process meets the other data-parallel ranks: (comm_kind,
-    Fortran handle). Under mpirun (OMPI_COMM_WORLD_SIZE > 1) or with
-    mpi_comm= (an mpi4py communicator or its Fortran handle, comm.py2f()),
-    the engine is one rank of an MPI job (docs/python.md "Ranks"); otherwise
-    one rank. A launch the package cannot join is refused by name: each
-    process would otherwise train alone on its own data."""
+    Fortran handle). A model on a GPU under a launcher with several ranks
+    (torchrun style: WORLD_SIZE > 1; or mpirun) is one GPU rank over NCCL.
+    A CPU model under mpirun (OMPI_COMM_WORLD_SIZE > 1) or with mpi_comm=
+    (an mpi4py communicator or its Fortran handle, comm.py2f()) is one rank
+    of an MPI job (docs/python.md "Ranks"); otherwise one rank. A launch the
+    package cannot join is refused by name: each process would otherwise
+    train alone on its own data."""
     if mpi_comm is not None:
         handle = mpi_comm.py2f() if hasattr(mpi_comm, "py2f") else mpi_comm
         if isinstance(handle, bool) or not isinstance(handle, int):
@@ -149,6 +151,14 @@ def _ranks(mpi_comm, cuda):
         handle = None
     world = os.environ.get("OMPI_COMM_WORLD_SIZE", "")
     under_mpirun = world.isdigit() and int(world) > 1
+    torchrun = os.environ.get("WORLD_SIZE", "")
+    under_torchrun = torchrun.isdigit() and int(torchrun) > 1
+    if cuda and (under_mpirun or under_torchrun):
+        if handle is not None:
+            raise NotImplementedError(
+                "strata.torch.initialize: mpi_comm= with a model on a GPU: GPU ranks meet over NCCL, bootstrapped "
+                "from the launcher's environment (torchrun or mpirun); mpi_comm= is for CPU models")
+        return _lib.COMM_NCCL, -1
     if handle is None and not under_mpirun:
         ranks = []
         v = os.environ.get("WORLD_SIZE", "")
@@ -160,14 +170,14 @@ def _ranks(mpi_comm, cuda):
         if ranks:
             raise NotImplementedError(
                 "strata.torch.initialize: launched as one of several data-parallel ranks (" + ", ".join(ranks) +
-                ") by a launcher the package cannot join: those ranks would meet over NCCL, which is not built "
-                "yet, and each process would train alone on its own data. Launch host ranks with "
-                "`mpirun -np N python ...` (or pass mpi_comm=), or run one process")
+                ") by a launcher the package cannot join with a CPU model: such ranks meet over NCCL, which "
+                "trains models on GPUs, and each process would train alone on its own data. Put the model on a "
+                "GPU, launch host ranks with `mpirun -np N python ...` (or pass mpi_comm=), or run one process")
         return _lib.COMM_NONE, -1
     if cuda:
         raise NotImplementedError(
-            "strata.torch.initialize: data-parallel ranks with a model on a GPU: GPU ranks need the NCCL "
-            "backend, which is not built yet; MPI ranks train a CPU model")
+            "strata.torch.initialize: mpi_comm= with a model on a GPU: GPU ranks meet over NCCL, bootstrapped "
+            "from the launcher's environment (torchrun or mpirun); mpi_comm= is for CPU models")
     return _lib.COMM_MPI, (-1 if handle is None else handle)
 
 

@@ -138,9 +138,7 @@ Result<std::vector<double>> gather_flags(engine::Registry& R, double mine) {
   std::vector<double> all(R.world, 0.0);
   all[R.rank] = mine;
   double* slot = all.data() + R.rank;
-  STRATA_RETURN_IF_ERROR(R.blocking_collective(
-      [&](DeviceStream* s) { return R.comm->all_gather(slot, all.data(), sizeof(double), s); },
-      sizeof(double) * (R.world - 1)));
+  STRATA_RETURN_IF_ERROR(R.host_all_gather(slot, all.data(), sizeof(double)));
   return all;
 }
 
@@ -151,8 +149,7 @@ Result<std::string> agree_token(engine::Registry& R) {
     const std::string t = fmt::format("{}-{:08x}", ::getpid(), static_cast<uint32_t>(std::random_device{}()));
     std::memcpy(buf, t.data(), std::min(t.size(), sizeof(buf) - 1));
   }
-  STRATA_RETURN_IF_ERROR(R.blocking_collective([&](DeviceStream* s) { return R.comm->broadcast(buf, sizeof(buf), 0, s); },
-                                               R.rank == 0 ? sizeof(buf) * (R.world - 1) : 0));
+  STRATA_RETURN_IF_ERROR(R.host_broadcast(buf, sizeof(buf)));
   buf[sizeof(buf) - 1] = 0;
   return std::string(buf);
 }

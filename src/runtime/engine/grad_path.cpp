@@ -66,6 +66,8 @@ Status GradPath::allocate() {
   if (reg_.world > 1) {
     STRATA_ASSIGN_OR_RETURN(void* send, reg_.dev->alloc(piece_elems_ * 4 * reg_.world));
     send_ = static_cast<float*>(send);
+    STRATA_ASSIGN_OR_RETURN(void* recv, reg_.dev->alloc(piece_elems_ * 4));
+    recv_ = static_cast<float*>(recv);
   }
   for (uint32_t i = 0; staging_ && i < kPieces; ++i) {
     auto b = reg_.dev->alloc(piece_elems_ * 4);
@@ -112,6 +114,7 @@ GradPath::~GradPath() {
     if (stage_stream_) (void)reg_.dev->destroy_stream(stage_stream_);
     if (download_) (void)reg_.dev->destroy_stream(download_);
     if (send_) (void)reg_.dev->free(send_);
+    if (recv_) (void)reg_.dev->free(recv_);
   }
 }
 
@@ -302,30 +305,49 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
   return {};
 }
 
-// N ranks, host backend: on the download stream, rank r's elements
-// [off, off + cnt) of its padded shard, taken from every rank's full gradient
-// and widened to fp32 (zeros past numel), are packed rank by rank into the
-// send buffer; the reduce-scatter then leaves in `out` the rank-order sum of
-// this rank's piece over all ranks (comm/communicator.h's fixed order).
+// N ranks: on the download stream, rank r's elements [off, off + cnt) of its
+// padded shard, taken from every rank's full gradient and widened to fp32
+// (zeros past numel), are packed rank by rank into the send buffer (device
+// memory); the reduce-scatter leaves the rank-order sum of this rank's piece
+// over all ranks (comm/communicator.h's fixed order) in the device buffer
+// recv_, and a device-to-host copy brings it into `out`. Only the packing
+// differs by backend: on CUDA the cast kernel (exact for bf16/fp16 -> fp32),
+// on the host backend one host function (the caller's gradient may be any
+// host memory, which the backend's kernels refuse); the rest is the path
+// CUDA ranks over NCCL take.
 Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
                                       float* out) {
-  float* send = send_;
   const uint32_t world = reg_.world;
   const uint64_t padded = p.shard.padded, numel = p.numel;
   const size_t esz = dtype_size(dtype);
-  Status st = reg_.dev->host_func_async(download_, [=] {
+  float* send = send_;
+  if (reg_.dev->kind() == DeviceKind::kHost) {
+    STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(download_, [=] {
+      for (uint32_t r = 0; r < world; ++r) {
+        const uint64_t begin = r * padded + off;
+        const uint64_t have = begin < numel ? std::min(cnt, numel - begin) : 0;
+        float* d = send + static_cast<uint64_t>(r) * cnt;
+        widen_to_f32(static_cast<const char*>(grad) + begin * esz, dtype, have, d);
+        std::fill(d + have, d + cnt, 0.0f);
+      }
+      return Status();
+    }));
+  } else {
     for (uint32_t r = 0; r < world; ++r) {
       const uint64_t begin = r * padded + off;
       const uint64_t have = begin < numel ? std::min(cnt, numel - begin) : 0;
       float* d = send + static_cast<uint64_t>(r) * cnt;
-      widen_to_f32(static_cast<const char*>(grad) + begin * esz, dtype, have, d);
-      std::fill(d + have, d + cnt, 0.0f);
+      if (have > 0)
+        STRATA_RETURN_IF_ERROR(reg_.dev->cast_async(d, DType::kF32, static_cast<const char*>(grad) + begin * esz,
+                                                    dtype, have, 1.0f, download_));
+      if (have < cnt) STRATA_RETURN_IF_ERROR(reg_.dev->fill_zero_async(d + have, (cnt - have) * 4, download_));
     }
-    return Status();
-  });
-  if (st.ok()) st = reg_.comm->reduce_scatter(send, out, cnt, download_);
-  if (st.ok()) reg_.traffic.comm += cnt * 4 * (world - 1);
-  return st;
+  }
+  STRATA_RETURN_IF_ERROR(reg_.comm->reduce_scatter(send_, recv_, cnt, download_));
+  reg_.traffic.comm += cnt * 4 * (world - 1);
+  STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(out, recv_, cnt * 4, CopyKind::kDeviceToHost, download_));
+  reg_.traffic.d2h += cnt * 4;
+  return {};
 }
 
 // Behind the group's pieces in the queue: the accumulator gets there after

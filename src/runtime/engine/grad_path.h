@@ -22,8 +22,9 @@
 // on_group_done callback (overlap mode: the stepper's update queue), called
 // on the accumulator thread after every piece of the group was added.
 // N ranks: each piece of the shard is first reduce-scattered (the rank-order
-// sum over ranks, fp32) straight into the pinned piece, on the download
-// stream; the accumulator then adds it as it would a one-rank gradient.
+// sum over ranks, fp32) into a device buffer and copied into the pinned
+// piece, on the download stream; the accumulator then adds it as it would a
+// one-rank gradient.
 // Must not: change the accumulation order or arithmetic (host and NVMe
 // results are bit-identical); allocate per reduce (the pieces are the
 // back-pressure: reduce() waits for a free one).
@@ -150,6 +151,7 @@ class GradPath {
   std::vector<uint32_t> dl_free_;  // guarded by mu_
   io::PinnedBuffer scratch_;       // accumulator thread: fp32 read-add-write
   float* send_ = nullptr;          // N ranks: world x piece fp32 (device memory), the reduce-scatter's input
+  float* recv_ = nullptr;          // N ranks: one piece fp32 (device memory), its output
   WorkQueue<Job> queue_;
 };
 

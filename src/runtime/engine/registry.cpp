@@ -12,6 +12,7 @@
 #include <random>
 #include <unistd.h>
 
+#include "comm/host_collectives.h"
 #include "common/log.h"
 #include "common/units.h"
 
@@ -69,11 +70,6 @@ Status Registry::init(const EngineOptions& opts) {
     return Status(StatusCode::kInvalidArgument,
                   "engine: the communicator works on another device backend than the engine's (create it over "
                   "EngineOptions::device)");
-  if (world > 1 && dev->kind() != DeviceKind::kHost)
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("engine: world_size {} on {}: N ranks run on the host backend over MPI; the NCCL "
-                              "backend for CUDA devices is not built yet",
-                              world, dev->name()));
   STRATA_RETURN_IF_ERROR(make_plan_for_budgets());
   {
     const uint64_t chunk = round_up(cfg.strata.optimizer_chunk, 2048);
@@ -188,6 +184,17 @@ Status Registry::make_plan_for_budgets() {
     if (d.capacity == 0) d.capacity = free_space(d.path);
   PlanOptions po = plan_options_from_config(cfg);
   STRATA_ASSIGN_OR_RETURN(plan, make_plan(options.model, b, po));
+  // Stages 1-2 on GPU ranks: the all-gather after each step writes every
+  // rank's replica, and NCCL moves device memory only.
+  if (world > 1 && replicated && dev->kind() != DeviceKind::kHost)
+    for (const auto& g : plan.groups)
+      if (g.tier[static_cast<int>(StateKind::kCompute)] != Tier::kDevice)
+        return Status(StatusCode::kOutOfBudget,
+                      fmt::format("engine: group {}: zero_optimization.stage {} with {} GPU ranks keeps every "
+                                  "parameter whole on every GPU (the all-gather after each step writes it there), "
+                                  "but the plan puts this group's parameters on {}; raise the device budget, or use "
+                                  "stage 3 (parameters sharded, and allowed on host or NVMe)",
+                                  g.name, cfg.zero.stage, world, tier_name(g.tier[static_cast<int>(StateKind::kCompute)])));
   for (const auto& g : plan.groups)
     for (StateKind k : {StateKind::kMaster, StateKind::kOptimizer, StateKind::kGrad})
       if (g.tier[static_cast<int>(k)] == Tier::kDevice)
@@ -244,8 +251,7 @@ Result<std::string> Registry::agree_run_name() {
     const std::string n = fmt::format("strata-run-{}-{:08x}-job", ::getpid(), static_cast<uint32_t>(std::random_device{}()));
     std::memcpy(buf, n.data(), std::min(n.size(), sizeof(buf) - 1));
   }
-  STRATA_RETURN_IF_ERROR(blocking_collective([&](DeviceStream* s) { return comm->broadcast(buf, sizeof(buf), 0, s); },
-                                             rank == 0 ? sizeof(buf) * (world - 1) : 0));
+  STRATA_RETURN_IF_ERROR(host_broadcast(buf, sizeof(buf)));
   buf[sizeof(buf) - 1] = 0;
   return std::string(buf);
 }
@@ -457,6 +463,18 @@ Status Registry::blocking_collective(const std::function<Status(DeviceStream*)>&
   if (st.ok()) st = sync;
   if (st.ok()) traffic.comm += sent;
   return st;
+}
+
+Status Registry::host_all_gather(const void* mine, void* all, size_t bytes_per_rank) {
+  STRATA_RETURN_IF_ERROR(comm::all_gather_host(*comm, upload, mine, all, bytes_per_rank));
+  traffic.comm += bytes_per_rank * (world - 1);
+  return {};
+}
+
+Status Registry::host_broadcast(void* data, size_t bytes) {
+  STRATA_RETURN_IF_ERROR(comm::broadcast_host(*comm, upload, data, bytes, 0));
+  if (rank == 0) traffic.comm += bytes * (world - 1);
+  return {};
 }
 
 // One in-place all-gather per parameter, all enqueued on the upload stream

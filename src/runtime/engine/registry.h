@@ -176,6 +176,11 @@ struct Registry {
   // A collective on the upload stream, waited for (engine idle: step(),
   // checkpoints, gather_param). `sent` counts into traffic.comm.
   Status blocking_collective(const std::function<Status(DeviceStream*)>& op, uint64_t sent);
+  // Blocking collectives on host memory (comm/host_collectives.h: through
+  // device memory, as NCCL needs) on the upload stream; the bytes sent count
+  // into traffic.comm.
+  Status host_all_gather(const void* mine, void* all, size_t bytes_per_rank);
+  Status host_broadcast(void* data, size_t bytes);  // from rank 0
   // Stages 1-2: every rank's shard of each listed parameter's compute copy
   // into every rank's replica (in place; engine idle). All ranks pass the
   // same list.

@@ -349,8 +349,7 @@ Status Stepper::combine_ranks_stats() {
   }
   const uint64_t bytes = per_rank * sizeof(double);
   double* all = rank_stats_.data();
-  Status st = reg_.blocking_collective(
-      [&](DeviceStream* s) { return reg_.comm->all_gather(mine, all, bytes, s); }, bytes * (reg_.world - 1));
+  Status st = reg_.host_all_gather(mine, all, bytes);
   if (!st.ok()) return st.with_context("engine: step(): combining the gradient norm over ranks");
   for (size_t g = 0; g < ng; ++g) {
     double sq = 0;
