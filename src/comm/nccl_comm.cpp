@@ -40,7 +40,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr const char* kModuleName = "libstrata_nccl.so";
-constexpr std::size_t kDefaultScratch = 64ull << 20;
 
 struct Err {
   char text[1024] = {0};
@@ -146,7 +145,7 @@ class NcclCommunicator final : public Communicator {
     STRATA_ASSIGN_OR_RETURN(ev_in_, dev_->create_event());
     STRATA_ASSIGN_OR_RETURN(ev_out_, dev_->create_event());
     // Scratch: world x chunk floats for the sums, plus one float for barriers.
-    const std::size_t bytes = std::max<std::size_t>(scratch_bytes ? scratch_bytes : kDefaultScratch,
+    const std::size_t bytes = std::max<std::size_t>(scratch_bytes ? scratch_bytes : kNcclDefaultScratch,
                                                      (static_cast<std::size_t>(world_) + 1) * 256 * sizeof(float));
     STRATA_ASSIGN_OR_RETURN(void* s, dev_->alloc(bytes));
     scratch_ = static_cast<float*>(s);

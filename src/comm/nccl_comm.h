@@ -57,13 +57,17 @@ namespace strata::comm {
 // empty vector) and returns it: the bootstrap's side channel.
 using ShareBlob = std::function<Result<std::vector<uint8_t>>(const std::vector<uint8_t>&)>;
 
+// The default scratch (NcclCommOptions::scratch_bytes 0), from the device
+// backend's pool: callers that plan device memory reserve it.
+inline constexpr std::size_t kNcclDefaultScratch = 64ull << 20;
+
 struct NcclCommOptions {
   int rank = 0;
   int world_size = 1;
   double timeout_s = 300.0;  // per collective and for joining; > 0
   ShareBlob share_id;        // required when world_size > 1
   // Scratch for the rank-order sums, bytes (a collective larger than
-  // scratch_bytes / world_size per rank runs in chunks). 0: 64 MiB.
+  // scratch_bytes / world_size per rank runs in chunks). 0: kNcclDefaultScratch.
   std::size_t scratch_bytes = 0;
 };
 

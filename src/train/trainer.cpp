@@ -1,5 +1,6 @@
 #include "train/trainer.h"
 
+#include "comm/nccl_comm.h"
 #include "train/trainer_impl.h"
 
 namespace strata::train {
@@ -394,7 +395,9 @@ Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
   // The workspace size loads the model-ops module (and the device module
   // before it): where either is missing this is the reason.
   STRATA_ASSIGN_OR_RETURN(uint64_t workspace, cuda_ops_workspace_bytes(co));
-  const uint64_t reserve = z.reserve_base + z.extra + pool_bytes(workspace);
+  // N GPU ranks: the NCCL communicator's scratch comes from the same pool.
+  const uint64_t reserve =
+      z.reserve_base + z.extra + pool_bytes(workspace) + (world > 1 ? uint64_t{comm::kNcclDefaultScratch} : 0);
   // The budget: --device-mem / strata.device_memory when given, else 0:
   // the backend detects it (the GPU's free memory less a margin for the CUDA
   // context and libraries), and the planner gets the same figure.
