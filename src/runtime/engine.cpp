@@ -488,6 +488,12 @@ Result<StepResult> Engine::step(double lr) {
   Status st = I.wait_idle();
   Status ae = I.errors.take();
   if (st.ok()) st = ae;
+  // Stage 1: the ranks' summed micro-batches meet once, here.
+  if (st.ok() && I.reg.defer_reduce) {
+    st = I.grads.reduce_deferred();
+    Status e2 = I.errors.take();
+    if (st.ok()) st = e2;
+  }
   if (!st.ok()) return fail(st);
   const bool overlap = I.overlap_running;
   const double lr_used = I.stepper.begin_step(overlap, lr);

@@ -130,8 +130,14 @@
 // (zero_optimization.stage < 3) keep the compute copy whole on every rank
 // (host or device tier; NVMe refused): acquire() uploads it without a
 // collective, load_param() writes it whole, and step() and load_checkpoint()
-// end with an all-gather of the updated shards into every rank's copy; stage
-// 1 runs as stage 2 (gradients reduce-scattered every micro-batch). On the
+// end with an all-gather of the updated shards into every rank's copy. Stage
+// 2 reduce-scatters every micro-batch's gradient; stage 1 sums each rank's
+// micro-batches whole on its device (fp32, the parameters' numel x 4 bytes,
+// planned as Plan::local_grad_bytes) and reduce-scatters that sum once, in
+// step(): 1/k of stage 2's gradient traffic with k micro-batches per rank.
+// Stage 1's sum is (rank 0's micro-batches summed) + (rank 1's) + ..., so
+// with more than one micro-batch per rank it differs from the 1-rank run of
+// the same micro-batches (summed one by one) in the last bits. On the
 // CUDA backend (an NCCL communicator; never run on GPUs yet) stages 1-2 need
 // every compute copy on the device (NCCL moves device memory): the plan
 // must place them there (kOutOfBudget otherwise). Not with N > 1 yet: stage

@@ -116,6 +116,7 @@ PlanOptions plan_options_from_config(const Config& c) {
   o.optimizer_chunk = c.strata.optimizer_chunk;
   o.optimizer_ring_buffers = static_cast<uint32_t>(std::min<uint64_t>(c.zero.offload_optimizer.buffer_count, 1024));
   o.replicate_params = c.zero.stage == 1 || c.zero.stage == 2;
+  o.defer_grad_reduce = c.zero.stage == 1;
   o.overrides = c.strata.groups;
   GroupTierRule ds;
   ds.match = "*";
@@ -155,7 +156,7 @@ uint64_t Plan::tier_bytes(Tier t) const {
   return s;
 }
 uint64_t Plan::device_total() const {
-  return tier_bytes(Tier::kDevice) + device_buffers + options.device_reserve;
+  return tier_bytes(Tier::kDevice) + device_buffers + local_grad_bytes + options.device_reserve;
 }
 uint64_t Plan::host_total() const {
   return tier_bytes(Tier::kHost) + staging_ring + optimizer_ring;
@@ -190,6 +191,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   // no acquire gathers (the step all-gathers the updated shards instead).
   const bool replicated = opt.replicate_params && ws > 1;
   const bool gathers = ws > 1 && !replicated;
+  const bool deferred = opt.defer_grad_reduce && ws > 1;
   const uint64_t state_elem_bytes = uint64_t{opt.optimizer_states} * dtype_size(opt.optimizer_state_dtype);
 
   // ---- sizes per group (this rank's padded shards)
@@ -209,6 +211,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     }
     g.bytes[kc(StateKind::kCompute)] += sr.padded * (replicated ? ws : 1) * dtype_size(p.compute_dtype);
     g.shard_compute_bytes += sr.padded * dtype_size(p.compute_dtype);
+    if (deferred && p.trainable) plan.local_grad_bytes += (n * 4 + 255) / 256 * 256;
     g.gathered_compute_bytes += sr.padded * ws * dtype_size(p.compute_dtype);
   }
   for (auto& g : plan.groups) {
@@ -303,7 +306,8 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     else if (g.tier[kc(StateKind::kCompute)] != Tier::kDevice)
       some_compute_off_device = true;
   }
-  const bool need_buffers = gathers || some_compute_off_device || dev_forced + auto_compute > usable;
+  const bool need_buffers =
+      gathers || some_compute_off_device || dev_forced + plan.local_grad_bytes + auto_compute > usable;
   uint64_t max_gathered = 0;
   for (const auto& g : plan.groups)
     if (gathers || !(g.forced[kc(StateKind::kCompute)] && g.tier[kc(StateKind::kCompute)] == Tier::kDevice))
@@ -317,14 +321,21 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     plan.held_groups = held;
     plan.device_buffers = uint64_t{held + depth} * max_gathered;
   }
-  if (dev_forced + plan.device_buffers > usable)
+  if (dev_forced + plan.local_grad_bytes > usable)
+    return out_of_budget(fmt::format(
+        "device: zero_optimization.stage 1 with {} ranks sums each rank's whole gradient on the device ({} fp32) "
+        "but {}: {} short; use stage 2 (gradients reduce-scattered every micro-batch, 1/{} on each rank) or raise "
+        "the device budget",
+        ws, format_bytes(plan.local_grad_bytes), usable_text, format_bytes(dev_forced + plan.local_grad_bytes - usable),
+        ws));
+  if (dev_forced + plan.local_grad_bytes + plan.device_buffers > usable)
     return out_of_budget(fmt::format(
         "device: working buffers need {} ({} x the largest group, {}: {} in use, {} prefetched){} but {}: {} short; "
         "lower strata.prefetch_depth, strata.held_groups or strata.device_reserve, or raise the device budget",
         format_bytes(plan.device_buffers), held + depth, format_bytes(max_gathered), held, depth,
         dev_forced ? fmt::format(" on top of {} placed by overrides", format_bytes(dev_forced)) : "", usable_text,
-        format_bytes(dev_forced + plan.device_buffers - usable)));
-  uint64_t dev_free = usable - dev_forced - plan.device_buffers;
+        format_bytes(dev_forced + plan.local_grad_bytes + plan.device_buffers - usable)));
+  uint64_t dev_free = usable - dev_forced - plan.local_grad_bytes - plan.device_buffers;
   for (auto& g : plan.groups) {
     if (g.forced[kc(StateKind::kCompute)]) continue;
     const uint64_t b = g.bytes[kc(StateKind::kCompute)];
@@ -477,7 +488,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     for (size_t i = 0; i < plan.groups.size(); ++i)
       if (gathers || plan.groups[i].tier[kc(StateKind::kCompute)] != Tier::kDevice) slotted.push_back(i);
     // The cached slot is allocated when the device budget has room for it.
-    const uint64_t placed = plan.tier_bytes(Tier::kDevice) + plan.device_buffers;
+    const uint64_t placed = plan.tier_bytes(Tier::kDevice) + plan.device_buffers + plan.local_grad_bytes;
     const bool cached = budgets.device_bytes >= placed && budgets.device_bytes - placed >= max_gathered;
     const size_t slots = need_buffers ? size_t{held} + depth + (cached ? 1 : 0) : 0;
     for (size_t k = 0; k < slotted.size(); ++k) {
@@ -508,17 +519,21 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     }
     // Gradients leave the device in the compute dtype, once per micro-batch,
     // and are accumulated in fp32 where the accumulator lives.
-    if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
-      plan.forward_backward.d2h += m * g.shard_numel * compute_elem_bytes;
     // N ranks: every micro-batch's gradient is reduce-scattered in fp32 (this
-    // rank sends its shard's worth to each of N-1 peers); stage 3 all-gathers
-    // the group after every upload, stages 1-2 once after the step.
+    // rank sends its shard's worth to each of N-1 peers) and this rank's
+    // shard of the sum leaves the device in fp32; stage 1 does both once per
+    // step, from each rank's own sum of its micro-batches on the device.
+    // Stage 3 all-gathers the group after every upload, stages 1-2 once after
+    // the step.
+    const uint64_t reduces = deferred ? 1 : m;
+    if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
+      plan.forward_backward.d2h += reduces * g.shard_numel * (ws > 1 ? 4 : compute_elem_bytes);
     const uint64_t peers = plan.world_size - 1;
-    plan.forward_backward.comm += peers * (m * gr + (replicated ? 0 : ups * c));
+    plan.forward_backward.comm += peers * (reduces * gr + (replicated ? 0 : ups * c));
     if (replicated) plan.optimizer_step.comm += peers * g.shard_compute_bytes;
     if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) {
-      plan.forward_backward.nvme_write += m * gr;
-      plan.forward_backward.nvme_read += (m - 1) * gr;
+      plan.forward_backward.nvme_write += reduces * gr;
+      plan.forward_backward.nvme_read += (reduces - 1) * gr;
       plan.optimizer_step.nvme_read += gr;
     }
     if (g.tier[kc(StateKind::kMaster)] == Tier::kDevice) {
@@ -562,6 +577,8 @@ std::string Plan::report() const {
                      format_bytes(bytes[kt(Tier::kHost)][kc(k)]), format_bytes(bytes[kt(Tier::kNvme)][kc(k)])));
   line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "buffers", format_bytes(device_buffers),
                    format_bytes(staging_ring + optimizer_ring), "-"));
+  if (local_grad_bytes)
+    line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "stage-1 local grad", format_bytes(local_grad_bytes), "-", "-"));
   line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "reserve", format_bytes(options.device_reserve), "-", "-"));
   line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "total", format_bytes(device_total()), format_bytes(host_total()),
                    format_bytes(nvme_total())));

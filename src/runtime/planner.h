@@ -55,6 +55,10 @@ struct PlanOptions {
   // host, never NVMe, as DeepSpeed keeps stage 1/2 parameters on the GPU);
   // master, states and gradients are still 1/N. One rank: no difference.
   bool replicate_params = false;
+  // ZeRO stage 1 with N ranks: each rank sums its own micro-batches' whole
+  // gradient on the device (fp32, numel x 4 bytes of device memory) and the
+  // ranks reduce-scatter it once per step, not once per micro-batch.
+  bool defer_grad_reduce = false;
   // Tier overrides, first match wins: strata.groups, then the DeepSpeed
   // offload_param / offload_optimizer devices as a "*" rule.
   std::vector<GroupTierRule> overrides;
@@ -103,6 +107,7 @@ struct Plan {
   // bytes[tier][kind] over all groups (tier index: Tier value; kAuto row unused).
   std::array<std::array<uint64_t, kNumStateKinds>, 4> bytes{};
   uint64_t device_buffers = 0;           // gathered groups in use and prefetched
+  uint64_t local_grad_bytes = 0;         // stage 1, N ranks: this rank's whole fp32 gradient on the device
   uint32_t prefetch_groups = 0;          // how many groups the device buffers prefetch
   uint32_t held_groups = 1;              // how many they hold acquired at once
   uint64_t staging_ring = 0;             // pinned: host/NVMe compute copies on their way up

@@ -125,8 +125,10 @@ struct RankRun {
 
   // One micro-batch "of rank `who`": every group acquired in order, its
   // gradients computed from the gathered weights, reduced, released. The
-  // gathered weights of every acquire are appended to `seen`.
-  Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen) {
+  // gathered weights of every acquire are appended to `seen`. `dyadic`:
+  // gradients that are multiples of 1/64 in [-1, 1] instead (any sum of a
+  // few of them is exact in fp32, whatever the order).
+  Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen, bool dyadic = false) {
     STRATA_RETURN_IF_ERROR(e->begin_micro_batch(last));
     for (GroupId g = 0; g < e->group_count(); ++g) {
       STRATA_ASSIGN_OR_RETURN(GroupView v, e->acquire(g, s));
@@ -137,7 +139,8 @@ struct RankRun {
         const auto* w = static_cast<const uint16_t*>(v.ptr[i]);
         if (seen) seen->emplace_back(w, w + gr.size());
         for (size_t k = 0; k < gr.size(); ++k)
-          gr[k] = 0.5f * bf16_bits_to_f32(w[k]) + rnd(1000 * step + 10 * who + p, k);
+          gr[k] = dyadic ? std::round(64.0f * rnd(1000 * step + 10 * who + p, k)) / 64.0f
+                         : 0.5f * bf16_bits_to_f32(w[k]) + rnd(1000 * step + 10 * who + p, k);
         STRATA_RETURN_IF_ERROR(e->reduce_grad(p, gr.data(), DType::kF32, s));
       }
       STRATA_RETURN_IF_ERROR(e->release(g, s));
@@ -372,6 +375,46 @@ TEST_P(EngineMpi, SaveThatOneRankCannotWriteCommitsNothing) {
   EXPECT_FALSE(std::filesystem::exists(base_ + "/ck"));
   for (const auto& e : std::filesystem::directory_iterator(base_))
     EXPECT_EQ(e.path().filename().string().rfind("ck.tmp-", 0), std::string::npos) << e.path();
+}
+
+// Two micro-batches per rank. Stage 1 sums each rank's on its device and
+// reduce-scatters that once per step; stages 2 and 3 reduce-scatter every
+// micro-batch. With gradients whose sums are exact in any order, every stage
+// equals the 1-rank run of the N x 2 micro-batches bit for bit (weights and
+// states), and the bytes sent per step are one reduce-scatter for stage 1,
+// two for the others (plus stage 3's all-gather in each acquire, stages
+// 1-2's one after the step, and the norm's).
+TEST_P(EngineMpi, StageOneReducesEachRanksMicroBatchesOncePerStep) {
+  RankRun multi, ref;
+  ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
+  const ModelSpec spec = make_model();
+  uint64_t gather = 0, scatter = 0;
+  for (const auto& p : spec.params) {
+    const ShardRange sh = shard_range(p.numel(), world_, rank_, 512);
+    gather += sh.padded * 2 * (world_ - 1);
+    scatter += sh.padded * 4 * (world_ - 1);
+  }
+  const int stage = GetParam().stage;
+  const uint64_t norm_bytes = 3 * 2 * 8 * (world_ - 1);
+  const uint64_t want = (stage == 1 ? 1 : 2) * scatter + (stage == 3 ? 2 : 1) * gather + norm_bytes;
+  for (int st = 0; st < 3; ++st) {
+    const uint64_t before = multi.e->stats().comm_bytes;
+    for (int m = 0; m < 2; ++m) {
+      Status s = multi.micro_batch(st, 2 * rank_ + m, m == 1, nullptr, true);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    for (int who = 0; who < 2 * world_; ++who) {
+      Status s = ref.micro_batch(st, who, who == 2 * world_ - 1, nullptr, true);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    auto a = multi.e->step();
+    auto b = ref.e->step();
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    ASSERT_TRUE(b.ok()) << b.status().to_string();
+    EXPECT_NEAR(a->grad_norm, b->grad_norm, 1e-12 * b->grad_norm);
+    EXPECT_EQ(multi.e->stats().comm_bytes - before, want) << "step " << st;
+  }
+  expect_weights(multi, ref, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, EngineMpi,

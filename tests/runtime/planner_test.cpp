@@ -339,6 +339,27 @@ TEST(Planner, ShardsAcrossRanks) {
   ASSERT_TRUE(er.ok()) << er.status().to_string();
   EXPECT_DOUBLE_EQ(er->step_comm_s, r.optimizer_step.comm / 1e6);
   EXPECT_GE(er->optimizer_step_s, er->step_comm_s);
+  // Stage 1 with 3 micro-batches: each rank's whole fp32 gradient on the
+  // device (3 x 10000 x 4 bytes, 256-aligned), one reduce-scatter and one
+  // fp32 download of the shard per step instead of 3; stage 2 sends 3.
+  o.micro_batches = 3;
+  Plan s2 = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  EXPECT_EQ(s2.local_grad_bytes, 0u);
+  EXPECT_EQ(s2.forward_backward.comm, 3u * 3 * 3 * 4096 * 4);
+  o.defer_grad_reduce = true;
+  Plan s1 = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  EXPECT_EQ(s1.local_grad_bytes, 3u * 40192);
+  EXPECT_EQ(s1.forward_backward.comm, 3u * 3 * 4096 * 4);
+  EXPECT_EQ(s1.forward_backward.d2h, 3u * 4096 * 4);
+  EXPECT_EQ(s1.optimizer_step.comm, s2.optimizer_step.comm);
+  EXPECT_EQ(s1.device_total(), s2.device_total() + s1.local_grad_bytes);
+  EXPECT_NE(s1.report().find("stage-1 local grad"), std::string::npos);
+  // A device budget without room for the sum is refused by name.
+  auto small = make_plan(m, PlanBudgets{s1.options.device_reserve + 100000, 1 * kGiB, 0, {}}, o);
+  ASSERT_FALSE(small.ok());
+  EXPECT_NE(small.status().message().find("use stage 2"), std::string::npos) << small.status().message();
+  o.defer_grad_reduce = false;
+  o.micro_batches = 1;
   // Parameters on NVMe are refused with stages 1-2 (kept whole on every rank).
   o.overrides.push_back(GroupTierRule{"*", Tier::kNvme, Tier::kAuto, Tier::kAuto, Tier::kAuto});
   auto bad = make_plan(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {{"/n", 1 * kGiB}}}, o);

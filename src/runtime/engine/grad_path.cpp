@@ -69,6 +69,25 @@ Status GradPath::allocate() {
     STRATA_ASSIGN_OR_RETURN(void* recv, reg_.dev->alloc(piece_elems_ * 4));
     recv_ = static_cast<float*>(recv);
   }
+  if (reg_.defer_reduce) {
+    // Stage 1: every trainable parameter's whole gradient, fp32 (the plan's
+    // local_grad_bytes).
+    uint64_t total = 0;
+    for (const ParamState& p : reg_.params)
+      if (p.trainable) total += round_up(p.numel * 4, 256);
+    auto b = reg_.dev->alloc(std::max<uint64_t>(total, 256));
+    if (!b.ok())
+      return b.status().with_context(fmt::format(
+          "engine: zero_optimization.stage 1 sums each rank's whole gradient on the device ({})", format_bytes(total)));
+    local_block_ = *b;
+    local_.assign(reg_.params.size(), nullptr);
+    uint64_t off = 0;
+    for (ParamId id = 0; id < reg_.params.size(); ++id) {
+      if (!reg_.params[id].trainable) continue;
+      local_[id] = reinterpret_cast<float*>(static_cast<char*>(local_block_) + off);
+      off += round_up(reg_.params[id].numel * 4, 256);
+    }
+  }
   for (uint32_t i = 0; staging_ && i < kPieces; ++i) {
     auto b = reg_.dev->alloc(piece_elems_ * 4);
     if (b.ok()) {
@@ -115,6 +134,7 @@ GradPath::~GradPath() {
     if (download_) (void)reg_.dev->destroy_stream(download_);
     if (send_) (void)reg_.dev->free(send_);
     if (recv_) (void)reg_.dev->free(recv_);
+    if (local_block_) (void)reg_.dev->free(local_block_);
   }
 }
 
@@ -251,26 +271,25 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
                                        "gradients are torn: discard the step (Engine::discard_step)",
                                        p.name));
   };
+  if (reg_.defer_reduce) {
+    // Stage 1: into this rank's own sum; the ranks meet at step().
+    Status st = add_local(id, grad, dtype, first);
+    if (!st.ok())  // one operation: refused before anything ran
+      return st.with_context(
+          fmt::format("engine: reduce_grad({}): nothing was accumulated; the call may be retried", p.name));
+    pg.reduced_micro = micro_index;
+    pg.written = true;
+    return {};
+  }
   // N ranks: every rank walks the padded shard length in the same pieces (the
   // reduce-scatters must match), accumulating the elements of its own shard.
   const bool scatter = reg_.world > 1;
   const uint64_t walk = scatter ? p.shard.padded : n;
   for (uint64_t off = 0; off < walk; off += piece_elems_) {
     const uint64_t cnt = std::min(piece_elems_, walk - off);
-    uint32_t slot;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      while (dl_free_.empty()) {
-        if (cv_.wait_for(lock, std::chrono::milliseconds(50)) == std::cv_status::timeout) {
-          lock.unlock();
-          auto q = reg_.dev->query(download_);
-          if (!q.ok()) return failed(q.status());
-          lock.lock();
-        }
-      }
-      slot = dl_free_.back();
-      dl_free_.pop_back();
-    }
+    auto taken = take_slot();
+    if (!taken.ok()) return failed(taken.status());
+    const uint32_t slot = *taken;
     const char* src = static_cast<const char*>(grad) + (p.shard.begin + off) * esz;
     const size_t bytes = cnt * dtype_size(sent);
     Status st;
@@ -316,12 +335,12 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
 // host memory, which the backend's kernels refuse); the rest is the path
 // CUDA ranks over NCCL take.
 Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
-                                      float* out) {
+                                      float* out, bool caller) {
   const uint32_t world = reg_.world;
   const uint64_t padded = p.shard.padded, numel = p.numel;
   const size_t esz = dtype_size(dtype);
   float* send = send_;
-  if (reg_.dev->kind() == DeviceKind::kHost) {
+  if (caller && reg_.dev->kind() == DeviceKind::kHost) {
     STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(download_, [=] {
       for (uint32_t r = 0; r < world; ++r) {
         const uint64_t begin = r * padded + off;
@@ -348,6 +367,68 @@ Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DTy
   STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(out, recv_, cnt * 4, CopyKind::kDeviceToHost, download_));
   reg_.traffic.d2h += cnt * 4;
   return {};
+}
+
+Result<uint32_t> GradPath::take_slot() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (dl_free_.empty()) {
+    if (cv_.wait_for(lock, std::chrono::milliseconds(50)) == std::cv_status::timeout) {
+      lock.unlock();
+      auto q = reg_.dev->query(download_);  // a failed download never frees its piece
+      if (!q.ok()) return q.status();
+      lock.lock();
+    }
+  }
+  const uint32_t slot = dl_free_.back();
+  dl_free_.pop_back();
+  return slot;
+}
+
+// Stage 1. On CUDA the cast or accumulate kernel on the download stream
+// (which waits for the caller's); on the host backend one host function with
+// cpu_optim::accumulate (the caller's gradient may be any host memory). Both
+// compute dst = float(g) or dst + float(g) in fp32 with no FMA: the same bits.
+Status GradPath::add_local(ParamId id, const void* grad, DType dtype, bool first) {
+  float* dst = local_[id];
+  const uint64_t n = reg_.params[id].numel;
+  if (reg_.dev->kind() == DeviceKind::kHost)
+    return reg_.dev->host_func_async(download_,
+                                     [=] { return cpu_optim::accumulate(dst, grad, dtype, n, first, nullptr); });
+  if (first) return reg_.dev->cast_async(dst, DType::kF32, grad, dtype, n, 1.0f, download_);
+  return reg_.dev->accumulate_async(dst, grad, dtype, n, 1.0f, download_);
+}
+
+Status GradPath::reduce_deferred() {
+  for (ParamId id = 0; id < params_.size(); ++id) {
+    if (!params_[id].written || local_[id] == nullptr) continue;
+    const ParamState& p = reg_.params[id];
+    const uint64_t n = p.shard.size();
+    for (uint64_t off = 0; off < p.shard.padded; off += piece_elems_) {
+      const uint64_t cnt = std::min(piece_elems_, p.shard.padded - off);
+      STRATA_ASSIGN_OR_RETURN(const uint32_t slot, take_slot());
+      Status st = reduce_scatter_piece(p, local_[id], DType::kF32, off, cnt, dl_[slot].as<float>(), false);
+      if (st.ok()) st = reg_.dev->record(ready_[slot], download_);
+      if (!st.ok()) {
+        if (reg_.dev->synchronize(download_).ok()) {
+          std::lock_guard<std::mutex> lock(mu_);
+          dl_free_.push_back(slot);
+        }
+        return st.with_context(fmt::format("engine: step(): reducing the summed gradient of {} over the ranks",
+                                           p.name));
+      }
+      Job j;
+      j.kind = Job::kAccum;
+      j.slot = slot;
+      j.param = id;
+      j.group = p.group;
+      j.offset = off;
+      j.count = off < n ? std::min(cnt, n - off) : 0;
+      j.dtype = DType::kF32;
+      j.first = true;  // the step's whole sum: written, its norm blocks from it
+      queue_.push(j);
+    }
+  }
+  return wait_idle();
 }
 
 // Behind the group's pieces in the queue: the accumulator gets there after

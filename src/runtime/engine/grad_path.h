@@ -24,7 +24,11 @@
 // N ranks: each piece of the shard is first reduce-scattered (the rank-order
 // sum over ranks, fp32) into a device buffer and copied into the pinned
 // piece, on the download stream; the accumulator then adds it as it would a
-// one-rank gradient.
+// one-rank gradient. ZeRO stage 1 ("deferred", Registry::defer_reduce):
+// reduce() instead adds the caller's whole gradient into this rank's own
+// fp32 sum on the device (local_, one buffer per trainable parameter), and
+// reduce_deferred() at step time reduce-scatters those sums once, piece by
+// piece, into the shard accumulators (written, not added).
 // Must not: change the accumulation order or arithmetic (host and NVMe
 // results are bit-identical); allocate per reduce (the pieces are the
 // back-pressure: reduce() waits for a free one).
@@ -78,6 +82,11 @@ class GradPath {
   Status end_reduce(DeviceStream* stream);
   // Synchronizes the stage and download streams, then waits for the accumulator.
   Status wait_idle();
+  // Stage 1, step(): every parameter a micro-batch reduced (ParamId order; the
+  // same set on every rank, like reduce_grad itself) has its ranks' summed
+  // local gradients reduce-scattered into this rank's shard accumulator;
+  // then wait_idle(). A collective.
+  Status reduce_deferred();
   // step(): accumulators no micro-batch wrote this step are zeroed.
   Status zero_unwritten();
   // Whether a micro-batch of this step reduced p (driving thread).
@@ -121,8 +130,15 @@ class GradPath {
   // The piece's copies, `cnt` elements from the caller's `src` (in `given`)
   // into dl_[slot] in `sent` (given, or the compute dtype when narrowed).
   Status download_piece(uint32_t slot, const void* src, DType given, DType sent, uint64_t cnt);
+  // `caller`: grad is the caller's buffer (on the host backend any host
+  // memory), else backend memory (a stage-1 local sum).
   Status reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
-                              float* out);
+                              float* out, bool caller = true);
+  // Stage 1: grad (the caller's, whole) into local_[id]: written when
+  // `first`, else added (cpu_optim::accumulate's arithmetic: one fp32 add).
+  Status add_local(ParamId id, const void* grad, DType dtype, bool first);
+  // A free download piece (waits for the accumulator to give one back).
+  Result<uint32_t> take_slot();
   Status zero_grad(ParamId p);
 
   Registry& reg_;
@@ -152,6 +168,8 @@ class GradPath {
   io::PinnedBuffer scratch_;       // accumulator thread: fp32 read-add-write
   float* send_ = nullptr;          // N ranks: world x piece fp32 (device memory), the reduce-scatter's input
   float* recv_ = nullptr;          // N ranks: one piece fp32 (device memory), its output
+  void* local_block_ = nullptr;    // stage 1: the local sums' device memory
+  std::vector<float*> local_;      // stage 1: per trainable parameter, numel fp32 (null otherwise)
   WorkQueue<Job> queue_;
 };
 

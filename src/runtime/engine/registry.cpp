@@ -126,15 +126,12 @@ Status Registry::set_ranks() {
                                 "optimizer state) with {} ranks is not built; use stage 1 or 2 (optimizer states and "
                                 "gradients sharded, parameters whole on every rank) or 3 (parameters sharded too)",
                                 world));
-    // Stage 1 runs as stage 2: each micro-batch's gradient is reduce-scattered
-    // into this rank's shard of the fp32 accumulator, so no rank ever holds
-    // the whole gradient (stage 1's only difference, a memory cost, is
-    // dropped; the result is the same sum).
+    // Stages 1-2 keep the parameters whole on every rank. Stage 2 reduce-
+    // scatters each micro-batch's gradient into the ranks' shards; stage 1
+    // sums each rank's micro-batches whole on its device and reduce-scatters
+    // that once per step (GradPath "deferred").
     replicated = cfg.zero.stage == 1 || cfg.zero.stage == 2;
-    if (cfg.zero.stage == 1)
-      log_info("engine: zero_optimization.stage 1 with {} ranks runs as stage 2 (gradients reduce-scattered into "
-               "each rank's shard every micro-batch; the same result, less memory)",
-               world);
+    defer_reduce = cfg.zero.stage == 1;
     if (cfg.strata.overlap_backward)
       return Status(StatusCode::kUnavailable,
                     fmt::format("engine: strata.overlap_backward with {} ranks is not built yet (the group updates "

@@ -123,6 +123,9 @@ struct Registry {
   // (ParamState::replica), all-gathered after each step and checkpoint load
   // (gather_replicas) instead of in every acquire (stage 3).
   bool replicated = false;
+  // ZeRO stage 1 with N ranks: gradients summed whole on each rank's device,
+  // reduce-scattered once per step (GradPath::reduce_deferred).
+  bool defer_reduce = false;
   std::unique_ptr<Tracer> tracer;
   uint32_t trace_h2d = 0, trace_d2h = 0;  // tracer tracks of the two streams
   std::unique_ptr<io::IoEngine> io;
