@@ -40,24 +40,38 @@ int nccl_fail(ncclResult_t r, ncclComm_t comm, const char* what, char* err, size
   } while (0)
 
 // A non-blocking communicator answers ncclInProgress while it finishes the
-// host side of a call; poll until it is done (NCCL's rule: no other call on
-// the communicator before that). Enqueueing never waits on peers, so no
-// deadline here.
-ncclResult_t settle(ncclComm_t comm, ncclResult_t r) {
-  while (r == ncclInProgress) {
+// host side of a call on its own thread; poll until it is done (NCCL's rule:
+// no other call on the communicator before that). That host side can wait on
+// peers (connections are set up lazily, at the first transfer to a peer and
+// the first use of an algorithm), so the poll has a deadline: past it the
+// caller gets STRATA_NCCL_ERR_TIMEOUT and must abort the communicator.
+// Polling backs off from yields to 50 us sleeps.
+int settle(ncclComm_t comm, ncclResult_t r, double timeout_s, const char* what, char* err, size_t err_len) {
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  for (int spins = 0; r == ncclInProgress; ++spins) {
     ncclResult_t state = ncclSuccess;
     const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
-    if (q != ncclSuccess) return q;
+    if (q != ncclSuccess) return nccl_fail(q, comm, "ncclCommGetAsyncError", err, err_len);
     r = state;
-    if (r == ncclInProgress) std::this_thread::yield();
+    if (r != ncclInProgress) break;
+    if (Clock::now() > deadline) {
+      if (err && err_len)
+        std::snprintf(err, err_len, "%s: NCCL still setting it up after %.0f s (a peer that died, hangs or called "
+                      "another collective)", what, timeout_s);
+      return STRATA_NCCL_ERR_TIMEOUT;
+    }
+    if (spins < 64)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
-  return r;
+  return r == ncclSuccess ? 0 : nccl_fail(r, comm, what, err, err_len);
 }
 
-#define NCCL_TRY(comm, expr)                                        \
-  do {                                                              \
-    ncclResult_t _r = settle(comm, (expr));                         \
-    if (_r != ncclSuccess) return nccl_fail(_r, comm, #expr, err, err_len); \
+#define NCCL_TRY(comm, expr)                                                   \
+  do {                                                                         \
+    const int _rc = settle(comm, (expr), timeout_s, #expr, err, err_len);      \
+    if (_rc != 0) return _rc;                                                  \
   } while (0)
 
 // Polls the communicator's state until it leaves ncclInProgress or the
@@ -150,20 +164,21 @@ int comm_async_error(void* c, int* state, char* err, size_t err_len) {
   return 0;
 }
 
-int all_gather(int device, void* c, const void* send, void* recv, size_t bytes_per_rank, void* stream, char* err,
-               size_t err_len) {
+int all_gather(int device, void* c, const void* send, void* recv, size_t bytes_per_rank, void* stream,
+               double timeout_s, char* err, size_t err_len) {
   CUDA_TRY(cudaSetDevice(device));
   auto comm = static_cast<ncclComm_t>(c);
   NCCL_TRY(comm, ncclAllGather(send, recv, bytes_per_rank, ncclUint8, comm, static_cast<cudaStream_t>(stream)));
   return 0;
 }
 
-int exchange(int device, void* c, const strata_nccl_xfer_t* xfers, int count, void* stream, char* err,
-             size_t err_len) {
+int exchange(int device, void* c, const strata_nccl_xfer_t* xfers, int count, void* stream, double timeout_s,
+             char* err, size_t err_len) {
   CUDA_TRY(cudaSetDevice(device));
   auto comm = static_cast<ncclComm_t>(c);
   auto s = static_cast<cudaStream_t>(stream);
-  NCCL_TRY(comm, ncclGroupStart());
+  ncclResult_t r = ncclGroupStart();
+  if (r != ncclSuccess) return nccl_fail(r, comm, "ncclGroupStart", err, err_len);
   ncclResult_t first = ncclSuccess;
   for (int i = 0; i < count && first == ncclSuccess; ++i) {
     const strata_nccl_xfer_t& x = xfers[i];
@@ -171,22 +186,22 @@ int exchange(int device, void* c, const strata_nccl_xfer_t* xfers, int count, vo
     if (first == ncclSuccess && x.recv_bytes) first = ncclRecv(x.recv, x.recv_bytes, ncclUint8, x.peer, comm, s);
   }
   // The group is always closed (an open group would swallow later calls).
-  const ncclResult_t end = settle(comm, ncclGroupEnd());
+  const int end = settle(comm, ncclGroupEnd(), timeout_s, "ncclGroupEnd of ncclSend/ncclRecv", err, err_len);
   if (first != ncclSuccess && first != ncclInProgress)
     return nccl_fail(first, comm, "ncclSend/ncclRecv in a group", err, err_len);
-  if (end != ncclSuccess) return nccl_fail(end, comm, "ncclGroupEnd", err, err_len);
-  return 0;
+  return end;
 }
 
-int broadcast(int device, void* c, void* data, size_t bytes, int root, void* stream, char* err, size_t err_len) {
+int broadcast(int device, void* c, void* data, size_t bytes, int root, void* stream, double timeout_s, char* err,
+              size_t err_len) {
   CUDA_TRY(cudaSetDevice(device));
   auto comm = static_cast<ncclComm_t>(c);
   NCCL_TRY(comm, ncclBroadcast(data, data, bytes, ncclUint8, root, comm, static_cast<cudaStream_t>(stream)));
   return 0;
 }
 
-int all_reduce_unordered(int device, void* c, const float* send, float* recv, size_t count, void* stream, char* err,
-                         size_t err_len) {
+int all_reduce_unordered(int device, void* c, const float* send, float* recv, size_t count, void* stream,
+                         double timeout_s, char* err, size_t err_len) {
   CUDA_TRY(cudaSetDevice(device));
   auto comm = static_cast<ncclComm_t>(c);
   NCCL_TRY(comm, ncclAllReduce(send, recv, count, ncclFloat32, ncclSum, comm, static_cast<cudaStream_t>(stream)));

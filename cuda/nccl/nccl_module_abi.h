@@ -17,11 +17,12 @@
 //
 // Communicators are created non-blocking (ncclConfig_t.blocking = 0): a call
 // that NCCL answers with ncclInProgress is polled here until it is done or
-// failed, so no call of this module waits on a peer except comm_init (bounded
-// by its timeout) and comm_finalize (likewise). Every call makes `device`
-// current on the calling thread first. Collectives only enqueue on `stream`
-// (a cudaStream_t); what goes wrong while they run shows in comm_async_error,
-// and comm_abort ends them.
+// failed. NCCL's host side of a call can wait on peers (connections are set
+// up lazily), so every call takes `timeout_s` and returns
+// STRATA_NCCL_ERR_TIMEOUT past it; the caller must then abort the
+// communicator. Every call makes `device` current on the calling thread
+// first. Collectives only enqueue on `stream` (a cudaStream_t); what goes
+// wrong while they run shows in comm_async_error, and comm_abort ends them.
 #pragma once
 
 #include <stddef.h>
@@ -36,7 +37,7 @@ extern "C" {
 #define STRATA_NCCL_ABI_VERSION 1u
 
 #define STRATA_NCCL_ERR_BASE 2000                   // + ncclResult_t
-#define STRATA_NCCL_ERR_TIMEOUT 2999                // comm_init/comm_finalize ran out of time
+#define STRATA_NCCL_ERR_TIMEOUT 2999                // a call ran out of its timeout_s
 #define STRATA_NCCL_UNIQUE_ID_BYTES 128             // NCCL_UNIQUE_ID_BYTES
 
 // One peer's part of an exchange: `send_bytes` from `send` to `peer`, and
@@ -77,17 +78,17 @@ typedef struct strata_nccl_api_v1_s {
   // ncclAllGather of bytes_per_rank bytes (ncclUint8); in place when send ==
   // recv + rank * bytes_per_rank.
   int (*all_gather)(int device, void* comm, const void* send, void* recv, size_t bytes_per_rank, void* stream,
-                    char* err, size_t err_len);
+                    double timeout_s, char* err, size_t err_len);
   // One NCCL group of ncclSend/ncclRecv, one pair per entry.
-  int (*exchange)(int device, void* comm, const strata_nccl_xfer_t* xfers, int count, void* stream, char* err,
-                  size_t err_len);
+  int (*exchange)(int device, void* comm, const strata_nccl_xfer_t* xfers, int count, void* stream, double timeout_s,
+                  char* err, size_t err_len);
   // ncclBroadcast in place (ncclUint8).
-  int (*broadcast)(int device, void* comm, void* data, size_t bytes, int root, void* stream, char* err,
-                   size_t err_len);
+  int (*broadcast)(int device, void* comm, void* data, size_t bytes, int root, void* stream, double timeout_s,
+                   char* err, size_t err_len);
   // ncclAllReduce of `count` floats (ncclSum; NCCL's order: for barriers and
   // flags, never for results that must be deterministic).
   int (*all_reduce_unordered)(int device, void* comm, const float* send, float* recv, size_t count, void* stream,
-                              char* err, size_t err_len);
+                              double timeout_s, char* err, size_t err_len);
 } strata_nccl_api_v1_t;
 
 typedef const strata_nccl_api_v1_t* (*strata_nccl_api_v1_fn)(void);

@@ -46,8 +46,8 @@
 // (the collective still matches across ranks and completes).
 //
 // Failure. A collective that cannot complete within the communicator's
-// timeout fails with kUnavailable naming the collective, this rank and the
-// peer it was waiting for. After a failure the communicator is broken: the
+// timeout fails with kUnavailable naming the collective, this rank and (MPI;
+// NCCL does not tell) the peer it was waiting for. After a failure the communicator is broken: the
 // pending transfers are abandoned and every later collective fails at once
 // with the first error (like ncclCommAbort; make a new communicator, which in
 // practice means a new job).

@@ -131,7 +131,10 @@ class NcclCommunicator final : public Communicator {
       (void)rc;  // aborted inside on failure; nothing more to do in a destructor
     }
     for (DeviceEvent* e : free_events_) dev_->destroy_event(e);
-    for (auto& p : pending_) dev_->destroy_event(p.done);
+    for (auto& p : pending_) {
+      dev_->destroy_event(p.started);
+      dev_->destroy_event(p.done);
+    }
     for (DeviceEvent* e : {ev_in_, ev_out_})
       if (e) dev_->destroy_event(e);
     if (scratch_) (void)dev_->free(scratch_);
@@ -174,7 +177,8 @@ class NcclCommunicator final : public Communicator {
       return Status(StatusCode::kInvalidArgument, "all_gather: send overlaps recv other than at this rank's slot");
     return run("all_gather", stream, [&]() -> Status {
       Err err;
-      const int rc = api_->all_gather(device_, comm_, send, recv, bytes, native_, err.text, sizeof(err.text));
+      const int rc = api_->all_gather(device_, comm_, send, recv, bytes, native_, timeout_s_, err.text,
+                                        sizeof(err.text));
       return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclAllGather");
     });
   }
@@ -232,7 +236,8 @@ class NcclCommunicator final : public Communicator {
     if (data == nullptr && bytes > 0) return Status(StatusCode::kInvalidArgument, "broadcast: null buffer");
     return run("broadcast", stream, [&]() -> Status {
       Err err;
-      const int rc = api_->broadcast(device_, comm_, data, bytes, root, native_, err.text, sizeof(err.text));
+      const int rc = api_->broadcast(device_, comm_, data, bytes, root, native_, timeout_s_, err.text,
+                                       sizeof(err.text));
       return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclBroadcast");
     });
   }
@@ -240,18 +245,26 @@ class NcclCommunicator final : public Communicator {
   Status barrier(DeviceStream* stream) override {
     return run("barrier", stream, [&]() -> Status {
       Err err;
-      const int rc = api_->all_reduce_unordered(device_, comm_, barrier_flag_, barrier_flag_, 1, native_, err.text,
-                                                sizeof(err.text));
+      const int rc = api_->all_reduce_unordered(device_, comm_, barrier_flag_, barrier_flag_, 1, native_, timeout_s_,
+                                                err.text, sizeof(err.text));
       return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclAllReduce (barrier)");
     });
   }
 
  private:
   struct Pending {
-    DeviceEvent* done = nullptr;  // recorded on the comm stream after the collective
+    DeviceEvent* started = nullptr;  // comm stream: the caller's work before it is done
+    DeviceEvent* done = nullptr;     // comm stream: the collective is done
     uint64_t seq = 0;
     const char* what = "";
-    Clock::time_point enqueued;
+    Clock::time_point running_since{};  // when the watchdog first saw `started` (epoch: not yet)
+  };
+  // The first failure, shared with the host functions on callers' streams
+  // (which may run after this communicator is gone).
+  struct ErrState {
+    std::mutex mu;
+    Status first;
+    uint64_t failed_seq = 0;
   };
 
   static strata_nccl_xfer_t xfer(int peer, const float* send, std::size_t send_n, float* recv, std::size_t recv_n) {
@@ -267,8 +280,8 @@ class NcclCommunicator final : public Communicator {
   // mu_ held: one group of sends and receives (xfers_) on the comm stream.
   Status exchange() {
     Err err;
-    const int rc = api_->exchange(device_, comm_, xfers_.data(), static_cast<int>(xfers_.size()), native_, err.text,
-                                  sizeof(err.text));
+    const int rc = api_->exchange(device_, comm_, xfers_.data(), static_cast<int>(xfers_.size()), native_,
+                                  timeout_s_, err.text, sizeof(err.text));
     return rc == 0 ? Status() : nccl_status(rc, err.text, "ncclSend/ncclRecv");
   }
 
@@ -281,48 +294,72 @@ class NcclCommunicator final : public Communicator {
     return Status();
   }
 
+  // mu_ held: an event from the free list (or a new one).
+  Result<DeviceEvent*> take_event() {
+    if (!free_events_.empty()) {
+      DeviceEvent* e = free_events_.back();
+      free_events_.pop_back();
+      return e;
+    }
+    return dev_->create_event();
+  }
+
   // The collective's frame: refuse once broken; order the comm stream after
-  // the caller's, enqueue, hand the watchdog an event, order the caller's
-  // stream after the comm stream, and report a failure on the caller's stream.
+  // the caller's, enqueue, hand the watchdog its events, order the caller's
+  // stream after the comm stream (on failure too: whatever was enqueued
+  // must be done before the caller reuses its buffers), and report a failure
+  // on the caller's stream.
   template <typename Body>
   Status run(const char* what, DeviceStream* stream, Body&& body) {
     if (stream == nullptr) return Status(StatusCode::kInvalidArgument, fmt::format("{}: null stream", what));
+    if (stream->owner() != dev_)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: stream '{}' belongs to another device backend than the communicator's", what,
+                                stream->name()));
     std::unique_lock<std::mutex> lock(mu_);
     if (!broken_.ok()) return broken_status();
     const uint64_t seq = ++seq_;
     Status st = dev_->record(ev_in_, stream);
     if (st.ok()) st = dev_->wait(stream_, ev_in_);
-    if (st.ok()) st = body();
-    DeviceEvent* done = nullptr;
+    if (!st.ok()) return st.with_context(where(what, seq));  // nothing enqueued: the communicator is fine
+    Pending pend{nullptr, nullptr, seq, what, {}};
+    auto started = take_event();
+    st = started.status();
     if (st.ok()) {
-      if (!free_events_.empty()) {
-        done = free_events_.back();
-        free_events_.pop_back();
-      } else {
-        auto e = dev_->create_event();
-        st = e.status();
-        if (st.ok()) done = *e;
+      pend.started = *started;
+      st = dev_->record(pend.started, stream_);
+    }
+    if (st.ok()) st = body();
+    if (st.ok()) {
+      auto done = take_event();
+      st = done.status();
+      if (st.ok()) {
+        pend.done = *done;
+        st = dev_->record(pend.done, stream_);
       }
     }
-    if (st.ok()) st = dev_->record(done, stream_);
+    Status out = dev_->record(ev_out_, stream_);
+    if (out.ok()) out = dev_->wait(stream, ev_out_);
+    if (st.ok()) st = out;
     if (!st.ok()) {
       // Part of the collective may be enqueued: the ranks no longer agree on
       // what runs next. Nothing after it can be trusted.
-      if (done) free_events_.push_back(done);
+      for (DeviceEvent* e : {pend.started, pend.done})
+        if (e) free_events_.push_back(e);
       const Status failed = st.with_context(where(what, seq));
-      break_locked(failed, seq);
+      void* doomed = break_locked(failed, seq);
+      lock.unlock();
+      abort(doomed);
       return failed;
     }
-    pending_.push_back(Pending{done, seq, what, Clock::now()});
-    st = dev_->record(ev_out_, stream_);
-    if (st.ok()) st = dev_->wait(stream, ev_out_);
+    pending_.push_back(pend);
     lock.unlock();
     cv_.notify_all();
-    if (st.ok())
-      st = dev_->host_func_async(stream, [this, seq]() -> Status {
-        std::lock_guard<std::mutex> l(err_mu_);
-        return !first_error_.ok() && seq >= failed_seq_ ? first_error_ : Status();
-      });
+    std::shared_ptr<ErrState> es = err_;
+    st = dev_->host_func_async(stream, [es, seq]() -> Status {
+      std::lock_guard<std::mutex> l(es->mu);
+      return !es->first.ok() && seq >= es->failed_seq ? es->first : Status();
+    });
     return st.ok() ? st : st.with_context(where(what, seq));
   }
 
@@ -331,25 +368,31 @@ class NcclCommunicator final : public Communicator {
   }
 
   Status broken_status() const {
-    std::lock_guard<std::mutex> l(err_mu_);
-    return Status(first_error_.code(), "communicator broken by an earlier failure: " + first_error_.message());
+    std::lock_guard<std::mutex> l(err_->mu);
+    return Status(err_->first.code(), "communicator broken by an earlier failure: " + err_->first.message());
   }
 
-  // mu_ held. The first failure wins: abort NCCL (its kernels return), and
-  // fail collective `seq` and every later one.
-  void break_locked(const Status& why, uint64_t seq) {
+  // mu_ held. The first failure wins: collective `seq` and every later one
+  // fail. Returns the NCCL communicator to abort (after unlocking mu_:
+  // ncclCommAbort can take long) or null.
+  void* break_locked(const Status& why, uint64_t seq) {
     {
-      std::lock_guard<std::mutex> l(err_mu_);
-      if (!first_error_.ok()) return;
-      first_error_ = why;
-      failed_seq_ = seq;
+      std::lock_guard<std::mutex> l(err_->mu);
+      if (!err_->first.ok()) return nullptr;
+      err_->first = why;
+      err_->failed_seq = seq;
     }
     broken_ = why;
-    if (comm_) {
-      Err err;
-      (void)api_->comm_abort(device_, comm_, err.text, sizeof(err.text));
-      comm_ = nullptr;
-    }
+    void* c = comm_;
+    comm_ = nullptr;
+    return c;
+  }
+
+  // ncclCommAbort: the NCCL kernels of uncompleted collectives return.
+  void abort(void* c) {
+    if (c == nullptr) return;
+    Err err;
+    (void)api_->comm_abort(device_, c, err.text, sizeof(err.text));
   }
 
   void watchdog_main() {
@@ -357,35 +400,42 @@ class NcclCommunicator final : public Communicator {
     while (!stop_) {
       cv_.wait_for(lock, std::chrono::milliseconds(pending_.empty() ? 200 : 10));
       if (stop_ || !broken_.ok()) continue;
+      const Clock::time_point now = Clock::now();
       // Completed collectives leave in order (one stream).
       while (!pending_.empty()) {
         auto q = dev_->query(pending_.front().done);
         if (!q.ok() || !*q) break;
-        free_events_.push_back(pending_.front().done);
+        for (DeviceEvent* e : {pending_.front().started, pending_.front().done}) free_events_.push_back(e);
         pending_.pop_front();
-        last_done_ = Clock::now();
+      }
+      // The clock of the oldest runs from when it could start: the caller's
+      // work before it and the collectives before it done.
+      if (!pending_.empty() && pending_.front().running_since == Clock::time_point{}) {
+        auto q = dev_->query(pending_.front().started);
+        if (q.ok() && *q) pending_.front().running_since = now;
       }
       int state = 0;
       Err err;
       const int rc = api_->comm_async_error(comm_, &state, err.text, sizeof(err.text));
       const uint64_t first = pending_.empty() ? seq_ + 1 : pending_.front().seq;
       const char* what = pending_.empty() ? "next collective" : pending_.front().what;
+      void* doomed = nullptr;
       if (rc != 0 || (state != 0 && state != 7)) {
         const Status s = rc != 0 ? nccl_status(rc, err.text, "ncclCommGetAsyncError")
                                  : nccl_status(STRATA_NCCL_ERR_BASE + state, err.text, "NCCL");
-        break_locked(Status(s.code(), where(what, first) + ": " + s.message()), first);
-        continue;
+        doomed = break_locked(Status(s.code(), where(what, first) + ": " + s.message()), first);
+      } else if (!pending_.empty() && pending_.front().running_since != Clock::time_point{} &&
+                 std::chrono::duration<double>(now - pending_.front().running_since).count() > timeout_s_) {
+        doomed = break_locked(Status(StatusCode::kUnavailable,
+                                     fmt::format("{}: timed out after {:.0f} s (a peer died, hangs, or called other "
+                                                 "collectives; NCCL does not say which)",
+                                                 where(what, first), timeout_s_)),
+                              first);
       }
-      if (pending_.empty()) continue;
-      const Clock::time_point started = std::max(pending_.front().enqueued, last_done_);
-      const double waited = std::chrono::duration<double>(Clock::now() - started).count();
-      if (waited > timeout_s_) {
-        const char* last = err.text[0] ? err.text : "no NCCL error reported";
-        break_locked(Status(StatusCode::kUnavailable,
-                            fmt::format("{}: timed out after {:.0f} s (a peer died, hangs, or called other "
-                                        "collectives; NCCL does not say which: {})",
-                                        where(what, first), timeout_s_, last)),
-                     first);
+      if (doomed) {
+        lock.unlock();
+        abort(doomed);
+        lock.lock();
       }
     }
   }
@@ -412,16 +462,14 @@ class NcclCommunicator final : public Communicator {
   std::deque<Pending> pending_;
   std::vector<DeviceEvent*> free_events_;
   uint64_t seq_ = 0;
-  Clock::time_point last_done_{};
   Status broken_;
   bool stop_ = false;
   std::thread watchdog_;
 
-  // err_mu_: read by the host functions on CUDA's callback thread (which must
-  // not wait for mu_: a call holding mu_ may be waiting in CUDA).
-  mutable std::mutex err_mu_;
-  Status first_error_;
-  uint64_t failed_seq_ = 0;
+  // Read by the host functions on CUDA's callback thread, which must not wait
+  // for mu_ (a call holding mu_ may be waiting in CUDA) and may outlive this
+  // object.
+  std::shared_ptr<ErrState> err_ = std::make_shared<ErrState>();
 };
 
 }  // namespace
@@ -441,6 +489,13 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
   if (o.world_size > 1 && !o.share_id)
     return Status(StatusCode::kInvalidArgument,
                   "nccl communicator: N ranks need a way to share rank 0's NCCL id (share_id)");
+  // NCCL_COMM_BLOCKING=1 overrides the non-blocking config: every call could
+  // then wait on a dead peer forever, past any timeout.
+  if (const char* b = std::getenv("NCCL_COMM_BLOCKING"); b && std::string(b) != "0")
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("nccl communicator: NCCL_COMM_BLOCKING={} makes NCCL calls block, which would let a "
+                              "dead peer hang this rank past every timeout; unset it",
+                              b));
   STRATA_ASSIGN_OR_RETURN(const strata_nccl_api_v1_t* api, load_module());
   std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
   if (o.rank == 0) {

@@ -23,16 +23,22 @@
 // and broadcast move bytes (ncclAllGather, ncclBroadcast); barrier is a
 // one-float ncclAllReduce.
 //
-// Failure. A watchdog thread follows every collective (an event recorded on
-// the comm stream after it). One that has not completed `timeout_s` after it
-// started running (enqueued, and the previous one done), or an asynchronous
-// NCCL error (a peer that died: ncclRemoteError/ncclSystemError), aborts the
-// NCCL communicator (ncclCommAbort: its kernels return) and breaks this
+// Failure. A watchdog thread follows every collective (events recorded on
+// the comm stream before and after it). One that has not completed
+// `timeout_s` after it could start (the caller's work before it and the
+// collectives before it done), or an asynchronous NCCL error (a peer that
+// died: ncclRemoteError/ncclSystemError), aborts the NCCL communicator
+// (ncclCommAbort, outside the lock: its kernels return) and breaks this
 // communicator: the failed collective's error becomes the caller's stream
 // error (a host function behind every collective reports it), and every
-// later call fails at once with the first error (communicator.h). The
-// watchdog cannot name the peer that hung (NCCL does not say): the message
-// names the collective, this rank, the timeout and NCCL's last error text.
+// later call fails at once with the first error (communicator.h). NCCL's
+// host side of a call can itself wait on peers (lazy connection set-up): the
+// module bounds that by the same timeout, and the call then fails and breaks
+// the communicator. A failure after part of a collective was enqueued still
+// orders the caller's stream after it. The watchdog cannot name the peer
+// that hung (NCCL does not say): the message names the collective, this rank
+// and the timeout. NCCL_COMM_BLOCKING=1 (which would make NCCL's calls block
+// past every timeout) is refused.
 //
 // Bootstrap. The ranks share rank 0's NCCL unique id (128 bytes) before
 // ncclCommInitRank: through `share_id` (the TCP rendezvous for torchrun-style
