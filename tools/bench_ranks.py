@@ -2,7 +2,8 @@
 """Step time and bytes communicated of `strata finetune` with 1, 2 and 3 host
 ranks (mpirun, ZeRO stages 3 and 2 over MPI) on the same global batch, in one run.
 
-  python3 tools/bench_ranks.py --strata build/tools/strata [--steps 12] [--stages 3,2] [--dir /tmp/sbr]
+  python3 tools/bench_ranks.py --strata build/tools/strata [--steps 12] [--stages 3,2] [--grad-accum K]
+      [--dir /tmp/sbr]
 
 Prints, per world size N: the median step time (steps 3.. of the run) and its
 ratio to the 1-rank run measured here, the bytes each rank sent per step (the
@@ -10,7 +11,11 @@ engine's stats().comm_bytes, from metrics.jsonl) and their ratio to ZeRO's
 volume per rank per step for psi bytes of parameters in the compute dtype:
 stage 3, 3 * psi * (N-1)/N (all-gather in forward, again in backward,
 reduce-scatter of the gradients); stages 1-2, 2 * psi * (N-1)/N (reduce-scatter,
-all-gather of the updated shards). Strata reduce-scatters fp32 gradients (the
+all-gather of the updated shards). With --grad-accum K (micro-batches per step
+on every rank) stage 2 and 3 reduce-scatter every micro-batch, so their volume
+grows by (K-1) gradient reduce-scatters; stage 1 sums each rank's micro-batches
+on its device and reduce-scatters once per step: ZeRO's 2 * psi whatever K.
+Strata reduce-scatters fp32 gradients (the
 exact rank-order sum), so with a bf16 model its volume is 4/3 (stage 3) and 3/2
 (stage 2) of those formulas and with an fp32 model exactly them; the embedding and head are gathered as the
 trainer acquires them (the head once per micro-batch for forward and backward).
@@ -35,6 +40,7 @@ def main():
     ap.add_argument("--global-batch", type=int, default=6)
     ap.add_argument("--dtype", default="bf16", help="compute dtype of the run (--bf16 or fp32)")
     ap.add_argument("--stages", default="3,2", help="ZeRO stages to run with N > 1 ranks (3, 2, 1)")
+    ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on every rank")
     ap.add_argument("--dir", default=None)
     a = ap.parse_args()
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-ranks-")
@@ -58,6 +64,8 @@ def main():
         cmd = [a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch",
                str(a.global_batch // n), "--steps", str(a.steps), "--eval-batches", "1", "--no-export",
                "--progress", "quiet", "--out", out, "--device", "cpu", "--config", cfg_path]
+        if a.grad_accum > 1:
+            cmd += ["--grad-accum", str(a.grad_accum)]
         if a.dtype == "bf16":
             cmd.append("--bf16")
         if n > 1:
@@ -79,7 +87,7 @@ def main():
     psi_bytes = params * esz
     t1 = rows[0][2]
     print(f"model: {params} parameters, {a.dtype} compute; global batch {a.global_batch} x 128 tokens; "
-          f"{a.steps} steps; medians of steps 3..{a.steps}")
+          f"{a.grad_accum} micro-batch(es) per step; {a.steps} steps; medians of steps 3..{a.steps}")
     print(f"{'ranks':>5} {'stage':>5} {'step s':>9} {'vs 1 rank':>10} {'sent/rank/step':>15} "
           f"{'ZeRO k*psi(N-1)/N':>18} {'ratio':>6}")
     for n, stage, s, c in rows:
