@@ -135,6 +135,7 @@ class CudaDeviceBackend final : public DeviceBackend {
   DeviceMemoryStats memory_stats() const override { return pool_->stats(); }
   void trim() override { pool_->trim(); }
   HostMemoryRegistrar* host_registrar() override { return &registrar_; }
+  bool holds(const void*, std::size_t) const override { return true; }
 
   Result<DeviceStream*> create_stream(std::string_view name) override {
     void* s = nullptr;

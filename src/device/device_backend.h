@@ -159,6 +159,12 @@ class DeviceBackend {
   virtual void trim() = 0;
 
   // ---- pinned host memory (not under the device budget)
+  // Whether [ptr, ptr + bytes) is memory this backend's kernels may take as
+  // device memory. Host backend: inside one live allocation of its pool (a
+  // caller's plain host buffer is not); CUDA: true (its callers hand device
+  // pointers by contract; cudaPointerGetAttributes per call would cost more
+  // than it checks). Any thread.
+  virtual bool holds(const void* ptr, std::size_t bytes) const = 0;
   // The registrar page-locks host memory for asynchronous copies (the pinned
   // pool of io/ registers its slabs with it); null when the backend does not
   // need pinning (host). Valid as long as the backend.

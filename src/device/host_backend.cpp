@@ -452,6 +452,7 @@ class HostBackend final : public DeviceBackend {
       return Status(StatusCode::kInvalidArgument, std::string(op) + ": the event belongs to another backend");
     return static_cast<HostEvent*>(e);
   }
+  bool holds(const void* ptr, std::size_t bytes) const override { return pool_->contains(ptr, bytes); }
   Status check_device(const void* p, std::size_t bytes, const char* what) const {
     if (!pool_->contains(p, bytes))
       return Status(StatusCode::kInvalidArgument,

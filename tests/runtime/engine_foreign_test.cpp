@@ -47,6 +47,7 @@ class FlakyBackend final : public DeviceBackend {
   DeviceMemoryStats memory_stats() const override { return in_->memory_stats(); }
   void trim() override { in_->trim(); }
   HostMemoryRegistrar* host_registrar() override { return in_->host_registrar(); }
+  bool holds(const void* p, std::size_t n) const override { return in_->holds(p, n); }
   Result<DeviceStream*> create_stream(std::string_view name) override { return in_->create_stream(name); }
   Status destroy_stream(DeviceStream* s) override { return in_->destroy_stream(s); }
   Status synchronize(DeviceStream* s) override { return in_->synchronize(s); }

@@ -64,10 +64,16 @@ enum class Place { kHost, kNvme };
 struct Case {
   Place place;
   int stage;
+  // The gradients handed to reduce_grad live in the backend's memory (as the
+  // trainer's and every CUDA caller's do: the engine packs them with the
+  // backend's kernels, the GPU path), not in a plain host vector (a host
+  // function reads those).
+  bool backend_grads = false;
 };
 
 void PrintTo(const Case& k, std::ostream* os) {
-  *os << (k.place == Place::kHost ? "host" : "nvme") << ", stage " << k.stage;
+  *os << (k.place == Place::kHost ? "host" : "nvme") << ", stage " << k.stage
+      << (k.backend_grads ? ", backend gradients" : "");
 }
 
 Config make_config(Case k, const std::string& nvme, double clip) {
@@ -95,8 +101,9 @@ struct RankRun {
   DeviceStream* s = nullptr;
   std::unique_ptr<Engine> e;
   std::vector<std::vector<float>> grad;
+  std::vector<float*> dev_grad;  // backend_grads: each parameter's gradient in backend memory
 
-  Status create(const Config& cfg, comm::Communicator* c) {
+  Status create(const Config& cfg, comm::Communicator* c, bool backend_grads = false) {
     if (c != nullptr) {
       dev = c->device();
     } else {
@@ -115,11 +122,16 @@ struct RankRun {
       for (size_t i = 0; i < init.size(); ++i) init[i] = 0.3f * rnd(7 + grad.size(), i);
       STRATA_RETURN_IF_ERROR(e->load_param(static_cast<ParamId>(grad.size()), init.data(), DType::kF32));
       grad.emplace_back(p.numel());
+      if (backend_grads) {
+        STRATA_ASSIGN_OR_RETURN(void* b, dev->alloc(p.numel() * 4));
+        dev_grad.push_back(static_cast<float*>(b));
+      }
     }
     return {};
   }
   ~RankRun() {
     e.reset();
+    for (float* b : dev_grad) (void)dev->free(b);
     if (s) (void)dev->destroy_stream(s);
   }
 
@@ -141,7 +153,12 @@ struct RankRun {
         for (size_t k = 0; k < gr.size(); ++k)
           gr[k] = dyadic ? std::round(64.0f * rnd(1000 * step + 10 * who + p, k)) / 64.0f
                          : 0.5f * bf16_bits_to_f32(w[k]) + rnd(1000 * step + 10 * who + p, k);
-        STRATA_RETURN_IF_ERROR(e->reduce_grad(p, gr.data(), DType::kF32, s));
+        float* src = gr.data();
+        if (!dev_grad.empty()) {  // the host backend's memory is RAM: filled in place
+          std::memcpy(dev_grad[p], gr.data(), gr.size() * 4);
+          src = dev_grad[p];
+        }
+        STRATA_RETURN_IF_ERROR(e->reduce_grad(p, src, DType::kF32, s));
       }
       STRATA_RETURN_IF_ERROR(e->release(g, s));
     }
@@ -169,9 +186,9 @@ class EngineMpi : public ::testing::TestWithParam<Case> {
   // The N-rank run (swap dir shared by the ranks) and this process's 1-rank
   // reference (its own swap dir).
   void create_pair(RankRun& multi, RankRun& ref, double clip = 0) {
-    Status s = multi.create(config(clip, "multi"), comm_);
+    Status s = multi.create(config(clip, "multi"), comm_, GetParam().backend_grads);
     ASSERT_TRUE(s.ok()) << s.to_string();
-    s = ref.create(config(clip, "ref" + std::to_string(rank_)), nullptr);
+    s = ref.create(config(clip, "ref" + std::to_string(rank_)), nullptr, GetParam().backend_grads);
     ASSERT_TRUE(s.ok()) << s.to_string();
   }
   // Both runs two steps, then the N-rank one saves base_/ck.
@@ -418,11 +435,12 @@ TEST_P(EngineMpi, StageOneReducesEachRanksMicroBatchesOncePerStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Stages, EngineMpi,
-                         ::testing::Values(Case{Place::kHost, 3}, Case{Place::kNvme, 3}, Case{Place::kHost, 2},
-                                           Case{Place::kNvme, 2}, Case{Place::kHost, 1}),
+                         ::testing::Values(Case{Place::kHost, 3}, Case{Place::kNvme, 3, true}, Case{Place::kHost, 2},
+                                           Case{Place::kNvme, 2, true}, Case{Place::kHost, 1},
+                                           Case{Place::kNvme, 1, true}),
                          [](const auto& info) {
                            return std::string(info.param.place == Place::kHost ? "Host" : "Nvme") + "Stage" +
-                                  std::to_string(info.param.stage);
+                                  std::to_string(info.param.stage) + (info.param.backend_grads ? "BackendGrads" : "");
                          });
 
 // Refused by name: stage 0 (nothing sharded) with N ranks; parameters on

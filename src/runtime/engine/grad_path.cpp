@@ -329,18 +329,19 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
 // (zeros past numel), are packed rank by rank into the send buffer (device
 // memory); the reduce-scatter leaves the rank-order sum of this rank's piece
 // over all ranks (comm/communicator.h's fixed order) in the device buffer
-// recv_, and a device-to-host copy brings it into `out`. Only the packing
-// differs by backend: on CUDA the cast kernel (exact for bf16/fp16 -> fp32),
-// on the host backend one host function (the caller's gradient may be any
-// host memory, which the backend's kernels refuse); the rest is the path
-// CUDA ranks over NCCL take.
+// recv_, and a device-to-host copy brings it into `out`. The packing is the
+// backend's cast kernel (exact for bf16/fp16 -> fp32) whenever the gradient
+// is backend memory (always on CUDA; on the host backend when the caller
+// allocated it from the backend, as the trainer does), else, for a plain
+// host buffer on the host backend, one host function with the same result:
+// host-backend runs with backend-allocated gradients take CUDA's path.
 Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
                                       float* out, bool caller) {
   const uint32_t world = reg_.world;
   const uint64_t padded = p.shard.padded, numel = p.numel;
   const size_t esz = dtype_size(dtype);
   float* send = send_;
-  if (caller && reg_.dev->kind() == DeviceKind::kHost) {
+  if (caller && !reg_.dev->holds(grad, numel * esz)) {
     STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(download_, [=] {
       for (uint32_t r = 0; r < world; ++r) {
         const uint64_t begin = r * padded + off;
@@ -384,14 +385,15 @@ Result<uint32_t> GradPath::take_slot() {
   return slot;
 }
 
-// Stage 1. On CUDA the cast or accumulate kernel on the download stream
-// (which waits for the caller's); on the host backend one host function with
-// cpu_optim::accumulate (the caller's gradient may be any host memory). Both
-// compute dst = float(g) or dst + float(g) in fp32 with no FMA: the same bits.
+// Stage 1. The backend's cast or accumulate kernel on the download stream
+// (which waits for the caller's) when the gradient is backend memory (always
+// on CUDA); for a plain host buffer on the host backend one host function
+// with cpu_optim::accumulate. Both compute dst = float(g) or dst + float(g)
+// in fp32 with no FMA: the same bits.
 Status GradPath::add_local(ParamId id, const void* grad, DType dtype, bool first) {
   float* dst = local_[id];
   const uint64_t n = reg_.params[id].numel;
-  if (reg_.dev->kind() == DeviceKind::kHost)
+  if (!reg_.dev->holds(grad, n * dtype_size(dtype)))
     return reg_.dev->host_func_async(download_,
                                      [=] { return cpu_optim::accumulate(dst, grad, dtype, n, first, nullptr); });
   if (first) return reg_.dev->cast_async(dst, DType::kF32, grad, dtype, n, 1.0f, download_);
