@@ -371,7 +371,8 @@ int run(const PlanCliOptions& o) {
     std::string what = budget ? fmt::format("{} ({} parameters) does not fit: {}", cfg_path, format_count(spec->numel()),
                                             plan.status().message())
                               : plan.status().message();
-    if (budget && budgets.nvme.empty())
+    // NVMe helps where states do not fit, not the device's working set.
+    if (budget && budgets.nvme.empty() && plan.status().message().rfind("device:", 0) != 0)
       what += " (here: --nvme DIR[,DIR], with --nvme-capacity SIZE to plan for a drive elsewhere)";
     if (o.json) std::printf("%s\n", json({{"fits", false}, {"error", what}}).dump(2).c_str());
     return fail(what);
