@@ -13,8 +13,6 @@
 #include "strata/strata_config.h"
 
 #if STRATA_HAVE_NCCL
-#include <dlfcn.h>
-#include <unistd.h>
 
 #include "cuda/nccl/nccl_module_abi.h"
 #include "device/cuda_backend.h"
@@ -61,44 +59,13 @@ Status nccl_status(int rc, const char* text, const std::string& what) {
   return cuda_module_status(rc, text, what);
 }
 
-std::string dir_of(const std::string& path) {
-  const auto slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
-
 Result<const strata_nccl_api_v1_t*> load_once() {
-  STRATA_ASSIGN_OR_RETURN(CudaBackend backend, load_cuda_backend());
-  std::vector<std::string> candidates;
-  if (const char* env = std::getenv("STRATA_NCCL_MODULE"); env && env[0]) candidates.push_back(env);
-  if (backend.module_path.find('/') != std::string::npos)
-    candidates.push_back(dir_of(backend.module_path) + "/" + kModuleName);
-  candidates.push_back(kModuleName);
-  std::string errors;
-  for (const auto& path : candidates) {
-    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!handle) {
-      const char* e = dlerror();
-      // A file that exists but does not load (libnccl.so.2 missing) is the reason worth giving.
-      if (access(path.c_str(), F_OK) == 0 || path.find('/') == std::string::npos)
-        errors += (errors.empty() ? "" : "; ") + std::string(e ? e : path.c_str());
-      continue;
-    }
-    auto fn = reinterpret_cast<strata_nccl_api_v1_fn>(dlsym(handle, STRATA_NCCL_API_SYMBOL));
-    if (!fn) {
-      errors += (errors.empty() ? "" : "; ") + path + " has no symbol " STRATA_NCCL_API_SYMBOL;
-      dlclose(handle);
-      continue;
-    }
-    const strata_nccl_api_v1_t* api = fn();
-    if (!api || api->abi_version != STRATA_NCCL_ABI_VERSION || api->struct_size < sizeof(strata_nccl_api_v1_t)) {
-      dlclose(handle);
-      return Status(StatusCode::kUnavailable, path + " speaks another NCCL module ABI version; rebuild Strata");
-    }
-    return api;  // never unloaded: CUDA libraries do not unload safely
-  }
-  return Status(StatusCode::kUnavailable,
-                "NCCL module not loadable: " +
-                    (errors.empty() ? std::string(kModuleName) + " not found next to " + backend.module_path : errors));
+  auto m = load_cuda_sibling_module(kModuleName, STRATA_NCCL_API_SYMBOL, "STRATA_NCCL_MODULE");
+  if (!m.ok()) return Status(m.status().code(), "NCCL module not loadable: " + m.status().message());
+  const strata_nccl_api_v1_t* api = reinterpret_cast<strata_nccl_api_v1_fn>(m->symbol)();
+  if (!api || api->abi_version != STRATA_NCCL_ABI_VERSION || api->struct_size < sizeof(strata_nccl_api_v1_t))
+    return Status(StatusCode::kUnavailable, m->path + " speaks another NCCL module ABI version; rebuild Strata");
+  return api;
 }
 
 Result<const strata_nccl_api_v1_t*> load_module() {

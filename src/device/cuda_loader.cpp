@@ -115,6 +115,40 @@ Result<CudaBackend> load_once() {
 
 }  // namespace
 
+Result<CudaSiblingModule> load_cuda_sibling_module(const char* file_name, const char* symbol,
+                                                   const char* env_override) {
+  STRATA_ASSIGN_OR_RETURN(CudaBackend backend, load_cuda_backend());
+  std::vector<std::string> candidates;
+  if (env_override)
+    if (const char* env = std::getenv(env_override); env && env[0]) candidates.push_back(env);
+  if (backend.module_path.find('/') != std::string::npos)
+    candidates.push_back(dir_of(backend.module_path) + "/" + file_name);
+  const std::string exe = exe_dir();
+  for (const char* sub : {"/", "/../lib/", "/../cuda/"}) candidates.push_back(exe + sub + file_name);
+  candidates.push_back(file_name);
+  std::string errors;
+  for (const auto& path : candidates) {
+    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
+    if (!handle) {
+      const char* e = dlerror();
+      // A present file that fails to load is the interesting reason; absent
+      // candidates are expected.
+      if (access(path.c_str(), F_OK) == 0 || path.find('/') == std::string::npos)
+        errors += (errors.empty() ? "" : "; ") + std::string(e ? e : path.c_str());
+      continue;
+    }
+    void* fn = dlsym(handle, symbol);
+    if (!fn) {
+      errors += (errors.empty() ? "" : "; ") + path + " has no symbol " + symbol;
+      dlclose(handle);
+      continue;
+    }
+    return CudaSiblingModule{fn, path};
+  }
+  return Status(StatusCode::kUnavailable,
+                errors.empty() ? std::string(file_name) + " not found next to " + backend.module_path : errors);
+}
+
 Result<CudaBackend> load_cuda_backend() {
   static std::once_flag once;
   static Result<CudaBackend> result = Status(StatusCode::kInternal, "not loaded");

@@ -22,6 +22,24 @@ struct CudaBackend {
 // ../lib and ../cuda, then the dynamic linker's path.
 Result<CudaBackend> load_cuda_backend();
 
+// A second CUDA module (the model ops' libstrata_cuda_train.so, the NCCL
+// communicator's libstrata_nccl.so) loaded the way the device backend's is:
+// the device backend's module first (no point, and no driver, without it),
+// then `file_name` from `env_override`'s value when that variable is set,
+// the directory the device backend's module came from, the executable's
+// directory and its ../lib and ../cuda, and the dynamic linker's path.
+// Returns the module's `symbol` (the caller checks the ABI it returns) and
+// where it came from; never unloaded (CUDA libraries do not unload safely).
+// Errors: kUnavailable with why (the device backend's reason; dlopen's text
+// for a file that exists but does not load, e.g. a missing libcublas or
+// libnccl; "not found next to ...").
+struct CudaSiblingModule {
+  void* symbol = nullptr;
+  std::string path;
+};
+Result<CudaSiblingModule> load_cuda_sibling_module(const char* file_name, const char* symbol,
+                                                   const char* env_override = nullptr);
+
 // Page-locks host memory through the loaded CUDA backend.
 class CudaHostRegistrar final : public HostMemoryRegistrar {
  public:

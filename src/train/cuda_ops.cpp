@@ -1,10 +1,7 @@
 #include "train/cuda_ops.h"
 
-#include <dlfcn.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
-#include <climits>
 #include <cstring>
 #include <mutex>
 #include <vector>
@@ -25,57 +22,13 @@ struct TrainModule {
   std::string path;
 };
 
-std::string dir_of(const std::string& path) {
-  const auto slash = path.rfind('/');
-  return slash == std::string::npos ? "." : path.substr(0, slash);
-}
-
-std::string exe_dir() {
-  char buf[PATH_MAX];
-  const ssize_t n = readlink("/proc/self/exe", buf, sizeof(buf) - 1);
-  if (n <= 0) return ".";
-  buf[n] = '\0';
-  return dir_of(buf);
-}
-
 Result<TrainModule> load_once() {
-  // The device backend's module first: no point (and no driver) without it,
-  // and its directory is where the build and the install put ours.
-  STRATA_ASSIGN_OR_RETURN(CudaBackend backend, load_cuda_backend());
-  std::vector<std::string> candidates;
-  if (backend.module_path.find('/') != std::string::npos)
-    candidates.push_back(dir_of(backend.module_path) + "/" + kModuleName);
-  const std::string exe = exe_dir();
-  for (const char* sub : {"/", "/../lib/", "/../cuda/"}) candidates.push_back(exe + sub + kModuleName);
-  candidates.push_back(kModuleName);
-  std::string errors;
-  for (const auto& path : candidates) {
-    void* handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-    if (!handle) {
-      const char* e = dlerror();
-      // A present file that fails to load (libcublas.so.13 missing) is the
-      // interesting reason; absent candidates are expected.
-      if (access(path.c_str(), F_OK) == 0 || path.find('/') == std::string::npos)
-        errors += (errors.empty() ? "" : "; ") + std::string(e ? e : path.c_str());
-      continue;
-    }
-    auto fn = reinterpret_cast<strata_cuda_train_api_v1_fn>(dlsym(handle, STRATA_CUDA_TRAIN_API_SYMBOL));
-    if (!fn) {
-      errors += (errors.empty() ? "" : "; ") + path + " has no symbol " STRATA_CUDA_TRAIN_API_SYMBOL;
-      dlclose(handle);
-      continue;
-    }
-    const strata_cuda_train_api_v1_t* api = fn();
-    if (!api || api->abi_version != STRATA_CUDA_TRAIN_ABI_VERSION ||
-        api->struct_size < sizeof(strata_cuda_train_api_v1_t)) {
-      dlclose(handle);
-      return Status(StatusCode::kUnavailable, path + " speaks another model-ops ABI version; rebuild Strata");
-    }
-    return TrainModule{api, path};  // never unloaded: CUDA libraries do not unload safely
-  }
-  return Status(StatusCode::kUnavailable,
-                std::string("CUDA model-ops module not loadable: ") +
-                    (errors.empty() ? std::string(kModuleName) + " not found next to " + backend.module_path : errors));
+  auto m = load_cuda_sibling_module(kModuleName, STRATA_CUDA_TRAIN_API_SYMBOL);
+  if (!m.ok()) return Status(m.status().code(), "CUDA model-ops module not loadable: " + m.status().message());
+  const strata_cuda_train_api_v1_t* api = reinterpret_cast<strata_cuda_train_api_v1_fn>(m->symbol)();
+  if (!api || api->abi_version != STRATA_CUDA_TRAIN_ABI_VERSION || api->struct_size < sizeof(strata_cuda_train_api_v1_t))
+    return Status(StatusCode::kUnavailable, m->path + " speaks another model-ops ABI version; rebuild Strata");
+  return TrainModule{api, m->path};
 }
 
 Result<TrainModule> load_module() {

@@ -307,16 +307,9 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
       return failed(st);
     }
     if (!scatter) reg_.traffic.d2h += bytes;
-    Job j;
-    j.kind = Job::kAccum;
-    j.slot = slot;
-    j.param = id;
-    j.group = p.group;
-    j.offset = off;
-    j.count = scatter ? (off < n ? std::min(cnt, n - off) : 0) : cnt;  // N ranks: the padding is not accumulated
-    j.dtype = scatter ? DType::kF32 : sent;
-    j.first = first;
-    queue_.push(j);  // the accumulator waits for the piece's event
+    // N ranks: the padding is not accumulated. The accumulator waits for the piece's event.
+    queue_accum(slot, id, off, scatter ? (off < n ? std::min(cnt, n - off) : 0) : cnt, scatter ? DType::kF32 : sent,
+                first);
     ++queued;
   }
   pg.reduced_micro = micro_index;
@@ -370,6 +363,19 @@ Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DTy
   return {};
 }
 
+void GradPath::queue_accum(uint32_t slot, ParamId id, uint64_t offset, uint64_t count, DType dtype, bool first) {
+  Job j;
+  j.kind = Job::kAccum;
+  j.slot = slot;
+  j.param = id;
+  j.group = reg_.params[id].group;
+  j.offset = offset;
+  j.count = count;
+  j.dtype = dtype;
+  j.first = first;
+  queue_.push(j);
+}
+
 Result<uint32_t> GradPath::take_slot() {
   std::unique_lock<std::mutex> lock(mu_);
   while (dl_free_.empty()) {
@@ -418,16 +424,8 @@ Status GradPath::reduce_deferred() {
         return st.with_context(fmt::format("engine: step(): reducing the summed gradient of {} over the ranks",
                                            p.name));
       }
-      Job j;
-      j.kind = Job::kAccum;
-      j.slot = slot;
-      j.param = id;
-      j.group = p.group;
-      j.offset = off;
-      j.count = off < n ? std::min(cnt, n - off) : 0;
-      j.dtype = DType::kF32;
-      j.first = true;  // the step's whole sum: written, its norm blocks from it
-      queue_.push(j);
+      // The step's whole sum: written (first), its norm blocks from it.
+      queue_accum(slot, id, off, off < n ? std::min(cnt, n - off) : 0, DType::kF32, true);
     }
   }
   return wait_idle();

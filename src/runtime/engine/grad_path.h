@@ -139,6 +139,9 @@ class GradPath {
   Status add_local(ParamId id, const void* grad, DType dtype, bool first);
   // A free download piece (waits for the accumulator to give one back).
   Result<uint32_t> take_slot();
+  // Hands piece `slot` (elements [offset, offset + count) of p's shard) to
+  // the accumulator thread.
+  void queue_accum(uint32_t slot, ParamId id, uint64_t offset, uint64_t count, DType dtype, bool first);
   Status zero_grad(ParamId p);
 
   Registry& reg_;
