@@ -230,6 +230,7 @@ json plan_json(const Plan& plan) {
           {"host_total", plan.host_total()},
           {"nvme_total", plan.nvme_total()},
           {"device_buffers", plan.device_buffers},
+          {"local_grad_bytes", plan.local_grad_bytes},  // stage 1, N ranks
           {"staging_ring", plan.staging_ring},
           {"optimizer_ring", plan.optimizer_ring},
           {"nvme_dirs", dirs},
