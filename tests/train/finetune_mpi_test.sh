@@ -9,7 +9,8 @@
 #     a run never stopped;
 #   - a rank that stops answering (SIGSTOP) makes the other fail within
 #     --comm-timeout naming it; a rank killed with SIGKILL ends the job;
-#   - ZeRO stage 2 (parameters whole on every rank) gives the same model;
+#   - ZeRO stages 2 and 1 (parameters whole on every rank; stage 1 reduces
+#     each rank's summed gradient once per step) give the same model;
 #   - what N ranks cannot do is refused by name (GPU ranks where no GPU or
 #     no NCCL, torchrun-style host ranks, parameters on NVMe with stage 2,
 #     ranks with different settings).
@@ -78,6 +79,15 @@ timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --b
   --config "$dir/stage2.json" >"$dir/two2.log" 2>&1 ||
   { cat "$dir/two2.log"; fail "mpirun -np 2 finetune (stage 2)"; }
 same_run "2 ranks, stage 2" "$dir/one2c" "$dir/two2"
+# ZeRO stage 1 (each rank's gradient summed on its device, reduced once per
+# step; one micro-batch per rank: the same sums as one rank's accumulation)
+printf '{"zero_optimization": {"stage": 1}}' >"$dir/stage1.json"
+"$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one1c" --config "$dir/stage1.json" \
+  >"$dir/one1c.log" 2>&1 || { cat "$dir/one1c.log"; fail "1-rank run (accumulation 2, stage-1 config)"; }
+timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two1" \
+  --config "$dir/stage1.json" >"$dir/two1.log" 2>&1 ||
+  { cat "$dir/two1.log"; fail "mpirun -np 2 finetune (stage 1)"; }
+same_run "2 ranks, stage 1" "$dir/one1c" "$dir/two1"
 
 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 3 --out "$dir/one3" \
   --offload-params nvme:"$dir/nv1" --offload-optimizer nvme:"$dir/nv1" >"$dir/one3.log" 2>&1 ||
