@@ -28,6 +28,7 @@
 #include <type_traits>
 
 #include "comm/communicator.h"
+#include "comm/host_collectives.h"
 #include "common/json.h"
 #include "common/log.h"
 #include "common/posix_file.h"
@@ -84,6 +85,7 @@ struct Trainer::Impl {
   // N ranks (trainer.h, "Ranks"): the communicator over `backend`; rank 0 of
   // 1 without one.
   std::unique_ptr<comm::Communicator> comm;
+  comm::HostStaging comm_staging;  // N ranks: the per-step agreements' device buffer
   uint32_t rank = 0, world = 1;
   int local_rank = 0;  // N GPU ranks: this rank's GPU (the launcher's LOCAL_RANK)
   std::string run_id;  // ranks other than 0 (no RunDir): rank 0's run id
@@ -154,6 +156,7 @@ struct Trainer::Impl {
       if (p) (void)backend->free(p);
     if (upload_done) backend->destroy_event(upload_done);
     if (staging.ptr) backend->free_pinned(staging);
+    if (comm_staging.ptr) (void)backend->free(comm_staging.ptr);
     if (stream) (void)backend->destroy_stream(stream);
     engine.reset();
     comm.reset();

@@ -4,7 +4,6 @@
 // each step (the loss, a stop request). Every function here is a collective
 // once there are N ranks: each rank calls it at the same point of its run.
 #include "comm/bootstrap.h"
-#include "comm/host_collectives.h"
 #include "comm/nccl_comm.h"
 #include "train/trainer_impl.h"
 
@@ -51,6 +50,11 @@ Status Trainer::Impl::join_ranks() {
   auto c = comm::create_communicator(backend.get(), co);
   if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));
   comm = std::move(c).value();
+  // Every step agrees on the loss and the stop flag through it: kept, not
+  // allocated per call.
+  constexpr size_t kStaging = 64u << 10;
+  STRATA_ASSIGN_OR_RETURN(comm_staging.ptr, backend->alloc(kStaging));
+  comm_staging.bytes = kStaging;
   if (static_cast<uint32_t>(comm->rank()) != rank || static_cast<uint32_t>(comm->world_size()) != world)
     return Status(StatusCode::kInternal,
                   fmt::format("the {} communicator says rank {} of {}, the launcher's environment rank {} of {}",
@@ -59,7 +63,9 @@ Status Trainer::Impl::join_ranks() {
   std::string text;
   if (rank == 0) text = json{{"run_id", run_dir->run_id()}, {"resume_from", resume_from}, {"settings", settings}}.dump();
   uint64_t len = text.size();
-  auto bcast = [&](void* p, size_t n) -> Status { return comm::broadcast_host(*comm, stream, p, n, 0); };
+  auto bcast = [&](void* p, size_t n) -> Status {
+    return comm::broadcast_host(*comm, stream, p, n, 0, comm_staging);
+  };
   STRATA_RETURN_IF_ERROR(bcast(&len, sizeof(len)));
   text.resize(len);
   STRATA_RETURN_IF_ERROR(bcast(text.data(), len));
@@ -88,7 +94,8 @@ Status Trainer::Impl::all_gather(const double* mine, size_t n, std::vector<doubl
   all->assign(n * world, 0.0);
   std::copy(mine, mine + n, all->begin() + static_cast<std::ptrdiff_t>(n * rank));
   if (world == 1) return {};
-  return comm::all_gather_host(*comm, stream, all->data() + n * rank, all->data(), n * sizeof(double));
+  return comm::all_gather_host(*comm, stream, all->data() + n * rank, all->data(), n * sizeof(double),
+                               comm_staging);
 }
 
 Result<bool> Trainer::Impl::any_rank(bool mine) {

@@ -147,26 +147,29 @@ TEST_F(Mpi, BroadcastFromEveryRoot) {
 }
 
 // comm/host_collectives.h: host vectors (not backend memory) through device
-// staging, in rounds when larger than the staging buffer (1 MiB), `mine`
-// inside or outside `all`.
+// staging — a buffer of the call's own (1 MiB) or the caller's (4 KiB, kept
+// between calls) — in rounds when larger, `mine` inside or outside `all`.
 TEST_F(Mpi, HostCollectivesStageThroughDeviceMemoryInRounds) {
   const std::size_t big = kHostCollectiveStaging + 12345;
-  for (std::size_t bytes : {std::size_t{0}, std::size_t{8}, big / world_ + 7, big}) {
-    std::vector<uint8_t> mine(bytes), all(bytes * world_ + 1, 0);
-    for (std::size_t i = 0; i < bytes; ++i) mine[i] = byte_of(rank_, i);
-    ASSERT_TRUE(all_gather_host(*comm_, stream_, mine.data(), all.data(), bytes).ok());
-    for (int r = 0; r < world_; ++r)
-      for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(all[r * bytes + i], byte_of(r, i)) << bytes << " " << r;
-    std::fill(all.begin(), all.end(), 0);
-    std::copy(mine.begin(), mine.end(), all.begin() + rank_ * bytes);
-    ASSERT_TRUE(all_gather_host(*comm_, stream_, all.data() + rank_ * bytes, all.data(), bytes).ok());
-    for (int r = 0; r < world_; ++r)
-      for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(all[r * bytes + i], byte_of(r, i)) << bytes << " " << r;
-    const int root = world_ - 1;
-    std::vector<uint8_t> b(bytes, 0);
-    if (rank_ == root) b = mine;
-    ASSERT_TRUE(broadcast_host(*comm_, stream_, b.data(), bytes, root).ok());
-    for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(b[i], byte_of(root, i)) << bytes;
+  const HostStaging kept{alloc<uint8_t>(4096), 4096};
+  for (const HostStaging staging : {HostStaging{}, kept}) {
+    for (std::size_t bytes : {std::size_t{0}, std::size_t{8}, big / world_ + 7, big}) {
+      std::vector<uint8_t> mine(bytes), all(bytes * world_ + 1, 0);
+      for (std::size_t i = 0; i < bytes; ++i) mine[i] = byte_of(rank_, i);
+      ASSERT_TRUE(all_gather_host(*comm_, stream_, mine.data(), all.data(), bytes, staging).ok());
+      for (int r = 0; r < world_; ++r)
+        for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(all[r * bytes + i], byte_of(r, i)) << bytes << " " << r;
+      std::fill(all.begin(), all.end(), 0);
+      std::copy(mine.begin(), mine.end(), all.begin() + rank_ * bytes);
+      ASSERT_TRUE(all_gather_host(*comm_, stream_, all.data() + rank_ * bytes, all.data(), bytes, staging).ok());
+      for (int r = 0; r < world_; ++r)
+        for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(all[r * bytes + i], byte_of(r, i)) << bytes << " " << r;
+      const int root = world_ - 1;
+      std::vector<uint8_t> b(bytes, 0);
+      if (rank_ == root) b = mine;
+      ASSERT_TRUE(broadcast_host(*comm_, stream_, b.data(), bytes, root, staging).ok());
+      for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(b[i], byte_of(root, i)) << bytes;
+    }
   }
 }
 

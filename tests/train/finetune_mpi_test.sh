@@ -71,23 +71,21 @@ printf '{"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme
   "$dir/nv2" >"$dir/stage2.json"
 printf '{"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "nvme_path": "%s"}}}' \
   "$dir/nv2" >"$dir/stage2-params-nvme.json"
-# (a --config run takes its defaults from the config, not the CLI's: the
-# 1-rank reference runs with the same file)
-"$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one2c" --config "$dir/stage2.json" \
-  >"$dir/one2c.log" 2>&1 || { cat "$dir/one2c.log"; fail "1-rank run (accumulation 2, stage-2 config)"; }
-timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two2" \
-  --config "$dir/stage2.json" >"$dir/two2.log" 2>&1 ||
-  { cat "$dir/two2.log"; fail "mpirun -np 2 finetune (stage 2)"; }
-same_run "2 ranks, stage 2" "$dir/one2c" "$dir/two2"
+# 2 ranks with config file CONFIG (stage S) equal one rank with accumulation 2
+# and the same file (a --config run takes its defaults from the config, not
+# the CLI's: the 1-rank reference runs with the same file).
+same_as_one_rank() {  # S CONFIG
+  "$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one${1}c" --config "$2" \
+    >"$dir/one${1}c.log" 2>&1 || { cat "$dir/one${1}c.log"; fail "1-rank run (accumulation 2, stage-$1 config)"; }
+  timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two$1" \
+    --config "$2" >"$dir/two$1.log" 2>&1 || { cat "$dir/two$1.log"; fail "mpirun -np 2 finetune (stage $1)"; }
+  same_run "2 ranks, stage $1" "$dir/one${1}c" "$dir/two$1"
+}
+same_as_one_rank 2 "$dir/stage2.json"
 # ZeRO stage 1 (each rank's gradient summed on its device, reduced once per
 # step; one micro-batch per rank: the same sums as one rank's accumulation)
 printf '{"zero_optimization": {"stage": 1}}' >"$dir/stage1.json"
-"$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one1c" --config "$dir/stage1.json" \
-  >"$dir/one1c.log" 2>&1 || { cat "$dir/one1c.log"; fail "1-rank run (accumulation 2, stage-1 config)"; }
-timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two1" \
-  --config "$dir/stage1.json" >"$dir/two1.log" 2>&1 ||
-  { cat "$dir/two1.log"; fail "mpirun -np 2 finetune (stage 1)"; }
-same_run "2 ranks, stage 1" "$dir/one1c" "$dir/two1"
+same_as_one_rank 1 "$dir/stage1.json"
 
 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 3 --out "$dir/one3" \
   --offload-params nvme:"$dir/nv1" --offload-optimizer nvme:"$dir/nv1" >"$dir/one3.log" 2>&1 ||

@@ -329,12 +329,12 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
 // host buffer on the host backend, one host function with the same result:
 // host-backend runs with backend-allocated gradients take CUDA's path.
 Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
-                                      float* out, bool caller) {
+                                      float* out) {
   const uint32_t world = reg_.world;
   const uint64_t padded = p.shard.padded, numel = p.numel;
   const size_t esz = dtype_size(dtype);
   float* send = send_;
-  if (caller && !reg_.dev->holds(grad, numel * esz)) {
+  if (!reg_.dev->holds(grad, numel * esz)) {
     STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(download_, [=] {
       for (uint32_t r = 0; r < world; ++r) {
         const uint64_t begin = r * padded + off;
@@ -414,7 +414,7 @@ Status GradPath::reduce_deferred() {
     for (uint64_t off = 0; off < p.shard.padded; off += piece_elems_) {
       const uint64_t cnt = std::min(piece_elems_, p.shard.padded - off);
       STRATA_ASSIGN_OR_RETURN(const uint32_t slot, take_slot());
-      Status st = reduce_scatter_piece(p, local_[id], DType::kF32, off, cnt, dl_[slot].as<float>(), false);
+      Status st = reduce_scatter_piece(p, local_[id], DType::kF32, off, cnt, dl_[slot].as<float>());
       if (st.ok()) st = reg_.dev->record(ready_[slot], download_);
       if (!st.ok()) {
         if (reg_.dev->synchronize(download_).ok()) {

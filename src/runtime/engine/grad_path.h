@@ -130,10 +130,10 @@ class GradPath {
   // The piece's copies, `cnt` elements from the caller's `src` (in `given`)
   // into dl_[slot] in `sent` (given, or the compute dtype when narrowed).
   Status download_piece(uint32_t slot, const void* src, DType given, DType sent, uint64_t cnt);
-  // `caller`: grad is the caller's buffer (on the host backend any host
-  // memory), else backend memory (a stage-1 local sum).
+  // `grad`: the caller's whole gradient (on the host backend any host
+  // memory), or a stage-1 local sum (backend memory).
   Status reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
-                              float* out, bool caller = true);
+                              float* out);
   // Stage 1: grad (the caller's, whole) into local_[id]: written when
   // `first`, else added (cpu_optim::accumulate's arithmetic: one fp32 add).
   Status add_local(ParamId id, const void* grad, DType dtype, bool first);

@@ -12,7 +12,6 @@
 #include <random>
 #include <unistd.h>
 
-#include "comm/host_collectives.h"
 #include "common/log.h"
 #include "common/units.h"
 
@@ -258,6 +257,10 @@ Status Registry::allocate_arrays() {
   STRATA_ASSIGN_OR_RETURN(upload, dev->create_stream("strata upload"));
   std::string run_name;
   if (world > 1) {
+    // The host collectives' device buffer, kept: step() agrees on the norm
+    // through it without allocating.
+    STRATA_ASSIGN_OR_RETURN(comm_staging.ptr, dev->alloc(kCommStagingBytes));
+    comm_staging.bytes = kCommStagingBytes;
     auto n = agree_run_name();
     if (!n.ok()) return n.status().with_context("engine: agreeing on the swap run directory with the other ranks");
     run_name = *n;
@@ -437,6 +440,7 @@ Registry::~Registry() {
     for (auto& g : groups) dev->destroy_event(g.release_event);
     if (upload) (void)dev->destroy_stream(upload);
     for (void* p : device_blocks) (void)dev->free(p);
+    if (comm_staging.ptr) (void)dev->free(comm_staging.ptr);
     if (pinned_arena.ptr) dev->free_pinned(pinned_arena);
   }
   if (host_arena.ptr) free_host(host_arena);
@@ -454,22 +458,20 @@ Registry::~Registry() {
 
 // ---------------------------------------------------------------- collectives
 
-Status Registry::blocking_collective(const std::function<Status(DeviceStream*)>& op, uint64_t sent) {
+Status Registry::blocking_collective(const std::function<Status(DeviceStream*)>& op) {
   Status st = op(upload);
   Status sync = dev->synchronize(upload);
-  if (st.ok()) st = sync;
-  if (st.ok()) traffic.comm += sent;
-  return st;
+  return st.ok() ? sync : st;
 }
 
 Status Registry::host_all_gather(const void* mine, void* all, size_t bytes_per_rank) {
-  STRATA_RETURN_IF_ERROR(comm::all_gather_host(*comm, upload, mine, all, bytes_per_rank));
+  STRATA_RETURN_IF_ERROR(comm::all_gather_host(*comm, upload, mine, all, bytes_per_rank, comm_staging));
   traffic.comm += bytes_per_rank * (world - 1);
   return {};
 }
 
 Status Registry::host_broadcast(void* data, size_t bytes) {
-  STRATA_RETURN_IF_ERROR(comm::broadcast_host(*comm, upload, data, bytes, 0));
+  STRATA_RETURN_IF_ERROR(comm::broadcast_host(*comm, upload, data, bytes, 0, comm_staging));
   if (rank == 0) traffic.comm += bytes * (world - 1);
   return {};
 }
@@ -489,8 +491,7 @@ Status Registry::gather_replicas(const std::vector<ParamId>& ids) {
           sent += per_rank * (world - 1);
         }
         return {};
-      },
-      0);
+      });
   if (st.ok()) traffic.comm += sent;
   return st;
 }

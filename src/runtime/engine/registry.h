@@ -23,6 +23,7 @@
 
 #include "common/host_memory.h"
 #include "comm/communicator.h"
+#include "comm/host_collectives.h"
 #include "io/io_engine.h"
 #include "io/pinned_pool.h"
 #include "io/swap_store.h"
@@ -176,12 +177,13 @@ struct Registry {
   Status wait_released(ParamId p);
   Status sync_io(io::IoHandle h, bool write, uint64_t bytes);
   // ---- collectives (driving thread; world > 1)
-  // A collective on the upload stream, waited for (engine idle: step(),
-  // checkpoints, gather_param). `sent` counts into traffic.comm.
-  Status blocking_collective(const std::function<Status(DeviceStream*)>& op, uint64_t sent);
+  // Collectives on the upload stream, waited for (engine idle).
+  Status blocking_collective(const std::function<Status(DeviceStream*)>& op);
   // Blocking collectives on host memory (comm/host_collectives.h: through
-  // device memory, as NCCL needs) on the upload stream; the bytes sent count
-  // into traffic.comm.
+  // comm_staging, device memory as NCCL needs) on the upload stream; the
+  // bytes sent count into traffic.comm.
+  static constexpr size_t kCommStagingBytes = 64u << 10;
+  comm::HostStaging comm_staging;  // N ranks: allocated with the arrays
   Status host_all_gather(const void* mine, void* all, size_t bytes_per_rank);
   Status host_broadcast(void* data, size_t bytes);  // from rank 0
   // Stages 1-2: every rank's shard of each listed parameter's compute copy
