@@ -104,9 +104,16 @@
 // copy, master, optimizer states and gradient, each on its home tier. With a
 // communicator of N > 1 ranks (EngineOptions::comm):
 //   - acquire() all-gathers the group's compute copies into the device buffer
-//     (this rank's shard is uploaded, then an in-place all-gather); the
-//     gather is enqueued on the upload stream by the first hold, so every
-//     rank gathers in its program order;
+//     (this rank's shard is uploaded, then an in-place all-gather on the
+//     upload stream); once an acquire order is recorded (after the first
+//     step), the first hold of group k also enqueues the gathers of the next
+//     strata.prefetch_depth - 1 groups of the order, so the gather of k+1 runs
+//     while the trainer computes k (stats().gathers_ahead counts them). Which
+//     gathers are enqueued, and when, follows from the calls alone (the
+//     acquires' first holds, releases, steps), never from the timing of the
+//     uploads, so every rank gathers in the same order; an acquire order that
+//     changes on every rank at once is followed (gathers enqueued ahead for the
+//     old order are not used, their groups gather again);
 //   - reduce_grad() reduce-scatters the gradient: the sum over ranks, in rank
 //     order (comm/communicator.h), of each rank's fp32 gradient lands in this
 //     rank's shard and is accumulated there as one micro-batch of a 1-rank
@@ -119,7 +126,9 @@
 //     saved shards that overlap its new one, checksums verified);
 //   - gather_param() assembles a whole parameter (export).
 // Every rank must make the same calls in the same order (acquire's first
-// holds, reduce_grad, step, save/load, gather_param): they are collectives.
+// holds, reduce_grad, step, save/load, gather_param: collectives; releases
+// and load_param/load_state too with stage 3, since they decide which
+// device buffers are reused and so which gathers run ahead).
 // A rank that stops making them makes the others fail after the
 // communicator's timeout (kUnavailable naming the peer). With N ranks and
 // micro-batches of b sequences, the step equals a 1-rank step of N
@@ -236,6 +245,9 @@ struct EngineStats {
   // reduce-scatters in reduce_grad, the norm, checkpoints, gather_param):
   // (N-1)/N of each collective's buffer for every all-gather/reduce-scatter.
   uint64_t comm_bytes = 0;
+  // Stage 3: acquires whose all-gather was enqueued ahead, by the acquire
+  // before (see Sharding).
+  uint64_t gathers_ahead = 0;
   uint64_t hot_path_allocs = 0;  // allocations after the first step (should stay 0)
   int64_t steps = 0, skipped_steps = 0;
 };

@@ -635,7 +635,8 @@ json Trainer::Impl::stats_json() const {
               {"nvme_write_bytes", s.nvme_write_bytes},
               {"h2d_bytes", s.h2d_bytes},
               {"d2h_bytes", s.d2h_bytes},
-              {"comm_bytes", s.comm_bytes}};
+              {"comm_bytes", s.comm_bytes},
+              {"gathers_ahead", s.gathers_ahead}};
 }
 
 void Trainer::Impl::write_metrics(const json& j) {

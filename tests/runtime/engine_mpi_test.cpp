@@ -60,6 +60,19 @@ ModelSpec make_model() {
   return m;
 }
 
+// Bytes this rank sends in one all-gather of every parameter (bf16 compute
+// copies) and in one reduce-scatter of every gradient (fp32): (N-1)/N of
+// each padded buffer.
+std::pair<uint64_t, uint64_t> sent_per_collective(int world, int rank) {
+  uint64_t gather = 0, scatter = 0;
+  for (const auto& p : make_model().params) {
+    const ShardRange sh = shard_range(p.numel(), world, rank, 512);
+    gather += sh.padded * 2 * (world - 1);
+    scatter += sh.padded * 4 * (world - 1);
+  }
+  return {gather, scatter};
+}
+
 enum class Place { kHost, kNvme };
 struct Case {
   Place place;
@@ -140,9 +153,12 @@ struct RankRun {
   // gathered weights of every acquire are appended to `seen`. `dyadic`:
   // gradients that are multiples of 1/64 in [-1, 1] instead (any sum of a
   // few of them is exact in fp32, whatever the order).
-  Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen, bool dyadic = false) {
+  // `order`: the groups in that order instead of 0, 1, 2.
+  Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen, bool dyadic = false,
+                     const std::vector<GroupId>* order = nullptr) {
     STRATA_RETURN_IF_ERROR(e->begin_micro_batch(last));
-    for (GroupId g = 0; g < e->group_count(); ++g) {
+    for (GroupId k = 0; k < e->group_count(); ++k) {
+      const GroupId g = order ? (*order)[k] : k;
       STRATA_ASSIGN_OR_RETURN(GroupView v, e->acquire(g, s));
       STRATA_RETURN_IF_ERROR(dev->synchronize(s));
       for (size_t i = 0; i < v.params.size(); ++i) {
@@ -394,6 +410,54 @@ TEST_P(EngineMpi, SaveThatOneRankCannotWriteCommitsNothing) {
     EXPECT_EQ(e.path().filename().string().rfind("ck.tmp-", 0), std::string::npos) << e.path();
 }
 
+// Stage 3: once the first step recorded the acquire order, each acquire
+// enqueues the all-gathers of the next prefetch_depth - 1 groups of the order
+// and their acquires use them (every acquire of a step but its first, with
+// depth 2 or 3 and three groups). Every gathered weight stays the 1-rank
+// run's, and the bytes sent per step stay one gather and one reduce-scatter
+// of every group (nothing gathered twice). An order that changes on every
+// rank at once (c, a, b from the third step) is followed: that step gathers
+// nothing ahead, the next ones along the new order. Depth 1, and stages 1-2
+// (no gathers in acquire), gather nothing ahead.
+TEST_P(EngineMpi, GathersRunAheadAlongTheRecordedOrder) {
+  const auto [gather, scatter] = sent_per_collective(world_, rank_);
+  const uint64_t norm_bytes = 3 * 2 * 8 * (world_ - 1);
+  const std::vector<uint32_t> depths = GetParam().stage == 3 ? std::vector<uint32_t>{1, 2, 3} : std::vector<uint32_t>{2};
+  for (uint32_t depth : depths) {
+    SCOPED_TRACE("prefetch_depth " + std::to_string(depth));
+    RankRun multi, ref;
+    const std::string tag = std::to_string(depth);
+    Config cm = config(0, "multi" + tag), cr = config(0, "ref" + std::to_string(rank_) + "-" + tag);
+    cm.strata.prefetch_depth = depth;
+    Status s = multi.create(cm, comm_, GetParam().backend_grads);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    s = ref.create(cr, nullptr, GetParam().backend_grads);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    const std::vector<GroupId> changed{2, 0, 1};
+    const bool ahead = GetParam().stage == 3 && depth >= 2;
+    const uint64_t want_ahead[] = {0, 2, 0, 2, 2};  // per step: recording, along, changed, along the new order
+    for (int st = 0; st < 5; ++st) {
+      const std::vector<GroupId>* order = st >= 2 ? &changed : nullptr;
+      const EngineStats before = multi.e->stats();
+      std::vector<std::vector<uint16_t>> mine, want;
+      s = multi.micro_batch(st, rank_, true, &mine, false, order);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      for (int m = 0; m < world_; ++m) {
+        s = ref.micro_batch(st, m, m == world_ - 1, m == 0 ? &want : nullptr, false, order);
+        ASSERT_TRUE(s.ok()) << s.to_string();
+      }
+      ASSERT_EQ(mine, want) << "step " << st;
+      auto a = multi.e->step();
+      ASSERT_TRUE(a.ok()) << a.status().to_string();
+      ASSERT_TRUE(ref.e->step().ok());
+      const EngineStats after = multi.e->stats();
+      EXPECT_EQ(after.gathers_ahead - before.gathers_ahead, ahead ? want_ahead[st] : 0) << "step " << st;
+      EXPECT_EQ(after.comm_bytes - before.comm_bytes, gather + scatter + norm_bytes) << "step " << st;
+    }
+    expect_weights(multi, ref, 0);
+  }
+}
+
 // Two micro-batches per rank. Stage 1 sums each rank's on its device and
 // reduce-scatters that once per step; stages 2 and 3 reduce-scatter every
 // micro-batch. With gradients whose sums are exact in any order, every stage
@@ -404,13 +468,7 @@ TEST_P(EngineMpi, SaveThatOneRankCannotWriteCommitsNothing) {
 TEST_P(EngineMpi, StageOneReducesEachRanksMicroBatchesOncePerStep) {
   RankRun multi, ref;
   ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
-  const ModelSpec spec = make_model();
-  uint64_t gather = 0, scatter = 0;
-  for (const auto& p : spec.params) {
-    const ShardRange sh = shard_range(p.numel(), world_, rank_, 512);
-    gather += sh.padded * 2 * (world_ - 1);
-    scatter += sh.padded * 4 * (world_ - 1);
-  }
+  const auto [gather, scatter] = sent_per_collective(world_, rank_);
   const int stage = GetParam().stage;
   const uint64_t norm_bytes = 3 * 2 * 8 * (world_ - 1);
   const uint64_t want = (stage == 1 ? 1 : 2) * scatter + (stage == 3 ? 2 : 1) * gather + norm_bytes;

@@ -84,6 +84,23 @@ Status Uploader::allocate_slots() {
       STRATA_ASSIGN_OR_RETURN(slots_.back().release_event, reg_.dev->create_event());
     }
   }
+  if (gathers()) {
+    // Stage 3: every rank keeps the same number of slots (the last one is
+    // taken only where the budget allows), so that their slot decisions,
+    // and with them their gathers, agree.
+    uint64_t mine = slots_.size();
+    std::vector<uint64_t> all(reg_.world);
+    Status st = reg_.host_all_gather(&mine, all.data(), sizeof(mine));
+    if (!st.ok()) return st.with_context("engine: agreeing on the device buffers for gathered groups");
+    const uint64_t n = *std::min_element(all.begin(), all.end());
+    while (slots_.size() > n) {
+      Slot& s = slots_.back();
+      reg_.dev->destroy_event(s.ready_event);
+      reg_.dev->destroy_event(s.release_event);
+      (void)reg_.dev->free(s.ptr);
+      slots_.pop_back();
+    }
+  }
   size_t max_group_params = 0;
   for (const auto& g : reg_.groups) max_group_params = std::max(max_group_params, g.params.size());
   upload_handles_.reserve(max_group_params);
@@ -194,21 +211,24 @@ Status Uploader::upload_group(int si) {
 // ---------------------------------------------------------------- slots and prefetch
 
 // A slot to upload into: free first, else the least recently used cached
-// group outside `keep` (the prefetch window). Caller holds mu_.
+// group outside `keep` (the prefetch window). A slot whose upload is still
+// queued is passed over with one rank; with stage 3 it is a candidate too
+// (start_upload waits for its upload), so the choice depends only on the
+// sequence of calls, the same on every rank. Caller holds mu_.
 int Uploader::find_victim(const std::vector<GroupId>& keep) {
   int best = -1;
   for (int i = 0; i < static_cast<int>(slots_.size()); ++i) {
     const Slot& s = slots_[i];
     if (s.state == Slot::kFree) return i;
-    if (s.state != Slot::kCached || !s.enqueued) continue;
+    if (s.state != Slot::kCached || (!s.enqueued && !gathers())) continue;
     if (std::find(keep.begin(), keep.end(), static_cast<GroupId>(s.group)) != keep.end()) continue;
     if (best < 0 || s.lru < slots_[best].lru) best = i;
   }
   return best;
 }
 
-// Caller holds mu_. Puts group g into a slot and queues its upload.
-Status Uploader::start_upload(GroupId g, bool prefetch) {
+// Caller holds mu_ through `lock`. Puts group g into a slot and queues its upload.
+Status Uploader::start_upload(GroupId g, bool prefetch, std::unique_lock<std::mutex>& lock) {
   std::vector<GroupId>& keep = keep_scratch_;
   keep.clear();
   if (!recording_ && !order_broken_) {
@@ -227,11 +247,14 @@ Status Uploader::start_upload(GroupId g, bool prefetch) {
                               reg_.plan.held_groups));
   }
   Slot& s = slots_[v];
+  // Stage 3 (find_victim): the victim's queued upload goes first.
+  if (s.state == Slot::kCached && !s.enqueued) slot_cv_.wait(lock, [&] { return s.enqueued; });
   if (s.group >= 0) groups_[s.group].slot = -1;
   s.group = static_cast<int>(g);
   s.state = Slot::kCached;
   s.enqueued = false;
   s.prefetched = prefetch;
+  s.gathered_ahead = false;
   s.error = Status();
   s.lru = ++lru_clock_;
   groups_[g].slot = v;
@@ -242,12 +265,51 @@ Status Uploader::start_upload(GroupId g, bool prefetch) {
 void Uploader::issue_prefetch() {
   if (recording_ || order_broken_ || reg_.plan.prefetch_groups == 0) return;
   const size_t pos = current_.size();
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   for (size_t i = pos; i < order_.size() && i < pos + reg_.plan.prefetch_groups; ++i) {
     const GroupId h = order_[i];
     if (groups_[h].direct || groups_[h].slot >= 0 || groups_[h].holds > 0) continue;
-    if (!start_upload(h, true).ok()) break;
+    if (!start_upload(h, true, lock).ok()) break;
   }
+}
+
+// Stage 3: the all-gathers of the groups that follow in the recorded order,
+// up to one less than the prefetch depth, enqueued on the upload stream now,
+// behind the gather of the group being acquired, so that the gather of group
+// k+1 runs while the trainer computes group k. The last group of the window
+// is left out: its shard upload was queued just now and reads behind this
+// group's compute; the ones gathered here were queued by an earlier acquire.
+// A gather follows its shard's upload on the stream, so this waits until the
+// uploader thread has enqueued it. What is gathered depends on the order and
+// the slots alone (the same on every rank), never on the uploader's
+// progress. A group without a slot, in use, or whose upload failed is left
+// to its acquire (which gathers it, or reports the failure).
+void Uploader::gather_ahead() {
+  const uint32_t depth = reg_.plan.prefetch_groups;
+  if (!gathers() || recording_ || order_broken_ || depth < 2) return;
+  const size_t pos = current_.size();
+  for (size_t i = pos; i < order_.size() && i + 1 < pos + depth; ++i) {
+    const GroupId h = order_[i];
+    int si;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      si = groups_[h].slot;
+      if (si < 0 || slots_[si].state == Slot::kInUse || slots_[si].gathered_ahead) continue;
+      slot_cv_.wait(lock, [&] { return slots_[si].enqueued; });
+      if (!slots_[si].error.ok()) continue;
+    }
+    // A failure to enqueue (a broken communicator) is the group's acquire's
+    // to report: it gathers again and fails the same way.
+    if (!gather(h, si).ok()) return;
+    slots_[si].gathered_ahead = true;
+  }
+}
+
+// The order broke: gathers enqueued ahead are not used (their groups'
+// acquires gather again), since which of those slots survive now depends on
+// the victim choices of a new order.
+void Uploader::drop_gathers_ahead() {
+  for (auto& s : slots_) s.gathered_ahead = false;
 }
 
 void Uploader::invalidate_slots() {
@@ -263,6 +325,7 @@ void Uploader::invalidate_slots() {
     s.group = -1;
     s.state = Slot::kFree;
     s.prefetched = false;
+    s.gathered_ahead = false;
   }
 }
 
@@ -306,6 +369,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   const size_t pos = current_.size();
   if (!recording_ && !order_broken_ && (pos >= order_.size() || order_[pos] != gid)) {
     order_broken_ = true;
+    drop_gathers_ahead();
     ++order_changes_;
     if (!order_change_logged_) {
       order_change_logged_ = true;
@@ -332,12 +396,12 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
   }
   int si;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     if (g.slot >= 0) {
       ++hits_;
     } else {
       ++misses_;
-      STRATA_RETURN_IF_ERROR(start_upload(gid, false));
+      STRATA_RETURN_IF_ERROR(start_upload(gid, false, lock));
     }
     si = g.slot;
     slots_[si].state = Slot::kInUse;
@@ -354,11 +418,20 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
     if (!err.ok()) {
       slots_[si].state = Slot::kFree;
       slots_[si].group = -1;
+      slots_[si].gathered_ahead = false;
       g.slot = -1;
     }
   }
   if (!err.ok()) return err.with_context(fmt::format("engine: acquire({})", info.name));
-  if (gathers()) STRATA_RETURN_IF_ERROR(gather(gid, si));
+  if (gathers()) {
+    if (slots_[si].gathered_ahead) {  // enqueued by the acquire before (ready_event covers it)
+      slots_[si].gathered_ahead = false;
+      ++gathers_ahead_;
+    } else {
+      STRATA_RETURN_IF_ERROR(gather(gid, si));
+    }
+    gather_ahead();
+  }
   STRATA_RETURN_IF_ERROR(reg_.dev->wait(stream, slots_[si].ready_event));
   for (size_t i = 0; i < info.params.size(); ++i) g.view[i] = static_cast<char*>(slots_[si].ptr) + g.slot_offset[i];
   g.holds = 1;
@@ -369,9 +442,10 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
 
 // N ranks, stage 3: every rank's shard into the slot, an in-place all-gather per
 // parameter on the upload stream behind the upload of this rank's shard.
-// Enqueued here, by the first hold, on the driving thread, also when the slot
-// still holds the gathered group (a cache hit): whether a slot survived
-// depends on timing, the sequence of collectives must not.
+// Enqueued on the driving thread by the group's first hold or, ahead of it,
+// by the acquire before (gather_ahead), also when the slot still holds the
+// gathered group (a cache hit: gathering again keeps the collectives
+// independent of which slots survived).
 Status Uploader::gather(GroupId gid, int si) {
   const GroupInfo& info = reg_.groups[gid];
   const GroupSlots& g = groups_[gid];

@@ -69,6 +69,9 @@ class Uploader {
   uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
   uint64_t order_changes() const { return order_changes_.load(std::memory_order_relaxed); }
+  // Stage 3: groups whose all-gather was enqueued before their acquire (by
+  // the acquire before, or by step() for the first) and used by it.
+  uint64_t gathers_ahead() const { return gathers_ahead_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
@@ -77,6 +80,9 @@ class Uploader {
     enum State { kFree, kLoading, kCached, kInUse } state = kFree;
     bool enqueued = false;  // the upload is on the upload stream (ready_event recorded)
     bool prefetched = false;
+    // Stage 3: the group's all-gather is enqueued ahead of its acquire, which
+    // has not consumed it yet (driving thread only).
+    bool gathered_ahead = false;
     uint64_t lru = 0;
     Status error;
     DeviceEvent* ready_event = nullptr;
@@ -93,12 +99,15 @@ class Uploader {
     DeviceStream* last_release = nullptr;  // stream of this hold's last release (joins streams)
   };
 
-  Status gather(GroupId g, int slot);                 // driving thread, N ranks (stage 3)
+  Status gather(GroupId g, int slot);  // driving thread, N ranks (stage 3)
+  void gather_ahead();                 // driving thread, stage 3: the next groups of the order
+  void drop_gathers_ahead();           // driving thread: the order broke
   bool gathers() const { return reg_.world > 1 && !reg_.replicated; }
   void upload_main(int slot);                         // uploader thread
   Status upload_group(int slot);                      // uploader thread
   int find_victim(const std::vector<GroupId>& keep);  // mu_ held
-  Status start_upload(GroupId g, bool prefetch);      // mu_ held
+  // mu_ held through `lock` (stage 3 may wait on slot_cv_ with it).
+  Status start_upload(GroupId g, bool prefetch, std::unique_lock<std::mutex>& lock);
   void issue_prefetch();
 
   Registry& reg_;
@@ -129,7 +138,7 @@ class Uploader {
   bool order_broken_ = false;     // this step deviated
   bool order_change_logged_ = false;
 
-  std::atomic<uint64_t> acquires_{0}, hits_{0}, misses_{0}, order_changes_{0};
+  std::atomic<uint64_t> acquires_{0}, hits_{0}, misses_{0}, order_changes_{0}, gathers_ahead_{0};
 };
 
 }  // namespace strata::engine
