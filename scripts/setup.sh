@@ -11,10 +11,11 @@ PKGS=(
   libcli11-dev nlohmann-json3-dev libfmt-dev
   fio clang libclang-rt-14-dev
   python3-venv ccache
-  libopenmpi-dev openmpi-bin
+  libopenmpi-dev openmpi-bin iproute2
 )
 # Open MPI: the communicator's mpi-labelled tests (mpirun -np 2/3) and, later,
-# host ranks; a build without it (STRATA_MPI=OFF) still works.
+# host ranks; a build without it (STRATA_MPI=OFF) still works. iproute2 (`ip`):
+# the multi-host test's network namespaces (engine_mpi_netns).
 # python3-venv: the Python package's test installs it into a fresh virtual
 # environment (ctest python_package); ccache speeds that build up when it repeats.
 # clang with libclang-rt-14-dev (libFuzzer's runtime: only recommended by clang,
