@@ -295,13 +295,16 @@ class MpiCommunicator final : public Communicator {
     return Status();
   }
 
-  // Polls the op's transfers until all are done or the deadline passes.
+  // Polls the op's transfers until all are done or the deadline passes:
+  // yielding for 1 ms, then every 100 us. A collective enqueued ahead (stage
+  // 3's gather of the next group) waits here while the trainer computes, on
+  // the same cores: a longer spin (20 ms once) took their time.
   // `keep` (staging memory the transfers use) is kept alive for good if the
   // transfers are abandoned.
   Status wait(Op& op, std::shared_ptr<std::vector<float>> keep = nullptr) {
     const auto deadline = op.start + std::chrono::duration_cast<Clock::duration>(
                                          std::chrono::duration<double>(timeout_s_));
-    const auto spin_until = Clock::now() + std::chrono::milliseconds(20);
+    const auto spin_until = Clock::now() + std::chrono::milliseconds(1);
     std::vector<MPI_Status> statuses(op.reqs.size());
     for (;;) {
       int done = 0, rc;
