@@ -3,7 +3,7 @@
 ranks (mpirun, ZeRO stages 3 and 2 over MPI) on the same global batch, in one run.
 
   python3 tools/bench_ranks.py --strata build/tools/strata [--steps 12] [--stages 3,2] [--grad-accum K]
-      [--dir /tmp/sbr]
+      [--baseline OTHER/strata] [--reps R] [--dir /tmp/sbr]
 
 Prints, per world size N: the median step time (steps 3.. of the run) and its
 ratio to the 1-rank run measured here, the bytes each rank sent per step (the
@@ -20,13 +20,17 @@ exact rank-order sum), so with a bf16 model its volume is 4/3 (stage 3) and 3/2
 (stage 2) of those formulas and with an fp32 model exactly them; the embedding and head are gathered as the
 trainer acquires them (the head once per micro-batch for forward and backward).
 Ranks on one host share its cores: the step time of N ranks on a 2-core
-machine measures overhead, not speed-up.
+machine measures overhead, not speed-up. With --baseline, every run is made
+with that binary too, right after (interleaved, --reps times each), and the
+table adds its median step time and the ratio of the two (new / baseline:
+below 1 is faster); the final losses of the two must be equal.
 """
 import argparse
 import json
 import os
 import shutil
 import statistics
+import sys
 import tempfile
 
 from bench_model import run, small_model_and_data
@@ -41,6 +45,8 @@ def main():
     ap.add_argument("--dtype", default="bf16", help="compute dtype of the run (--bf16 or fp32)")
     ap.add_argument("--stages", default="3,2", help="ZeRO stages to run with N > 1 ranks (3, 2, 1)")
     ap.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step on every rank")
+    ap.add_argument("--baseline", default=None, help="another strata binary, run interleaved with --strata")
+    ap.add_argument("--reps", type=int, default=1, help="runs of each configuration (and binary)")
     ap.add_argument("--dir", default=None)
     a = ap.parse_args()
     base = a.dir or tempfile.mkdtemp(prefix="strata-bench-ranks-")
@@ -53,15 +59,13 @@ def main():
     psi_bytes = None
     stages = [int(x) for x in a.stages.split(",")]
     runs = [(1, stages[0])] + [(n, st) for n in (2, 3) for st in stages]
-    for n, stage in runs:
-        if a.global_batch % n:
-            continue
+    def one_run(binary, n, stage):
         out = os.path.join(base, f"out{n}-{stage}")
         cfg_path = os.path.join(base, f"stage{stage}.json")
         with open(cfg_path, "w") as f:
             json.dump({"zero_optimization": {"stage": stage}}, f)
         shutil.rmtree(out, ignore_errors=True)
-        cmd = [a.strata, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch",
+        cmd = [binary, "finetune", "--model", model, "--data", data, "--seq", "128", "--batch",
                str(a.global_batch // n), "--steps", str(a.steps), "--eval-batches", "1", "--no-export",
                "--progress", "quiet", "--out", out, "--device", "cpu", "--config", cfg_path]
         if a.grad_accum > 1:
@@ -74,7 +78,24 @@ def main():
         lines = [json.loads(l) for l in open(os.path.join(out, "metrics.jsonl")) if '"train"' in l]
         steps = [l["step_s"] for l in lines[2:]] or [l["step_s"] for l in lines]
         comm = [b["comm_bytes"] - p["comm_bytes"] for p, b in zip(lines, lines[1:])]
-        rows.append((n, stage, statistics.median(steps), statistics.median(comm) if comm else 0))
+        return steps, statistics.median(comm) if comm else 0, lines[-1]["loss"]
+
+    base_s = {}
+    for n, stage in runs:
+        if a.global_batch % n:
+            continue
+        steps, base_steps = [], []
+        for _ in range(a.reps):
+            s_new, c, loss = one_run(a.strata, n, stage)
+            steps += s_new
+            if a.baseline:
+                s_base, _, base_loss = one_run(a.baseline, n, stage)
+                base_steps += s_base
+                if base_loss != loss:
+                    sys.exit(f"{n} ranks, stage {stage}: final loss {loss} here, {base_loss} with the baseline")
+        rows.append((n, stage, statistics.median(steps), c))
+        if a.baseline:
+            base_s[(n, stage)] = statistics.median(base_steps)
     params = 0
     # Parameters of the model: from the 1-rank run's export-free plan is not
     # at hand; count them from the config (Llama: embed, layers, norm, tied or not).
@@ -88,12 +109,14 @@ def main():
     t1 = rows[0][2]
     print(f"model: {params} parameters, {a.dtype} compute; global batch {a.global_batch} x 128 tokens; "
           f"{a.grad_accum} micro-batch(es) per step; {a.steps} steps; medians of steps 3..{a.steps}")
+    extra = f" {'baseline s':>10} {'new/base':>8}" if a.baseline else ""
     print(f"{'ranks':>5} {'stage':>5} {'step s':>9} {'vs 1 rank':>10} {'sent/rank/step':>15} "
-          f"{'ZeRO k*psi(N-1)/N':>18} {'ratio':>6}")
+          f"{'ZeRO k*psi(N-1)/N':>18} {'ratio':>6}{extra}")
     for n, stage, s, c in rows:
         zero = (3 if stage == 3 else 2) * psi_bytes * (n - 1) / n
         ratio = f"{c / zero:.3f}" if zero else "-"
-        print(f"{n:>5} {stage if n > 1 else '-':>5} {s:>9.4f} {s / t1:>10.3f} {c:>15.0f} {zero:>18.0f} {ratio:>6}")
+        extra = f" {base_s[(n, stage)]:>10.4f} {s / base_s[(n, stage)]:>8.3f}" if a.baseline else ""
+        print(f"{n:>5} {stage if n > 1 else '-':>5} {s:>9.4f} {s / t1:>10.3f} {c:>15.0f} {zero:>18.0f} {ratio:>6}{extra}")
     if not a.dir:
         shutil.rmtree(base, ignore_errors=True)
 

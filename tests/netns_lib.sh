@@ -1,0 +1,104 @@
+# Hosts made of network namespaces on this machine, for Open MPI jobs whose
+# ranks talk TCP as across machines. Sourced by tests/runtime/netns_ranks_test.sh
+# and scripts/bench_ranks_netns.sh:
+#   source tests/netns_lib.sh
+#   netns_mpirun_bin=/usr/bin/mpirun                           # optional (default: mpirun)
+#   netns_hosts 3 [RATE] || { echo "$netns_error"; exit 77; }   # root only
+#   "${netns_mpirun[@]}" --host "${netns_addr[0]},${netns_addr[1]}" -np 2 CMD...
+# netns_hosts makes a bridge and N namespaces on it, each with its own UTS
+# namespace whose hostname is its address (Open MPI tells its daemons apart
+# by hostname: with the machine's one hostname in every namespace its launch
+# hung in about half the runs, a daemon that never reported). RATE (a tc rate
+# such as 1gbit) limits each host's link both ways with a token bucket.
+# netns_mpirun is mpirun with an rsh agent that enters a host's namespaces,
+# TCP only (no shared memory between hosts), on the bridge's subnet.
+# Everything is removed at exit (netns_cleanup, an EXIT trap the caller keeps);
+# namespaces of an earlier run that was killed are removed first.
+# Needs: ip and tc (iproute2), nsenter and unshare (util-linux), mpirun.
+
+netns_error=
+netns_net=        # the bridge's /24, as 10.x.y
+netns_addr=()
+netns_mpirun=()
+_netns_made=()
+_netns_tag=$$
+_netns_br=sbr$$
+_netns_dir=
+
+netns_cleanup() {
+  local ns
+  for ns in "${_netns_made[@]}"; do ip netns del "$ns" 2>/dev/null; done
+  ip link del "$_netns_br" 2>/dev/null
+  [[ -n $_netns_dir ]] && rm -rf "$_netns_dir"
+  _netns_made=()
+}
+
+# Namespaces and bridges named after a process that no longer exists.
+_netns_remove_stale() {
+  local ns b p
+  for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep '^strata_ns[0-9]*_[0-9]*$'); do
+    p=${ns#strata_ns}
+    p=${p%_*}
+    kill -0 "$p" 2>/dev/null || ip netns del "$ns" 2>/dev/null
+  done
+  for b in $(ip -o link show type bridge 2>/dev/null | awk -F': ' '{print $2}' | grep '^sbr[0-9]*$'); do
+    kill -0 "${b#sbr}" 2>/dev/null || ip link del "$b" 2>/dev/null
+  done
+}
+
+netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error on failure
+  local n=$1 rate=${2:-} i ns net= cand tool
+  for tool in ip tc nsenter unshare "${netns_mpirun_bin:-mpirun}"; do
+    command -v "$tool" >/dev/null || { netns_error="no $tool here"; return 1; }
+  done
+  _netns_remove_stale
+  # A /24 that no route of this machine touches (the namespaces have no
+  # route out: their traffic stays on this machine).
+  for _ in $(seq 1 20); do
+    cand=10.$((100 + RANDOM % 100)).$((RANDOM % 250))
+    [[ -z $(ip -4 route show to match "$cand.1" | grep -v '^default') ]] && { net=$cand; break; }
+  done
+  [[ -n $net ]] || { netns_error="no free 10.x.y.0/24 for the bridge"; return 1; }
+  netns_net=$net
+  _netns_dir=$(mktemp -d "${TMPDIR:-/tmp}/strata-netns-lib.XXXXXX") || { netns_error="mktemp failed"; return 1; }
+  if ! ip link add "$_netns_br" type bridge 2>"$_netns_dir/err"; then
+    netns_error="cannot make network namespaces here: $(cat "$_netns_dir/err")"
+    return 1
+  fi
+  ip addr add "$net.1/24" dev "$_netns_br" && ip link set "$_netns_br" up ||
+    { netns_error="bridge setup failed"; return 1; }
+  netns_addr=()
+  for ((i = 1; i <= n; ++i)); do
+    ns=strata_ns${_netns_tag}_$i
+    ip netns add "$ns" || { netns_error="ip netns add $ns failed"; return 1; }
+    _netns_made+=("$ns")
+    ip link add "sv${_netns_tag}_$i" type veth peer name eth0 netns "$ns" &&
+      ip link set "sv${_netns_tag}_$i" master "$_netns_br" up &&
+      ip -n "$ns" addr add "$net.$((i + 1))/24" dev eth0 &&
+      ip -n "$ns" link set eth0 up && ip -n "$ns" link set lo up || { netns_error="veth setup failed"; return 1; }
+    if [[ -n $rate ]]; then
+      # Both directions: towards the host (bridge side) and out of it.
+      tc qdisc add dev "sv${_netns_tag}_$i" root tbf rate "$rate" burst 256kb latency 50ms &&
+        ip netns exec "$ns" tc qdisc add dev eth0 root tbf rate "$rate" burst 256kb latency 50ms ||
+        { netns_error="tc tbf rate $rate failed"; return 1; }
+    fi
+    netns_addr+=("$net.$((i + 1))")
+  done
+  # Open MPI's rsh agent: "agent [options] HOST CMD..." runs CMD on HOST.
+  {
+    echo '#!/bin/bash'
+    echo 'while [[ $1 == -* ]]; do shift; done'
+    echo 'host=$1; shift'
+    echo 'case $host in'
+    for ((i = 1; i <= n; ++i)); do echo "  ${netns_addr[i - 1]}) ns=strata_ns${_netns_tag}_$i ;;"; done
+    echo '  *) echo "agent: unknown host $host" >&2; exit 1 ;;'
+    echo 'esac'
+    echo 'exec nsenter --net=/run/netns/"$ns" unshare --uts /bin/sh -c "hostname $host && exec /bin/sh -c \"\$0\"" "$*"'
+  } >"$_netns_dir/agent.sh"
+  chmod +x "$_netns_dir/agent.sh"
+  netns_mpirun=("${netns_mpirun_bin:-mpirun}" --allow-run-as-root --oversubscribe --mca plm_rsh_agent "$_netns_dir/agent.sh"
+    --mca plm_rsh_no_tree_spawn 1 --mca oob_tcp_if_include "$net.0/24" --mca btl_tcp_if_include "$net.0/24"
+    --mca btl tcp,self)
+  export OMPI_MCA_rmaps_base_oversubscribe=1
+  return 0
+}
