@@ -94,10 +94,7 @@ Status Uploader::allocate_slots() {
     if (!st.ok()) return st.with_context("engine: agreeing on the device buffers for gathered groups");
     const uint64_t n = *std::min_element(all.begin(), all.end());
     while (slots_.size() > n) {
-      Slot& s = slots_.back();
-      reg_.dev->destroy_event(s.ready_event);
-      reg_.dev->destroy_event(s.release_event);
-      (void)reg_.dev->free(s.ptr);
+      free_slot(slots_.back());
       slots_.pop_back();
     }
   }
@@ -106,6 +103,12 @@ Status Uploader::allocate_slots() {
   upload_handles_.reserve(max_group_params);
   keep_scratch_.reserve(reg_.plan.prefetch_groups + 1);
   return {};
+}
+
+void Uploader::free_slot(Slot& s) {
+  reg_.dev->destroy_event(s.ready_event);
+  reg_.dev->destroy_event(s.release_event);
+  (void)reg_.dev->free(s.ptr);
 }
 
 Status Uploader::start() {
@@ -120,11 +123,7 @@ Uploader::~Uploader() {
   stop();
   staging_.clear();
   if (reg_.dev != nullptr) {
-    for (auto& s : slots_) {
-      reg_.dev->destroy_event(s.ready_event);
-      reg_.dev->destroy_event(s.release_event);
-      (void)reg_.dev->free(s.ptr);
-    }
+    for (auto& s : slots_) free_slot(s);
     for (auto* e : staging_event_) reg_.dev->destroy_event(e);
   }
 }

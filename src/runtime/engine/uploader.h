@@ -69,8 +69,8 @@ class Uploader {
   uint64_t hits() const { return hits_.load(std::memory_order_relaxed); }
   uint64_t misses() const { return misses_.load(std::memory_order_relaxed); }
   uint64_t order_changes() const { return order_changes_.load(std::memory_order_relaxed); }
-  // Stage 3: groups whose all-gather was enqueued before their acquire (by
-  // the acquire before, or by step() for the first) and used by it.
+  // Stage 3: acquires whose all-gather was enqueued ahead, by an earlier
+  // acquire of the step (never the step's first acquire), and used by it.
   uint64_t gathers_ahead() const { return gathers_ahead_.load(std::memory_order_relaxed); }
 
  private:
@@ -109,6 +109,7 @@ class Uploader {
   // mu_ held through `lock` (stage 3 may wait on slot_cv_ with it).
   Status start_upload(GroupId g, bool prefetch, std::unique_lock<std::mutex>& lock);
   void issue_prefetch();
+  void free_slot(Slot& s);  // its events and device memory
 
   Registry& reg_;
   std::vector<GroupSlots> groups_;
