@@ -231,6 +231,9 @@ json plan_json(const Plan& plan) {
           {"nvme_total", plan.nvme_total()},
           {"device_buffers", plan.device_buffers},
           {"local_grad_bytes", plan.local_grad_bytes},  // stage 1, N ranks
+          {"reduce_buffers", plan.reduce_buffers},      // N ranks, stages 2-3
+          {"grad_pieces", plan.grad_pieces},
+          {"grad_staged", plan.grad_staged},
           {"staging_ring", plan.staging_ring},
           {"optimizer_ring", plan.optimizer_ring},
           {"nvme_dirs", dirs},

@@ -525,8 +525,8 @@ STRATA_API strata_status_t strata_engine_release(strata_engine_t engine, uint32_
  * backend any host memory (the caller's own, e.g. a torch CPU tensor's
  * data_ptr()). Asynchronous: the buffer may be reused by work enqueued on
  * `stream` after the call (`stream` waits until it was read: with
- * strata.gradient_staging, the default on CUDA, a device copy only, not the
- * download to host). A failed call changes nothing and may be retried
+ * strata.gradient_staging, the default on CUDA and with N ranks, a device
+ * copy only, not the download to host nor the N-rank reduce-scatter). A failed call changes nothing and may be retried
  * (no buffer is leaked, nothing waits forever), unless its message says part
  * of the gradient was accumulated: then strata_engine_step refuses until
  * strata_engine_discard_step. Errors: STRATA_ERR_INVALID_ARGUMENT (id, dtype,

@@ -51,7 +51,7 @@ Status Engine::Impl::init(const EngineOptions& options) {
   needs.ring_slot = stepper.ring_slot_bytes();
   needs.staging = uploader.staging_count();
   needs.staging_bytes = uploader.staging_bytes();
-  needs.pieces = engine::GradPath::kPieces + 1;  // + the accumulation scratch
+  needs.pieces = grads.pieces() + 1;  // + the accumulation scratch
   needs.piece_bytes = grads.piece_elems() * 4;
   STRATA_RETURN_IF_ERROR(reg.create_pinned_pool(needs));
   STRATA_RETURN_IF_ERROR(grads.allocate());

@@ -21,8 +21,9 @@
 // after the caller's stream reaches that point; the buffer may be freed or
 // overwritten by work enqueued on the caller's stream after the call (the
 // caller's stream waits until it was read: with strata.gradient_staging, the
-// default on CUDA, only for a device-to-device copy into the engine's
-// staging buffers, so backward is not held up by the download to host).
+// default on CUDA and with N ranks, only for a device-to-device copy into the
+// engine's staging buffers, so backward is not held up by the download to
+// host, nor by the N-rank reduce-scatter).
 //
 // Holds. acquire() of a group already held (a tied weight, a nested module)
 // adds a hold and returns the same pointers, which stay put until the last
@@ -117,7 +118,10 @@
 //   - reduce_grad() reduce-scatters the gradient: the sum over ranks, in rank
 //     order (comm/communicator.h), of each rank's fp32 gradient lands in this
 //     rank's shard and is accumulated there as one micro-batch of a 1-rank
-//     run would be; step() averages over micro-batches x world_size;
+//     run would be; step() averages over micro-batches x world_size. The
+//     gradient is first packed into the engine's send buffers (planned: one
+//     per gradient piece of the largest group), so the caller's stream waits
+//     for the packs only and backward runs on while the reduce-scatters drain;
 //   - step() sums the per-group squares of every rank (rank order) for the
 //     global norm, so clipping and the inf/NaN skip agree on every rank;
 //   - checkpoints are written by every rank into one directory (a token from

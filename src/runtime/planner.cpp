@@ -117,6 +117,7 @@ PlanOptions plan_options_from_config(const Config& c) {
   o.optimizer_ring_buffers = static_cast<uint32_t>(std::min<uint64_t>(c.zero.offload_optimizer.buffer_count, 1024));
   o.replicate_params = c.zero.stage == 1 || c.zero.stage == 2;
   o.defer_grad_reduce = c.zero.stage == 1;
+  o.stage_reduce = c.strata.gradient_staging.value_or(true);
   o.overrides = c.strata.groups;
   GroupTierRule ds;
   ds.match = "*";
@@ -150,13 +151,19 @@ PlanOptions plan_options_from_config(const Config& c) {
   return o;
 }
 
+uint64_t grad_piece_elems(uint64_t max_trainable_shard, uint32_t world_size) {
+  const uint64_t cap = (uint64_t{4} << 20) / std::max<uint32_t>(world_size, 1);
+  const uint64_t n = std::max<uint64_t>(std::min(max_trainable_shard, cap), 1);
+  return (n + 32767) / 32768 * 32768;
+}
+
 uint64_t Plan::tier_bytes(Tier t) const {
   uint64_t s = 0;
   for (uint64_t b : bytes[kt(t)]) s += b;
   return s;
 }
 uint64_t Plan::device_total() const {
-  return tier_bytes(Tier::kDevice) + device_buffers + local_grad_bytes + options.device_reserve;
+  return tier_bytes(Tier::kDevice) + device_buffers + local_grad_bytes + reduce_buffers + options.device_reserve;
 }
 uint64_t Plan::host_total() const {
   return tier_bytes(Tier::kHost) + staging_ring + optimizer_ring;
@@ -213,6 +220,19 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     g.shard_compute_bytes += sr.padded * dtype_size(p.compute_dtype);
     if (deferred && p.trainable) plan.local_grad_bytes += (n * 4 + 255) / 256 * 256;
     g.gathered_compute_bytes += sr.padded * ws * dtype_size(p.compute_dtype);
+  }
+  // ---- the gradient path's pieces
+  {
+    uint64_t max_shard = 0;
+    for (const auto& g : plan.groups) max_shard = std::max(max_shard, g.max_trainable_shard);
+    plan.grad_piece_elems = grad_piece_elems(max_shard, ws);
+    std::unordered_map<std::string, uint64_t> pieces;  // per group: its trainable parameters' pieces
+    for (const auto& p : model.params)
+      if (p.trainable)
+        plan.grad_pieces_wanted = std::max(
+            plan.grad_pieces_wanted,
+            pieces[p.group] += (shard_range(p.numel(), ws, model.rank, opt.shard_alignment).padded +
+                                plan.grad_piece_elems - 1) / plan.grad_piece_elems);
   }
   for (auto& g : plan.groups) {
     // Frozen parameters have a compute copy only.
@@ -335,7 +355,33 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
         format_bytes(plan.device_buffers), held + depth, format_bytes(max_gathered), held, depth,
         dev_forced ? fmt::format(" on top of {} placed by overrides", format_bytes(dev_forced)) : "", usable_text,
         format_bytes(dev_forced + plan.local_grad_bytes + plan.device_buffers - usable)));
-  uint64_t dev_free = usable - dev_forced - plan.local_grad_bytes - plan.device_buffers;
+  // N ranks (not stage 1, whose sums live in local_grad_bytes and are
+  // reduce-scattered from there): the reduce-scatters' send buffers, one
+  // group's worth when they fit (backward runs ahead of its reduce-scatters),
+  // else kGradPieces, else one unstaged (see PlanOptions::stage_reduce).
+  Status reduce_short;
+  if (ws > 1 && !deferred) {
+    const uint64_t piece_bytes = plan.grad_piece_elems * 4;
+    const uint64_t taken = dev_forced + plan.local_grad_bytes + plan.device_buffers;
+    const uint64_t room = sub0(usable, taken);
+    const uint64_t unstaged = (uint64_t{ws} + 1) * piece_bytes;
+    auto staged = [&](uint64_t n) { return (n * ws + 1) * piece_bytes; };
+    const uint64_t want = std::max<uint64_t>(plan.grad_pieces_wanted, kGradPieces);
+    if (opt.stage_reduce && staged(want) <= room) {
+      plan.grad_staged = true;
+      plan.grad_pieces = static_cast<uint32_t>(std::min<uint64_t>(want, 1u << 20));
+    } else if (opt.stage_reduce && staged(kGradPieces) <= room) {
+      plan.grad_staged = true;
+    }
+    plan.reduce_buffers = plan.grad_staged ? staged(plan.grad_pieces) : unstaged;
+    if (plan.reduce_buffers > room)  // refused once the state is placed (a shorter tier is the better message)
+      reduce_short = out_of_budget(fmt::format(
+          "device: the gradients' reduce-scatter needs {} ({} ranks x a {}-element piece, plus one) on top of {} "
+          "but {}: {} short; raise the device budget or lower strata.device_reserve",
+          format_bytes(plan.reduce_buffers), ws, plan.grad_piece_elems, format_bytes(taken), usable_text,
+          format_bytes(taken + plan.reduce_buffers - usable)));
+  }
+  uint64_t dev_free = sub0(usable, dev_forced + plan.local_grad_bytes + plan.device_buffers + plan.reduce_buffers);
   for (auto& g : plan.groups) {
     if (g.forced[kc(StateKind::kCompute)]) continue;
     const uint64_t b = g.bytes[kc(StateKind::kCompute)];
@@ -458,6 +504,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     return out_of_budget(fmt::format("NVMe: {} but {}: {} short; add a directory{}", needs(by), where,
                                      format_bytes(nvme_need - nvme_cap), bf16));
   }
+  STRATA_RETURN_IF_ERROR(reduce_short);
   // Spread over the directories in proportion to their capacity (striping
   // keeps every drive busy); floor shares, then the remainder where it fits.
   plan.nvme_dir_bytes.assign(budgets.nvme.size(), 0);
@@ -488,7 +535,8 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     for (size_t i = 0; i < plan.groups.size(); ++i)
       if (gathers || plan.groups[i].tier[kc(StateKind::kCompute)] != Tier::kDevice) slotted.push_back(i);
     // The cached slot is allocated when the device budget has room for it.
-    const uint64_t placed = plan.tier_bytes(Tier::kDevice) + plan.device_buffers + plan.local_grad_bytes;
+    const uint64_t placed =
+        plan.tier_bytes(Tier::kDevice) + plan.device_buffers + plan.local_grad_bytes + plan.reduce_buffers;
     const bool cached = budgets.device_bytes >= placed && budgets.device_bytes - placed >= max_gathered;
     const size_t slots = need_buffers ? size_t{held} + depth + (cached ? 1 : 0) : 0;
     for (size_t k = 0; k < slotted.size(); ++k) {
@@ -579,6 +627,8 @@ std::string Plan::report() const {
                    format_bytes(staging_ring + optimizer_ring), "-"));
   if (local_grad_bytes)
     line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "stage-1 local grad", format_bytes(local_grad_bytes), "-", "-"));
+  if (reduce_buffers)
+    line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "grad reduce-scatter", format_bytes(reduce_buffers), "-", "-"));
   line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "reserve", format_bytes(options.device_reserve), "-", "-"));
   line(fmt::format("  {:<24}{:>12}{:>12}{:>12}", "total", format_bytes(device_total()), format_bytes(host_total()),
                    format_bytes(nvme_total())));
@@ -589,6 +639,18 @@ std::string Plan::report() const {
   if (device_buffers)
     line(fmt::format("  device buffers: {} groups ({} in use + {} prefetched)", held_groups + prefetch_groups,
                      held_groups, prefetch_groups));
+  if (world_size > 1 && local_grad_bytes == 0)
+    line(grad_staged && grad_pieces >= grad_pieces_wanted
+             ? fmt::format("  gradient reduce-scatters: behind backward ({} send buffers of {} elements x {} ranks: "
+                           "the largest group's gradient; {} of pinned pieces)",
+                           grad_pieces, grad_piece_elems, world_size,
+                           format_bytes(uint64_t{grad_pieces} * grad_piece_elems * 4))
+         : grad_staged
+             ? fmt::format("  gradient reduce-scatters: {} send buffers of {} elements x {} ranks, not the {} of the "
+                           "largest group (the device budget): backward waits for all but each group's last {}",
+                           grad_pieces, grad_piece_elems, world_size, grad_pieces_wanted, grad_pieces)
+             : std::string("  gradient reduce-scatters: from the caller's buffer (strata.gradient_staging false, or "
+                           "the device budget): backward waits for each"));
   if (staging_ring || optimizer_ring)
     line(fmt::format("  pinned: staging {}, optimizer ring {} ({} x {})", format_bytes(staging_ring),
                      format_bytes(optimizer_ring), options.optimizer_ring_buffers,

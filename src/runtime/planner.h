@@ -59,6 +59,15 @@ struct PlanOptions {
   // gradient on the device (fp32, numel x 4 bytes of device memory) and the
   // ranks reduce-scatter it once per step, not once per micro-batch.
   bool defer_grad_reduce = false;
+  // Stages 2-3 with N ranks (strata.gradient_staging, unset: true): the
+  // gradient path keeps enough device send buffers for one group's gradient
+  // (Plan::grad_pieces), so reduce_grad packs each piece into them and the
+  // reduce-scatters run behind backward instead of holding it up. The plan
+  // falls back to kGradPieces buffers (each group's last ones overlap) when
+  // the device budget cannot hold that many, and to none (the reduce-scatter
+  // reads the caller's buffer, which the caller's stream waits for) when it
+  // cannot hold those either; false asks for none.
+  bool stage_reduce = true;
   // Tier overrides, first match wins: strata.groups, then the DeepSpeed
   // offload_param / offload_optimizer devices as a "*" rule.
   std::vector<GroupTierRule> overrides;
@@ -97,6 +106,15 @@ struct LinkBytes {
   LinkBytes& operator+=(const LinkBytes& o);
 };
 
+// The gradient path (engine/grad_path.h) moves each parameter's shard in
+// pieces of grad_piece_elems() elements, through kGradPieces pinned buffers
+// (more with N ranks and staged reduce-scatters: Plan::grad_pieces).
+inline constexpr uint32_t kGradPieces = 4;
+// Up to 4 Mi elements (4 Mi / N with N ranks: a reduce-scatter sends N
+// pieces), rounded up to 32 Ki elements: a multiple of every swap I/O quantum
+// (at most 32 Ki elements) and of the gradient norm's blocks.
+uint64_t grad_piece_elems(uint64_t max_trainable_shard, uint32_t world_size);
+
 struct Plan {
   std::vector<GroupPlan> groups;
   uint32_t world_size = 1;
@@ -108,6 +126,15 @@ struct Plan {
   std::array<std::array<uint64_t, kNumStateKinds>, 4> bytes{};
   uint64_t device_buffers = 0;           // gathered groups in use and prefetched
   uint64_t local_grad_bytes = 0;         // stage 1, N ranks: this rank's whole fp32 gradient on the device
+  // The gradient path: elements per piece, how many pieces are in flight,
+  // and (N ranks) its device buffers: with staged reduce-scatters
+  // (grad_staged) grad_pieces send buffers of world_size pieces each, else
+  // one; plus one piece, the reduce-scatter's output.
+  uint64_t grad_piece_elems = 0;
+  uint32_t grad_pieces = kGradPieces;
+  bool grad_staged = false;              // N ranks: reduce_grad packs into engine send buffers
+  uint64_t reduce_buffers = 0;           // device bytes of the above (N ranks, not stage 1)
+  uint64_t grad_pieces_wanted = 0;       // N ranks: pieces of the largest group (what overlap needs)
   uint32_t prefetch_groups = 0;          // how many groups the device buffers prefetch
   uint32_t held_groups = 1;              // how many they hold acquired at once
   uint64_t staging_ring = 0;             // pinned: host/NVMe compute copies on their way up

@@ -27,6 +27,8 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -57,6 +59,11 @@ ModelSpec make_model() {
   m.params.push_back({"b.weight", {4099}, DType::kBF16, "b"});
   m.params.push_back({"c.weight", {3, 2}, DType::kBF16, "c"});
   m.params.push_back({"c.bias", {5}, DType::kBF16, "c"});
+  // Group c has 6 parameters, so 6 gradient pieces: more than kGradPieces.
+  m.params.push_back({"c.u", {600}, DType::kBF16, "c"});
+  m.params.push_back({"c.v", {7}, DType::kBF16, "c"});
+  m.params.push_back({"c.w", {1100}, DType::kBF16, "c"});
+  m.params.push_back({"c.x", {3}, DType::kBF16, "c"});
   return m;
 }
 
@@ -154,13 +161,19 @@ struct RankRun {
   // gradients that are multiples of 1/64 in [-1, 1] instead (any sum of a
   // few of them is exact in fp32, whatever the order).
   // `order`: the groups in that order instead of 0, 1, 2.
+  // `shared`: one gradient buffer for every parameter (backend memory when
+  // dev_grad is, else host memory), overwritten with NaN as soon as the
+  // stream has passed each reduce_grad. `gate(g, before)`: called before and
+  // after group g's reduce_grads.
   Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen, bool dyadic = false,
-                     const std::vector<GroupId>* order = nullptr) {
+                     const std::vector<GroupId>* order = nullptr, float* shared = nullptr,
+                     const std::function<Status(GroupId, bool)>& gate = {}) {
     STRATA_RETURN_IF_ERROR(e->begin_micro_batch(last));
     for (GroupId k = 0; k < e->group_count(); ++k) {
       const GroupId g = order ? (*order)[k] : k;
       STRATA_ASSIGN_OR_RETURN(GroupView v, e->acquire(g, s));
       STRATA_RETURN_IF_ERROR(dev->synchronize(s));
+      if (gate) STRATA_RETURN_IF_ERROR(gate(g, true));
       for (size_t i = 0; i < v.params.size(); ++i) {
         const ParamId p = v.params[i];
         auto& gr = grad[p];
@@ -169,13 +182,15 @@ struct RankRun {
         for (size_t k = 0; k < gr.size(); ++k)
           gr[k] = dyadic ? std::round(64.0f * rnd(1000 * step + 10 * who + p, k)) / 64.0f
                          : 0.5f * bf16_bits_to_f32(w[k]) + rnd(1000 * step + 10 * who + p, k);
-        float* src = gr.data();
-        if (!dev_grad.empty()) {  // the host backend's memory is RAM: filled in place
-          std::memcpy(dev_grad[p], gr.data(), gr.size() * 4);
-          src = dev_grad[p];
-        }
+        float* src = shared ? shared : dev_grad.empty() ? gr.data() : dev_grad[p];
+        if (src != gr.data()) std::memcpy(src, gr.data(), gr.size() * 4);  // host backend memory is RAM
         STRATA_RETURN_IF_ERROR(e->reduce_grad(p, src, DType::kF32, s));
+        if (shared) {  // the caller's buffer is free once the stream passed reduce_grad
+          STRATA_RETURN_IF_ERROR(dev->synchronize(s));
+          std::fill(shared, shared + gr.size(), std::nanf(""));
+        }
       }
+      if (gate) STRATA_RETURN_IF_ERROR(gate(g, false));
       STRATA_RETURN_IF_ERROR(e->release(g, s));
     }
     return dev->synchronize(s);
@@ -456,6 +471,71 @@ TEST_P(EngineMpi, GathersRunAheadAlongTheRecordedOrder) {
     }
     expect_weights(multi, ref, 0);
   }
+}
+
+// Backward is not held up by the gradients' reduce-scatters (stages 2-3):
+// reduce_grad packs each piece into the engine's send buffers, which the plan
+// sizes for the largest group (group c: 6 pieces), and the caller's stream
+// waits only for that. Proof without timing: rank 0 reduces a whole group and
+// waits for its stream, and only then lets the other ranks start that
+// group's reduce_grads, so none of the group's reduce-scatters can have run
+// (a stream that waited for them would hang until the communicator's
+// timeout). The caller's one gradient buffer is overwritten with NaN as soon
+// as its stream passes each reduce_grad, and the run still equals the 1-rank
+// run bit for bit. Stage 1 reduce-scatters at step() and plans no send
+// buffers.
+TEST_P(EngineMpi, BackwardRunsAheadOfTheReduceScatters) {
+  RankRun multi, ref;
+  ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
+  const Plan& plan = multi.e->plan();
+  if (GetParam().stage == 1) {
+    EXPECT_EQ(plan.reduce_buffers, 0u);
+    EXPECT_FALSE(plan.grad_staged);
+    return;
+  }
+  ASSERT_TRUE(plan.grad_staged);
+  EXPECT_EQ(plan.grad_pieces_wanted, 6u);
+  EXPECT_EQ(plan.grad_pieces, 6u);
+  EXPECT_EQ(plan.reduce_buffers, (6 * uint64_t(world_) + 1) * plan.grad_piece_elems * 4);
+  uint64_t largest = 0;
+  for (const auto& p : make_model().params) largest = std::max<uint64_t>(largest, p.numel());
+  std::vector<float> host_buf(largest);
+  float* shared = host_buf.data();
+  void* dev_buf = nullptr;
+  if (GetParam().backend_grads) {
+    auto b = multi.dev->alloc(largest * 4);
+    ASSERT_TRUE(b.ok());
+    dev_buf = *b;
+    shared = static_cast<float*>(dev_buf);
+  }
+  auto flag = [&](int st, GroupId g) { return base_ + "/reduced-" + std::to_string(st) + "-" + std::to_string(g); };
+  for (int st = 0; st < 3; ++st) {
+    auto gate = [&](GroupId g, bool before) -> Status {
+      if (rank_ == 0) {
+        if (!before) std::ofstream(flag(st, g)).put('1');  // its stream has passed every reduce_grad of g
+        return {};
+      }
+      if (!before) return {};
+      for (int i = 0; i < 60000 && !std::filesystem::exists(flag(st, g)); ++i) ::usleep(1000);
+      if (!std::filesystem::exists(flag(st, g)))
+        return Status(StatusCode::kUnavailable,
+                      "rank 0 did not get past its reduce_grads of group " + std::to_string(g) + " in 60 s");
+      return {};
+    };
+    std::vector<std::vector<uint16_t>> mine, want;
+    Status s = multi.micro_batch(st, rank_, true, &mine, false, nullptr, shared, gate);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    for (int m = 0; m < world_; ++m) {
+      s = ref.micro_batch(st, m, m == world_ - 1, m == 0 ? &want : nullptr);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+    }
+    ASSERT_EQ(mine, want) << "step " << st;
+    auto a = multi.e->step();
+    ASSERT_TRUE(a.ok()) << a.status().to_string();
+    ASSERT_TRUE(ref.e->step().ok());
+  }
+  expect_weights(multi, ref, 0);
+  if (dev_buf) (void)multi.dev->free(dev_buf);
 }
 
 // Two micro-batches per rank. Stage 1 sums each rank's on its device and

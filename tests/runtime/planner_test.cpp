@@ -352,7 +352,9 @@ TEST(Planner, ShardsAcrossRanks) {
   EXPECT_EQ(s1.forward_backward.comm, 3u * 3 * 4096 * 4);
   EXPECT_EQ(s1.forward_backward.d2h, 3u * 4096 * 4);
   EXPECT_EQ(s1.optimizer_step.comm, s2.optimizer_step.comm);
-  EXPECT_EQ(s1.device_total(), s2.device_total() + s1.local_grad_bytes);
+  // Stage 1 reduce-scatters from its own sums (no send buffers planned).
+  EXPECT_EQ(s1.reduce_buffers, 0u);
+  EXPECT_EQ(s1.device_total(), s2.device_total() - s2.reduce_buffers + s1.local_grad_bytes);
   EXPECT_NE(s1.report().find("stage-1 local grad"), std::string::npos);
   // A device budget without room for the sum is refused by name.
   auto small = make_plan(m, PlanBudgets{s1.options.device_reserve + 100000, 1 * kGiB, 0, {}}, o);
@@ -373,6 +375,66 @@ TEST(Planner, ShardsAcrossRanks) {
   m.world_size = 1;
   m.rank = 0;
   EXPECT_EQ(plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o).forward_backward.comm, 0u);
+}
+
+// N ranks, stages 2-3: the gradient path's send buffers hold the largest
+// group's gradient pieces, so backward runs ahead of its reduce-scatters;
+// fewer when the device budget is short, then one unstaged.
+TEST(Planner, ReduceScatterSendBuffersHoldTheLargestGroup) {
+  // Group "a": 3 x 300000 elements + 1 x 10 (a norm); "b": 1 x 100000. Over
+  // 2 ranks the largest trainable shard is 150016 -> one piece of 163840
+  // (a multiple of 32768): 4 pieces for "a", 1 for "b".
+  ModelSpec m;
+  for (int i = 0; i < 3; ++i) m.params.push_back(ParamSpec{"a" + std::to_string(i), {300000}, DType::kBF16, "a"});
+  m.params.push_back(ParamSpec{"a_norm", {10}, DType::kBF16, "a"});
+  m.params.push_back(ParamSpec{"b0", {100000}, DType::kBF16, "b"});
+  m.world_size = 2;
+  m.rank = 1;
+  PlanOptions o = small_options();
+  o.shard_alignment = 16;
+  Plan p = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  const uint64_t piece = 163840;
+  EXPECT_EQ(p.grad_piece_elems, piece);
+  EXPECT_EQ(p.grad_pieces_wanted, 4u);
+  EXPECT_TRUE(p.grad_staged);
+  EXPECT_EQ(p.grad_pieces, 4u);
+  EXPECT_EQ(p.reduce_buffers, (4 * 2 + 1) * piece * 4);
+  EXPECT_NE(p.report().find("behind backward"), std::string::npos) << p.report();
+  // Six pieces in "a": more than kGradPieces.
+  for (int i = 3; i < 5; ++i) m.params.push_back(ParamSpec{"a" + std::to_string(i), {300000}, DType::kBF16, "a"});
+  p = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  EXPECT_EQ(p.grad_pieces_wanted, 6u);
+  EXPECT_EQ(p.grad_pieces, 6u);
+  EXPECT_EQ(p.reduce_buffers, (6 * 2 + 1) * piece * 4);
+  EXPECT_EQ(p.device_total(), p.tier_bytes(Tier::kDevice) + p.device_buffers + p.reduce_buffers);
+  // A device budget with room for kGradPieces send buffers but not six.
+  const uint64_t fixed = p.device_buffers;  // the gathered groups in use and prefetched
+  p = plan_ok(m, PlanBudgets{fixed + (4 * 2 + 1) * piece * 4 + 1000, 1 * kGiB, 0, {}}, o);
+  EXPECT_TRUE(p.grad_staged);
+  EXPECT_EQ(p.grad_pieces, kGradPieces);
+  EXPECT_NE(p.report().find("not the 6 of the largest group"), std::string::npos) << p.report();
+  // Room for one unstaged send buffer only.
+  p = plan_ok(m, PlanBudgets{fixed + 3 * piece * 4, 1 * kGiB, 0, {}}, o);
+  EXPECT_FALSE(p.grad_staged);
+  EXPECT_EQ(p.reduce_buffers, 3 * piece * 4);
+  EXPECT_NE(p.report().find("from the caller's buffer"), std::string::npos) << p.report();
+  // Not even that: refused by name.
+  EXPECT_NE(refusal(m, PlanBudgets{fixed + 1000, 1 * kGiB, 0, {}}, o).find("reduce-scatter needs"), std::string::npos);
+  // strata.gradient_staging false: unstaged at any budget.
+  o.stage_reduce = false;
+  p = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  EXPECT_FALSE(p.grad_staged);
+  EXPECT_EQ(p.reduce_buffers, 3 * piece * 4);
+  // One rank: no reduce-scatter, kGradPieces download pieces of up to 4 Mi elements.
+  m.world_size = 1;
+  m.rank = 0;
+  o.stage_reduce = true;
+  p = plan_ok(m, PlanBudgets{1 * kGiB, 1 * kGiB, 0, {}}, o);
+  EXPECT_EQ(p.reduce_buffers, 0u);
+  EXPECT_EQ(p.grad_pieces, kGradPieces);
+  EXPECT_EQ(p.grad_piece_elems, 300000u / 32768 * 32768 + 32768);
+  EXPECT_EQ(grad_piece_elems(100 << 20, 1), 4u << 20);
+  EXPECT_EQ(grad_piece_elems(100 << 20, 3), (4u << 20) / 3 / 32768 * 32768 + 32768);
 }
 
 TEST(Planner, RejectsBadInput) {

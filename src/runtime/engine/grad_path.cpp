@@ -20,32 +20,53 @@ namespace strata::engine {
 Status GradPath::prepare() {
   params_.resize(reg_.params.size());
   // Pieces start at multiples of the norm's blocks (and of the I/O quantum:
-  // both powers of two), so each piece's squares land in whole blocks.
-  piece_elems_ = round_up(std::min<uint64_t>(reg_.max_shard_elems(), uint64_t{4} << 20),
-                          std::max<uint64_t>(reg_.io_quantum, cpu_optim::kNormBlock));
+  // both powers of two, which grad_piece_elems' 32 Ki divides), so each
+  // piece's squares land in whole blocks.
+  piece_elems_ = reg_.plan.grad_piece_elems;
+  pieces_ = std::max<uint32_t>(reg_.plan.grad_pieces, 2);  // bounce() takes two
+  if (piece_elems_ == 0 || piece_elems_ % std::max<uint64_t>(reg_.io_quantum, cpu_optim::kNormBlock) != 0)
+    return Status(StatusCode::kInternal, fmt::format("engine: gradient piece of {} elements is not a multiple of the "
+                                                     "I/O quantum ({}) and the norm block ({})",
+                                                     piece_elems_, reg_.io_quantum, cpu_optim::kNormBlock));
   const std::optional<bool> want = reg_.cfg.strata.gradient_staging;
-  if (want.value_or(false) && reg_.world > 1)
-    return Status(StatusCode::kUnavailable,
-                  "engine: strata.gradient_staging is true with N ranks, where the reduce-scatter reads the caller's "
-                  "gradient buffer itself (no staging); leave it unset or false");
-  staging_ = reg_.world == 1 && want.value_or(reg_.dev->kind() == DeviceKind::kCuda);
   const std::optional<bool> narrow = reg_.cfg.strata.gradient_in_compute_dtype;
-  if (narrow.value_or(false) && !staging_)
-    return Status(StatusCode::kInvalidArgument,
-                  "engine: strata.gradient_in_compute_dtype is true but gradients are not staged (the rounding "
-                  "happens in the staging copy): set strata.gradient_staging true (one rank), or leave "
-                  "gradient_in_compute_dtype unset");
-  narrow_ = staging_ && narrow.value_or(true);
+  if (reg_.world > 1) {
+    // N ranks: staged as the plan decided (it fell back when the device
+    // budget could not hold the send buffers).
+    if (want.value_or(false) && reg_.defer_reduce)
+      return Status(StatusCode::kInvalidArgument,
+                    "engine: strata.gradient_staging is true with zero_optimization.stage 1, whose reduce_grad adds "
+                    "the gradient into this rank's own device sum (reduce-scattered at step()): nothing to stage; "
+                    "leave it unset");
+    if (want.value_or(false) && !reg_.plan.grad_staged)
+      return Status(StatusCode::kOutOfBudget,
+                    "engine: strata.gradient_staging is true but the device budget has no room for the "
+                    "reduce-scatter's send buffers (see strata plan); leave it unset or raise the device budget");
+    if (narrow.value_or(false))
+      return Status(StatusCode::kInvalidArgument,
+                    "engine: strata.gradient_in_compute_dtype is true with N ranks, whose reduce-scatter sums the "
+                    "gradients in fp32; leave it unset");
+    staging_ = reg_.plan.grad_staged && !reg_.defer_reduce;
+    narrow_ = false;
+  } else {
+    staging_ = want.value_or(reg_.dev->kind() == DeviceKind::kCuda);
+    if (narrow.value_or(false) && !staging_)
+      return Status(StatusCode::kInvalidArgument,
+                    "engine: strata.gradient_in_compute_dtype is true but gradients are not staged (the rounding "
+                    "happens in the staging copy): set strata.gradient_staging true, or leave "
+                    "gradient_in_compute_dtype unset");
+    narrow_ = staging_ && narrow.value_or(true);
+  }
   STRATA_ASSIGN_OR_RETURN(download_, reg_.dev->create_stream("strata download"));
   STRATA_ASSIGN_OR_RETURN(ev_caller_, reg_.dev->create_event());
   STRATA_ASSIGN_OR_RETURN(ev_download_, reg_.dev->create_event());
-  for (uint32_t i = 0; i < kPieces; ++i) {
+  for (uint32_t i = 0; i < pieces_; ++i) {
     STRATA_ASSIGN_OR_RETURN(DeviceEvent * e, reg_.dev->create_event());
     ready_.push_back(e);
   }
   if (staging_) {
     STRATA_ASSIGN_OR_RETURN(stage_stream_, reg_.dev->create_stream("strata grad stage"));
-    for (uint32_t i = 0; i < kPieces; ++i) {
+    for (uint32_t i = 0; i < pieces_; ++i) {
       STRATA_ASSIGN_OR_RETURN(DeviceEvent * e, reg_.dev->create_event());
       staged_.push_back(e);
     }
@@ -54,7 +75,7 @@ Status GradPath::prepare() {
 }
 
 Status GradPath::allocate() {
-  for (uint32_t i = 0; i < kPieces; ++i) {
+  for (uint32_t i = 0; i < pieces_; ++i) {
     STRATA_ASSIGN_OR_RETURN(auto buf, reg_.pool->allocate(piece_elems_ * 4));
     dl_.push_back(std::move(buf));
     dl_free_.push_back(i);
@@ -64,8 +85,21 @@ Status GradPath::allocate() {
     if (reg_.params[id].trainable)
       params_[id].block_sq.assign(round_up(reg_.params[id].shard.size(), cpu_optim::kNormBlock) / cpu_optim::kNormBlock, 0.0);
   if (reg_.world > 1) {
-    STRATA_ASSIGN_OR_RETURN(void* send, reg_.dev->alloc(piece_elems_ * 4 * reg_.world));
-    send_ = static_cast<float*>(send);
+    // The plan's reduce_buffers: staged, a send buffer per piece; else one.
+    const uint64_t send_bytes = piece_elems_ * 4 * reg_.world;
+    if (staging_) {
+      auto b = reg_.dev->alloc(send_bytes * pieces_);
+      if (!b.ok())
+        return b.status().with_context(fmt::format(
+            "engine: the gradients' reduce-scatter send buffers ({} x {} on the device, planned; "
+            "strata.gradient_staging false does with one)",
+            pieces_, format_bytes(send_bytes)));
+      stage_block_ = *b;
+      for (uint32_t i = 0; i < pieces_; ++i) stage_.push_back(static_cast<char*>(stage_block_) + i * send_bytes);
+    } else {
+      STRATA_ASSIGN_OR_RETURN(void* send, reg_.dev->alloc(send_bytes));
+      send_ = static_cast<float*>(send);
+    }
     STRATA_ASSIGN_OR_RETURN(void* recv, reg_.dev->alloc(piece_elems_ * 4));
     recv_ = static_cast<float*>(recv);
   }
@@ -88,7 +122,7 @@ Status GradPath::allocate() {
       off += round_up(reg_.params[id].numel * 4, 256);
     }
   }
-  for (uint32_t i = 0; staging_ && i < kPieces; ++i) {
+  for (uint32_t i = 0; staging_ && reg_.world == 1 && i < pieces_; ++i) {
     auto b = reg_.dev->alloc(piece_elems_ * 4);
     if (b.ok()) {
       stage_.push_back(*b);
@@ -97,11 +131,11 @@ Status GradPath::allocate() {
     if (reg_.cfg.strata.gradient_staging.has_value())  // asked for: an error
       return b.status().with_context(fmt::format("engine: gradient staging buffers ({} x {} on the device; "
                                                  "strata.gradient_staging false does without)",
-                                                 kPieces, format_bytes(piece_elems_ * 4)));
+                                                 pieces_, format_bytes(piece_elems_ * 4)));
     // The default: without staging (the caller's stream waits for the downloads).
     log_info("engine: no gradient staging ({} x {} of device memory refused: {}); reduce_grad's caller waits for "
              "the downloads",
-             kPieces, format_bytes(piece_elems_ * 4), b.status().message());
+             pieces_, format_bytes(piece_elems_ * 4), b.status().message());
     for (void* p : stage_) (void)reg_.dev->free(p);
     stage_.clear();
     staging_ = false;
@@ -129,7 +163,9 @@ GradPath::~GradPath() {
     reg_.dev->destroy_event(ev_download_);
     for (DeviceEvent* e : ready_) reg_.dev->destroy_event(e);
     for (DeviceEvent* e : staged_) reg_.dev->destroy_event(e);
-    for (void* b : stage_) (void)reg_.dev->free(b);
+    if (stage_block_) (void)reg_.dev->free(stage_block_);
+    else
+      for (void* b : stage_) (void)reg_.dev->free(b);
     if (stage_stream_) (void)reg_.dev->destroy_stream(stage_stream_);
     if (download_) (void)reg_.dev->destroy_stream(download_);
     if (send_) (void)reg_.dev->free(send_);
@@ -294,7 +330,9 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
     const size_t bytes = cnt * dtype_size(sent);
     Status st;
     if (scatter) {
-      st = reduce_scatter_piece(p, grad, dtype, off, cnt, dl_[slot].as<float>());
+      st = staging_ ? reduce_scatter_piece(p, grad, dtype, off, cnt, static_cast<float*>(stage_[slot]), stage_stream_,
+                                           staged_[slot], dl_[slot].as<float>())
+                    : reduce_scatter_piece(p, grad, dtype, off, cnt, send_, download_, nullptr, dl_[slot].as<float>());
       if (st.ok()) st = reg_.dev->record(ready_[slot], download_);
     } else {
       st = download_piece(slot, src, dtype, sent, cnt);
@@ -317,10 +355,11 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
   return {};
 }
 
-// N ranks: on the download stream, rank r's elements [off, off + cnt) of its
+// N ranks: on `pack_stream`, rank r's elements [off, off + cnt) of its
 // padded shard, taken from every rank's full gradient and widened to fp32
 // (zeros past numel), are packed rank by rank into the send buffer (device
-// memory); the reduce-scatter leaves the rank-order sum of this rank's piece
+// memory); then, on the download stream (after `packed` when packing ran on
+// another stream), the reduce-scatter leaves the rank-order sum of this rank's piece
 // over all ranks (comm/communicator.h's fixed order) in the device buffer
 // recv_, and a device-to-host copy brings it into `out`. The packing is the
 // backend's cast kernel (exact for bf16/fp16 -> fp32) whenever the gradient
@@ -329,13 +368,12 @@ Status GradPath::reduce(ParamId id, const void* grad, DType dtype, DeviceStream*
 // host buffer on the host backend, one host function with the same result:
 // host-backend runs with backend-allocated gradients take CUDA's path.
 Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
-                                      float* out) {
+                                      float* send, DeviceStream* pack_stream, DeviceEvent* packed, float* out) {
   const uint32_t world = reg_.world;
   const uint64_t padded = p.shard.padded, numel = p.numel;
   const size_t esz = dtype_size(dtype);
-  float* send = send_;
   if (!reg_.dev->holds(grad, numel * esz)) {
-    STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(download_, [=] {
+    STRATA_RETURN_IF_ERROR(reg_.dev->host_func_async(pack_stream, [=] {
       for (uint32_t r = 0; r < world; ++r) {
         const uint64_t begin = r * padded + off;
         const uint64_t have = begin < numel ? std::min(cnt, numel - begin) : 0;
@@ -352,11 +390,15 @@ Status GradPath::reduce_scatter_piece(const ParamState& p, const void* grad, DTy
       float* d = send + static_cast<uint64_t>(r) * cnt;
       if (have > 0)
         STRATA_RETURN_IF_ERROR(reg_.dev->cast_async(d, DType::kF32, static_cast<const char*>(grad) + begin * esz,
-                                                    dtype, have, 1.0f, download_));
-      if (have < cnt) STRATA_RETURN_IF_ERROR(reg_.dev->fill_zero_async(d + have, (cnt - have) * 4, download_));
+                                                    dtype, have, 1.0f, pack_stream));
+      if (have < cnt) STRATA_RETURN_IF_ERROR(reg_.dev->fill_zero_async(d + have, (cnt - have) * 4, pack_stream));
     }
   }
-  STRATA_RETURN_IF_ERROR(reg_.comm->reduce_scatter(send_, recv_, cnt, download_));
+  if (pack_stream != download_) {
+    STRATA_RETURN_IF_ERROR(reg_.dev->record(packed, pack_stream));
+    STRATA_RETURN_IF_ERROR(reg_.dev->wait(download_, packed));
+  }
+  STRATA_RETURN_IF_ERROR(reg_.comm->reduce_scatter(send, recv_, cnt, download_));
   reg_.traffic.comm += cnt * 4 * (world - 1);
   STRATA_RETURN_IF_ERROR(reg_.dev->copy_async(out, recv_, cnt * 4, CopyKind::kDeviceToHost, download_));
   reg_.traffic.d2h += cnt * 4;
@@ -414,7 +456,8 @@ Status GradPath::reduce_deferred() {
     for (uint64_t off = 0; off < p.shard.padded; off += piece_elems_) {
       const uint64_t cnt = std::min(piece_elems_, p.shard.padded - off);
       STRATA_ASSIGN_OR_RETURN(const uint32_t slot, take_slot());
-      Status st = reduce_scatter_piece(p, local_[id], DType::kF32, off, cnt, dl_[slot].as<float>());
+      Status st =
+          reduce_scatter_piece(p, local_[id], DType::kF32, off, cnt, send_, download_, nullptr, dl_[slot].as<float>());
       if (st.ok()) st = reg_.dev->record(ready_[slot], download_);
       if (!st.ok()) {
         if (reg_.dev->synchronize(download_).ok()) {

@@ -2,9 +2,10 @@
 // parameter's fp32 accumulator.
 //
 // Owns: the download stream and its events (one per piece: its download is
-// done), the pinned download pieces (kPieces buffers of piece_elems() fp32
-// elements) and their free list, with gradient staging the stage stream and
-// kPieces device buffers of the same size, the accumulation scratch buffer,
+// done), the pinned download pieces (pieces() buffers of piece_elems() fp32
+// elements: the plan's grad_pieces) and their free list, with gradient
+// staging the stage stream and one device buffer per piece (N ranks: the
+// piece's reduce-scatter send buffer), the accumulation scratch buffer,
 // every parameter's per-step gradient state (reduced in which micro-batch,
 // written this step), and the accumulator thread with its queue.
 // Thread: reduce()/queue_group_done()/end_reduce() on the driving thread (per
@@ -24,7 +25,13 @@
 // N ranks: each piece of the shard is first reduce-scattered (the rank-order
 // sum over ranks, fp32) into a device buffer and copied into the pinned
 // piece, on the download stream; the accumulator then adds it as it would a
-// one-rank gradient. ZeRO stage 1 ("deferred", Registry::defer_reduce):
+// one-rank gradient. Staged (Plan::grad_staged, the default): the piece's
+// slices of the caller's gradient are first packed (widened to fp32) into
+// the piece's own send buffer on the stage stream, which is all the caller's
+// stream waits for; the reduce-scatter runs on the download stream behind
+// it, so with one group's worth of pieces (Plan::grad_pieces) backward runs
+// on while the group's reduce-scatters drain (DeepSpeed's overlap_comm
+// buckets). Unstaged: packed on the download stream into one send buffer. ZeRO stage 1 ("deferred", Registry::defer_reduce):
 // reduce() instead adds the caller's whole gradient into this rank's own
 // fp32 sum on the device (local_, one buffer per trainable parameter), and
 // reduce_deferred() at step time reduce-scatters those sums once, piece by
@@ -47,22 +54,22 @@ namespace strata::engine {
 
 class GradPath {
  public:
-  static constexpr uint32_t kPieces = 4;  // download pieces in flight (plus one scratch buffer)
-
   GradPath(Registry& reg, AsyncError& errors) : reg_(reg), errors_(errors) {}
   ~GradPath();
   GradPath(const GradPath&) = delete;
   GradPath& operator=(const GradPath&) = delete;
 
   // ---- create()
-  // Sizes the pieces (up to 4 Mi elements), decides on staging
-  // (strata.gradient_staging) and creates the streams and events.
+  // Sizes the pieces (the plan's grad_piece_elems and grad_pieces), decides
+  // on staging (strata.gradient_staging; N ranks: the plan's grad_staged) and
+  // creates the streams and events.
   Status prepare();
   bool staging() const { return staging_; }
   // Whether an fp32 gradient of a bf16/fp16 parameter is rounded to the
   // compute dtype in the staging copy (strata.gradient_in_compute_dtype).
   bool narrows() const { return narrow_; }
   uint64_t piece_elems() const { return piece_elems_; }
+  uint32_t pieces() const { return pieces_; }  // download pieces in flight (plus one scratch buffer)
   Status allocate();  // pieces and scratch from the registry's pool; staging buffers on the device
   Status start(std::function<void(GroupId)> on_group_done);
   void stop();  // finishes queued accumulations, joins the thread
@@ -131,9 +138,12 @@ class GradPath {
   // into dl_[slot] in `sent` (given, or the compute dtype when narrowed).
   Status download_piece(uint32_t slot, const void* src, DType given, DType sent, uint64_t cnt);
   // `grad`: the caller's whole gradient (on the host backend any host
-  // memory), or a stage-1 local sum (backend memory).
+  // memory), or a stage-1 local sum (backend memory). Packs into `send` on
+  // `pack_stream` (staged: the stage stream, the download stream waiting for
+  // `packed`; else the download stream itself), then reduce-scatters on the
+  // download stream.
   Status reduce_scatter_piece(const ParamState& p, const void* grad, DType dtype, uint64_t off, uint64_t cnt,
-                              float* out);
+                              float* send, DeviceStream* pack_stream, DeviceEvent* packed, float* out);
   // Stage 1: grad (the caller's, whole) into local_[id]: written when
   // `first`, else added (cpu_optim::accumulate's arithmetic: one fp32 add).
   Status add_local(ParamId id, const void* grad, DType dtype, bool first);
@@ -155,7 +165,8 @@ class GradPath {
   std::vector<DeviceEvent*> ready_;     // per piece: its download is done (the accumulator waits)
   // Gradient staging (strata.gradient_staging): the caller's piece is copied
   // to stage_[slot] on the stage stream (staged_[slot] after it), the
-  // download stream takes it from there.
+  // download stream takes it from there. N ranks: stage_[slot] is the
+  // piece's send buffer (world x piece fp32, packed on the stage stream).
   bool staging_ = false;
   bool narrow_ = false;  // strata.gradient_in_compute_dtype (with staging)
   DeviceStream* stage_stream_ = nullptr;
@@ -164,12 +175,14 @@ class GradPath {
 
   // Download pieces and scratch (elements of fp32 each).
   uint64_t piece_elems_ = 0;
+  uint32_t pieces_ = 0;
+  void* stage_block_ = nullptr;  // N ranks, staged: every piece's send buffer
   std::vector<io::PinnedBuffer> dl_;
   std::mutex mu_;
   std::condition_variable cv_;     // a piece was freed
   std::vector<uint32_t> dl_free_;  // guarded by mu_
   io::PinnedBuffer scratch_;       // accumulator thread: fp32 read-add-write
-  float* send_ = nullptr;          // N ranks: world x piece fp32 (device memory), the reduce-scatter's input
+  float* send_ = nullptr;          // N ranks, unstaged or stage 1: world x piece fp32 (device memory), the reduce-scatter's input
   float* recv_ = nullptr;          // N ranks: one piece fp32 (device memory), its output
   void* local_block_ = nullptr;    // stage 1: the local sums' device memory
   std::vector<float*> local_;      // stage 1: per trainable parameter, numel fp32 (null otherwise)
