@@ -600,6 +600,36 @@ TEST(EngineMpiRefusals, StageZeroAndReplicatedParamsOnNvme) {
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("stage 1 or 2"), std::string::npos) << e.status().message();
   EXPECT_NE(e.status().message().find("use stage 3"), std::string::npos) << e.status().message();
+  // Gradient staging options that N ranks cannot honour are refused by name.
+  eo.config = make_config(Case{Place::kHost, 1}, "", 0);
+  eo.config.strata.gradient_staging = true;  // stage 1 sums into its own buffer: nothing to stage
+  e = Engine::create(eo);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("stage 1"), std::string::npos) << e.status().message();
+  eo.config = make_config(Case{Place::kHost, 3}, "", 0);
+  eo.config.strata.gradient_in_compute_dtype = true;  // the reduce-scatter sums fp32
+  e = Engine::create(eo);
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("gradient_in_compute_dtype"), std::string::npos) << e.status().message();
+  // true, but the device budget holds only the unstaged send buffer: refused
+  // (unset, the same budget trains unstaged).
+  eo.config = make_config(Case{Place::kHost, 3}, "", 0);
+  auto fits = Engine::create(eo);
+  ASSERT_TRUE(fits.ok()) << fits.status().to_string();
+  const Plan roomy = (*fits)->plan();
+  fits->reset();
+  ASSERT_TRUE(roomy.grad_staged);
+  const uint64_t piece = roomy.grad_piece_elems * 4;
+  eo.config.strata.device_memory = eo.config.strata.device_reserve + roomy.device_buffers + (c->world_size() + 1) * piece;
+  fits = Engine::create(eo);
+  ASSERT_TRUE(fits.ok()) << fits.status().to_string();
+  EXPECT_FALSE((*fits)->plan().grad_staged);
+  fits->reset();
+  eo.config.strata.gradient_staging = true;
+  e = Engine::create(eo);
+  ASSERT_FALSE(e.ok());
+  EXPECT_EQ(e.status().code(), StatusCode::kOutOfBudget) << e.status().to_string();
+  EXPECT_NE(e.status().message().find("gradient_staging"), std::string::npos) << e.status().message();
 }
 
 }  // namespace
