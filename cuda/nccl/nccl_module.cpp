@@ -129,6 +129,47 @@ int comm_init(int device, const uint8_t* id, int world, int rank, double timeout
   return 0;
 }
 
+int comm_split(int device, void* parent, double timeout_s, void** out, int* world, int* rank, char* err,
+               size_t err_len) {
+  *out = nullptr;
+  CUDA_TRY(cudaSetDevice(device));
+  auto p = static_cast<ncclComm_t>(parent);
+  int parent_device = -1, parent_rank = -1;
+  ncclResult_t r = ncclCommCuDevice(p, &parent_device);
+  if (r != ncclSuccess) return nccl_fail(r, p, "ncclCommCuDevice (of the caller's communicator)", err, err_len);
+  if (parent_device != device) {
+    if (err && err_len)
+      std::snprintf(err, err_len, "the caller's NCCL communicator is on GPU %d, the engine's device is GPU %d",
+                    parent_device, device);
+    return STRATA_NCCL_ERR_BASE + ncclInvalidArgument;
+  }
+  r = ncclCommUserRank(p, &parent_rank);
+  if (r != ncclSuccess) return nccl_fail(r, p, "ncclCommUserRank (of the caller's communicator)", err, err_len);
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  r = ncclCommSplit(p, 0, parent_rank, &comm, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm) ncclCommAbort(comm);
+    return nccl_fail(r, p, "ncclCommSplit (of the caller's communicator)", err, err_len);
+  }
+  if (comm == nullptr) {
+    if (err && err_len) std::snprintf(err, err_len, "ncclCommSplit gave no communicator");
+    return STRATA_NCCL_ERR_BASE + ncclInternalError;
+  }
+  int rc = wait_ready(comm, timeout_s, "ncclCommSplit (waiting for every rank of the caller's communicator)", err,
+                      err_len);
+  if (rc == 0 && (r = ncclCommCount(comm, world)) != ncclSuccess) rc = nccl_fail(r, comm, "ncclCommCount", err, err_len);
+  if (rc == 0 && (r = ncclCommUserRank(comm, rank)) != ncclSuccess)
+    rc = nccl_fail(r, comm, "ncclCommUserRank", err, err_len);
+  if (rc != 0) {
+    ncclCommAbort(comm);
+    return rc;
+  }
+  *out = comm;
+  return 0;
+}
+
 int comm_finalize_destroy(int device, void* c, double timeout_s, char* err, size_t err_len) {
   CUDA_TRY(cudaSetDevice(device));
   auto comm = static_cast<ncclComm_t>(c);
@@ -221,6 +262,7 @@ const strata_nccl_api_v1_t kApi = {
     exchange,
     broadcast,
     all_reduce_unordered,
+    comm_split,
 };
 
 }  // namespace

@@ -89,6 +89,15 @@ typedef struct strata_nccl_api_v1_s {
   // flags, never for results that must be deterministic).
   int (*all_reduce_unordered)(int device, void* comm, const float* send, float* recv, size_t count, void* stream,
                               double timeout_s, char* err, size_t err_len);
+
+  // ---- appended (a loader checks struct_size before using them)
+  // A child of the caller's communicator `parent` (ncclCommSplit, color 0,
+  // key = the parent's rank; non-blocking, polled like comm_init), after
+  // checking that the parent's GPU is `device`; its rank and size in *rank
+  // and *world. Collective over the parent's ranks. The parent is untouched
+  // (an abort of the child leaves it working).
+  int (*comm_split)(int device, void* parent, double timeout_s, void** comm, int* world, int* rank, char* err,
+                    size_t err_len);
 } strata_nccl_api_v1_t;
 
 typedef const strata_nccl_api_v1_t* (*strata_nccl_api_v1_fn)(void);

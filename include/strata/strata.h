@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 6
+#define STRATA_API_VERSION 7
 
 /* ------------------------------------------------------------------ status */
 
@@ -201,7 +201,10 @@ STRATA_API void strata_free(void* ptr);
  * an array of strata_param_desc_t in one call, rather than through a builder
  * that would add a half-built state the caller must track. Both structs are
  * versioned (struct_size first), so new per-engine or per-parameter fields
- * can be appended without breaking callers.
+ * can be appended without breaking callers: since API 7 a struct that grew
+ * (strata_engine_options_t, strata_engine_stats_t) is also taken at its API 6
+ * size, the fields past struct_size reading as their defaults (options) or
+ * left unwritten (stats); any other smaller struct_size is refused.
  *
  * Ids. Parameters are numbered 0..param_count-1 in the order given at
  * creation; groups 0..group_count-1 in order of first appearance there.
@@ -317,6 +320,15 @@ typedef struct strata_engine_options {
   strata_comm_kind_t comm_kind;
   int64_t mpi_comm;
   double comm_timeout_s;
+  /* STRATA_COMM_NCCL only (API 7): the trainer's own ncclComm_t, instead of a
+   * bootstrap from the launcher's environment. The engine makes its own child
+   * communicator of it (ncclCommSplit: every rank of that communicator calls
+   * strata_engine_create, which is then collective over them; rank and world
+   * size are the communicator's), so the engine's collectives never mix with
+   * the trainer's and a timeout aborts only the child. The communicator's GPU
+   * must be device_ordinal. Borrowed for the call only. NULL: bootstrap.
+   * Never run on a GPU yet. */
+  void* nccl_comm;
 } strata_engine_options_t;
 
 /* One parameter of the model. Zero-initialise, set struct_size and the rest. */
@@ -390,6 +402,9 @@ typedef struct strata_engine_stats {
   uint64_t hot_path_allocs; /* allocations after the first step (should stay 0) */
   int64_t steps, skipped_steps;
   uint64_t comm_bytes; /* sent to the other ranks (API 5) */
+  /* Stage 3: acquires whose all-gather was enqueued at an earlier group's
+   * acquire, along the recorded order (API 7; not written for an API 6 struct). */
+  uint64_t gathers_ahead;
 } strata_engine_stats_t;
 
 /* Sets struct_size and the defaults (every other field 0: no config, auto

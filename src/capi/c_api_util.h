@@ -33,6 +33,25 @@ Status check_struct(const T* p, const char* what) {
   return Status();
 }
 
+// A struct that grew since its first version: struct_size may also be
+// `oldest` (the size of the first version with struct_size checks, e.g.
+// offsetof the first field API 7 added) or anything between; the caller
+// reads or writes only the fields within struct_size (fits()).
+template <typename T>
+Status check_struct_since(const T* p, const char* what, size_t oldest) {
+  if (!p) return Status(StatusCode::kInvalidArgument, std::string(what) + " is NULL");
+  if (p->struct_size < oldest)
+    return Status(StatusCode::kInvalidArgument, std::string(what) + ".struct_size is " +
+                                                    std::to_string(p->struct_size) + ", expected at least " +
+                                                    std::to_string(oldest) + " (set it to sizeof the struct)");
+  return Status();
+}
+// Whether the field at byte `offset` of `size` bytes lies within p's struct_size.
+template <typename T>
+bool fits(const T* p, size_t offset, size_t size) {
+  return p->struct_size >= offset + size;
+}
+
 strata_status_t to_c_status(StatusCode code);
 
 // Records st as this thread's last error and returns its C code.

@@ -4,7 +4,9 @@
 // C++ exception (std::bad_alloc from a std::string, a bug) is stopped before
 // it crosses into C, and where a Status becomes a strata_status_t and the
 // engine's last-error text.
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -164,6 +166,10 @@ namespace {
 // to the engine.
 Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOptions& eo) {
   const int kind = enum_value(o.comm_kind);
+  if (o.nccl_comm != nullptr && kind != STRATA_COMM_NCCL)
+    return Status(StatusCode::kInvalidArgument,
+                  "options.nccl_comm is set but options.comm_kind is not STRATA_COMM_NCCL (it is " +
+                      std::to_string(kind) + ")");
   if (kind == STRATA_COMM_NONE) return Status();
   if (kind != STRATA_COMM_MPI && kind != STRATA_COMM_NCCL)
     return Status(StatusCode::kInvalidArgument, "options.comm_kind: unknown kind " + std::to_string(kind));
@@ -191,6 +197,7 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
   co.kind = nccl ? comm::CommBackendKind::kNccl : comm::CommBackendKind::kMpi;
   co.timeout_s = o.comm_timeout_s > 0 ? o.comm_timeout_s : 300.0;
   co.mpi_fortran_comm = o.mpi_comm;
+  co.nccl_parent = o.nccl_comm;
   auto c = comm::create_communicator(e.device.get(), co);
   if (!c.ok()) return c.status().with_context(what);
   e.comm = std::move(c).value();
@@ -203,8 +210,13 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
 strata_status_t strata_engine_create(const strata_engine_options_t* options, const strata_param_desc_t* params,
                                      size_t param_count, strata_engine_t* out) {
   return guarded(nullptr, "strata_engine_create", [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(check_struct(options, "options"));
+    // API 6 callers pass the struct without nccl_comm: it reads as NULL.
+    STRATA_RETURN_IF_ERROR(check_struct_since(options, "options", offsetof(strata_engine_options_t, nccl_comm)));
     if (!out) return null_arg("strata_engine_create", "engine");
+    strata_engine_options_t whole{};
+    std::memcpy(&whole, options, std::min(options->struct_size, sizeof(whole)));
+    whole.struct_size = sizeof(whole);
+    options = &whole;
     const int device_kind = enum_value(options->device_kind);
     if (device_kind < STRATA_DEVICE_AUTO || device_kind > STRATA_DEVICE_HOST)
       return Status(StatusCode::kInvalidArgument,
@@ -582,7 +594,8 @@ strata_status_t strata_engine_load_checkpoint(strata_engine_t engine, const char
 
 strata_status_t strata_engine_stats(strata_engine_t engine, strata_engine_stats_t* stats) {
   return on_engine(engine, "strata_engine_stats", [&]() -> Status {
-    STRATA_RETURN_IF_ERROR(check_struct(stats, "stats"));
+    // API 6 callers pass the struct without gathers_ahead: left unwritten.
+    STRATA_RETURN_IF_ERROR(check_struct_since(stats, "stats", offsetof(strata_engine_stats_t, gathers_ahead)));
     const EngineStats s = engine->engine->stats();
     for (int t = 0; t < 4; ++t) stats->tier_bytes[t] = s.tier_bytes[t];
     stats->device_buffer_bytes = s.device_buffer_bytes;
@@ -599,6 +612,8 @@ strata_status_t strata_engine_stats(strata_engine_t engine, strata_engine_stats_
     stats->steps = s.steps;
     stats->skipped_steps = s.skipped_steps;
     stats->comm_bytes = s.comm_bytes;
+    if (fits(stats, offsetof(strata_engine_stats_t, gathers_ahead), sizeof(stats->gathers_ahead)))
+      stats->gathers_ahead = s.gathers_ahead;
     return Status();
   });
 }

@@ -45,6 +45,12 @@ Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::si
 // NCCL over the launcher's ranks: rank 0's NCCL id travels by MPI (mpirun)
 // or the TCP rendezvous (torchrun style).
 Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const CommOptions& options) {
+  if (options.nccl_parent != nullptr) {
+    NcclCommOptions no;
+    no.timeout_s = options.timeout_s;
+    no.parent = options.nccl_parent;
+    return create_nccl_communicator(device, no);
+  }
   STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
   NcclCommOptions no;
   no.rank = li.rank;
@@ -93,6 +99,13 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("create_communicator: timeout_s must be > 0 (got {})", options.timeout_s));
   CommBackendKind kind = options.kind;
+  if (options.nccl_parent != nullptr) {
+    if (kind != CommBackendKind::kAuto && kind != CommBackendKind::kNccl)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("create_communicator: an NCCL communicator to split was given with the {} backend",
+                                comm_backend_kind_name(kind)));
+    kind = CommBackendKind::kNccl;
+  }
   if (kind == CommBackendKind::kAuto) {
     // GPU ranks meet over NCCL, host ranks over MPI; one rank needs neither.
     if (device->kind() == DeviceKind::kCuda) {

@@ -112,6 +112,9 @@ struct CommOptions {
   // kMpi: the ranks of this communicator (Fortran handle, see mpi_comm.h);
   // -1: MPI_COMM_WORLD.
   int64_t mpi_fortran_comm = -1;
+  // kNccl: the caller's own ncclComm_t; the communicator is a child of it
+  // (nccl_comm.h NcclCommOptions::parent) instead of a launcher bootstrap.
+  void* nccl_parent = nullptr;
 };
 
 // True when this build has the MPI backend (STRATA_HAVE_MPI).

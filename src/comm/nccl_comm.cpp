@@ -108,6 +108,15 @@ class NcclCommunicator final : public Communicator {
     if (stream_) (void)dev_->destroy_stream(stream_);
   }
 
+  // A child of the caller's communicator; then init(nullptr, ...).
+  Status split(void* parent) {
+    Err err;
+    const int rc = api_->comm_split(device_, parent, timeout_s_, &comm_, &world_, &rank_, err.text, sizeof(err.text));
+    if (rc != 0) return nccl_status(rc, err.text, "nccl communicator: splitting the caller's communicator");
+    return {};
+  }
+
+  // id: rank 0's unique id to join with, or null when split() made comm_.
   Status init(const uint8_t* id, std::size_t scratch_bytes) {
     STRATA_ASSIGN_OR_RETURN(stream_, dev_->create_stream("nccl"));
     STRATA_ASSIGN_OR_RETURN(CudaNativeStream ns, cuda_native_stream(stream_));
@@ -121,10 +130,12 @@ class NcclCommunicator final : public Communicator {
     scratch_ = static_cast<float*>(s);
     chunk_ = (bytes / sizeof(float) - 1) / static_cast<std::size_t>(world_);
     barrier_flag_ = scratch_ + chunk_ * world_;
-    Err err;
-    const int rc = api_->comm_init(device_, id, world_, rank_, timeout_s_, &comm_, err.text, sizeof(err.text));
-    if (rc != 0)
-      return nccl_status(rc, err.text, fmt::format("nccl communicator: joining rank {} of {}", rank_, world_));
+    if (id != nullptr) {
+      Err err;
+      const int rc = api_->comm_init(device_, id, world_, rank_, timeout_s_, &comm_, err.text, sizeof(err.text));
+      if (rc != 0)
+        return nccl_status(rc, err.text, fmt::format("nccl communicator: joining rank {} of {}", rank_, world_));
+    }
     watchdog_ = std::thread([this] { watchdog_main(); });
     return {};
   }
@@ -409,7 +420,8 @@ class NcclCommunicator final : public Communicator {
 
   DeviceBackend* dev_;
   const strata_nccl_api_v1_t* api_;
-  const int device_, rank_, world_;
+  const int device_;
+  int rank_, world_;  // constant once init() returned (split() sets them)
   const double timeout_s_;
 
   DeviceStream* stream_ = nullptr;  // the comm stream
@@ -447,13 +459,13 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("nccl communicator: needs the CUDA device backend (got {}); host ranks use mpi",
                               device->name()));
-  if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
+  if (o.parent == nullptr && (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size))
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("nccl communicator: rank {} of a world of {}", o.rank, o.world_size));
   if (!(o.timeout_s > 0))
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("nccl communicator: timeout_s must be > 0 (got {})", o.timeout_s));
-  if (o.world_size > 1 && !o.share_id)
+  if (o.parent == nullptr && o.world_size > 1 && !o.share_id)
     return Status(StatusCode::kInvalidArgument,
                   "nccl communicator: N ranks need a way to share rank 0's NCCL id (share_id)");
   // NCCL_COMM_BLOCKING=1 overrides the non-blocking config: every call could
@@ -464,6 +476,12 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
                               "dead peer hang this rank past every timeout; unset it",
                               b));
   STRATA_ASSIGN_OR_RETURN(const strata_nccl_api_v1_t* api, load_module());
+  if (o.parent != nullptr) {
+    auto c = std::make_unique<NcclCommunicator>(device, api, device->ordinal(), o);
+    STRATA_RETURN_IF_ERROR(c->split(o.parent));
+    STRATA_RETURN_IF_ERROR(c->init(nullptr, o.scratch_bytes));
+    return std::unique_ptr<Communicator>(std::move(c));
+  }
   std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
   if (o.rank == 0) {
     Err err;

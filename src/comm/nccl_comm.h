@@ -43,6 +43,9 @@
 // Bootstrap. The ranks share rank 0's NCCL unique id (128 bytes) before
 // ncclCommInitRank: through `share_id` (the TCP rendezvous for torchrun-style
 // launches, an MPI broadcast under mpirun: create_communicator does this).
+// Or, from a trainer that has its own NCCL communicator (`parent`), a child
+// split from it: the engine's collectives never match the trainer's, and a
+// timeout aborts the child only.
 // ncclCommInitRank is non-blocking and polled up to the timeout, so a rank
 // that never joins fails the others instead of hanging them.
 //
@@ -75,6 +78,11 @@ struct NcclCommOptions {
   // Scratch for the rank-order sums, bytes (a collective larger than
   // scratch_bytes / world_size per rank runs in chunks). 0: kNcclDefaultScratch.
   std::size_t scratch_bytes = 0;
+  // The caller's own ncclComm_t (borrowed for the call): the communicator is
+  // a child of it (ncclCommSplit, collective over its ranks), whose rank and
+  // size replace rank/world_size, and share_id is not used. Its GPU must be
+  // the device backend's.
+  void* parent = nullptr;
 };
 
 // True when this build has the NCCL module (STRATA_HAVE_NCCL).

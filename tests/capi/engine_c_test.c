@@ -15,6 +15,7 @@
 #define _DEFAULT_SOURCE
 #include <ftw.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -418,6 +419,21 @@ static int test_ram_matches_reference(void) {
   CHECK(st.steps == STEPS && st.skipped_steps == 0);
   CHECK(st.acquires == (uint64_t)(2 * NGROUP * STEPS));
   CHECK(st.tier_bytes[STRATA_TIER_NVME] == 0 && st.tier_bytes[STRATA_TIER_HOST] > 0);
+  CHECK(st.gathers_ahead == 0); /* one rank: nothing gathered */
+  /* A caller built against API 6 (no gathers_ahead): accepted, and the bytes
+   * past its struct_size are left alone; one field short of that is refused. */
+  memset(&st, 0xAB, sizeof(st));
+  st.struct_size = offsetof(strata_engine_stats_t, gathers_ahead);
+  OK(e, strata_engine_stats(e, &st));
+  CHECK(st.steps == STEPS && st.comm_bytes == 0);
+  {
+    uint64_t untouched;
+    memset(&untouched, 0xAB, sizeof(untouched));
+    CHECK(memcmp(&st.gathers_ahead, &untouched, sizeof(untouched)) == 0);
+  }
+  st.struct_size = offsetof(strata_engine_stats_t, comm_bytes);
+  CHECK(strata_engine_stats(e, &st) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_engine_last_error(e), "struct_size") != NULL);
 
   alloc_set(g_final_ram);
   if (read_all(&r, g_final_ram) != 0) return -1;
@@ -524,6 +540,33 @@ static int test_errors(void) {
   opts.struct_size = 8;
   CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_last_error(), "struct_size") != NULL);
+  /* One field short of API 6's struct (no comm_timeout_s): refused. */
+  opts.struct_size = offsetof(strata_engine_options_t, comm_timeout_s);
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "struct_size") != NULL);
+  /* API 6's struct (no nccl_comm; the bytes after it are garbage): accepted,
+   * nccl_comm reads as NULL. */
+  {
+    union {
+      strata_engine_options_t o;
+      unsigned char b[sizeof(strata_engine_options_t)];
+    } raw;
+    memset(raw.b, 0xAB, sizeof(raw.b));
+    strata_engine_options_t v6;
+    OK(NULL, strata_engine_options_init(&v6));
+    v6.device_kind = STRATA_DEVICE_HOST;
+    v6.struct_size = offsetof(strata_engine_options_t, nccl_comm);
+    memcpy(raw.b, &v6, v6.struct_size);
+    OK(NULL, strata_engine_create(&raw.o, d, NPARAM, &e));
+    strata_engine_destroy(e);
+    e = NULL;
+  }
+  /* nccl_comm is for STRATA_COMM_NCCL only. */
+  opts.struct_size = sizeof(opts);
+  opts.nccl_comm = (void*)&opts;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "nccl_comm") != NULL);
+  opts.nccl_comm = NULL;
   opts.struct_size = sizeof(opts);
   d[2].struct_size = 0;
   CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);

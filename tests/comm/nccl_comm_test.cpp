@@ -49,6 +49,14 @@ TEST(NcclComm, RefusesTheHostBackendByName) {
     EXPECT_EQ(c.status().code(), StatusCode::kUnavailable) << c.status().to_string();
     EXPECT_NE(c.status().message().find("not in this build"), std::string::npos) << c.status().to_string();
   }
+  // A caller's NCCL communicator to split is for the NCCL backend only.
+  int fake = 0;
+  CommOptions co{CommBackendKind::kMpi, 30.0};
+  co.nccl_parent = &fake;
+  auto m = create_communicator(dev->get(), co);
+  ASSERT_FALSE(m.ok());
+  EXPECT_EQ(m.status().code(), StatusCode::kInvalidArgument) << m.status().to_string();
+  EXPECT_NE(m.status().message().find("NCCL communicator to split"), std::string::npos) << m.status().to_string();
 }
 
 #if defined(STRATA_TEST_NCCL_MODULE)
@@ -182,6 +190,41 @@ TEST_F(NcclOneRank, TwoCallerStreamsShareTheCommStream) {
   EXPECT_TRUE(test::same_bits(read(ra, n).data(), a.data(), n));
   EXPECT_TRUE(test::same_bits(read(rb, n).data(), b.data(), n));
   ASSERT_TRUE(dev_->destroy_stream(*other).ok());
+}
+
+// A trainer's own communicator (the C ABI's nccl_comm): the engine's is a
+// child split from it, whose collectives work, and destroying the child
+// leaves the parent working.
+TEST_F(NcclOneRank, SplitsTheCallersCommunicator) {
+  void* h = dlopen(STRATA_TEST_NCCL_MODULE, RTLD_NOW | RTLD_LOCAL);
+  ASSERT_NE(h, nullptr) << dlerror();
+  const strata_nccl_api_v1_t* api = reinterpret_cast<strata_nccl_api_v1_fn>(dlsym(h, STRATA_NCCL_API_SYMBOL))();
+  ASSERT_NE(api, nullptr);
+  char err[512] = {0};
+  std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
+  ASSERT_EQ(api->unique_id(id.data(), err, sizeof(err)), 0) << err;
+  void* parent = nullptr;
+  ASSERT_EQ(api->comm_init(0, id.data(), 1, 0, 60.0, &parent, err, sizeof(err)), 0) << err;
+  {
+    CommOptions co{CommBackendKind::kNccl, 60.0};
+    co.nccl_parent = parent;
+    auto c = create_communicator(dev_.get(), co);
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_EQ((*c)->world_size(), 1);
+    EXPECT_EQ((*c)->rank(), 0);
+    const std::size_t n = 777;
+    std::vector<float> in(n), zeros(n, 0.0f);
+    test::fill(in.data(), 0, 0, n);
+    float* src = device_floats(in);
+    float* dst = device_floats(zeros);
+    ASSERT_TRUE((*c)->reduce_scatter(src, dst, n, stream_).ok());
+    const std::vector<float> want = test::rank_order_sum(1, 0, n);
+    EXPECT_TRUE(test::same_bits(read(dst, n).data(), want.data(), n));
+  }
+  int state = -1;
+  ASSERT_EQ(api->comm_async_error(parent, &state, err, sizeof(err)), 0) << err;
+  EXPECT_EQ(state, 0);  // ncclSuccess: the parent is untouched
+  EXPECT_EQ(api->comm_finalize_destroy(0, parent, 60.0, err, sizeof(err)), 0) << err;
 }
 
 TEST_F(NcclOneRank, TheFactoryPicksNcclForACudaDevice) {
