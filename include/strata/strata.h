@@ -201,10 +201,13 @@ STRATA_API void strata_free(void* ptr);
  * an array of strata_param_desc_t in one call, rather than through a builder
  * that would add a half-built state the caller must track. Both structs are
  * versioned (struct_size first), so new per-engine or per-parameter fields
- * can be appended without breaking callers: since API 7 a struct that grew
- * (strata_engine_options_t, strata_engine_stats_t) is also taken at its API 6
- * size, the fields past struct_size reading as their defaults (options) or
- * left unwritten (stats); any other smaller struct_size is refused.
+ * can be appended: since API 7 a struct that grew (strata_engine_options_t,
+ * strata_engine_stats_t) is also taken at its API 6 size, for callers that
+ * fill it by hand, the fields past struct_size reading as their defaults
+ * (options) or left unwritten (stats); any other smaller struct_size is
+ * refused. strata_engine_options_init() writes the whole struct of the header
+ * the library was built with, so a program built against another header
+ * checks strata_api_version() first (the Python bindings refuse a mismatch).
  *
  * Ids. Parameters are numbered 0..param_count-1 in the order given at
  * creation; groups 0..group_count-1 in order of first appearance there.
