@@ -165,7 +165,7 @@ struct Registry {
   // Checks `needs` against the pinned budget and creates the pool.
   Status create_pinned_pool(const PinnedNeeds& needs);
   // The largest trainable parameter's padded shard (at least 1): what the
-  // optimizer ring and the gradient pieces are sized by.
+  // optimizer ring is sized by (the gradient pieces: Plan::grad_piece_elems).
   uint64_t max_shard_elems() const;
 
   // ---- array helpers (driving thread, engine idle)
