@@ -236,6 +236,8 @@ json plan_json(const Plan& plan) {
           {"grad_staged", plan.grad_staged},
           {"staging_ring", plan.staging_ring},
           {"optimizer_ring", plan.optimizer_ring},
+          {"grad_pinned", plan.grad_pinned},
+          {"pinned_total", plan.pinned_total()},
           {"nvme_dirs", dirs},
           {"forward_backward", link_json(plan.forward_backward)},
           {"optimizer_step", link_json(plan.optimizer_step)},

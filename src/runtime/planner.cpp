@@ -166,7 +166,7 @@ uint64_t Plan::device_total() const {
   return tier_bytes(Tier::kDevice) + device_buffers + local_grad_bytes + reduce_buffers + options.device_reserve;
 }
 uint64_t Plan::host_total() const {
-  return tier_bytes(Tier::kHost) + staging_ring + optimizer_ring;
+  return tier_bytes(Tier::kHost) + pinned_total();
 }
 uint64_t Plan::nvme_total() const {
   return tier_bytes(Tier::kNvme);
@@ -397,17 +397,19 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     if (g.tier[kc(StateKind::kCompute)] != Tier::kDevice)
       max_off_device = std::max(max_off_device, g.bytes[kc(StateKind::kCompute)]);
   plan.staging_ring = uint64_t{1 + depth} * max_off_device;
+  plan.grad_pinned = (uint64_t{std::max<uint32_t>(plan.grad_pieces, 2)} + 1) * plan.grad_piece_elems * 4;
+  const uint64_t pinned_fixed = plan.staging_ring + plan.grad_pinned;
   const auto host_forced_by = forced_on(Tier::kHost);
   const uint64_t host_forced = sum(host_forced_by);
-  if (plan.staging_ring + host_forced > budgets.host_bytes)
+  if (pinned_fixed + host_forced > budgets.host_bytes)
     return out_of_budget(fmt::format(
-        "host: {}{}{} but the host budget is {}: {} short; raise the host budget{}",
-        host_forced ? needs(host_forced_by) + " by group overrides" : "",
-        host_forced && plan.staging_ring ? " plus " : "",
-        plan.staging_ring ? fmt::format("pinned staging buffers need {}", format_bytes(plan.staging_ring)) : "",
-        format_bytes(budgets.host_bytes), format_bytes(plan.staging_ring + host_forced - budgets.host_bytes),
+        "host: {}{}pinned buffers need {} (staging {}, gradient pieces {}) but the host budget is {}: {} short; "
+        "raise the host budget{}",
+        host_forced ? needs(host_forced_by) + " by group overrides" : "", host_forced ? " plus " : "",
+        format_bytes(pinned_fixed), format_bytes(plan.staging_ring), format_bytes(plan.grad_pinned),
+        format_bytes(budgets.host_bytes), format_bytes(pinned_fixed + host_forced - budgets.host_bytes),
         host_forced ? " or move groups to NVMe" : ""));
-  uint64_t host_free = budgets.host_bytes - plan.staging_ring - host_forced;
+  uint64_t host_free = budgets.host_bytes - pinned_fixed - host_forced;
 
   uint64_t auto_rest = 0;
   bool forced_nvme = false;
@@ -475,9 +477,11 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
         format_bytes(host_free), format_bytes(budgets.host_bytes), format_bytes(plan.optimizer_ring - host_free)));
   if (budgets.pinned_bytes > 0 && plan.pinned_total() > budgets.pinned_bytes)
     return out_of_budget(fmt::format(
-        "pinned host memory: buffers need {} (staging {}, optimizer ring {}) but the pinned budget is {}: {} short; "
-        "raise strata.pinned_memory, or lower strata.prefetch_depth or strata.optimizer_chunk",
+        "pinned host memory: buffers need {} (staging {}, optimizer ring {}, gradient pieces {}) but the pinned "
+        "budget is {}: {} short; raise strata.pinned_memory, or lower strata.prefetch_depth or "
+        "strata.optimizer_chunk",
         format_bytes(plan.pinned_total()), format_bytes(plan.staging_ring), format_bytes(plan.optimizer_ring),
+        format_bytes(plan.grad_pinned),
         format_bytes(budgets.pinned_bytes), format_bytes(plan.pinned_total() - budgets.pinned_bytes)));
 
   // ---- totals and NVMe
@@ -642,19 +646,18 @@ std::string Plan::report() const {
   if (world_size > 1 && local_grad_bytes == 0)
     line(grad_staged && grad_pieces >= grad_pieces_wanted
              ? fmt::format("  gradient reduce-scatters: behind backward ({} send buffers of {} elements x {} ranks: "
-                           "the largest group's gradient; {} of pinned pieces)",
-                           grad_pieces, grad_piece_elems, world_size,
-                           format_bytes(uint64_t{grad_pieces} * grad_piece_elems * 4))
+                           "the largest group's gradient)",
+                           grad_pieces, grad_piece_elems, world_size)
          : grad_staged
              ? fmt::format("  gradient reduce-scatters: {} send buffers of {} elements x {} ranks, not the {} of the "
                            "largest group (the device budget): backward waits for all but each group's last {}",
                            grad_pieces, grad_piece_elems, world_size, grad_pieces_wanted, grad_pieces)
              : std::string("  gradient reduce-scatters: from the caller's buffer (strata.gradient_staging false, or "
                            "the device budget): backward waits for each"));
-  if (staging_ring || optimizer_ring)
-    line(fmt::format("  pinned: staging {}, optimizer ring {} ({} x {})", format_bytes(staging_ring),
-                     format_bytes(optimizer_ring), options.optimizer_ring_buffers,
-                     format_bytes(optimizer_chunk_bytes)));
+  line(fmt::format("  pinned: staging {}, optimizer ring {} ({} x {}), gradient pieces {} ({} x {} elements)",
+                   format_bytes(staging_ring), format_bytes(optimizer_ring), options.optimizer_ring_buffers,
+                   format_bytes(optimizer_chunk_bytes), format_bytes(grad_pinned),
+                   std::max<uint32_t>(grad_pieces, 2) + 1, grad_piece_elems));
   for (size_t i = 0; i < nvme_dir_bytes.size(); ++i)
     line(fmt::format("  {}: {} of {}", budgets.nvme[i].path, format_bytes(nvme_dir_bytes[i]),
                      format_bytes(budgets.nvme[i].capacity)));

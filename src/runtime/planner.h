@@ -135,6 +135,10 @@ struct Plan {
   bool grad_staged = false;              // N ranks: reduce_grad packs into engine send buffers
   uint64_t reduce_buffers = 0;           // device bytes of the above (N ranks, not stage 1)
   uint64_t grad_pieces_wanted = 0;       // N ranks: pieces of the largest group (what overlap needs)
+  // Pinned: the gradient path's download pieces, max(grad_pieces, 2) of
+  // grad_piece_elems fp32 elements plus one accumulation scratch piece
+  // (engine/grad_path.h takes them from the pinned pool).
+  uint64_t grad_pinned = 0;
   uint32_t prefetch_groups = 0;          // how many groups the device buffers prefetch
   uint32_t held_groups = 1;              // how many they hold acquired at once
   uint64_t staging_ring = 0;             // pinned: host/NVMe compute copies on their way up
@@ -152,9 +156,9 @@ struct Plan {
 
   uint64_t tier_bytes(Tier t) const;  // state only, no buffers
   uint64_t device_total() const;      // state + device buffers + reserve
-  uint64_t host_total() const;        // state + pinned rings
+  uint64_t host_total() const;        // state + pinned rings and gradient pieces
   uint64_t nvme_total() const;
-  uint64_t pinned_total() const { return staging_ring + optimizer_ring; }
+  uint64_t pinned_total() const { return staging_ring + optimizer_ring + grad_pinned; }
   LinkBytes per_step() const;
   // Multi-line human-readable report (tiers, groups, traffic per step).
   std::string report() const;

@@ -945,6 +945,27 @@ TEST(EngineNvme, NoDeviceOrPinnedGrowthAfterTheFirstStep) {
   EXPECT_EQ(t.e->stats().hot_path_allocs, 0u);
 }
 
+// The plan counts every pinned buffer the engine takes (staging, optimizer
+// ring, gradient pieces); the pool rounds each buffer up to 2 MiB and keeps
+// one 2 MiB slab more, so it holds at least the plan's total and at most
+// that plus 2 MiB per buffer.
+TEST(EngineNvme, PinnedPoolHoldsWhatThePlanCounts) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  TempDir dir;
+  RunOptions o;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(make_config(o, Place::kNvme, dir.path() + "/swap")).ok());
+  const Plan& plan = t.e->plan();
+  EXPECT_EQ(plan.grad_pinned, (uint64_t{std::max<uint32_t>(plan.grad_pieces, 2)} + 1) * plan.grad_piece_elems * 4);
+  EXPECT_EQ(plan.pinned_total(), plan.staging_ring + plan.optimizer_ring + plan.grad_pinned);
+  const uint64_t pool = t.e->stats().pinned_bytes;
+  const uint64_t buffers = std::max<uint32_t>(plan.grad_pieces, 2) + 1 + plan.options.optimizer_ring_buffers +
+                           1 + plan.prefetch_groups;
+  EXPECT_GE(pool, plan.pinned_total());
+  EXPECT_LE(pool, plan.pinned_total() + (buffers + 1) * (2ull << 20));
+}
+
 TEST(EngineNvme, CheckpointResumeIsBitIdentical) {
   Device d = make_device();
   SKIP_WITHOUT_DEVICE(d);

@@ -74,6 +74,10 @@ PlanOptions small_options() {
   return o;
 }
 
+// The gradient path's pinned pieces of uniform_model(_, 1 Mi): pieces of the
+// largest shard (1 Mi elements), 4 in flight plus one scratch, fp32.
+constexpr uint64_t kGradPinned = 5 * 4 * kMiB;
+
 Plan plan_ok(const ModelSpec& m, const PlanBudgets& b, const PlanOptions& o) {
   auto r = make_plan(m, b, o);
   EXPECT_TRUE(r.ok()) << r.status().to_string();
@@ -130,11 +134,12 @@ TEST(Planner, BudgetsForceHostThenNvme) {
   const ModelSpec m = uniform_model(4, 1 << 20);
   // Device 7 MiB: 8 MiB of compute copies do not fit, so 2 working buffers
   // (1 in use + 1 prefetched) x 2 MiB = 4 MiB; the 3 MiB left hold g0.
-  // Host 36 MiB: staging ring 2 x 2 MiB = 4 MiB; a worst-case optimizer ring
+  // Host 36 MiB (plus the 20 MiB of gradient pieces, kGradPinned): staging
+  // ring 2 x 2 MiB = 4 MiB; a worst-case optimizer ring
   // 2 x 256 Ki x (4+8+4+4) B = 10 MiB is held back; the 22 MiB left take, in
   // order, compute g1..g3 (6 MiB) and all four gradients (16 MiB). Masters and
   // states go to NVMe: 16 + 32 = 48 MiB.
-  PlanBudgets b{7 * kMiB, 36 * kMiB, 0, {{"/nvme", 1 * kGiB}}};
+  PlanBudgets b{7 * kMiB, 36 * kMiB + kGradPinned, 0, {{"/nvme", 1 * kGiB}}};
   Plan p = plan_ok(m, b, small_options());
   EXPECT_EQ(p.device_buffers, 4 * kMiB);
   EXPECT_EQ(p.groups[0].tier[kC], Tier::kDevice);
@@ -153,7 +158,8 @@ TEST(Planner, BudgetsForceHostThenNvme) {
   EXPECT_EQ(p.tier_bytes(Tier::kDevice), 2 * kMiB);
   EXPECT_EQ(p.tier_bytes(Tier::kHost), 22 * kMiB);
   EXPECT_EQ(p.nvme_total(), 48 * kMiB);
-  EXPECT_EQ(p.host_total(), 32 * kMiB);
+  EXPECT_EQ(p.grad_pinned, kGradPinned);
+  EXPECT_EQ(p.host_total(), 32 * kMiB + kGradPinned);
   EXPECT_EQ(p.device_total(), 6 * kMiB);
   ASSERT_EQ(p.nvme_dir_bytes.size(), 1u);
   EXPECT_EQ(p.nvme_dir_bytes[0], 48 * kMiB);
@@ -181,7 +187,7 @@ TEST(Planner, BudgetsForceHostThenNvme) {
 
 TEST(Planner, RefusalSaysWhatIsShortAndByHowMuch) {
   const ModelSpec m = uniform_model(4, 1 << 20);
-  PlanBudgets b{7 * kMiB, 36 * kMiB, 0, {{"/nvme", 40 * kMiB}}};
+  PlanBudgets b{7 * kMiB, 36 * kMiB + kGradPinned, 0, {{"/nvme", 40 * kMiB}}};
   EXPECT_EQ(refusal(m, b, small_options()),
             "NVMe: optimizer states 32.0 MiB + fp32 master 16.0 MiB = 48.0 MiB needed but /nvme has 40.0 MiB free: "
             "8.0 MiB short; add a directory or use bf16 optimizer states (saves 16.0 MiB)");
@@ -212,17 +218,17 @@ TEST(Planner, RefusalSaysWhatIsShortAndByHowMuch) {
             std::string::npos)
       << refusal(m, five, held3);
 
-  // Pinned cap below the staging ring + optimizer ring (4 + 6 MiB).
-  PlanBudgets pinned{7 * kMiB, 36 * kMiB, 8 * kMiB, {{"/nvme", 1 * kGiB}}};
+  // Pinned cap below the staging ring + optimizer ring + gradient pieces (4 + 6 + 20 MiB).
+  PlanBudgets pinned{7 * kMiB, 36 * kMiB + kGradPinned, 28 * kMiB, {{"/nvme", 1 * kGiB}}};
   EXPECT_EQ(refusal(m, pinned, small_options()),
-            "pinned host memory: buffers need 10.0 MiB (staging 4.0 MiB, optimizer ring 6.0 MiB) but the pinned "
-            "budget is 8.0 MiB: 2.0 MiB short; raise strata.pinned_memory, or lower strata.prefetch_depth or "
-            "strata.optimizer_chunk");
+            "pinned host memory: buffers need 30.0 MiB (staging 4.0 MiB, optimizer ring 6.0 MiB, gradient pieces "
+            "20.0 MiB) but the pinned budget is 28.0 MiB: 2.0 MiB short; raise strata.pinned_memory, or lower "
+            "strata.prefetch_depth or strata.optimizer_chunk");
 }
 
 TEST(Planner, MultipleNvmeDirectoriesShareByCapacity) {
   const ModelSpec m = uniform_model(4, 1 << 20);
-  PlanBudgets b{7 * kMiB, 36 * kMiB, 0, {{"/a", 64 * kMiB}, {"/b", 32 * kMiB}}};
+  PlanBudgets b{7 * kMiB, 36 * kMiB + kGradPinned, 0, {{"/a", 64 * kMiB}, {"/b", 32 * kMiB}}};
   Plan p = plan_ok(m, b, small_options());
   ASSERT_EQ(p.nvme_dir_bytes.size(), 2u);
   EXPECT_EQ(p.nvme_dir_bytes[0], 32 * kMiB);
@@ -273,8 +279,8 @@ TEST(Planner, PerGroupOverrides) {
   PlanBudgets small_host{64 * kMiB, 30 * kMiB, 0, {}};
   EXPECT_EQ(refusal(m, small_host, o),
             "host: optimizer states 32.0 MiB + fp32 master 16.0 MiB + fp32 grad accumulator 16.0 MiB = 64.0 MiB "
-            "needed by group overrides but the host budget is 30.0 MiB: 34.0 MiB short; raise the host budget or "
-            "move groups to NVMe");
+            "needed by group overrides plus pinned buffers need 20.0 MiB (staging 0 B, gradient pieces 20.0 MiB) but "
+            "the host budget is 30.0 MiB: 54.0 MiB short; raise the host budget or move groups to NVMe");
 }
 
 TEST(Planner, ConfigOffloadDevicesBecomeOverrides) {
@@ -369,7 +375,8 @@ TEST(Planner, ShardsAcrossRanks) {
   EXPECT_NE(bad.status().message().find("use stage 3"), std::string::npos) << bad.status().message();
   // ... and so is an automatic placement that would need NVMe for them.
   o.overrides.clear();
-  bad = make_plan(m, PlanBudgets{64 * 1024, 80 * 1024, 0, {{"/n", 1 * kGiB}}}, o);
+  // (Host: 80 KiB and the gradient path's pinned pieces, 5 x 32 Ki fp32.)
+  bad = make_plan(m, PlanBudgets{64 * 1024, 80 * 1024 + 5 * 32768 * 4, 0, {{"/n", 1 * kGiB}}}, o);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.status().message().find("stage 1 or 2"), std::string::npos) << bad.status().message();
   m.world_size = 1;
