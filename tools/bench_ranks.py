@@ -10,7 +10,8 @@ ratio to the 1-rank run measured here, the bytes each rank sent per step (the
 engine's stats().comm_bytes, from metrics.jsonl) and their ratio to ZeRO's
 volume per rank per step for psi bytes of parameters in the compute dtype:
 stage 3, 3 * psi * (N-1)/N (all-gather in forward, again in backward,
-reduce-scatter of the gradients); stages 1-2, 2 * psi * (N-1)/N (reduce-scatter,
+reduce-scatter of the gradients; Strata sends less where backward's first
+acquires find their groups still gathered in the device buffers); stages 1-2, 2 * psi * (N-1)/N (reduce-scatter,
 all-gather of the updated shards). With --grad-accum K (micro-batches per step
 on every rank) stage 2 and 3 reduce-scatter every micro-batch, so their volume
 grows by (K-1) gradient reduce-scatters; stage 1 sums each rank's micro-batches

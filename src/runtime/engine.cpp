@@ -530,6 +530,7 @@ EngineStats Engine::stats() const {
   s.prefetch_misses = I.uploader.misses();
   s.order_changes = I.uploader.order_changes();
   s.gathers_ahead = I.uploader.gathers_ahead();
+  s.gathers_reused = I.uploader.gathers_reused();
   s.optimizer_read_ahead = I.stepper.read_ahead_hits();
   s.comm_bytes = I.reg.traffic.comm.load(std::memory_order_relaxed);
   s.hot_path_allocs = I.hot_allocs.load(std::memory_order_relaxed);

@@ -109,12 +109,16 @@
 //     upload stream); once an acquire order is recorded (after the first
 //     step), the first hold of group k also enqueues the gathers of the next
 //     strata.prefetch_depth - 1 groups of the order, so the gather of k+1 runs
-//     while the trainer computes k (stats().gathers_ahead counts them). Which
+//     while the trainer computes k (stats().gathers_ahead counts them). A
+//     group is gathered once per upload: an acquire that finds it still in
+//     its device buffer (the last groups of forward when backward starts)
+//     uses it without a new all-gather (stats().gathers_reused). Which
 //     gathers are enqueued, and when, follows from the calls alone (the
 //     acquires' first holds, releases, steps), never from the timing of the
 //     uploads, so every rank gathers in the same order; an acquire order that
 //     changes on every rank at once is followed (gathers enqueued ahead for the
-//     old order are not used, their groups gather again);
+//     old order are not counted as ahead; their groups use them if still in a
+//     buffer, else gather again);
 //   - reduce_grad() reduce-scatters the gradient: the sum over ranks, in rank
 //     order (comm/communicator.h), of each rank's fp32 gradient lands in this
 //     rank's shard and is accumulated there as one micro-batch of a 1-rank
@@ -250,8 +254,10 @@ struct EngineStats {
   // (N-1)/N of each collective's buffer for every all-gather/reduce-scatter.
   uint64_t comm_bytes = 0;
   // Stage 3: acquires whose all-gather was enqueued ahead, by the acquire
-  // before (see Sharding).
+  // before, and acquires that found their group still gathered in its device
+  // buffer and gathered nothing (see Sharding).
   uint64_t gathers_ahead = 0;
+  uint64_t gathers_reused = 0;
   uint64_t hot_path_allocs = 0;  // allocations after the first step (should stay 0)
   int64_t steps = 0, skipped_steps = 0;
 };

@@ -575,13 +575,13 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     // rank sends its shard's worth to each of N-1 peers) and this rank's
     // shard of the sum leaves the device in fp32; stage 1 does both once per
     // step, from each rank's own sum of its micro-batches on the device.
-    // Stage 3 all-gathers the group after every upload, stages 1-2 once after
-    // the step.
+    // Stage 3 all-gathers the group after every upload (a slot hit reuses the
+    // gathered group: uploads[gi]), stages 1-2 once after the step.
     const uint64_t reduces = deferred ? 1 : m;
     if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
       plan.forward_backward.d2h += reduces * g.shard_numel * (ws > 1 ? 4 : compute_elem_bytes);
     const uint64_t peers = plan.world_size - 1;
-    plan.forward_backward.comm += peers * (reduces * gr + (replicated ? 0 : ups * c));
+    plan.forward_backward.comm += peers * (reduces * gr + (replicated ? 0 : uploads[gi] * c));
     if (replicated) plan.optimizer_step.comm += peers * g.shard_compute_bytes;
     if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) {
       plan.forward_backward.nvme_write += reduces * gr;

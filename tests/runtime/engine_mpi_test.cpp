@@ -165,11 +165,28 @@ struct RankRun {
   // dev_grad is, else host memory), overwritten with NaN as soon as the
   // stream has passed each reduce_grad. `gate(g, before)`: called before and
   // after group g's reduce_grads.
+  // With `forward` set, every group is first acquired in order (its weights
+  // appended to `seen`) and released, and the pass above then runs in the
+  // reverse order: a trainer's forward and backward (two acquires per
+  // micro-batch, as the planner counts them).
+  bool forward = false;
   Status micro_batch(int step, int who, bool last, std::vector<std::vector<uint16_t>>* seen, bool dyadic = false,
                      const std::vector<GroupId>* order = nullptr, float* shared = nullptr,
                      const std::function<Status(GroupId, bool)>& gate = {}) {
     STRATA_RETURN_IF_ERROR(e->begin_micro_batch(last));
-    for (GroupId k = 0; k < e->group_count(); ++k) {
+    const GroupId groups = e->group_count();
+    for (GroupId k = 0; forward && k < groups; ++k) {
+      const GroupId g = order ? (*order)[k] : k;
+      STRATA_ASSIGN_OR_RETURN(GroupView v, e->acquire(g, s));
+      STRATA_RETURN_IF_ERROR(dev->synchronize(s));
+      for (size_t i = 0; i < v.params.size(); ++i) {
+        const auto* w = static_cast<const uint16_t*>(v.ptr[i]);
+        if (seen) seen->emplace_back(w, w + grad[v.params[i]].size());
+      }
+      STRATA_RETURN_IF_ERROR(e->release(g, s));
+    }
+    for (GroupId j = 0; j < groups; ++j) {
+      const GroupId k = forward ? groups - 1 - j : j;
       const GroupId g = order ? (*order)[k] : k;
       STRATA_ASSIGN_OR_RETURN(GroupView v, e->acquire(g, s));
       STRATA_RETURN_IF_ERROR(dev->synchronize(s));
@@ -305,6 +322,63 @@ TEST_P(EngineMpi, EqualsOneRankRunOfNMicroBatches) {
   EXPECT_EQ(multi.e->plan().world_size, static_cast<uint32_t>(world_));
   compare(multi, ref, 0, 4, 0);
   expect_weights(multi, ref, 0);
+}
+
+// Forward and backward acquire every group (backward in reverse order). A
+// stage-3 acquire that finds its group still gathered in a device buffer
+// (backward's first groups, and with 2 micro-batches the next forward's
+// first ones) gathers nothing: the bytes sent per step are the plan's, which
+// counts one gather per upload (the slots it keeps), with prefetch depths 0
+// (2 buffers for 3 groups: some groups gathered twice per micro-batch) to 2
+// (every group once per step), 1 and 2 micro-batches. Every gathered weight
+// and the final weights and states stay the 1-rank run's, bit for bit
+// (dyadic gradients: exact sums over micro-batches in any order).
+TEST_P(EngineMpi, AHitUsesTheGatheredGroupAndTheBytesAreThePlans) {
+  const uint64_t norm_bytes = 3 * 2 * 8 * (world_ - 1);
+  for (uint32_t micro : {1u, 2u}) {
+    for (uint32_t depth : {0u, 1u, 2u}) {
+      SCOPED_TRACE("micro-batches " + std::to_string(micro) + ", prefetch_depth " + std::to_string(depth));
+      const std::string tag = std::to_string(micro) + "-" + std::to_string(depth);
+      Config cm = config(0, "multi" + tag), cr = config(0, "ref" + std::to_string(rank_) + "-" + tag);
+      cm.strata.prefetch_depth = cr.strata.prefetch_depth = depth;
+      cm.gradient_accumulation_steps = micro;
+      cr.gradient_accumulation_steps = micro * world_;
+      RankRun multi, ref;
+      multi.forward = ref.forward = true;
+      Status s = multi.create(cm, comm_, GetParam().backend_grads);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      s = ref.create(cr, nullptr, GetParam().backend_grads);
+      ASSERT_TRUE(s.ok()) << s.to_string();
+      const Plan& plan = multi.e->plan();
+      const uint64_t want = plan.forward_backward.comm + plan.optimizer_step.comm + norm_bytes;
+      uint64_t reused = 0;
+      for (int st = 0; st < 3; ++st) {
+        const EngineStats before = multi.e->stats();
+        for (uint32_t mb = 0; mb < micro; ++mb) {
+          std::vector<std::vector<uint16_t>> mine, theirs;
+          s = multi.micro_batch(st, static_cast<int>(mb) * world_ + rank_, mb + 1 == micro, &mine, true);
+          ASSERT_TRUE(s.ok()) << s.to_string();
+          for (int r = 0; r < world_; ++r) {
+            const int who = static_cast<int>(mb) * world_ + r;
+            s = ref.micro_batch(st, who, mb + 1 == micro && r + 1 == world_, r == 0 ? &theirs : nullptr, true);
+            ASSERT_TRUE(s.ok()) << s.to_string();
+          }
+          ASSERT_EQ(mine, theirs) << "step " << st << " micro-batch " << mb;
+        }
+        auto a = multi.e->step();
+        ASSERT_TRUE(a.ok()) << a.status().to_string();
+        ASSERT_TRUE(ref.e->step().ok());
+        const EngineStats after = multi.e->stats();
+        EXPECT_EQ(after.comm_bytes - before.comm_bytes, want) << "step " << st;
+        reused += after.gathers_reused - before.gathers_reused;
+      }
+      if (GetParam().stage == 3)
+        EXPECT_GT(reused, 0u);
+      else
+        EXPECT_EQ(reused, 0u);  // stages 1-2 gather nothing in acquire
+      expect_weights(multi, ref, 0);
+    }
+  }
 }
 
 TEST_P(EngineMpi, ClippingAgreesAcrossRanks) {
@@ -543,15 +617,16 @@ TEST_P(EngineMpi, BackwardRunsAheadOfTheReduceScatters) {
 // micro-batch. With gradients whose sums are exact in any order, every stage
 // equals the 1-rank run of the N x 2 micro-batches bit for bit (weights and
 // states), and the bytes sent per step are one reduce-scatter for stage 1,
-// two for the others (plus stage 3's all-gather in each acquire, stages
-// 1-2's one after the step, and the norm's).
+// two for the others, plus one all-gather of every group (stage 3: in the
+// first micro-batch's acquires, the second's find the groups still gathered
+// in the device buffers; stages 1-2: after the step) and the norm's.
 TEST_P(EngineMpi, StageOneReducesEachRanksMicroBatchesOncePerStep) {
   RankRun multi, ref;
   ASSERT_NO_FATAL_FAILURE(create_pair(multi, ref));
   const auto [gather, scatter] = sent_per_collective(world_, rank_);
   const int stage = GetParam().stage;
   const uint64_t norm_bytes = 3 * 2 * 8 * (world_ - 1);
-  const uint64_t want = (stage == 1 ? 1 : 2) * scatter + (stage == 3 ? 2 : 1) * gather + norm_bytes;
+  const uint64_t want = (stage == 1 ? 1 : 2) * scatter + gather + norm_bytes;
   for (int st = 0; st < 3; ++st) {
     const uint64_t before = multi.e->stats().comm_bytes;
     for (int m = 0; m < 2; ++m) {

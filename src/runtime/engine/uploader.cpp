@@ -254,6 +254,7 @@ Status Uploader::start_upload(GroupId g, bool prefetch, std::unique_lock<std::mu
   s.enqueued = false;
   s.prefetched = prefetch;
   s.gathered_ahead = false;
+  s.gathered = false;
   s.error = Status();
   s.lru = ++lru_clock_;
   groups_[g].slot = v;
@@ -293,7 +294,7 @@ void Uploader::gather_ahead() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       si = groups_[h].slot;
-      if (si < 0 || slots_[si].state == Slot::kInUse || slots_[si].gathered_ahead) continue;
+      if (si < 0 || slots_[si].state == Slot::kInUse || slots_[si].gathered) continue;
       slot_cv_.wait(lock, [&] { return slots_[si].enqueued; });
       if (!slots_[si].error.ok()) continue;
     }
@@ -319,6 +320,7 @@ void Uploader::invalidate_slots() {
   queue_.wait_idle();
   std::lock_guard<std::mutex> lock(mu_);
   for (auto& s : slots_) {
+    s.gathered = false;
     if (s.state == Slot::kInUse) continue;
     if (s.group >= 0) groups_[s.group].slot = -1;
     s.group = -1;
@@ -418,6 +420,7 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
       slots_[si].state = Slot::kFree;
       slots_[si].group = -1;
       slots_[si].gathered_ahead = false;
+      slots_[si].gathered = false;
       g.slot = -1;
     }
   }
@@ -426,6 +429,8 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
     if (slots_[si].gathered_ahead) {  // enqueued by the acquire before (ready_event covers it)
       slots_[si].gathered_ahead = false;
       ++gathers_ahead_;
+    } else if (slots_[si].gathered) {  // a hit: the slot still holds the gathered group
+      ++gathers_reused_;
     } else {
       STRATA_RETURN_IF_ERROR(gather(gid, si));
     }
@@ -442,9 +447,11 @@ Result<GroupView> Uploader::acquire(GroupId gid, DeviceStream* stream) {
 // N ranks, stage 3: every rank's shard into the slot, an in-place all-gather per
 // parameter on the upload stream behind the upload of this rank's shard.
 // Enqueued on the driving thread by the group's first hold or, ahead of it,
-// by the acquire before (gather_ahead), also when the slot still holds the
-// gathered group (a cache hit: gathering again keeps the collectives
-// independent of which slots survived).
+// by the acquire before (gather_ahead); once per upload of the slot: a hit on
+// a slot that still holds the gathered group (Slot::gathered) uses it as it
+// is (DeepSpeed's stage3_max_reuse_distance, here as far as the slots
+// reach). Which slots survive follows from the calls alone (find_victim), so
+// every rank skips the same gathers.
 Status Uploader::gather(GroupId gid, int si) {
   const GroupInfo& info = reg_.groups[gid];
   const GroupSlots& g = groups_[gid];
@@ -457,6 +464,7 @@ Status Uploader::gather(GroupId gid, int si) {
     if (!st.ok()) return st.with_context(fmt::format("engine: acquire({}): gathering {}", info.name, p.name));
     reg_.traffic.comm += per_rank * peers;
   }
+  slots_[si].gathered = true;
   return reg_.dev->record(slots_[si].ready_event, reg_.upload);
 }
 

@@ -72,6 +72,7 @@ class Uploader {
   // Stage 3: acquires whose all-gather was enqueued ahead, by an earlier
   // acquire of the step (never the step's first acquire), and used by it.
   uint64_t gathers_ahead() const { return gathers_ahead_.load(std::memory_order_relaxed); }
+  uint64_t gathers_reused() const { return gathers_reused_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
@@ -83,6 +84,11 @@ class Uploader {
     // Stage 3: the group's all-gather is enqueued ahead of its acquire, which
     // has not consumed it yet (driving thread only).
     bool gathered_ahead = false;
+    // Stage 3: a gather of the group into this slot has been enqueued since
+    // its upload, so the slot holds the whole group and a hit needs no new
+    // gather (driving thread only; cleared when the slot takes another group
+    // and at every step, which changes the copies).
+    bool gathered = false;
     uint64_t lru = 0;
     Status error;
     DeviceEvent* ready_event = nullptr;
@@ -139,7 +145,8 @@ class Uploader {
   bool order_broken_ = false;     // this step deviated
   bool order_change_logged_ = false;
 
-  std::atomic<uint64_t> acquires_{0}, hits_{0}, misses_{0}, order_changes_{0}, gathers_ahead_{0};
+  std::atomic<uint64_t> acquires_{0}, hits_{0}, misses_{0}, order_changes_{0}, gathers_ahead_{0},
+      gathers_reused_{0};
 };
 
 }  // namespace strata::engine
