@@ -636,7 +636,8 @@ json Trainer::Impl::stats_json() const {
               {"h2d_bytes", s.h2d_bytes},
               {"d2h_bytes", s.d2h_bytes},
               {"comm_bytes", s.comm_bytes},
-              {"gathers_ahead", s.gathers_ahead}};
+              {"gathers_ahead", s.gathers_ahead},
+              {"gathers_reused", s.gathers_reused}};
 }
 
 void Trainer::Impl::write_metrics(const json& j) {

@@ -79,8 +79,9 @@
 //   {"event":"train","step":k,"loss":..,"lr":..,"grad_norm":..,"clip_coef":..,
 //    "loss_scale":..,"skipped":..,"tokens":..,"step_s":..,"tokens_per_s":..,
 //    "device_bytes":..,"host_bytes":..,"nvme_bytes":..,"nvme_read_bytes":..,
-//    "nvme_write_bytes":..,"comm_bytes":..,"gathers_ahead":..,"io_gbps":..}  (*_bytes and
-//    gathers_ahead, stage 3's acquires whose all-gather ran ahead: this rank's, since the start)
+//    "nvme_write_bytes":..,"comm_bytes":..,"gathers_ahead":..,"gathers_reused":..,"io_gbps":..}
+//    (*_bytes, gathers_ahead: stage 3's acquires whose all-gather ran ahead, and
+//    gathers_reused: those that found their group still gathered: this rank's, since the start)
 //   {"event":"eval","step":k,"val_loss":..,"batches":..,"tokens":..}
 //   {"event":"checkpoint","step":k,"dir":..,"seconds":..}
 // ("step" is the number of optimizer steps done when the line is written.)
