@@ -397,7 +397,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     if (g.tier[kc(StateKind::kCompute)] != Tier::kDevice)
       max_off_device = std::max(max_off_device, g.bytes[kc(StateKind::kCompute)]);
   plan.staging_ring = uint64_t{1 + depth} * max_off_device;
-  plan.grad_pinned = (uint64_t{std::max<uint32_t>(plan.grad_pieces, 2)} + 1) * plan.grad_piece_elems * 4;
+  plan.grad_pinned = (uint64_t{plan.grad_download_pieces()} + 1) * plan.grad_piece_elems * 4;
   const uint64_t pinned_fixed = plan.staging_ring + plan.grad_pinned;
   const auto host_forced_by = forced_on(Tier::kHost);
   const uint64_t host_forced = sum(host_forced_by);
@@ -657,7 +657,7 @@ std::string Plan::report() const {
   line(fmt::format("  pinned: staging {}, optimizer ring {} ({} x {}), gradient pieces {} ({} x {} elements)",
                    format_bytes(staging_ring), format_bytes(optimizer_ring), options.optimizer_ring_buffers,
                    format_bytes(optimizer_chunk_bytes), format_bytes(grad_pinned),
-                   std::max<uint32_t>(grad_pieces, 2) + 1, grad_piece_elems));
+                   grad_download_pieces() + 1, grad_piece_elems));
   for (size_t i = 0; i < nvme_dir_bytes.size(); ++i)
     line(fmt::format("  {}: {} of {}", budgets.nvme[i].path, format_bytes(nvme_dir_bytes[i]),
                      format_bytes(budgets.nvme[i].capacity)));

@@ -135,7 +135,7 @@ struct Plan {
   bool grad_staged = false;              // N ranks: reduce_grad packs into engine send buffers
   uint64_t reduce_buffers = 0;           // device bytes of the above (N ranks, not stage 1)
   uint64_t grad_pieces_wanted = 0;       // N ranks: pieces of the largest group (what overlap needs)
-  // Pinned: the gradient path's download pieces, max(grad_pieces, 2) of
+  // Pinned: the gradient path's download pieces, grad_download_pieces() of
   // grad_piece_elems fp32 elements plus one accumulation scratch piece
   // (engine/grad_path.h takes them from the pinned pool).
   uint64_t grad_pinned = 0;
@@ -159,6 +159,9 @@ struct Plan {
   uint64_t host_total() const;        // state + pinned rings and gradient pieces
   uint64_t nvme_total() const;
   uint64_t pinned_total() const { return staging_ring + optimizer_ring + grad_pinned; }
+  // Download pieces the gradient path keeps in flight: grad_pieces, at least
+  // the two its bounce through a piece takes.
+  uint32_t grad_download_pieces() const { return grad_pieces > 2 ? grad_pieces : 2; }
   LinkBytes per_step() const;
   // Multi-line human-readable report (tiers, groups, traffic per step).
   std::string report() const;

@@ -23,7 +23,7 @@ Status GradPath::prepare() {
   // both powers of two, which grad_piece_elems' 32 Ki divides), so each
   // piece's squares land in whole blocks.
   piece_elems_ = reg_.plan.grad_piece_elems;
-  pieces_ = std::max<uint32_t>(reg_.plan.grad_pieces, 2);  // bounce() takes two
+  pieces_ = reg_.plan.grad_download_pieces();  // bounce() takes two
   if (piece_elems_ == 0 || piece_elems_ % std::max<uint64_t>(reg_.io_quantum, cpu_optim::kNormBlock) != 0)
     return Status(StatusCode::kInternal, fmt::format("engine: gradient piece of {} elements is not a multiple of the "
                                                      "I/O quantum ({}) and the norm block ({})",
