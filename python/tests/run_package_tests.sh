@@ -19,6 +19,13 @@
 # STRATA_REQUIRE_GPU=1 (tools/gpu_check.sh), which the tests also honour. Where
 # scikit-build-core is already importable the build uses it
 # (--no-build-isolation: the GPU machine has no package registry).
+#
+# STRATA_PACKAGE_BUILD_TYPE and STRATA_PACKAGE_WERROR (ctest sets them to its
+# own tree's CMAKE_BUILD_TYPE and STRATA_WERROR) build the package with the
+# compile flags of the tree that runs the test, so that ccache (with the
+# build directory out of its hash, as scripts/build.sh uses it) hands the pip
+# build that tree's objects instead of compiling the library a second time;
+# unset, the package is built as `pip install .` builds it (Release).
 set -euo pipefail
 SRC=$(cd "$1" && pwd)
 WORK=$2
@@ -47,6 +54,8 @@ if [[ "$MODE" == gpu ]] && ! "$PY" -c 'import sys, torch; sys.exit(0 if torch.cu
   exit 77
 fi
 PIP_ARGS=(-q --disable-pip-version-check -C build-dir="$WORK/skbuild" -C cmake.define.STRATA_CUDA=$CUDA)
+[[ -n "${STRATA_PACKAGE_BUILD_TYPE:-}" ]] && PIP_ARGS+=(-C "cmake.build-type=$STRATA_PACKAGE_BUILD_TYPE")
+[[ -n "${STRATA_PACKAGE_WERROR:-}" ]] && PIP_ARGS+=(-C "cmake.define.STRATA_WERROR=$STRATA_PACKAGE_WERROR")
 if [[ "$MODE" == gpu ]]; then
   [[ -n "$ARCHS" ]] && PIP_ARGS+=(-C "cmake.define.CMAKE_CUDA_ARCHITECTURES=${ARCHS//,/;}")
   if "$PY" -c 'import scikit_build_core' >/dev/null 2>&1; then PIP_ARGS+=(--no-build-isolation); fi
@@ -54,8 +63,11 @@ fi
 mkdir -p "$WORK"
 rm -rf "$WORK/venv"
 "$PY" -m venv --system-site-packages "$WORK/venv"
-if command -v ccache >/dev/null 2>&1; then export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache; fi
-echo "$NAME: pip install $SRC (STRATA_CUDA=$CUDA${ARCHS:+, CUDA architectures $ARCHS})"
+if command -v ccache >/dev/null 2>&1; then
+  export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CCACHE_NOHASHDIR=true
+fi
+echo "$NAME: pip install $SRC (STRATA_CUDA=$CUDA${ARCHS:+, CUDA architectures $ARCHS}, build type" \
+  "${STRATA_PACKAGE_BUILD_TYPE:-Release}${STRATA_PACKAGE_WERROR:+, STRATA_WERROR=$STRATA_PACKAGE_WERROR})"
 "$WORK/venv/bin/pip" install "${PIP_ARGS[@]}" "$SRC"
 cd "$WORK"
 unset STRATA_LIBRARY PYTHONPATH
