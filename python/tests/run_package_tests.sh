@@ -20,12 +20,14 @@
 # scikit-build-core is already importable the build uses it
 # (--no-build-isolation: the GPU machine has no package registry).
 #
-# STRATA_PACKAGE_BUILD_TYPE and STRATA_PACKAGE_WERROR (ctest sets them to its
-# own tree's CMAKE_BUILD_TYPE and STRATA_WERROR) build the package with the
-# compile flags of the tree that runs the test, so that ccache (with the
-# build directory out of its hash, as scripts/build.sh uses it) hands the pip
-# build that tree's objects instead of compiling the library a second time;
-# unset, the package is built as `pip install .` builds it (Release).
+# STRATA_PACKAGE_BUILD_TYPE, STRATA_PACKAGE_WERROR, STRATA_PACKAGE_CC and
+# STRATA_PACKAGE_CXX (ctest sets them to its own tree's CMAKE_BUILD_TYPE,
+# STRATA_WERROR and compilers) build the package with the compiler and flags
+# of the tree that runs the test, so that ccache (with the build directory
+# out of its hash, as scripts/build.sh uses it; it hashes the compiler's name
+# too: pip's build would call g++ where CMake called c++) hands the pip build
+# that tree's objects instead of compiling the library a second time; unset,
+# the package is built as `pip install .` builds it (Release).
 set -euo pipefail
 SRC=$(cd "$1" && pwd)
 WORK=$2
@@ -56,6 +58,8 @@ fi
 PIP_ARGS=(-q --disable-pip-version-check -C build-dir="$WORK/skbuild" -C cmake.define.STRATA_CUDA=$CUDA)
 [[ -n "${STRATA_PACKAGE_BUILD_TYPE:-}" ]] && PIP_ARGS+=(-C "cmake.build-type=$STRATA_PACKAGE_BUILD_TYPE")
 [[ -n "${STRATA_PACKAGE_WERROR:-}" ]] && PIP_ARGS+=(-C "cmake.define.STRATA_WERROR=$STRATA_PACKAGE_WERROR")
+[[ -n "${STRATA_PACKAGE_CC:-}" ]] && PIP_ARGS+=(-C "cmake.define.CMAKE_C_COMPILER=$STRATA_PACKAGE_CC")
+[[ -n "${STRATA_PACKAGE_CXX:-}" ]] && PIP_ARGS+=(-C "cmake.define.CMAKE_CXX_COMPILER=$STRATA_PACKAGE_CXX")
 if [[ "$MODE" == gpu ]]; then
   [[ -n "$ARCHS" ]] && PIP_ARGS+=(-C "cmake.define.CMAKE_CUDA_ARCHITECTURES=${ARCHS//,/;}")
   if "$PY" -c 'import scikit_build_core' >/dev/null 2>&1; then PIP_ARGS+=(--no-build-isolation); fi
