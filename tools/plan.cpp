@@ -8,7 +8,9 @@
 // directory, the CPU AdamW step on 16M parameters; host<->device copies when
 // this machine has a GPU), else assumed (GPU FLOP/s always; host<->device
 // without a GPU here: the defaults describe an H100/H200-class card on
-// PCIe 5.0 and are printed as "assumed").
+// PCIe 5.0 and are printed as "assumed"). --device cpu plans the host
+// backend: its copies are one thread's memcpy (measured), and they and the
+// optimizer step take the cores that compute (Workload::shared_cores).
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -54,6 +56,7 @@ constexpr double kAssumedLinkGBps = 12.5;
 constexpr double kAssumedNvmeReadGBps = 6;
 constexpr double kAssumedNvmeWriteGBps = 4;
 constexpr double kAssumedCpuAdamParamsPerS = 0.7e9;
+constexpr double kAssumedMemcpyGBps = 8;  // --device cpu --no-measure: one thread's memcpy
 
 struct PlanCliOptions {
   std::string model;
@@ -75,6 +78,7 @@ struct PlanCliOptions {
   uint32_t world_size = 0;  // 0: the config's (1)
   double link_gbps = 0;
   std::string measure_size = "256MiB";
+  std::string device = "cuda";  // cuda: a GPU; cpu: the host backend (strata finetune --device cpu)
   bool json = false;
 };
 
@@ -201,6 +205,27 @@ Result<Figure> measure_cpu_adam(DType state_dtype) {
                 fmt::format("AdamW on 16M parameters, {} moments", dtype_name(state_dtype))};
 }
 
+// --device cpu: the host backend copies with memcpy on its stream threads, one
+// copy per thread. The median of 5 copies of 64 MiB (past the caches) after
+// a warm-up that also faults both buffers in.
+Figure measure_memcpy() {
+  constexpr size_t n = 64u << 20;
+  auto src = HostArray<unsigned char>::create(n);
+  auto dst = HostArray<unsigned char>::create(n);
+  if (!src.ok() || !dst.ok()) return {kAssumedMemcpyGBps * 1e9, "assumed", "memcpy on one thread (no memory to measure)"};
+  std::memset(src->data(), 1, n);
+  std::memset(dst->data(), 0, n);
+  std::vector<double> times;
+  volatile unsigned char sink = 0;
+  for (int i = 0; i < 6; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(dst->data(), src->data(), n);
+    sink = sink + dst->data()[(static_cast<size_t>(i) * 4099u) % n];  // the copy is used: not elided
+    if (i > 0) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return {n / median(times), "measured", "memcpy of 64 MiB on one thread: the host backend's copies"};
+}
+
 json link_json(const LinkBytes& l) {
   return {{"nvme_read", l.nvme_read}, {"nvme_write", l.nvme_write}, {"h2d", l.h2d}, {"d2h", l.d2h}, {"comm", l.comm}};
 }
@@ -254,6 +279,9 @@ int run(const PlanCliOptions& o) {
                          {o.gpu_tflops, "--gpu-tflops"},
                          {o.link_gbps, "--link-gbps"}})
     if (!(v >= 0) || !std::isfinite(v)) return fail(fmt::format("{} must be a positive number", flag));
+  if (o.device == "cpu" && o.gpu_tflops <= 0)
+    return fail("--device cpu: give --gpu-tflops, this CPU's sustained forward+backward rate (e.g. from "
+                "strata_train_ops_bench at the model's layer shape); the assumed 400 TFLOP/s is a GPU's");
   if (o.model.empty()) return fail("--model is required: a model directory or a config.json");
   const std::string cfg_path = is_dir(o.model) ? o.model + "/config.json" : o.model;
   auto lc = model::load_llama_config(cfg_path, /*allow_rope_scaling=*/true);
@@ -385,6 +413,7 @@ int run(const PlanCliOptions& o) {
   }
 
   // Bandwidths.
+  const bool cpu_device = o.device == "cpu";
   const bool measure = o.measure;
   Figure h2d{kAssumedH2dGBps * 1e9, "assumed", "PCIe 5.0 x16, pinned memory; measure with `strata bench copy`"};
   Figure d2h = h2d;
@@ -430,7 +459,14 @@ int run(const PlanCliOptions& o) {
           "NVMe measured in the first directory only; if the others are separate drives, the "
           "striped bandwidth is higher (give --nvme-read-gbps / --nvme-write-gbps)");
   }
-  if (measure && (o.h2d_gbps <= 0 || o.d2h_gbps <= 0)) {
+  if (cpu_device && (o.h2d_gbps <= 0 || o.d2h_gbps <= 0)) {
+    // The host backend's copies: memcpy on one of its stream threads.
+    Figure c{kAssumedMemcpyGBps * 1e9, "assumed", "memcpy on one thread"};
+    if (measure) c = measure_memcpy();
+    if (o.h2d_gbps <= 0) h2d = c;
+    if (o.d2h_gbps <= 0) d2h = o.h2d_gbps > 0 ? Figure{o.h2d_gbps * 1e9, "given", "same as --h2d-gbps"} : c;
+  }
+  if (!cpu_device && measure && (o.h2d_gbps <= 0 || o.d2h_gbps <= 0)) {
     // Pinned host<->device copies on this machine's GPU, when it has one.
     if (auto gpu = this_gpu(); gpu.ok()) {
       double up = 0, down = 0;
@@ -464,6 +500,7 @@ int run(const PlanCliOptions& o) {
   work.activation_checkpointing = !o.no_checkpointing;
   work.overlap_backward = ds.strata.overlap_backward;
   work.pipelined_step = ds.strata.pipelined_step;
+  work.shared_cores = cpu_device;
   work.attention_forward_flops_per_token =
       attention_forward_flops_per_token(shape.layers, shape.heads, shape.head_dim_or_default(), o.seq);
   work.non_matmul_params = shape.tied_embeddings ? 0 : shape.vocab * shape.dim;  // the input embedding: a lookup
@@ -504,7 +541,8 @@ int run(const PlanCliOptions& o) {
                   {"micro_batches", options.micro_batches},
                   {"tokens_per_step", tokens_per_step},
                   {"flops_per_token", token_flops},
-                  {"activation_checkpointing", work.activation_checkpointing}}},
+                  {"activation_checkpointing", work.activation_checkpointing},
+                  {"device", o.device}}},
                 {"estimate",
                  {{"compute_s", est->compute_s},
                   {"h2d_s", est->h2d_s},
@@ -541,7 +579,7 @@ int run(const PlanCliOptions& o) {
   line("NVMe read", nvr, format_rate(nvr.value));
   line("NVMe write", nvw, format_rate(nvw.value));
   line("CPU optimizer", cpu, fmt::format("{:.2f} G param/s", cpu.value / 1e9));
-  line("GPU", gpu, gpu.value >= 99.95e12 ? fmt::format("{:.0f} TFLOP/s", gpu.value / 1e12)
+  line(cpu_device ? "CPU (the device)" : "GPU", gpu, gpu.value >= 99.95e12 ? fmt::format("{:.0f} TFLOP/s", gpu.value / 1e12)
                                          : fmt::format("{:.3g} TFLOP/s", gpu.value / 1e12));
   if (world > 1) line("link between ranks", link, format_rate(link.value));
   std::printf(
@@ -594,7 +632,14 @@ void register_plan(CLI::App& app) {
                   "parameters stay whole on every rank; default 1, or the config's)");
   cmd->add_option("--link-gbps", o->link_gbps,
                   "GB/s one rank sends to the others (default: assumed 12.5, a 100 Gb/s network)");
-  cmd->add_option("--gpu-tflops", o->gpu_tflops, "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class)");
+  cmd->add_option("--gpu-tflops", o->gpu_tflops,
+                  "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class); with --device cpu, the CPU's");
+  cmd->add_option("--device", o->device,
+                  "cuda: the model computes on a GPU; cpu: on this CPU (the host backend, strata finetune --device "
+                  "cpu), where host<->device copies are memcpys and they and the optimizer's update take the cores "
+                  "that compute")
+      ->check(CLI::IsMember({"cuda", "cpu"}))
+      ->capture_default_str();
   cmd->add_flag("--json", o->json, "Print the plan and the estimate as one JSON object");
   for (CLI::Option* opt : cmd->get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
   cmd->callback([o] { set_exit_code(run(*o)); });

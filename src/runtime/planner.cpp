@@ -735,7 +735,9 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   e.d2h_s = secs(fb.d2h, bw.d2h);
   e.nvme_fb_s = secs(fb.nvme_read, bw.nvme_read) + secs(fb.nvme_write, bw.nvme_write);
   e.comm_s = fb.comm > 0 ? secs(fb.comm, bw.link) : 0;
-  e.forward_backward_s = std::max({e.compute_s, e.h2d_s, e.d2h_s, e.nvme_fb_s, e.comm_s});
+  // On shared cores the copies are the compute cores' work: they add.
+  const double cores_fb_s = work.shared_cores ? e.compute_s + e.h2d_s + e.d2h_s : 0.0;
+  e.forward_backward_s = std::max({e.compute_s, e.h2d_s, e.d2h_s, e.nvme_fb_s, e.comm_s, cores_fb_s});
 
   e.nvme_step_s = secs(st.nvme_read, bw.nvme_read) + secs(st.nvme_write, bw.nvme_write);
   e.cpu_optimizer_s =
@@ -745,14 +747,21 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
     e.pipeline_fill_s =
         secs(plan.optimizer_chunk_bytes, bw.nvme_read) + secs(plan.optimizer_chunk_bytes, bw.nvme_write);
   e.step_comm_s = secs(st.comm, bw.link);
-  e.optimizer_step_s = std::max({e.nvme_step_s, e.cpu_optimizer_s, e.step_h2d_s}) + e.pipeline_fill_s + e.step_comm_s;
+  const double cores_step_s = work.shared_cores ? e.cpu_optimizer_s + e.step_h2d_s : 0.0;
+  e.optimizer_step_s = std::max({e.nvme_step_s, e.cpu_optimizer_s, e.step_h2d_s, cores_step_s}) + e.pipeline_fill_s +
+                       e.step_comm_s;
+  // What of the step can run while the device computes: all of it on a GPU;
+  // none on shared cores, where the step's thread (reads, checksums, the
+  // update, writes) takes the cores that compute (measured on the demo, 2
+  // cores: the pipelined step hid 2.4 ms of its 9.3 ms; BENCHMARKS.md).
+  const double hideable_s = work.shared_cores ? 0.0 : e.optimizer_step_s;
 
   if (work.overlap_backward) {
     // Backward is 4 of 6 (or 6 of 8 with recompute) FLOP units of a
     // micro-batch; only the last micro-batch's backward can hide the step.
     const double bwd_share = work.activation_checkpointing ? 6.0 / 8.0 : 4.0 / 6.0;
     const double window = e.forward_backward_s / m * bwd_share;
-    e.overlap_saved_s = std::min(window, e.optimizer_step_s);
+    e.overlap_saved_s = std::min(window, hideable_s);
   } else if (work.pipelined_step && plan.world_size == 1) {
     // Every group's update is queued in order; the next forward's first
     // group waits for its own, so all but the first group's share of the
@@ -765,11 +774,12 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
     }
     const double share = all ? static_cast<double>(all - first) / static_cast<double>(all) : 0.0;
     const double fwd_share = work.activation_checkpointing ? 2.0 / 8.0 : 2.0 / 6.0;
-    e.pipelined_saved_s = std::min(e.forward_backward_s / m * fwd_share, e.optimizer_step_s * share);
+    e.pipelined_saved_s = std::min(e.forward_backward_s / m * fwd_share, hideable_s * share);
   }
   e.total_s = e.forward_backward_s + e.optimizer_step_s - e.overlap_saved_s - e.pipelined_saved_s;
 
-  std::pair<double, const char*> parts[] = {{e.compute_s, "GPU compute"},
+  e.shared_cores = work.shared_cores;
+  std::pair<double, const char*> parts[] = {{e.compute_s, work.shared_cores ? "CPU compute" : "GPU compute"},
                                             {e.h2d_s, "host->device (forward/backward)"},
                                             {e.d2h_s, "device->host (gradients)"},
                                             {e.nvme_fb_s, "NVMe (forward/backward)"},
@@ -796,12 +806,23 @@ std::string StepTimeEstimate::report() const {
   auto t = [](double s) { return format_seconds(s); };
   std::string r;
   r += fmt::format("Predicted step: {} (bottleneck: {})\n", t(total_s), bottleneck);
-  r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {}{})\n",
-                   t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s),
-                   comm_s > 0 ? fmt::format(", other ranks {}", t(comm_s)) : std::string());
-  r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}{}\n",
-                   t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s),
-                   step_comm_s > 0 ? fmt::format(" + all-gather to the other ranks {}", t(step_comm_s)) : std::string());
+  const std::string ranks = comm_s > 0 ? fmt::format(", other ranks {}", t(comm_s)) : std::string();
+  const std::string gather =
+      step_comm_s > 0 ? fmt::format(" + all-gather to the other ranks {}", t(step_comm_s)) : std::string();
+  if (shared_cores) {
+    r += fmt::format("  forward+backward {} = max(CPU compute {} + host->device {} + device->host {}, NVMe {}{})\n",
+                     t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s), ranks);
+    r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {} + host->device {}) + pipeline fill {}{}\n",
+                     t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s),
+                     gather);
+    r += "  (the device is this CPU: copies and the optimizer step take the cores that compute, so they add)\n";
+  } else {
+    r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {}{})\n",
+                     t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s), ranks);
+    r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}{}\n",
+                     t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s),
+                     gather);
+  }
   if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {}\n", t(overlap_saved_s));
   if (pipelined_saved_s > 0) r += fmt::format("  hidden under the next forward (pipelined step): {}\n", t(pipelined_saved_s));
   return r;

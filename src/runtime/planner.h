@@ -204,6 +204,13 @@ struct Workload {
   // optimizer step runs behind the next forward (one rank; all but the first
   // group's update can hide).
   bool pipelined_step = false;
+  // The device is this machine's CPU (the host backend, `strata finetune
+  // --device cpu`): host<->device copies are memcpys and the optimizer step
+  // runs on the cores that compute, so neither overlaps compute: the copies
+  // add to compute, the CPU update to the step's NVMe time, and no part of
+  // the step hides under forward or backward. NVMe transfers during forward
+  // and backward, done by the drive, still overlap.
+  bool shared_cores = false;
 };
 
 // Causal attention over sequences of `seq` tokens: each query sees (seq+1)/2
@@ -233,6 +240,7 @@ struct StepTimeEstimate {
   double overlap_saved_s = 0;  // step time hidden under backward (overlap_backward)
   double pipelined_saved_s = 0;  // step time hidden under the next forward (pipelined step)
   double total_s = 0;
+  bool shared_cores = false;  // Workload::shared_cores: the report says the parts add
   std::string bottleneck;  // the part that sets the time, e.g. "NVMe (optimizer step)"
   std::string report() const;
 };
@@ -246,6 +254,8 @@ struct StepTimeEstimate {
 // overlap_backward the step may hide under the last micro-batch's backward;
 // with a pipelined step, under the next step's first forward (each group's
 // update must finish before its forward, so at most that forward's length).
+// With shared_cores the copies add to compute, the CPU update to the step's
+// NVMe time, and nothing of the step hides.
 // kInvalidArgument when a bandwidth the plan needs is zero or negative, or
 // tokens_per_micro_batch is zero.
 Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& bw, const Workload& work);

@@ -98,6 +98,19 @@ expect_error "2 sizes for 1 directories" --model "$cfg70" --gpu-mem 24GiB --nvme
 expect_error "--optimizer-states" --model "$cfg70" --gpu-mem 24GiB --optimizer-states fp16
 expect_error "--batch must be at least 1" --model "$cfg70" --gpu-mem 24GiB --batch 0
 expect_error "--h2d-gbps must be a positive number" --model "$cfg70" --gpu-mem 24GiB --h2d-gbps -3
+expect_error "--device cpu: give --gpu-tflops" --model "$cfg70" --gpu-mem 24GiB --device cpu
+expect_error "--device" --model "$cfg70" --gpu-mem 24GiB --device tpu
+
+# ---- plan --device cpu (the host backend): copies are memcpys, measured, and
+# add to the CPU's compute instead of overlapping it.
+out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --gpu-tflops 0.1 --batch 2 \
+  --seq 64 2>&1) || fail "plan --device cpu exited $?: $out"
+[[ $out == *"measured (memcpy of 64 MiB on one thread"* ]] || fail "plan --device cpu did not measure memcpy: $out"
+[[ $out == *"CPU compute"*" + host->device "*" + device->host "* ]] || fail "plan --device cpu does not add the copies: $out"
+[[ $out == *"take the cores that compute"* ]] || fail "plan --device cpu does not say why: $out"
+out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --gpu-tflops 0.1 --no-measure \
+  --json 2>&1) || fail "plan --device cpu --json exited $?: $out"
+[[ $out == *'"device": "cpu"'* && $out == *'"source": "assumed"'* ]] || fail "plan --device cpu --json: $out"
 # Llama 3.1's llama3 RoPE is implemented: planning proceeds without a note.
 out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 80GB --host-mem 256GiB --no-measure 2>&1) ||
   fail "8B plan exited $?: $out"

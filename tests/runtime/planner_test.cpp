@@ -682,6 +682,51 @@ TEST(Planner70B, PredictedStepTime) {
   EXPECT_EQ(bad.status().message(), "step time: the plan moves data over NVMe read but its bandwidth is not positive");
 }
 
+// The host backend (Workload::shared_cores): copies and the CPU update take
+// the cores that compute, so the copies add to compute, the update to the
+// step's NVMe time, and nothing of the step hides.
+TEST(Planner70B, SharedCoresAddCopiesAndTheUpdateToCompute) {
+  auto m = llama_model_spec({80, 8192, 64, 8, 28672, 128256});
+  ASSERT_TRUE(m.ok());
+  auto r = make_plan(m.value(), PlanBudgets{24 * kGiB, 64 * kGiB, 0, {{"/nvme", 2000000000000ull}}}, PlanOptions{});
+  ASSERT_TRUE(r.ok());
+  const Plan& p = r.value();
+  ASSERT_GT(p.forward_backward.h2d, 0u);
+  ASSERT_GT(p.forward_backward.d2h, 0u);
+  Bandwidths bw{8e9, 8e9, 12e9, 6e9, 2e9, 1e12, 0};
+  Workload w;
+  w.tokens_per_micro_batch = 8192;
+  w.pipelined_step = true;
+  auto gpu = predict_step_time(p, bw, w);
+  ASSERT_TRUE(gpu.ok());
+  EXPECT_GT(gpu->pipelined_saved_s, 0.0);
+  w.shared_cores = true;
+  auto cpu = predict_step_time(p, bw, w);
+  ASSERT_TRUE(cpu.ok()) << cpu.status().to_string();
+  EXPECT_EQ(cpu->compute_s, gpu->compute_s);
+  EXPECT_EQ(cpu->h2d_s, gpu->h2d_s);
+  EXPECT_NEAR(cpu->forward_backward_s, std::max(cpu->compute_s + cpu->h2d_s + cpu->d2h_s, cpu->nvme_fb_s), 1e-9);
+  EXPECT_GT(cpu->forward_backward_s, gpu->forward_backward_s);
+  const double cores = cpu->cpu_optimizer_s + cpu->step_h2d_s;
+  EXPECT_NEAR(cpu->optimizer_step_s, std::max(cpu->nvme_step_s, cores) + cpu->pipeline_fill_s, 1e-9);
+  EXPECT_EQ(cpu->pipelined_saved_s, 0.0);
+  EXPECT_NEAR(cpu->total_s, cpu->forward_backward_s + cpu->optimizer_step_s, 1e-9);
+  EXPECT_NE(cpu->report().find("CPU compute"), std::string::npos);
+  EXPECT_NE(cpu->report().find("take the cores that compute"), std::string::npos);
+  EXPECT_EQ(gpu->report().find("take the cores that compute"), std::string::npos);
+
+  // An update slower than the NVMe traffic sets the step; overlap_backward
+  // hides nothing either.
+  bw.cpu_optimizer_params_per_s = 1e6;
+  w.overlap_backward = true;
+  w.pipelined_step = false;
+  auto slow = predict_step_time(p, bw, w);
+  ASSERT_TRUE(slow.ok());
+  EXPECT_NEAR(slow->optimizer_step_s, slow->cpu_optimizer_s + slow->step_h2d_s + slow->pipeline_fill_s, 1e-6);
+  EXPECT_EQ(slow->overlap_saved_s, 0.0);
+  EXPECT_EQ(slow->bottleneck, "CPU optimizer");
+}
+
 // Hugging Face Trainer's no-decay rule (get_decay_parameter_names' patterns).
 TEST(ModelSpec, HfNoDecayNames) {
   for (const char* n : {"model.layers.0.input_layernorm.weight", "model.layers.3.post_attention_layernorm.weight",
