@@ -459,12 +459,11 @@ int run(const PlanCliOptions& o) {
           "NVMe measured in the first directory only; if the others are separate drives, the "
           "striped bandwidth is higher (give --nvme-read-gbps / --nvme-write-gbps)");
   }
-  if (cpu_device && (o.h2d_gbps <= 0 || o.d2h_gbps <= 0)) {
-    // The host backend's copies: memcpy on one of its stream threads.
-    Figure c{kAssumedMemcpyGBps * 1e9, "assumed", "memcpy on one thread"};
-    if (measure) c = measure_memcpy();
-    if (o.h2d_gbps <= 0) h2d = c;
-    if (o.d2h_gbps <= 0) d2h = o.h2d_gbps > 0 ? Figure{o.h2d_gbps * 1e9, "given", "same as --h2d-gbps"} : c;
+  if (cpu_device && o.h2d_gbps <= 0) {
+    // The host backend's copies: memcpy on one of its stream threads (a
+    // given --h2d-gbps already stands for --d2h-gbps too).
+    h2d = measure ? measure_memcpy() : Figure{kAssumedMemcpyGBps * 1e9, "assumed", "memcpy on one thread"};
+    if (o.d2h_gbps <= 0) d2h = h2d;
   }
   if (!cpu_device && measure && (o.h2d_gbps <= 0 || o.d2h_gbps <= 0)) {
     // Pinned host<->device copies on this machine's GPU, when it has one.

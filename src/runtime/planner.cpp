@@ -736,8 +736,8 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   e.nvme_fb_s = secs(fb.nvme_read, bw.nvme_read) + secs(fb.nvme_write, bw.nvme_write);
   e.comm_s = fb.comm > 0 ? secs(fb.comm, bw.link) : 0;
   // On shared cores the copies are the compute cores' work: they add.
-  const double cores_fb_s = work.shared_cores ? e.compute_s + e.h2d_s + e.d2h_s : 0.0;
-  e.forward_backward_s = std::max({e.compute_s, e.h2d_s, e.d2h_s, e.nvme_fb_s, e.comm_s, cores_fb_s});
+  const double device_s = work.shared_cores ? e.compute_s + e.h2d_s + e.d2h_s : std::max({e.compute_s, e.h2d_s, e.d2h_s});
+  e.forward_backward_s = std::max({device_s, e.nvme_fb_s, e.comm_s});
 
   e.nvme_step_s = secs(st.nvme_read, bw.nvme_read) + secs(st.nvme_write, bw.nvme_write);
   e.cpu_optimizer_s =
@@ -747,9 +747,9 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
     e.pipeline_fill_s =
         secs(plan.optimizer_chunk_bytes, bw.nvme_read) + secs(plan.optimizer_chunk_bytes, bw.nvme_write);
   e.step_comm_s = secs(st.comm, bw.link);
-  const double cores_step_s = work.shared_cores ? e.cpu_optimizer_s + e.step_h2d_s : 0.0;
-  e.optimizer_step_s = std::max({e.nvme_step_s, e.cpu_optimizer_s, e.step_h2d_s, cores_step_s}) + e.pipeline_fill_s +
-                       e.step_comm_s;
+  const double update_s =
+      work.shared_cores ? e.cpu_optimizer_s + e.step_h2d_s : std::max(e.cpu_optimizer_s, e.step_h2d_s);
+  e.optimizer_step_s = std::max(e.nvme_step_s, update_s) + e.pipeline_fill_s + e.step_comm_s;
   // What of the step can run while the device computes: all of it on a GPU;
   // none on shared cores, where the step's thread (reads, checksums, the
   // update, writes) takes the cores that compute (measured on the demo, 2
@@ -809,20 +809,15 @@ std::string StepTimeEstimate::report() const {
   const std::string ranks = comm_s > 0 ? fmt::format(", other ranks {}", t(comm_s)) : std::string();
   const std::string gather =
       step_comm_s > 0 ? fmt::format(" + all-gather to the other ranks {}", t(step_comm_s)) : std::string();
-  if (shared_cores) {
-    r += fmt::format("  forward+backward {} = max(CPU compute {} + host->device {} + device->host {}, NVMe {}{})\n",
-                     t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s), ranks);
-    r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {} + host->device {}) + pipeline fill {}{}\n",
-                     t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s),
-                     gather);
+  const char* add = shared_cores ? " + " : ", ";  // shared cores: the parts add instead of overlapping
+  r += fmt::format("  forward+backward {} = max({} compute {}{}host->device {}{}device->host {}, NVMe {}{})\n",
+                   t(forward_backward_s), shared_cores ? "CPU" : "GPU", t(compute_s), add, t(h2d_s), add, t(d2h_s),
+                   t(nvme_fb_s), ranks);
+  r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}{}host->device {}) + pipeline fill {}{}\n",
+                   t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), add, t(step_h2d_s), t(pipeline_fill_s),
+                   gather);
+  if (shared_cores)
     r += "  (the device is this CPU: copies and the optimizer step take the cores that compute, so they add)\n";
-  } else {
-    r += fmt::format("  forward+backward {} = max(GPU compute {}, host->device {}, device->host {}, NVMe {}{})\n",
-                     t(forward_backward_s), t(compute_s), t(h2d_s), t(d2h_s), t(nvme_fb_s), ranks);
-    r += fmt::format("  optimizer step   {} = max(NVMe {}, CPU optimizer {}, host->device {}) + pipeline fill {}{}\n",
-                     t(optimizer_step_s), t(nvme_step_s), t(cpu_optimizer_s), t(step_h2d_s), t(pipeline_fill_s),
-                     gather);
-  }
   if (overlap_saved_s > 0) r += fmt::format("  hidden under backward: {}\n", t(overlap_saved_s));
   if (pipelined_saved_s > 0) r += fmt::format("  hidden under the next forward (pipelined step): {}\n", t(pipelined_saved_s));
   return r;
