@@ -9,8 +9,10 @@
 // this machine has a GPU), else assumed (GPU FLOP/s always; host<->device
 // without a GPU here: the defaults describe an H100/H200-class card on
 // PCIe 5.0 and are printed as "assumed"). --device cpu plans the host
-// backend: its copies are one thread's memcpy (measured), and they and the
-// optimizer step take the cores that compute (Workload::shared_cores).
+// backend: its copies are one thread's memcpy (measured), they and the
+// optimizer step take the cores that compute (Workload::shared_cores), and
+// the compute rate is measured on one layer and the head of the model
+// (train/cpu_probe.h) unless --gpu-tflops gives it.
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
@@ -39,6 +41,8 @@
 #include "model/llama_config.h"
 #include "runtime/config.h"
 #include "runtime/planner.h"
+#include "train/cpu_probe.h"
+#include "train/trainer.h"
 
 namespace strata::tools {
 namespace {
@@ -79,6 +83,7 @@ struct PlanCliOptions {
   double link_gbps = 0;
   std::string measure_size = "256MiB";
   std::string device = "cuda";  // cuda: a GPU; cpu: the host backend (strata finetune --device cpu)
+  int threads = 0;              // --device cpu: the compute threads measured (0: all)
   bool json = false;
 };
 
@@ -226,6 +231,33 @@ Figure measure_memcpy() {
   return {n / median(times), "measured", "memcpy of 64 MiB on one thread: the host backend's copies"};
 }
 
+// --device cpu: the CPU ops' micro-batch at the model's shape (one layer,
+// the head and the embedding timed, train/cpu_probe.h), as the rate that
+// gives that time for the FLOPs this plan counts (Workload): the head's
+// softmax, the embedding and the conversions of bf16 weights are in it.
+Result<Figure> measure_cpu_compute(const model::LlamaConfig& mc, const LlamaShape& shape, const PlanCliOptions& o) {
+  const train::LlamaDims dims = train::llama_dims(mc);
+  auto p = train::probe_cpu_compute(dims, shape.layers, shape.dtype, static_cast<int64_t>(o.batch),
+                                    static_cast<int64_t>(o.seq), {.threads = o.threads});
+  if (!p.ok()) return p.status();
+  const train::LlamaDims& d = p->dims;
+  const uint64_t layers = shape.layers, vocab_dim = static_cast<uint64_t>(d.vocab * d.dim);
+  const uint64_t numel = layers * static_cast<uint64_t>(d.layer_params()) + static_cast<uint64_t>(d.dim) +
+                         vocab_dim * (d.tied ? 1 : 2);
+  Workload w;
+  w.activation_checkpointing = !o.no_checkpointing;
+  w.attention_forward_flops_per_token = attention_forward_flops_per_token(
+      layers, static_cast<uint64_t>(d.heads), static_cast<uint64_t>(d.head_dim), static_cast<uint64_t>(p->seq));
+  w.non_matmul_params = d.tied ? 0 : vocab_dim;
+  const double tokens = static_cast<double>(p->batch * p->seq);
+  return Figure{flops_per_token(numel, w) * tokens / p->micro_batch_s, "measured",
+                fmt::format("{}, {}",
+                            o.threads == 1  ? std::string("1 thread")
+                            : o.threads > 1 ? fmt::format("{} threads", o.threads)
+                                            : std::string("all threads"),
+                            p->description())};
+}
+
 json link_json(const LinkBytes& l) {
   return {{"nvme_read", l.nvme_read}, {"nvme_write", l.nvme_write}, {"h2d", l.h2d}, {"d2h", l.d2h}, {"comm", l.comm}};
 }
@@ -279,9 +311,10 @@ int run(const PlanCliOptions& o) {
                          {o.gpu_tflops, "--gpu-tflops"},
                          {o.link_gbps, "--link-gbps"}})
     if (!(v >= 0) || !std::isfinite(v)) return fail(fmt::format("{} must be a positive number", flag));
-  if (o.device == "cpu" && o.gpu_tflops <= 0)
-    return fail("--device cpu: give --gpu-tflops, this CPU's sustained forward+backward rate (e.g. from "
-                "strata_train_ops_bench at the model's layer shape); the assumed 400 TFLOP/s is a GPU's");
+  if (o.device == "cpu" && o.gpu_tflops <= 0 && !o.measure)
+    return fail("--device cpu --no-measure: give --gpu-tflops, this CPU's sustained forward+backward rate "
+                "(without --no-measure, plan measures it); the assumed 400 TFLOP/s is a GPU's");
+  if (o.threads < 0) return fail("--threads must be 0 (all) or more");
   if (o.model.empty()) return fail("--model is required: a model directory or a config.json");
   const std::string cfg_path = is_dir(o.model) ? o.model + "/config.json" : o.model;
   auto lc = model::load_llama_config(cfg_path, /*allow_rope_scaling=*/true);
@@ -486,6 +519,13 @@ int run(const PlanCliOptions& o) {
     else
       notes.push_back("CPU optimizer not measured (" + c.status().message() + "): assumed figure used");
   }
+  if (cpu_device && o.gpu_tflops <= 0) {
+    auto c = measure_cpu_compute(*lc, shape, o);
+    if (!c.ok())
+      return fail("--device cpu: this CPU's compute rate could not be measured (" + c.status().message() +
+                  "); give --gpu-tflops");
+    gpu = *c;
+  }
   Bandwidths bw;
   bw.h2d = h2d.value;
   bw.d2h = d2h.value;
@@ -617,7 +657,7 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--grad-accum", o->grad_accum, "Micro-batches per optimizer step (default: 1, or the config's)");
   cmd->add_flag("--no-activation-checkpointing", o->no_checkpointing, "Plan without recomputing activations");
   cmd->add_flag("--measure,!--no-measure", o->measure,
-                "Measure NVMe and CPU optimizer speed here (a few seconds; default) or use assumed figures");
+                "Measure NVMe and CPU optimizer speed (and with --device cpu the compute rate) here (a few seconds; default) or use assumed figures");
   cmd->add_option("--measure-size", o->measure_size, "Bytes written and read by the NVMe measurement")
       ->capture_default_str();
   cmd->add_option("--h2d-gbps", o->h2d_gbps, "Host->device GB/s (default: assumed 50, PCIe 5.0 x16)");
@@ -632,7 +672,11 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--link-gbps", o->link_gbps,
                   "GB/s one rank sends to the others (default: assumed 12.5, a 100 Gb/s network)");
   cmd->add_option("--gpu-tflops", o->gpu_tflops,
-                  "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class); with --device cpu, the CPU's");
+                  "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class); with --device cpu, the CPU's "
+                  "(default: measured, one layer and the head of the model at its shape)");
+  cmd->add_option("--threads", o->threads,
+                  "--device cpu: compute threads the measurement uses, as strata finetune --threads (0: all)")
+      ->capture_default_str();
   cmd->add_option("--device", o->device,
                   "cuda: the model computes on a GPU; cpu: on this CPU (the host backend, strata finetune --device "
                   "cpu), where host<->device copies are memcpys and they and the optimizer's update take the cores "

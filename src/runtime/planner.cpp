@@ -703,11 +703,13 @@ double attention_forward_flops_per_token(uint64_t layers, uint64_t heads, uint64
          static_cast<double>(layers);
 }
 
-double flops_per_token(const Plan& plan, const Workload& work) {
+double flops_per_token(uint64_t model_numel, const Workload& work) {
   const double passes = work.activation_checkpointing ? 4.0 : 3.0;  // forward units: fwd, (recompute), bwd = 2
-  const uint64_t matmul = plan.model_numel - std::min(plan.model_numel, work.non_matmul_params);
+  const uint64_t matmul = model_numel - std::min(model_numel, work.non_matmul_params);
   return passes * (2.0 * static_cast<double>(matmul) + work.attention_forward_flops_per_token);
 }
+
+double flops_per_token(const Plan& plan, const Workload& work) { return flops_per_token(plan.model_numel, work); }
 
 Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& bw, const Workload& work) {
   if (work.tokens_per_micro_batch == 0)

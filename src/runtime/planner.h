@@ -223,6 +223,8 @@ double attention_forward_flops_per_token(uint64_t layers, uint64_t heads, uint64
 // weight forward, 4 backward, 2 more recomputed; attention in the same
 // proportions (the backward of both products is twice the forward).
 double flops_per_token(const Plan& plan, const Workload& work);
+// The same for a model of `model_numel` parameters (a plan's model_numel).
+double flops_per_token(uint64_t model_numel, const Workload& work);
 
 struct StepTimeEstimate {
   double compute_s = 0;  // GPU forward+backward, all micro-batches

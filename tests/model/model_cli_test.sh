@@ -98,7 +98,8 @@ expect_error "2 sizes for 1 directories" --model "$cfg70" --gpu-mem 24GiB --nvme
 expect_error "--optimizer-states" --model "$cfg70" --gpu-mem 24GiB --optimizer-states fp16
 expect_error "--batch must be at least 1" --model "$cfg70" --gpu-mem 24GiB --batch 0
 expect_error "--h2d-gbps must be a positive number" --model "$cfg70" --gpu-mem 24GiB --h2d-gbps -3
-expect_error "--device cpu: give --gpu-tflops" --model "$cfg70" --gpu-mem 24GiB --device cpu
+expect_error "--device cpu --no-measure: give --gpu-tflops" --model "$cfg70" --gpu-mem 24GiB --device cpu --no-measure
+expect_error "--threads must be 0 (all) or more" --model "$cfg70" --gpu-mem 24GiB --device cpu --threads -2
 expect_error "--device" --model "$cfg70" --gpu-mem 24GiB --device tpu
 
 # ---- plan --device cpu (the host backend): copies are memcpys, measured, and
@@ -108,6 +109,11 @@ out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cp
 [[ $out == *"measured (memcpy of 64 MiB on one thread"* ]] || fail "plan --device cpu did not measure memcpy: $out"
 [[ $out == *"CPU compute"*" + host->device "*" + device->host "* ]] || fail "plan --device cpu does not add the copies: $out"
 [[ $out == *"take the cores that compute"* ]] || fail "plan --device cpu does not say why: $out"
+# Without --gpu-tflops the CPU's rate is measured on the model's layer and head.
+out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --threads 1 --batch 2 --seq 64 \
+  --no-activation-checkpointing 2>&1) || fail "plan --device cpu (measured compute) exited $?: $out"
+[[ $out == *"CPU (the device)"*"measured (1 thread, dim "*", batch 2 x seq 64: layer forward "*" head "* ]] ||
+  fail "plan --device cpu did not measure the compute at the model's shape: $out"
 out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --gpu-tflops 0.1 --no-measure \
   --json 2>&1) || fail "plan --device cpu --json exited $?: $out"
 [[ $out == *'"device": "cpu"'* && $out == *'"source": "assumed"'* ]] || fail "plan --device cpu --json: $out"
