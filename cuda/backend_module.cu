@@ -12,8 +12,25 @@
 
 namespace {
 
+// src/device/cuda_status.h names the sticky errors by number (it builds
+// without CUDA's headers): they are these.
+static_assert(cudaErrorECCUncorrectable == 214 && cudaErrorNvlinkUncorrectable == 220 && cudaErrorContained == 226 &&
+                  cudaErrorIllegalAddress == 700 && cudaErrorLaunchTimeout == 702 &&
+                  cudaErrorContextIsDestroyed == 709 && cudaErrorAssert == 710 && cudaErrorHardwareStackError == 714 &&
+                  cudaErrorIllegalInstruction == 715 && cudaErrorMisalignedAddress == 716 &&
+                  cudaErrorInvalidAddressSpace == 717 && cudaErrorInvalidPc == 718 && cudaErrorLaunchFailure == 719 &&
+                  cudaErrorTensorMemoryLeak == 721 && cudaErrorMpsClientTerminated == 810 &&
+                  cudaErrorExternalDevice == 911,
+              "src/device/cuda_status.h's sticky error codes");
+static_assert(cudaErrorInvalidValue == STRATA_CUDA_ERR_INVALID_VALUE &&
+                  cudaErrorMemoryAllocation == STRATA_CUDA_ERR_MEMORY_ALLOCATION,
+              "cuda/module_abi.h's error codes are cudaError_t values");
+
+// Reports e, and clears the thread's last error so that it is not taken
+// for a later launch's (kernels.cu); a sticky error comes back regardless.
 int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
   if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  (void)cudaGetLastError();
   return static_cast<int>(e);
 }
 
@@ -160,7 +177,10 @@ int stream_query(int device, void* stream, int* done, char* err, size_t err_len)
   *done = 0;
   CUDA_ON(device);
   cudaError_t e = cudaStreamQuery(static_cast<cudaStream_t>(stream));
-  if (e == cudaErrorNotReady) return 0;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // "not yet" is no error; it must not linger (see fail())
+    return 0;
+  }
   CUDA_TRY(e);
   *done = 1;
   return 0;
@@ -197,7 +217,10 @@ int event_query(int device, void* event, int* done, char* err, size_t err_len) {
   *done = 0;
   CUDA_ON(device);
   cudaError_t e = cudaEventQuery(static_cast<cudaEvent_t>(event));
-  if (e == cudaErrorNotReady) return 0;
+  if (e == cudaErrorNotReady) {
+    (void)cudaGetLastError();  // "not yet" is no error; it must not linger (see fail())
+    return 0;
+  }
   CUDA_TRY(e);
   *done = 1;
   return 0;
@@ -266,6 +289,12 @@ int host_register_on(int device, void* ptr, size_t bytes, char* err, size_t err_
   return 0;
 }
 
+int host_unregister_on(int device, void* ptr, char* err, size_t err_len) {
+  CUDA_ON(device);
+  CUDA_TRY(cudaHostUnregister(ptr));
+  return 0;
+}
+
 int stream_device(void* stream, int* device, char* err, size_t err_len) {
   *device = -1;
   CUDA_TRY(cudaStreamGetDevice(static_cast<cudaStream_t>(stream), device));
@@ -305,6 +334,7 @@ const strata_cuda_api_v1_t kApi = {
     mem_get_info,
     stream_device,
     host_register_on,
+    host_unregister_on,
 };
 
 }  // namespace

@@ -145,6 +145,14 @@ bool valid_dtype(int t) {
   return t >= 0 && t <= 2;
 }
 
+// The runtime keeps one last error per host thread: every failed call sets
+// it (a cudaErrorNotReady query, a refused cudaHostRegister, an allocation
+// the caller retries) and only cudaGetLastError() clears it; a launch that
+// succeeds leaves it as it was. Cleared before a launch, the
+// cudaGetLastError() after it is that launch's error alone (a sticky error
+// still comes back: the context returns it again).
+void clear_stale_error() { (void)cudaGetLastError(); }
+
 template <int D>
 void launch_cast_src(int src_dtype, void* dst, const void* src, size_t count, float scale, cudaStream_t stream) {
   const unsigned grid = grid_for(count);
@@ -187,6 +195,7 @@ cudaError_t launch_cast(void* dst, int dst_dtype, const void* src, int src_dtype
                         cudaStream_t stream) {
   if (!valid_dtype(dst_dtype) || !valid_dtype(src_dtype)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
+  clear_stale_error();
   switch (dst_dtype) {
     case 0:
       launch_cast_src<0>(src_dtype, dst, src, count, scale, stream);
@@ -205,6 +214,7 @@ cudaError_t launch_accumulate(float* dst, const void* src, int src_dtype, size_t
                               cudaStream_t stream) {
   if (!valid_dtype(src_dtype)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
+  clear_stale_error();
   const unsigned grid = grid_for(count);
   switch (src_dtype) {
     case 0:
@@ -224,6 +234,7 @@ cudaError_t launch_sq_norm(const void* src, int dtype, size_t count, strata_cuda
                            cudaStream_t stream) {
   if (!valid_dtype(dtype)) return cudaErrorInvalidValue;
   if (count == 0) return cudaSuccess;
+  clear_stale_error();
   // At most kNormBlocks partials, in stream-ordered scratch memory.
   const unsigned grid = std::min(grid_for(count), kNormBlocks);
   void* scratch = nullptr;
@@ -254,6 +265,7 @@ cudaError_t launch_sq_norm(const void* src, int dtype, size_t count, strata_cuda
 cudaError_t launch_adamw(const strata_cuda_adamw_t& a, cudaStream_t stream) {
   if (!valid_dtype(a.grad_dtype) || (a.out && !valid_dtype(a.out_dtype))) return cudaErrorInvalidValue;
   if (a.count == 0) return cudaSuccess;
+  clear_stale_error();
   switch (a.grad_dtype) {
     case 0:
       launch_adamw_grad<0>(a, stream);

@@ -135,6 +135,10 @@ typedef struct strata_cuda_api_v1_s {
   // CUDA context on the current device, which must be the engine's (a stray
   // context on GPU 0 costs hundreds of MiB there).
   int (*host_register_on)(int device, void* ptr, size_t bytes, char* err, size_t err_len);
+  // host_unregister with `device` made current first (for the same reason:
+  // unregistering on a thread whose current device is another GPU would
+  // create a context there).
+  int (*host_unregister_on)(int device, void* ptr, char* err, size_t err_len);
 } strata_cuda_api_v1_t;
 
 typedef const strata_cuda_api_v1_t* (*strata_cuda_api_v1_fn)(void);

@@ -1,9 +1,10 @@
-// Kernels of the model ops (see train_kernels.cuh). Plain, correct
-// implementations sized for the trainer's demo models: one block per row for
-// the row-wise ops, per (query row, head, batch) for attention, with the
-// T x T probabilities materialised in the caller's workspace. Sums run in a
-// fixed order (block reductions of a fixed shape, no floating-point atomics)
-// so that every result is the same on every run.
+// Kernels of the model ops (see train_kernels.cuh). Plain implementations:
+// one block per row for the row-wise ops, per (query row, head) for
+// attention, which keeps no T x T matrix (its section below) but is not tiled
+// either: every block reads all its keys from L2/global memory, so long
+// sequences (8k and more) are slow here; a tiled tensor-core kernel is still
+// to come. Sums run in a fixed order (block reductions of a fixed shape, no
+// floating-point atomics) so that every result is the same on every run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -139,13 +140,15 @@ __global__ void rmsnorm_backward_dx_kernel(const float* x, const void* w, int dt
 
 __global__ void rmsnorm_dw_partial_kernel(const float* x, const float* rstd, const float* dy, float* partial,
                                           int64_t n, int64_t d) {
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  // Grid (row chunks, column blocks): the chunks take x, whose limit is
+  // 2^31 - 1 (q/k norms have tokens x heads rows: past 65535 chunks of 64).
+  const int64_t col = static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x;
   if (col >= d) return;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kRmsPartialRows;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kRmsPartialRows;
   const int64_t r1 = min(r0 + kRmsPartialRows, n);
   float s = 0;
   for (int64_t r = r0; r < r1; ++r) s += dy[r * d + col] * (x[r * d + col] * rstd[r]);
-  partial[static_cast<int64_t>(blockIdx.y) * d + col] = s;
+  partial[static_cast<int64_t>(blockIdx.x) * d + col] = s;
 }
 
 __global__ void rmsnorm_dw_final_kernel(const float* partial, int64_t chunks, float* dw, int64_t d) {
@@ -193,7 +196,8 @@ __global__ void rope_kernel(float* x, int64_t n, int64_t T, int64_t heads, int64
 constexpr int kAttnThreads = 128;
 constexpr int kAttnWarps = kAttnThreads / 32;
 
-// Grid (T, H, B): query row i of head h in sequence b. Shared: q_i [hd], the
+// Grid (B x T, H): query row i of head h in sequence b (x = b T + i: a
+// batch past 65535 sequences fits, as the z dimension would not). Shared: q_i [hd], the
 // warps' unnormalised outputs [warps, hd], their max and sum.
 __global__ void attn_forward_kernel(const float* q, const float* k, const float* v, float* out, float* lse, int64_t T,
                                     int64_t H, int64_t KVH, int64_t hd, float scale) {
@@ -201,7 +205,7 @@ __global__ void attn_forward_kernel(const float* q, const float* k, const float*
   __shared__ float wmax[kAttnWarps], wsum[kAttnWarps];
   float* qs = smem;
   float* acc = smem + hd;
-  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t i = blockIdx.x % T, h = blockIdx.y, b = blockIdx.x / T;
   const int64_t kvh = h / (H / KVH);
   const int64_t qd = H * hd, kd = KVH * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -258,7 +262,7 @@ __global__ void attn_bwd_q_kernel(const float* q, const float* k, const float* v
   float* qs = smem;
   float* ds = smem + hd;
   float* acc = smem + 2 * hd;
-  const int64_t i = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int64_t i = blockIdx.x % T, h = blockIdx.y, b = blockIdx.x / T;
   const int64_t kvh = h / (H / KVH);
   const int64_t qd = H * hd, kd = KVH * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -309,7 +313,7 @@ __global__ void attn_bwd_kv_kernel(const float* q, const float* k, const float* 
   float* vs = smem + hd;
   float* dk_acc = smem + 2 * hd;
   float* dv_acc = dk_acc + kAttnWarps * hd;
-  const int64_t j = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
+  const int64_t j = blockIdx.x % T, kvh = blockIdx.y, b = blockIdx.x / T;
   const int64_t group = H / KVH;
   const int64_t qd = H * hd, kd = KVH * hd;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -427,8 +431,10 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, cons
   sum = block_reduce<false>(sum, sh);
   const int32_t t = on ? targets[r] : -1;
   if (threadIdx.x == 0) {
-    const float lse = m + logf(sum);
-    row_loss[r] = on ? static_cast<double>(lse - row[t]) : 0.0;
+    // (m - row[t]) is exact when the target is near the max (Sterbenz), and
+    // the log in double keeps a confident row's small loss from cancelling
+    // in fp32 (the CPU's cross_entropy_rows works in double too).
+    row_loss[r] = on ? static_cast<double>(m - row[t]) + log(static_cast<double>(sum)) : 0.0;
   }
   if (!grad) return;
   __syncthreads();  // row[t] is read above before it is overwritten below
@@ -505,9 +511,21 @@ __global__ void lora_dropout_kernel(float* dst, const float* src, uint64_t seed,
 
 // ---------------------------------------------------------------- launchers
 
+namespace {
+// The runtime keeps one last error per host thread: every failed call sets
+// it (a cudaErrorNotReady query, a refused cudaHostRegister, an allocation
+// the caller retries) and only cudaGetLastError() clears it; a launch that
+// succeeds leaves it as it was. Cleared before a launch, the
+// cudaGetLastError() after it is that launch's error alone (a sticky error
+// still comes back: the context returns it again).
+void clear_stale_error() { (void)cudaGetLastError(); }
+}  // namespace
+
 cudaError_t embed_forward(const void* table, int dtype, const int32_t* tokens, int64_t n, int64_t d, int64_t vocab,
                           float* out, uint32_t* bad, cudaStream_t stream) {
+  clear_stale_error();
   if (n == 0) return cudaSuccess;
+  if (n > INT32_MAX) return cudaErrorInvalidConfiguration;  // one block per row: grid x
   embed_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(table, dtype, tokens, d, vocab, out, bad);
   return cudaGetLastError();
 }
@@ -520,6 +538,7 @@ bool grid_ok(const dim3& g) { return g.x >= 1 && g.y >= 1 && g.y <= 65535 && g.z
 
 cudaError_t embed_backward(const int32_t* tokens, int64_t n, const float* dx, float* grad, int64_t d, int64_t vocab,
                            bool accumulate, uint32_t* bad, cudaStream_t stream) {
+  clear_stale_error();
   const dim3 grid(static_cast<unsigned>((vocab + kEmbedRows - 1) / kEmbedRows),
                   static_cast<unsigned>((d + kThreads - 1) / kThreads));
   if (!grid_ok(grid)) return cudaErrorInvalidConfiguration;
@@ -529,7 +548,9 @@ cudaError_t embed_backward(const int32_t* tokens, int64_t n, const float* dx, fl
 
 cudaError_t rmsnorm_forward(const float* x, const void* w, int dtype, float* y, float* rstd, int64_t n, int64_t d,
                             float eps, cudaStream_t stream) {
+  clear_stale_error();
   if (n == 0) return cudaSuccess;
+  if (n > INT32_MAX) return cudaErrorInvalidConfiguration;  // one block per row: grid x
   rmsnorm_forward_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, w, dtype, y, rstd, d, eps);
   return cudaGetLastError();
 }
@@ -537,14 +558,16 @@ cudaError_t rmsnorm_forward(const float* x, const void* w, int dtype, float* y, 
 cudaError_t rmsnorm_backward(const float* x, const void* w, int dtype, const float* rstd, const float* dy,
                              const float* residual, float* dx, float* dw, float* partial, int64_t n, int64_t d,
                              cudaStream_t stream) {
+  clear_stale_error();
   if (n == 0) return cudaSuccess;
+  if (n > INT32_MAX) return cudaErrorInvalidConfiguration;  // one block per row: grid x
   rmsnorm_backward_dx_kernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(x, w, dtype, rstd, dy, residual, dx,
                                                                                   d);
   if (!dw) return cudaGetLastError();  // a frozen weight
   const int64_t chunks = (n + kRmsPartialRows - 1) / kRmsPartialRows;
   const unsigned cols = static_cast<unsigned>((d + kThreads - 1) / kThreads);
-  if (!grid_ok(dim3(cols, static_cast<unsigned>(chunks)))) return cudaErrorInvalidConfiguration;
-  rmsnorm_dw_partial_kernel<<<dim3(cols, static_cast<unsigned>(chunks)), kThreads, 0, stream>>>(x, rstd, dy, partial,
+  if (!grid_ok(dim3(static_cast<unsigned>(chunks), cols))) return cudaErrorInvalidConfiguration;
+  rmsnorm_dw_partial_kernel<<<dim3(static_cast<unsigned>(chunks), cols), kThreads, 0, stream>>>(x, rstd, dy, partial,
                                                                                                n, d);
   rmsnorm_dw_final_kernel<<<cols, kThreads, 0, stream>>>(partial, chunks, dw, d);
   return cudaGetLastError();
@@ -552,6 +575,7 @@ cudaError_t rmsnorm_backward(const float* x, const void* w, int dtype, const flo
 
 cudaError_t rope(float* x, int64_t n, int64_t T, int64_t heads, int64_t hd, const float* cos_table,
                  const float* sin_table, bool inverse, cudaStream_t stream) {
+  clear_stale_error();
   const size_t total = static_cast<size_t>(n) * heads * (hd / 2);
   if (total == 0) return cudaSuccess;
   rope_kernel<<<grid_for(total), kThreads, 0, stream>>>(x, n, T, heads, hd, cos_table, sin_table, inverse);
@@ -564,7 +588,9 @@ float attn_scale(int64_t hd) { return static_cast<float>(1.0 / std::sqrt(static_
 
 cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B,
                               int64_t T, int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H), static_cast<unsigned>(B));
+  clear_stale_error();
+  if (B * T > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(B * T), static_cast<unsigned>(H));
   if (!grid_ok(grid) || hd > 1024) return cudaErrorInvalidConfiguration;
   const size_t smem = static_cast<size_t>(hd) * (1 + kAttnWarps) * sizeof(float);
   attn_forward_kernel<<<grid, kAttnThreads, smem, stream>>>(q, k, v, out, lse, T, H, KVH, hd, attn_scale(hd));
@@ -574,8 +600,10 @@ cudaError_t attention_forward(const float* q, const float* k, const float* v, fl
 cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                                const float* dout, float* delta, float* dq, float* dk, float* dv, int64_t B, int64_t T,
                                int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(T), static_cast<unsigned>(H), static_cast<unsigned>(B));
-  const dim3 kv_grid(static_cast<unsigned>(T), static_cast<unsigned>(KVH), static_cast<unsigned>(B));
+  clear_stale_error();
+  if (B * T > INT32_MAX) return cudaErrorInvalidConfiguration;
+  const dim3 grid(static_cast<unsigned>(B * T), static_cast<unsigned>(H));
+  const dim3 kv_grid(static_cast<unsigned>(B * T), static_cast<unsigned>(KVH));
   if (!grid_ok(grid) || !grid_ok(kv_grid) || hd > 1024) return cudaErrorInvalidConfiguration;
   const size_t q_smem = static_cast<size_t>(hd) * (2 + kAttnWarps) * sizeof(float);
   attn_bwd_q_kernel<<<grid, kAttnThreads, q_smem, stream>>>(q, k, v, out, lse, dout, delta, dq, T, H, KVH, hd,
@@ -587,18 +615,21 @@ cudaError_t attention_backward(const float* q, const float* k, const float* v, c
 }
 
 cudaError_t swiglu_forward(const float* g, const float* u, float* a, size_t count, cudaStream_t stream) {
+  clear_stale_error();
   if (count == 0) return cudaSuccess;
   swiglu_forward_kernel<<<grid_for(count), kThreads, 0, stream>>>(g, u, a, count);
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_backward(float* g, float* u, const float* da, size_t count, cudaStream_t stream) {
+  clear_stale_error();
   if (count == 0) return cudaSuccess;
   swiglu_backward_kernel<<<grid_for(count), kThreads, 0, stream>>>(g, u, da, count);
   return cudaGetLastError();
 }
 
 cudaError_t cast_from_f32(void* dst, int dtype, const float* src, size_t count, cudaStream_t stream) {
+  clear_stale_error();
   if (count == 0) return cudaSuccess;
   cast_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, dtype, src, count);
   return cudaGetLastError();
@@ -606,6 +637,7 @@ cudaError_t cast_from_f32(void* dst, int dtype, const float* src, size_t count, 
 
 cudaError_t ce_count(const int32_t* targets, const uint8_t* mask, int64_t n, int64_t vocab,
                      strata_cuda_train_report_t* report, cudaStream_t stream) {
+  clear_stale_error();
   ce_count_kernel<<<1, 1024, 0, stream>>>(targets, mask, n, vocab, report);
   return cudaGetLastError();
 }
@@ -613,18 +645,22 @@ cudaError_t ce_count(const int32_t* targets, const uint8_t* mask, int64_t n, int
 cudaError_t cross_entropy(float* logits, const int32_t* targets, const uint8_t* mask, int64_t rows, int64_t vocab,
                           float dloss, bool grad, const strata_cuda_train_report_t* report, double* row_loss,
                           cudaStream_t stream) {
+  clear_stale_error();
   if (rows == 0) return cudaSuccess;
+  if (rows > INT32_MAX) return cudaErrorInvalidConfiguration;  // one block per row: grid x
   cross_entropy_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(logits, targets, mask, vocab, dloss, grad,
                                                                               report, row_loss);
   return cudaGetLastError();
 }
 
 cudaError_t loss_sum(const double* row_loss, int64_t n, strata_cuda_train_report_t* report, cudaStream_t stream) {
+  clear_stale_error();
   loss_sum_kernel<<<1, 32, 0, stream>>>(row_loss, n, report);
   return cudaGetLastError();
 }
 
 cudaError_t add_bias(float* y, const void* b, int dtype, int64_t n, int64_t cols, cudaStream_t stream) {
+  clear_stale_error();
   const size_t count = static_cast<size_t>(n) * cols;
   if (count == 0) return cudaSuccess;
   add_bias_kernel<<<grid_for(count), kThreads, 0, stream>>>(y, b, dtype, count, cols);
@@ -632,12 +668,14 @@ cudaError_t add_bias(float* y, const void* b, int dtype, int64_t n, int64_t cols
 }
 
 cudaError_t col_sum(const float* dy, float* out, int64_t n, int64_t cols, cudaStream_t stream) {
+  clear_stale_error();
   if (cols == 0) return cudaSuccess;
   col_sum_kernel<<<static_cast<unsigned>((cols + kThreads - 1) / kThreads), kThreads, 0, stream>>>(dy, out, n, cols);
   return cudaGetLastError();
 }
 
 cudaError_t scale(float* dst, const float* src, float s, size_t count, bool add, cudaStream_t stream) {
+  clear_stale_error();
   if (count == 0) return cudaSuccess;
   scale_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, src, s, count, add);
   return cudaGetLastError();
@@ -645,6 +683,7 @@ cudaError_t scale(float* dst, const float* src, float s, size_t count, bool add,
 
 cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, size_t count, float p, bool add,
                          cudaStream_t stream) {
+  clear_stale_error();
   if (count == 0) return cudaSuccess;
   lora_dropout_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, src, seed, target, count, p, add);
   return cudaGetLastError();

@@ -71,8 +71,11 @@ static_assert(cudaErrorInvalidValue == STRATA_CUDA_ERR_INVALID_VALUE &&
 static_assert(STRATA_CUDA_ERR_BLAS_BASE + CUBLAS_STATUS_ALLOC_FAILED == STRATA_CUDA_ERR_BLAS_ALLOC_FAILED,
               "cuda/module_abi.h's cuBLAS codes are STRATA_CUDA_ERR_BLAS_BASE + cublasStatus_t");
 
+// Reports e, and clears the thread's last error so that it is not taken
+// for a later launch's (train_kernels.cu); a sticky error comes back regardless.
 int fail(cudaError_t e, const char* what, char* err, size_t err_len) {
   if (err && err_len) std::snprintf(err, err_len, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+  (void)cudaGetLastError();
   return static_cast<int>(e);
 }
 int blas_fail(cublasStatus_t s, const char* what, char* err, size_t err_len) {

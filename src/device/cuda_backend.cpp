@@ -1,6 +1,7 @@
 #include "device/cuda_backend.h"
 
 #include <cstddef>
+#include <exception>
 #include <mutex>
 #include <set>
 
@@ -67,10 +68,16 @@ struct HostFn {
 // ours above it), and no CUDA call may be made here.
 void host_fn_trampoline(void* user) {
   std::unique_ptr<HostFn> h(static_cast<HostFn*>(user));
-  Status st = h->fn();
-  if (!st.ok())
-    h->stream->set_error(
-        Status(st.code(), "stream '" + h->stream->name() + "': host function failed: " + st.message()));
+  try {
+    Status st = h->fn();
+    if (!st.ok())
+      h->stream->set_error(
+          Status(st.code(), "stream '" + h->stream->name() + "': host function failed: " + st.message()));
+  } catch (const std::exception& e) {  // bad_alloc building a message: the stream fails, the process lives
+    h->stream->set_error(Status(StatusCode::kInternal, std::string("host function threw: ") + e.what()));
+  } catch (...) {
+    h->stream->set_error(Status(StatusCode::kInternal, "host function threw"));
+  }
 }
 
 class DeviceSlabs final : public SlabSource {

@@ -174,7 +174,11 @@ Status CudaHostRegistrar::register_memory(void* ptr, std::size_t bytes) {
 
 void CudaHostRegistrar::unregister_memory(void* ptr) {
   char err[256] = {0};
-  if (api_->host_unregister(ptr, err, sizeof(err)) != 0) log_warn("cudaHostUnregister failed: {}", err);
+  const bool on = device_ >= 0 && api_->struct_size >= offsetof(strata_cuda_api_v1_t, host_unregister_on) +
+                                                          sizeof(api_->host_unregister_on);
+  if ((on ? api_->host_unregister_on(device_, ptr, err, sizeof(err)) : api_->host_unregister(ptr, err, sizeof(err))) !=
+      0)
+    log_warn("cudaHostUnregister failed: {}", err);
 }
 
 }  // namespace strata

@@ -18,11 +18,14 @@ namespace strata {
 // across CUDA releases: cudaErrorECCUncorrectable 214, NvlinkUncorrectable
 // 220, IllegalAddress 700, LaunchTimeout 702, ContextIsDestroyed 709, Assert
 // 710, HardwareStackError 714, IllegalInstruction 715, MisalignedAddress 716,
-// InvalidAddressSpace 717, InvalidPc 718, LaunchFailure 719, TensorMemoryLeak 721.
+// InvalidAddressSpace 717, InvalidPc 718, LaunchFailure 719, TensorMemoryLeak 721,
+// Contained 226 (Hopper's error containment: a bad peer access over NVLink,
+// some hardware errors), MpsClientTerminated 810, ExternalDevice 911: every
+// code driver_types.h says needs the process "terminated and relaunched".
 inline bool cuda_error_is_sticky(int rc) {
   switch (rc) {
-    case 214: case 220: case 700: case 702: case 709: case 710: case 714: case 715: case 716: case 717:
-    case 718: case 719: case 721:
+    case 214: case 220: case 226: case 700: case 702: case 709: case 710: case 714: case 715: case 716:
+    case 717: case 718: case 719: case 721: case 810: case 911:
       return true;
     default:
       return false;

@@ -243,9 +243,10 @@ class DeviceBackend {
   virtual Status accumulate_async(float* dst, const void* src, DType src_type, std::size_t count, float scale,
                                   DeviceStream* stream) = 0;
   // out->sum_sq += sum of float(src[i])^2 in double over finite elements;
-  // out->nonfinite += count of inf/NaN. `out` is device memory. The host
-  // backend sums in index order (deterministic); CUDA combines blocks with
-  // atomics (order may vary in the last bits of sum_sq).
+  // out->nonfinite += count of inf/NaN. `out` is device memory. Both are
+  // deterministic: the host backend sums in index order; CUDA in a fixed
+  // tree (per-block partials, then one block adds them in block order) that
+  // depends only on count, so not the same bits as the host's.
   virtual Status sq_norm_async(const void* src, DType type, std::size_t count, NormStats* out,
                                DeviceStream* stream) = 0;
   virtual Status adamw_async(const AdamWArgs& args, DeviceStream* stream) = 0;

@@ -11,6 +11,7 @@
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
 #include "device/cuda_status.h"
+#include "model/rope.h"
 
 namespace strata::train {
 namespace {
@@ -73,7 +74,11 @@ bool any_null(const LayerArray<const void*>& a, const LlamaDims& d) {
 
 Status bad_arg(const std::string& what) { return Status(StatusCode::kInvalidArgument, what); }
 
-Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
+// The module's view of the dims. RoPE's frequencies are always passed (in
+// *freqs, which must outlive the module call): the default type's from
+// model/rope.h when the dims carry none, as the CPU ops compute them, so
+// that both backends rotate by the same fp32 frequencies.
+Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o, std::vector<float>* freqs) {
   STRATA_RETURN_IF_ERROR(o.dims.validate());
   if (o.max_batch < 1 || o.max_seq < 1 || o.max_batch > INT_MAX / o.max_seq)
     return bad_arg(fmt::format("CUDA train ops: max_batch {} and max_seq {} must be >= 1 with a product < 2^31",
@@ -87,7 +92,13 @@ Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o) {
   d.vocab = o.dims.vocab;
   d.rms_eps = o.dims.rms_eps;
   d.rope_theta = o.dims.rope_theta;
-  d.rope_inv_freq = o.dims.rope_inv_freq.empty() ? nullptr : o.dims.rope_inv_freq.data();
+  *freqs = o.dims.rope_inv_freq;
+  if (freqs->empty()) {
+    model::RopeSettings r;
+    r.theta = o.dims.rope_theta;
+    *freqs = model::rope_frequencies(r, o.dims.head_dim).inv_freq;
+  }
+  d.rope_inv_freq = freqs->data();
   d.rope_attention_scaling = o.dims.rope_attention_scaling;
   d.max_tokens = o.max_batch * o.max_seq;
   d.max_seq = o.max_seq;
@@ -319,7 +330,8 @@ Result<std::string> load_cuda_train_module() {
 }
 
 Result<uint64_t> cuda_ops_workspace_bytes(const CudaOpsOptions& options) {
-  STRATA_ASSIGN_OR_RETURN(strata_cuda_train_dims_t d, module_dims(options));
+  std::vector<float> freqs;
+  STRATA_ASSIGN_OR_RETURN(strata_cuda_train_dims_t d, module_dims(options, &freqs));
   STRATA_ASSIGN_OR_RETURN(TrainModule m, load_module());
   size_t bytes = 0;
   char err[512] = {0};
@@ -330,7 +342,8 @@ Result<uint64_t> cuda_ops_workspace_bytes(const CudaOpsOptions& options) {
 
 Result<std::unique_ptr<ModelOps>> create_cuda_ops(DeviceBackend& backend, DeviceStream* stream,
                                                   const CudaOpsOptions& options) {
-  STRATA_ASSIGN_OR_RETURN(strata_cuda_train_dims_t d, module_dims(options));
+  std::vector<float> freqs;
+  STRATA_ASSIGN_OR_RETURN(strata_cuda_train_dims_t d, module_dims(options, &freqs));
   // The module first: where there is no GPU or cuBLAS, its reason is the
   // useful answer (kUnavailable), whatever backend the caller fell back to.
   STRATA_ASSIGN_OR_RETURN(TrainModule m, load_module());

@@ -900,6 +900,9 @@ TEST(CudaModuleStatus, StickyErrorsSayTheContextIsLost) {
   EXPECT_NE(illegal.message().find("context is lost"), std::string::npos) << illegal.message();
   EXPECT_NE(illegal.message().find("illegal memory access"), std::string::npos);
   EXPECT_EQ(cuda_module_status(719, "", "x").code(), StatusCode::kUnavailable);  // launch failure
+  // Hopper's error containment, a terminated MPS client, an external device's error.
+  for (int rc : {226, 810, 911}) EXPECT_EQ(cuda_module_status(rc, "", "x").code(), StatusCode::kUnavailable) << rc;
+  EXPECT_EQ(cuda_module_status(600, "", "x").code(), StatusCode::kInternal);  // not ready: never fatal
   EXPECT_EQ(cuda_module_status(2, "out of memory", "x").code(), StatusCode::kOutOfMemory);
   EXPECT_EQ(cuda_module_status(1, "invalid value", "x").code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(cuda_module_status(999, "", "x").code(), StatusCode::kInternal);
