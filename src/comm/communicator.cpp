@@ -1,5 +1,6 @@
 #include "comm/communicator.h"
 
+#include <atomic>
 #include <cstdlib>
 
 #include <fmt/format.h>
@@ -57,13 +58,20 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
   no.world_size = li.world_size;
   no.timeout_s = options.timeout_s;
   if (li.launcher == Launcher::kTorchrun) {
-    no.share_id = [li, options](const std::vector<uint8_t>& blob) {
+    // The store at MASTER_PORT (torchrun's agent's) outlives a job attempt
+    // and serves every communicator of this one: the key names both (every
+    // rank creates its communicators in the same order).
+    static std::atomic<uint64_t> sequence{0};
+    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+    const std::string key = fmt::format("nccl/{}/{}", restart != nullptr && *restart ? restart : "0", sequence++);
+    no.share_id = [li, options, key](const std::vector<uint8_t>& blob) {
       RendezvousOptions ro;
       ro.addr = li.master_addr;
       ro.port = li.master_port;
       ro.rank = li.rank;
       ro.world_size = li.world_size;
       ro.timeout_s = options.timeout_s;
+      ro.key = key;
       return rendezvous_broadcast(ro, blob);
     };
   } else if (li.launcher == Launcher::kMpirun) {

@@ -8,9 +8,13 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <map>
+#include <optional>
 #include <thread>
 
 #include <fmt/format.h>
@@ -86,159 +90,542 @@ Status recv_all(int fd, void* data, std::size_t n, Clock::time_point deadline, c
   return Status();
 }
 
-struct Hello {
-  char magic[8];
-  uint32_t version, rank, world;
-};
-static_assert(sizeof(Hello) == 20);
+// ---- the TCPStore protocol (rendezvous.h)
 
-struct ReplyHeader {
-  uint32_t code;
-  uint32_t pad;
-  uint64_t length;
-};
-static_assert(sizeof(ReplyHeader) == 16);
+constexpr uint32_t kValidateMagic = 0x3C85F7CE;
+enum Query : uint8_t { kValidate = 0, kSet = 1, kGet = 3, kCheck = 5, kWait = 6, kCancelWait = 12, kPing = 13 };
+constexpr uint8_t kStopWaiting = 0, kWaitCanceled = 1, kReady = 0, kNotReady = 1;
+constexpr uint64_t kMaxKey = 4096;
 
-Status send_reply(int fd, StatusCode code, const void* data, std::size_t n, Clock::time_point deadline,
-                  const std::string& what) {
-  ReplyHeader h{static_cast<uint32_t>(code), 0, n};
-  STRATA_RETURN_IF_ERROR(send_all(fd, &h, sizeof h, deadline, what));
-  return send_all(fd, data, n, deadline, what);
+void put_u32(std::vector<uint8_t>& b, uint32_t v) {
+  for (int i = 0; i < 4; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void put_u64(std::vector<uint8_t>& b, uint64_t v) {
+  for (int i = 0; i < 8; ++i) b.push_back(static_cast<uint8_t>(v >> (8 * i)));
+}
+void put_bytes(std::vector<uint8_t>& b, const void* p, std::size_t n) {
+  put_u64(b, n);
+  b.insert(b.end(), static_cast<const uint8_t*>(p), static_cast<const uint8_t*>(p) + n);
+}
+void put_str(std::vector<uint8_t>& b, const std::string& s) { put_bytes(b, s.data(), s.size()); }
+uint32_t get_u32(const uint8_t* p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; ++i) v |= static_cast<uint32_t>(p[i]) << (8 * i);
+  return v;
+}
+uint64_t get_u64(const uint8_t* p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return v;
 }
 
-Result<std::vector<uint8_t>> serve(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
-                                   Clock::time_point deadline, const std::string& where) {
-  Fd listener(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (listener.fd < 0) return Status::from_errno(errno, where + ": socket failed");
-  int one = 1;
-  ::setsockopt(listener.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_ANY);
-  sa.sin_port = htons(o.port);
-  if (::bind(listener.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
-    return Status::from_errno(errno, fmt::format("{}: bind to port {} failed", where, o.port));
-  if (::listen(listener.fd, o.world_size) != 0) return Status::from_errno(errno, where + ": listen failed");
-
-  std::vector<Fd> peers(static_cast<std::size_t>(o.world_size));
-  int joined = 0;
-  Status failure;
-  while (joined < o.world_size - 1) {
-    STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(listener.fd, POLLIN, deadline));
-    if (!ready) {
-      std::string missing;
-      for (int r = 1; r < o.world_size; ++r)
-        if (peers[r].fd < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-      failure = Status(StatusCode::kUnavailable,
-                       fmt::format("{}: timed out after {:g} s: {} of {} ranks joined; never came: rank {}", where,
-                                   o.timeout_s, joined, o.world_size - 1, missing));
-      break;
-    }
-    Fd conn(::accept4(listener.fd, nullptr, nullptr, SOCK_CLOEXEC));
-    if (conn.fd < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
-      failure = Status::from_errno(errno, where + ": accept failed");
-      break;
-    }
-    Hello h{};
-    Status st = recv_all(conn.fd, &h, sizeof h, deadline, where + ": hello of a connecting rank");
-    if (!st.ok()) continue;  // not one of ours, or it died: the others may still come
-    std::string bad;
-    if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0 || h.version != kVersion)
-      bad = "a connection that is not a Strata rendezvous (or another protocol version)";
-    else if (h.world != static_cast<uint32_t>(o.world_size))
-      bad = fmt::format("rank {} says world size {}, rank 0 has {}", h.rank, h.world, o.world_size);
-    else if (h.rank == 0 || h.rank >= h.world)
-      bad = fmt::format("a rank {} connected (expected 1..{})", h.rank, o.world_size - 1);
-    else if (peers[h.rank].fd >= 0)
-      bad = fmt::format("rank {} connected twice", h.rank);
-    if (!bad.empty()) {
-      failure = Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, bad));
-      (void)send_reply(conn.fd, failure.code(), failure.message().data(), failure.message().size(), deadline, where);
-      break;
-    }
-    peers[h.rank] = std::move(conn);
-    ++joined;
-  }
-  // Everyone connected gets the blob, or the failure.
-  const auto reply_deadline = failure.ok() ? deadline : Clock::now() + std::chrono::seconds(2);
-  for (int r = 1; r < o.world_size; ++r) {
-    if (peers[r].fd < 0) continue;
-    Status st = failure.ok() ? send_reply(peers[r].fd, StatusCode::kOk, blob.data(), blob.size(), reply_deadline,
-                                          fmt::format("{}: reply to rank {}", where, r))
-                             : send_reply(peers[r].fd, failure.code(), failure.message().data(),
-                                          failure.message().size(), reply_deadline, where);
-    if (failure.ok() && !st.ok()) failure = st;
-  }
-  if (!failure.ok()) return failure;
-  return blob;
+// The verdict: u32 status code, then the message.
+std::vector<uint8_t> encode_verdict(const Status& st) {
+  std::vector<uint8_t> v;
+  put_u32(v, static_cast<uint32_t>(st.code()));
+  v.insert(v.end(), st.message().begin(), st.message().end());
+  return v;
+}
+Status decode_verdict(const std::vector<uint8_t>& v, const std::string& where) {
+  if (v.size() < 4) return Status(StatusCode::kCorrupt, where + ": a malformed verdict from rank 0");
+  const uint32_t c = get_u32(v.data());
+  if (c == 0) return Status();
+  const auto code = c <= static_cast<uint32_t>(StatusCode::kInternal) ? static_cast<StatusCode>(c) : StatusCode::kInternal;
+  return Status(code, std::string(v.begin() + 4, v.end()));
 }
 
-Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point deadline, const std::string& where) {
+struct Keys {
+  std::string blob, verdict;
+  std::vector<std::string> ack;  // [r], r >= 1
+  Keys(const RendezvousOptions& o) {
+    const std::string p = "strata/rendezvous/" + o.key + "/";
+    blob = p + "blob";
+    verdict = p + "verdict";
+    ack.resize(static_cast<std::size_t>(o.world_size));
+    for (int r = 1; r < o.world_size; ++r) ack[static_cast<std::size_t>(r)] = p + "ack/" + std::to_string(r);
+  }
+};
+
+std::vector<uint8_t> encode_blob(const RendezvousOptions& o, const std::vector<uint8_t>& blob) {
+  std::vector<uint8_t> v(kMagic, kMagic + sizeof kMagic);
+  put_u32(v, kVersion);
+  put_u32(v, static_cast<uint32_t>(o.world_size));
+  v.insert(v.end(), blob.begin(), blob.end());
+  return v;
+}
+
+Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::string& where) {
   addrinfo hints{};
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
   addrinfo* res = nullptr;
-  const std::string port = std::to_string(o.port);
-  if (int rc = ::getaddrinfo(o.addr.c_str(), port.c_str(), &hints, &res); rc != 0)
+  const std::string p = std::to_string(port);
+  if (int rc = ::getaddrinfo(addr.c_str(), p.c_str(), &hints, &res); rc != 0)
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("{}: cannot resolve MASTER_ADDR '{}': {}", where, o.addr, gai_strerror(rc)));
+                  fmt::format("{}: cannot resolve MASTER_ADDR '{}': {}", where, addr, gai_strerror(rc)));
   sockaddr_in target{};
   std::memcpy(&target, res->ai_addr, sizeof target);
   ::freeaddrinfo(res);
+  return target;
+}
 
-  Fd conn;
-  int last_errno = 0;
-  for (;;) {
+// One connection to a TCPStore.
+class StoreClient {
+ public:
+  StoreClient(std::string where, Clock::time_point deadline) : where_(std::move(where)), deadline_(deadline) {}
+
+  // One attempt; *refused: nothing listens there (ECONNREFUSED).
+  Status connect_once(const sockaddr_in& target, bool* refused) {
+    *refused = false;
     Fd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (s.fd < 0) return Status::from_errno(errno, where + ": socket failed");
-    int rc = ::connect(s.fd, reinterpret_cast<sockaddr*>(&target), sizeof target);
-    if (rc != 0 && errno == EINPROGRESS) {
-      STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(s.fd, POLLOUT, deadline));
-      int err = ETIMEDOUT;
+    if (s.fd < 0) return Status::from_errno(errno, where_ + ": socket failed");
+    int rc = ::connect(s.fd, reinterpret_cast<const sockaddr*>(&target), sizeof target);
+    int err = rc == 0 ? 0 : errno;
+    if (rc != 0 && err == EINPROGRESS) {
+      STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(s.fd, POLLOUT, deadline_));
+      err = ETIMEDOUT;
       socklen_t len = sizeof err;
       if (ready) ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-      rc = err == 0 ? 0 : -1;
-      errno = err;
     }
-    if (rc == 0) {
-      conn = std::move(s);
+    if (err != 0) {
+      *refused = err == ECONNREFUSED;
+      return Status::from_errno(err, where_ + ": connect failed");
+    }
+    int one = 1;
+    ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    fd_ = std::move(s);
+    return Status();
+  }
+
+  // Retries until the deadline (the store may not listen yet).
+  Status connect_retrying(const sockaddr_in& target, double timeout_s) {
+    for (;;) {
+      bool refused = false;
+      Status st = connect_once(target, &refused);
+      if (st.ok()) return st;
+      if (ms_left(deadline_) == 0)
+        return Status(StatusCode::kUnavailable, fmt::format("{}: could not reach rank 0 within {:g} s (last error: {})",
+                                                            where_, timeout_s, st.message()));
+      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, ms_left(deadline_))));
+    }
+  }
+
+  // VALIDATE, then a PING that must come back: a TCPStore is listening.
+  Status handshake() {
+    std::vector<uint8_t> b{kValidate};
+    put_u32(b, kValidateMagic);
+    b.push_back(kPing);
+    const uint32_t nonce = static_cast<uint32_t>(::getpid()) ^ 0x5354u;
+    put_u32(b, nonce);
+    STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": handshake"));
+    uint8_t r[4];
+    Status st = recv_all(fd_.fd, r, sizeof r, deadline_, where_ + ": handshake");
+    if (!st.ok() || get_u32(r) != nonce)
+      return Status(StatusCode::kIoError,
+                    fmt::format("{}: MASTER_PORT is served by something that does not answer as a torch TCPStore "
+                                "({})",
+                                where_, st.ok() ? std::string("a wrong ping reply") : st.message()));
+    return Status();
+  }
+
+  Status set(const std::string& key, const std::vector<uint8_t>& value) {
+    std::vector<uint8_t> b{kSet};
+    put_str(b, key);
+    put_bytes(b, value.data(), value.size());
+    return send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": set " + key);
+  }
+
+  Result<std::vector<uint8_t>> get(const std::string& key) {
+    std::vector<uint8_t> b{kGet};
+    put_str(b, key);
+    STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": get " + key));
+    uint8_t n[8];
+    STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, n, sizeof n, deadline_, where_ + ": get " + key));
+    const uint64_t len = get_u64(n);
+    if (len > kMaxBlob + 64)
+      return Status(StatusCode::kCorrupt, fmt::format("{}: the store announced {} bytes for {}", where_, len, key));
+    std::vector<uint8_t> v(len);
+    STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, v.data(), v.size(), deadline_, where_ + ": get " + key));
+    return v;
+  }
+
+  Result<bool> check(const std::string& key) {
+    std::vector<uint8_t> b{kCheck};
+    put_u64(b, 1);
+    put_str(b, key);
+    STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": check " + key));
+    uint8_t r = 0;
+    STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, &r, 1, deadline_, where_ + ": check " + key));
+    return r == kReady;
+  }
+
+  // Until every key exists (true) or `until` passes (false; the wait is
+  // cancelled, as torch's client does, and the connection stays usable).
+  Result<bool> wait(const std::vector<std::string>& keys, Clock::time_point until) {
+    std::vector<uint8_t> b{kWait};
+    put_u64(b, keys.size());
+    for (const auto& k : keys) put_str(b, k);
+    STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": wait"));
+    STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(fd_.fd, POLLIN, until));
+    uint8_t r = 0;
+    const auto grace = Clock::now() + std::chrono::seconds(5);
+    if (ready) {
+      STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, &r, 1, grace, where_ + ": wait"));
+      if (r != kStopWaiting) return Status(StatusCode::kCorrupt, where_ + ": an unexpected reply to a wait");
+      return true;
+    }
+    const uint8_t cancel = kCancelWait;
+    STRATA_RETURN_IF_ERROR(send_all(fd_.fd, &cancel, 1, grace, where_ + ": cancel wait"));
+    STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, &r, 1, grace, where_ + ": cancel wait"));
+    if (r == kStopWaiting) STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, &r, 1, grace, where_ + ": cancel wait"));
+    if (r != kWaitCanceled) return Status(StatusCode::kCorrupt, where_ + ": an unexpected reply to a cancelled wait");
+    return false;
+  }
+
+ private:
+  std::string where_;
+  Clock::time_point deadline_;
+  Fd fd_;
+};
+
+// The ranks' side (rank > 0): the blob, an ack, the verdict.
+Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point deadline, const std::string& where) {
+  STRATA_ASSIGN_OR_RETURN(sockaddr_in target, resolve(o.addr, o.port, where));
+  StoreClient c(where, deadline);
+  STRATA_RETURN_IF_ERROR(c.connect_retrying(target, o.timeout_s));
+  STRATA_RETURN_IF_ERROR(c.handshake());
+  const Keys k(o);
+  STRATA_ASSIGN_OR_RETURN(bool came, c.wait({k.blob}, deadline));
+  if (!came)
+    return Status(StatusCode::kUnavailable, fmt::format("{}: rank 0 did not answer within {:g} s", where, o.timeout_s));
+  STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> v, c.get(k.blob));
+  const std::size_t head = sizeof kMagic + 8;
+  if (v.size() < head || std::memcmp(v.data(), kMagic, sizeof kMagic) != 0 || get_u32(v.data() + 8) != kVersion)
+    return Status(StatusCode::kCorrupt, where + ": rank 0's blob is not a Strata rendezvous (or another version)");
+  const uint32_t world = get_u32(v.data() + 12);
+  std::string refusal;
+  if (world != static_cast<uint32_t>(o.world_size))
+    refusal = fmt::format("rank {} says world size {}, rank 0 has {}", o.rank, o.world_size, world);
+  STRATA_RETURN_IF_ERROR(c.set(k.ack[static_cast<std::size_t>(o.rank)],
+                               std::vector<uint8_t>(refusal.begin(), refusal.end())));
+  if (!refusal.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, refusal));
+  STRATA_ASSIGN_OR_RETURN(bool decided, c.wait({k.verdict}, deadline));
+  if (!decided)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: rank 0 gave no verdict within {:g} s", where, o.timeout_s));
+  STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> verdict, c.get(k.verdict));
+  Status st = decode_verdict(verdict, where);
+  if (!st.ok())
+    return Status(st.code(), fmt::format("{}: rank 0 refused the rendezvous: {}", where, st.message()));
+  return std::vector<uint8_t>(v.begin() + static_cast<std::ptrdiff_t>(head), v.end());
+}
+
+// Rank 0's verdict from the acks it has (absent: never came).
+Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<std::string>>& acks,
+                  const std::string& where) {
+  std::string missing;
+  for (int r = 1; r < o.world_size; ++r) {
+    const auto& a = acks[static_cast<std::size_t>(r)];
+    if (a && !a->empty()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, *a));
+    if (!a) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (!missing.empty())
+    return Status(StatusCode::kUnavailable, fmt::format("{}: timed out after {:g} s; never came: rank {}", where,
+                                                        o.timeout_s, missing));
+  return Status();
+}
+
+// Rank 0 with a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's).
+Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOptions& o, const std::vector<uint8_t>& blob,
+                                          Clock::time_point deadline, const std::string& where) {
+  STRATA_RETURN_IF_ERROR(c.handshake());
+  const Keys k(o);
+  STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob)));
+  std::vector<std::string> want(k.ack.begin() + 1, k.ack.end());
+  STRATA_ASSIGN_OR_RETURN(bool all, c.wait(want, deadline));
+  std::vector<std::optional<std::string>> acks(static_cast<std::size_t>(o.world_size));
+  for (int r = 1; r < o.world_size; ++r) {
+    const std::string& key = k.ack[static_cast<std::size_t>(r)];
+    bool here = all;
+    if (!here) {
+      auto cr = c.check(key);
+      if (!cr.ok()) return cr.status();
+      here = *cr;
+    }
+    if (!here) continue;
+    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> a, c.get(key));
+    acks[static_cast<std::size_t>(r)] = std::string(a.begin(), a.end());
+  }
+  const Status verdict = verdict_of(o, acks, where);
+  STRATA_RETURN_IF_ERROR(c.set(k.verdict, encode_verdict(verdict)));
+  if (!verdict.ok()) return verdict;
+  return blob;
+}
+
+// Rank 0 where nothing listens on MASTER_PORT: the store's few requests
+// served here, until every rank that came has the verdict.
+class MiniStore {
+ public:
+  explicit MiniStore(std::string where) : where_(std::move(where)) {}
+
+  Status listen(uint16_t port, int backlog) {
+    listener_ = Fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (listener_.fd < 0) return Status::from_errno(errno, where_ + ": socket failed");
+    int one = 1;
+    ::setsockopt(listener_.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+    sa.sin_port = htons(port);
+    if (::bind(listener_.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
+      return Status::from_errno(errno, fmt::format("{}: bind to port {} failed", where_, port));
+    if (::listen(listener_.fd, std::max(backlog, 16)) != 0) return Status::from_errno(errno, where_ + ": listen failed");
+    return Status();
+  }
+
+  void set(const std::string& key, std::vector<uint8_t> value) {
+    kv_[key] = std::move(value);
+    wake();
+  }
+  bool has(const std::string& key) const { return kv_.count(key) != 0; }
+  const std::vector<uint8_t>& at(const std::string& key) const { return kv_.at(key); }
+  int gets_of(const std::string& key) const {
+    auto it = gets_.find(key);
+    return it == gets_.end() ? 0 : it->second;
+  }
+
+  // Serves until done() (and every reply is sent) or `until`; false then.
+  Result<bool> serve_until(const std::function<bool()>& done, Clock::time_point until) {
+    for (;;) {
+      bool flushed = true;
+      for (const auto& c : conns_) flushed = flushed && (c.fd.fd < 0 || c.out.empty());
+      if (done() && flushed) return true;
+      std::vector<pollfd> p{{listener_.fd, POLLIN, 0}};
+      for (const auto& c : conns_)
+        p.push_back({c.fd.fd, static_cast<short>(c.fd.fd < 0 ? 0 : POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+      const int n = ::poll(p.data(), p.size(), ms_left(until));
+      if (n < 0 && errno != EINTR) return Status::from_errno(errno, where_ + ": poll");
+      if (n <= 0) {
+        if (ms_left(until) == 0) return false;
+        continue;
+      }
+      if (p[0].revents & POLLIN) {
+        Fd c(::accept4(listener_.fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
+        if (c.fd >= 0) {
+          int one = 1;
+          ::setsockopt(c.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+          Conn conn;
+          conn.fd = std::move(c);
+          conns_.push_back(std::move(conn));
+        }
+      }
+      for (std::size_t i = 0; i + 1 < p.size(); ++i) {
+        Conn& c = conns_[i];
+        if (c.fd.fd < 0) continue;
+        if (p[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) read_from(c);
+        if (c.fd.fd >= 0 && !c.out.empty()) write_to(c);
+      }
+    }
+  }
+
+ private:
+  struct Conn {
+    Fd fd;
+    std::vector<uint8_t> in, out;
+    bool validated = false;
+    std::vector<std::string> waiting;  // keys of a pending WAIT
+  };
+
+  void drop(Conn& c) {
+    c.fd = Fd();
+    c.in.clear();
+    c.out.clear();
+    c.waiting.clear();
+  }
+
+  void read_from(Conn& c) {
+    uint8_t buf[4096];
+    bool gone = false;
+    for (;;) {
+      const ssize_t k = ::recv(c.fd.fd, buf, sizeof buf, 0);
+      if (k > 0) {
+        c.in.insert(c.in.end(), buf, buf + k);
+        continue;
+      }
+      if (k < 0 && (errno == EINTR)) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      gone = true;  // closed, or an error: what it sent before still counts (a refusing rank's ack)
       break;
     }
-    last_errno = errno;
-    if (ms_left(deadline) == 0)
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("{}: could not reach rank 0 within {:g} s (last error: {})", where, o.timeout_s,
-                                std::strerror(last_errno)));
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, ms_left(deadline))));
+    std::size_t used = 0;
+    for (;;) {
+      const long r = parse(c, c.in.data() + used, c.in.size() - used);
+      if (r < 0) {
+        drop(c);  // not the protocol
+        return;
+      }
+      if (r == 0) break;
+      used += static_cast<std::size_t>(r);
+    }
+    c.in.erase(c.in.begin(), c.in.begin() + static_cast<std::ptrdiff_t>(used));
+    if (gone) drop(c);
   }
-  int one = 1;
-  ::setsockopt(conn.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  Hello h{};
-  std::memcpy(h.magic, kMagic, sizeof kMagic);
-  h.version = kVersion;
-  h.rank = static_cast<uint32_t>(o.rank);
-  h.world = static_cast<uint32_t>(o.world_size);
-  STRATA_RETURN_IF_ERROR(send_all(conn.fd, &h, sizeof h, deadline, where + ": hello"));
-  ReplyHeader r{};
-  Status st = recv_all(conn.fd, &r, sizeof r, deadline, where + ": waiting for rank 0's reply");
-  if (!st.ok()) {
-    if (st.code() == StatusCode::kUnavailable)
-      return Status(StatusCode::kUnavailable,
-                    fmt::format("{}: rank 0 did not answer within {:g} s", where, o.timeout_s));
-    return st;
+
+  void write_to(Conn& c) {
+    while (!c.out.empty()) {
+      const ssize_t k = ::send(c.fd.fd, c.out.data(), c.out.size(), MSG_NOSIGNAL);
+      if (k > 0) {
+        c.out.erase(c.out.begin(), c.out.begin() + k);
+        continue;
+      }
+      if (k < 0 && errno == EINTR) continue;
+      if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+      drop(c);
+      return;
+    }
   }
-  if (r.length > kMaxBlob)
-    return Status(StatusCode::kCorrupt, fmt::format("{}: rank 0 announced {} bytes (limit {})", where, r.length, kMaxBlob));
-  std::vector<uint8_t> data(r.length);
-  STRATA_RETURN_IF_ERROR(recv_all(conn.fd, data.data(), data.size(), deadline, where + ": rank 0's blob"));
-  if (r.code != 0) {
-    const auto code = r.code <= static_cast<uint32_t>(StatusCode::kInternal) ? static_cast<StatusCode>(r.code)
-                                                                             : StatusCode::kInternal;
-    return Status(code, fmt::format("{}: rank 0 refused the rendezvous: {}", where,
-                                    std::string(data.begin(), data.end())));
+
+  // One request from p[0..n): bytes consumed, 0 when incomplete, -1 when
+  // malformed or unknown.
+  long parse(Conn& c, const uint8_t* p, std::size_t n) {
+    std::size_t at = 1;
+    auto need = [&](std::size_t k) { return at + k <= n; };
+    auto str = [&](std::string* out) -> int {  // 1 ok, 0 incomplete, -1 bad
+      if (!need(8)) return 0;
+      const uint64_t len = get_u64(p + at);
+      if (len > kMaxBlob + 64) return -1;
+      if (!need(8 + len)) return 0;
+      out->assign(reinterpret_cast<const char*>(p + at + 8), len);
+      at += 8 + len;
+      return 1;
+    };
+    if (n == 0) return 0;
+    const uint8_t q = p[0];
+    if (!c.validated && q != kValidate) return -1;
+    switch (q) {
+      case kValidate:
+        if (!need(4)) return 0;
+        if (get_u32(p + 1) != kValidateMagic) return -1;
+        c.validated = true;
+        return 5;
+      case kPing:
+        if (!need(4)) return 0;
+        c.out.insert(c.out.end(), p + 1, p + 5);
+        return 5;
+      case kSet: {
+        std::string key, value;
+        int r = str(&key);
+        if (r <= 0) return r;
+        r = str(&value);
+        if (r <= 0) return r;
+        if (key.size() > kMaxKey) return -1;
+        set(key, std::vector<uint8_t>(value.begin(), value.end()));
+        return static_cast<long>(at);
+      }
+      case kGet: {
+        std::string key;
+        const int r = str(&key);
+        if (r <= 0) return r;
+        auto it = kv_.find(key);
+        if (it == kv_.end()) return -1;  // torch's store drops such a client too
+        put_bytes(c.out, it->second.data(), it->second.size());
+        ++gets_[key];
+        return static_cast<long>(at);
+      }
+      case kCheck:
+      case kWait: {
+        if (!need(8)) return 0;
+        const uint64_t k = get_u64(p + 1);
+        if (k > 1024) return -1;
+        at = 9;
+        std::vector<std::string> keys(k);
+        for (auto& key : keys) {
+          const int r = str(&key);
+          if (r <= 0) return r;
+        }
+        if (q == kCheck) {
+          bool all = true;
+          for (const auto& key : keys) all = all && has(key);
+          c.out.push_back(all ? kReady : kNotReady);
+        } else {
+          c.waiting = std::move(keys);
+          wake();
+        }
+        return static_cast<long>(at);
+      }
+      case kCancelWait:
+        c.waiting.clear();
+        c.out.push_back(kWaitCanceled);
+        return 1;
+      default:
+        return -1;
+    }
   }
-  return data;
+
+  // Answers every WAIT whose keys all exist now.
+  void wake() {
+    for (auto& c : conns_) {
+      if (c.fd.fd < 0 || c.waiting.empty()) continue;
+      bool all = true;
+      for (const auto& key : c.waiting) all = all && has(key);
+      if (!all) continue;
+      c.waiting.clear();
+      c.out.push_back(kStopWaiting);
+    }
+  }
+
+  std::string where_;
+  Fd listener_;
+  std::vector<Conn> conns_;
+  std::map<std::string, std::vector<uint8_t>> kv_;
+  std::map<std::string, int> gets_;
+};
+
+Result<std::vector<uint8_t>> lead_alone(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
+                                        Clock::time_point deadline, const std::string& where) {
+  MiniStore s(where);
+  STRATA_RETURN_IF_ERROR(s.listen(o.port, o.world_size));
+  const Keys k(o);
+  s.set(k.blob, encode_blob(o, blob));
+  auto all_acked = [&] {
+    for (int r = 1; r < o.world_size; ++r)
+      if (!s.has(k.ack[static_cast<std::size_t>(r)])) return false;
+    return true;
+  };
+  STRATA_RETURN_IF_ERROR(s.serve_until(all_acked, deadline).status());
+  std::vector<std::optional<std::string>> acks(static_cast<std::size_t>(o.world_size));
+  int came = 0;
+  for (int r = 1; r < o.world_size; ++r) {
+    const std::string& key = k.ack[static_cast<std::size_t>(r)];
+    if (!s.has(key)) continue;
+    acks[static_cast<std::size_t>(r)] = std::string(s.at(key).begin(), s.at(key).end());
+    // A rank that refused the blob waits for no verdict.
+    if (acks[static_cast<std::size_t>(r)]->empty()) ++came;
+  }
+  const Status verdict = verdict_of(o, acks, where);
+  s.set(k.verdict, encode_verdict(verdict));
+  // Every rank that came fetches the verdict; a failure waits at most 2 s
+  // more for them (they may be gone).
+  const auto until = verdict.ok() ? deadline : Clock::now() + std::chrono::seconds(2);
+  auto delivered = [&] { return s.gets_of(k.verdict) >= came; };
+  STRATA_ASSIGN_OR_RETURN(bool all, s.serve_until(delivered, until));
+  if (!verdict.ok()) return verdict;
+  if (!all)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: {} of {} ranks fetched the verdict before the timeout", where,
+                              s.gets_of(k.verdict), came));
+  return blob;
+}
+
+Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
+                                  Clock::time_point deadline, const std::string& where) {
+  STRATA_ASSIGN_OR_RETURN(sockaddr_in target, resolve(o.addr.empty() ? "127.0.0.1" : o.addr, o.port, where));
+  StoreClient c(where, deadline);
+  bool refused = false;
+  Status st = c.connect_once(target, &refused);
+  if (st.ok()) return lead_through(c, o, blob, deadline, where);
+  if (refused) return lead_alone(o, blob, deadline, where);
+  return st;
 }
 
 }  // namespace
@@ -260,7 +647,7 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, co
       fmt::format("rendezvous at {}:{} (rank {} of {})", o.addr.empty() ? "*" : o.addr, o.port, o.rank, o.world_size);
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.timeout_s));
-  return o.rank == 0 ? serve(o, root_blob, deadline, where) : join(o, deadline, where);
+  return o.rank == 0 ? lead(o, root_blob, deadline, where) : join(o, deadline, where);
 }
 
 }  // namespace strata::comm

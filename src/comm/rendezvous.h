@@ -1,17 +1,30 @@
-// TCP rendezvous: how ranks launched torchrun-style (no mpirun) first meet.
-// Rank 0 listens on MASTER_ADDR:MASTER_PORT (bootstrap.h's LaunchInfo), the
-// other ranks connect, and rank 0 sends every rank one blob (the NCCL unique
-// id, later). Loopback or across hosts; one exchange per call.
+// TCP rendezvous: how ranks launched torchrun-style (no mpirun) first meet,
+// and rank 0 hands every rank one blob (the NCCL unique id).
 //
-// Protocol (all integers little-endian, the machines' own order on x86/arm):
-//   rank r -> rank 0: "STRATARV", u32 version (1), u32 rank, u32 world size
-//   rank 0 -> rank r: u32 status code (0 = ok), u64 length, then the blob (ok)
-//                     or the error text
-// Rank 0 checks every hello: the world size must be its own, the rank in
-// 1..world-1 and not seen before. On a bad hello or a timeout, rank 0 sends
-// the error to every rank that connected and returns it; those ranks return
-// it too, prefixed with "rank 0 refused the rendezvous". A rank that cannot
-// reach rank 0 keeps retrying (rank 0 may not listen yet) until its timeout.
+// It speaks the key-value protocol of torch's TCPStore (c10d), so that it
+// works where torchrun is the launcher: torchrun's agent already serves a
+// TCPStore on MASTER_ADDR:MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE), as does
+// torch.distributed.init_process_group's rank 0, and the port is taken. Rank 0
+// connects there first; where nothing listens (a launcher that only sets the
+// variables) it serves the few requests itself on that port, on every
+// interface, until every rank has its answer, and closes it.
+//
+// Keys, under "strata/rendezvous/<key>/" (RendezvousOptions::key: a store
+// outlives one job attempt and one engine):
+//   blob      rank 0: "STRATARV", u32 version (1), u32 world size, the blob
+//   ack/<r>   rank r: "" (ok) or why it refuses (another world size)
+//   verdict   rank 0, once every ack is in or the timeout passed: u32 status
+//             code (0 ok) and the error text
+// Every rank returns the verdict: a refusal or a missing rank ("never came:
+// rank 2") reaches every rank that came, prefixed "rank 0 refused the
+// rendezvous" on ranks other than 0. A rank that cannot reach MASTER_ADDR
+// keeps retrying (rank 0 may not listen yet) until its timeout.
+//
+// The TCPStore wire format used (integers little-endian; a string = u64
+// length + bytes): VALIDATE(0) u32 0x3C85F7CE; PING(13) u32 n -> u32 n;
+// SET(1) key value; GET(3) key -> value; CHECK(5) u64 k, k keys -> u8 (0
+// ready); WAIT(6) u64 k, k keys -> u8 0 once all exist; CANCEL_WAIT(12) -> u8 1.
+// Checked against torch 2.15's store (tests/comm/torchrun_rendezvous_test.py).
 //
 // Blocking: the call returns when the exchange is done or failed; no thread is
 // left behind and every socket is closed.
@@ -31,14 +44,17 @@ struct RendezvousOptions {
   int rank = 0;
   int world_size = 1;
   double timeout_s = 300;  // for the whole exchange, > 0
+  // Names this exchange among others in the same store (every rank passes the
+  // same): the job attempt and the communicator's sequence number.
+  std::string key = "0";
 };
 
 // Returns rank 0's `root_blob` on every rank (rank 0 gets its own back;
 // others pass an empty one). With world_size 1, no socket is opened.
-// Errors: kInvalidArgument (bad options; a peer with another world size, a
-// rank out of range or twice), kUnavailable (timeout: which ranks never came,
-// or that rank 0 could not be reached), kIoError/kAlreadyExists (socket
-// calls, e.g. the port in use), each naming addr:port and the rank.
+// Errors: kInvalidArgument (bad options; a peer with another world size),
+// kUnavailable (timeout: which ranks never came, or that rank 0 could not be
+// reached), kIoError (socket calls; MASTER_PORT taken by something that is
+// not a TCPStore), each naming addr:port and the rank.
 Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& options,
                                                   const std::vector<uint8_t>& root_blob);
 

@@ -1,0 +1,115 @@
+#!/usr/bin/env python3
+"""The rendezvous (src/comm/rendezvous.h) against torch's own TCPStore.
+
+  torchrun_rendezvous_test.py RENDEZVOUS_PROBE
+
+- Under torchrun (torch.distributed.run, 3 ranks on this host): torchrun's
+  agent already serves a TCPStore on MASTER_PORT, so rank 0 cannot listen
+  there; every rank must get rank 0's blob through that store, in each of 2
+  rounds (two communicators of one job), and no round may see another's.
+- Beside a store that torch.distributed's rank 0 serves (torch.distributed.
+  TCPStore(is_master=True), libuv and legacy backends): the same.
+- Against that store, a rank launched with another WORLD_SIZE: every rank
+  fails, and the message says which rank and which sizes.
+
+Exit 0: every case passed; 1: a case failed; 77: torch missing (a failure
+instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
+"""
+import datetime
+import os
+import re
+import socket
+import subprocess
+import sys
+
+try:
+    import torch  # noqa: F401
+    import torch.distributed as dist
+except ImportError as e:  # pragma: no cover - depends on the machine
+    msg = f"torchrun_rendezvous_test: skipped: cannot import torch ({e})"
+    if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+        print(msg.replace("skipped", "FAILED") + " (STRATA_REQUIRE_REFERENCE=1)")
+        sys.exit(1)
+    print(msg)
+    sys.exit(77)
+
+PROBE = sys.argv[1]
+failures = []
+LINE = re.compile(r"^rank (\d+) round (\d+) blob ([0-9a-f]*)$")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def check_blobs(case, out, world, rounds):
+    got = {}
+    for line in out.splitlines():
+        m = LINE.match(line.strip())
+        if m:
+            got[(int(m.group(1)), int(m.group(2)))] = bytes.fromhex(m.group(3)).decode()
+    want = {(r, k) for r in range(world) for k in range(rounds)}
+    if set(got) != want:
+        failures.append(f"{case}: lines for {sorted(set(want) - set(got))} missing:\n{out[-3000:]}")
+        return
+    for k in range(rounds):
+        blobs = {got[(r, k)] for r in range(world)}
+        if len(blobs) != 1 or not next(iter(blobs)).endswith(f" round {k}"):
+            failures.append(f"{case}: round {k}: the ranks got {sorted(blobs)}")
+    print(f"{case}: {world} ranks x {rounds} rounds got rank 0's blob: {got[(0, 0)]!r}, {got[(0, rounds - 1)]!r}")
+
+
+def env_for(rank, world, port):
+    e = dict(os.environ)
+    e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+             MASTER_PORT=str(port))
+    return e
+
+
+# ---- under torchrun: its agent's store on MASTER_PORT
+port = free_port()
+run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "3",
+                      "--master-addr", "127.0.0.1", "--master-port", str(port), PROBE, "2", "60"],
+                     capture_output=True, text=True, timeout=240)
+if run.returncode != 0:
+    failures.append(f"torchrun: exit {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
+else:
+    check_blobs("torchrun (agent store)", run.stdout, 3, 2)
+
+# ---- beside a store torch.distributed's rank 0 serves
+for libuv in (True, False):
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False, use_libuv=libuv)
+    procs = [subprocess.Popen([PROBE, "2", "60"], env=env_for(r, 3, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    case = f"torch.distributed.TCPStore (use_libuv={libuv})"
+    if any(p.returncode != 0 for p in procs):
+        failures.append(f"{case}: exits {[p.returncode for p in procs]}: {[o[1][-500:] for o in outs]}")
+    else:
+        check_blobs(case, "".join(o[0] for o in outs), 3, 2)
+    del store
+
+# ---- a rank with another world size, against torch's store: every rank fails, saying why
+port = free_port()
+store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+worlds = [3, 3, 4]
+procs = [subprocess.Popen([PROBE, "1", "20"], env=env_for(r, worlds[r], port), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for r in range(3)]
+outs = [p.communicate(timeout=120) for p in procs]
+want = ["rank 2 says world size 4, rank 0 has 3", "rank 0 refused the rendezvous", "rank 2 says world size 4, rank 0 has 3"]
+for r in range(3):
+    if procs[r].returncode == 0 or want[r] not in outs[r][1]:
+        failures.append(f"world mismatch: rank {r} exit {procs[r].returncode}, said: {outs[r][1][-500:]!r}")
+if not any(f.startswith("world mismatch") for f in failures):
+    print("world mismatch: every rank failed, naming rank 2's world size 4 against rank 0's 3")
+del store
+
+for f in failures:
+    print("FAIL:", f)
+print(f"{'all' if not failures else len(failures)} torchrun rendezvous checks {'passed' if not failures else 'failed'}")
+sys.exit(1 if failures else 0)
