@@ -14,6 +14,7 @@
 // the compute rate is measured on one layer and the head of the model
 // (train/cpu_probe.h) unless --gpu-tflops gives it.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -42,6 +43,7 @@
 #include "runtime/config.h"
 #include "runtime/planner.h"
 #include "train/cpu_probe.h"
+#include "train/lora.h"
 #include "train/trainer.h"
 
 namespace strata::tools {
@@ -84,6 +86,8 @@ struct PlanCliOptions {
   std::string measure_size = "256MiB";
   std::string device = "cuda";  // cuda: a GPU; cpu: the host backend (strata finetune --device cpu)
   int threads = 0;              // --device cpu: the compute threads measured (0: all)
+  uint32_t lora_rank = 0;       // LoRA: a frozen base and rank-R adapters (strata finetune --lora-rank)
+  std::string lora_targets;     // PEFT module names (default q_proj,v_proj)
   bool json = false;
 };
 
@@ -238,7 +242,7 @@ Figure measure_memcpy() {
 Result<Figure> measure_cpu_compute(const model::LlamaConfig& mc, const LlamaShape& shape, const PlanCliOptions& o) {
   const train::LlamaDims dims = train::llama_dims(mc);
   auto p = train::probe_cpu_compute(dims, shape.layers, shape.dtype, static_cast<int64_t>(o.batch),
-                                    static_cast<int64_t>(o.seq), {.threads = o.threads});
+                                    static_cast<int64_t>(o.seq), {.threads = o.threads, .frozen = o.lora_rank > 0});
   if (!p.ok()) return p.status();
   const train::LlamaDims& d = p->dims;
   const uint64_t layers = shape.layers, vocab_dim = static_cast<uint64_t>(d.vocab * d.dim);
@@ -249,6 +253,7 @@ Result<Figure> measure_cpu_compute(const model::LlamaConfig& mc, const LlamaShap
   w.attention_forward_flops_per_token = attention_forward_flops_per_token(
       layers, static_cast<uint64_t>(d.heads), static_cast<uint64_t>(d.head_dim), static_cast<uint64_t>(p->seq));
   w.non_matmul_params = d.tied ? 0 : vocab_dim;
+  if (o.lora_rank > 0) w.frozen_matmul_params = numel - w.non_matmul_params;  // the probe ran the frozen base
   const double tokens = static_cast<double>(p->batch * p->seq);
   return Figure{flops_per_token(numel, w) * tokens / p->micro_batch_s, "measured",
                 fmt::format("{}, {}",
@@ -364,8 +369,31 @@ int run(const PlanCliOptions& o) {
   // which is no larger).
   const uint32_t world = o.world_size > 0 ? o.world_size : ds.strata.world_size;
   if (world > (1u << 20)) return fail("--world-size is implausibly large");
+  if (o.lora_rank > 0) {
+    shape.lora_rank = o.lora_rank;
+    shape.lora_targets = train::kLoraDefaultTargets;
+    if (!o.lora_targets.empty()) {
+      auto t = train::parse_lora_targets(o.lora_targets);
+      if (!t.ok()) return fail("--lora-targets: " + t.status().message());
+      shape.lora_targets = *t;
+    }
+    shape.lora_dtype = DType::kF32;  // PEFT keeps adapters in fp32, as strata finetune does
+  } else if (!o.lora_targets.empty()) {
+    return fail("--lora-targets needs --lora-rank R");
+  }
   auto spec = llama_model_spec(shape, world, 0);
   if (!spec.ok()) return fail(spec.status().message());
+  // LoRA: everything but the adapters is frozen (PEFT's default, strata
+  // finetune's): no master, moments or gradients for the base.
+  uint64_t trainable_numel = 0, frozen_numel = 0;
+  for (ParamSpec& p : spec->params) {
+    if (o.lora_rank > 0) p.trainable = p.name.find(".lora_") != std::string::npos;
+    (p.trainable ? trainable_numel : frozen_numel) += p.numel();
+  }
+  if (o.lora_rank > 0)
+    notes.push_back(fmt::format("LoRA rank {} on {}: {} trainable parameters, the base's {} frozen", o.lora_rank,
+                                fmt::join(train::lora_target_names(shape.lora_targets), ","),
+                                format_count(trainable_numel), format_count(frozen_numel)));
 
   // Budgets: flags, else the config, else detected here.
   PlanBudgets budgets;
@@ -543,6 +571,9 @@ int run(const PlanCliOptions& o) {
   work.attention_forward_flops_per_token =
       attention_forward_flops_per_token(shape.layers, shape.heads, shape.head_dim_or_default(), o.seq);
   work.non_matmul_params = shape.tied_embeddings ? 0 : shape.vocab * shape.dim;  // the input embedding: a lookup
+  // Frozen weights still pass gradients to their inputs, but compute none of
+  // their own (the untied embedding is a lookup either way).
+  if (frozen_numel > 0) work.frozen_matmul_params = frozen_numel - std::min(frozen_numel, work.non_matmul_params);
   auto est = predict_step_time(*plan, bw, work);
   if (!est.ok()) return fail(est.status().message());
   const double tokens_per_step = static_cast<double>(work.tokens_per_micro_batch) * options.micro_batches;
@@ -556,6 +587,8 @@ int run(const PlanCliOptions& o) {
                 {"model",
                  {{"config", cfg_path},
                   {"params", spec->numel()},
+                  {"trainable_params", trainable_numel},
+                  {"lora_rank", o.lora_rank},
                   {"layers", shape.layers},
                   {"dim", shape.dim},
                   {"heads", shape.heads},
@@ -626,9 +659,12 @@ int run(const PlanCliOptions& o) {
       "%.3g FLOP per token (%s)\n",
       static_cast<unsigned long long>(o.batch), static_cast<unsigned long long>(o.seq),
       static_cast<unsigned long long>(work.tokens_per_micro_batch), options.micro_batches, token_flops,
-      work.activation_checkpointing
-          ? "8 x matmul weights + 4 x attention's forward: forward, recompute, backward"
-          : "6 x matmul weights + 3 x attention's forward");
+      work.frozen_matmul_params > 0
+          ? (work.activation_checkpointing
+                 ? "8 x trainable and 6 x frozen matmul weights + 4 x attention's forward: forward, recompute, backward"
+                 : "6 x trainable and 4 x frozen matmul weights + 3 x attention's forward")
+      : work.activation_checkpointing ? "8 x matmul weights + 4 x attention's forward: forward, recompute, backward"
+                                      : "6 x matmul weights + 3 x attention's forward");
   std::printf("%s", est->report().c_str());
   std::printf("Predicted: %s per optimizer step, %.0f tokens/s (bottleneck: %s)\n",
               format_seconds(est->total_s).c_str(), tokens_per_step / est->total_s, est->bottleneck.c_str());
@@ -674,6 +710,10 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--gpu-tflops", o->gpu_tflops,
                   "Sustained GPU TFLOP/s (default: assumed 400, H100/H200 class); with --device cpu, the CPU's "
                   "(default: measured, one layer and the head of the model at its shape)");
+  cmd->add_option("--lora-rank", o->lora_rank,
+                  "LoRA: plan a frozen base with rank-R adapters, as strata finetune --lora-rank (0: full fine-tuning)");
+  cmd->add_option("--lora-targets", o->lora_targets,
+                  "LoRA's adapted modules, as strata finetune --lora-targets (default: q_proj,v_proj, as PEFT)");
   cmd->add_option("--threads", o->threads,
                   "--device cpu: compute threads the measurement uses, as strata finetune --threads (0: all)")
       ->capture_default_str();

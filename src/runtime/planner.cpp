@@ -557,7 +557,6 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     const GroupPlan& g = plan.groups[gi];
     const uint64_t c = g.bytes[kc(StateKind::kCompute)];
     const uint64_t gr = g.bytes[kc(StateKind::kGrad)];
-    const uint64_t compute_elem_bytes = g.shard_numel ? g.shard_compute_bytes / g.shard_numel : 0;
     switch (g.tier[kc(StateKind::kCompute)]) {
       case Tier::kHost:
         plan.forward_backward.h2d += uploads[gi] * c;
@@ -577,30 +576,32 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
     // step, from each rank's own sum of its micro-batches on the device.
     // Stage 3 all-gathers the group after every upload (a slot hit reuses the
     // gathered group: uploads[gi]), stages 1-2 once after the step.
+    // Frozen parameters (a LoRA base) have no gradient, no update and no
+    // new copy to send anywhere: only the trainable ones count from here.
     const uint64_t reduces = deferred ? 1 : m;
     if (g.tier[kc(StateKind::kGrad)] != Tier::kDevice)
-      plan.forward_backward.d2h += reduces * g.shard_numel * (ws > 1 ? 4 : compute_elem_bytes);
+      plan.forward_backward.d2h += reduces * (ws > 1 ? 4 * g.trainable_shard_numel : g.trainable_compute_bytes);
     const uint64_t peers = plan.world_size - 1;
     plan.forward_backward.comm += peers * (reduces * gr + (replicated ? 0 : uploads[gi] * c));
-    if (replicated) plan.optimizer_step.comm += peers * g.shard_compute_bytes;
+    if (replicated) plan.optimizer_step.comm += peers * g.trainable_compute_bytes;
     if (g.tier[kc(StateKind::kGrad)] == Tier::kNvme) {
       plan.forward_backward.nvme_write += reduces * gr;
       plan.forward_backward.nvme_read += (reduces - 1) * gr;
       plan.optimizer_step.nvme_read += gr;
     }
     if (g.tier[kc(StateKind::kMaster)] == Tier::kDevice) {
-      plan.gpu_optimizer_numel += g.shard_numel;
+      plan.gpu_optimizer_numel += g.trainable_shard_numel;
       continue;
     }
-    plan.cpu_optimizer_numel += g.shard_numel;
+    plan.cpu_optimizer_numel += g.trainable_shard_numel;
     for (StateKind k : {StateKind::kMaster, StateKind::kOptimizer})
       if (g.tier[kc(k)] == Tier::kNvme) {
         plan.optimizer_step.nvme_read += g.bytes[kc(k)];
         plan.optimizer_step.nvme_write += g.bytes[kc(k)];
       }
     // The updated compute copy goes from the CPU optimizer to its home.
-    if (g.tier[kc(StateKind::kCompute)] == Tier::kDevice) plan.optimizer_step.h2d += g.shard_compute_bytes;
-    if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme) plan.optimizer_step.nvme_write += c;
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kDevice) plan.optimizer_step.h2d += g.trainable_compute_bytes;
+    if (g.tier[kc(StateKind::kCompute)] == Tier::kNvme) plan.optimizer_step.nvme_write += g.trainable_compute_bytes;
   }
   return plan;
 }
@@ -706,7 +707,8 @@ double attention_forward_flops_per_token(uint64_t layers, uint64_t heads, uint64
 double flops_per_token(uint64_t model_numel, const Workload& work) {
   const double passes = work.activation_checkpointing ? 4.0 : 3.0;  // forward units: fwd, (recompute), bwd = 2
   const uint64_t matmul = model_numel - std::min(model_numel, work.non_matmul_params);
-  return passes * (2.0 * static_cast<double>(matmul) + work.attention_forward_flops_per_token);
+  const double frozen = static_cast<double>(std::min(matmul, work.frozen_matmul_params));
+  return passes * (2.0 * static_cast<double>(matmul) + work.attention_forward_flops_per_token) - 2.0 * frozen;
 }
 
 double flops_per_token(const Plan& plan, const Workload& work) { return flops_per_token(plan.model_numel, work); }

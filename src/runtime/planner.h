@@ -199,6 +199,9 @@ struct Workload {
   // untied input embedding is a lookup).
   double attention_forward_flops_per_token = 0;
   uint64_t non_matmul_params = 0;
+  // Frozen matmul weights (a LoRA base): their backward computes the input's
+  // gradient but not their own, 2 FLOP per weight and token fewer.
+  uint64_t frozen_matmul_params = 0;
   bool overlap_backward = false;         // optimizer may start during the last backward
   // strata.pipelined_step (the engine's default; off here unless set): the
   // optimizer step runs behind the next forward (one rank; all but the first
@@ -220,8 +223,9 @@ struct Workload {
 double attention_forward_flops_per_token(uint64_t layers, uint64_t heads, uint64_t head_dim, uint64_t seq);
 
 // FLOPs of one token's forward and backward (and recompute): 2 per matmul
-// weight forward, 4 backward, 2 more recomputed; attention in the same
-// proportions (the backward of both products is twice the forward).
+// weight forward, 4 backward (2 for a frozen one), 2 more recomputed;
+// attention in the same proportions (the backward of both products is twice
+// the forward).
 double flops_per_token(const Plan& plan, const Workload& work);
 // The same for a model of `model_numel` parameters (a plan's model_numel).
 double flops_per_token(uint64_t model_numel, const Workload& work);

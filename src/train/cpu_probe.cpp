@@ -163,7 +163,7 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
     const int64_t ne = weight_row(t).numel(ext);
     fill(w->data() + wo, dtype, ne, weight_row(t).norm, seed++);
     lw[t] = w->data() + wo;
-    lg[t] = g->data() + go;
+    lg[t] = o.frozen ? nullptr : g->data() + go;
     wo += static_cast<size_t>(ne) * wb;
     go += static_cast<size_t>(ne);
   }
@@ -174,7 +174,7 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
   for (int64_t i = 0; i < n; ++i) (*tokens)[static_cast<size_t>(i)] = static_cast<int32_t>((i * 7919) % d.vocab);
   const EmbedWeights ew{.dtype = dtype, .embed_tokens = emb->data()};
   const HeadWeights hw{.dtype = dtype, .norm = norm->data(), .lm_head = d.tied ? emb->data() : lm->data()};
-  const HeadGrads hg{.norm = g_norm->data(), .lm_head = g_head->data()};
+  const HeadGrads hg = o.frozen ? HeadGrads{} : HeadGrads{.norm = g_norm->data(), .lm_head = g_head->data()};
 
   std::vector<double> tf, tb, th, te;
   for (int r = 0; r <= reps; ++r) {  // r == 0: the warm-up (first touch, caches)
@@ -193,7 +193,8 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
     STRATA_RETURN_IF_ERROR(ops.layer_backward(lw, B, T, x->data(), dy->data(), y->data(), lg));
     const double b = seconds_since(t0);
     t0 = std::chrono::steady_clock::now();
-    STRATA_RETURN_IF_ERROR(ops.embed_backward(tokens->data(), B, T, y->data(), g_head->data(), d.tied));
+    if (!o.frozen)  // a frozen embedding needs no gradient
+      STRATA_RETURN_IF_ERROR(ops.embed_backward(tokens->data(), B, T, y->data(), g_head->data(), d.tied));
     const double e2 = seconds_since(t0);
     if (r == 0) continue;
     tf.push_back(f);

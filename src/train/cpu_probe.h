@@ -39,6 +39,9 @@ struct CpuProbeOptions {
   uint64_t max_bytes = uint64_t{2} << 30;  // weights + gradients + workspace
   double max_flops = 1e11;                 // per timed pass (about 0.5 s at 200 GFLOP/s)
   int reps = 3;                            // timed passes after one warm-up; the median counts
+  // A frozen model (a LoRA base): no weight gradients, only the inputs'
+  // (the adapters themselves are not run: rank-r products are small).
+  bool frozen = false;
 };
 
 struct CpuProbe {

@@ -46,6 +46,10 @@ struct LoraOptions {
   float scaling() const;
 };
 
+// PEFT's default targets for Llama-family models: q_proj and v_proj.
+inline constexpr uint32_t kLoraDefaultTargets =
+    (1u << lora_target_index(kQProj)) | (1u << lora_target_index(kVProj));
+
 // "q_proj,k_proj" (PEFT's module names), or "all-linear" (every projection)
 // -> target bits. kInvalidArgument naming an unknown module and the known ones.
 Result<uint32_t> parse_lora_targets(std::string_view csv);

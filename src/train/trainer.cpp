@@ -500,7 +500,7 @@ Status Trainer::Impl::resolve_lora() {
     if (l.merge) return Status(StatusCode::kInvalidArgument, "--lora-merge needs LoRA (--lora-rank or --lora-adapter)");
     return {};
   }
-  if (l.targets == 0) l.targets = (1u << lora_target_index(kQProj)) | (1u << lora_target_index(kVProj));
+  if (l.targets == 0) l.targets = kLoraDefaultTargets;
   if (!(l.dropout >= 0 && l.dropout < 1))
     return Status(StatusCode::kInvalidArgument, fmt::format("LoRA dropout {} is outside [0, 1)", l.dropout));
   if (!std::isfinite(l.alpha)) return Status(StatusCode::kInvalidArgument, "LoRA alpha must be finite");

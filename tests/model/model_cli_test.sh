@@ -117,6 +117,18 @@ out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cp
 out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --gpu-tflops 0.1 --no-measure \
   --json 2>&1) || fail "plan --device cpu --json exited $?: $out"
 [[ $out == *'"device": "cpu"'* && $out == *'"source": "assumed"'* ]] || fail "plan --device cpu --json: $out"
+# LoRA: a frozen base; only the adapters are updated, downloaded and uploaded.
+out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 24GiB --host-mem 64GiB --no-measure \
+  --lora-rank 16 2>&1) || fail "plan --lora-rank exited $?: $out"
+[[ $out == *"LoRA rank 16 on q_proj,v_proj: 6.82 M trainable parameters, the base's 8.03 B frozen"* ]] ||
+  fail "plan --lora-rank does not say what trains: $out"
+[[ $out == *"optimizer: 6815744 elements on the CPU"* && $out == *"6 x frozen matmul weights"* ]] ||
+  fail "plan --lora-rank updates or computes the frozen base: $out"
+out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 24GiB --host-mem 64GiB --no-measure \
+  --lora-rank 8 --lora-targets all-linear --json 2>&1) || fail "plan --lora-targets all-linear exited $?: $out"
+[[ $out == *'"lora_rank": 8'* && $out == *'"trainable_params": 20971520'* ]] || fail "plan --lora-targets --json: $out"
+expect_error "--lora-targets: " --model "$cfg70" --gpu-mem 24GiB --lora-rank 8 --lora-targets q_proj,wq
+expect_error "--lora-targets needs --lora-rank R" --model "$cfg70" --gpu-mem 24GiB --lora-targets q_proj
 # Llama 3.1's llama3 RoPE is implemented: planning proceeds without a note.
 out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 80GB --host-mem 256GiB --no-measure 2>&1) ||
   fail "8B plan exited $?: $out"

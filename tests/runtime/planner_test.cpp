@@ -7,6 +7,8 @@
 #include <string>
 
 #include "common/units.h"
+#include "model/llama_weights.h"
+#include "runtime/model_spec.h"
 
 namespace strata {
 namespace {
@@ -609,6 +611,52 @@ TEST(Planner, ComputeCountsAttentionAndNotTheEmbeddingLookup) {
   // Without recompute: 3 forward units instead of 4.
   w.activation_checkpointing = false;
   EXPECT_DOUBLE_EQ(flops_per_token(p, w), 3.0 * (2.0 * (numel - embed) + attn));
+}
+
+// LoRA (a frozen base, rank-16 adapters on q_proj and v_proj, as `strata
+// plan --lora-rank 16`): the base has no master, moments or gradient, so
+// nothing of it is downloaded, updated or uploaded again, and its backward
+// computes no weight gradient (6 FLOP per weight and token, not 8).
+TEST(Planner, LoraMovesAndUpdatesOnlyTheAdapters) {
+  LlamaShape shape{32, 4096, 32, 8, 14336, 128256};
+  shape.lora_rank = 16;
+  shape.lora_targets = (1u << lora_target_index(kQProj)) | (1u << lora_target_index(kVProj));
+  shape.lora_dtype = DType::kF32;
+  auto m = llama_model_spec(shape);
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  uint64_t trainable = 0, frozen = 0;
+  for (ParamSpec& p : m->params) {
+    p.trainable = p.name.find(".lora_") != std::string::npos;
+    (p.trainable ? trainable : frozen) += p.numel();
+  }
+  // Per layer: q's A [16, 4096] and B [4096, 16], v's A [16, 4096] and B [1024, 16].
+  EXPECT_EQ(trainable, 32u * 16 * (4096 + 4096 + 4096 + 1024));
+  auto r = make_plan(m.value(), PlanBudgets{24 * kGiB, 64 * kGiB, 0, {}}, PlanOptions{});
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const Plan& p = r.value();
+  EXPECT_EQ(p.cpu_optimizer_numel + p.gpu_optimizer_numel, trainable);
+  uint64_t masters = 0, adapter_compute = 0;
+  for (const GroupPlan& g : p.groups) {
+    masters += g.bytes[kM];
+    adapter_compute += g.trainable_compute_bytes;
+  }
+  EXPECT_EQ(masters, 4 * trainable);
+  EXPECT_EQ(adapter_compute, 4 * trainable);  // fp32 adapters
+  // The base's bf16 copies (16 GB) fit the device: uploaded never, so only
+  // the adapters' gradients come down (in their fp32 compute dtype) and only
+  // their updated copies go up.
+  EXPECT_EQ(p.forward_backward.h2d, 0u);
+  EXPECT_EQ(p.forward_backward.d2h, 4 * trainable);
+  EXPECT_EQ(p.optimizer_step.h2d, 4 * trainable);
+  Workload w;
+  w.tokens_per_micro_batch = 4096;
+  w.non_matmul_params = 128256ull * 4096;
+  const double full = flops_per_token(p, w);
+  w.frozen_matmul_params = frozen - w.non_matmul_params;
+  EXPECT_DOUBLE_EQ(flops_per_token(p, w), full - 2.0 * static_cast<double>(frozen - w.non_matmul_params));
+  w.activation_checkpointing = false;
+  const double m_all = static_cast<double>(p.model_numel - w.non_matmul_params);
+  EXPECT_DOUBLE_EQ(flops_per_token(p, w), 6.0 * m_all - 2.0 * static_cast<double>(frozen - w.non_matmul_params));
 }
 
 // Llama-3-70B on a 24 GiB GPU, 64 GiB host and 2 TB of NVMe, default options.

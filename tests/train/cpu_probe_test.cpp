@@ -48,6 +48,14 @@ TEST(CpuProbe, HalfPrecisionWeightsAndTiedHeadsRun) {
   }
 }
 
+TEST(CpuProbe, AFrozenModelRunsWithoutWeightGradients) {
+  const LlamaDims d = probe_dims();
+  auto p = probe_cpu_compute(d, 2, DType::kBF16, 2, 32, {.threads = 1, .reps = 1, .frozen = true});
+  ASSERT_TRUE(p.ok()) << p.status().to_string();
+  EXPECT_GT(p->layer_backward_s, 0);
+  EXPECT_DOUBLE_EQ(p->micro_batch_s, 2 * (p->layer_forward_s + p->layer_backward_s) + p->head_s + p->embed_s);
+}
+
 TEST(CpuProbe, FewerTokensBeforeANarrowerModel) {
   const LlamaDims d = probe_dims();
   // Too many FLOPs at batch 4 x seq 1024, few enough at 1 x 256: the model's
