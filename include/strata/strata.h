@@ -313,8 +313,8 @@ typedef struct strata_engine_options {
    * STRATA_COMM_MPI runs on the host device backend. STRATA_COMM_NCCL: this
    * process is rank RANK of WORLD_SIZE GPU ranks as the launcher says
    * (torchrun style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, rank 0's
-   * NCCL id travelling over a TCP rendezvous there; or mpirun, the id over
-   * MPI); the engine runs on the CUDA backend on device_ordinal (usually
+   * NCCL id travelling through the TCPStore there: torchrun's own, or one
+   * rank 0 serves where none listens; or mpirun, the id over MPI); the engine runs on the CUDA backend on device_ordinal (usually
    * LOCAL_RANK), one GPU per rank; device_kind must be AUTO or CUDA. It has
    * been compiled and tested on the host only: no GPU has run it yet. A peer
    * that stops taking part fails the call after comm_timeout_s seconds

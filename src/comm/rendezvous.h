@@ -40,7 +40,7 @@ namespace strata::comm {
 
 struct RendezvousOptions {
   std::string addr;       // rank 0's address (MASTER_ADDR): host name or IPv4
-  uint16_t port = 0;      // MASTER_PORT; rank 0 listens on it on every interface
+  uint16_t port = 0;      // MASTER_PORT: a TCPStore there, or rank 0 serves one on every interface
   int rank = 0;
   int world_size = 1;
   double timeout_s = 300;  // for the whole exchange, > 0
