@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 7
+#define STRATA_API_VERSION 8
 
 /* ------------------------------------------------------------------ status */
 
@@ -408,6 +408,9 @@ typedef struct strata_engine_stats {
   /* Stage 3: acquires whose all-gather was enqueued at an earlier group's
    * acquire, along the recorded order (API 7; not written for an API 6 struct). */
   uint64_t gathers_ahead;
+  /* Stage 3: acquires that found their group still gathered in a device slot
+   * and sent nothing (API 8; not written for a smaller struct). */
+  uint64_t gathers_reused;
 } strata_engine_stats_t;
 
 /* Sets struct_size and the defaults (every other field 0: no config, auto

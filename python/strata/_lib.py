@@ -11,7 +11,7 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 7  # STRATA_API_VERSION these bindings speak
+API_VERSION = 8  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
@@ -81,7 +81,8 @@ class EngineStats(ctypes.Structure):
                 ("h2d_bytes", c_uint64), ("d2h_bytes", c_uint64), ("acquires", c_uint64),
                 ("prefetch_hits", c_uint64), ("prefetch_misses", c_uint64), ("order_changes", c_uint64),
                 ("hot_path_allocs", c_uint64), ("steps", c_int64), ("skipped_steps", c_int64),
-                ("comm_bytes", c_uint64), ("gathers_ahead", c_uint64)]
+                ("comm_bytes", c_uint64), ("gathers_ahead", c_uint64),
+                ("gathers_reused", c_uint64)]
 
 
 class OptimizerConfig(ctypes.Structure):

@@ -614,6 +614,8 @@ strata_status_t strata_engine_stats(strata_engine_t engine, strata_engine_stats_
     stats->comm_bytes = s.comm_bytes;
     if (fits(stats, offsetof(strata_engine_stats_t, gathers_ahead), sizeof(stats->gathers_ahead)))
       stats->gathers_ahead = s.gathers_ahead;
+    if (fits(stats, offsetof(strata_engine_stats_t, gathers_reused), sizeof(stats->gathers_reused)))
+      stats->gathers_reused = s.gathers_reused;
     return Status();
   });
 }

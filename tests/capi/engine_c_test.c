@@ -419,7 +419,17 @@ static int test_ram_matches_reference(void) {
   CHECK(st.steps == STEPS && st.skipped_steps == 0);
   CHECK(st.acquires == (uint64_t)(2 * NGROUP * STEPS));
   CHECK(st.tier_bytes[STRATA_TIER_NVME] == 0 && st.tier_bytes[STRATA_TIER_HOST] > 0);
-  CHECK(st.gathers_ahead == 0); /* one rank: nothing gathered */
+  CHECK(st.gathers_ahead == 0 && st.gathers_reused == 0); /* one rank: nothing gathered */
+  /* A caller built against API 7 (no gathers_reused): that field is left alone. */
+  memset(&st, 0xAB, sizeof(st));
+  st.struct_size = offsetof(strata_engine_stats_t, gathers_reused);
+  OK(e, strata_engine_stats(e, &st));
+  CHECK(st.steps == STEPS && st.gathers_ahead == 0);
+  {
+    uint64_t untouched;
+    memset(&untouched, 0xAB, sizeof(untouched));
+    CHECK(memcmp(&st.gathers_reused, &untouched, sizeof(untouched)) == 0);
+  }
   /* A caller built against API 6 (no gathers_ahead): accepted, and the bytes
    * past its struct_size are left alone; one field short of that is refused. */
   memset(&st, 0xAB, sizeof(st));

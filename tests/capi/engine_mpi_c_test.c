@@ -147,10 +147,13 @@ static int run_stage(int stage, MPI_Comm part, int world_rank) {
     free(ref);
   }
   strata_engine_stats_t st;
-  memset(&st, 0, sizeof(st));
+  memset(&st, 0xAB, sizeof(st));
   st.struct_size = sizeof(st);
   OK(multi, strata_engine_stats(multi, &st));
   CHECK(size > 1 ? st.comm_bytes > 0 : st.comm_bytes == 0);
+  /* Each group is acquired once per micro-batch and a step drops the slots:
+   * stage 3 gathers every acquire (none ahead in this order, none reused). */
+  CHECK(st.gathers_reused == 0);
   if (size > 1) {
     float* dst = malloc(kNumel[0] * sizeof(float));
     CHECK(strata_engine_read_state(multi, 0, 0, dst, kNumel[0]) == STRATA_ERR_UNAVAILABLE);

@@ -813,7 +813,7 @@ class StrataEngine:
         self._call(_lib.strata_engine_stats, ctypes.byref(s))
         return {"tier_bytes": {"device": s.tier_bytes[1], "host": s.tier_bytes[2], "nvme": s.tier_bytes[3]},
                 "nvme_read_bytes": s.nvme_read_bytes, "nvme_write_bytes": s.nvme_write_bytes, "steps": s.steps,
-                "comm_bytes": s.comm_bytes, "gathers_ahead": s.gathers_ahead}
+                "comm_bytes": s.comm_bytes, "gathers_ahead": s.gathers_ahead, "gathers_reused": s.gathers_reused}
 
     def destroy(self):
         for h in getattr(self, "_hooks", []):
