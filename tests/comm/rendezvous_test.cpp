@@ -132,6 +132,82 @@ TEST(Rendezvous, NoRankZeroTimesOut) {
   EXPECT_LT(s, 5.0);
 }
 
+// Something else connects to MASTER_PORT while rank 0 serves it (a port
+// scanner, a stray HTTP client, a wrong magic): those connections are dropped
+// and the ranks still meet.
+TEST(Rendezvous, StrangersOnThePortAreDroppedAndTheRanksStillMeet) {
+  const uint16_t port = free_port();
+  int sent[2];  // each stranger writes a byte once it has sent its bytes; rank 1 waits for both
+  ASSERT_EQ(::pipe(sent), 0);
+  auto stranger = [&](std::string bytes) {
+    return spawn([port, bytes, &sent] {
+      for (int attempt = 0; attempt < 200; ++attempt) {  // until rank 0 listens
+        int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+        sockaddr_in sa{};
+        sa.sin_family = AF_INET;
+        sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        sa.sin_port = htons(port);
+        if (::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0) {
+          (void)!::write(fd, bytes.data(), bytes.size());
+          (void)!::write(sent[1], "s", 1);
+          char c;
+          (void)!::read(fd, &c, 1);  // until rank 0 drops it
+          ::close(fd);
+          return 0;
+        }
+        ::close(fd);
+        ::usleep(20000);
+      }
+      return 1;
+    });
+  };
+  std::vector<pid_t> kids{stranger("GET / HTTP/1.0\r\n\r\n"), stranger(std::string("\0\x01\x02\x03\x04", 5))};
+  const std::vector<uint8_t> blob{7, 7, 7};
+  for (int r = 1; r < 3; ++r)
+    kids.push_back(spawn([&, r] {
+      // The exchange cannot end before rank 1 joins: the strangers come first.
+      char c;
+      for (int n = 0; r == 1 && n < 2; ++n)
+        if (::read(sent[0], &c, 1) != 1) return 2;
+      auto got = rendezvous_broadcast(opts(port, r, 3, 30), {});
+      return got.ok() && *got == blob ? 0 : 1;
+    }));
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 30), blob);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  for (pid_t k : kids) EXPECT_EQ(exit_status(k), 0);
+  ::close(sent[0]);
+  ::close(sent[1]);
+}
+
+// MASTER_PORT served by something that is not a TCPStore: rank 0 says so
+// instead of publishing the id into it.
+TEST(Rendezvous, APortThatIsNotATcpStoreIsNamed) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  const uint16_t port = ntohs(sa.sin_port);
+  pid_t k = spawn([fd] {  // accepts, reads the handshake, answers nonsense
+    int c = ::accept(fd, nullptr, nullptr);
+    char buf[64];
+    (void)!::read(c, buf, sizeof buf);
+    (void)!::write(c, "HTTP", 4);
+    ::usleep(200000);
+    ::close(c);
+    return 0;
+  });
+  auto got = rendezvous_broadcast(opts(port, 0, 2, 5), {1});
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kIoError) << got.status().to_string();
+  EXPECT_TRUE(contains(got.status(), "does not answer as a torch TCPStore")) << got.status().message();
+  EXPECT_EQ(exit_status(k), 0);
+  ::close(fd);
+}
+
 TEST(Rendezvous, BadOptions) {
   EXPECT_EQ(rendezvous_broadcast(opts(1, 2, 2, 1), {}).status().code(), StatusCode::kInvalidArgument);
   EXPECT_EQ(rendezvous_broadcast(opts(1, 0, 2, 0), {}).status().code(), StatusCode::kInvalidArgument);
