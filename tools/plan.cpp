@@ -240,7 +240,12 @@ Figure measure_memcpy() {
 // gives that time for the FLOPs this plan counts (Workload): the head's
 // softmax, the embedding and the conversions of bf16 weights are in it.
 Result<Figure> measure_cpu_compute(const model::LlamaConfig& mc, const LlamaShape& shape, const PlanCliOptions& o) {
-  const train::LlamaDims dims = train::llama_dims(mc);
+  train::LlamaDims dims = train::llama_dims(mc);
+  if (shape.lora_rank > 0) {  // the adapters run too (their scale does not change the time)
+    dims.lora_targets = shape.lora_targets;
+    dims.lora_rank = static_cast<int64_t>(shape.lora_rank);
+    dims.lora_scaling = 1.0f;
+  }
   auto p = train::probe_cpu_compute(dims, shape.layers, shape.dtype, static_cast<int64_t>(o.batch),
                                     static_cast<int64_t>(o.seq), {.threads = o.threads, .frozen = o.lora_rank > 0});
   if (!p.ok()) return p.status();
@@ -253,7 +258,12 @@ Result<Figure> measure_cpu_compute(const model::LlamaConfig& mc, const LlamaShap
   w.attention_forward_flops_per_token = attention_forward_flops_per_token(
       layers, static_cast<uint64_t>(d.heads), static_cast<uint64_t>(d.head_dim), static_cast<uint64_t>(p->seq));
   w.non_matmul_params = d.tied ? 0 : vocab_dim;
-  if (o.lora_rank > 0) w.frozen_matmul_params = numel - w.non_matmul_params;  // the probe ran the frozen base
+  if (o.lora_rank > 0) {  // the probe ran a frozen base and trainable adapters
+    uint64_t adapters = 0;
+    for (LayerTensor t : kAllLayerTensors)
+      if (weight_row(t).feature == Feature::kLora) adapters += static_cast<uint64_t>(d.numel(t));
+    w.frozen_matmul_params = numel - layers * adapters - w.non_matmul_params;
+  }
   const double tokens = static_cast<double>(p->batch * p->seq);
   return Figure{flops_per_token(numel, w) * tokens / p->micro_batch_s, "measured",
                 fmt::format("{}, {}",

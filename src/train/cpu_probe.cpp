@@ -85,8 +85,6 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
                   fmt::format("cpu probe: layers {}, batch {}, seq {}: each must be at least 1", layers, batch, seq));
   if (dtype != DType::kF32 && dtype != DType::kBF16 && dtype != DType::kF16)
     return Status(StatusCode::kInvalidArgument, "cpu probe: the compute dtype must be fp32, bf16 or fp16");
-  if (model.lora_targets != 0)
-    return Status(StatusCode::kInvalidArgument, "cpu probe: LoRA adapters are not probed");
   const int reps = std::max(1, o.reps);
 
   // Fewer tokens first (batch 1, then shorter), then a narrower model.
@@ -128,13 +126,16 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
   if (!ops_r.ok()) return ops_r.status();
   ModelOps& ops = **ops_r;
 
-  // The layer's tensors and gradients, the head, the embedding.
+  // The layer's tensors and gradients (LoRA adapters in fp32, as PEFT keeps
+  // them), the head, the embedding.
   const size_t wb = dtype_size(dtype);
   const LlamaExtents ext = d.extents();
+  auto is_lora = [](LayerTensor t) { return weight_row(t).feature == Feature::kLora; };
+  auto tensor_bytes = [&](LayerTensor t) { return is_lora(t) ? size_t{4} : wb; };
   size_t wbytes = 0, gelems = 0;
   for (LayerTensor t : kAllLayerTensors)
     if (d.has(t)) {
-      wbytes += static_cast<size_t>(weight_row(t).numel(ext)) * wb;
+      wbytes += static_cast<size_t>(weight_row(t).numel(ext)) * tensor_bytes(t);
       gelems += static_cast<size_t>(weight_row(t).numel(ext));
     }
   const size_t head_elems = static_cast<size_t>(d.vocab * d.dim);
@@ -155,16 +156,18 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
 
   LayerWeights lw;
   lw.dtype = dtype;
+  lw.lora_dtype = DType::kF32;
+  lw.lora_dropout_on = d.lora_dropout > 0;
   LayerGrads lg{};
   size_t wo = 0, go = 0;
   uint64_t seed = 1;
   for (LayerTensor t : kAllLayerTensors) {
     if (!d.has(t)) continue;
     const int64_t ne = weight_row(t).numel(ext);
-    fill(w->data() + wo, dtype, ne, weight_row(t).norm, seed++);
+    fill(w->data() + wo, is_lora(t) ? DType::kF32 : dtype, ne, weight_row(t).norm, seed++);
     lw[t] = w->data() + wo;
-    lg[t] = o.frozen ? nullptr : g->data() + go;
-    wo += static_cast<size_t>(ne) * wb;
+    lg[t] = o.frozen && !is_lora(t) ? nullptr : g->data() + go;  // adapters train over a frozen base
+    wo += static_cast<size_t>(ne) * tensor_bytes(t);
     go += static_cast<size_t>(ne);
   }
   fill(emb->data(), dtype, static_cast<int64_t>(head_elems), false, seed++);
@@ -177,7 +180,11 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
   const HeadGrads hg = o.frozen ? HeadGrads{} : HeadGrads{.norm = g_norm->data(), .lm_head = g_head->data()};
 
   std::vector<double> tf, tb, th, te;
-  for (int r = 0; r <= reps; ++r) {  // r == 0: the warm-up (first touch, caches)
+  // At least `reps` timed passes, more (up to 25) while they total under a
+  // second: a small model's passes take milliseconds, and the median of a
+  // few is at the mercy of one hiccup of a shared machine.
+  double timed = 0;
+  for (int r = 0; r <= reps || (r <= 25 && timed < 1.0); ++r) {  // r == 0: the warm-up (first touch, caches)
     LossStats loss;
     auto t0 = std::chrono::steady_clock::now();
     STRATA_RETURN_IF_ERROR(ops.embed_forward(ew, tokens->data(), B, T, y->data()));
@@ -197,6 +204,7 @@ Result<CpuProbe> probe_cpu_compute(const LlamaDims& model, int64_t layers, DType
       STRATA_RETURN_IF_ERROR(ops.embed_backward(tokens->data(), B, T, y->data(), g_head->data(), d.tied));
     const double e2 = seconds_since(t0);
     if (r == 0) continue;
+    timed += f + h + b + e1 + e2;
     tf.push_back(f);
     tb.push_back(b);
     th.push_back(h);

@@ -20,6 +20,9 @@
 //   auto p = train::probe_cpu_compute(dims, layers, DType::kBF16, 8, 2048, {});
 //   if (p.ok()) use(p->micro_batch_s, p->dims, p->batch, p->seq);
 //
+// LoRA dims run their adapters (fp32, as PEFT and strata finetune keep them;
+// the rank is kept when the probe narrows the model).
+//
 // Errors: kInvalidArgument (dims, sizes), kOutOfMemory (no room even for the
 // narrowest probe), the ops' own errors. Blocking; uses `threads` TBB threads
 // (0: all), as `strata finetune --threads`.
@@ -38,9 +41,9 @@ struct CpuProbeOptions {
   int threads = 0;
   uint64_t max_bytes = uint64_t{2} << 30;  // weights + gradients + workspace
   double max_flops = 1e11;                 // per timed pass (about 0.5 s at 200 GFLOP/s)
-  int reps = 3;                            // timed passes after one warm-up; the median counts
-  // A frozen model (a LoRA base): no weight gradients, only the inputs'
-  // (the adapters themselves are not run: rank-r products are small).
+  int reps = 3;  // timed passes after one warm-up, at least (more, up to 25, within a second); the median counts
+  // A frozen base (LoRA's): no weight gradients but the adapters' (dims'
+  // lora_targets, fp32), only the inputs'.
   bool frozen = false;
 };
 
