@@ -24,7 +24,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 constexpr char kMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'R', 'V'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2: the blob's header carries rank 0's decision time left
 constexpr uint64_t kMaxBlob = 64u << 20;
 
 struct Fd {
@@ -146,13 +146,21 @@ struct Keys {
   }
 };
 
-std::vector<uint8_t> encode_blob(const RendezvousOptions& o, const std::vector<uint8_t>& blob) {
+// "STRATARV", u32 version, u32 world size, u64 ms until rank 0 decides (the
+// ranks wait that long for its verdict, whatever their own deadline), blob.
+constexpr std::size_t kBlobHead = sizeof(kMagic) + 16;
+std::vector<uint8_t> encode_blob(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
+                                 Clock::time_point deadline) {
   std::vector<uint8_t> v(kMagic, kMagic + sizeof kMagic);
   put_u32(v, kVersion);
   put_u32(v, static_cast<uint32_t>(o.world_size));
+  put_u64(v, static_cast<uint64_t>(ms_left(deadline)));
   v.insert(v.end(), blob.begin(), blob.end());
   return v;
 }
+
+// After rank 0's deadline: time for the few requests that publish a verdict.
+constexpr auto kGrace = std::chrono::seconds(5);
 
 Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::string& where) {
   addrinfo hints{};
@@ -173,6 +181,10 @@ Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::s
 class StoreClient {
  public:
   StoreClient(std::string where, Clock::time_point deadline) : where_(std::move(where)), deadline_(deadline) {}
+  // Every later request must finish by `deadline` (a verdict published after
+  // the exchange's own deadline passed gets a grace period).
+  void set_deadline(Clock::time_point deadline) { deadline_ = deadline; }
+  void close() { fd_ = Fd(); }
 
   // One attempt; *refused: nothing listens there (ECONNREFUSED).
   Status connect_once(const sockaddr_in& target, bool* refused) {
@@ -220,11 +232,11 @@ class StoreClient {
     STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": handshake"));
     uint8_t r[4];
     Status st = recv_all(fd_.fd, r, sizeof r, deadline_, where_ + ": handshake");
-    if (!st.ok() || get_u32(r) != nonce)
+    if (!st.ok()) return st;  // closed: rank 0's previous exchange ending (join retries)
+    if (get_u32(r) != nonce)
       return Status(StatusCode::kIoError,
-                    fmt::format("{}: MASTER_PORT is served by something that does not answer as a torch TCPStore "
-                                "({})",
-                                where_, st.ok() ? std::string("a wrong ping reply") : st.message()));
+                    where_ + ": MASTER_PORT is served by something that does not answer as a torch TCPStore "
+                             "(a wrong ping reply)");
     return Status();
   }
 
@@ -292,24 +304,50 @@ class StoreClient {
 Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point deadline, const std::string& where) {
   STRATA_ASSIGN_OR_RETURN(sockaddr_in target, resolve(o.addr, o.port, where));
   StoreClient c(where, deadline);
-  STRATA_RETURN_IF_ERROR(c.connect_retrying(target, o.timeout_s));
-  STRATA_RETURN_IF_ERROR(c.handshake());
   const Keys k(o);
-  STRATA_ASSIGN_OR_RETURN(bool came, c.wait({k.blob}, deadline));
-  if (!came)
-    return Status(StatusCode::kUnavailable, fmt::format("{}: rank 0 did not answer within {:g} s", where, o.timeout_s));
-  STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> v, c.get(k.blob));
-  const std::size_t head = sizeof kMagic + 8;
-  if (v.size() < head || std::memcmp(v.data(), kMagic, sizeof kMagic) != 0 || get_u32(v.data() + 8) != kVersion)
+  // Until the blob is there. A store that closes the connection first is
+  // the server of rank 0's previous exchange, ending: connect again.
+  std::vector<uint8_t> v;
+  for (;;) {
+    STRATA_RETURN_IF_ERROR(c.connect_retrying(target, o.timeout_s));
+    Status st = c.handshake();
+    if (st.ok()) {
+      Result<bool> came = c.wait({k.blob}, deadline);
+      if (came.ok() && !*came)
+        return Status(StatusCode::kUnavailable,
+                      fmt::format("{}: rank 0 did not answer within {:g} s", where, o.timeout_s));
+      if (came.ok()) {
+        auto got = c.get(k.blob);
+        if (got.ok()) {
+          v = std::move(got).value();
+          break;
+        }
+        st = got.status();
+      } else {
+        st = came.status();
+      }
+    }
+    if (st.code() != StatusCode::kIoError || st.message().find("wrong ping reply") != std::string::npos ||
+        ms_left(deadline) == 0)
+      return st;
+    c.close();
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20, ms_left(deadline))));
+  }
+  if (v.size() < kBlobHead || std::memcmp(v.data(), kMagic, sizeof kMagic) != 0 || get_u32(v.data() + 8) != kVersion)
     return Status(StatusCode::kCorrupt, where + ": rank 0's blob is not a Strata rendezvous (or another version)");
   const uint32_t world = get_u32(v.data() + 12);
+  // Rank 0 decides by its own deadline: the verdict is awaited that long
+  // (and a grace period), so that every rank returns the same verdict.
+  const auto verdict_by =
+      std::max(deadline, Clock::now() + std::chrono::milliseconds(get_u64(v.data() + 16)) + kGrace);
+  c.set_deadline(verdict_by);
   std::string refusal;
   if (world != static_cast<uint32_t>(o.world_size))
     refusal = fmt::format("rank {} says world size {}, rank 0 has {}", o.rank, o.world_size, world);
   STRATA_RETURN_IF_ERROR(c.set(k.ack[static_cast<std::size_t>(o.rank)],
                                std::vector<uint8_t>(refusal.begin(), refusal.end())));
   if (!refusal.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, refusal));
-  STRATA_ASSIGN_OR_RETURN(bool decided, c.wait({k.verdict}, deadline));
+  STRATA_ASSIGN_OR_RETURN(bool decided, c.wait({k.verdict}, verdict_by));
   if (!decided)
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: rank 0 gave no verdict within {:g} s", where, o.timeout_s));
@@ -317,7 +355,7 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
   Status st = decode_verdict(verdict, where);
   if (!st.ok())
     return Status(st.code(), fmt::format("{}: rank 0 refused the rendezvous: {}", where, st.message()));
-  return std::vector<uint8_t>(v.begin() + static_cast<std::ptrdiff_t>(head), v.end());
+  return std::vector<uint8_t>(v.begin() + static_cast<std::ptrdiff_t>(kBlobHead), v.end());
 }
 
 // Rank 0's verdict from the acks it has (absent: never came).
@@ -340,9 +378,10 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
                                           Clock::time_point deadline, const std::string& where) {
   STRATA_RETURN_IF_ERROR(c.handshake());
   const Keys k(o);
-  STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob)));
+  STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
   std::vector<std::string> want(k.ack.begin() + 1, k.ack.end());
   STRATA_ASSIGN_OR_RETURN(bool all, c.wait(want, deadline));
+  c.set_deadline(Clock::now() + kGrace);  // the acks' reads and the verdict, past a timeout too
   std::vector<std::optional<std::string>> acks(static_cast<std::size_t>(o.world_size));
   for (int r = 1; r < o.world_size; ++r) {
     const std::string& key = k.ack[static_cast<std::size_t>(r)];
@@ -396,19 +435,24 @@ class MiniStore {
 
   // Serves until done() (and every reply is sent) or `until`; false then.
   Result<bool> serve_until(const std::function<bool()>& done, Clock::time_point until) {
+    auto accept_again = Clock::now();  // accept paused until then (out of descriptors)
     for (;;) {
+      // Dropped connections leave (strangers or reconnecting ranks must not
+      // grow the poll set without bound).
+      conns_.erase(std::remove_if(conns_.begin(), conns_.end(), [](const Conn& c) { return c.fd.fd < 0; }),
+                   conns_.end());
       bool flushed = true;
-      for (const auto& c : conns_) flushed = flushed && (c.fd.fd < 0 || c.out.empty());
+      for (const auto& c : conns_) flushed = flushed && c.out.empty();
       if (done() && flushed) return true;
-      std::vector<pollfd> p{{listener_.fd, POLLIN, 0}};
+      if (ms_left(until) == 0) return false;
+      const bool accepting = Clock::now() >= accept_again;
+      std::vector<pollfd> p{{listener_.fd, static_cast<short>(accepting ? POLLIN : 0), 0}};
       for (const auto& c : conns_)
-        p.push_back({c.fd.fd, static_cast<short>(c.fd.fd < 0 ? 0 : POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
-      const int n = ::poll(p.data(), p.size(), ms_left(until));
+        p.push_back({c.fd.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+      const int wait_ms = accepting ? ms_left(until) : std::min(ms_left(until), 50);
+      const int n = ::poll(p.data(), p.size(), wait_ms);
       if (n < 0 && errno != EINTR) return Status::from_errno(errno, where_ + ": poll");
-      if (n <= 0) {
-        if (ms_left(until) == 0) return false;
-        continue;
-      }
+      if (n <= 0) continue;
       if (p[0].revents & POLLIN) {
         Fd c(::accept4(listener_.fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (c.fd >= 0) {
@@ -417,6 +461,8 @@ class MiniStore {
           Conn conn;
           conn.fd = std::move(c);
           conns_.push_back(std::move(conn));
+        } else if (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && errno != ECONNABORTED) {
+          accept_again = Clock::now() + std::chrono::milliseconds(50);  // EMFILE and the like: not a busy loop
         }
       }
       for (std::size_t i = 0; i + 1 < p.size(); ++i) {
@@ -527,8 +573,11 @@ class MiniStore {
         const int r = str(&key);
         if (r <= 0) return r;
         auto it = kv_.find(key);
-        if (it == kv_.end()) return -1;  // torch's store drops such a client too
-        put_bytes(c.out, it->second.data(), it->second.size());
+        if (it == kv_.end()) {
+          put_u64(c.out, 0);  // an empty value, as torch's (libuv) store answers
+        } else {
+          put_bytes(c.out, it->second.data(), it->second.size());
+        }
         ++gets_[key];
         return static_cast<long>(at);
       }
@@ -547,6 +596,8 @@ class MiniStore {
           bool all = true;
           for (const auto& key : keys) all = all && has(key);
           c.out.push_back(all ? kReady : kNotReady);
+        } else if (keys.empty()) {
+          c.out.push_back(kStopWaiting);
         } else {
           c.waiting = std::move(keys);
           wake();
@@ -586,7 +637,7 @@ Result<std::vector<uint8_t>> lead_alone(const RendezvousOptions& o, const std::v
   MiniStore s(where);
   STRATA_RETURN_IF_ERROR(s.listen(o.port, o.world_size));
   const Keys k(o);
-  s.set(k.blob, encode_blob(o, blob));
+  s.set(k.blob, encode_blob(o, blob, deadline));
   auto all_acked = [&] {
     for (int r = 1; r < o.world_size; ++r)
       if (!s.has(k.ack[static_cast<std::size_t>(r)])) return false;
@@ -604,9 +655,9 @@ Result<std::vector<uint8_t>> lead_alone(const RendezvousOptions& o, const std::v
   }
   const Status verdict = verdict_of(o, acks, where);
   s.set(k.verdict, encode_verdict(verdict));
-  // Every rank that came fetches the verdict; a failure waits at most 2 s
-  // more for them (they may be gone).
-  const auto until = verdict.ok() ? deadline : Clock::now() + std::chrono::seconds(2);
+  // Every rank that came fetches the verdict, within a grace period past
+  // the deadline (they wait that long for it).
+  const auto until = std::max(deadline, Clock::now()) + kGrace;
   auto delivered = [&] { return s.gets_of(k.verdict) >= came; };
   STRATA_ASSIGN_OR_RETURN(bool all, s.serve_until(delivered, until));
   if (!verdict.ok()) return verdict;

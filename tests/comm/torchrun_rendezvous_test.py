@@ -10,7 +10,10 @@
 - Beside a store that torch.distributed's rank 0 serves (torch.distributed.
   TCPStore(is_master=True), libuv and legacy backends): the same.
 - Against that store, a rank launched with another WORLD_SIZE: every rank
-  fails, and the message says which rank and which sizes.
+  fails, and the message says which rank and which sizes; a rank that never
+  comes is named on every rank that came, also on one that started first.
+- Without any store (rank 0 serves each exchange itself): 5 exchanges in a
+  row.
 
 Exit 0: every case passed; 1: a case failed; 77: torch missing (a failure
 instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
@@ -21,6 +24,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 try:
     import torch  # noqa: F401
@@ -108,6 +112,37 @@ for r in range(3):
 if not any(f.startswith("world mismatch") for f in failures):
     print("world mismatch: every rank failed, naming rank 2's world size 4 against rank 0's 3")
 del store
+
+# ---- a rank that never comes, against torch's store: rank 1 starts before
+# rank 0 (its own deadline passes first) and still gets rank 0's verdict,
+# which names rank 2
+port = free_port()
+store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+p1 = subprocess.Popen([PROBE, "1", "3"], env=env_for(1, 3, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
+time.sleep(0.5)
+p0 = subprocess.Popen([PROBE, "1", "3"], env=env_for(0, 3, port), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                      text=True)
+o0, o1 = p0.communicate(timeout=60), p1.communicate(timeout=60)
+for r, p, o, want in ((0, p0, o0, "never came: rank 2"), (1, p1, o1, "rank 0 refused the rendezvous")):
+    if p.returncode == 0 or want not in o[1] or "never came: rank 2" not in o[1]:
+        failures.append(f"missing rank: rank {r} exit {p.returncode}, said: {o[1][-500:]!r}")
+if not any(f.startswith("missing rank") for f in failures):
+    print("missing rank: ranks 0 and 1 failed, both naming rank 2")
+del store
+
+# ---- no store at all (a launcher that only sets the variables): rank 0
+# serves one per exchange, 5 exchanges in a row (a later exchange's rank may
+# reach the previous exchange's server as it closes)
+port = free_port()
+procs = [subprocess.Popen([PROBE, "5", "60"], env=env_for(r, 3, port), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for r in (2, 1, 0)]
+outs = [p.communicate(timeout=120) for p in procs]
+if any(p.returncode != 0 for p in procs):
+    failures.append(f"no store: exits {[p.returncode for p in procs]}: {[o[1][-500:] for o in outs]}")
+else:
+    check_blobs("no store (rank 0 serves)", "".join(o[0] for o in outs), 3, 5)
 
 for f in failures:
     print("FAIL:", f)
