@@ -11,14 +11,18 @@
 //
 // Keys, under "strata/rendezvous/<key>/" (RendezvousOptions::key: a store
 // outlives one job attempt and one engine):
-//   blob      rank 0: "STRATARV", u32 version (1), u32 world size, the blob
+//   blob      rank 0: "STRATARV", u32 version (2), u32 world size, u64 ms
+//             until rank 0 decides, the blob
 //   ack/<r>   rank r: "" (ok) or why it refuses (another world size)
 //   verdict   rank 0, once every ack is in or the timeout passed: u32 status
 //             code (0 ok) and the error text
 // Every rank returns the verdict: a refusal or a missing rank ("never came:
 // rank 2") reaches every rank that came, prefixed "rank 0 refused the
-// rendezvous" on ranks other than 0. A rank that cannot reach MASTER_ADDR
-// keeps retrying (rank 0 may not listen yet) until its timeout.
+// rendezvous" on ranks other than 0; a rank waits for it as long as rank 0
+// takes to decide (the blob says how long) and 5 s more, whatever its own
+// timeout. A rank that cannot reach MASTER_ADDR keeps retrying (rank 0 may
+// not listen yet, or its previous exchange's store is closing) until its
+// timeout.
 //
 // The TCPStore wire format used (integers little-endian; a string = u64
 // length + bytes): VALIDATE(0) u32 0x3C85F7CE; PING(13) u32 n -> u32 n;
