@@ -21,9 +21,11 @@ instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
 import datetime
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 try:
@@ -74,9 +76,13 @@ def env_for(rank, world, port):
 
 # ---- under torchrun: its agent's store on MASTER_PORT
 port = free_port()
-run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "3",
-                      "--master-addr", "127.0.0.1", "--master-port", str(port), PROBE, "2", "60"],
-                     capture_output=True, text=True, timeout=240)
+tmp = tempfile.mkdtemp(prefix="strata-torchrun-")  # torchrun leaves its torchelastic_* log dirs in TMPDIR
+try:
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "3",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), PROBE, "2", "60"],
+                         capture_output=True, text=True, timeout=240, env=dict(os.environ, TMPDIR=tmp))
+finally:
+    shutil.rmtree(tmp, ignore_errors=True)
 if run.returncode != 0:
     failures.append(f"torchrun: exit {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
 else:
