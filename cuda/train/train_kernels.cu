@@ -1,16 +1,18 @@
 // Kernels of the model ops (see train_kernels.cuh). Plain implementations:
-// one block per row for the row-wise ops, per (query row, head) for
+// one block per row for the row-wise ops, per (query row, head) for the fp32
 // attention, which keeps no T x T matrix (its section below) but is not tiled
 // either: every block reads all its keys from L2/global memory, so long
-// sequences (8k and more) are slow here; a tiled tensor-core kernel is still
-// to come. Sums run in a fixed order (block reductions of a fixed shape, no
-// floating-point atomics) so that every result is the same on every run.
+// sequences (8k and more) are slow with it. Layers with bf16/fp16 weights take
+// the tiled tensor-core attention of attention_mma.cu instead. Sums run in a
+// fixed order (block reductions of a fixed shape, no floating-point atomics)
+// so that every result is the same on every run.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 
+#include "attention_mma.cuh"
 #include "common/device_numeric.h"
 #include "train_kernels.cuh"
 
@@ -586,9 +588,18 @@ namespace {
 float attn_scale(int64_t hd) { return static_cast<float>(1.0 / std::sqrt(static_cast<double>(hd))); }
 }  // namespace
 
+const char* attention_kernel(bool tensor_cores, int64_t hd) {
+  if (tensor_cores && attention_mma_available(hd)) return "tensor-core bf16 (mma.sync m16n8k16, 64x64 tiles)";
+  return "fp32 (one block per query row)";
+}
+
 cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B,
-                              int64_t T, int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
+                              int64_t T, int64_t H, int64_t KVH, int64_t hd, bool tensor_cores, cudaStream_t stream) {
   clear_stale_error();
+  if (tensor_cores) {
+    const cudaError_t e = attention_mma_forward(q, k, v, out, lse, B, T, H, KVH, hd, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
   if (B * T > INT32_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(B * T), static_cast<unsigned>(H));
   if (!grid_ok(grid) || hd > 1024) return cudaErrorInvalidConfiguration;
@@ -599,8 +610,12 @@ cudaError_t attention_forward(const float* q, const float* k, const float* v, fl
 
 cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                                const float* dout, float* delta, float* dq, float* dk, float* dv, int64_t B, int64_t T,
-                               int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream) {
+                               int64_t H, int64_t KVH, int64_t hd, bool tensor_cores, cudaStream_t stream) {
   clear_stale_error();
+  if (tensor_cores) {
+    const cudaError_t e = attention_mma_backward(q, k, v, out, lse, dout, delta, dq, dk, dv, B, T, H, KVH, hd, stream);
+    if (e != cudaErrorNotSupported) return e;
+  }
   if (B * T > INT32_MAX) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(B * T), static_cast<unsigned>(H));
   const dim3 kv_grid(static_cast<unsigned>(B * T), static_cast<unsigned>(KVH));

@@ -46,14 +46,20 @@ cudaError_t rope(float* x, int64_t n, int64_t T, int64_t heads, int64_t hd, cons
 // Causal GQA attention, flash-attention style (no T x T matrix). q, out
 // [B*T, H*hd]; k, v [B*T, KVH*hd]; hd <= 1024. lse [B, H, T] receives each
 // query row's log-sum-exp of its scaled scores (the backward recomputes the
-// probabilities from it).
+// probabilities from it). tensor_cores: the tiled bf16 tensor-core kernels
+// of attention_mma.cuh where they apply (head_dim 64 or 128, sm_80+), the
+// fp32 kernels otherwise; the forward and the backward of one layer must
+// pass the same value.
 cudaError_t attention_forward(const float* q, const float* k, const float* v, float* out, float* lse, int64_t B,
-                              int64_t T, int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream);
+                              int64_t T, int64_t H, int64_t KVH, int64_t hd, bool tensor_cores, cudaStream_t stream);
 // From the forward's out and lse and dout: delta [B, H, T] scratch; dq, dk,
 // dv overwritten.
 cudaError_t attention_backward(const float* q, const float* k, const float* v, const float* out, const float* lse,
                                const float* dout, float* delta, float* dq, float* dk, float* dv, int64_t B, int64_t T,
-                               int64_t H, int64_t KVH, int64_t hd, cudaStream_t stream);
+                               int64_t H, int64_t KVH, int64_t hd, bool tensor_cores, cudaStream_t stream);
+// Which of the two kernels attention_forward runs with these arguments on the
+// current device (a static string).
+const char* attention_kernel(bool tensor_cores, int64_t hd);
 
 // a = silu(g) * u.
 cudaError_t swiglu_forward(const float* g, const float* u, float* a, size_t count, cudaStream_t stream);

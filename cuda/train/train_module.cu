@@ -8,7 +8,9 @@
 // cuBLAS accumulates in fp32 (CUBLAS_COMPUTE_32F) into fp32 outputs: "bf16
 // compute with fp32 accumulation", as autocast does. With fp32 weights the
 // product is a plain fp32 GEMM (CUBLAS_COMPUTE_32F, no TF32 unless the
-// context allows it). Everything else (norms, RoPE, attention, SwiGLU,
+// context allows it). Attention of bf16/fp16 layers runs on tensor cores
+// (attention_mma.cuh: bf16 operands, fp32 accumulation) where head_dim and
+// the GPU allow it. Everything else (norms, RoPE, fp32 attention, SwiGLU,
 // cross-entropy, embedding) is fp32 kernels in train_kernels.cu.
 //
 // Row-major products with a column-major library: a row-major [r, c] matrix
@@ -84,6 +86,11 @@ int blas_fail(cublasStatus_t s, const char* what, char* err, size_t err_len) {
 }
 int invalid(const char* what, char* err, size_t err_len) { return fail(cudaErrorInvalidValue, what, err, err_len); }
 bool bad_dtype(int dtype) { return dtype < STRATA_CUDA_DTYPE_F32 || dtype > STRATA_CUDA_DTYPE_F16; }
+// bf16/fp16 layers run attention on tensor cores (bf16 operands, as autocast
+// does) unless the context asked for fp32 attention.
+bool attention_tensor_cores(const Ctx* c, int dtype) {
+  return dtype != STRATA_CUDA_DTYPE_F32 && !c->d.attention_fp32;
+}
 
 #define CUDA_TRY(expr)                                           \
   do {                                                           \
@@ -382,7 +389,8 @@ int layer_run_forward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int
   }
   CUDA_TRY(k::rope(c->q, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, false, s));
   CUDA_TRY(k::rope(c->k, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, false, s));
-  CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->lse, B, T, d.heads, d.kv_heads, d.head_dim, s));
+  CUDA_TRY(k::attention_forward(c->q, c->k, c->v, c->att, c->lse, B, T, d.heads, d.kv_heads, d.head_dim,
+                                attention_tensor_cores(c, dt), s));
   // h = x + o_proj(att): the residual first, the product added by cuBLAS (beta 1).
   CUDA_TRY(cudaMemcpyAsync(c->h, x, static_cast<size_t>(n * D) * sizeof(float), cudaMemcpyDeviceToDevice, s));
   Mat at;
@@ -455,7 +463,7 @@ int layer_backward(Ctx* c, const strata_cuda_train_layer_t* w, int64_t B, int64_
   TRY(weight_grad(c, gt[STRATA_CUDA_TRAIN_O_PROJ], dhm, atm, n, Q, D, err, err_len));
   TRY(lora_bwd(c, w, g, kLoraO, c->att, c->dh, c->datt, n, Q, D, err, err_len));
   CUDA_TRY(k::attention_backward(c->q, c->k, c->v, c->att, c->lse, c->datt, c->delta, c->dq, c->dk, c->dv, B, T,
-                                 d.heads, d.kv_heads, d.head_dim, s));
+                                 d.heads, d.kv_heads, d.head_dim, attention_tensor_cores(c, dt), s));
   CUDA_TRY(k::rope(c->dq, n, T, d.heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   CUDA_TRY(k::rope(c->dk, n, T, d.kv_heads, d.head_dim, c->cos_t, c->sin_t, true, s));
   float* dq = c->dq;
@@ -649,6 +657,14 @@ int report_copy_async(Ctx* c, strata_cuda_train_report_t* host_dst, char* err, s
   return 0;
 }
 
+const char* attention_kernel(Ctx* c, int dtype) {
+  if (cudaSetDevice(c->device) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "unknown (cudaSetDevice failed)";
+  }
+  return k::attention_kernel(!bad_dtype(dtype) && attention_tensor_cores(c, dtype), c->d.head_dim);
+}
+
 const strata_cuda_train_api_v1_t kApi = {
     sizeof(strata_cuda_train_api_v1_t),
     STRATA_CUDA_TRAIN_ABI_VERSION,
@@ -661,6 +677,7 @@ const strata_cuda_train_api_v1_t kApi = {
     layer_backward,
     head,
     report_copy_async,
+    attention_kernel,
 };
 
 }  // namespace

@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-#define STRATA_CUDA_TRAIN_ABI_VERSION 3u
+#define STRATA_CUDA_TRAIN_ABI_VERSION 4u
 
 // Bits of strata_cuda_train_report_t::bad_ids.
 #define STRATA_CUDA_TRAIN_BAD_TOKEN_FWD 1u  // embed_forward saw a token outside [0, vocab)
@@ -58,7 +58,10 @@ typedef struct strata_cuda_train_dims_s {
   int64_t max_tokens;  // B*T capacity
   int64_t max_seq;     // T capacity
   int32_t allow_tf32;  // fp32 GEMMs may use TF32 tensor cores (CUBLAS_COMPUTE_32F_FAST_TF32)
-  int32_t reserved;
+  // 0: layers with bf16/fp16 weights run attention on tensor cores (bf16
+  // operands, fp32 accumulation: cuda/train/attention_mma.cuh) where head_dim
+  // and the device allow it; 1: always the fp32 attention kernels.
+  int32_t attention_fp32;
   // RoPE inverse frequencies (head_dim / 2 floats, model/rope.h), read only
   // during ctx_create; NULL: rope_theta^(-2i/head_dim). The cos/sin tables
   // are multiplied by rope_attention_scaling (1 except yarn).
@@ -176,6 +179,9 @@ typedef struct strata_cuda_train_api_v1_s {
   // memory, sizeof(strata_cuda_train_report_t)) and then clears bad_ids.
   int (*report_copy_async)(strata_cuda_train_ctx_t* ctx, strata_cuda_train_report_t* host_dst, char* err,
                            size_t err_len);
+  // ABI 4: which attention kernel layer calls with weights in `dtype` run on
+  // this context's device (a static string, never NULL).
+  const char* (*attention_kernel)(strata_cuda_train_ctx_t* ctx, int dtype);
 } strata_cuda_train_api_v1_t;
 
 typedef const strata_cuda_train_api_v1_t* (*strata_cuda_train_api_v1_fn)(void);

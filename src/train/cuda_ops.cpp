@@ -103,6 +103,7 @@ Result<strata_cuda_train_dims_t> module_dims(const CudaOpsOptions& o, std::vecto
   d.max_tokens = o.max_batch * o.max_seq;
   d.max_seq = o.max_seq;
   d.allow_tf32 = o.allow_tf32 ? 1 : 0;
+  d.attention_fp32 = o.attention_fp32 ? 1 : 0;
   d.qkv_bias = o.dims.qkv_bias ? 1 : 0;
   d.qk_norm = o.dims.qk_norm ? 1 : 0;
   d.lora_targets = o.dims.lora_targets;
@@ -152,6 +153,8 @@ class CudaOps final : public ModelOps {
   }
 
   const LlamaDims& dims() const override { return dims_; }
+  // Which attention kernel layers with weights in `dtype` run (a module string).
+  std::string attention_kernel(DType dtype) const { return api_->attention_kernel(ctx_, static_cast<int>(dtype)); }
   int64_t max_tokens() const override { return max_tokens_; }
   int64_t max_seq() const override { return max_seq_; }
   const char* name() const override { return "cuda"; }
@@ -338,6 +341,12 @@ Result<uint64_t> cuda_ops_workspace_bytes(const CudaOpsOptions& options) {
   const int rc = m.api->workspace_bytes(&d, &bytes, err, sizeof(err));
   if (rc != 0) return module_status(rc, err, "workspace size");
   return static_cast<uint64_t>(bytes);
+}
+
+Result<std::string> cuda_ops_attention_kernel(const ModelOps& ops, DType dtype) {
+  const auto* cuda = dynamic_cast<const CudaOps*>(&ops);
+  if (!cuda) return bad_arg("cuda_ops_attention_kernel: the ops are not CUDA ops");
+  return cuda->attention_kernel(dtype);
 }
 
 Result<std::unique_ptr<ModelOps>> create_cuda_ops(DeviceBackend& backend, DeviceStream* stream,

@@ -8,8 +8,11 @@
 // in that dtype (fp32 activations are rounded to it just before the product)
 // and cuBLAS accumulates in fp32 into fp32 results ("bf16 compute, fp32
 // accumulation", like torch.autocast); with fp32 weights they are fp32 GEMMs
-// without TF32 (unless allow_tf32). Norms, RoPE, attention, SwiGLU, the
-// cross-entropy and the embedding are fp32 kernels. Agreement with CpuOps is
+// without TF32 (unless allow_tf32). Attention with bf16/fp16 weights runs on
+// tensor cores (bf16 q, k, v and probabilities, fp32 sums and softmax, as
+// autocast does) where head_dim is 64 or 128 and the GPU is sm_80+. Norms,
+// RoPE, fp32 attention, SwiGLU, the cross-entropy and the embedding are
+// fp32 kernels. Agreement with CpuOps is
 // checked (tests/train/cuda_ops_test.cpp) to 1e-4 normwise with fp32 weights
 // and 2e-2 with bf16/fp16 weights (the activations' rounding); it is not bit
 // equality. Every kernel sums in a
@@ -25,7 +28,8 @@
 // no T x T matrix (the backward recomputes the probabilities from the
 // log-sum-exp), so memory is linear in the sequence length. Unverified on a
 // GPU: the kernels have never run (the gpu-labelled tests compare them with
-// the CPU ops).
+// the CPU ops; the tensor-core attention's source also runs on the CPU
+// under tests/cuda/simt_emulator.h).
 //
 // Asynchrony (device_backend.h's model): every pointer is device memory
 // (tokens, targets and mask too) and every call only enqueues on the stream
@@ -59,6 +63,11 @@ struct CudaOpsOptions {
   int64_t max_seq = 1;
   // fp32-weight GEMMs may use TF32 tensor cores (about 1e-3 relative error).
   bool allow_tf32 = false;
+  // Layers with bf16/fp16 weights run attention on tensor cores (tiled,
+  // bf16 operands and probabilities, fp32 accumulation and softmax, like
+  // torch.autocast's attention) where head_dim is 64 or 128 and the GPU is
+  // sm_80 or newer; true keeps them on the fp32 attention kernels.
+  bool attention_fp32 = false;
 };
 
 // `backend` must be a CUDA backend (create_device_backend / create_cuda_backend)
@@ -74,6 +83,11 @@ Result<std::unique_ptr<ModelOps>> create_cuda_ops(DeviceBackend& backend, Device
 // workspace), or why it cannot say (kUnavailable: module not loadable,
 // kInvalidArgument: options). Loads the module.
 Result<uint64_t> cuda_ops_workspace_bytes(const CudaOpsOptions& options);
+
+// Which attention kernel `ops` (made by create_cuda_ops) runs for layers with
+// weights in `dtype` on its device, in words: "tensor-core bf16 ..." or
+// "fp32 ...". kInvalidArgument when `ops` is not CUDA ops.
+Result<std::string> cuda_ops_attention_kernel(const ModelOps& ops, DType dtype);
 
 // Loads libstrata_cuda_train.so once per process (thread-safe) and returns
 // where it came from, or why not (kUnavailable). Search order: the directory

@@ -340,7 +340,8 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, CudaOpsLayerTest, ::testing::Values(DType::kF32
                          [](const auto& info) { return std::string(dtype_name(info.param)); });
 
 // A long sequence at a real head size: head_dim 128, GQA 8/2, one sequence
-// of 4096 tokens, fp32 and bf16 against the CPU ops. The attention keeps no
+// of 4096 tokens, fp32 (the fp32 attention) and bf16 (the tensor-core
+// attention) against the CPU ops. The attention keeps no
 // T x T matrix (per-row log-sum-exp, probabilities recomputed in backward):
 // its scratch is 2 x 8 x 4096 floats, where the probabilities and their
 // gradient would take 2 x 8 x 4096^2 x 4 B = 1 GiB, the whole budget here.
@@ -356,6 +357,88 @@ TEST_F(CudaOpsTest, LongSequenceAtRealHeadSizeMatchesCpu) {
     std::mt19937_64 rng(11);
     const Layer layer = make_layer(rng, d, dt);
     ASSERT_NO_FATAL_FAILURE(check_layer(layer, d, dt, 1, 4096, rng));
+  }
+}
+
+// The tensor-core attention (cuda/train/attention_mma.cuh: bf16/fp16 weights,
+// head_dim 64 or 128) at the tiles' edges: one row, a tile less one, a tile
+// plus one, two tiles and a part; batch 2, GQA 4/2. Its numbers are those of
+// the layer's other bf16 products (bf16 operands, fp32 sums), so the layer
+// tolerance is the bf16 one. The same kernels' source runs on the CPU in
+// every CI job (tests/cuda/attention_mma_emulated_test.cpp); this is where
+// they meet the tensor cores.
+TEST_F(CudaOpsTest, TensorCoreAttentionMatchesCpuAtTileEdges) {
+  for (int64_t hd : {64, 128}) {
+    LlamaDims d = testing::small_dims(/*ffn_dim=*/320, /*vocab=*/97);
+    d.dim = 256;
+    d.heads = 4;
+    d.kv_heads = 2;
+    d.head_dim = hd;
+    make_ops(d, false, /*max_batch=*/2, /*max_seq=*/130);
+    auto kernel = cuda_ops_attention_kernel(*gpu_, DType::kBF16);
+    ASSERT_TRUE(kernel.ok()) << kernel.status().to_string();
+    EXPECT_EQ(kernel->rfind("tensor-core", 0), 0u) << "head_dim " << hd << ": " << *kernel;
+    auto fp32_kernel = cuda_ops_attention_kernel(*gpu_, DType::kF32);
+    ASSERT_TRUE(fp32_kernel.ok());
+    EXPECT_EQ(fp32_kernel->rfind("fp32", 0), 0u) << *fp32_kernel;
+    for (int64_t T : {1, 63, 65, 130}) {
+      SCOPED_TRACE("head_dim " + std::to_string(hd) + ", T = " + std::to_string(T));
+      std::mt19937_64 rng(static_cast<uint64_t>(hd * 1000 + T));
+      const Layer layer = make_layer(rng, d, DType::kBF16);
+      ASSERT_NO_FATAL_FAILURE(check_layer(layer, d, DType::kBF16, 2, T, rng));
+    }
+  }
+}
+
+// The tensor-core attention against the fp32 attention kernels on the same
+// GPU, same bf16 layer: only the attention's roundings differ (q, k, v, dout,
+// P and dS to bf16, relative 2^-9 each): 1e-2 normwise. And its backward
+// repeats bit for bit (fixed summation order, no atomics).
+TEST_F(CudaOpsTest, TensorCoreAttentionAgreesWithFp32AttentionAndRepeats) {
+  LlamaDims d = testing::small_dims(/*ffn_dim=*/320, /*vocab=*/97);
+  d.dim = 512;
+  d.heads = 4;
+  d.kv_heads = 1;
+  d.head_dim = 128;
+  const int64_t B = 2, T = 200, n = B * T;
+  make_ops(d, false, B, T);
+  CudaOpsOptions fo;
+  fo.dims = d;
+  fo.max_batch = B;
+  fo.max_seq = T;
+  fo.attention_fp32 = true;
+  auto f = create_cuda_ops(*backend_, stream_, fo);
+  ASSERT_TRUE(f.ok()) << f.status().to_string();
+  std::unique_ptr<ModelOps> fp32_attn = std::move(f).value();
+  auto kernel = cuda_ops_attention_kernel(*fp32_attn, DType::kBF16);
+  ASSERT_TRUE(kernel.ok());
+  EXPECT_EQ(kernel->rfind("fp32", 0), 0u) << *kernel;
+
+  std::mt19937_64 rng(5);
+  const Layer layer = make_layer(rng, d, DType::kBF16);
+  const std::vector<float> x = randn(rng, n * d.dim, 1.0), dy = randn(rng, n * d.dim, 1.0);
+  const float* x_d = up(x);
+  const float* dy_d = up(dy);
+  auto run = [&](ModelOps& ops, std::vector<std::vector<float>>* got) {
+    float* y_d = nan_buffer(n * d.dim);
+    ASSERT_TRUE(ops.layer_forward(layer.weights(true), B, T, x_d, y_d).ok());
+    Grads g = make_grads(d);
+    float* dx_d = nan_buffer(n * d.dim);
+    ASSERT_TRUE(ops.layer_backward(layer.weights(true), B, T, x_d, dy_d, dx_d, g.view(true)).ok());
+    got->push_back(down(y_d, n * d.dim));
+    got->push_back(down(dx_d, n * d.dim));
+    for (LayerTensor t : kAllLayerTensors)
+      if (d.has(t)) got->push_back(down(g.dev[t], d.numel(t)));
+  };
+  std::vector<std::vector<float>> tc, tc2, ref;
+  ASSERT_NO_FATAL_FAILURE(run(*gpu_, &tc));
+  ASSERT_NO_FATAL_FAILURE(run(*gpu_, &tc2));
+  ASSERT_NO_FATAL_FAILURE(run(*fp32_attn, &ref));
+  ASSERT_EQ(tc.size(), ref.size());
+  for (size_t i = 0; i < tc.size(); ++i) {
+    EXPECT_CLOSE(tc[i], ref[i], 1e-2, "tensor " + std::to_string(i) + " (0: y, 1: dx, then the gradients)");
+    EXPECT_EQ(0, std::memcmp(tc[i].data(), tc2[i].data(), tc[i].size() * sizeof(float)))
+        << "tensor " << i << " differs between two identical runs";
   }
 }
 
