@@ -38,6 +38,9 @@ struct WarpSlots {
   float f[32];
   uint32_t a[32][4];
   uint32_t b[32][2];
+  float c[32][4];
+  float d[32][4];
+  bool d_ready = false;  // the warp's product is computed once, by its first lane past the barrier
 };
 
 struct Runner {
@@ -199,27 +202,37 @@ void mma16816_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t 
   Runner& r = *g_runner;
   const int lane = r.current->linear & 31;
   WarpSlots& s = r.warps[r.current->linear >> 5];
-  for (int i = 0; i < 4; ++i) s.a[lane][i] = a[i];
+  for (int i = 0; i < 4; ++i) {
+    s.a[lane][i] = a[i];
+    s.c[lane][i] = d[i];
+  }
   s.b[lane][0] = b0;
   s.b[lane][1] = b1;
+  s.d_ready = false;
   wait_at(State::kAtWarpBarrier);
-  // A(row, col): lane 4 (row % 8) + (col % 8) / 2, register (row >= 8) +
-  // 2 (col >= 8), the high half for an odd column. B(k, n): lane
-  // 4 n + (k % 8) / 2, register k >= 8, the high half for an odd k.
-  auto A = [&](int row, int col) {
-    return bf16_value(s.a[4 * (row % 8) + (col % 8) / 2][(row >= 8 ? 1 : 0) + (col >= 8 ? 2 : 0)], col & 1);
-  };
-  auto B = [&](int k, int n) { return bf16_value(s.b[4 * n + (k % 8) / 2][k >= 8 ? 1 : 0], k & 1); };
-  const int group = lane >> 2, tig = lane & 3;
-  float out[4];
-  for (int i = 0; i < 4; ++i) {
-    const int row = group + (i >= 2 ? 8 : 0), col = 2 * tig + (i & 1);
-    float acc = d[i];
-    for (int k = 0; k < 16; ++k) acc += A(row, k) * B(k, col);  // bf16 x bf16 is exact in fp32
-    out[i] = acc;
+  if (!s.d_ready) {
+    // A(row, col): lane 4 (row % 8) + (col % 8) / 2, register (row >= 8) +
+    // 2 (col >= 8), the high half for an odd column. B(k, n): lane
+    // 4 n + (k % 8) / 2, register k >= 8, the high half for an odd k.
+    float A[16][16], B[16][8];
+    for (int row = 0; row < 16; ++row)
+      for (int col = 0; col < 16; ++col)
+        A[row][col] = bf16_value(s.a[4 * (row % 8) + (col % 8) / 2][(row >= 8 ? 1 : 0) + (col >= 8 ? 2 : 0)], col & 1);
+    for (int k = 0; k < 16; ++k)
+      for (int n = 0; n < 8; ++n) B[k][n] = bf16_value(s.b[4 * n + (k % 8) / 2][k >= 8 ? 1 : 0], k & 1);
+    // D = A B + C, lane by lane: c_i at row group + 8 (i >= 2), column
+    // 2 threadID_in_group + (i & 1).
+    for (int l = 0; l < 32; ++l)
+      for (int i = 0; i < 4; ++i) {
+        const int row = (l >> 2) + (i >= 2 ? 8 : 0), col = 2 * (l & 3) + (i & 1);
+        float acc = s.c[l][i];
+        for (int k = 0; k < 16; ++k) acc += A[row][k] * B[k][col];  // bf16 x bf16 is exact in fp32
+        s.d[l][i] = acc;
+      }
+    s.d_ready = true;
   }
-  wait_at(State::kAtWarpBarrier);
-  for (int i = 0; i < 4; ++i) d[i] = out[i];
+  for (int i = 0; i < 4; ++i) d[i] = s.d[lane][i];
+  wait_at(State::kAtWarpBarrier);  // nobody overwrites the slots before every lane has read
 }
 
 uint16_t bf16_bits(float x) {
