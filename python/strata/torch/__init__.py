@@ -16,9 +16,9 @@ CPUAdamW is Strata's CPU AdamW as a torch optimizer. See docs/python.md.
 """
 from . import lr_schedules
 from .cpu_adam import CPUAdamW
-from .engine import StrataEngine, initialize
+from .engine import StrataEngine, initialize, register_external_parameter
 
-__all__ = ["CPUAdamW", "StrataEngine", "StrataTrainer", "initialize", "lr_schedules"]
+__all__ = ["CPUAdamW", "StrataEngine", "StrataTrainer", "initialize", "lr_schedules", "register_external_parameter"]
 
 
 def __getattr__(name):

@@ -50,6 +50,7 @@ import functools
 import json
 import os
 import threading
+import weakref
 
 import torch
 import torch.utils.dlpack
@@ -66,6 +67,72 @@ _PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "schedule
 # device budget is this share of the GPU memory free when initialize() runs
 # (config: strata.device_memory_fraction); the rest stays PyTorch's.
 DEVICE_MEMORY_FRACTION = 0.5
+
+
+class _EngineParameter(torch.nn.Parameter):
+    """The class of every parameter an engine holds (the parameter objects are
+    the model's own: initialize() changes their class, nothing else). Between
+    uses `.data` is a placeholder with no values, so any torch function or
+    method that would read it raises StrataError naming the parameter, in
+    every mode (training, torch.no_grad() evaluation); what reads only
+    metadata (shape, dtype, device, numel(), requires_grad, hashing, ...) and
+    a conversion that is a no-op (`model.to(its own device)`) still work."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            empty = None
+            for a in args:
+                if type(a) is _EngineParameter and a.data_ptr() == a._strata_placeholder:
+                    empty = a
+                    break
+                if isinstance(a, (list, tuple)):  # torch.cat([w1, w2]), ...
+                    empty = next((b for b in a if type(b) is _EngineParameter
+                                  and b.data_ptr() == b._strata_placeholder), None)
+                    if empty is not None:
+                        break
+            if empty is None:
+                return func(*args, **kwargs)
+            kind, name = _op_name(func)
+            if kind == "set" or (kind == "get" and name not in _VALUE_GETTERS) or (kind == "call" and name in _METADATA):
+                return func(*args, **kwargs)
+            if kind == "call" and name in _CONVERSIONS:
+                out = func(*args, **kwargs)
+                if out is empty or not isinstance(out, torch.Tensor):
+                    return out
+        engine = empty._strata_engine()
+        what = f"torch function {name}" if kind == "call" else f"attribute .{name}"
+        if engine is None or getattr(engine, "_e", None) is None:
+            raise StrataError(1, f"strata.torch: parameter {empty._strata_name} was used ({what}) after its engine "
+                                 "was destroyed: its values went with the engine (read them before destroy(), with "
+                                 "engine.state_dict())")
+        raise StrataError(1, engine._outside_message(empty, what))
+
+    def __repr__(self):
+        with torch._C.DisableTorchFunctionSubclass():
+            if self.data_ptr() == self._strata_placeholder:
+                return (f"Parameter {self._strata_name} (held by strata.torch: shape {tuple(self.shape)}, "
+                        f"{self.dtype}, {self.device}; read it with engine.parameter_fp32)")
+        return super().__repr__()
+
+
+# What may touch a parameter between uses (placeholder): property getters but
+# those that expose values, metadata methods, and conversions that are no-ops.
+_VALUE_GETTERS = {"data", "T", "mT", "H", "mH", "real", "imag"}
+_METADATA = {"size", "dim", "numel", "nelement", "element_size", "is_floating_point", "is_complex", "is_contiguous",
+             "stride", "get_device", "data_ptr", "requires_grad_", "register_hook",
+             "register_post_accumulate_grad_hook", "__hash__", "__len__", "__repr__", "__format__",
+             "_has_compatible_shallow_copy_type"}
+_CONVERSIONS = {"to", "cuda", "cpu", "float", "half", "bfloat16", "double", "type"}
+
+
+def _op_name(func):
+    """("get" | "set" | "call", name) of what __torch_function__ was handed."""
+    name = getattr(func, "__name__", "") or repr(func)
+    if name in ("__get__", "__set__", "__delete__"):
+        return ("get" if name == "__get__" else "set"), getattr(getattr(func, "__self__", None), "__name__", "")
+    return "call", name
 
 
 def _driven(method):
@@ -280,6 +347,9 @@ class StrataEngine:
                 if p is None:
                     continue
                 if id(p) not in self._pid:
+                    if type(p) is _EngineParameter and getattr(p._strata_engine(), "_e", None) is not None:
+                        raise ValueError(f"strata.torch.initialize: parameter {named.get(id(p), pname)} is held by "
+                                         "another strata.torch engine already (destroy() that one first)")
                     gname = mname or "<root>"
                     if not group_names or group_names[-1] != gname:
                         group_names.append(gname)
@@ -298,6 +368,19 @@ class StrataEngine:
                 for gi in used:
                     if gi not in self._module_groups[mod]:
                         self._module_groups[mod].append(gi)
+        # Parameters a module's forward uses but another module owns:
+        # register_external_parameter()'s, and nn.MultiheadAttention's out_proj
+        # (its forward calls F.multi_head_attention_forward with
+        # out_proj.weight/bias; out_proj's own forward never runs).
+        for mname, mod in model.named_modules(remove_duplicate=True):
+            external = list(getattr(mod, "_strata_external", ()))
+            if isinstance(mod, torch.nn.MultiheadAttention):
+                external += [q for q in mod.out_proj.parameters(recurse=False)]
+            for q in external:
+                if id(q) not in self._pid:
+                    raise ValueError(f"strata.torch: a parameter registered as external to module "
+                                     f"{mname or '<root>'} is not one of the model's")
+                self._add_external(mod, self._group_of[self._pid[id(q)]])
         self._group_params = group_params
         self._group_names = group_names
 
@@ -356,6 +439,11 @@ class StrataEngine:
                 src = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
                 self._call(_lib.strata_engine_load_param, pid, src.data_ptr(), _lib.DTYPE_F32, src.numel())
                 p.data = self._placeholder(p)
+                # Any use between uses is refused by name (_EngineParameter).
+                p.__class__ = _EngineParameter
+                p._strata_placeholder = self._scalar_ptr
+                p._strata_name = self._names[pid]
+                p._strata_engine = weakref.ref(self)
         self._held = collections.Counter()  # group -> holders
         self._views = {}                    # pid -> tensor viewing the engine buffer (while held)
         self._live = {}                     # storage data_ptr -> pid (while held)
@@ -367,12 +455,38 @@ class StrataEngine:
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
         self._hooks = []
+        self._hooked = set()
         for mod in self._module_groups:
-            self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(mod.register_forward_hook(self._post_forward))
+            self._hook(mod)
         for pid, p in enumerate(self._params):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(pid)))
+
+    # ---------------------------------------------------------------- ownership
+
+    def _hook(self, mod):
+        if id(mod) not in self._hooked:
+            self._hooked.add(id(mod))
+            self._hooks.append(mod.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(mod.register_forward_hook(self._post_forward))
+
+    def _add_external(self, mod, g):
+        groups = self._module_groups.setdefault(mod, [])
+        if g not in groups:
+            groups.append(g)
+        if hasattr(self, "_hooks"):  # after initialize(): register_external_parameter on a live engine
+            self._hook(mod)
+
+    def _outside_message(self, p, what):
+        pid = self._pid[id(p)]
+        owners = [n or "<root>" for n, m in self.module.named_modules(remove_duplicate=False)
+                  if self._group_of[pid] in self._module_groups.get(m, ())]
+        return (f"strata.torch: parameter {self._names[pid]} was used ({what}) outside the forward of the modules "
+                f"that hold it ({', '.join(owners[:4])}): between uses it holds no value (its values live in the "
+                "engine). Use it inside such a module's forward, or declare the module whose forward uses it: "
+                "strata.torch.register_external_parameter(module, parameter) (DeepSpeed's "
+                "deepspeed.zero.register_external_parameter); engine.state_dict() and engine.parameter_fp32(name) "
+                "read the trained values")
 
     # ---------------------------------------------------------------- plumbing
 
@@ -851,6 +965,26 @@ class StrataEngine:
             self.destroy()
         except Exception:
             pass
+
+
+def register_external_parameter(module, parameter):
+    """DeepSpeed's deepspeed.zero.register_external_parameter: `module`'s forward
+    uses `parameter`, which another module owns (a parent calling
+    F.linear(x, self.child.weight), a hand-written tied head
+    `h @ self.embed.weight.t()`). The engine then holds the parameter during
+    `module`'s forward as it does for its owner's. Call it before or after
+    initialize(); nn.MultiheadAttention's out_proj is registered by itself."""
+    if not isinstance(module, torch.nn.Module) or not isinstance(parameter, torch.nn.Parameter):
+        raise TypeError("strata.torch.register_external_parameter(module, parameter): a torch.nn.Module and one "
+                        "of the model's torch.nn.Parameter")
+    external = module.__dict__.setdefault("_strata_external", [])
+    if not any(q is parameter for q in external):
+        external.append(parameter)
+    ref = getattr(parameter, "_strata_engine", None)
+    engine = ref() if ref is not None else None
+    if engine is not None:
+        with engine._driving():
+            engine._add_external(module, engine._group_of[engine._pid[id(parameter)]])
 
 
 def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None, optimizer=None, mpi_comm=None,
