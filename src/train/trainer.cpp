@@ -337,6 +337,7 @@ Status Trainer::Impl::open_metrics() {
   if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step));
   metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");
   if (!metrics) return Status::from_errno(errno, "metrics file " + mpath + ": cannot open for writing");
+  metrics_file = mpath;
   return {};
 }
 
@@ -640,11 +641,20 @@ json Trainer::Impl::stats_json() const {
               {"gathers_reused", s.gathers_reused}};
 }
 
-void Trainer::Impl::write_metrics(const json& j) {
-  if (!metrics) return;
+// A line that cannot be written (a full disk) stops the run: the file is the
+// run's record, and a resume drops a cut last line.
+Status Trainer::Impl::write_metrics(const json& j) {
+  if (!metrics) return {};
   const std::string line = j.dump() + "\n";
-  std::fwrite(line.data(), 1, line.size(), metrics);
-  std::fflush(metrics);
+  errno = 0;
+  if (std::fwrite(line.data(), 1, line.size(), metrics) != line.size() || std::fflush(metrics) != 0) {
+    const int err = errno != 0 ? errno : EIO;
+    std::fclose(metrics);  // once failed, nothing more is written (the next line would follow a cut one)
+    metrics = nullptr;
+    return Status::from_errno(err, fmt::format("metrics file {}: cannot write the {} line at step {}", metrics_file,
+                                               j.value("event", std::string("?")), step));
+  }
+  return {};
 }
 
 Result<GroupView> Trainer::Impl::acquire(GroupId g) {

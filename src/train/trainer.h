@@ -75,7 +75,11 @@
 // the trainer saves out_dir/checkpoint-<step> and returns with
 // TrainResult::interrupted set (no final evaluation, no export).
 //
-// Metrics: JSON lines appended to metrics_path (one object per line):
+// Metrics: JSON lines appended to metrics_path (one object per line; a line
+// that cannot be written, a full disk, stops the run with that error):
+//   {"event":"plan","micro_batches":..,"uploads_per_micro_batch":..,
+//    "forward_backward":{..},"optimizer_step":{..},"per_step":{..}} first
+//    (the bytes the placement moves; a resumed run keeps the original's)
 //   {"event":"train","step":k,"loss":..,"lr":..,"grad_norm":..,"clip_coef":..,
 //    "loss_scale":..,"skipped":..,"tokens":..,"step_s":..,"tokens_per_s":..,
 //    "device_bytes":..,"host_bytes":..,"nvme_bytes":..,"nvme_read_bytes":..,

@@ -136,6 +136,7 @@ struct Trainer::Impl {
   uint64_t tokens_seen = 0;
   double last_loss = 0;
   FILE* metrics = nullptr;
+  std::string metrics_file;  // its path, for messages
   bool warned_order = false;
   std::unique_ptr<RunDir> run_dir;  // OUT, locked for the whole run
   std::string resume_from;          // the checkpoint resume() loads
@@ -201,7 +202,7 @@ struct Trainer::Impl {
   float* grad_if_trainable(ParamId p, float* buf) const { return trainable[p] ? buf : nullptr; }
   // ev: the embedding's view (read only when embeddings are tied).
   HeadWeights head_weights(const GroupView& ev, const GroupView& hv) const;
-  void write_metrics(const json& j);
+  Status write_metrics(const json& j);
   std::string extra_json() const;
   std::string settings_json() const;
   json stats_json() const;

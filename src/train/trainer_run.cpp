@@ -25,7 +25,8 @@ class Trainer::Run {
         prev_(m_.engine->stats()) {}
 
   Result<TrainResult> execute() {
-    write_plan();
+    // A resumed run's file holds the plan already (kept by the trim).
+    if (m_.opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(write_plan());
     if (has_val_) {
       // A resumed run's file already holds this evaluation (metrics read as
       // if the run never stopped): printed, not written again.
@@ -65,7 +66,7 @@ class Trainer::Run {
         break;
       }
       STRATA_ASSIGN_OR_RETURN(StepReport r, t_.train_step());
-      report_step(r);
+      STRATA_RETURN_IF_ERROR(report_step(r));
       STRATA_RETURN_IF_ERROR(check_skipped(r));
       STRATA_ASSIGN_OR_RETURN(const bool stop, m_.stop_requested());
       if (has_val_ && m_.opt.eval_every > 0 && r.step % m_.opt.eval_every == 0 && r.step < m_.opt.steps && !stop) {
@@ -87,13 +88,13 @@ class Trainer::Run {
   // downloaded once per micro-batch, NVMe states read and written once), so
   // each train line's measured bytes can be held against it
   // (tools/bench_bytes.py).
-  void write_plan() {
+  Status write_plan() {
     const Plan& p = m_.engine->plan();
     auto link = [](const LinkBytes& l) {
       return json{{"nvme_read_bytes", l.nvme_read}, {"nvme_write_bytes", l.nvme_write}, {"h2d_bytes", l.h2d},
                   {"d2h_bytes", l.d2h}, {"comm_bytes", l.comm}};
     };
-    m_.write_metrics({{"event", "plan"},
+    return m_.write_metrics({{"event", "plan"},
                       {"micro_batches", p.options.micro_batches},
                       {"uploads_per_micro_batch", p.options.uploads_per_micro_batch},
                       {"forward_backward", link(p.forward_backward)},
@@ -102,7 +103,7 @@ class Trainer::Run {
   }
 
   // The step's totals, its metrics line and its progress line.
-  void report_step(const StepReport& r) {
+  Status report_step(const StepReport& r) {
     train_seconds_ += r.seconds;
     train_tokens_ += tokens_per_step_;
     if (r.step > first_step_ + 1) {
@@ -122,7 +123,7 @@ class Trainer::Run {
               {"tokens", m_.tokens_seen}, {"step_s", r.seconds},
               {"tokens_per_s", tps},      {"io_gbps", io_gbps}};
     j.update(m_.stats_json());
-    m_.write_metrics(j);
+    STRATA_RETURN_IF_ERROR(m_.write_metrics(j));
     const uint64_t dev_b = s.tier_bytes[static_cast<int>(Tier::kDevice)];
     const uint64_t host_b = s.tier_bytes[static_cast<int>(Tier::kHost)];
     const uint64_t nvme_b = s.tier_bytes[static_cast<int>(Tier::kNvme)];
@@ -135,6 +136,7 @@ class Trainer::Run {
     progress_.step(line, eta,
                    r.step == first_step_ + 1 || r.step == m_.opt.steps ||
                        r.step % std::max<int64_t>(1, m_.opt.log_every) == 0);
+    return {};
   }
 
   // A run whose every step is skipped for non-finite gradients must not end
@@ -159,12 +161,12 @@ class Trainer::Run {
     const auto t0 = Clock::now();
     STRATA_ASSIGN_OR_RETURN(double v, t_.evaluate());
     if (record)
-      m_.write_metrics({{"event", "eval"},
+      STRATA_RETURN_IF_ERROR(m_.write_metrics({{"event", "eval"},
                       {"step", m_.step},
                       {"val_loss", v},
                       {"batches", eval_n_},
                       {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro)},
-                      {"seconds", seconds_since(t0)}});
+                      {"seconds", seconds_since(t0)}}));
     progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
                               seconds_since(t0)));
     return v;
@@ -178,7 +180,8 @@ class Trainer::Run {
     const std::string dir = checkpoint_dir();
     STRATA_RETURN_IF_ERROR(t_.save_checkpoint(dir));
     res_.last_checkpoint = dir;
-    m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}});
+    STRATA_RETURN_IF_ERROR(
+        m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}}));
     if (m_.opt.keep > 0 && m_.rank == 0) {  // N ranks: rank 0 owns OUT
       auto cks = list_checkpoint_dirs(m_.opt.out_dir);
       for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {

@@ -401,6 +401,49 @@ TEST_F(TrainerTest, RunWritesMetricsCheckpointsAndModel) {
   EXPECT_EQ(ck, 2);
 }
 
+// A metrics line that cannot be written (here /dev/full: ENOSPC at the
+// flush) stops the run with an error naming the file; a resumed run keeps
+// the file's plan line and adds none.
+TEST_F(TrainerTest, MetricsWriteFailureStopsTheRunAndResumeAddsNoPlanLine) {
+  const std::string m = make_model("m", /*tied=*/true, 1);
+  TrainerOptions o = base(m, dir_ + "/full");
+  o.steps = 3;
+  o.metrics_path = "/dev/full";
+  {
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    auto r = (*t)->run();
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("metrics file /dev/full: cannot write the plan line"), std::string::npos)
+        << r.status().to_string();
+    EXPECT_NE(r.status().to_string().find("No space left on device"), std::string::npos) << r.status().to_string();
+  }
+  o.metrics_path.clear();
+  o.out_dir = dir_ + "/resumed";
+  o.steps = 4;
+  o.save_every = 2;
+  {
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    ASSERT_TRUE((*t)->run().ok());
+  }
+  o.resume_dir = dir_ + "/resumed/checkpoint-2";  // the lines of steps 3 and 4 are written again
+  {
+    auto t = Trainer::create(o);
+    ASSERT_TRUE(t.ok()) << t.status().to_string();
+    auto r = (*t)->run();
+    ASSERT_TRUE(r.ok()) << r.status().to_string();
+  }
+  std::ifstream f(dir_ + "/resumed/metrics.jsonl");
+  int plan = 0, train = 0;
+  for (std::string line; std::getline(f, line);) {
+    plan += line.find("\"event\":\"plan\"") != std::string::npos;
+    train += line.find("\"event\":\"train\"") != std::string::npos;
+  }
+  EXPECT_EQ(plan, 1);
+  EXPECT_EQ(train, 4);
+}
+
 // The demo's configuration scaled down to run in well under a minute on two
 // cores: the validation loss on the demo text must fall from ~5.5 (random
 // init: ln 256 = 5.55) below 1.5 nats per byte within 100 steps (it reaches
