@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <fstream>
@@ -37,6 +38,16 @@ Result<uint32_t> target_bit(std::string_view name) {
                             known_modules()));
 }
 
+// "self_attn.q_proj" for kQProj: the module's path inside a layer.
+std::string_view module_path(LayerTensor t) {
+  std::string_view n = weight_row(t).name;
+  return n.substr(0, n.size() - std::string_view(".weight").size());
+}
+
+bool all_digits(std::string_view s) {
+  return !s.empty() && s.size() <= 9 && std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
 // A value that turns a feature off: null, false, 0-free empties.
 bool is_off(const json& v) {
   return v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_object() && v.empty()) ||
@@ -64,6 +75,54 @@ Result<uint32_t> parse_lora_targets(std::string_view csv) {
   }
   if (bits == 0) return Status(StatusCode::kInvalidArgument, "no LoRA target modules given (known: " + known_modules() + ")");
   return bits;
+}
+
+Result<uint32_t> match_lora_target(std::string_view entry, int64_t* layer) {
+  *layer = -1;
+  for (LayerTensor t : kLoraTargets) {
+    const std::string_view path = module_path(t), name = lora_module_name(t);
+    const uint32_t bit = 1u << lora_target_index(t);
+    if (entry == name || entry == path) return bit;
+    // "<i>.self_attn.q_proj", "layers.<i>.self_attn.q_proj", "model.layers.<i>.self_attn.q_proj"
+    if (entry.size() <= path.size() + 1 || !entry.ends_with(path) || entry[entry.size() - path.size() - 1] != '.')
+      continue;
+    std::string_view head = entry.substr(0, entry.size() - path.size() - 1);
+    const size_t dot = head.rfind('.');
+    const std::string_view index = dot == std::string_view::npos ? head : head.substr(dot + 1);
+    const std::string_view prefix = dot == std::string_view::npos ? std::string_view() : head.substr(0, dot);
+    if (!all_digits(index) || !(prefix.empty() || prefix == "layers" || prefix == "model.layers")) continue;
+    *layer = std::stoll(std::string(index));
+    return bit;
+  }
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("LoRA target module \"{}\" selects no module Strata adapts: PEFT adapts the modules whose "
+                            "full name is it or ends with \".\" + it, and Strata adapts "
+                            "model.layers.<i>.self_attn.{{q,k,v,o}}_proj and model.layers.<i>.mlp.{{gate,up,down}}_proj "
+                            "(known: {})",
+                            clip_for_message(entry), known_modules()));
+}
+
+Status check_lora_layers(const LoraOptions& o, uint32_t layers, const std::string& where) {
+  for (const auto& [bit, named] : o.target_layers) {
+    std::string module;
+    for (LayerTensor t : kLoraTargets)
+      if (bit == (1u << lora_target_index(t))) module = std::string(module_path(t));
+    if (!named.empty() && *named.rbegin() >= layers)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: target_modules names model.layers.{}.{}, but the model has {} layers", where,
+                                *named.rbegin(), module, layers));
+    if (named.size() != layers) {
+      std::vector<uint32_t> missing;
+      for (uint32_t l = 0; l < layers && missing.size() < 8; ++l)
+        if (!named.count(l)) missing.push_back(l);
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: target_modules adapts {} in {} of the model's {} layers (not in layers {}{}): "
+                                "Strata adapts a projection in every layer or in none",
+                                where, module, named.size(), layers, fmt::join(missing, ", "),
+                                layers - named.size() > missing.size() ? ", ..." : ""));
+    }
+  }
+  return {};
 }
 
 std::vector<std::string> lora_target_names(uint32_t targets) {
@@ -124,12 +183,22 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
                                                  clip_for_message(t.dump()), b.status().message()));
       bits = *b;
     } else if (t.is_array() && !t.empty()) {
+      // PEFT's list: short names, suffixes, or full module names (PEFT
+      // writes "all-linear" as the full names of every layer's projections).
+      std::set<uint32_t> every_layer;
+      o->target_layers.clear();
       for (const json& n : t) {
         if (!n.is_string()) return bad("target_modules", "must list module names");
-        auto b = target_bit(n.get<std::string>());
+        int64_t layer = -1;
+        auto b = match_lora_target(n.get<std::string>(), &layer);
         if (!b.ok()) return b.status().with_context(path + ": \"target_modules\"");
         bits |= *b;
+        if (layer < 0)
+          every_layer.insert(*b);
+        else
+          o->target_layers[*b].insert(static_cast<uint32_t>(layer));
       }
+      for (uint32_t b : every_layer) o->target_layers.erase(b);
     } else {
       return bad("target_modules", "must name the adapted modules");
     }

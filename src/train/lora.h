@@ -19,6 +19,7 @@
 #include <cstdint>
 #include <map>
 #include <random>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -35,6 +36,12 @@ struct LoraOptions {
   // Adapted projections: a bit per kLoraTargets entry (model/llama_weights.h);
   // 0: PEFT's default for Llama-family models, q_proj and v_proj.
   uint32_t targets = 0;
+  // An adapter whose target_modules names modules of some layers only
+  // ("model.layers.3.self_attn.q_proj", as PEFT writes "all-linear"): target
+  // bit -> the layers named. A target absent here is adapted in every layer.
+  // Strata adapts a projection in every layer or none (checked against the
+  // model, check_lora_layers).
+  std::map<uint32_t, std::set<uint32_t>> target_layers;
   bool rslora = false;      // use_rslora: scaling alpha / sqrt(r)
   // Start from this PEFT adapter directory: its adapter_config.json gives
   // r, lora_alpha, lora_dropout, target_modules and use_rslora (flags given
@@ -53,6 +60,17 @@ inline constexpr uint32_t kLoraDefaultTargets =
 // "q_proj,k_proj" (PEFT's module names), or "all-linear" (every projection)
 // -> target bits. kInvalidArgument naming an unknown module and the known ones.
 Result<uint32_t> parse_lora_targets(std::string_view csv);
+// One entry of a PEFT target_modules list, matched as PEFT matches it: the
+// modules whose full name equals it or ends with "." + it. Strata's modules
+// are model.layers.<i>.self_attn.{q,k,v,o}_proj and .mlp.{gate,up,down}_proj,
+// so "q_proj", "self_attn.q_proj", "layers.3.self_attn.q_proj" and
+// "model.layers.3.self_attn.q_proj" are understood; *layer is the layer an
+// entry names, -1 for every layer. kInvalidArgument for an entry that selects
+// no module Strata adapts (PEFT would adapt another module, or none).
+Result<uint32_t> match_lora_target(std::string_view entry, int64_t* layer);
+// kInvalidArgument when o's target_layers leave a target out of some of the
+// model's `layers` layers (or name a layer it does not have).
+Status check_lora_layers(const LoraOptions& o, uint32_t layers, const std::string& where);
 // Bits -> the module names, in table order.
 std::vector<std::string> lora_target_names(uint32_t targets);
 

@@ -117,6 +117,8 @@ Status Trainer::Impl::open_model() {
   const model::LlamaConfig& mc = model.config;
   dims = llama_dims(mc);
   if (opt.lora.enabled()) {
+    STRATA_RETURN_IF_ERROR(check_lora_layers(opt.lora, mc.num_hidden_layers,
+                                             "LoRA adapter " + opt.lora.adapter_dir + "/adapter_config.json"));
     dims.lora_targets = opt.lora.targets;
     dims.lora_rank = opt.lora.rank;
     dims.lora_scaling = opt.lora.scaling();

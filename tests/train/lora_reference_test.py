@@ -57,10 +57,13 @@ ARCHS = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2F
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 CASES = [
-    ("llama_all_linear", dict(arch="llama", r=4, alpha=16, targets=ALL)),
+    # PEFT's "all-linear" (saved as every layer's full module names) and its
+    # suffix form: target_modules as PEFT matches them.
+    ("llama_all_linear", dict(arch="llama", r=4, alpha=16, targets=ALL, peft_targets="all-linear")),
     ("qwen2_bf16_tied_rslora", dict(arch="qwen2", bf16=True, tie_word_embeddings=True, r=8, alpha=8,
                                     targets=["q_proj", "v_proj"], rslora=True)),
-    ("qwen3_some_targets", dict(arch="qwen3", head_dim=32, r=2, alpha=5, targets=["k_proj", "o_proj", "down_proj"])),
+    ("qwen3_some_targets", dict(arch="qwen3", head_dim=32, r=2, alpha=5, targets=["k_proj", "o_proj", "down_proj"],
+                                peft_targets=["self_attn.k_proj", "o_proj", "mlp.down_proj"])),
 ]
 
 
@@ -98,6 +101,7 @@ def run_case(strata, work, name, c):
     C, M = ARCHS[c.pop("arch")]
     bf16 = c.pop("bf16", False)
     r, alpha, targets, rslora = c.pop("r"), c.pop("alpha"), c.pop("targets"), c.pop("rslora", False)
+    peft_targets = c.pop("peft_targets", targets)
     model = M(C(**SHAPE, **c))
     with torch.no_grad():  # biases and q/k norm weights start at 0 / 1: make them matter
         for n, p in model.named_parameters():
@@ -105,7 +109,7 @@ def run_case(strata, work, name, c):
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
     model = model.to(torch.bfloat16 if bf16 else torch.float32)
     model.save_pretrained(d + "/model")
-    lcfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora,
+    lcfg = LoraConfig(r=r, lora_alpha=alpha, target_modules=peft_targets, lora_dropout=0.0, use_rslora=rslora,
                       init_lora_weights=False, task_type="CAUSAL_LM")
     pm = get_peft_model(AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float32), lcfg)
     pm.save_pretrained(d + "/init")
@@ -193,12 +197,17 @@ def bad_adapters(strata, work):
     toks = torch.randint(0, SHAPE["vocab_size"], (4 * (SEQ + 1),), dtype=torch.int64)
     toks.to(torch.int32).numpy().tofile(d + "/tokens.u32")
     problems = []
-    for field, lcfg in [("use_dora", dict(use_dora=True)), ("rank_pattern", dict(rank_pattern={"q_proj": 2})),
-                        ("layers_to_transform", dict(layers_to_transform=[0])),
-                        ("modules_to_save", dict(modules_to_save=["lm_head"])), ("bias", dict(bias="all"))]:
-        a = f"{d}/{field}"
+    cases = [("use_dora", dict(use_dora=True)), ("rank_pattern", dict(rank_pattern={"q_proj": 2})),
+             ("layers_to_transform", dict(layers_to_transform=[0])),
+             ("modules_to_save", dict(modules_to_save=["lm_head"])), ("bias", dict(bias="all")),
+             # a projection of one layer only, and a module Strata has no adapter for
+             ("target_modules", dict(target_modules=["model.layers.1.self_attn.q_proj"])),
+             ("target_modules", dict(target_modules=["q_proj", "lm_head"]))]
+    for i, (field, lcfg) in enumerate(cases):
+        a = f"{d}/{field}-{i}"
+        lcfg = {"target_modules": ["q_proj"], **lcfg}
         pm = get_peft_model(AutoModelForCausalLM.from_pretrained(d + "/model"),
-                            LoraConfig(r=2, target_modules=["q_proj"], task_type="CAUSAL_LM", **lcfg))
+                            LoraConfig(r=2, task_type="CAUSAL_LM", **lcfg))
         pm.save_pretrained(a)
         res = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
                               "--data-format", "u32", "--seq", str(SEQ), "--batch", "1", "--steps", "1",
@@ -207,7 +216,7 @@ def bad_adapters(strata, work):
         if res.returncode == 0 or field not in res.stderr:
             problems.append(f"an adapter with {field} was not refused by name (exit {res.returncode}: "
                             f"{res.stderr.strip()[-300:]})")
-    print(f"  refused adapters: {5 - len(problems)} of 5 named the field")
+    print(f"  refused adapters: {len(cases) - len(problems)} of {len(cases)} named the field")
     return "; ".join(problems)
 
 
