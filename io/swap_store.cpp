@@ -16,6 +16,7 @@
 #include <filesystem>
 
 #include "common/crc32c.h"
+#include "common/json.h"
 #include "common/log.h"
 #include "common/units.h"
 
@@ -177,12 +178,17 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
     return Status::from_errno(ENOTDIR, "scratch directory " + dir);
   } else {
     STRATA_ASSIGN_OR_RETURN(std::vector<std::string> names, list_dir(dir));
+    // A file system's root (a mounted NVMe drive, DeepSpeed's usual
+    // nvme_path) holds lost+found: empty for this purpose.
+    std::erase(names, std::string("lost+found"));
     const bool ours = std::find(names.begin(), names.end(), kScratchMarker) != names.end();
     if (!ours && !names.empty() && !options_.reuse_nonempty_dirs) {
       return Status(StatusCode::kAlreadyExists,
-                    fmt::format("scratch directory {} is not empty and was not created by Strata (it has no {} "
-                                "marker): give an empty or new directory, or allow reusing it",
-                                dir, kScratchMarker));
+                    fmt::format("scratch directory {} is not empty (it holds {}{}) and was not made by Strata (it "
+                                "has no {} marker): give an empty or new directory, such as {}/strata (Strata "
+                                "makes it)",
+                                dir, clip_for_message(names.front()), names.size() > 1 ? ", ..." : "",
+                                kScratchMarker, dir == "/" ? "" : dir));
     }
     if (!ours && names.empty())
       STRATA_RETURN_IF_ERROR(write_marker(dir + "/" + kScratchMarker).with_context("scratch directory"));

@@ -196,6 +196,8 @@ TEST_F(SwapStoreTest, RefusesANonEmptyDirectoryItDidNotCreate) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.status().code(), StatusCode::kAlreadyExists);
   EXPECT_NE(s.status().message().find(d), std::string::npos);
+  EXPECT_NE(s.status().message().find("it holds precious.txt"), std::string::npos) << s.status().message();
+  EXPECT_NE(s.status().message().find(d + "/strata"), std::string::npos) << s.status().message();
   o.reuse_nonempty_dirs = true;
   {
     auto s2 = SwapStore::create(*engine_, o);
@@ -204,6 +206,24 @@ TEST_F(SwapStoreTest, RefusesANonEmptyDirectoryItDidNotCreate) {
   }
   EXPECT_TRUE(fs::exists(d + "/precious.txt"));
   EXPECT_EQ(std::distance(fs::directory_iterator(d), fs::directory_iterator()), 1);  // only theirs is left
+}
+
+// A file system's root (a mounted drive) holds only lost+found: taken as
+// empty, and lost+found is left alone.
+TEST_F(SwapStoreTest, AFileSystemRootWithLostAndFoundCountsAsEmpty) {
+  const std::string d = dir_.file("mount");
+  fs::create_directories(d + "/lost+found");
+  SwapStoreOptions o;
+  o.dirs = {d};
+  {
+    auto s = SwapStore::create(*engine_, o);
+    ASSERT_TRUE(s.ok()) << s.status().to_string();
+    ASSERT_TRUE((*s)->add_tensor("x", 100).ok());
+  }
+  EXPECT_TRUE(fs::is_directory(d + "/lost+found"));
+  EXPECT_TRUE(fs::exists(d + "/.strata-scratch"));
+  auto again = SwapStore::create(*engine_, o);  // its marker is there now
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
 }
 
 TEST_F(SwapStoreTest, UnwritableDirectoryUnderARegularFile) {
