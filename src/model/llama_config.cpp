@@ -494,6 +494,26 @@ Result<LlamaConfig> load_llama_config(const std::string& path, bool allow_rope_s
   return parse_llama_config(ss.str(), path, allow_rope_scaling);
 }
 
+Status copy_model_side_files(const std::string& from, const std::string& to, std::vector<std::string>* copied) {
+  static const char* const kFiles[] = {"tokenizer.json",    "tokenizer_config.json", "tokenizer.model",
+                                       "special_tokens_map.json", "added_tokens.json", "vocab.json",
+                                       "merges.txt",        "chat_template.jinja",   "generation_config.json"};
+  copied->clear();
+  for (const char* name : kFiles) {
+    const std::string src = from + "/" + name;
+    struct stat st {};
+    if (::stat(src.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    std::ifstream in(src, std::ios::binary);
+    if (!in) return Status::from_errno(errno, "open of " + src + " failed");
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    if (in.bad()) return Status(StatusCode::kIoError, "read of " + src + " failed");
+    STRATA_RETURN_IF_ERROR(write_file_atomic(to + "/" + name, ss.str()));
+    copied->push_back(name);
+  }
+  return {};
+}
+
 std::string llama_config_to_json(const LlamaConfig& c) {
   const char* dtype = c.torch_dtype == DType::kBF16 ? "bfloat16" : c.torch_dtype == DType::kF16 ? "float16" : "float32";
   if (!c.source_json.empty()) {

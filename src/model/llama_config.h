@@ -128,4 +128,12 @@ struct ModelDir {
 // caches (`*.rotary_emb.inv_freq`) are ignored. Blocking (reads headers only).
 Result<ModelDir> open_model_dir(const std::string& dir);
 
+// The files beside config.json and the weights that make a directory a model
+// transformers loads whole (AutoTokenizer, generate()): tokenizer.json,
+// tokenizer_config.json, tokenizer.model, special_tokens_map.json,
+// added_tokens.json, vocab.json, merges.txt, chat_template.jinja,
+// generation_config.json. Those of `from` that exist (regular files) are
+// copied to `to`, each atomically; *copied lists them. Errors name the file.
+Status copy_model_side_files(const std::string& from, const std::string& to, std::vector<std::string>* copied);
+
 }  // namespace strata::model

@@ -917,7 +917,11 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
   std::unique_ptr<model::SafetensorsWriter> w;
   if (writes) {
     STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
-    STRATA_RETURN_IF_ERROR(model::save_llama_config(cfg, dir + "/config.json"));
+    // config.json comes last: a directory that has it is a whole model (an
+    // export that fails, a full disk, leaves none, and no stale one).
+    std::error_code ec;
+    fs::remove(dir + "/config.json", ec);
+    if (ec) return Status::from_errno(ec.value(), "export dir " + dir + ": cannot remove the old config.json");
     STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
   }
   std::vector<float> buf, a, b;
@@ -946,7 +950,11 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
     }
     if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
   }
-  return w ? w->finish() : Status();
+  if (!w) return {};
+  STRATA_RETURN_IF_ERROR(w->finish());
+  std::vector<std::string> copied;  // the tokenizer and generation config, as the base model has them
+  STRATA_RETURN_IF_ERROR(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
+  return model::save_llama_config(cfg, dir + "/config.json");
 }
 
 Status Trainer::export_adapter(const std::string& dir) {
@@ -955,10 +963,10 @@ Status Trainer::export_adapter(const std::string& dir) {
   const bool writes = m.rank == 0;  // N ranks: every rank gathers, rank 0 writes
   if (writes) {
     STRATA_RETURN_IF_ERROR(make_dirs(dir, "adapter dir"));
+    // adapter_config.json comes last (as config.json in export_model).
     std::error_code ec;
-    const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
-    STRATA_RETURN_IF_ERROR(
-        model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
+    fs::remove(dir + "/adapter_config.json", ec);
+    if (ec) return Status::from_errno(ec.value(), "adapter dir " + dir + ": cannot remove the old adapter_config.json");
   }
   std::vector<model::TensorDecl> decls;
   std::vector<ParamId> ids;
@@ -978,7 +986,11 @@ Status Trainer::export_adapter(const std::string& dir) {
     STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
     if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), buf.size()));
   }
-  return w ? w->finish() : Status();
+  if (!w) return {};
+  STRATA_RETURN_IF_ERROR(w->finish());
+  std::error_code ec;
+  const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
+  return model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base));
 }
 
 }  // namespace strata::train

@@ -194,6 +194,31 @@ def grad_check(probe, d, windows):
     return (worst, worst_name, len(params)), "; ".join(problems)
 
 
+def save_tokenizer_and_generation_config(d):
+    """A word-level tokenizer (the tokenizers library) and a generation config
+    beside the weights, as a model from the Hub has them: the export must
+    carry them (AutoTokenizer.from_pretrained(OUT/model), generate())."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import GenerationConfig, PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(["<unk>", "<s>", "</s>"] + [f"w{i}" for i in range(SHAPE["vocab_size"] - 3)])}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>", unk_token="<unk>").save_pretrained(d)
+    GenerationConfig(bos_token_id=1, eos_token_id=2, do_sample=True, temperature=0.7, top_p=0.9).save_pretrained(d)
+
+
+def export_is_whole(src, out):
+    """'' when OUT/model's tokenizer and generation config are the model's."""
+    from transformers import AutoTokenizer, GenerationConfig
+    text = "w1 w7 w42 zz w3"
+    a, b = AutoTokenizer.from_pretrained(src), AutoTokenizer.from_pretrained(out)
+    if a(text)["input_ids"] != b(text)["input_ids"] or b.eos_token != "</s>":
+        return f"the export's tokenizer differs: {b(text)['input_ids']} vs {a(text)['input_ids']}"
+    if GenerationConfig.from_pretrained(src).to_dict() != GenerationConfig.from_pretrained(out).to_dict():
+        return "the export's generation_config.json differs from the model's"
+    return ""
+
+
 def run_case(strata, work, name, extra, layout, probe=None):
     d = os.path.join(work, f"{name}.{layout}")
     torch.manual_seed(1234)
@@ -208,6 +233,7 @@ def run_case(strata, work, name, extra, layout, probe=None):
                 p.copy_(torch.randn_like(p) * 0.3 + (1.0 if "norm" in n else 0.0))
     model = model.to(torch.bfloat16 if bf16 else torch.float32)
     model.save_pretrained(d + "/model")
+    save_tokenizer_and_generation_config(d + "/model")
     if layout == "v4":
         to_v4_layout(d + "/model/config.json")
     g = torch.Generator().manual_seed(7)
@@ -257,6 +283,9 @@ def run_case(strata, work, name, extra, layout, probe=None):
         if g:
             print(f"  {'':26s}     per-tensor gradients vs transformers float64 ({g[2]} tensors): worst "
                   f"{g[0]:.2e} ({g[1]})")
+    err = export_is_whole(d + "/model", d + "/out/model")
+    if err:
+        problems.append(err)
     back = AutoModelForCausalLM.from_pretrained(d + "/out/model", dtype=torch.float64)
     if type(back) is not type(model):
         problems.append(f"export loads as {type(back).__name__}, not {type(model).__name__}")

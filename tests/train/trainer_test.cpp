@@ -401,6 +401,24 @@ TEST_F(TrainerTest, RunWritesMetricsCheckpointsAndModel) {
   EXPECT_EQ(ck, 2);
 }
 
+// An export that fails leaves no config.json (a directory with one is a
+// whole model), not even an older one.
+TEST_F(TrainerTest, AFailedExportLeavesNoConfig) {
+  const std::string m = make_model("m", /*tied=*/true, 1);
+  auto t = Trainer::create(base(m, dir_ + "/out"));
+  ASSERT_TRUE(t.ok()) << t.status().to_string();
+  const std::string dir = dir_ + "/export";
+  fs::create_directories(dir + "/model.safetensors/in-the-way");  // the rename over it fails
+  std::ofstream(dir + "/config.json") << "{}";
+  Status st = (*t)->export_model(dir, DType::kF32);
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.to_string().find("model.safetensors"), std::string::npos) << st.to_string();
+  EXPECT_FALSE(fs::exists(dir + "/config.json"));
+  fs::remove_all(dir + "/model.safetensors");
+  ASSERT_TRUE((*t)->export_model(dir, DType::kF32).ok());
+  EXPECT_TRUE(fs::exists(dir + "/config.json"));
+}
+
 // A metrics line that cannot be written (here /dev/full: ENOSPC at the
 // flush) stops the run with an error naming the file; a resumed run keeps
 // the file's plan line and adds none.
