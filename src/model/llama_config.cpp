@@ -70,10 +70,22 @@ Status validate_llama_config(const LlamaConfig& c) {
     const double q = std::max(dim, double(c.num_attention_heads) * double(c.head_dim()));
     const double per_layer = 4 * dim * q + 3 * dim * ffn + 2 * dim + 3 * q;  // upper bound (GQA shrinks k/v)
     const double total = double(c.num_hidden_layers) * per_layer + 2 * vocab * dim + dim;
-    if (!(total <= kMaxParams))
-      return bad("hidden_size", fmt::format("with intermediate_size {}, vocab_size {} and {} layers the model would "
-                                            "have about {:.3g} parameters, more than {:.0e}: a damaged config?",
-                                            c.intermediate_size, c.vocab_size, c.num_hidden_layers, total, kMaxParams));
+    if (!(total <= kMaxParams)) {
+      // The key named is the largest factor of the largest term.
+      const double layers = double(c.num_hidden_layers) * per_layer;
+      const char* key = "hidden_size";
+      if (2 * vocab * dim >= layers)
+        key = vocab > dim ? "vocab_size" : "hidden_size";
+      else if (3 * dim * ffn >= 4 * dim * q)
+        key = ffn > dim ? "intermediate_size" : "hidden_size";
+      else if (q > dim)
+        key = c.head_dim_explicit != 0 ? "head_dim" : "num_attention_heads";
+      return bad(key, fmt::format("makes the model too large: hidden_size {}, intermediate_size {}, vocab_size {}, "
+                                  "{} layers and {} heads of {} would be about {:.3g} parameters, more than {:.0e} "
+                                  "(a damaged config?)",
+                                  c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers,
+                                  c.num_attention_heads, c.head_dim(), total, kMaxParams));
+    }
   }
   if (c.head_dim_explicit == 0 && c.hidden_size % c.num_attention_heads != 0)
     return bad("hidden_size", fmt::format("{} is not divisible by num_attention_heads {} (and no head_dim is given)",

@@ -380,6 +380,12 @@ TEST(LlamaConfig, HostileConfigsAreRefused) {
                "\"num_hidden_layers\" 4294967295 is more than 4096");
   expect_error(parse_llama_config(R"({"hidden_size":4294967296,"num_hidden_layers":2,)" + rest + "}"),
                "parameters, more than 1e+14");
+  // The key named is the one at fault.
+  const std::string dims = R"("hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4)";
+  expect_error(parse_llama_config("{" + dims + R"(,"intermediate_size":160,"vocab_size":1000000000000})"),
+               "\"vocab_size\" makes the model too large");
+  expect_error(parse_llama_config("{" + dims + R"(,"intermediate_size":1000000000000,"vocab_size":256})"),
+               "\"intermediate_size\" makes the model too large");
   expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_size":128,"num_hidden_layers":2,)" + rest + "}"),
                "hidden_size: duplicate key");
   std::string deep = R"({"hidden_size":64,"num_hidden_layers":2,)" + rest + R"(,"x":)";
