@@ -735,6 +735,20 @@ void register_plan(CLI::App& app) {
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "Print the plan and the estimate as one JSON object");
   for (CLI::Option* opt : cmd->get_options()) opt->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  // Given, each must be positive: 0 is no setting (it used to mean "the
+  // default" without a word).
+  for (const char* name : {"--batch", "--seq", "--grad-accum", "--h2d-gbps", "--d2h-gbps", "--nvme-read-gbps",
+                           "--nvme-write-gbps", "--cpu-adam-params-per-s", "--world-size", "--link-gbps",
+                           "--gpu-tflops"})
+    cmd->get_option(name)->check(CLI::Validator(
+        [](std::string& v) {
+          char* end = nullptr;
+          const double x = std::strtod(v.c_str(), &end);
+          return end != v.c_str() && *end == '\0' && x > 0 ? std::string()
+                                                           : "is " + v + ": give a positive number, or leave the "
+                                                             "flag out for the default";
+        },
+        "POSITIVE"));
   cmd->callback([o] { set_exit_code(run(*o)); });
 }
 

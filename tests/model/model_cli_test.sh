@@ -96,8 +96,12 @@ expect_error "$dir/missing/config.json" --model "$dir/missing/config.json" --gpu
 expect_error "does not exist" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/missing"
 expect_error "2 sizes for 1 directories" --model "$cfg70" --gpu-mem 24GiB --nvme "$dir/nvme" --nvme-capacity 1TB,2TB
 expect_error "--optimizer-states" --model "$cfg70" --gpu-mem 24GiB --optimizer-states fp16
-expect_error "--batch must be at least 1" --model "$cfg70" --gpu-mem 24GiB --batch 0
-expect_error "--h2d-gbps must be a positive number" --model "$cfg70" --gpu-mem 24GiB --h2d-gbps -3
+expect_error "--batch: is 0: give a positive number" --model "$cfg70" --gpu-mem 24GiB --batch 0
+expect_error "--h2d-gbps: is -3: give a positive number" --model "$cfg70" --gpu-mem 24GiB --h2d-gbps -3
+# An explicit 0 is no setting (it once meant "the default", silently).
+for f in --world-size --grad-accum --h2d-gbps --gpu-tflops --cpu-adam-params-per-s --link-gbps; do
+  expect_error "$f: is 0: give a positive number" --model "$cfg70" --gpu-mem 24GiB $f 0
+done
 expect_error "--device cpu --no-measure: give --gpu-tflops" --model "$cfg70" --gpu-mem 24GiB --device cpu --no-measure
 expect_error "--threads must be 0 (all) or more" --model "$cfg70" --gpu-mem 24GiB --device cpu --threads -2
 expect_error "--device" --model "$cfg70" --gpu-mem 24GiB --device tpu
