@@ -258,14 +258,20 @@ Result<std::string> select_checkpoint(const std::string& from) {
     return Status(StatusCode::kNotFound, "resume: " + from + " is neither a checkpoint nor a directory holding "
                                          "checkpoint-<step> directories");
   std::vector<std::string> others;
+  std::vector<std::string> rejected;  // "checkpoint-4: why", newest first
   Status damaged;  // the newest checkpoint's, when its index or manifest is damaged
   for (auto it = cks.rbegin(); it != cks.rend(); ++it) {
     if (run.empty()) return it->path;  // a run made before run ids: the newest
     auto id = checkpoint_run_id(it->path);
     if (!id.ok()) {
-      if (id.status().code() == StatusCode::kNotFound) continue;  // an uncommitted directory
-      if (id.status().code() != StatusCode::kCorrupt) return id.status().with_context("resume: reading " + it->path);
-      if (damaged.ok()) damaged = id.status();
+      if (id.status().code() != StatusCode::kNotFound && id.status().code() != StatusCode::kCorrupt)
+        return id.status().with_context("resume: reading " + it->path);
+      // kNotFound: a directory whose save never committed (a kill mid-save).
+      rejected.push_back(fmt::format("{} ({})", base_of(it->path),
+                                     id.status().code() == StatusCode::kNotFound ? "never completed: "
+                                                                                  "stopped mid-save"
+                                                                                : "damaged: " + id.status().message()));
+      if (id.status().code() == StatusCode::kCorrupt && damaged.ok()) damaged = id.status();
       continue;
     }
     if (*id == run && !damaged.ok() && CheckpointReader::open(it->path).ok())
@@ -280,8 +286,11 @@ Result<std::string> select_checkpoint(const std::string& from) {
     others.push_back(base_of(it->path));
   }
   return Status(StatusCode::kNotFound,
-                fmt::format("resume: {} holds no checkpoint{}{}", from, run.empty() ? "" : " of its run " + run,
-                            others.empty() ? "" : fmt::format(" (only other runs': {})", fmt::join(others, ", "))));
+                fmt::format("resume: {} holds no usable checkpoint{}{}{}: start over with --overwrite, or give "
+                            "another --out",
+                            from, run.empty() ? "" : " of its run " + run,
+                            others.empty() ? "" : fmt::format(" (other runs': {})", fmt::join(others, ", ")),
+                            rejected.empty() ? "" : fmt::format("; rejected: {}", fmt::join(rejected, "; "))));
 }
 
 Status check_same_settings(const std::string& saved_text, const std::string& now_text, const std::string& checkpoint) {

@@ -59,6 +59,11 @@ expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-
 echo garbage >"$dir/dmg/checkpoint-8/manifest.rank0.json"
 expect_error "the newest checkpoint is damaged" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
 expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+# Every checkpoint damaged: the error names each and why.
+echo garbage >"$dir/dmg/checkpoint-4/manifest.rank0.json"
+expect_error "holds no usable checkpoint of its run" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+expect_error "rejected: checkpoint-8 (damaged: " "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+expect_error "; checkpoint-4 (damaged: " "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
 
 # ---- two jobs, one out dir: the second fails at once, naming the first.
 "$strata" finetune "${common[@]}" --steps 100000 --out "$dir/busy" >"$dir/busy.log" 2>&1 &
