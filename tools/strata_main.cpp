@@ -1,6 +1,8 @@
 // The `strata` command line.
 #include <signal.h>
+#include <sys/resource.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <string>
 
@@ -21,6 +23,31 @@ void print_error(std::string_view command, const Status& st) {
   if (log_level() >= LogLevel::kDebug) std::fprintf(stderr, "%s", st.trace_string().c_str());
 }
 
+namespace {
+
+// The compute threads need stack: Eigen's GEMM blocks live there, and glibc
+// sizes every new thread's stack from RLIMIT_STACK. A soft limit under 8 MiB
+// is raised (as far as the hard limit allows); under 1 MiB the command
+// refuses with a message instead of a SIGSEGV mid-run (`ulimit -s 128`).
+bool enough_stack() {
+  constexpr rlim_t kWant = rlim_t{8} << 20, kNeed = rlim_t{1} << 20;
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_STACK, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY || rl.rlim_cur >= kWant) return true;
+  const rlim_t target = rl.rlim_max == RLIM_INFINITY ? kWant : std::min(kWant, rl.rlim_max);
+  if (target > rl.rlim_cur) {
+    rlimit raised = rl;
+    raised.rlim_cur = target;
+    if (::setrlimit(RLIMIT_STACK, &raised) == 0) rl = raised;
+  }
+  if (rl.rlim_cur >= kNeed) return true;
+  std::fprintf(stderr,
+               "strata: the stack size limit (ulimit -s) is %llu KiB, hard limit %llu KiB: Strata's compute threads "
+               "need at least 1024 KiB; raise it (ulimit -s 8192) and run again\n",
+               static_cast<unsigned long long>(rl.rlim_cur >> 10), static_cast<unsigned long long>(rl.rlim_max >> 10));
+  return false;
+}
+
+}  // namespace
 }  // namespace strata::tools
 
 int main(int argc, char** argv) {
@@ -28,6 +55,7 @@ int main(int argc, char** argv) {
   // A write past `ulimit -f` fails with EFBIG, which every command reports as
   // an error naming the file, instead of SIGXFSZ killing the process mid-save.
   ::signal(SIGXFSZ, SIG_IGN);
+  if (!enough_stack()) return 1;
   CLI::App app{"strata: offload engine for fine-tuning models larger than GPU memory"};
   app.require_subcommand(0, 1);
   bool version = false;

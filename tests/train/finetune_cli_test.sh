@@ -133,4 +133,11 @@ fi
 left=$(find "$dir/nvme" -type f | head -3)
 [[ -z $left ]] || echo "note: files left in the NVMe dir (from the killed job): $left"
 
+# A tiny stack limit: refused with a message (a SIGSEGV in Eigen's GEMM once);
+# a soft limit the hard one lets it raise is raised.
+out=$( (ulimit -s 128; "$strata" finetune "${common[@]}" --steps 1 --out "$dir/stack1" 2>&1); echo "rc=$?")
+[[ $out == *"stack size limit (ulimit -s) is 128 KiB"*"rc=1" ]] || fail "ulimit -s 128: $out"
+out=$( (ulimit -S -s 128; "$strata" finetune "${common[@]}" --steps 1 --out "$dir/stack2" 2>&1); echo "rc=$?")
+[[ $out == *"rc=0" ]] || fail "ulimit -S -s 128 (hard limit higher): $out"
+
 cli_finish "finetune CLI"
