@@ -42,7 +42,10 @@
 #include "model/llama_config.h"
 #include "runtime/config.h"
 #include "runtime/planner.h"
+#include "comm/nccl_comm.h"
 #include "train/cpu_probe.h"
+#include "train/cuda_ops.h"
+#include "train/device_sizes.h"
 #include "train/lora.h"
 #include "train/trainer.h"
 
@@ -369,7 +372,7 @@ int run(const PlanCliOptions& o) {
   if (o.batch > (1ull << 20) || o.seq > (1ull << 24)) return fail("--batch or --seq is implausibly large");
 
   LlamaShape shape = lc->shape();
-  shape.dtype = o.config.empty() ? DType::kBF16 : ds.compute_dtype();
+  shape.dtype = ds.compute_dtype();  // as strata finetune: fp32 unless bf16/fp16 (or --dtype) says otherwise
   if (!o.dtype.empty()) {
     auto d = parse_dtype(o.dtype);
     if (!d.ok()) return fail("--dtype: " + d.status().message());
@@ -470,6 +473,45 @@ int run(const PlanCliOptions& o) {
                                 format_bytes(d.capacity)));
   }
 
+  // The device reserve: what strata finetune holds beside the placement at
+  // this batch and sequence length (train/device_sizes.h: gradient buffers,
+  // layer inputs, activation buffers, on a GPU the model ops' workspace), or
+  // the config's strata.device_reserve when larger, as the trainer does.
+  {
+    const train::DeviceSizes z =
+        train::trainer_device_sizes(*spec, lc->hidden_size, lc->num_hidden_layers, lc->tie_word_embeddings,
+                                    o.batch * o.seq, ds.strata.prefetch_depth);
+    uint64_t workspace = 0;
+    std::string ws_note;
+    if (o.device != "cpu") {
+      train::CudaOpsOptions co;
+      co.dims = train::llama_dims(*lc);
+      if (o.lora_rank > 0) {
+        co.dims.lora_targets = shape.lora_targets;
+        co.dims.lora_rank = o.lora_rank;
+      }
+      co.max_batch = static_cast<int64_t>(o.batch);
+      co.max_seq = static_cast<int64_t>(o.seq);
+      auto ws = train::cuda_ops_workspace_bytes(co);
+      if (ws.ok()) {
+        workspace = *ws;
+        ws_note = fmt::format(", the CUDA model ops' workspace {}", format_bytes(train::pool_bytes(workspace)));
+      } else {
+        ws_note = fmt::format("; not counted: the CUDA model ops' workspace, known only where the CUDA module "
+                              "loads ({})",
+                              ws.status().message());
+      }
+    }
+    const uint64_t needed = z.reserve(workspace, o.device != "cpu" && world > 1 ? comm::kNcclDefaultScratch : 0);
+    const bool larger = ds.strata.device_reserve_given && ds.strata.device_reserve > needed;
+    options.device_reserve = larger ? ds.strata.device_reserve : needed;
+    notes.push_back(fmt::format("device reserve {}{}: strata finetune's fp32 gradient buffer {}, layer inputs and "
+                                "activation buffers for batch {} x seq {} {}{}",
+                                format_bytes(options.device_reserve),
+                                larger ? " (the config's strata.device_reserve)" : "", format_bytes(z.grad_bytes),
+                                o.batch, o.seq, format_bytes(z.extra), ws_note));
+  }
+
   auto plan = make_plan(*spec, budgets, options);
   if (!plan.ok()) {
     const bool budget = plan.status().code() == StatusCode::kOutOfBudget;
@@ -479,6 +521,10 @@ int run(const PlanCliOptions& o) {
     // NVMe helps where states do not fit, not the device's working set.
     if (budget && budgets.nvme.empty() && plan.status().message().rfind("device:", 0) != 0)
       what += " (here: --nvme DIR[,DIR], with --nvme-capacity SIZE to plan for a drive elsewhere)";
+    if (budget && plan.status().message().rfind("device:", 0) == 0 && options.device_reserve > budgets.device_bytes / 4)
+      what += fmt::format(" (the {} reserve is mostly strata finetune's activations for batch {} x seq {}: a "
+                          "smaller --batch or --seq lowers it)",
+                          format_bytes(options.device_reserve), o.batch, o.seq);
     if (o.json) std::printf("%s\n", json({{"fits", false}, {"error", what}}).dump(2).c_str());
     return fail(what);
   }
@@ -695,7 +741,8 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--nvme-capacity", o->nvme_capacity,
                   "Bytes usable per NVMe directory: one size for all or one per directory (default: free space)");
   cmd->add_option("--config", o->config, "DeepSpeed/Strata JSON config (offload devices, optimizer state dtype, ...)");
-  cmd->add_option("--dtype", o->dtype, "Compute dtype bf16|fp16|fp32 (default: bf16, or the config's)");
+  cmd->add_option("--dtype", o->dtype, "Compute dtype bf16|fp16|fp32 (default: the config's bf16/fp16 section, else fp32, as strata finetune: "
+                  "its --bf16 is --dtype bf16 here)");
   cmd->add_option("--optimizer-states", o->optimizer_states,
                   "Adam moment dtype fp32|bf16 (default: fp32, or the config's)");
   cmd->add_option("--batch", o->batch, "Sequences per micro-batch")->capture_default_str();

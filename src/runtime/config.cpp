@@ -551,6 +551,7 @@ Status read_optimizer(Obj& o, OptimizerConfig* c) {
 
 Status read_strata(Obj& o, StrataConfig* s) {
   STRATA_RETURN_IF_ERROR(read_size(o, "device_memory", &s->device_memory));
+  s->device_reserve_given = o.has("device_reserve");
   STRATA_RETURN_IF_ERROR(read_size(o, "device_reserve", &s->device_reserve));
   STRATA_RETURN_IF_ERROR(read_size(o, "host_memory", &s->host_memory));
   STRATA_RETURN_IF_ERROR(read_size(o, "pinned_memory", &s->pinned_memory));

@@ -152,6 +152,8 @@ const char* io_backend_name(IoBackendChoice b);  // "auto", "uring", "aio", "pos
 struct StrataConfig {
   uint64_t device_memory = 0;                           // device budget (bytes); 0: free device memory at start
   uint64_t device_reserve = 2ull << 30;                 // kept free on the device for activations and workspace
+  bool device_reserve_given = false;                    // the config sets device_reserve (strata finetune and plan
+                                                        // reserve their buffers' size, or this when larger)
   uint64_t host_memory = 0;                             // host RAM budget for the host tier; 0: detect
   uint64_t pinned_memory = 0;                           // page-locked staging budget (part of host_memory); 0: detect
   std::vector<NvmeDir> nvme;                            // NVMe directories (offload_*.nvme_path are added)

@@ -232,25 +232,11 @@ Result<EngineOptions> Trainer::Impl::engine_options() {
 // with a 64 MiB margin, and the activations and token buffers; and the
 // engine's group buffers. Sets grad_buf_elems and tokens_per_micro.
 DeviceSizes Trainer::Impl::device_sizes(const ModelSpec& spec) {
-  DeviceSizes z;
-  // The gradient buffer holds a group's trainable gradients only (frozen
-  // tensors, a LoRA base, have none); the group buffers hold every compute copy.
-  std::map<std::string, uint64_t> group_grad, group_bytes;
-  uint64_t embed_grad = 0, largest = 0, largest_compute = 0;
-  for (const ParamSpec& ps : spec.params) {
-    const uint64_t b = group_bytes[ps.group] += ps.numel() * dtype_size(ps.compute_dtype);
-    largest_compute = std::max(largest_compute, b);
-    if (!ps.trainable) continue;
-    largest = std::max(largest, group_grad[ps.group] += ps.numel());
-    if (ps.name == weight_row(kEmbedTokens).name) embed_grad = ps.numel();
-  }
-  grad_buf_elems = largest;
-  z.reserve_base = (largest + (dims.tied ? embed_grad : 0)) * sizeof(float) + (64ull << 20);
   tokens_per_micro = static_cast<int64_t>(opt.batch) * seq;
-  const uint64_t act = static_cast<uint64_t>(tokens_per_micro) * static_cast<uint64_t>(dims.dim) * sizeof(float);
-  const uint64_t tok = static_cast<uint64_t>(tokens_per_micro) * sizeof(int32_t);
-  z.extra = pool_bytes(act * (model.config.num_hidden_layers + 1)) + 2 * pool_bytes(act) + 2 * pool_bytes(tok);
-  z.group_buffers = 2 * (opt.config.strata.prefetch_depth + 2) * largest_compute;
+  DeviceSizes z = trainer_device_sizes(spec, static_cast<uint64_t>(dims.dim), model.config.num_hidden_layers,
+                                       dims.tied, static_cast<uint64_t>(tokens_per_micro),
+                                       opt.config.strata.prefetch_depth);
+  grad_buf_elems = z.grad_buf_elems;
   return z;
 }
 
@@ -390,6 +376,16 @@ Status Trainer::Impl::choose_device(const DeviceSizes& z, Config* cfg) {
   return use_host(z, cfg);
 }
 
+// The trainer reserves what its buffers take; a config's
+// strata.device_reserve is kept free as well when it asks for more.
+static uint64_t given_reserve(uint64_t needed, const StrataConfig& s) {
+  if (!s.device_reserve_given || s.device_reserve <= needed) return needed;
+  log_once(LogLevel::kInfo, "trainer-reserve",
+           fmt::format("trainer: device reserve {} (strata.device_reserve; the trainer's buffers take {})",
+                       format_bytes(s.device_reserve), format_bytes(needed)));
+  return s.device_reserve;
+}
+
 Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
   CudaOpsOptions co;
   co.dims = dims;
@@ -400,7 +396,7 @@ Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
   STRATA_ASSIGN_OR_RETURN(uint64_t workspace, cuda_ops_workspace_bytes(co));
   // N GPU ranks: the NCCL communicator's scratch comes from the same pool.
   const uint64_t reserve =
-      z.reserve_base + z.extra + pool_bytes(workspace) + (world > 1 ? uint64_t{comm::kNcclDefaultScratch} : 0);
+      given_reserve(z.reserve(workspace, world > 1 ? uint64_t{comm::kNcclDefaultScratch} : 0), cfg->strata);
   // The budget: --device-mem / strata.device_memory when given, else 0:
   // the backend detects it (the GPU's free memory less a margin for the CUDA
   // context and libraries), and the planner gets the same figure.
@@ -428,7 +424,7 @@ Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
 Status Trainer::Impl::use_host(const DeviceSizes& z, Config* cfg) {
   // The "device" is RAM. The budget keeps what the engine's group buffers had
   // before the activations moved into the pool (at least 1 GiB), plus them.
-  cfg->strata.device_reserve = z.reserve_base + z.extra;
+  cfg->strata.device_reserve = given_reserve(z.reserve(), cfg->strata);
   if (cfg->strata.device_memory == 0)
     cfg->strata.device_memory = std::max<uint64_t>(1ull << 30, z.reserve_base + z.group_buffers) + z.extra;
   DeviceBackendOptions d;

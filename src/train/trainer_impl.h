@@ -39,6 +39,7 @@
 #include "runtime/checkpoint.h"
 #include "runtime/model_spec.h"
 #include "train/cuda_ops.h"
+#include "train/device_sizes.h"
 #include "train/progress.h"
 #include "train/run_dir.h"
 
@@ -52,21 +53,9 @@ inline double seconds_since(Clock::time_point t0) { return std::chrono::duration
 // Creates `dir` and checks it is writable (a probe file); `what` names it in errors.
 Status make_dirs(const std::string& dir, const std::string& what);
 
-// Device-pool bytes a buffer of `bytes` may take: the caching allocator
-// rounds up to a size class, at most 25% over (device/caching_allocator.h).
-inline uint64_t pool_bytes(uint64_t bytes) { return bytes + bytes / 4 + 512; }
-
-// Device-memory figures the trainer sizes the engine's budget and reserve by.
-struct DeviceSizes {
-  uint64_t reserve_base = 0;   // gradient buffers + 64 MiB (the reserve before activations moved to the pool)
-  uint64_t extra = 0;          // activations, dx, tokens and targets, as the pool rounds them
-  uint64_t group_buffers = 0;  // the engine's compute buffers for prefetch_depth + 2 groups, double-buffered
-};
-
 }  // namespace trainer_detail
 
 using trainer_detail::Clock;
-using trainer_detail::DeviceSizes;
 using json = nlohmann::json;
 
 // ---------------------------------------------------------------- Impl

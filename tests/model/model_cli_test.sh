@@ -87,6 +87,15 @@ expect_error "short; add a directory or use bf16 optimizer states" --model "$cfg
 expect_error "does not fit" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --no-measure
 expect_error "--nvme DIR" --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --no-measure
 
+# ---- plan reserves what strata finetune holds beside the placement: its
+# activations grow with batch x seq, and a run they do not leave room for is
+# refused naming them.
+out=$("$strata" plan --model "$cfg70" --gpu-mem 24GiB --host-mem 512GiB --nvme "$dir/nvme" --nvme-capacity 2TB \
+  --no-measure --batch 1 --seq 2048 2>&1) || fail "plan at 1 x 2048 exited $?: $out"
+[[ $out == *"device reserve"*"activation buffers for batch 1 x seq 2048"* ]] || fail "no reserve note: $out"
+expect_error "a smaller --batch or --seq lowers it" --model "$cfg70" --gpu-mem 24GiB --host-mem 512GiB \
+  --nvme "$dir/nvme" --nvme-capacity 2TB --no-measure --batch 64 --seq 8192
+
 # ---- plan: bad flags
 expect_error "--model is required" --gpu-mem 24GiB
 expect_error "--gpu-mem is required" --model "$cfg70" --host-mem 64GiB
