@@ -5,6 +5,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <mutex>
+#include <vector>
 
 #include "attention_mma.cuh"
 #include "attention_mma_kernels.cuh"
@@ -20,19 +22,38 @@ bool aligned16(const void* p) {
 
 // Whether `kernel` has sm_80+ code for the current device and the device
 // gives a block `smem` bytes of shared memory; sets the block's limit.
-// Clears any error its queries leave.
+// binaryVersion alone would pass code JIT-compiled from sm_75 PTX (it
+// reports the device's arch), whose bodies are __trap(): ptxVersion too.
+// Clears any error its queries leave. The answer is kept per (device,
+// kernel): a launch costs one lookup, not five runtime queries.
 template <typename Kernel>
 bool prepare(Kernel kernel, size_t smem) {
-  int dev = 0, major = 0, optin = 0;
+  int dev = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  struct Entry {
+    const void* fn;
+    int dev;
+    bool ok;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  const void* fn = reinterpret_cast<const void*>(kernel);
+  std::lock_guard<std::mutex> lock(mu);
+  for (const Entry& e : cache)
+    if (e.fn == fn && e.dev == dev) return e.ok;
+  int major = 0, optin = 0;
   cudaFuncAttributes attr{};
   const bool ok =
-      cudaGetDevice(&dev) == cudaSuccess &&
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) == cudaSuccess && major >= 8 &&
       cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) == cudaSuccess &&
       static_cast<size_t>(optin) >= smem && cudaFuncGetAttributes(&attr, kernel) == cudaSuccess &&
-      attr.binaryVersion >= 80 &&
+      attr.binaryVersion >= 80 && attr.ptxVersion >= 80 &&
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)) == cudaSuccess;
   if (!ok) (void)cudaGetLastError();
+  cache.push_back({fn, dev, ok});
   return ok;
 }
 

@@ -319,14 +319,16 @@ __global__ void __launch_bounds__(kBlock)
       st_f2(orow + dn * 8 + 2 * t, make_float2(o[dn][2 * r] * inv, o[dn][2 * r + 1] * inv));
     if (t == 0) lse[(b * H + h) * T + rows[r]] = (m[r] + log2f(L)) * kLn2;
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // code for an arch below sm_80: prepare() refuses it, so it never runs
 #endif
 }
 
 // ------------------------------------------------------------------ backward
 // delta[b, h, i] = sum_c dout[row, h, c] * out[row, h, c]; one warp per
 // (row, head), lanes over c, then a fixed butterfly.
-__global__ void attn_delta(const float* __restrict__ out, const float* __restrict__ dout, float* __restrict__ delta,
-                           int64_t rows, int T, int H, int hd) {
+static __global__ void attn_delta(const float* __restrict__ out, const float* __restrict__ dout,
+                                  float* __restrict__ delta, int64_t rows, int T, int H, int hd) {
   const int64_t idx = static_cast<int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5);
   if (idx >= rows * H) return;
   const int lane = threadIdx.x & 31;
@@ -444,6 +446,8 @@ __global__ void __launch_bounds__(kBlock)
       st_f2(dv + base + dn * 8 + 2 * t, make_float2(dv_acc[dn][2 * r], dv_acc[dn][2 * r + 1]));
     }
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // code for an arch below sm_80: prepare() refuses it, so it never runs
 #endif
 }
 
@@ -539,6 +543,8 @@ __global__ void __launch_bounds__(kBlock)
     for (int dn = 0; dn < HD / 8; ++dn)
       st_f2(row + dn * 8 + 2 * t, make_float2(dq_acc[dn][2 * r] * scale, dq_acc[dn][2 * r + 1] * scale));
   }
+#elif defined(__CUDA_ARCH__)
+  __trap();  // code for an arch below sm_80: prepare() refuses it, so it never runs
 #endif
 }
 
