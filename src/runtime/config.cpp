@@ -851,6 +851,7 @@ std::string config_to_json(const Config& c) {
                  {"optimizer_chunk", s.optimizer_chunk},
                  {"swap_checksums", s.swap_checksums},
                  {"groups", groups}};
+  if (!s.device_reserve_given) j["strata"].erase("device_reserve");  // unset stays unset: finetune sizes it
   return j.dump(2) + "\n";
 }
 

@@ -145,6 +145,7 @@ TEST(ConfigSamples, StrataSection) {
   const StrataConfig& s = c.strata;
   EXPECT_EQ(s.device_memory, 22ull << 30);
   EXPECT_EQ(s.device_reserve, 3ull << 30);
+  EXPECT_TRUE(s.device_reserve_given);
   EXPECT_EQ(s.host_memory, 64ull << 30);
   EXPECT_EQ(s.pinned_memory, 8ull << 30);
   ASSERT_EQ(s.nvme.size(), 2u);
@@ -196,6 +197,8 @@ TEST(ConfigDefaults, EmptyObjectIsTheDefaultConfig) {
   EXPECT_EQ(d.fp16.hysteresis, 2);
   EXPECT_EQ(d.fp16.min_loss_scale, 1.0);
   EXPECT_EQ(d.compute_dtype(), DType::kF32);
+  EXPECT_FALSE(d.strata.device_reserve_given);  // strata finetune sizes it
+  EXPECT_EQ(config_to_json(d).find("device_reserve"), std::string::npos);
 }
 
 TEST(ConfigDefaults, PresentOffloadObjectDefaultsToNone) {
@@ -467,6 +470,7 @@ TEST(ConfigRoundTrip, NonDefaultValuesEverywhere) {
   c.gradient_accumulation_steps = 17;
   c.strata.device_memory = 1;
   c.strata.device_reserve = 0;
+  c.strata.device_reserve_given = true;
   c.strata.host_memory = UINT64_MAX;
   c.strata.pinned_memory = 5;
   c.strata.nvme = {{"/x", 1}, {"/y", 0}};
