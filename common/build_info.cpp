@@ -6,10 +6,6 @@
 
 namespace strata {
 
-const char* version_string() {
-  return STRATA_VERSION " (commit " STRATA_GIT_COMMIT ", " STRATA_BUILD_TYPE ")";
-}
-
 std::string build_feature_summary() {
   auto yn = [](int v) { return v ? "yes" : "no"; };
   std::string s;

@@ -8,6 +8,7 @@ namespace strata {
 
 // One line per optional part: "  io_uring   yes (liburing 2.3)" etc.
 std::string build_feature_summary();
-const char* version_string();  // "0.1.0 (commit abc123, RelWithDebInfo)"
+// The version line with its commit is STRATA_VERSION_STRING in strata/git_commit.h,
+// generated at each build and included only where it is reported.
 
 }  // namespace strata

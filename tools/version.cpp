@@ -9,6 +9,7 @@
 #include "cpu_optim/dispatch.h"
 #include "device/cuda_loader.h"
 #include "io/io_engine.h"
+#include "strata/git_commit.h"
 
 namespace strata::tools {
 
@@ -45,7 +46,7 @@ std::string device_runtime_summary() {
 }
 
 std::string version_text() {
-  return fmt::format("strata {}\nbuilt with:\n{}on this machine:\n{}{}{}", version_string(), build_feature_summary(),
+  return fmt::format("strata {}\nbuilt with:\n{}on this machine:\n{}{}{}", STRATA_VERSION_STRING, build_feature_summary(),
                      io_runtime_summary(), cpu_optim_runtime_summary(), device_runtime_summary());
 }
 

@@ -1,8 +1,8 @@
 #include <string>
 
 #include "capi/c_api_util.h"
-#include "common/build_info.h"
 #include "common/enum_names.h"
+#include "strata/git_commit.h"
 #include "strata/strata.h"
 
 namespace strata::capi {
@@ -67,7 +67,7 @@ const char* strata_status_string(strata_status_t status) {
 
 const char* strata_last_error(void) { return strata::capi::t_last_error.c_str(); }
 
-const char* strata_version(void) { return strata::version_string(); }
+const char* strata_version(void) { return STRATA_VERSION_STRING; }
 
 int strata_api_version(void) { return STRATA_API_VERSION; }
 
