@@ -25,7 +25,13 @@ void LossScaler::update(bool overflow, const Fp16Config& f) {
     last_overflow_iter = iter;
   } else {
     if (f.consecutive_hysteresis) hysteresis = f.hysteresis;
-    if ((iter - last_overflow_iter) % f.loss_scale_window == 0) {
+    // DeepSpeed 0.19's rule: the clean steps since the last overflow (or the
+    // start), this one not counted, a positive multiple of the window. So the
+    // first doubling comes after window + 1 clean steps, and each next one
+    // `window` steps later (apex/Megatron's older rule doubled one step
+    // sooner).
+    const int64_t stable = iter - last_overflow_iter - 1;
+    if (stable > 0 && stable % f.loss_scale_window == 0) {
       if (!f.consecutive_hysteresis) hysteresis = f.hysteresis;
       scale *= 2;
     }

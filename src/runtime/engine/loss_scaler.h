@@ -25,7 +25,9 @@ struct LossScaler {
   void configure(const Fp16Config& f);
   // One step of the dynamic scaler: an overflow halves the scale once
   // `hysteresis` overflows were seen (never below min_loss_scale); a clean
-  // step doubles it after loss_scale_window clean steps.
+  // step doubles it when the clean steps before it since the last overflow
+  // are a positive multiple of loss_scale_window (DeepSpeed 0.19's
+  // DynamicLossScaler.update_scale, step for step).
   void update(bool overflow, const Fp16Config& f);
 };
 
