@@ -284,7 +284,9 @@ class EngineTest(unittest.TestCase):
         engine.destroy()
         m = llama()
         engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme("c")))
-        self.assertEqual(engine.load_checkpoint(ck), {"epoch": 3})
+        # DeepSpeed's layout and return value: ck/global_step4 and ck/latest naming it.
+        self.assertEqual(engine.load_checkpoint(ck), (os.path.join(ck, "global_step4"), {"epoch": 3}))
+        self.assertEqual(engine.global_steps, 4)
         rest = strata_run(engine, data[4:])
         self.assertEqual(first + rest, straight)
         for k, v in engine.state_dict().items():

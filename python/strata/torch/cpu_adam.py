@@ -1,7 +1,8 @@
 """strata.torch.CPUAdamW: torch.optim.AdamW's update computed by Strata's
 vectorized CPU optimizer (the C ABI's strata_cpu_optimizer_step), for
-people who offload only the optimizer (ZeRO-Offload); a drop-in for
-DeepSpeedCPUAdam.
+people who offload only the optimizer (ZeRO-Offload), with torch.optim.AdamW's
+arguments and defaults; DeepSpeedCPUAdam (end of this file) is the drop-in for
+deepspeed.ops.adam.DeepSpeedCPUAdam (its signature and defaults).
 
 The parameters are fp32 CPU tensors (the masters); gradients fp32, bf16 or
 fp16. The state is torch.optim.AdamW's: state['step'] (a float tensor),
@@ -648,3 +649,16 @@ class CPUAdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(float(_step_of(state)), dtype=torch.float32)
         self._has_max = {p for p, moved in carried.items() if "max_exp_avg_sq" in moved}
         self._build_store(carried)
+
+
+class DeepSpeedCPUAdam(CPUAdamW):
+    """CPUAdamW with DeepSpeedCPUAdam's signature and defaults (deepspeed.ops.adam.DeepSpeedCPUAdam, 0.19):
+    bias_correction second, weight_decay 0 (torch.optim.AdamW's, which CPUAdamW keeps, is 0.01), so code
+    written for DeepSpeed's class gets the same update. The keyword-only options of CPUAdamW (nvme_path=,
+    offload_optimizer=, aio=, threads=, maximize=) are taken too."""
+
+    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
+                 amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, **kwargs):
+        super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                         adamw_mode=adamw_mode, bias_correction=bias_correction,
+                         fp32_optimizer_states=fp32_optimizer_states, **kwargs)

@@ -50,6 +50,7 @@ import functools
 import json
 import os
 import threading
+import warnings
 import weakref
 
 import torch
@@ -63,6 +64,55 @@ _DTYPES = {torch.float32: _lib.DTYPE_F32, torch.bfloat16: _lib.DTYPE_BF16, torch
 # DeepSpeed config keys this package handles itself or that do not change the
 # math (the rest goes to the engine, whose parser reads or refuses every key).
 _PACKAGE_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "scheduler"}
+_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+# Param group entries the engine takes once, at initialize().
+_FIXED_GROUP_KEYS = ("weight_decay", "eps", "amsgrad", "maximize")
+
+
+def _launch_world(mpi_comm):
+    """The data-parallel world size as the launch tells it before the engine exists."""
+    if mpi_comm is not None and hasattr(mpi_comm, "Get_size"):
+        return int(mpi_comm.Get_size())
+    for key in ("OMPI_COMM_WORLD_SIZE", "WORLD_SIZE"):
+        v = os.environ.get(key, "")
+        if v.isdigit() and int(v) > 0:
+            return int(v)
+    return 1
+
+
+def _batch_sizes(given, world):
+    """(train_batch_size, train_micro_batch_size_per_gpu, gradient_accumulation_steps) as DeepSpeed derives
+    them (runtime/config.py _set_batch_related_parameters, _batch_assertion): two given fix the third, one
+    of the batch sizes alone means no accumulation, and all three must agree with the world size. Unlike
+    DeepSpeed, giving neither batch size is allowed (the micro-batch is whatever the caller feeds):
+    gradient_accumulation_steps, default 1, and None for the other two."""
+    vals = {}
+    for key in _BATCH_KEYS:
+        v = given.get(key)
+        if v == "auto":
+            raise ValueError(f"strata.torch.initialize: config {key} is \"auto\", the Hugging Face Trainer's "
+                             "placeholder: give a number (StrataTrainer fills it from TrainingArguments)")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ValueError(f"strata.torch.initialize: config {key} is {v!r}; it must be an integer >= 1")
+        vals[key] = v
+    tb, mb, gas = (vals[k] for k in _BATCH_KEYS)
+    if tb is not None and mb is not None and gas is None:
+        gas = tb // mb // world
+    elif tb is not None and gas is not None and mb is None:
+        mb = tb // world // gas
+    elif mb is not None and gas is not None and tb is None:
+        tb = mb * gas * world
+    elif tb is not None and mb is None and gas is None:
+        gas, mb = 1, tb // world
+    elif mb is not None and tb is None and gas is None:
+        gas, tb = 1, mb * world
+    elif tb is None and mb is None:
+        return None, None, gas or 1
+    if min(tb, mb, gas) < 1 or tb != mb * gas * world:
+        raise ValueError(f"strata.torch.initialize: the config's batch sizes do not agree (as DeepSpeed checks): "
+                         f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} * "
+                         f"gradient_accumulation_steps {gas} * world size {world}")
+    return tb, mb, gas
 # A model on a GPU whose config gives no strata.device_memory: the engine's
 # device budget is this share of the GPU memory free when initialize() runs
 # (config: strata.device_memory_fraction); the rest stays PyTorch's.
@@ -268,9 +318,8 @@ class StrataEngine:
             raise ValueError("strata.torch.initialize: both the config's \"scheduler\" section and lr_scheduler= "
                              "are given; keep one (DeepSpeed would silently use lr_scheduler=)")
         self.module = model
-        self.gradient_accumulation_steps = int(cfg.get("gradient_accumulation_steps", 1))
-        if self.gradient_accumulation_steps < 1:
-            raise ValueError("gradient_accumulation_steps must be >= 1")
+        self._cfg_batch = {k: cfg.get(k) for k in _BATCH_KEYS}
+        self.gradient_accumulation_steps = _batch_sizes(self._cfg_batch, _launch_world(mpi_comm))[2]
         if cfg.get("bf16", {}).get("enabled"):
             self.compute_dtype = torch.bfloat16
         elif cfg.get("fp16", {}).get("enabled"):
@@ -281,7 +330,9 @@ class StrataEngine:
         opt_params = opt_cfg.get("params", {})
         base_lr = float(opt_params.get("lr", 1e-3))
         base_wd = float(opt_params.get("weight_decay", 0.0))
+        base_eps = float(opt_params.get("eps", 1e-8))
         engine_cfg = {k: v for k, v in cfg.items() if k not in _PACKAGE_KEYS}
+        engine_cfg["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         # Backward holds up to two groups (one autograd node's weights, and
         # the next node's), so the device buffers are planned for two.
         engine_cfg["strata"] = dict(engine_cfg.get("strata", {}))
@@ -311,6 +362,13 @@ class StrataEngine:
             if wd not in (0.0, base_wd):
                 raise ValueError(f"strata.torch: param group {gi} has weight_decay {wd}; the engine applies the "
                                  f"config's {base_wd} or 0 per parameter")
+            if "eps" in g and float(g["eps"]) != base_eps:
+                raise ValueError(f"strata.torch: param group {gi} has eps {g['eps']}; the engine's AdamW uses the "
+                                 f"config's optimizer.params.eps ({base_eps}) for every group")
+            for key in ("amsgrad", "maximize"):
+                if g.get(key):
+                    raise ValueError(f"strata.torch: param group {gi} sets {key}=True; the engine's AdamW does not "
+                                     "implement it")
             for p in params:
                 if id(p) not in named:
                     raise ValueError("strata.torch: a parameter in model_parameters is not one of the model's")
@@ -321,8 +379,12 @@ class StrataEngine:
             og["params"] = params
             opt_groups.append(og)
         betas = opt_params.get("betas", [0.9, 0.999])
-        defaults = {"lr": base_lr, "weight_decay": base_wd, "betas": (float(betas[0]), float(betas[1]))}
+        defaults = {"lr": base_lr, "weight_decay": base_wd, "betas": (float(betas[0]), float(betas[1])),
+                    "eps": base_eps, "amsgrad": False, "maximize": False}
         self.optimizer = _Optimizer(opt_groups, defaults)
+        # What the engine fixes at initialize: a group's lr and betas may
+        # change between steps (schedulers), these may not (step() refuses).
+        self._fixed = [{k: g[k] for k in _FIXED_GROUP_KEYS} for g in self.optimizer.param_groups]
         # The schedule: the config's DeepSpeed "scheduler" section, or a torch
         # scheduler (or a callable building one on the optimizer). Built here,
         # before the engine: a bad section costs nothing, and it sets the
@@ -421,6 +483,10 @@ class StrataEngine:
         rank, world = ctypes.c_uint32(), ctypes.c_uint32()
         _lib.check(_lib.strata_engine_ranks(e, ctypes.byref(rank), ctypes.byref(world)), e)
         self.rank, self.world_size = rank.value, world.value
+        # The batch sizes with the real world size (an mpi_comm handle's size
+        # is known only now); every derived value is DeepSpeed's.
+        (self.train_batch_size, self.train_micro_batch_size_per_gpu,
+         self.gradient_accumulation_steps) = _batch_sizes(self._cfg_batch, self.world_size)
         if self._cuda:
             self._s = None
             self._switch(torch.cuda.current_stream(self.device))
@@ -454,6 +520,11 @@ class StrataEngine:
         self._copies = {}          # pid -> storage ptr of its private copy (recomputation)
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
+        self.last_step = None
+        self._step_applied = False
+        self.global_steps = 0     # optimizer boundaries passed, skipped ones included (DeepSpeed's count)
+        self.global_samples = 0
+        self.skipped_steps = 0
         self._hooks = []
         self._hooked = set()
         for mod in self._module_groups:
@@ -751,17 +822,20 @@ class StrataEngine:
             self._abandon()
             raise
 
-    def backward(self, loss):
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """loss.backward() of loss / gradient_accumulation_steps (DeepSpeed's scale_wrt_gas), with the fp16
-        loss scale applied; the gradients go to the engine."""
+        loss scale applied; the gradients go to the engine. retain_graph: as torch's."""
+        if not torch.is_tensor(loss) or not loss.requires_grad:
+            raise TypeError("strata.torch: backward(loss) takes the loss tensor of a forward run with gradients "
+                            "enabled")
         scale = ctypes.c_double(1.0)
         self._call(_lib.strata_engine_loss_scale, ctypes.byref(scale))
-        if self.gradient_accumulation_steps > 1:
+        if scale_wrt_gas and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         self._in_backward = True
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                (loss * scale.value if scale.value != 1.0 else loss).backward()
+                (loss * scale.value if scale.value != 1.0 else loss).backward(retain_graph=retain_graph)
         except BaseException:
             self._abandon()
             raise
@@ -807,8 +881,22 @@ class StrataEngine:
 
     def step(self):
         """At the accumulation boundary: one optimizer step with the param_groups' learning rates."""
+        if self._in_step and self._micro == 0 and not self._in_backward:
+            # A forward began a micro-batch and its loss never came through
+            # backward(): loss.backward() bypasses the engine's accounting.
+            self._abandon()
+            raise StrataError(1, "strata.torch: step() after a forward whose loss did not go through "
+                                 "engine.backward(loss) (loss.backward() is not enough: the engine scales the loss "
+                                 "and counts the micro-batch there); the micro-batch was discarded")
+        self._step_applied = False
         if not self.is_gradient_accumulation_boundary():
             return None
+        for gi, group in enumerate(self.optimizer.param_groups):
+            for key, was in self._fixed[gi].items():
+                if group.get(key) != was:
+                    raise ValueError(f"strata.torch: param group {gi}'s {key} changed from {was!r} to "
+                                     f"{group.get(key)!r}; the engine takes {key} once, at initialize() (only lr "
+                                     "and betas may change between steps)")
         for gi, group in enumerate(self.optimizer.param_groups):
             lr = group["lr"]
             self._call(_lib.strata_engine_set_group_lr, gi, float(lr.item() if torch.is_tensor(lr) else lr))
@@ -832,6 +920,11 @@ class StrataEngine:
             self.lr_scheduler.step()
         self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
                           "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
+        # DeepSpeed's counters: every boundary counts, a skipped one also in skipped_steps.
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size or 0
+        self.skipped_steps += int(bool(r.skipped))
+        self._step_applied = not r.skipped
         return self.last_step
 
     def synchronize(self):
@@ -841,6 +934,32 @@ class StrataEngine:
 
     def get_lr(self):
         return [g["lr"] for g in self.optimizer.param_groups]
+
+    # DeepSpeed's engine API around the step.
+    def was_step_applied(self):
+        """Whether the last step() updated the parameters (False between boundaries and for a skipped step)."""
+        return self._step_applied
+
+    def get_global_grad_norm(self):
+        """The gradient norm of the last optimizer step (before clipping), None before the first."""
+        return None if self.last_step is None else float(self.last_step["grad_norm"])
+
+    def zero_grad(self):
+        """Nothing to do: the engine owns the gradients and starts each step from zero (DeepSpeed's API)."""
+        return None
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def parameters(self, recurse=True):
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, *args, **kwargs):
+        return self.module.named_parameters(*args, **kwargs)
 
     # ---------------------------------------------------------------- weights and checkpoints
 
@@ -895,31 +1014,87 @@ class StrataEngine:
         if self.rank == 0:
             self.module.save_pretrained(directory, state_dict=state, **kwargs)
 
-    def save_checkpoint(self, directory, client_state=None):
-        """Strata's checkpoint of the whole training state (weights, AdamW state, step, loss scale) and
-        the optimizer's learning rates; client_state (JSON-serialisable) comes back from load_checkpoint."""
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """DeepSpeed's save_checkpoint: Strata's checkpoint of the whole training state (weights, AdamW state,
+        step, loss scale), the param groups' learning rates and betas, the scheduler's state and
+        client_state (JSON-serialisable) go to save_dir/tag (tag: default "global_step<global_steps>"), and
+        save_dir/latest names the tag (save_latest). Every rank calls it. Returns True."""
         if self._micro != 0:
             raise StrataError(1, "strata.torch: save_checkpoint in the middle of an accumulation (after "
                                  f"{self._micro} micro-batches): save after engine.step()")
-        extra = {"strata_torch": {"lrs": [float(g["lr"]) for g in self.optimizer.param_groups],
+        if exclude_frozen_parameters:
+            raise NotImplementedError("strata.torch: save_checkpoint(exclude_frozen_parameters=True) is not "
+                                      "implemented (the checkpoint holds every parameter)")
+        if tag is None:
+            tag = f"global_step{self.global_steps}"
+        if not isinstance(tag, str) or not tag or os.sep in tag or tag in (".", ".."):
+            raise TypeError(f"strata.torch: save_checkpoint tag must be a directory name (a str), not {tag!r}; "
+                            "client_state is the third argument, as in DeepSpeed")
+        os.makedirs(save_dir, exist_ok=True)
+        groups = self.optimizer.param_groups
+        extra = {"strata_torch": {"lrs": [float(g["lr"]) for g in groups],
+                                  "betas": [[float(b) for b in g["betas"]] for g in groups],
+                                  "counters": [self.global_steps, self.global_samples, self.skipped_steps],
                                   "client_state": client_state,
                                   "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}}
-        self._call(_lib.strata_engine_save_checkpoint, os.fsencode(directory), json.dumps(extra).encode())
+        self._call(_lib.strata_engine_save_checkpoint, os.fsencode(os.path.join(save_dir, tag)),
+                   json.dumps(extra).encode())
+        if save_latest and self.rank == 0:
+            tmp = os.path.join(save_dir, f".latest.{os.getpid()}")
+            with open(tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(save_dir, "latest"))
+        return True
 
-    def load_checkpoint(self, directory):
-        """Restores a save_checkpoint directory; returns its client_state."""
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None):
+        """DeepSpeed's load_checkpoint: restores save_dir/tag (tag None: the one save_dir/latest names; a
+        directory that is itself a checkpoint, as earlier versions wrote it, also loads) and returns
+        (its path, client_state); (None, None) with a warning when there is no checkpoint to load, as
+        DeepSpeed does. The whole state always comes back: partial loads are refused by name."""
+        for name, value, default in (("load_module_strict", load_module_strict, True),
+                                     ("load_optimizer_states", load_optimizer_states, True),
+                                     ("load_lr_scheduler_states", load_lr_scheduler_states, True),
+                                     ("load_module_only", load_module_only, False),
+                                     ("custom_load_fn", custom_load_fn, None)):
+            if value != default:
+                raise NotImplementedError(f"strata.torch: load_checkpoint({name}={value!r}) is not implemented "
+                                          "(a Strata checkpoint restores the whole training state)")
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if os.path.isfile(latest):
+                with open(latest) as f:
+                    tag = f.read().strip()
+            elif os.path.isfile(os.path.join(load_dir, "index.json")):
+                tag = ""
+            else:
+                warnings.warn(f"strata.torch: load_checkpoint: {latest} does not exist and {load_dir} is no "
+                              "checkpoint: nothing loaded (pass tag= to load a given one)")
+                return None, None
+        path = os.path.join(load_dir, tag) if tag else load_dir
         p = ctypes.c_void_p()
-        self._call(_lib.strata_engine_load_checkpoint, os.fsencode(directory), ctypes.byref(p))
+        self._call(_lib.strata_engine_load_checkpoint, os.fsencode(path), ctypes.byref(p))
         text = ctypes.string_at(p).decode() if p.value else "{}"
         if p.value:
             _lib.strata_free(p)
         extra = json.loads(text or "{}").get("strata_torch", {})
-        for g, lr in zip(self.optimizer.param_groups, extra.get("lrs", [])):
+        groups = self.optimizer.param_groups
+        for g, lr in zip(groups, extra.get("lrs", [])):
             g["lr"] = lr
+        # The betas a scheduler set (OneCycle's cycle_momentum): the next
+        # step gives every group's to the engine again.
+        for g, betas in zip(groups, extra.get("betas", [])):
+            g["betas"] = tuple(betas)
+        self._betas_set = {gi: None for gi in range(len(groups))}
+        if "counters" in extra:
+            self.global_steps, self.global_samples, self.skipped_steps = extra["counters"]
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self._micro = 0
-        return extra.get("client_state")
+        return path, extra.get("client_state")
 
     def stats(self):
         s = _lib.EngineStats()

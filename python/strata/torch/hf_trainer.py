@@ -383,7 +383,10 @@ class StrataTrainer(transformers.Trainer):
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None:
             return
-        self.strata_engine.load_checkpoint(self._strata_checkpoint(checkpoint))
+        d = self._strata_checkpoint(checkpoint)
+        path, _ = self.strata_engine.load_checkpoint(d)
+        if path is None:
+            _refuse(f"resume_from_checkpoint {checkpoint}", f"{d} holds no engine checkpoint (no \"latest\" file)")
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
             self.lr_scheduler.load_state_dict(torch.load(path, weights_only=True))

@@ -1,0 +1,272 @@
+"""strata.torch's engine against DeepSpeed's own engine API and classes
+(DeepSpeed 0.19.8), where a DeepSpeed user's code meets them:
+
+- the fp16 dynamic loss scale step by step against deepspeed's
+  DynamicLossScaler fed the same overflows (scale after each step, skipped
+  steps);
+- the batch sizes (train_batch_size, train_micro_batch_size_per_gpu,
+  gradient_accumulation_steps) derived and checked as DeepSpeedConfig does,
+  and the derived accumulation taking effect;
+- param group options the engine does not implement per group (eps,
+  amsgrad, maximize) or takes once (weight_decay, eps edited between steps)
+  refused by name, never ignored;
+- save_checkpoint / load_checkpoint with DeepSpeed's signature, layout
+  (save_dir/tag, save_dir/latest) and return value; a resume after a
+  scheduler that cycles the betas (OneCycle) is bit-identical;
+- the engine methods DeepSpeed code calls (train, eval, zero_grad,
+  parameters, global_steps, was_step_applied, get_global_grad_norm,
+  backward(retain_graph=)), and loss.backward() in place of engine.backward()
+  named instead of failing later.
+
+DeepSpeed is the reference: without it the tests that need it skip, and fail
+under STRATA_REQUIRE_REFERENCE=1 (CI installs deepspeed==0.19.8).
+"""
+import logging
+import os
+import shutil
+import tempfile
+import unittest
+import warnings
+
+import torch
+
+import strata
+import strata.torch as st
+
+
+def deepspeed_module(test, name):
+    """A deepspeed module, or skip (fail under STRATA_REQUIRE_REFERENCE=1)."""
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    try:
+        import importlib
+        mod = importlib.import_module(name)
+    except Exception as e:  # ImportError, or a deepspeed that cannot start here
+        if os.environ.get("STRATA_REQUIRE_REFERENCE") == "1":
+            test.fail(f"{name} does not import ({e!r}) and STRATA_REQUIRE_REFERENCE=1: pip install deepspeed==0.19.8")
+        test.skipTest(f"deepspeed is the reference and does not import: {e!r}")
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    return mod
+
+
+class MLP(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.l1 = torch.nn.Linear(8, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.l2 = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.norm(self.l1(x))))
+
+
+def batches(n):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 8, generator=g), torch.randn(5, 4, generator=g)) for _ in range(n)]
+
+
+def config(extra=None, **params):
+    p = {"lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+    p.update(params)
+    c = {"optimizer": {"type": "AdamW", "params": p},
+         "zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"},
+                               "offload_optimizer": {"device": "cpu"}}}
+    c.update(extra or {})
+    return c
+
+
+def make(cfg, model_parameters=None, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = MLP()
+        params = model_parameters(m) if model_parameters else None
+        return st.initialize(model=m, model_parameters=params, config=cfg, **kw)[0]
+
+
+def train(engine, data):
+    out = []
+    for x, y in data:
+        loss = ((engine(x) - y) ** 2).mean()
+        engine.backward(loss)
+        out.append(engine.step())
+    return out
+
+
+class DeepSpeedApiTest(unittest.TestCase):
+    def setUp(self):
+        self.dir = tempfile.mkdtemp(prefix="strata-dsapi-")
+        self.engines = []
+
+    def tearDown(self):
+        for e in self.engines:
+            e.destroy()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def engine(self, *args, **kw):
+        e = make(*args, **kw)
+        self.engines.append(e)
+        return e
+
+    def test_the_fp16_loss_scale_is_deepspeeds_step_for_step(self):
+        ls = deepspeed_module(self, "deepspeed.runtime.fp16.loss_scaler")
+        ls.dist.get_rank = lambda *a, **k: 1  # the class logs on rank 0 only; no process group here
+        overflows = [1, 1, 0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0]
+        cases = [([0] * 9, {"loss_scale_window": 3, "hysteresis": 2, "initial_scale_power": 8}),
+                 (overflows, {"loss_scale_window": 2, "hysteresis": 2, "initial_scale_power": 8}),
+                 (overflows, {"loss_scale_window": 3, "hysteresis": 3, "consecutive_hysteresis": True,
+                              "initial_scale_power": 8}),
+                 (overflows, {"loss_scale_window": 2, "hysteresis": 1, "initial_scale_power": 4,
+                              "min_loss_scale": 4})]
+        for pattern, fp16 in cases:
+            with self.subTest(fp16=fp16):
+                e = self.engine(config({"fp16": dict(fp16, enabled=True)}))
+                ds = ls.DynamicLossScaler(init_scale=2 ** fp16["initial_scale_power"],
+                                          scale_window=fp16["loss_scale_window"],
+                                          min_scale=fp16.get("min_loss_scale", 1), delayed_shift=fp16["hysteresis"],
+                                          consecutive_hysteresis=fp16.get("consecutive_hysteresis", False),
+                                          raise_error_at_min_scale=False)
+                for i, ((x, y), overflow) in enumerate(zip(batches(len(pattern)), pattern)):
+                    loss = ((e(x.half()).float() - y) ** 2).mean() * (1e30 if overflow else 1.0)
+                    e.backward(loss)
+                    r = e.step()
+                    ds.update_scale(bool(overflow))
+                    self.assertEqual((r["loss_scale"], r["skipped"]), (ds.cur_scale, bool(overflow)), f"step {i}")
+                    self.assertEqual(e.was_step_applied(), not overflow)
+                self.assertEqual(e.skipped_steps, sum(pattern))
+                self.assertEqual(e.global_steps, len(pattern))
+
+    def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(self):
+        dsc = deepspeed_module(self, "deepspeed.runtime.config")
+        keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+        for given in ({"train_batch_size": 20, "train_micro_batch_size_per_gpu": 5},
+                      {"train_batch_size": 12, "gradient_accumulation_steps": 3},
+                      {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
+                      {"train_batch_size": 8}, {"train_micro_batch_size_per_gpu": 3},
+                      {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}):
+            with self.subTest(given=given):
+                ref = dsc.DeepSpeedConfig(dict(given))
+                e = self.engine(config(given))
+                self.assertEqual(tuple(getattr(e, k) for k in keys), tuple(getattr(ref, k) for k in keys))
+        for bad in ({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 2},
+                    {"train_batch_size": 20, "train_micro_batch_size_per_gpu": 6}):
+            with self.subTest(bad=bad):
+                with self.assertRaises(AssertionError):
+                    dsc.DeepSpeedConfig(dict(bad))
+                with self.assertRaisesRegex(ValueError, "batch sizes do not agree"):
+                    make(config(bad))
+        with self.assertRaisesRegex(ValueError, "train_batch_size is \"auto\""):
+            make(config({"train_batch_size": "auto"}))
+        # The derived accumulation acts: 20 / 5 -> one optimizer step per 4 micro-batches.
+        e = self.engine(config({"train_batch_size": 20, "train_micro_batch_size_per_gpu": 5}))
+        steps = [r is not None for r in train(e, batches(8))]
+        self.assertEqual(steps, [False, False, False, True] * 2)
+        self.assertEqual((e.global_steps, e.global_samples), (2, 40))
+
+    def test_param_group_options_the_engine_does_not_take_are_refused(self):
+        def split(**opts):
+            return lambda m: [{"params": [m.l1.weight, m.l2.weight], **opts},
+                              {"params": [m.l1.bias, m.l2.bias, m.norm.weight, m.norm.bias]}]
+        for opts, what in (({"eps": 0.1}, "eps 0.1"), ({"amsgrad": True}, "amsgrad=True"),
+                           ({"maximize": True}, "maximize=True")):
+            with self.subTest(opts=opts):
+                with self.assertRaisesRegex(ValueError, f"param group 0 (has|sets) {what}"):
+                    make(config(), model_parameters=split(**opts))
+        # The config's own values are fine in a group.
+        self.engine(config(), model_parameters=split(eps=1e-8, amsgrad=False, maximize=False))
+        for key, value in (("weight_decay", 0.5), ("eps", 1e-3), ("amsgrad", True)):
+            with self.subTest(edited=key):
+                e = self.engine(config(weight_decay=0.1))
+                train(e, batches(1))
+                e.optimizer.param_groups[0][key] = value
+                before = e.state_dict()
+                x, y = batches(2)[1]
+                e.backward(((e(x) - y) ** 2).mean())
+                with self.assertRaisesRegex(ValueError, f"param group 0's {key} changed"):
+                    e.step()
+                for k, v in e.state_dict().items():
+                    self.assertTrue(torch.equal(v, before[k]), k)
+
+    def test_checkpoints_have_deepspeeds_signature_layout_and_result(self):
+        def onecycle(opt):
+            return st.lr_schedules.from_config(opt, {"type": "OneCycle", "params": {
+                "cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2, "cycle_first_step_size": 3}}, where="test")
+        data = batches(10)
+        straight = self.engine(config(), lr_scheduler=onecycle)
+        want = train(straight, data)
+        first = self.engine(config(), lr_scheduler=onecycle)
+        got = train(first, data[:4])
+        ck = os.path.join(self.dir, "ck")
+        self.assertTrue(first.save_checkpoint(ck, client_state={"epoch": 1}))  # tag: global_step4
+        first.save_checkpoint(ck, "mine", {"epoch": 2}, save_latest=False)
+        with open(os.path.join(ck, "latest")) as f:
+            self.assertEqual(f.read(), "global_step4")
+        with self.assertRaisesRegex(TypeError, "third argument"):
+            first.save_checkpoint(ck, {"epoch": 3})
+        resumed = self.engine(config(), lr_scheduler=onecycle)
+        # OneCycle's cycled betas differ from the config's at step 4: they come back with the checkpoint.
+        self.assertEqual(resumed.load_checkpoint(ck), (os.path.join(ck, "global_step4"), {"epoch": 1}))
+        self.assertEqual(resumed.global_steps, 4)
+        got += train(resumed, data[4:])
+        self.assertEqual(got, want)
+        for k, v in resumed.state_dict().items():
+            self.assertTrue(torch.equal(v, straight.state_dict()[k]), k)
+        self.assertEqual(resumed.load_checkpoint(ck, tag="mine")[1], {"epoch": 2})
+        with self.assertWarnsRegex(UserWarning, "nothing loaded"):
+            self.assertEqual(resumed.load_checkpoint(self.dir), (None, None))
+        with self.assertRaisesRegex(NotImplementedError, "load_optimizer_states=False"):
+            resumed.load_checkpoint(ck, load_optimizer_states=False)
+
+    def test_deepspeeds_engine_methods(self):
+        e = self.engine(config())
+        self.assertIsNone(e.get_global_grad_norm())
+        self.assertIs(e.eval(), e)
+        self.assertFalse(e.module.training)
+        e.train()
+        self.assertTrue(e.module.training)
+        self.assertEqual([n for n, _ in e.named_parameters()], [n for n, _ in e.module.named_parameters()])
+        self.assertEqual(len(list(e.parameters())), 6)
+        x, y = batches(1)[0]
+        loss = ((e(x) - y) ** 2).mean()
+        e.backward(loss, retain_graph=True)
+        e.zero_grad()
+        r = e.step()
+        self.assertTrue(e.was_step_applied())
+        self.assertEqual(e.get_global_grad_norm(), r["grad_norm"])
+        # loss.backward() instead of engine.backward(loss): named at step(), the micro-batch discarded.
+        before = e.state_dict()
+        loss = ((e(x) - y) ** 2).mean()
+        loss.backward()
+        with self.assertRaisesRegex(strata.StrataError, "engine.backward"):
+            e.step()
+        for k, v in e.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+        train(e, batches(2))  # and the engine goes on
+        self.assertEqual(e.global_steps, 3)
+
+    def test_deepspeed_cpu_adam_has_deepspeeds_signature_and_defaults(self):
+        import inspect
+        ds = deepspeed_module(self, "deepspeed.ops.adam")
+        want = inspect.signature(ds.DeepSpeedCPUAdam.__init__).parameters
+        got = inspect.signature(st.DeepSpeedCPUAdam.__init__).parameters
+        self.assertEqual([(n, p.default) for n, p in want.items()],
+                         [(n, p.default) for n, p in got.items() if p.kind != p.VAR_KEYWORD])
+        # Positional as DeepSpeed's (lr, bias_correction, betas), weight decay 0 by default: torch.optim.AdamW's
+        # update with weight_decay=0.
+        torch.manual_seed(0)
+        a = [torch.nn.Parameter(torch.randn(33)), torch.nn.Parameter(torch.randn(4, 5))]
+        b = [torch.nn.Parameter(p.detach().clone()) for p in a]
+        opt = st.DeepSpeedCPUAdam(a, 1e-2, True, (0.8, 0.99))
+        ref = torch.optim.AdamW(b, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.0)
+        for _ in range(5):
+            for p, q in zip(a, b):
+                g = torch.randn_like(p)
+                p.grad, q.grad = g.clone(), g.clone()
+            opt.step()
+            ref.step()
+        for p, q in zip(a, b):
+            torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
+        opt.close()
+
+
+if __name__ == "__main__":
+    unittest.main()
