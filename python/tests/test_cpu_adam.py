@@ -90,12 +90,20 @@ class CPUAdamWTest(unittest.TestCase):
             st.CPUAdamW(p, bias_correction=False)
         with self.assertRaisesRegex(TypeError, "fused"):
             st.CPUAdamW(p, fused=True)
+        # What torch.optim.AdamW refuses at construction, refused there too.
         half = [torch.nn.Parameter(torch.randn(4).half())]
-        o = st.CPUAdamW(half)
-        half[0].grad = torch.randn(4).half()
-        with self.assertRaisesRegex(ValueError, "fp32 CPU tensor"):
-            o.step()
-        o = st.CPUAdamW(p, betas=(1.5, 0.999))
+        with self.assertRaisesRegex(ValueError, r"param_groups\[0\]\['params'\]\[0\].*torch.float16.*fp32 CPU"):
+            st.CPUAdamW(half)
+        o = st.CPUAdamW(p)
+        with self.assertRaisesRegex(ValueError, "fp32 CPU"):
+            o.add_param_group({"params": half})
+        self.assertEqual(len(o.param_groups), 1)
+        for kw, what in (({"betas": (1.5, 0.999)}, "beta parameter at index 0"), ({"eps": -1.0}, "epsilon"),
+                         ({"weight_decay": -0.1}, "weight_decay")):
+            with self.assertRaisesRegex(ValueError, what):
+                st.CPUAdamW(p, **kw)
+        # Edited afterwards: the library refuses the step.
+        o.param_groups[0]["betas"] = (1.5, 0.999)
         p[0].grad = torch.randn(4)
         with self.assertRaises(StrataError):
             o.step()

@@ -169,8 +169,16 @@ class CPUAdamW(torch.optim.Optimizer):
         if not bias_correction:
             raise ValueError("CPUAdamW: bias_correction=False is not implemented (the update always corrects the "
                              "moments' bias, as torch.optim.AdamW)")
+        # torch.optim.AdamW's checks, at construction as torch makes them.
         if not 0.0 <= float(lr):
             raise ValueError(f"CPUAdamW: invalid learning rate {lr}")
+        if not 0.0 <= float(eps):
+            raise ValueError(f"CPUAdamW: invalid epsilon value {eps}")
+        for i, b in enumerate(betas):
+            if not 0.0 <= float(b) < 1.0:
+                raise ValueError(f"CPUAdamW: invalid beta parameter at index {i}: {b}")
+        if not 0.0 <= float(weight_decay):
+            raise ValueError(f"CPUAdamW: invalid weight_decay value {weight_decay}")
         self._nvme_path = self._resolve_nvme_path(nvme_path, offload_optimizer)
         if aio is not None and self._nvme_path is None and offload_optimizer is None:
             # With DeepSpeed's sections passed as they are, "device": "cpu" and an
@@ -342,6 +350,17 @@ class CPUAdamW(torch.optim.Optimizer):
         return loss
 
     # ---------------------------------------------------------------- NVMe mode
+
+    def add_param_group(self, param_group):
+        """torch's add_param_group; a parameter that is not an fp32 CPU tensor is refused here, not at step()."""
+        super().add_param_group(param_group)
+        for i, p in enumerate(self.param_groups[-1]["params"]):
+            if p.dtype != torch.float32 or p.device.type != "cpu":
+                gi = len(self.param_groups) - 1
+                self.param_groups.pop()
+                raise ValueError(f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}) is {p.dtype} "
+                                 f"on {p.device}; CPUAdamW updates fp32 CPU parameters (the fp32 masters): keep "
+                                 "fp32 masters and cast copies for compute")
 
     def _where(self, p):
         for gi, group in enumerate(self.param_groups):
