@@ -115,7 +115,7 @@ void run_finetune(const FinetuneFlags& f) {
     std::printf("data %s: %lu tokens (%lu training, %lu validation); %lld steps of %u x %u x %u tokens%s%s\n",
                 f.data.c_str(), static_cast<unsigned long>(tr.data().tokens()),
                 static_cast<unsigned long>(tr.data().train_tokens()), static_cast<unsigned long>(tr.data().val_tokens()),
-                static_cast<long long>(f.steps), f.batch, f.seq, o.config.gradient_accumulation_steps,
+                static_cast<long long>(f.steps), o.batch, f.seq, o.config.gradient_accumulation_steps,
                 tr.world_size() > 1 ? fmt::format(" x {} ranks (state per rank)", tr.world_size()).c_str() : "",
                 tr.step() > 0 ? fmt::format(" (resuming at step {})", tr.step()).c_str() : "");
     std::fflush(stdout);

@@ -10,6 +10,7 @@
 #include "common/dtype_parse.h"
 #include "common/enum_names.h"
 #include "common/units.h"
+#include "comm/bootstrap.h"
 #include "cpu_optim/dispatch.h"
 
 namespace strata::tools {
@@ -55,7 +56,7 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
                               "Master weights and optimizer states: nvme:DIR | cpu | none | auto")
                   ->capture_default_str();
   cmd->add_option("--steps", f->steps, "Optimizer steps in total")->capture_default_str();
-  cmd->add_option("--batch", f->batch, "Sequences per micro-batch")->capture_default_str();
+  f->o_batch = cmd->add_option("--batch", f->batch, "Sequences per micro-batch")->capture_default_str();
   cmd->add_option("--seq", f->seq, "Tokens per sequence")->capture_default_str();
   f->o_lr = cmd->add_option("--lr", f->lr, "Peak learning rate")->capture_default_str();
   cmd->add_option("--min-lr", f->min_lr, "Learning rate at the end of a linear/cosine decay")->capture_default_str();
@@ -120,14 +121,14 @@ namespace {
 
 // The engine's config: the built-in defaults, then --config FILE, then the
 // flags given explicitly.
-Result<Config> config_from_flags(const FinetuneFlags& f) {
+Result<Config> config_from_flags(const FinetuneFlags& f, ConfigNotes* notes) {
   Config c;
   if (!f.config.empty()) {
     if (f.o_offp->count() || f.o_offo->count())
       return Status(StatusCode::kInvalidArgument,
                     "--config and --offload-params/--offload-optimizer are alternatives: put the offload targets "
                     "in the config file (zero_optimization.offload_param / offload_optimizer) or drop --config");
-    auto r = load_config_file(f.config);
+    auto r = load_config_file(f.config, notes);
     if (!r.ok()) return r.status();
     c = r.value();
   }
@@ -168,6 +169,50 @@ Result<Config> config_from_flags(const FinetuneFlags& f) {
   return c;
 }
 
+// DeepSpeed's batch sizes (runtime/config.py: _set_batch_related_parameters,
+// _batch_assertion) with the flags standing for the config's keys where given
+// (--batch for train_micro_batch_size_per_gpu, --grad-accum for
+// gradient_accumulation_steps): with a train_batch_size, two of the three fix
+// the third with the world size (the launcher's ranks), one alone means no
+// accumulation, and the three must agree. Without one, the micro-batch is
+// --batch, else the config's, else --batch's default.
+Status resolve_batch(const FinetuneFlags& f, const ConfigNotes& n, uint32_t* batch, uint32_t* accum) {
+  const bool mb_flag = f.o_batch->count() > 0, gas_flag = f.o_grad_accum->count() > 0;
+  uint64_t mb = mb_flag ? f.batch : n.train_micro_batch_size_per_gpu;
+  uint64_t gas = gas_flag || n.gradient_accumulation_given ? *accum : 0;
+  const uint64_t tb = n.train_batch_size;
+  if (tb == 0) {
+    if (mb > UINT32_MAX)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{}: train_micro_batch_size_per_gpu {} is too large", f.config, mb));
+    *batch = static_cast<uint32_t>(mb ? mb : f.batch);
+    return Status::ok_status();
+  }
+  STRATA_ASSIGN_OR_RETURN(comm::LaunchInfo launch, comm::detect_launch());
+  const uint64_t world = static_cast<uint64_t>(launch.world_size);
+  if (mb && !gas)
+    gas = tb / mb / world;
+  else if (!mb && gas)
+    mb = tb / world / gas;
+  else if (!mb && !gas)
+    gas = 1, mb = tb / world;
+  const char* mb_name = mb_flag ? "--batch" : "train_micro_batch_size_per_gpu";
+  const char* gas_name = gas_flag ? "--grad-accum" : "gradient_accumulation_steps";
+  if (mb == 0 || gas == 0 || tb != mb * gas * world)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: train_batch_size {} is not {} {} x {} {} x {} rank(s), as DeepSpeed requires "
+                              "(--batch and --grad-accum stand for the config's micro-batch and accumulation "
+                              "when given)",
+                              f.config, tb, mb_name, mb, gas_name, gas, world));
+  if (mb > UINT32_MAX || gas > (1u << 20))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: train_batch_size {} gives a micro-batch of {} x {} accumulation steps: too large",
+                              f.config, tb, mb, gas));
+  *batch = static_cast<uint32_t>(mb);
+  *accum = static_cast<uint32_t>(gas);
+  return Status::ok_status();
+}
+
 }  // namespace
 
 Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
@@ -180,7 +225,9 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->data.seed = f.seed;
   o->data.seq = f.seq;
 
-  STRATA_ASSIGN_OR_RETURN(o->config, config_from_flags(f));
+  ConfigNotes notes;
+  STRATA_ASSIGN_OR_RETURN(o->config, config_from_flags(f, &notes));
+  STRATA_RETURN_IF_ERROR(resolve_batch(f, notes, &o->batch, &o->config.gradient_accumulation_steps));
 
   // --lr wins; else the config file's optimizer.lr; else --lr's default.
   o->schedule.lr = !f.config.empty() && !f.o_lr->count() ? o->config.optimizer.lr : f.lr;
@@ -219,7 +266,7 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
                       fmt::format("{} needs LoRA: give --lora-rank R (or --lora-adapter DIR)", opt->get_name()));
   }
   o->lora.merge = f.lora_merge;
-  if (f.batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
+  if (o->batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
   if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
   // Counts a user may mistype: refused by name before any expensive work.
   auto in_range = [](const char* flag, int64_t v, int64_t lo, int64_t hi) -> Status {
@@ -247,7 +294,6 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
     return Status(StatusCode::kInvalidArgument, fmt::format("--val-fraction {} is outside [0, 0.9]", f.val_fraction));
   // STRATA_CPU_ISA naming an ISA this CPU lacks fails here, not at step 1.
   STRATA_RETURN_IF_ERROR(cpu_optim::resolve_isa(cpu_optim::Isa::kAuto).status().with_context("STRATA_CPU_ISA"));
-  o->batch = f.batch;
   o->overwrite = f.overwrite;
   o->max_skipped_steps = f.max_skipped_steps;
   o->eval_every = f.eval_every;

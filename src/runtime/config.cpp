@@ -651,7 +651,12 @@ Status read_root(Obj& o, Config* c) {
       o, "optimizer", [&](Obj& p) { return read_optimizer(p, &c->optimizer); }, true));
   STRATA_RETURN_IF_ERROR(
       read_double(o, "gradient_clipping", &c->gradient_clipping, 0.0, std::numeric_limits<double>::max()));
+  o.ctx().notes.gradient_accumulation_given = o.has("gradient_accumulation_steps");
   STRATA_RETURN_IF_ERROR(read_uint(o, "gradient_accumulation_steps", &c->gradient_accumulation_steps, 1, 1u << 20));
+  // The trainer's batch sizes: checked here (positive integers), kept in the notes.
+  STRATA_RETURN_IF_ERROR(read_uint(o, "train_batch_size", &o.ctx().notes.train_batch_size, 1, uint64_t{1} << 40));
+  STRATA_RETURN_IF_ERROR(read_uint(o, "train_micro_batch_size_per_gpu", &o.ctx().notes.train_micro_batch_size_per_gpu,
+                                   1, uint64_t{1} << 40));
   STRATA_RETURN_IF_ERROR(read_object(
       o, "strata", [&](Obj& s) { return read_strata(s, &c->strata); }, false));
 

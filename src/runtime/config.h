@@ -226,6 +226,14 @@ struct Config {
 struct ConfigNotes {
   std::vector<std::string> ignored_keys;
   std::vector<std::string> warnings;
+  // DeepSpeed's batch sizes as the file gives them (0 / false: absent, null
+  // or "auto"). The engine does not batch (train_batch_size and
+  // train_micro_batch_size_per_gpu are in ignored_keys too); a trainer
+  // derives and checks its batch from them as DeepSpeed does (strata
+  // finetune: tools/finetune_flags.cpp).
+  uint64_t train_batch_size = 0;
+  uint64_t train_micro_batch_size_per_gpu = 0;
+  bool gradient_accumulation_given = false;
 };
 
 // Parses a config from JSON text. `origin` names the text in messages (a file

@@ -64,6 +64,40 @@ else
   echo "note: cannot mount a small tmpfs here (not root?): the full-NVMe case is not checked"
 fi
 
+# ---- DeepSpeed's batch sizes in --config: train_micro_batch_size_per_gpu and
+# train_batch_size set the micro-batch and accumulation as in DeepSpeed
+# (--batch / --grad-accum stand for the config's values when given); values
+# that do not agree are refused naming them.
+bs_run() {  # bs_run NAME CONFIG_JSON [FLAGS...]: prints the run's "steps of B x S x G tokens"
+  local name=$1 cfg=$2
+  shift 2
+  printf '%s' "$cfg" >"$dir/$name.json"
+  "$strata" finetune --model "$dir/model" --data "$dir/data.txt" --seq 64 --steps 1 --no-export --progress lines \
+    --config "$dir/$name.json" --out "$dir/$name" "$@" >"$dir/$name.log" 2>&1 || {
+    fail "$name: exit $?: $(cat "$dir/$name.log")"
+    return
+  }
+  grep -o 'steps of [0-9]* x 64 x [0-9]*' "$dir/$name.log"
+}
+[[ $(bs_run bs1 '{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}') == "steps of 3 x 64 x 4" ]] ||
+  fail "train_batch_size 12 / micro 3 did not give 3 x 4: $(cat "$dir/bs1.log")"
+[[ $(bs_run bs2 '{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}' --batch 2) == "steps of 2 x 64 x 6" ]] ||
+  fail "--batch 2 with train_batch_size 12 did not give 2 x 6: $(cat "$dir/bs2.log")"
+[[ $(bs_run bs3 '{"train_micro_batch_size_per_gpu": 5, "gradient_accumulation_steps": 2}') == "steps of 5 x 64 x 2" ]] ||
+  fail "micro 5, accumulation 2 did not give 5 x 2: $(cat "$dir/bs3.log")"
+[[ $(bs_run bs4 '{"train_batch_size": 6}') == "steps of 6 x 64 x 1" ]] ||
+  fail "train_batch_size 6 alone did not give 6 x 1: $(cat "$dir/bs4.log")"
+[[ $(bs_run bs5 '{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}' --batch 3) == \
+  "steps of 3 x 64 x 1" ]] || fail "\"auto\" batch sizes did not leave --batch: $(cat "$dir/bs5.log")"
+printf '{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}' >"$dir/bs6.json"
+expect_error "train_batch_size 10 is not train_micro_batch_size_per_gpu 3 x gradient_accumulation_steps 2 x 1 rank(s)" \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs6.json" --out "$dir/bs6"
+expect_error "train_batch_size 10 is not --batch 5 x --grad-accum 3 x 1 rank(s)" \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs6.json" --batch 5 --grad-accum 3 --out "$dir/bs6"
+printf '{"train_micro_batch_size_per_gpu": 0}' >"$dir/bs7.json"
+expect_error "train_micro_batch_size_per_gpu" \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs7.json" --out "$dir/bs7"
+
 help=$("$strata" finetune --help)
 for flag in --model --data --config --offload-params --offload-optimizer --steps --batch --seq --lr --warmup \
   --schedule --grad-accum --save-every --out --resume --trace --device; do
