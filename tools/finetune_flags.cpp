@@ -169,27 +169,21 @@ Result<Config> config_from_flags(const FinetuneFlags& f, ConfigNotes* notes) {
   return c;
 }
 
-// DeepSpeed's batch sizes (runtime/config.py: _set_batch_related_parameters,
-// _batch_assertion) with the flags standing for the config's keys where given
-// (--batch for train_micro_batch_size_per_gpu, --grad-accum for
-// gradient_accumulation_steps): with a train_batch_size, two of the three fix
-// the third with the world size (the launcher's ranks), one alone means no
-// accumulation, and the three must agree. Without one, the micro-batch is
-// --batch, else the config's, else --batch's default.
-Status resolve_batch(const FinetuneFlags& f, const ConfigNotes& n, uint32_t* batch, uint32_t* accum) {
-  const bool mb_flag = f.o_batch->count() > 0, gas_flag = f.o_grad_accum->count() > 0;
-  uint64_t mb = mb_flag ? f.batch : n.train_micro_batch_size_per_gpu;
-  uint64_t gas = gas_flag || n.gradient_accumulation_given ? *accum : 0;
+}  // namespace
+
+Status resolve_deepspeed_batch(const BatchFlags& g, const ConfigNotes& n, uint64_t world, uint32_t* batch,
+                               uint32_t* accum) {
+  const bool mb_flag = g.batch > 0;
+  uint64_t mb = mb_flag ? g.batch : n.train_micro_batch_size_per_gpu;
+  uint64_t gas = g.accum_given || n.gradient_accumulation_given ? *accum : 0;
   const uint64_t tb = n.train_batch_size;
   if (tb == 0) {
     if (mb > UINT32_MAX)
       return Status(StatusCode::kInvalidArgument,
-                    fmt::format("{}: train_micro_batch_size_per_gpu {} is too large", f.config, mb));
-    *batch = static_cast<uint32_t>(mb ? mb : f.batch);
+                    fmt::format("{}: train_micro_batch_size_per_gpu {} is too large", g.config, mb));
+    *batch = static_cast<uint32_t>(mb ? mb : g.default_batch);
     return Status::ok_status();
   }
-  STRATA_ASSIGN_OR_RETURN(comm::LaunchInfo launch, comm::detect_launch());
-  const uint64_t world = static_cast<uint64_t>(launch.world_size);
   if (mb && !gas)
     gas = tb / mb / world;
   else if (!mb && gas)
@@ -197,23 +191,21 @@ Status resolve_batch(const FinetuneFlags& f, const ConfigNotes& n, uint32_t* bat
   else if (!mb && !gas)
     gas = 1, mb = tb / world;
   const char* mb_name = mb_flag ? "--batch" : "train_micro_batch_size_per_gpu";
-  const char* gas_name = gas_flag ? "--grad-accum" : "gradient_accumulation_steps";
+  const char* gas_name = g.accum_given ? "--grad-accum" : "gradient_accumulation_steps";
   if (mb == 0 || gas == 0 || tb != mb * gas * world)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("{}: train_batch_size {} is not {} {} x {} {} x {} rank(s), as DeepSpeed requires "
                               "(--batch and --grad-accum stand for the config's micro-batch and accumulation "
                               "when given)",
-                              f.config, tb, mb_name, mb, gas_name, gas, world));
+                              g.config, tb, mb_name, mb, gas_name, gas, world));
   if (mb > UINT32_MAX || gas > (1u << 20))
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("{}: train_batch_size {} gives a micro-batch of {} x {} accumulation steps: too large",
-                              f.config, tb, mb, gas));
+                              g.config, tb, mb, gas));
   *batch = static_cast<uint32_t>(mb);
   *accum = static_cast<uint32_t>(gas);
   return Status::ok_status();
 }
-
-}  // namespace
 
 Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->model_dir = f.model;
@@ -227,7 +219,12 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
 
   ConfigNotes notes;
   STRATA_ASSIGN_OR_RETURN(o->config, config_from_flags(f, &notes));
-  STRATA_RETURN_IF_ERROR(resolve_batch(f, notes, &o->batch, &o->config.gradient_accumulation_steps));
+  {
+    STRATA_ASSIGN_OR_RETURN(comm::LaunchInfo launch, comm::detect_launch());
+    BatchFlags given{f.config, f.o_batch->count() ? f.batch : 0, f.batch, f.o_grad_accum->count() > 0};
+    STRATA_RETURN_IF_ERROR(resolve_deepspeed_batch(given, notes, static_cast<uint64_t>(launch.world_size), &o->batch,
+                                                   &o->config.gradient_accumulation_steps));
+  }
 
   // --lr wins; else the config file's optimizer.lr; else --lr's default.
   o->schedule.lr = !f.config.empty() && !f.o_lr->count() ? o->config.optimizer.lr : f.lr;

@@ -63,6 +63,24 @@ struct FinetuneFlags {
               *o_bf16 = nullptr, *o_offp = nullptr, *o_offo = nullptr;
 };
 
+// DeepSpeed's batch sizes (its runtime/config.py: _set_batch_related_parameters,
+// _batch_assertion) with the command's flags standing for the config's keys
+// where given (--batch for train_micro_batch_size_per_gpu, --grad-accum for
+// gradient_accumulation_steps): with a train_batch_size, two of the three fix
+// the third with `world` ranks, one alone means no accumulation, and the
+// three must agree (else kInvalidArgument naming them and the config file).
+// Without one, the micro-batch is --batch, else the config's, else
+// --batch's default. *accum holds the accumulation so far (flag or config)
+// and is updated; strata finetune and strata plan both call it.
+struct BatchFlags {
+  std::string config;        // the --config path, for messages
+  uint64_t batch = 0;        // --batch when given, else 0
+  uint32_t default_batch = 4;
+  bool accum_given = false;  // --grad-accum given (*accum holds it)
+};
+Status resolve_deepspeed_batch(const BatchFlags& given, const ConfigNotes& notes, uint64_t world, uint32_t* batch,
+                               uint32_t* accum);
+
 // Declares the flags on `cmd` (the `finetune` subcommand), bound to *f.
 void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f);
 

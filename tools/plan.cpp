@@ -32,6 +32,7 @@
 
 #include "bench_util.h"
 #include "commands.h"
+#include "finetune_flags.h"
 #include "common/dtype_parse.h"
 #include "common/host_memory.h"
 #include "common/units.h"
@@ -85,6 +86,7 @@ struct PlanCliOptions {
   double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
   double cpu_adam_params_per_s = 0, gpu_tflops = 0;
   uint32_t world_size = 0;  // 0: the config's (1)
+  CLI::Option* batch_opt = nullptr;
   double link_gbps = 0;
   std::string measure_size = "256MiB";
   std::string device = "cuda";  // cuda: a GPU; cpu: the host backend (strata finetune --device cpu)
@@ -320,7 +322,7 @@ json plan_json(const Plan& plan) {
           {"groups", groups}};
 }
 
-int run(const PlanCliOptions& o) {
+int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
   for (auto [v, flag] : {std::pair{o.h2d_gbps, "--h2d-gbps"},
                          {o.d2h_gbps, "--d2h-gbps"},
                          {o.nvme_read_gbps, "--nvme-read-gbps"},
@@ -351,8 +353,9 @@ int run(const PlanCliOptions& o) {
   }
 
   Config ds;
+  ConfigNotes config_notes;
   if (!o.config.empty()) {
-    auto c = load_config_file(o.config);
+    auto c = load_config_file(o.config, &config_notes);
     if (!c.ok()) return fail(c.status().message());
     ds = std::move(*c);
   }
@@ -363,13 +366,24 @@ int run(const PlanCliOptions& o) {
       return fail("--optimizer-states '" + o.optimizer_states + "': expected fp32|bf16");
     options.optimizer_state_dtype = *d;
   }
-  if (o.grad_accum > 0)
-    options.micro_batches = o.grad_accum;
-  else if (!o.config.empty())
-    options.micro_batches = std::max<uint32_t>(1, ds.gradient_accumulation_steps);
   if (o.batch == 0) return fail("--batch must be at least 1");
   if (o.seq == 0) return fail("--seq must be at least 1");
   if (o.batch > (1ull << 20) || o.seq > (1ull << 24)) return fail("--batch or --seq is implausibly large");
+  // N ranks: rank 0's shard (every rank's is the same size but the last's,
+  // which is no larger).
+  const uint32_t world = o.world_size > 0 ? o.world_size : ds.strata.world_size;
+  if (world > (1u << 20)) return fail("--world-size is implausibly large");
+  {
+    // The micro-batch and accumulation strata finetune takes: the flags, else
+    // the config's DeepSpeed batch keys (train_batch_size with the ranks).
+    uint32_t accum = o.grad_accum > 0 ? o.grad_accum : std::max<uint32_t>(1, ds.gradient_accumulation_steps), batch = 0;
+    BatchFlags given{o.config, o.batch_opt->count() ? o.batch : 0, static_cast<uint32_t>(o.batch), o.grad_accum > 0};
+    Status s = resolve_deepspeed_batch(given, config_notes, std::max<uint32_t>(1, world), &batch, &accum);
+    if (!s.ok()) return fail(s.message());
+    if (batch > (1u << 20)) return fail("the micro-batch is implausibly large");
+    o.batch = batch;
+    options.micro_batches = accum;
+  }
 
   LlamaShape shape = lc->shape();
   shape.dtype = ds.compute_dtype();  // as strata finetune: fp32 unless bf16/fp16 (or --dtype) says otherwise
@@ -378,10 +392,6 @@ int run(const PlanCliOptions& o) {
     if (!d.ok()) return fail("--dtype: " + d.status().message());
     shape.dtype = *d;
   }
-  // N ranks: rank 0's shard (every rank's is the same size but the last's,
-  // which is no larger).
-  const uint32_t world = o.world_size > 0 ? o.world_size : ds.strata.world_size;
-  if (world > (1u << 20)) return fail("--world-size is implausibly large");
   if (o.lora_rank > 0) {
     shape.lora_rank = o.lora_rank;
     shape.lora_targets = train::kLoraDefaultTargets;
@@ -745,7 +755,9 @@ void register_plan(CLI::App& app) {
                   "its --bf16 is --dtype bf16 here)");
   cmd->add_option("--optimizer-states", o->optimizer_states,
                   "Adam moment dtype fp32|bf16 (default: fp32, or the config's)");
-  cmd->add_option("--batch", o->batch, "Sequences per micro-batch")->capture_default_str();
+  o->batch_opt = cmd->add_option("--batch", o->batch, "Sequences per micro-batch (default: 1, or the config's DeepSpeed "
+                                 "batch keys as strata finetune takes them)")
+                     ->capture_default_str();
   cmd->add_option("--seq", o->seq, "Tokens per sequence")->capture_default_str();
   cmd->add_option("--grad-accum", o->grad_accum, "Micro-batches per optimizer step (default: 1, or the config's)");
   cmd->add_flag("--no-activation-checkpointing", o->no_checkpointing, "Plan without recomputing activations");

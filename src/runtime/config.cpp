@@ -662,9 +662,7 @@ Status read_root(Obj& o, Config* c) {
 
   // The trainer's business (batch sizes, schedule, logging, monitoring) or
   // choices Strata makes itself: accepted so DeepSpeed configs load, listed once.
-  o.ignore({"train_batch_size",
-            "train_micro_batch_size_per_gpu",
-            "steps_per_print",
+  o.ignore({"steps_per_print",
             "wall_clock_breakdown",
             "memory_breakdown",
             "dump_state",

@@ -227,10 +227,9 @@ struct ConfigNotes {
   std::vector<std::string> ignored_keys;
   std::vector<std::string> warnings;
   // DeepSpeed's batch sizes as the file gives them (0 / false: absent, null
-  // or "auto"). The engine does not batch (train_batch_size and
-  // train_micro_batch_size_per_gpu are in ignored_keys too); a trainer
-  // derives and checks its batch from them as DeepSpeed does (strata
-  // finetune: tools/finetune_flags.cpp).
+  // or "auto"): the engine does not batch; a trainer derives and checks its
+  // batch from them as DeepSpeed does (strata finetune and plan:
+  // tools/finetune_flags.h resolve_deepspeed_batch; strata.torch).
   uint64_t train_batch_size = 0;
   uint64_t train_micro_batch_size_per_gpu = 0;
   bool gradient_accumulation_given = false;

@@ -130,6 +130,16 @@ out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cp
 out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --gpu-tflops 0.1 --no-measure \
   --json 2>&1) || fail "plan --device cpu --json exited $?: $out"
 [[ $out == *'"device": "cpu"'* && $out == *'"source": "assumed"'* ]] || fail "plan --device cpu --json: $out"
+# The config's DeepSpeed batch keys give the micro-batch and accumulation, as
+# strata finetune takes them (--batch / --grad-accum stand for them).
+printf '{"train_batch_size": 12, "train_micro_batch_size_per_gpu": 3}' >"$dir/bs.json"
+out=$("$strata" plan --model "$data/smollm-135m-config.json" --gpu-mem 24GiB --host-mem 64GiB --no-measure \
+  --config "$dir/bs.json" 2>&1) || fail "plan --config with batch keys exited $?: $out"
+[[ $out == *"batch 3 x seq 2048 = 6144 tokens per micro-batch, 4 micro-batch(es) per step"* ]] ||
+  fail "plan --config does not take train_batch_size 12 / micro 3 as 3 x 4: $out"
+expect_error "train_batch_size 12 is not --batch 5 x gradient_accumulation_steps 2 x 1 rank(s)" \
+  --model "$data/smollm-135m-config.json" --gpu-mem 24GiB --host-mem 64GiB --no-measure --config "$dir/bs.json" \
+  --batch 5
 # LoRA: a frozen base; only the adapters are updated, downloaded and uploaded.
 out=$("$strata" plan --model "$data/llama-3.1-8b-config.json" --gpu-mem 24GiB --host-mem 64GiB --no-measure \
   --lora-rank 16 2>&1) || fail "plan --lora-rank exited $?: $out"

@@ -83,10 +83,13 @@ TEST(ConfigSamples, ZeroInfinityNvme) {
                 "zero_optimization.contiguous_gradients", "zero_optimization.reduce_bucket_size",
                 "zero_optimization.overlap_comm", "zero_optimization.stage3_param_persistence_threshold",
                 "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
-                "zero_optimization.stage3_gather_16bit_weights_on_model_save", "train_batch_size",
-                "train_micro_batch_size_per_gpu", "steps_per_print", "wall_clock_breakdown", "scheduler",
-                "activation_checkpointing"}));
+                "zero_optimization.stage3_gather_16bit_weights_on_model_save", "steps_per_print",
+                "wall_clock_breakdown", "scheduler", "activation_checkpointing"}));
   EXPECT_TRUE(notes.warnings.empty());
+  // The trainer's batch sizes, kept for it (strata finetune derives its batch from them).
+  EXPECT_EQ(notes.train_batch_size, 16u);
+  EXPECT_EQ(notes.train_micro_batch_size_per_gpu, 2u);
+  EXPECT_TRUE(notes.gradient_accumulation_given);
 }
 
 TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
@@ -105,7 +108,9 @@ TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
   EXPECT_EQ(c.zero.offload_param.pin_memory, std::optional<bool>(true));
   EXPECT_TRUE(c.nvme_dirs().empty());
   EXPECT_TRUE(contains(notes.ignored_keys, "zero_optimization.reduce_bucket_size"));
-  EXPECT_TRUE(contains(notes.ignored_keys, "train_batch_size"));
+  EXPECT_EQ(notes.train_batch_size, 0u);  // "auto": not given
+  EXPECT_EQ(notes.train_micro_batch_size_per_gpu, 0u);
+  EXPECT_FALSE(notes.gradient_accumulation_given);
   EXPECT_TRUE(contains(notes.ignored_keys, "scheduler"));
 }
 
