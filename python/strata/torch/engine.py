@@ -113,6 +113,8 @@ def _batch_sizes(given, world):
                          f"train_batch_size {tb} != train_micro_batch_size_per_gpu {mb} * "
                          f"gradient_accumulation_steps {gas} * world size {world}")
     return tb, mb, gas
+
+
 # A model on a GPU whose config gives no strata.device_memory: the engine's
 # device budget is this share of the GPU memory free when initialize() runs
 # (config: strata.device_memory_fraction); the rest stays PyTorch's.
