@@ -4,10 +4,18 @@
 # rewritten only when its text changes, so a build at the same commit
 # recompiles nothing and a new commit recompiles only the two files that
 # report it (tools/version.cpp, src/capi/c_api.cpp).
+# Only SRC's own checkout counts: a source tree unpacked inside another
+# repository (a tarball in someone's project) must not report that one's.
+execute_process(COMMAND git rev-parse --show-toplevel
+  WORKING_DIRECTORY ${SRC} OUTPUT_VARIABLE top OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+file(REAL_PATH "${SRC}" src_real)
+if(top)
+  file(REAL_PATH "${top}" top)
+endif()
 execute_process(COMMAND git rev-parse --short=12 HEAD
   WORKING_DIRECTORY ${SRC} OUTPUT_VARIABLE commit OUTPUT_STRIP_TRAILING_WHITESPACE
   RESULT_VARIABLE rc ERROR_QUIET)
-if(NOT rc EQUAL 0 OR NOT commit)
+if(NOT rc EQUAL 0 OR NOT commit OR NOT top STREQUAL src_real)
   set(commit "unknown")
 else()
   execute_process(COMMAND git status --porcelain --untracked-files=no

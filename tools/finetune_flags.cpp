@@ -219,6 +219,7 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
 
   ConfigNotes notes;
   STRATA_ASSIGN_OR_RETURN(o->config, config_from_flags(f, &notes));
+  if (f.o_batch->count() && f.batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
   {
     STRATA_ASSIGN_OR_RETURN(comm::LaunchInfo launch, comm::detect_launch());
     BatchFlags given{f.config, f.o_batch->count() ? f.batch : 0, f.batch, f.o_grad_accum->count() > 0};

@@ -161,6 +161,10 @@ class DeepSpeedApiTest(unittest.TestCase):
         steps = [r is not None for r in train(e, batches(8))]
         self.assertEqual(steps, [False, False, False, True] * 2)
         self.assertEqual((e.global_steps, e.global_samples), (2, 40))
+        # DeepSpeed's engine has them as methods; plain numbers work too.
+        self.assertEqual((e.train_batch_size(), e.train_micro_batch_size_per_gpu(), e.gradient_accumulation_steps()),
+                         (20, 5, 4))
+        self.assertEqual(e.gradient_accumulation_steps * 2, 8)
 
     def test_param_group_options_the_engine_does_not_take_are_refused(self):
         def split(**opts):
@@ -202,6 +206,8 @@ class DeepSpeedApiTest(unittest.TestCase):
             self.assertEqual(f.read(), "global_step4")
         with self.assertRaisesRegex(TypeError, "third argument"):
             first.save_checkpoint(ck, {"epoch": 3})
+        first.save_checkpoint(ck, 7, save_latest=False)  # a tag is str(tag), as in DeepSpeed
+        self.assertTrue(os.path.isfile(os.path.join(ck, "7", "index.json")))
         resumed = self.engine(config(), lr_scheduler=onecycle)
         # OneCycle's cycled betas differ from the config's at step 4: they come back with the checkpoint.
         self.assertEqual(resumed.load_checkpoint(ck), (os.path.join(ck, "global_step4"), {"epoch": 1}))
@@ -211,6 +217,7 @@ class DeepSpeedApiTest(unittest.TestCase):
         for k, v in resumed.state_dict().items():
             self.assertTrue(torch.equal(v, straight.state_dict()[k]), k)
         self.assertEqual(resumed.load_checkpoint(ck, tag="mine")[1], {"epoch": 2})
+        self.assertEqual(resumed.load_checkpoint(ck, tag=7), (os.path.join(ck, "7"), {}))  # none saved: {}
         with self.assertWarnsRegex(UserWarning, "nothing loaded"):
             self.assertEqual(resumed.load_checkpoint(self.dir), (None, None))
         with self.assertRaisesRegex(NotImplementedError, "load_optimizer_states=False"):
@@ -227,7 +234,7 @@ class DeepSpeedApiTest(unittest.TestCase):
         self.assertEqual(len(list(e.parameters())), 6)
         x, y = batches(1)[0]
         loss = ((e(x) - y) ** 2).mean()
-        e.backward(loss, retain_graph=True)
+        self.assertIs(e.backward(loss, retain_graph=True), loss)  # accumulation 1: the loss itself
         e.zero_grad()
         r = e.step()
         self.assertTrue(e.was_step_applied())
@@ -242,6 +249,20 @@ class DeepSpeedApiTest(unittest.TestCase):
             self.assertTrue(torch.equal(v, before[k]), k)
         train(e, batches(2))  # and the engine goes on
         self.assertEqual(e.global_steps, 3)
+        # Also on a later micro-batch of an accumulation window, whose gradients would reach the engine
+        # neither divided by the accumulation nor loss-scaled.
+        e = self.engine(config({"gradient_accumulation_steps": 2}))
+        before = e.state_dict()
+        (x0, y0), (x1, y1) = batches(2)
+        loss = ((e(x0) - y0) ** 2).mean()
+        self.assertEqual(e.backward(loss).item(), (loss / 2).item())  # DeepSpeed's: divided by the accumulation
+        ((e(x1) - y1) ** 2).mean().backward()
+        with self.assertRaisesRegex(strata.StrataError, "engine.backward"):
+            e.step()
+        for k, v in e.state_dict().items():
+            self.assertTrue(torch.equal(v, before[k]), k)
+        train(e, batches(2))
+        self.assertEqual(e.global_steps, 1)
 
     def test_deepspeed_cpu_adam_has_deepspeeds_signature_and_defaults(self):
         import inspect

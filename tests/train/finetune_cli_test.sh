@@ -94,6 +94,8 @@ expect_error "train_batch_size 10 is not train_micro_batch_size_per_gpu 3 x grad
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs6.json" --out "$dir/bs6"
 expect_error "train_batch_size 10 is not --batch 5 x --grad-accum 3 x 1 rank(s)" \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs6.json" --batch 5 --grad-accum 3 --out "$dir/bs6"
+expect_error "--batch must be at least 1" \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs6.json" --batch 0 --out "$dir/bs6"
 printf '{"train_micro_batch_size_per_gpu": 0}' >"$dir/bs7.json"
 expect_error "train_micro_batch_size_per_gpu" \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs7.json" --out "$dir/bs7"

@@ -673,11 +673,14 @@ class CPUAdamW(torch.optim.Optimizer):
 class DeepSpeedCPUAdam(CPUAdamW):
     """CPUAdamW with DeepSpeedCPUAdam's signature and defaults (deepspeed.ops.adam.DeepSpeedCPUAdam, 0.19):
     bias_correction second, weight_decay 0 (torch.optim.AdamW's, which CPUAdamW keeps, is 0.01), so code
-    written for DeepSpeed's class gets the same update. The keyword-only options of CPUAdamW (nvme_path=,
+    written for DeepSpeed's class gets the same update. fp32_optimizer_states=False keeps DeepSpeed's
+    meaning, moments in the parameters' dtype: fp32 here, as parameters are fp32 (CPUAdamW's own
+    fp32_optimizer_states=False means bf16 moments). The keyword-only options of CPUAdamW (nvme_path=,
     offload_optimizer=, aio=, threads=, maximize=) are taken too."""
 
     def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8, weight_decay=0,
                  amsgrad=False, adamw_mode=True, fp32_optimizer_states=True, **kwargs):
+        del fp32_optimizer_states  # the parameters' dtype, fp32, either way (see above)
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                         adamw_mode=adamw_mode, bias_correction=bias_correction,
-                         fp32_optimizer_states=fp32_optimizer_states, **kwargs)
+                         adamw_mode=adamw_mode, bias_correction=bias_correction, fp32_optimizer_states=True,
+                         **kwargs)

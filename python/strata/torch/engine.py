@@ -69,6 +69,14 @@ _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_a
 _FIXED_GROUP_KEYS = ("weight_decay", "eps", "amsgrad", "maximize")
 
 
+class _CallableInt(int):
+    """An int that DeepSpeed's engine API calls as a method: engine.train_batch_size() and
+    engine.train_batch_size both give the number."""
+
+    def __call__(self):
+        return int(self)
+
+
 def _launch_world(mpi_comm):
     """The data-parallel world size as the launch tells it before the engine exists."""
     if mpi_comm is not None and hasattr(mpi_comm, "Get_size"):
@@ -487,8 +495,22 @@ class StrataEngine:
         self.rank, self.world_size = rank.value, world.value
         # The batch sizes with the real world size (an mpi_comm handle's size
         # is known only now); every derived value is DeepSpeed's.
+        try:
+            sizes = _batch_sizes(self._cfg_batch, self.world_size)
+        except ValueError:
+            _lib.strata_engine_destroy(e)  # nothing of the model is the engine's yet
+            self._e = None
+            raise
+        if sizes[2] != self.gradient_accumulation_steps:
+            # The engine was made with the launcher's world size (an mpi_comm
+            # handle's size is known only now): its plan counted another
+            # accumulation. Python drives the micro-batches, so the numbers
+            # are right either way; the plan's byte counts are not.
+            warnings.warn(f"strata.torch: gradient_accumulation_steps is {sizes[2]} for {self.world_size} ranks, "
+                          f"the engine planned {self.gradient_accumulation_steps}; give "
+                          "gradient_accumulation_steps in the config to plan it exactly")
         (self.train_batch_size, self.train_micro_batch_size_per_gpu,
-         self.gradient_accumulation_steps) = _batch_sizes(self._cfg_batch, self.world_size)
+         self.gradient_accumulation_steps) = (None if v is None else _CallableInt(v) for v in sizes)
         if self._cuda:
             self._s = None
             self._switch(torch.cuda.current_stream(self.device))
@@ -523,6 +545,7 @@ class StrataEngine:
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
         self.last_step = None
+        self._outside_grads = False  # a gradient arrived outside backward() (loss.backward())
         self._step_applied = False
         self.global_steps = 0     # optimizer boundaries passed, skipped ones included (DeepSpeed's count)
         self.global_samples = 0
@@ -792,6 +815,10 @@ class StrataEngine:
             p.grad = None
             if g is None:
                 return
+            if not self._in_backward:
+                # loss.backward() in place of engine.backward(loss): neither
+                # divided by the accumulation nor loss-scaled; step() refuses.
+                self._outside_grads = True
             if g.dtype not in _DTYPES or g.is_sparse:
                 raise StrataError(1, f"strata.torch: gradient of {self._names[pid]} is {g.dtype}"
                                      f"{' (sparse)' if g.is_sparse else ''}: fp32/bf16/fp16 dense only")
@@ -846,10 +873,12 @@ class StrataEngine:
             self._release_backward()
             self._drop_copies(list(self._copies))
         self._micro += 1
+        return loss  # DeepSpeed's: divided by the accumulation (scale_wrt_gas), without the fp16 scale
 
     @_driven
     def _abandon(self):
         """An exception in forward or backward: forget the step (groups, gradients)."""
+        self._outside_grads = False
         self._bwd.clear()
         for g in list(self._held):
             self._held[g] = 1
@@ -883,13 +912,15 @@ class StrataEngine:
 
     def step(self):
         """At the accumulation boundary: one optimizer step with the param_groups' learning rates."""
-        if self._in_step and self._micro == 0 and not self._in_backward:
-            # A forward began a micro-batch and its loss never came through
-            # backward(): loss.backward() bypasses the engine's accounting.
+        if self._outside_grads or (self._in_step and self._micro == 0 and not self._in_backward):
+            # Gradients that did not come through backward(), or a forward
+            # whose loss never did: loss.backward() bypasses the engine's
+            # accounting (the accumulation's division, the loss scale).
             self._abandon()
-            raise StrataError(1, "strata.torch: step() after a forward whose loss did not go through "
-                                 "engine.backward(loss) (loss.backward() is not enough: the engine scales the loss "
-                                 "and counts the micro-batch there); the micro-batch was discarded")
+            raise StrataError(1, "strata.torch: step() after gradients that did not come through "
+                                 "engine.backward(loss) (loss.backward() is not enough: the engine divides the loss "
+                                 "by the accumulation, scales it and counts the micro-batch there); the step's "
+                                 "micro-batches were discarded")
         self._step_applied = False
         if not self.is_gradient_accumulation_boundary():
             return None
@@ -1030,9 +1061,12 @@ class StrataEngine:
                                       "implemented (the checkpoint holds every parameter)")
         if tag is None:
             tag = f"global_step{self.global_steps}"
-        if not isinstance(tag, str) or not tag or os.sep in tag or tag in (".", ".."):
-            raise TypeError(f"strata.torch: save_checkpoint tag must be a directory name (a str), not {tag!r}; "
-                            "client_state is the third argument, as in DeepSpeed")
+        if isinstance(tag, dict):
+            raise TypeError("strata.torch: save_checkpoint's second argument is the tag; client_state is the "
+                            "third argument, as in DeepSpeed")
+        tag = str(tag)  # as DeepSpeed (its examples use loss.item() as a tag)
+        if not tag or os.sep in tag or tag in (".", ".."):
+            raise ValueError(f"strata.torch: save_checkpoint tag {tag!r} is not a directory name")
         os.makedirs(save_dir, exist_ok=True)
         groups = self.optimizer.param_groups
         extra = {"strata_torch": {"lrs": [float(g["lr"]) for g in groups],
@@ -1065,18 +1099,17 @@ class StrataEngine:
             if value != default:
                 raise NotImplementedError(f"strata.torch: load_checkpoint({name}={value!r}) is not implemented "
                                           "(a Strata checkpoint restores the whole training state)")
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if os.path.isfile(latest):
-                with open(latest) as f:
-                    tag = f.read().strip()
-            elif os.path.isfile(os.path.join(load_dir, "index.json")):
-                tag = ""
-            else:
-                warnings.warn(f"strata.torch: load_checkpoint: {latest} does not exist and {load_dir} is no "
-                              "checkpoint: nothing loaded (pass tag= to load a given one)")
-                return None, None
-        path = os.path.join(load_dir, tag) if tag else load_dir
+        if tag is not None:
+            path = os.path.join(load_dir, str(tag))
+        elif os.path.isfile(os.path.join(load_dir, "latest")):
+            with open(os.path.join(load_dir, "latest")) as f:
+                path = os.path.join(load_dir, f.read().strip())
+        elif os.path.isfile(os.path.join(load_dir, "index.json")):
+            path = load_dir  # itself a checkpoint (the package's earlier layout)
+        else:
+            warnings.warn(f"strata.torch: load_checkpoint: {os.path.join(load_dir, 'latest')} does not exist and "
+                          f"{load_dir} is no checkpoint: nothing loaded (pass tag= to load a given one)")
+            return None, None
         p = ctypes.c_void_p()
         self._call(_lib.strata_engine_load_checkpoint, os.fsencode(path), ctypes.byref(p))
         text = ctypes.string_at(p).decode() if p.value else "{}"
@@ -1096,7 +1129,8 @@ class StrataEngine:
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self._micro = 0
-        return path, extra.get("client_state")
+        client_state = extra.get("client_state")
+        return path, ({} if client_state is None else client_state)  # DeepSpeed's: {} when none was saved
 
     def stats(self):
         s = _lib.EngineStats()

@@ -258,7 +258,8 @@ Status Engine::save_shard(const std::string& dir, std::string_view extra_json, c
         {"scale", S.scaler().scale},
         {"iter", S.scaler().iter},
         {"last_overflow_iter", S.scaler().last_overflow_iter},
-        {"hysteresis", S.scaler().hysteresis}}},
+        {"hysteresis", S.scaler().hysteresis},
+        {"growth_rule", "deepspeed-0.19"}}},
       {"prev_norm", S.prev_norm()},
       {"lr", S.current_lr()},
       {"optimizer",
@@ -454,6 +455,10 @@ Status Engine::load_shard(const std::string& dir, std::string* extra_json) {
   scaler.iter = ls.value("iter", int64_t{0});
   scaler.last_overflow_iter = ls.value("last_overflow_iter", int64_t{-1});
   scaler.hysteresis = ls.value("hysteresis", 1);
+  // A checkpoint of the older growth rule (doubling one clean step sooner,
+  // see loss_scaler.h): one step earlier for the overflow keeps its cadence,
+  // so the scale does not double twice within a window after the resume.
+  if (ls.value("growth_rule", std::string()) != "deepspeed-0.19") --scaler.last_overflow_iter;
   const int64_t step = meta.value("step", int64_t{0});
   I.stepper.restore(step, scaler, meta.value("prev_norm", -1.0), meta.value("lr", I.stepper.current_lr()));
   // Each parameter's own step count: those that differ from the engine's were
