@@ -264,7 +264,6 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
                       fmt::format("{} needs LoRA: give --lora-rank R (or --lora-adapter DIR)", opt->get_name()));
   }
   o->lora.merge = f.lora_merge;
-  if (o->batch < 1) return Status(StatusCode::kInvalidArgument, "--batch must be at least 1");
   if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
   // Counts a user may mistype: refused by name before any expensive work.
   auto in_range = [](const char* flag, int64_t v, int64_t lo, int64_t hi) -> Status {

@@ -59,8 +59,8 @@ struct FinetuneFlags {
   bool lora_rslora = false, lora_merge = false;
   CLI::Option *o_lora_alpha = nullptr, *o_lora_dropout = nullptr, *o_lora_targets = nullptr, *o_lora_rank = nullptr,
               *o_lora_rslora = nullptr;
-  CLI::Option *o_batch = nullptr, *o_grad_accum = nullptr, *o_clip = nullptr, *o_wd = nullptr, *o_lr = nullptr, *o_fp16 = nullptr,
-              *o_bf16 = nullptr, *o_offp = nullptr, *o_offo = nullptr;
+  CLI::Option *o_batch = nullptr, *o_grad_accum = nullptr, *o_clip = nullptr, *o_wd = nullptr, *o_lr = nullptr,
+              *o_fp16 = nullptr, *o_bf16 = nullptr, *o_offp = nullptr, *o_offo = nullptr;
 };
 
 // DeepSpeed's batch sizes (its runtime/config.py: _set_batch_related_parameters,

@@ -349,8 +349,6 @@ class CPUAdamW(torch.optim.Optimizer):
                 _set_step(state, step)
         return loss
 
-    # ---------------------------------------------------------------- NVMe mode
-
     def add_param_group(self, param_group):
         """torch's add_param_group; a parameter that is not an fp32 CPU tensor is refused here, not at step()."""
         super().add_param_group(param_group)
@@ -361,6 +359,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 raise ValueError(f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)}) is {p.dtype} "
                                  f"on {p.device}; CPUAdamW updates fp32 CPU parameters (the fp32 masters): keep "
                                  "fp32 masters and cast copies for compute")
+
+    # ---------------------------------------------------------------- NVMe mode
 
     def _where(self, p):
         for gi, group in enumerate(self.param_groups):

@@ -912,10 +912,10 @@ class StrataEngine:
 
     def step(self):
         """At the accumulation boundary: one optimizer step with the param_groups' learning rates."""
-        if self._outside_grads or (self._in_step and self._micro == 0 and not self._in_backward):
-            # Gradients that did not come through backward(), or a forward
-            # whose loss never did: loss.backward() bypasses the engine's
-            # accounting (the accumulation's division, the loss scale).
+        if self._outside_grads:
+            # Gradients that did not come through backward(): loss.backward()
+            # bypasses the engine's accounting (the accumulation's division,
+            # the loss scale).
             self._abandon()
             raise StrataError(1, "strata.torch: step() after gradients that did not come through "
                                  "engine.backward(loss) (loss.backward() is not enough: the engine divides the loss "

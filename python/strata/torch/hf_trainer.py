@@ -384,8 +384,8 @@ class StrataTrainer(transformers.Trainer):
         if checkpoint is None:
             return
         d = self._strata_checkpoint(checkpoint)
-        path, _ = self.strata_engine.load_checkpoint(d)
-        if path is None:
+        loaded, _ = self.strata_engine.load_checkpoint(d)
+        if loaded is None:
             _refuse(f"resume_from_checkpoint {checkpoint}", f"{d} holds no engine checkpoint (no \"latest\" file)")
         path = os.path.join(checkpoint, SCHEDULER_NAME)
         if self.lr_scheduler is not None and os.path.isfile(path):
