@@ -10,6 +10,7 @@
 #include "comm/nccl_comm.h"
 #include "comm/rendezvous.h"
 #include "comm/self_comm.h"
+#include "comm/tcp_comm.h"
 #include "device/host_backend.h"
 #include "strata/strata_config.h"
 
@@ -43,6 +44,33 @@ Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::si
 #endif
 }
 
+// The store at MASTER_PORT (torchrun's agent's) outlives a job attempt and
+// serves every communicator of this one: the key names both (every rank
+// creates its communicators in the same order).
+std::string store_key(const char* backend) {
+  static std::atomic<uint64_t> sequence{0};
+  const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+  return fmt::format("{}/{}/{}", backend, restart != nullptr && *restart ? restart : "0", sequence++);
+}
+
+// TCP over the torchrun-style launcher's ranks.
+Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const CommOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+  if (li.launcher == Launcher::kMpirun && li.master_addr.empty())
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("the tcp communicator under mpirun ({} ranks): its ranks meet at MASTER_ADDR:MASTER_PORT "
+                              "(torchrun style), which mpirun does not set; use the mpi backend",
+                              li.world_size));
+  TcpCommOptions to;
+  to.master_addr = li.master_addr;
+  to.master_port = li.master_port;
+  to.rank = li.rank;
+  to.world_size = li.world_size;
+  to.timeout_s = options.timeout_s;
+  if (li.world_size > 1) to.key = store_key("tcp");
+  return create_tcp_communicator(device, to);
+}
+
 // NCCL over the launcher's ranks: rank 0's NCCL id travels by MPI (mpirun)
 // or the TCP rendezvous (torchrun style).
 Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const CommOptions& options) {
@@ -58,12 +86,7 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
   no.world_size = li.world_size;
   no.timeout_s = options.timeout_s;
   if (li.launcher == Launcher::kTorchrun) {
-    // The store at MASTER_PORT (torchrun's agent's) outlives a job attempt
-    // and serves every communicator of this one: the key names both (every
-    // rank creates its communicators in the same order).
-    static std::atomic<uint64_t> sequence{0};
-    const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-    const std::string key = fmt::format("nccl/{}/{}", restart != nullptr && *restart ? restart : "0", sequence++);
+    const std::string key = store_key("nccl");
     no.share_id = [li, options, key](const std::vector<uint8_t>& blob) {
       RendezvousOptions ro;
       ro.addr = li.master_addr;
@@ -88,15 +111,17 @@ const char* comm_backend_kind_name(CommBackendKind kind) {
     case CommBackendKind::kSelf: return "self";
     case CommBackendKind::kMpi: return "mpi";
     case CommBackendKind::kNccl: return "nccl";
+    case CommBackendKind::kTcp: return "tcp";
   }
   return "?";
 }
 
 Result<CommBackendKind> parse_comm_backend_kind(std::string_view text) {
-  for (CommBackendKind k : {CommBackendKind::kAuto, CommBackendKind::kSelf, CommBackendKind::kMpi, CommBackendKind::kNccl})
+  for (CommBackendKind k : {CommBackendKind::kAuto, CommBackendKind::kSelf, CommBackendKind::kMpi, CommBackendKind::kNccl,
+                            CommBackendKind::kTcp})
     if (text == comm_backend_kind_name(k)) return k;
   return Status(StatusCode::kInvalidArgument,
-                fmt::format("communicator backend '{}': expected auto, self, mpi or nccl", text));
+                fmt::format("communicator backend '{}': expected auto, self, mpi, nccl or tcp", text));
 }
 
 bool mpi_backend_built() { return STRATA_HAVE_MPI != 0; }
@@ -115,13 +140,16 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
     kind = CommBackendKind::kNccl;
   }
   if (kind == CommBackendKind::kAuto) {
-    // GPU ranks meet over NCCL, host ranks over MPI; one rank needs neither.
+    // GPU ranks meet over NCCL, host ranks over MPI (mpirun) or TCP
+    // (torchrun style); one rank needs none.
     if (device->kind() == DeviceKind::kCuda) {
       STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
       kind = li.world_size > 1 ? CommBackendKind::kNccl : CommBackendKind::kSelf;
+    } else if (mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+      kind = CommBackendKind::kMpi;
     } else {
-      kind = (mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) ? CommBackendKind::kMpi
-                                                                                    : CommBackendKind::kSelf;
+      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+      kind = li.launcher == Launcher::kTorchrun && li.world_size > 1 ? CommBackendKind::kTcp : CommBackendKind::kSelf;
     }
   }
   switch (kind) {
@@ -141,6 +169,8 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
     }
     case CommBackendKind::kNccl:
       return create_nccl(device, options);
+    case CommBackendKind::kTcp:
+      return create_tcp(device, options);
     case CommBackendKind::kAuto:
       break;
   }

@@ -4,6 +4,8 @@
 // Backends: SelfCommunicator (src/comm/self_comm.h; one rank, always
 // available: the 1-rank reference), MpiCommunicator (src/comm/mpi_comm.h;
 // Open MPI over host-backend buffers, built when CMake finds MPI),
+// TcpCommunicator (src/comm/tcp_comm.h; TCP sockets over host-backend
+// buffers, for host ranks launched torchrun-style; always built),
 // NcclCommunicator (src/comm/nccl_comm.h; NCCL over CUDA-backend buffers,
 // built when CMake finds CUDA and NCCL; never run on a GPU yet).
 // create_communicator() picks one and says why one is unavailable.
@@ -72,7 +74,7 @@ class Communicator {
   // This process's rank, 0 .. world_size()-1. Constant.
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  // "self", "mpi". Constant.
+  // "self", "mpi", "tcp", "nccl". Constant.
   virtual const char* backend_name() const = 0;
   // The device backend whose buffers and streams the collectives take.
   virtual DeviceBackend* device() const = 0;
@@ -99,9 +101,9 @@ class Communicator {
   virtual Status barrier(DeviceStream* stream) = 0;
 };
 
-enum class CommBackendKind { kAuto, kSelf, kMpi, kNccl };
+enum class CommBackendKind { kAuto, kSelf, kMpi, kNccl, kTcp };
 const char* comm_backend_kind_name(CommBackendKind kind);
-// "auto" | "self" | "mpi" | "nccl"; kInvalidArgument names the text otherwise.
+// "auto" | "self" | "mpi" | "nccl" | "tcp"; kInvalidArgument names the text otherwise.
 Result<CommBackendKind> parse_comm_backend_kind(std::string_view text);
 
 struct CommOptions {
@@ -125,13 +127,18 @@ bool mpi_backend_built();
 // launcher's ranks (bootstrap.h: under mpirun rank 0's NCCL id travels by an
 // MPI broadcast, torchrun style by the TCP rendezvous at MASTER_ADDR:
 // MASTER_PORT; no launcher: one rank); the device must be a CUDA backend.
+// kTcp: the TCP backend over the torchrun-style launcher's ranks (RANK,
+// WORLD_SIZE, MASTER_ADDR, MASTER_PORT; no launcher: one rank); the device
+// must be the host backend.
 // kAuto: a CUDA device: nccl when the launcher says N > 1 ranks, else self;
 // the host backend: mpi when this build has MPI and the process runs under
-// mpirun (OMPI_COMM_WORLD_SIZE set), else self.
+// mpirun (OMPI_COMM_WORLD_SIZE set), tcp when launched torchrun-style with
+// N > 1 ranks, else self.
 // Errors: kUnavailable with the reason (built without MPI or NCCL: how to get
 // it; the NCCL module or libnccl not loadable), kInvalidArgument (null device,
-// timeout <= 0, MPI over a CUDA backend, NCCL over the host backend, a
-// malformed launcher environment), and those of the backend's constructor.
+// timeout <= 0, MPI or TCP over a CUDA backend, NCCL over the host backend,
+// TCP under mpirun, a malformed launcher environment), and those of the
+// backend's constructor.
 Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device, const CommOptions& options);
 
 }  // namespace strata::comm

@@ -16,6 +16,8 @@
 
 #include <fmt/format.h>
 
+#include "comm/p2p_communicator.h"
+
 namespace strata::comm {
 namespace {
 
@@ -89,15 +91,9 @@ class MpiLock {
 
 constexpr std::size_t kMaxPiece = std::size_t{1} << 30;  // bytes per MPI message
 
-// One collective while it runs: its name, sequence number and the transfers
-// it has posted.
-struct Op {
-  const char* name;
-  uint64_t seq;
-  int rank;
-  int world;
-  int tag_base;
-  Clock::time_point start;
+// One collective's MPI requests while it runs.
+struct MpiOp final : P2pOp {
+  int tag_base = 0;
   std::vector<MPI_Request> reqs;
   struct Info {
     int peer;
@@ -105,14 +101,12 @@ struct Op {
     std::size_t bytes;
   };
   std::vector<Info> info;
-
-  std::string where() const { return fmt::format("{} #{} on rank {} of {} (mpi)", name, seq, rank, world); }
 };
 
-class MpiCommunicator final : public Communicator {
+class MpiCommunicator final : public P2pCommunicator {
  public:
   MpiCommunicator(DeviceBackend* device, MPI_Comm comm, int rank, int world, int tag_ub, double timeout_s)
-      : device_(device), comm_(comm), rank_(rank), world_(world), tag_ub_(tag_ub), timeout_s_(timeout_s) {}
+      : P2pCommunicator(device, rank, world, timeout_s), comm_(comm), tag_ub_(tag_ub) {}
 
   ~MpiCommunicator() override {
     int finalized = 0;
@@ -122,156 +116,25 @@ class MpiCommunicator final : public Communicator {
     MPI_Comm_free(&comm_);
   }
 
-  int rank() const override { return rank_; }
-  int world_size() const override { return world_; }
   const char* backend_name() const override { return "mpi"; }
-  DeviceBackend* device() const override { return device_; }
-
-  Status all_gather(const void* send, void* recv, std::size_t bytes, DeviceStream* stream) override {
-    if (bytes > 0 && (send == nullptr || recv == nullptr))
-      return Status(StatusCode::kInvalidArgument, "all_gather: null buffer");
-    return enqueue("all_gather", stream, [=, this](Op& op) -> Status {
-      auto* out = static_cast<char*>(recv);
-      char* own = out + static_cast<std::size_t>(rank_) * bytes;
-      if (bytes == 0) return Status();
-      if (own != send && bytes > 0) std::memmove(own, send, bytes);
-      for (int p = 0; p < world_; ++p) {
-        if (p == rank_) continue;
-        STRATA_RETURN_IF_ERROR(post(op, false, const_cast<char*>(own), bytes, p, 0));
-        STRATA_RETURN_IF_ERROR(post(op, true, out + static_cast<std::size_t>(p) * bytes, bytes, p, 0));
-      }
-      return wait(op);
-    });
-  }
-
-  Status reduce_scatter(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
-    if (count > 0 && (send == nullptr || recv == nullptr))
-      return Status(StatusCode::kInvalidArgument, "reduce_scatter: null buffer");
-    return enqueue("reduce_scatter", stream, [=, this](Op& op) -> Status {
-      if (count == 0) return Status();
-      // Every rank's slice `rank_`, by rank: own from `send`, others received.
-      std::vector<const float*> parts(static_cast<std::size_t>(world_));
-      auto stage = std::make_shared<std::vector<float>>(count * static_cast<std::size_t>(world_ - 1));
-      for (int p = 0, slot = 0; p < world_; ++p) {
-        if (p == rank_) {
-          parts[p] = send + static_cast<std::size_t>(rank_) * count;
-          continue;
-        }
-        float* in = stage->data() + static_cast<std::size_t>(slot++) * count;
-        parts[p] = in;
-        STRATA_RETURN_IF_ERROR(post(op, false, const_cast<float*>(send) + static_cast<std::size_t>(p) * count,
-                                    count * sizeof(float), p, 0));
-        STRATA_RETURN_IF_ERROR(post(op, true, in, count * sizeof(float), p, 0));
-      }
-      STRATA_RETURN_IF_ERROR(wait(op, stage));
-      sum_in_rank_order(parts, recv, count);
-      return Status();
-    });
-  }
-
-  Status all_reduce(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
-    if (count > 0 && (send == nullptr || recv == nullptr))
-      return Status(StatusCode::kInvalidArgument, "all_reduce: null buffer");
-    return enqueue("all_reduce", stream, [=, this](Op& op) -> Status {
-      if (count == 0) return Status();
-      auto begin = [&](int r) {
-        return static_cast<std::size_t>(static_cast<unsigned __int128>(count) * static_cast<unsigned>(r) /
-                                        static_cast<unsigned>(world_));
-      };
-      const std::size_t mine = begin(rank_), mine_n = begin(rank_ + 1) - mine;
-      // Phase 0 (reduce-scatter of uneven chunks): chunk `rank_` of every rank.
-      std::vector<const float*> parts(static_cast<std::size_t>(world_));
-      auto stage = std::make_shared<std::vector<float>>(mine_n * static_cast<std::size_t>(world_));
-      for (int p = 0, slot = 1; p < world_; ++p) {
-        if (p == rank_) {
-          parts[p] = send + mine;
-          continue;
-        }
-        float* in = stage->data() + static_cast<std::size_t>(slot++) * mine_n;
-        parts[p] = in;
-        const std::size_t pb = begin(p), pn = begin(p + 1) - pb;
-        STRATA_RETURN_IF_ERROR(post(op, false, const_cast<float*>(send) + pb, pn * sizeof(float), p, 0));
-        STRATA_RETURN_IF_ERROR(post(op, true, in, mine_n * sizeof(float), p, 0));
-      }
-      STRATA_RETURN_IF_ERROR(wait(op, stage));
-      // Slot 0 of the stage holds the sum: send may be recv (in place), and
-      // recv's chunk must not change before the sum has read send's.
-      float* acc = stage->data();
-      sum_in_rank_order(parts, acc, mine_n);
-      if (mine_n > 0) std::memcpy(recv + mine, acc, mine_n * sizeof(float));
-      // Phase 1 (all-gather of the summed chunks).
-      for (int p = 0; p < world_; ++p) {
-        if (p == rank_) continue;
-        const std::size_t pb = begin(p), pn = begin(p + 1) - pb;
-        STRATA_RETURN_IF_ERROR(post(op, false, recv + mine, mine_n * sizeof(float), p, 1));
-        STRATA_RETURN_IF_ERROR(post(op, true, recv + pb, pn * sizeof(float), p, 1));
-      }
-      return wait(op);
-    });
-  }
-
-  Status broadcast(void* data, std::size_t bytes, int root, DeviceStream* stream) override {
-    if (root < 0 || root >= world_)
-      return Status(StatusCode::kInvalidArgument, fmt::format("broadcast: root {} of a world of {}", root, world_));
-    if (bytes > 0 && data == nullptr) return Status(StatusCode::kInvalidArgument, "broadcast: null buffer");
-    return enqueue("broadcast", stream, [=, this](Op& op) -> Status {
-      if (bytes == 0) return Status();
-      if (rank_ == root) {
-        for (int p = 0; p < world_; ++p)
-          if (p != root) STRATA_RETURN_IF_ERROR(post(op, false, data, bytes, p, 0));
-      } else {
-        STRATA_RETURN_IF_ERROR(post(op, true, data, bytes, root, 0));
-      }
-      return wait(op);
-    });
-  }
-
-  Status barrier(DeviceStream* stream) override {
-    return enqueue("barrier", stream, [this](Op& op) -> Status {
-      // An empty message to and from every peer: done once all have arrived.
-      for (int p = 0; p < world_; ++p) {
-        if (p == rank_) continue;
-        STRATA_RETURN_IF_ERROR(post(op, false, nullptr, 0, p, 0));
-        STRATA_RETURN_IF_ERROR(post(op, true, nullptr, 0, p, 0));
-      }
-      return wait(op);
-    });
-  }
 
  private:
-  // acc = parts[0]; acc += parts[1]; ... (communicator.h's fixed order).
-  // Plain fp32 adds: nothing here can be contracted into an FMA.
-  static void sum_in_rank_order(const std::vector<const float*>& parts, float* acc, std::size_t n) {
-    if (n == 0) return;  // empty chunks may come with null pointers (memcpy's contract)
-    if (acc != parts[0]) std::memcpy(acc, parts[0], n * sizeof(float));
-    for (std::size_t r = 1; r < parts.size(); ++r) {
-      const float* in = parts[r];
-      for (std::size_t i = 0; i < n; ++i) acc[i] += in[i];
-    }
-  }
-
-  template <typename Body>
-  Status enqueue(const char* name, DeviceStream* stream, Body body) {
-    if (stream == nullptr) return Status(StatusCode::kInvalidArgument, fmt::format("{}: null stream", name));
-    if (Status broken = broken_status(); !broken.ok()) return broken;
-    const uint64_t seq = next_seq_.fetch_add(1);
+  std::unique_ptr<P2pOp> make_op(const char* name, uint64_t seq) override {
+    auto op = std::make_unique<MpiOp>();
+    op->name = name;
+    op->seq = seq;
+    op->rank = rank();
+    op->world = world_size();
+    op->backend = "mpi";
     // Tags: 2 per collective (phases), cycling below the MPI tag bound.
-    const int tag_base = static_cast<int>((seq % (static_cast<uint64_t>(tag_ub_) / 2)) * 2);
-    return device_->host_func_async(stream, [this, name, seq, tag_base, body]() -> Status {
-      if (Status broken = broken_status(); !broken.ok()) return broken;
-      Op op{name, seq, rank_, world_, tag_base, Clock::now(), {}, {}};
-      Status st = body(op);
-      if (!st.ok()) {
-        abandon(op);
-        break_with(st);
-      }
-      return st;
-    });
+    op->tag_base = static_cast<int>((seq % (static_cast<uint64_t>(tag_ub_) / 2)) * 2);
+    return op;
   }
 
   // Posts one transfer (split into pieces of at most kMaxPiece bytes; the
   // pieces of one tag from one peer match in order, MPI's non-overtaking rule).
-  Status post(Op& op, bool recv, void* buf, std::size_t bytes, int peer, int phase) {
+  Status post(P2pOp& base, bool recv, void* buf, std::size_t bytes, int peer, int phase) override {
+    auto& op = static_cast<MpiOp&>(base);
     const int tag = op.tag_base + phase;
     std::size_t off = 0;
     do {
@@ -299,11 +162,10 @@ class MpiCommunicator final : public Communicator {
   // yielding for 1 ms, then every 100 us. A collective enqueued ahead (stage
   // 3's gather of the next group) waits here while the trainer computes, on
   // the same cores: a longer spin (20 ms once) took their time.
-  // `keep` (staging memory the transfers use) is kept alive for good if the
-  // transfers are abandoned.
-  Status wait(Op& op, std::shared_ptr<std::vector<float>> keep = nullptr) {
+  Status wait(P2pOp& base, std::shared_ptr<std::vector<float>> keep) override {
+    auto& op = static_cast<MpiOp&>(base);
     const auto deadline = op.start + std::chrono::duration_cast<Clock::duration>(
-                                         std::chrono::duration<double>(timeout_s_));
+                                         std::chrono::duration<double>(timeout_s()));
     const auto spin_until = Clock::now() + std::chrono::milliseconds(1);
     std::vector<MPI_Status> statuses(op.reqs.size());
     for (;;) {
@@ -357,13 +219,14 @@ class MpiCommunicator final : public Communicator {
     const std::size_t i = first_recv ? *first_recv : first_send.value_or(0);
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: timed out after {:g} s waiting for rank {} ({} of {} bytes)", op.where(),
-                              timeout_s_, op.info[i].peer, op.info[i].recv ? "receive" : "send",
+                              timeout_s(), op.info[i].peer, op.info[i].recv ? "receive" : "send",
                               op.info[i].bytes));
   }
 
   // Cancels what is still pending (receives into the caller's buffers must
   // not land later) and lets MPI free the requests when it can.
-  void abandon(Op& op) {
+  void abandon(P2pOp& base) override {
+    auto& op = static_cast<MpiOp&>(base);
     MpiLock lock;
     for (MPI_Request& r : op.reqs) {
       if (r == MPI_REQUEST_NULL) continue;
@@ -373,29 +236,10 @@ class MpiCommunicator final : public Communicator {
     op.reqs.clear();
   }
 
-  Status broken_status() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (first_error_.ok()) return Status();
-    return Status(first_error_.code(), "communicator broken by an earlier failure: " + first_error_.message());
-  }
-  void break_with(const Status& st) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (first_error_.ok()) first_error_ = st;
-    g_any_broken = true;
-  }
-  void graveyard_add(std::shared_ptr<std::vector<float>> mem) {
-    std::lock_guard<std::mutex> lock(mu_);
-    graveyard_.push_back(std::move(mem));
-  }
+  void on_broken() override { g_any_broken = true; }
 
-  DeviceBackend* const device_;
   MPI_Comm comm_;
-  const int rank_, world_, tag_ub_;
-  const double timeout_s_;
-  std::atomic<uint64_t> next_seq_{0};
-  std::mutex mu_;  // guards first_error_ and graveyard_
-  Status first_error_;
-  std::vector<std::shared_ptr<std::vector<float>>> graveyard_;
+  const int tag_ub_;
 };
 
 }  // namespace

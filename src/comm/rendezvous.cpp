@@ -19,76 +19,21 @@
 
 #include <fmt/format.h>
 
+#include "comm/socket_io.h"
+
 namespace strata::comm {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using net::Clock;
+using net::Fd;
+using net::ms_left;
+using net::recv_all;
+using net::resolve;
+using net::send_all;
+using net::wait_fd;
 constexpr char kMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'R', 'V'};
 constexpr uint32_t kVersion = 2;  // 2: the blob's header carries rank 0's decision time left
 constexpr uint64_t kMaxBlob = 64u << 20;
-
-struct Fd {
-  int fd = -1;
-  Fd() = default;
-  explicit Fd(int f) : fd(f) {}
-  Fd(Fd&& o) noexcept : fd(o.fd) { o.fd = -1; }
-  Fd& operator=(Fd&& o) noexcept {
-    std::swap(fd, o.fd);
-    return *this;
-  }
-  ~Fd() {
-    if (fd >= 0) ::close(fd);
-  }
-};
-
-int ms_left(Clock::time_point deadline) {
-  const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-  return left <= 0 ? 0 : static_cast<int>(std::min<long long>(left, 1 << 30));
-}
-
-// Waits for `events` on fd; false on timeout.
-Result<bool> wait_fd(int fd, short events, Clock::time_point deadline) {
-  for (;;) {
-    pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, ms_left(deadline));
-    if (n > 0) return true;
-    if (n == 0) return false;
-    if (errno != EINTR) return Status::from_errno(errno, "poll");
-  }
-}
-
-Status send_all(int fd, const void* data, std::size_t n, Clock::time_point deadline, const std::string& what) {
-  const char* p = static_cast<const char*>(data);
-  while (n > 0) {
-    STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(fd, POLLOUT, deadline));
-    if (!ready) return Status(StatusCode::kUnavailable, what + ": timed out sending");
-    const ssize_t k = ::send(fd, p, n, MSG_NOSIGNAL);
-    if (k < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Status::from_errno(errno, what + ": send failed");
-    }
-    p += k;
-    n -= static_cast<std::size_t>(k);
-  }
-  return Status();
-}
-
-Status recv_all(int fd, void* data, std::size_t n, Clock::time_point deadline, const std::string& what) {
-  char* p = static_cast<char*>(data);
-  while (n > 0) {
-    STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(fd, POLLIN, deadline));
-    if (!ready) return Status(StatusCode::kUnavailable, what + ": timed out receiving");
-    const ssize_t k = ::recv(fd, p, n, 0);
-    if (k == 0) return Status(StatusCode::kIoError, what + ": connection closed by the peer");
-    if (k < 0) {
-      if (errno == EINTR || errno == EAGAIN) continue;
-      return Status::from_errno(errno, what + ": recv failed");
-    }
-    p += k;
-    n -= static_cast<std::size_t>(k);
-  }
-  return Status();
-}
 
 // ---- the TCPStore protocol (rendezvous.h)
 
@@ -162,21 +107,6 @@ std::vector<uint8_t> encode_blob(const RendezvousOptions& o, const std::vector<u
 // After rank 0's deadline: time for the few requests that publish a verdict.
 constexpr auto kGrace = std::chrono::seconds(5);
 
-Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::string& where) {
-  addrinfo hints{};
-  hints.ai_family = AF_INET;
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* res = nullptr;
-  const std::string p = std::to_string(port);
-  if (int rc = ::getaddrinfo(addr.c_str(), p.c_str(), &hints, &res); rc != 0)
-    return Status(StatusCode::kInvalidArgument,
-                  fmt::format("{}: cannot resolve MASTER_ADDR '{}': {}", where, addr, gai_strerror(rc)));
-  sockaddr_in target{};
-  std::memcpy(&target, res->ai_addr, sizeof target);
-  ::freeaddrinfo(res);
-  return target;
-}
-
 // One connection to a TCPStore.
 class StoreClient {
  public:
@@ -188,24 +118,7 @@ class StoreClient {
 
   // One attempt; *refused: nothing listens there (ECONNREFUSED).
   Status connect_once(const sockaddr_in& target, bool* refused) {
-    *refused = false;
-    Fd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (s.fd < 0) return Status::from_errno(errno, where_ + ": socket failed");
-    int rc = ::connect(s.fd, reinterpret_cast<const sockaddr*>(&target), sizeof target);
-    int err = rc == 0 ? 0 : errno;
-    if (rc != 0 && err == EINPROGRESS) {
-      STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(s.fd, POLLOUT, deadline_));
-      err = ETIMEDOUT;
-      socklen_t len = sizeof err;
-      if (ready) ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
-    }
-    if (err != 0) {
-      *refused = err == ECONNREFUSED;
-      return Status::from_errno(err, where_ + ": connect failed");
-    }
-    int one = 1;
-    ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    fd_ = std::move(s);
+    STRATA_ASSIGN_OR_RETURN(fd_, net::connect_once(target, deadline_, where_, refused));
     return Status();
   }
 
@@ -408,17 +321,7 @@ class MiniStore {
   explicit MiniStore(std::string where) : where_(std::move(where)) {}
 
   Status listen(uint16_t port, int backlog) {
-    listener_ = Fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-    if (listener_.fd < 0) return Status::from_errno(errno, where_ + ": socket failed");
-    int one = 1;
-    ::setsockopt(listener_.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_ANY);
-    sa.sin_port = htons(port);
-    if (::bind(listener_.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
-      return Status::from_errno(errno, fmt::format("{}: bind to port {} failed", where_, port));
-    if (::listen(listener_.fd, std::max(backlog, 16)) != 0) return Status::from_errno(errno, where_ + ": listen failed");
+    STRATA_ASSIGN_OR_RETURN(listener_, net::listen_on(port, backlog, where_));
     return Status();
   }
 

@@ -1,12 +1,16 @@
-// The one-rank communicator and the factory.
+// The one-rank communicator, the factory, and the TCP backend's one-rank
+// and refusal cases.
 #include "comm/self_comm.h"
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
+#include <vector>
 
 #include "comm/communicator.h"
 #include "comm/nccl_comm.h"
+#include "comm/tcp_comm.h"
 #include "comm_pattern.h"
 #include "device/host_backend.h"
 
@@ -65,10 +69,71 @@ TEST(CommFactory, SaysWhyABackendIsUnavailable) {
   EXPECT_EQ(create_communicator(dev->get(), {CommBackendKind::kSelf, 0.0}).status().code(),
             StatusCode::kInvalidArgument);
   EXPECT_EQ(create_communicator(nullptr, {}).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(parse_comm_backend_kind("tcp").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(parse_comm_backend_kind("gloo").status().code(), StatusCode::kInvalidArgument);
   auto mpi_kind = parse_comm_backend_kind("mpi");
   ASSERT_TRUE(mpi_kind.ok());
   EXPECT_EQ(*mpi_kind, CommBackendKind::kMpi);
+  auto tcp_kind = parse_comm_backend_kind("tcp");
+  ASSERT_TRUE(tcp_kind.ok());
+  EXPECT_EQ(*tcp_kind, CommBackendKind::kTcp);
+}
+
+// The TCP backend with no launcher is one rank (no socket, no thread), and
+// its collectives are the 1-rank results; bad options are refused by name.
+// (N ranks: tcp_comm_np2/np3, collectives_test.cpp.)
+TEST(TcpComm, OneRankWithoutALauncher) {
+  auto dev = create_host_backend(HostBackendOptions{});
+  ASSERT_TRUE(dev.ok());
+  auto made = create_communicator(dev->get(), {CommBackendKind::kTcp, 5.0});
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  Communicator& c = **made;
+  EXPECT_STREQ(c.backend_name(), "tcp");
+  EXPECT_EQ(c.world_size(), 1);
+  auto stream = (*dev)->create_stream("comm");
+  ASSERT_TRUE(stream.ok());
+  std::vector<float> a{1.5f, -2.0f, 3.25f}, b(3, 0.0f);
+  ASSERT_TRUE(c.all_reduce(a.data(), b.data(), 3, *stream).ok());
+  ASSERT_TRUE(c.reduce_scatter(a.data(), a.data() + 3, 0, *stream).ok());
+  std::vector<uint8_t> bytes{7, 8, 9}, all(3);
+  ASSERT_TRUE(c.all_gather(bytes.data(), all.data(), 3, *stream).ok());
+  ASSERT_TRUE(c.broadcast(bytes.data(), 3, 0, *stream).ok());
+  ASSERT_TRUE(c.barrier(*stream).ok());
+  ASSERT_TRUE((*dev)->synchronize(*stream).ok());
+  EXPECT_EQ(b, a);
+  EXPECT_EQ(all, bytes);
+  EXPECT_EQ(c.broadcast(bytes.data(), 3, 1, *stream).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*dev)->destroy_stream(*stream).ok());
+
+  TcpCommOptions bad;
+  bad.rank = 2;
+  bad.world_size = 2;
+  auto r = create_tcp_communicator(dev->get(), bad);
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("rank 2 of world size 2"), std::string::npos) << r.status().to_string();
+  bad.rank = 0;
+  bad.timeout_s = 0;
+  EXPECT_EQ(create_tcp_communicator(dev->get(), bad).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(create_tcp_communicator(nullptr, {}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Rank 1 of 2 whose rank 0 never comes: the rendezvous names it within the
+// timeout (no thread or socket left behind).
+TEST(TcpComm, AMissingRankZeroIsNamedWithinTheTimeout) {
+  auto dev = create_host_backend(HostBackendOptions{});
+  ASSERT_TRUE(dev.ok());
+  TcpCommOptions o;
+  o.master_addr = "127.0.0.1";
+  o.master_port = 1;  // nothing listens on port 1
+  o.rank = 1;
+  o.world_size = 2;
+  o.timeout_s = 0.5;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto r = create_tcp_communicator(dev->get(), o);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kUnavailable) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("rank 0"), std::string::npos) << r.status().to_string();
+  EXPECT_LT(s, 10.0);
 }
 
 }  // namespace

@@ -1,15 +1,16 @@
-// The MPI communicator under mpirun (ctest runs this with -np 2 and -np 3):
-// every collective against the locally computed expected result, sums
-// bit-identical to the 1-rank rank-order sum, odd and zero sizes, a 40 MB
-// buffer, several streams at once, stream ordering; and (MpiTimeout, its own
-// ctest entry) a rank that stops participating makes the others fail with an
-// error naming it within the timeout.
+// Every collective of a multi-rank backend, run by each of N processes:
+// against the locally computed expected result, sums bit-identical to the
+// 1-rank rank-order sum, odd and zero sizes, a 40 MB buffer, several streams
+// at once, stream ordering; (RanksTimeout, its own ctest entry) a rank that
+// stops participating makes the others fail with an error naming it within
+// the timeout; and (RanksDeath, TCP only: mpirun ends the whole job) a rank
+// that dies makes the others fail at once naming it.
 //
-// Every rank runs the same tests in the same order, so the collectives match.
-#include "comm/mpi_comm.h"
-
+// Built twice: test_comm_mpi (mpi_main.cpp: under mpirun -np 2 and 3) and
+// test_comm_tcp (tcp_main.cpp: under launch_ranks, torchrun-style). Every
+// rank runs the same tests in the same order, so the collectives match.
 #include <gtest/gtest.h>
-#include <mpi.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstring>
@@ -20,7 +21,7 @@
 #include "comm/host_collectives.h"
 #include "comm_pattern.h"
 #include "device/host_backend.h"
-#include "test_util/mpi_world.h"
+#include "ranks_world.h"
 
 namespace strata::comm {
 namespace {
@@ -29,14 +30,7 @@ using test::fill;
 using test::rank_order_sum;
 using test::same_bits;
 
-// One host backend and one MPI communicator for the whole program.
-struct World {
-  std::unique_ptr<DeviceBackend> dev;
-  std::unique_ptr<Communicator> comm;
-};
-World* g_world = nullptr;
-
-class Mpi : public ::testing::Test {
+class Ranks : public ::testing::Test {
  protected:
   void SetUp() override {
     dev_ = g_world->dev.get();
@@ -72,7 +66,7 @@ class Mpi : public ::testing::Test {
 
 uint8_t byte_of(int rank, std::size_t i) { return static_cast<uint8_t>(test::mix(rank * 1000003ull + i)); }
 
-TEST_F(Mpi, AllGatherOddSizes) {
+TEST_F(Ranks, AllGatherOddSizes) {
   for (std::size_t bytes : {std::size_t{0}, std::size_t{1}, std::size_t{3}, std::size_t{4097}, std::size_t{1000003}}) {
     auto* send = alloc<uint8_t>(bytes + 1);
     auto* recv = alloc<uint8_t>(bytes * world_ + 1);
@@ -92,7 +86,7 @@ TEST_F(Mpi, AllGatherOddSizes) {
   }
 }
 
-TEST_F(Mpi, ReduceScatterIsTheRankOrderSum) {
+TEST_F(Ranks, ReduceScatterIsTheRankOrderSum) {
   for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{7}, std::size_t{12345}}) {
     auto* send = alloc<float>(count * world_ + 1);
     auto* recv = alloc<float>(count + 1);
@@ -104,7 +98,7 @@ TEST_F(Mpi, ReduceScatterIsTheRankOrderSum) {
   }
 }
 
-TEST_F(Mpi, AllReduceIsTheRankOrderSumBitForBit) {
+TEST_F(Ranks, AllReduceIsTheRankOrderSumBitForBit) {
   // Sizes below, at and above the world size (uneven chunks), and 40 MB.
   for (std::size_t count : {std::size_t{0}, std::size_t{1}, std::size_t{2}, std::size_t{3}, std::size_t{5},
                             std::size_t{1001}, std::size_t{10'000'019}}) {
@@ -132,7 +126,7 @@ TEST_F(Mpi, AllReduceIsTheRankOrderSumBitForBit) {
   }
 }
 
-TEST_F(Mpi, BroadcastFromEveryRoot) {
+TEST_F(Ranks, BroadcastFromEveryRoot) {
   for (int root = 0; root < world_; ++root) {
     for (std::size_t bytes : {std::size_t{0}, std::size_t{5}, std::size_t{65537}}) {
       auto* buf = alloc<uint8_t>(bytes + 1);
@@ -149,7 +143,7 @@ TEST_F(Mpi, BroadcastFromEveryRoot) {
 // comm/host_collectives.h: host vectors (not backend memory) through device
 // staging — a buffer of the call's own (1 MiB) or the caller's (4 KiB, kept
 // between calls) — in rounds when larger, `mine` inside or outside `all`.
-TEST_F(Mpi, HostCollectivesStageThroughDeviceMemoryInRounds) {
+TEST_F(Ranks, HostCollectivesStageThroughDeviceMemoryInRounds) {
   const std::size_t big = kHostCollectiveStaging + 12345;
   const HostStaging kept{alloc<uint8_t>(4096), 4096};
   for (const HostStaging staging : {HostStaging{}, kept}) {
@@ -173,7 +167,7 @@ TEST_F(Mpi, HostCollectivesStageThroughDeviceMemoryInRounds) {
   }
 }
 
-TEST_F(Mpi, BarrierWaitsForTheSlowestRank) {
+TEST_F(Ranks, BarrierWaitsForTheSlowestRank) {
   // The last rank arrives 300 ms late; nobody leaves the barrier before that.
   // The ranks' clocks are not compared: rank 0 measures its own wait.
   const auto t0 = std::chrono::steady_clock::now();
@@ -186,7 +180,7 @@ TEST_F(Mpi, BarrierWaitsForTheSlowestRank) {
   }
 }
 
-TEST_F(Mpi, OrderedOnTheStreamAndConcurrentAcrossStreams) {
+TEST_F(Ranks, OrderedOnTheStreamAndConcurrentAcrossStreams) {
   // Three streams, each: a host function writes the input, an all_reduce,
   // a host function checks the result; collectives of different streams run
   // at the same time (each rank enqueues them in the same order).
@@ -226,13 +220,11 @@ TEST_F(Mpi, OrderedOnTheStreamAndConcurrentAcrossStreams) {
 
 // A rank that stops participating (alive, but never enqueues the collective):
 // the others fail within the timeout with an error naming it, and the
-// communicator stays broken. A rank that *dies* is not tested here: Open
-// MPI 4.1's mpirun then kills the whole job (see docs/comm.md).
-TEST(MpiTimeout, SilentRankIsNamedWithinTheTimeout) {
+// communicator stays broken.
+TEST(RanksTimeout, SilentRankIsNamedWithinTheTimeout) {
   DeviceBackend* dev = g_world->dev.get();
-  MpiCommOptions mo;
-  mo.timeout_s = 1.5;
-  auto made = create_mpi_communicator(dev, mo);
+  const double timeout_s = 1.5;
+  auto made = make_communicator(dev, timeout_s);
   ASSERT_TRUE(made.ok()) << made.status().to_string();
   Communicator& comm = **made;
   const int world = comm.world_size(), silent = world - 1;
@@ -242,7 +234,7 @@ TEST(MpiTimeout, SilentRankIsNamedWithinTheTimeout) {
   std::vector<float> buf(1000, 1.0f);
   if (comm.rank() == silent) {
     // Stay silent until the others have surely given up.
-    std::this_thread::sleep_for(std::chrono::duration<double>(mo.timeout_s + 4.0));
+    std::this_thread::sleep_for(std::chrono::duration<double>(timeout_s + 4.0));
   } else {
     const auto t0 = std::chrono::steady_clock::now();
     ASSERT_TRUE(comm.all_reduce(buf.data(), buf.data(), buf.size(), *stream).ok());  // accepted
@@ -251,7 +243,7 @@ TEST(MpiTimeout, SilentRankIsNamedWithinTheTimeout) {
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.code(), StatusCode::kUnavailable);
     const std::string want = "all_reduce #0 on rank " + std::to_string(comm.rank()) + " of " + std::to_string(world) +
-                             " (mpi): timed out after 1.5 s waiting for rank " + std::to_string(silent);
+                             " (" + comm.backend_name() + "): timed out after 1.5 s waiting for rank " + std::to_string(silent);
     EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
     EXPECT_GE(s, 1.4);
     EXPECT_LT(s, 5.0) << "the error came later than the test's 5 s bound";
@@ -263,7 +255,7 @@ TEST(MpiTimeout, SilentRankIsNamedWithinTheTimeout) {
   (void)dev->destroy_stream(*stream);
   // The job goes on: a fresh communicator still works on every rank.
   made = Result<std::unique_ptr<Communicator>>(Status(StatusCode::kCancelled, "dropped"));
-  auto fresh = create_mpi_communicator(dev, {});
+  auto fresh = make_communicator(dev, 120);
   ASSERT_TRUE(fresh.ok());
   auto s2 = dev->create_stream("comm2");
   ASSERT_TRUE(s2.ok());
@@ -272,23 +264,38 @@ TEST(MpiTimeout, SilentRankIsNamedWithinTheTimeout) {
   EXPECT_TRUE(st.ok()) << st.to_string();
 }
 
+// A rank that dies (its process exits mid-job, as when killed): its
+// connections close, and every rank waiting on it fails at once naming it,
+// long before the timeout. TCP only: Open MPI's mpirun ends the whole job
+// instead (docs/comm.md).
+TEST(RanksDeath, ADeadRankIsNamedAtOnce) {
+  DeviceBackend* dev = g_world->dev.get();
+  auto made = make_communicator(dev, 60);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  Communicator& comm = **made;
+  const int world = comm.world_size(), dead = world - 1;
+  ASSERT_GE(world, 2);
+  auto stream = dev->create_stream("comm");
+  ASSERT_TRUE(stream.ok());
+  std::vector<float> buf(1000, 1.0f);
+  if (comm.rank() == dead) {
+    // A moment in which the others are surely waiting, then gone without a word.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ::_exit(0);
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  ASSERT_TRUE(comm.all_reduce(buf.data(), buf.data(), buf.size(), *stream).ok());
+  Status st = dev->synchronize(*stream);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_FALSE(st.ok());
+  // The dead rank, or a living one whose communicator broke on it first
+  // (it closes its connections too): either way a rank named, in seconds.
+  EXPECT_NE(st.message().find("closed its connection"), std::string::npos) << st.message();
+  EXPECT_NE(st.message().find("all_reduce #0 on rank " + std::to_string(comm.rank())), std::string::npos)
+      << st.message();
+  EXPECT_LT(s, 20.0) << "the error came late: " << st.message();
+  (void)dev->destroy_stream(*stream);
+}
+
 }  // namespace
 }  // namespace strata::comm
-
-int main(int argc, char** argv) {
-  ::testing::InitGoogleTest(&argc, argv);
-  using namespace strata;
-  strata::testing::MpiWorld mw;
-  if (!strata::testing::open_mpi_world(&mw)) return 1;
-  if (mw.comm->world_size() < 2) fprintf(stderr, "warning: 1 rank; run under mpirun -np 2 or more\n");
-  comm::World world{std::move(mw.dev), std::move(mw.comm)};
-  comm::g_world = &world;
-  const int rc = RUN_ALL_TESTS();
-  world.comm.reset();
-  world.dev.reset();
-  // MPI_Finalize itself, not comm::finalize_mpi(): the timeout test breaks a
-  // communicator on purpose (which makes finalize_mpi() abort the job), and
-  // its silent rank is alive, so finalizing completes here.
-  MPI_Finalize();
-  return rc;
-}
