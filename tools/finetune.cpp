@@ -99,7 +99,7 @@ void run_finetune(const FinetuneFlags& f) {
     return;
   }
   train::Trainer& tr = *t.value();
-  // N ranks (mpirun): rank 0 speaks for the job; every rank reports its own errors.
+  // N ranks (mpirun, torchrun): rank 0 speaks for the job; every rank reports its own errors.
   const bool lead = tr.rank() == 0;
   const std::string who = tr.world_size() > 1 ? fmt::format("strata finetune (rank {})", tr.rank()) : "strata finetune";
   const EngineStats s = tr.engine().stats();

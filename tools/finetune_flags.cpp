@@ -109,7 +109,7 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   cmd->add_option("--log-every", f->log_every, "A progress line every N steps (lines mode)")->capture_default_str();
   cmd->add_option("--threads", f->threads, "CPU compute threads (0: all)")->capture_default_str();
   cmd->add_option("--comm-timeout", f->comm_timeout,
-                  "Under mpirun -np N: seconds after which a collective another rank never joins fails the run")
+                  "With N ranks (mpirun, torchrun): seconds after which a collective another rank never joins fails the run")
       ->capture_default_str();
   cmd->add_option("--device", f->device,
                   "Where the model math runs: auto (the GPU when CUDA model ops can run there, else the CPU) | "

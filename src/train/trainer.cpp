@@ -345,10 +345,12 @@ Status Trainer::Impl::choose_device(const DeviceSizes& z, Config* cfg) {
     return {};
   }
   if (world > 1) {
-    // Host ranks (--device cpu or auto) meet over MPI on the host backend.
-    device_description = fmt::format("cpu (host backend; rank {} of {} over MPI)", rank, world);
+    // Host ranks (--device cpu or auto) meet over MPI (mpirun) or TCP
+    // (torchrun style) on the host backend.
+    const char* over = launcher == comm::Launcher::kMpirun ? "MPI" : "TCP";
+    device_description = fmt::format("cpu (host backend; rank {} of {} over {})", rank, world, over);
     log_once(LogLevel::kInfo, "trainer-device",
-             fmt::format("trainer: CPU model ops on the host backend ({} ranks over MPI)", world));
+             fmt::format("trainer: CPU model ops on the host backend ({} ranks over {})", world, over));
     return use_host(z, cfg);
   }
   if (opt.device == TrainDevice::kCpu) {

@@ -91,13 +91,14 @@
 // ("step" is the number of optimizer steps done when the line is written.)
 //
 // Ranks (data parallel, ZeRO stage 3; runtime/engine.h "Sharding and
-// ranks"). Launched by `mpirun -np N`, each process is one rank (the
-// launcher's environment, comm/bootstrap.h) and the trainer joins them over
-// the MPI communicator on the host backend (CPU ops). With --device cuda the
-// ranks are GPU ranks, one GPU each (LOCAL_RANK), joined over NCCL (rank 0's
-// id over MPI under mpirun, over the TCP rendezvous when launched
-// torchrun-style; never run on GPUs yet); a torchrun-style launch without
-// --device cuda is refused.
+// ranks"). Launched by `mpirun -np N` or torchrun-style (torchrun
+// --no-python, or any launcher that sets RANK, WORLD_SIZE, MASTER_ADDR and
+// MASTER_PORT), each process is one rank (the launcher's environment,
+// comm/bootstrap.h) and the trainer joins them on the host backend (CPU ops)
+// over the MPI communicator (mpirun) or the TCP one (torchrun style,
+// comm/tcp_comm.h). With --device cuda the ranks are GPU ranks, one GPU each
+// (LOCAL_RANK), joined over NCCL (rank 0's id over MPI under mpirun, over the
+// TCP rendezvous when launched torchrun-style; never run on GPUs yet).
 // Rank r's micro-batch m of step k is positions r*b .. r*b+b-1 of the global
 // micro-batch of N*b sequences, i.e. samples k*S + m*N*b + r*b ... with
 // S = N*b*accumulation: N ranks with batch b see at each step exactly the

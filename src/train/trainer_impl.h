@@ -27,6 +27,7 @@
 #include <set>
 #include <type_traits>
 
+#include "comm/bootstrap.h"
 #include "comm/communicator.h"
 #include "comm/host_collectives.h"
 #include "common/json.h"
@@ -77,6 +78,7 @@ struct Trainer::Impl {
   comm::HostStaging comm_staging;  // N ranks: the per-step agreements' device buffer
   uint32_t rank = 0, world = 1;
   int local_rank = 0;  // N GPU ranks: this rank's GPU (the launcher's LOCAL_RANK)
+  comm::Launcher launcher = comm::Launcher::kNone;  // N host ranks: MPI (mpirun) or TCP (torchrun style)
   std::string run_id;  // ranks other than 0 (no RunDir): rank 0's run id
   std::string device_description;
   std::unique_ptr<Engine> engine;

@@ -15,13 +15,8 @@ Status Trainer::Impl::detect_ranks() {
   if (li->world_size == 1) return {};
   // GPU ranks (--device cuda) meet over NCCL, rank 0's NCCL id travelling
   // by the TCP rendezvous (torchrun style) or MPI (mpirun); host ranks meet
-  // over MPI, which only mpirun starts.
+  // over MPI (mpirun) or TCP sockets (torchrun style).
   const bool gpu = opt.device == TrainDevice::kCuda;
-  if (li->launcher == comm::Launcher::kTorchrun && !gpu)
-    return Status(StatusCode::kUnavailable,
-                  fmt::format("launched torchrun-style (RANK {}, WORLD_SIZE {}): those ranks meet over NCCL, so "
-                              "they train on GPUs: add --device cuda, or launch host ranks with mpirun -np {}",
-                              li->rank, li->world_size, li->world_size));
   if (gpu && !comm::nccl_backend_built())
     return Status(StatusCode::kUnavailable,
                   fmt::format("--device cuda with {} ranks: GPU ranks meet over NCCL, which this build does not have "
@@ -35,6 +30,7 @@ Status Trainer::Impl::detect_ranks() {
   rank = static_cast<uint32_t>(li->rank);
   world = static_cast<uint32_t>(li->world_size);
   local_rank = li->local_rank;
+  launcher = li->launcher;
   if (rank != 0) opt.progress = ProgressMode::kQuiet;
   return {};
 }
@@ -45,7 +41,9 @@ Status Trainer::Impl::detect_ranks() {
 Status Trainer::Impl::join_ranks() {
   if (world == 1) return {};
   comm::CommOptions co;
-  co.kind = backend->kind() == DeviceKind::kCuda ? comm::CommBackendKind::kNccl : comm::CommBackendKind::kMpi;
+  co.kind = backend->kind() == DeviceKind::kCuda ? comm::CommBackendKind::kNccl
+            : launcher == comm::Launcher::kMpirun ? comm::CommBackendKind::kMpi
+                                                  : comm::CommBackendKind::kTcp;
   co.timeout_s = opt.comm_timeout_s;
   auto c = comm::create_communicator(backend.get(), co);
   if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));

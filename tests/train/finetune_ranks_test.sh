@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# `mpirun -np N strata finetune` as a user meets it (trainer.h, "Ranks"):
+# N ranks of `strata finetune` as a user meets them (trainer.h, "Ranks"),
+# launched by mpirun (the MPI communicator) or torchrun-style (the TCP one;
+# launch_ranks sets torchrun's variables):
 #   - 2 and 3 ranks with batch b export exactly (cmp) the model of a 1-rank
 #     run with batch b and N x the accumulation, with the same losses per
 #     step, on host RAM and with parameters and optimizer on NVMe;
@@ -8,27 +10,44 @@
 #     checkpoint (exit 130); --resume finishes the job with the same model as
 #     a run never stopped;
 #   - a rank that stops answering (SIGSTOP) makes the other fail within
-#     --comm-timeout naming it; a rank killed with SIGKILL ends the job;
+#     --comm-timeout naming it; a rank killed with SIGKILL ends the job
+#     (mpirun ends the others; over TCP the others see its connections close
+#     and fail at once, naming it);
 #   - ZeRO stages 2 and 1 (parameters whole on every rank; stage 1 reduces
 #     each rank's summed gradient once per step) give the same model;
 #   - what N ranks cannot do is refused by name (GPU ranks where no GPU or
-#     no NCCL, torchrun-style host ranks, parameters on NVMe with stage 2,
-#     ranks with different settings).
-#   finetune_mpi_test.sh MPIRUN STRATA_BINARY
+#     no NCCL, parameters on NVMe with stage 2, ranks with different
+#     settings).
+#   finetune_ranks_test.sh mpi MPIRUN STRATA_BINARY
+#   finetune_ranks_test.sh tcp LAUNCH_RANKS STRATA_BINARY
 # Exit 0 pass, 1 fail.
 set -uo pipefail
-mpirun_bin=${1:?usage: finetune_mpi_test.sh MPIRUN STRATA_BINARY}
-strata=${2:?usage: finetune_mpi_test.sh MPIRUN STRATA_BINARY}
+usage="usage: finetune_ranks_test.sh mpi|tcp LAUNCHER STRATA_BINARY"
+kind=${1:?$usage}
+launcher_bin=${2:?$usage}
+strata=${3:?$usage}
 root=${STRATA_TEST_DIR:-/tmp}
-dir=$(mktemp -d "$root/strata-finetune-mpi.XXXXXX") || exit 1
+dir=$(mktemp -d "$root/strata-finetune-$kind.XXXXXX") || exit 1
 cleanup() {
   pkill -9 -f -- "--out $dir/" 2>/dev/null
   rm -rf "$dir"
 }
 trap cleanup EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
-export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
-mpirun=("$mpirun_bin" --oversubscribe --allow-run-as-root)
+# "${launch[@]}" N PROGRAM ARGS...: N ranks; a rank that fails makes the
+# launcher stop the others (mpirun; launch_ranks as torchrun does).
+# "${launch_alone[@]}": the ranks left alone (launch_ranks --keep-going), to
+# test how the others end by themselves.
+case $kind in
+  mpi)
+    export OMPI_MCA_btl_vader_single_copy_mechanism=none OMPI_MCA_rmaps_base_oversubscribe=1
+    launch=("$launcher_bin" --oversubscribe --allow-run-as-root -np)
+    launch_alone=("${launch[@]}") ;;
+  tcp)
+    launch=("$launcher_bin")
+    launch_alone=("$launcher_bin" --keep-going) ;;
+  *) echo "$usage"; exit 1 ;;
+esac
 
 cli_small_model_and_data "$strata" "$dir" || { echo "init-model failed"; exit 1; }
 common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 3e-3 --progress lines --eval-batches 2
@@ -41,7 +60,7 @@ wait_step() {
     sleep 0.1
   done
 }
-# The pid of one rank (not mpirun) of the job writing to OUT.
+# The pid of one rank (not the launcher) of the job writing to OUT.
 rank_pid() {
   pgrep -f -- "--out $1" | while read -r p; do
     [[ $(tr '\0' ' ' </proc/"$p"/cmdline 2>/dev/null) == "$strata finetune"* ]] && echo "$p"
@@ -59,8 +78,8 @@ same_run() {  # what, 1-rank out, N-rank out
 # ---- N ranks equal one rank with N x the accumulation
 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one2" >"$dir/one2.log" 2>&1 ||
   { cat "$dir/one2.log"; fail "1-rank run (accumulation 2)"; }
-timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two" \
-  >"$dir/two.log" 2>&1 || { cat "$dir/two.log"; fail "mpirun -np 2 finetune"; }
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two" \
+  >"$dir/two.log" 2>&1 || { cat "$dir/two.log"; fail "2 ranks ($kind): finetune"; }
 same_run "2 ranks, RAM" "$dir/one2" "$dir/two"
 grep -q "x 2 ranks" "$dir/two.log" || fail "2 ranks: the header does not say so: $(head -3 "$dir/two.log")"
 [[ $(grep -c '^done:' "$dir/two.log") -eq 1 ]] || fail "2 ranks: more than rank 0 printed the summary"
@@ -77,8 +96,8 @@ printf '{"zero_optimization": {"stage": 2, "offload_param": {"device": "nvme", "
 same_as_one_rank() {  # S CONFIG
   "$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 2 --out "$dir/one${1}c" --config "$2" \
     >"$dir/one${1}c.log" 2>&1 || { cat "$dir/one${1}c.log"; fail "1-rank run (accumulation 2, stage-$1 config)"; }
-  timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two$1" \
-    --config "$2" >"$dir/two$1.log" 2>&1 || { cat "$dir/two$1.log"; fail "mpirun -np 2 finetune (stage $1)"; }
+  timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/two$1" \
+    --config "$2" >"$dir/two$1.log" 2>&1 || { cat "$dir/two$1.log"; fail "2 ranks ($kind): finetune (stage $1)"; }
   same_run "2 ranks, stage $1" "$dir/one${1}c" "$dir/two$1"
 }
 same_as_one_rank 2 "$dir/stage2.json"
@@ -90,9 +109,9 @@ same_as_one_rank 1 "$dir/stage1.json"
 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --grad-accum 3 --out "$dir/one3" \
   --offload-params nvme:"$dir/nv1" --offload-optimizer nvme:"$dir/nv1" >"$dir/one3.log" 2>&1 ||
   { cat "$dir/one3.log"; fail "1-rank run (accumulation 3, NVMe)"; }
-timeout 300 "${mpirun[@]}" -np 3 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/three" \
+timeout 300 "${launch[@]}" 3 "$strata" finetune "${common[@]}" --steps 5 --batch 2 --out "$dir/three" \
   --offload-params nvme:"$dir/nv3" --offload-optimizer nvme:"$dir/nv3" --save-every 2 >"$dir/three.log" 2>&1 ||
-  { cat "$dir/three.log"; fail "mpirun -np 3 finetune (NVMe)"; }
+  { cat "$dir/three.log"; fail "3 ranks ($kind): finetune (NVMe)"; }
 same_run "3 ranks, NVMe" "$dir/one3" "$dir/three"
 [[ -f "$dir/three/checkpoint-4/manifest.rank2.json" ]] || fail "3 ranks: checkpoint-4 lacks rank 2's shard"
 [[ -z "$(ls -A "$dir/nv3" | grep -v '^\.strata-scratch$')" ]] || fail "3 ranks: swap files left in $dir/nv3"
@@ -100,10 +119,10 @@ same_run "3 ranks, NVMe" "$dir/one3" "$dir/three"
 # ---- 2 -> 3 -> 1 ranks on one global batch of 6: each resume reshards the checkpoint
 # (engine_mpi_test checks the state bit for bit); the continued losses follow the
 # uninterrupted 2-rank run (micro-batches of 3, 2, 6 sequences round differently)
-timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 6 --batch 3 --save-every 2 --keep 0 \
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 6 --batch 3 --save-every 2 --keep 0 \
   --out "$dir/rs" >"$dir/rs2.log" 2>&1 || { cat "$dir/rs2.log"; fail "reshard: the 2-rank run"; }
 cp "$dir/rs/metrics.jsonl" "$dir/rs2.metrics"
-timeout 300 "${mpirun[@]}" -np 3 "$strata" finetune "${common[@]}" --steps 6 --batch 2 --save-every 2 --keep 0 \
+timeout 300 "${launch[@]}" 3 "$strata" finetune "${common[@]}" --steps 6 --batch 2 --save-every 2 --keep 0 \
   --out "$dir/rs" --resume "$dir/rs/checkpoint-2" >"$dir/rs3.log" 2>&1 ||
   { cat "$dir/rs3.log"; fail "reshard: 3 ranks resuming the 2-rank checkpoint-2"; }
 grep -q "resuming at step 2" "$dir/rs3.log" || fail "reshard 2 -> 3: not resumed at step 2: $(head -3 "$dir/rs3.log")"
@@ -123,9 +142,9 @@ expect_resume_error() {
 expect_resume_error
 
 # ---- SIGTERM to one rank: every rank stops after the same step, saved; --resume finishes identically
-timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/full" \
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/full" \
   >"$dir/full.log" 2>&1 || { cat "$dir/full.log"; fail "uninterrupted 40-step run"; }
-"${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" >"$dir/sig.log" 2>&1 &
+"${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" >"$dir/sig.log" 2>&1 &
 job=$!
 wait_step "$dir/sig" 3
 victim=$(rank_pid "$dir/sig")
@@ -136,7 +155,7 @@ if [[ $rc -eq 0 ]]; then
   echo "note: the run ended before the signal; the stop agreement was not exercised"
 else
   grep -q "interrupted at step" "$dir/sig.log" || fail "SIGTERM: no 'interrupted at step' line: $(tail -5 "$dir/sig.log")"
-  timeout 300 "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" \
+  timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 40 --batch 2 --out "$dir/sig" \
     --resume "$dir/sig" >"$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; fail "--resume after SIGTERM"; }
   cmp -s "$dir/full/model/model.safetensors" "$dir/sig/model/model.safetensors" ||
     fail "SIGTERM + --resume: the model differs from the uninterrupted run's"
@@ -146,9 +165,12 @@ fi
 # is done, one rank gets signal SIG; the job must end within 60 s, not 0.
 # Sets `elapsed` and `rc`.
 signal_a_rank() {
-  local name=$1 sig=$2
+  local name=$1 sig=$2 how=("${launch[@]}")
   shift 2
-  "${mpirun[@]}" -np 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/$name" "$@" \
+  # A killed rank: do the others end by themselves? A stopped one never
+  # ends: the launcher stops it once the other failed.
+  [[ $sig == KILL ]] && how=("${launch_alone[@]}")
+  "${how[@]}" 2 "$strata" finetune "${common[@]}" --steps 400 --batch 2 --out "$dir/$name" "$@" \
     >"$dir/$name.log" 2>&1 &
   local job=$!
   wait_step "$dir/$name" 2
@@ -171,21 +193,31 @@ signal_a_rank hang STOP --comm-timeout 3
 grep -q "timed out after 3 s waiting for rank" "$dir/hang.log" ||
   fail "a stopped rank: no timeout error naming the rank: $(tail -8 "$dir/hang.log")"
 
-# ---- a rank killed: the job ends (mpirun ends the others), nothing hangs
-signal_a_rank kill KILL --comm-timeout 10
+# ---- a rank killed: the job ends, nothing hangs (mpirun ends the others; over
+# TCP the other sees the connection close and fails at once, naming the rank,
+# long before --comm-timeout)
+signal_a_rank kill KILL --comm-timeout 30
 [[ -z $(pgrep -f -- "--out $dir/kill") ]] || fail "a killed rank: ranks still running"
+if [[ $kind == tcp ]]; then
+  grep -q "rank [01] closed its connection" "$dir/kill.log" ||
+    fail "a killed rank: the other's error does not name it: $(tail -8 "$dir/kill.log")"
+  ((elapsed < 25)) || fail "a killed rank: the other took $elapsed s to fail (the timeout, not the closed connection)"
+fi
 
 # ---- refused by name
-cli_command "${mpirun[@]}" -np 2 "$strata" finetune
+cli_command "${launch[@]}" 2 "$strata" finetune
 # (GPU ranks over NCCL: here no GPU, or a build without CUDA/NCCL, says why)
 expect_error "GPU ranks" "${common[@]}" --steps 2 --batch 2 --out "$dir/e1" --device cuda
 expect_error "use stage 3" "${common[@]}" --steps 2 --batch 2 --out "$dir/e2" --config "$dir/stage2-params-nvme.json"
-cli_command env RANK=0 WORLD_SIZE=2 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 "$strata" finetune
-expect_error "add --device cuda" "${common[@]}" --steps 2 --batch 2 --out "$dir/e3"
-out=$(timeout 120 "${mpirun[@]}" -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e4" : \
-  -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 4 --out "$dir/e4" 2>&1)
+if [[ $kind == mpi ]]; then
+  out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e4" : \
+    -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 4 --out "$dir/e4" 2>&1)
+else
+  out=$(timeout 120 "${launch[@]}" 2 bash -c '"$0" finetune "$@" --batch $((RANK ? 4 : 2))' "$strata" \
+    "${common[@]}" --steps 2 --out "$dir/e4" 2>&1)
+fi
 rc=$?
 ((rc != 0)) || fail "ranks with different --batch: exit 0"
 [[ $out == *"settings differ from rank 0's"* ]] || fail "ranks with different --batch: message lacks the reason: $out"
 
-cli_finish "finetune under mpirun"
+cli_finish "finetune over $kind ranks"
