@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 8
+#define STRATA_API_VERSION 9
 
 /* ------------------------------------------------------------------ status */
 
@@ -262,7 +262,8 @@ typedef enum strata_device_kind {
 typedef enum strata_comm_kind {
   STRATA_COMM_NONE = 0, /* one rank */
   STRATA_COMM_MPI = 1,  /* one rank of an MPI communicator (strata_engine_options_t.mpi_comm) */
-  STRATA_COMM_NCCL = 2  /* one GPU rank of the launcher's job, over NCCL (never run on a GPU yet) */
+  STRATA_COMM_NCCL = 2, /* one GPU rank of the launcher's job, over NCCL (never run on a GPU yet) */
+  STRATA_COMM_TCP = 3   /* one host rank of the launcher's torchrun-style job, over TCP sockets (API 9) */
 } strata_comm_kind_t;
 
 /* Home tiers; the values index strata_engine_stats_t.tier_bytes. */
@@ -310,7 +311,12 @@ typedef struct strata_engine_options {
    * (runtime/engine.h "Sharding and ranks"; zero_optimization.stage 3 shards
    * parameters too, 1-2 keep them whole on every rank). Each rank passes the
    * gradients of its own micro-batches; step() averages over all ranks'.
-   * STRATA_COMM_MPI runs on the host device backend. STRATA_COMM_NCCL: this
+   * STRATA_COMM_MPI runs on the host device backend. STRATA_COMM_TCP (API
+   * 9): this process is rank RANK of WORLD_SIZE host ranks as a torchrun-style
+   * launcher says (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; the ranks meet
+   * through the TCPStore there, torchrun's own or one rank 0 serves, then
+   * over TCP connections between every pair of ranks); the host device
+   * backend, device_kind AUTO or HOST. STRATA_COMM_NCCL: this
    * process is rank RANK of WORLD_SIZE GPU ranks as the launcher says
    * (torchrun style: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, rank 0's
    * NCCL id travelling through the TCPStore there: torchrun's own, or one
@@ -318,8 +324,9 @@ typedef struct strata_engine_options {
    * LOCAL_RANK), one GPU per rank; device_kind must be AUTO or CUDA. It has
    * been compiled and tested on the host only: no GPU has run it yet. A peer
    * that stops taking part fails the call after comm_timeout_s seconds
-   * (0: 300) with STRATA_ERR_UNAVAILABLE naming it (MPI) or the collective
-   * (NCCL). */
+   * (0: 300) with STRATA_ERR_UNAVAILABLE naming it (MPI, TCP) or the
+   * collective (NCCL); over TCP a peer whose process ended fails it at once,
+   * naming the rank. */
   strata_comm_kind_t comm_kind;
   int64_t mpi_comm;
   double comm_timeout_s;

@@ -11,11 +11,11 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 8  # STRATA_API_VERSION these bindings speak
+API_VERSION = 9  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
-COMM_NONE, COMM_MPI, COMM_NCCL = 0, 1, 2  # strata_comm_kind_t
+COMM_NONE, COMM_MPI, COMM_NCCL, COMM_TCP = 0, 1, 2, 3  # strata_comm_kind_t
 OPT_ADAMW, OPT_ADAM = 0, 1
 ISA_AUTO = 0
 MAX_DIMS = 8

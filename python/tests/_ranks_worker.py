@@ -1,6 +1,8 @@
 """One rank of test_torch_ranks.py, run as `mpirun -np N python _ranks_worker.py
-OUT STAGE NVME`: trains the tests' small Llama through strata.torch.initialize
-(launched by mpirun, so the engine joins the job's ranks) on its rows of each
+OUT STAGE NVME` or `torchrun --nproc-per-node N _ranks_worker.py OUT STAGE NVME
+[pg]` (pg: torch.distributed.init_process_group("gloo") first, as trainers
+do): trains the tests' small Llama through strata.torch.initialize (the engine
+joins the launcher's ranks) on its rows of each
 batch (rank r takes row r), then writes OUT/losses<rank>.json, and (rank 0)
 OUT/state.pt from engine.state_dict() and OUT/model from save_pretrained."""
 import json
@@ -17,6 +19,9 @@ VOCAB = 96
 
 def main():
     out, stage, nvme = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    pg = sys.argv[4:] == ["pg"]
+    if pg:
+        torch.distributed.init_process_group("gloo")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -44,6 +49,8 @@ def main():
     if engine.rank == 0:
         torch.save(state, os.path.join(out, "state.pt"))
     engine.destroy()
+    if pg:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """strata.torch with data-parallel ranks (issue 14): `mpirun -np 2 python
-_ranks_worker.py` trains the tests' small Llama through
+_ranks_worker.py` (MPI) and `torchrun --nproc-per-node 2 _ranks_worker.py`
+(TCP, also after the worker's own init_process_group) train the tests' small Llama through
 strata.torch.initialize, each rank on its own row of every batch of 2, and
 one process here trains the same model on the same rows as 2 accumulated
 micro-batches (rank order) with gradient_accumulation_steps 2. ZeRO stage 3
@@ -17,6 +18,7 @@ instead under STRATA_REQUIRE_REFERENCE=1 (CI).
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,7 @@ import unittest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import strata
 import strata.torch as st
 
 VOCAB = 96
@@ -39,6 +42,8 @@ def mpirun():
 
 
 class RanksTest(unittest.TestCase):
+    reference = {}  # stage -> the one-process run's (losses, state)
+
     def setUp(self):
         self.dir = tempfile.mkdtemp(prefix="strata-torch-ranks-", dir=os.environ.get("STRATA_TEST_DIR"))
 
@@ -73,6 +78,38 @@ class RanksTest(unittest.TestCase):
         engine.destroy()
         return losses, state
 
+    def two_ranks(self, launcher, cmd, env, stage, pg=False):
+        """The 2-rank job launched by `cmd`, against the one-process reference."""
+        out = os.path.join(self.dir, f"{launcher}-stage{stage}{'-pg' if pg else ''}")
+        nvme = out + "-nvme"
+        os.makedirs(out)
+        os.makedirs(nvme)
+        r = subprocess.run(cmd + [os.path.join(HERE, "_ranks_worker.py"), out, str(stage), nvme] + (["pg"] if pg else []),
+                           env=env, capture_output=True, text=True, timeout=600)
+        self.assertEqual(r.returncode, 0, f"{launcher}, stage {stage}: the 2-rank job failed:\n{r.stdout[-3000:]}\n"
+                                          f"{r.stderr[-3000:]}")
+        ranks = []
+        for k in range(2):
+            with open(os.path.join(out, f"losses{k}.json")) as f:
+                ranks.append(json.load(f))
+        self.assertEqual([x["world_size"] for x in ranks], [2, 2])
+        self.assertTrue(all(x["comm_bytes"] > 0 for x in ranks))
+        if stage not in self.reference:
+            self.reference[stage] = self.one_process(stage, os.path.join(self.dir, f"ref{stage}"))
+        ref_losses, ref_state = self.reference[stage]
+        for step in range(4):
+            for k in range(2):
+                self.assertEqual(ranks[k]["losses"][step], ref_losses[2 * step + k],
+                                 f"{launcher}, stage {stage}, step {step}, rank {k}")
+        state = torch.load(os.path.join(out, "state.pt"))
+        self.assertEqual(sorted(state), sorted(ref_state))
+        for key in ref_state:
+            self.assertTrue(torch.equal(state[key], ref_state[key]), f"{launcher}, stage {stage}: {key} differs")
+        self.assertTrue(os.path.isfile(os.path.join(out, "model", "config.json")))
+        print(f"  {launcher}{' after init_process_group' if pg else ''}, stage {stage}: 2 ranks x 4 steps equal "
+              f"one process of 2 micro-batches bit for bit (losses {[round(x, 4) for x in ref_losses]}); "
+              f"sent per rank: {ranks[0]['comm_bytes']} bytes")
+
     def test_two_ranks_equal_one_process_of_two_micro_batches(self):
         exe = mpirun()
         if exe is None:
@@ -80,46 +117,33 @@ class RanksTest(unittest.TestCase):
         env = dict(os.environ, OMPI_MCA_btl_vader_single_copy_mechanism="none",
                    OMPI_MCA_rmaps_base_oversubscribe="1", OMP_NUM_THREADS="1")
         for stage in (3, 2):
-            out = os.path.join(self.dir, f"stage{stage}")
-            nvme = os.path.join(self.dir, f"nvme{stage}")
-            os.makedirs(out)
-            os.makedirs(nvme)
-            r = subprocess.run([exe, "--oversubscribe", "--allow-run-as-root", "-np", "2", sys.executable,
-                                os.path.join(HERE, "_ranks_worker.py"), out, str(stage), nvme],
-                               env=env, capture_output=True, text=True, timeout=600)
-            self.assertEqual(r.returncode, 0, f"stage {stage}: the 2-rank job failed:\n{r.stdout[-3000:]}\n"
-                                              f"{r.stderr[-3000:]}")
-            ranks = []
-            for k in range(2):
-                with open(os.path.join(out, f"losses{k}.json")) as f:
-                    ranks.append(json.load(f))
-            self.assertEqual([x["world_size"] for x in ranks], [2, 2])
-            self.assertTrue(all(x["comm_bytes"] > 0 for x in ranks))
-            ref_losses, ref_state = self.one_process(stage, os.path.join(self.dir, f"ref{stage}"))
-            for step in range(4):
-                for k in range(2):
-                    self.assertEqual(ranks[k]["losses"][step], ref_losses[2 * step + k],
-                                     f"stage {stage}, step {step}, rank {k}")
-            state = torch.load(os.path.join(out, "state.pt"))
-            self.assertEqual(sorted(state), sorted(ref_state))
-            for key in ref_state:
-                self.assertTrue(torch.equal(state[key], ref_state[key]), f"stage {stage}: {key} differs")
-            self.assertTrue(os.path.isfile(os.path.join(out, "model", "config.json")))
-            print(f"  stage {stage}: 2 ranks x 4 steps equal one process of 2 micro-batches bit for bit "
-                  f"(losses {[round(x, 4) for x in ref_losses]}); sent per rank: {ranks[0]['comm_bytes']} bytes")
+            self.two_ranks("mpirun", [exe, "--oversubscribe", "--allow-run-as-root", "-np", "2", sys.executable],
+                           env, stage)
+
+    def test_torchrun_ranks_equal_one_process_over_tcp(self):
+        # CPU ranks under torchrun meet over TCP through its agent's TCPStore;
+        # also after the script's own init_process_group("gloo") (the store
+        # then serves both).
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for key in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE"):
+            env.pop(key, None)
+        for stage, pg in ((3, False), (2, False), (3, True)):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self.two_ranks("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                                        "--master-addr", "127.0.0.1", "--master-port", str(port)], env, stage, pg)
 
     def test_a_launch_it_cannot_join_is_refused_by_name(self):
-        # torchrun-style ranks with a CPU model (NCCL ranks train GPU models): each process would
-        # otherwise train alone on its own data.
+        # A partial torchrun environment: named by the engine's launch detection.
         os.environ["WORLD_SIZE"] = "2"
         try:
-            with self.assertRaisesRegex(NotImplementedError, "WORLD_SIZE=2.*NCCL.*mpirun -np N python"):
+            with self.assertRaisesRegex(strata.StrataError, "WORLD_SIZE.*RANK|RANK.*WORLD_SIZE"):
                 st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}})
         finally:
             del os.environ["WORLD_SIZE"]
         with self.assertRaisesRegex(TypeError, "mpi_comm must be an mpi4py communicator"):
             st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}}, mpi_comm="world")
-
 
 if __name__ == "__main__":
     unittest.main()

@@ -17,6 +17,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "capi/c_api_util.h"
 #include "capi/engine_handle.h"
 #include "device/device_backend.h"
@@ -161,9 +163,10 @@ strata_status_t strata_engine_options_init(strata_engine_options_t* options) {
 
 namespace {
 // STRATA_COMM_MPI: the host backend and a communicator over the caller's MPI
-// communicator; STRATA_COMM_NCCL: the CUDA backend on device_ordinal and an
-// NCCL communicator over the launcher's ranks. Owned by the handle and lent
-// to the engine.
+// communicator; STRATA_COMM_TCP: the host backend and a TCP communicator over
+// the torchrun-style launcher's ranks; STRATA_COMM_NCCL: the CUDA backend on
+// device_ordinal and an NCCL communicator over the launcher's ranks. Owned by
+// the handle and lent to the engine.
 Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOptions& eo) {
   const int kind = enum_value(o.comm_kind);
   if (o.nccl_comm != nullptr && kind != STRATA_COMM_NCCL)
@@ -171,18 +174,25 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
                   "options.nccl_comm is set but options.comm_kind is not STRATA_COMM_NCCL (it is " +
                       std::to_string(kind) + ")");
   if (kind == STRATA_COMM_NONE) return Status();
-  if (kind != STRATA_COMM_MPI && kind != STRATA_COMM_NCCL)
+  if (kind != STRATA_COMM_MPI && kind != STRATA_COMM_NCCL && kind != STRATA_COMM_TCP)
     return Status(StatusCode::kInvalidArgument, "options.comm_kind: unknown kind " + std::to_string(kind));
-  const bool nccl = kind == STRATA_COMM_NCCL;
-  const char* what = nccl ? "options.comm_kind STRATA_COMM_NCCL" : "options.comm_kind STRATA_COMM_MPI";
+  const bool nccl = kind == STRATA_COMM_NCCL, tcp = kind == STRATA_COMM_TCP;
+  const char* what = nccl  ? "options.comm_kind STRATA_COMM_NCCL"
+                     : tcp ? "options.comm_kind STRATA_COMM_TCP"
+                           : "options.comm_kind STRATA_COMM_MPI";
   if (!nccl && enum_value(o.device_kind) == STRATA_DEVICE_CUDA)
     return Status(StatusCode::kInvalidArgument,
-                  "options.comm_kind STRATA_COMM_MPI with STRATA_DEVICE_CUDA: MPI ranks run on the host backend; "
-                  "GPU ranks use STRATA_COMM_NCCL");
+                  fmt::format("{} with STRATA_DEVICE_CUDA: {} ranks run on the host backend; GPU ranks use "
+                              "STRATA_COMM_NCCL",
+                              what, tcp ? "TCP" : "MPI"));
+  if (tcp && o.mpi_comm != -1)
+    return Status(StatusCode::kInvalidArgument,
+                  "options.mpi_comm is set with options.comm_kind STRATA_COMM_TCP (the ranks come from the "
+                  "launcher's environment; an MPI communicator needs STRATA_COMM_MPI)");
   if (nccl && enum_value(o.device_kind) == STRATA_DEVICE_HOST)
     return Status(StatusCode::kInvalidArgument,
                   "options.comm_kind STRATA_COMM_NCCL with STRATA_DEVICE_HOST: NCCL ranks run on GPUs; host ranks "
-                  "use STRATA_COMM_MPI");
+                  "use STRATA_COMM_MPI or STRATA_COMM_TCP");
   if (!(o.comm_timeout_s >= 0))
     return Status(StatusCode::kInvalidArgument,
                   "options.comm_timeout_s is " + std::to_string(o.comm_timeout_s) + " (seconds; 0: 300)");
@@ -194,7 +204,7 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
   if (!dev.ok()) return dev.status().with_context(what);
   e.device = std::move(dev).value();
   comm::CommOptions co;
-  co.kind = nccl ? comm::CommBackendKind::kNccl : comm::CommBackendKind::kMpi;
+  co.kind = nccl ? comm::CommBackendKind::kNccl : tcp ? comm::CommBackendKind::kTcp : comm::CommBackendKind::kMpi;
   co.timeout_s = o.comm_timeout_s > 0 ? o.comm_timeout_s : 300.0;
   co.mpi_fortran_comm = o.mpi_comm;
   co.nccl_parent = o.nccl_comm;

@@ -569,6 +569,24 @@ static int test_errors(void) {
   CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_last_error(), "nccl_comm") != NULL);
   opts.nccl_comm = NULL;
+  /* STRATA_COMM_TCP (API 9): host ranks only, no MPI handle; with no
+   * launcher in the environment, one rank (N ranks: test_torch_ranks.py
+   * under torchrun). */
+  opts.comm_kind = STRATA_COMM_TCP;
+  opts.device_kind = STRATA_DEVICE_CUDA;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "STRATA_COMM_TCP with STRATA_DEVICE_CUDA") != NULL);
+  opts.device_kind = STRATA_DEVICE_HOST;
+  opts.mpi_comm = 5;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "options.mpi_comm") != NULL);
+  opts.mpi_comm = -1;
+  if (getenv("WORLD_SIZE") == NULL && getenv("OMPI_COMM_WORLD_SIZE") == NULL) {
+    OK(NULL, strata_engine_create(&opts, d, NPARAM, &e));
+    strata_engine_destroy(e);
+    e = NULL;
+  }
+  opts.comm_kind = STRATA_COMM_NONE;
   opts.struct_size = sizeof(opts);
   d[2].struct_size = 0;
   CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);

@@ -266,9 +266,12 @@ def _ranks(mpi_comm, cuda):
     (torchrun style: WORLD_SIZE > 1; or mpirun) is one GPU rank over NCCL.
     A CPU model under mpirun (OMPI_COMM_WORLD_SIZE > 1) or with mpi_comm=
     (an mpi4py communicator or its Fortran handle, comm.py2f()) is one rank
-    of an MPI job (docs/python.md "Ranks"); otherwise one rank. A launch the
-    package cannot join is refused by name: each process would otherwise
-    train alone on its own data."""
+    of an MPI job; under a torchrun-style launcher (RANK, WORLD_SIZE > 1,
+    MASTER_ADDR, MASTER_PORT: torchrun, or torch.distributed's env://) one
+    rank over TCP, meeting the others through the TCPStore at MASTER_PORT
+    (docs/python.md "Ranks"); otherwise one rank. A launch the package cannot
+    join is refused by name: each process would otherwise train alone on its
+    own data."""
     if mpi_comm is not None:
         handle = mpi_comm.py2f() if hasattr(mpi_comm, "py2f") else mpi_comm
         if isinstance(handle, bool) or not isinstance(handle, int):
@@ -287,19 +290,23 @@ def _ranks(mpi_comm, cuda):
                 "from the launcher's environment (torchrun or mpirun); mpi_comm= is for CPU models")
         return _lib.COMM_NCCL, -1
     if handle is None and not under_mpirun:
-        ranks = []
-        v = os.environ.get("WORLD_SIZE", "")
-        if v.isdigit() and int(v) > 1:
-            ranks.append(f"WORLD_SIZE={v}")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1:
-            ranks.append(f"torch.distributed world size {torch.distributed.get_world_size()}")
-        if ranks:
+        dist = torch.distributed.is_available() and torch.distributed.is_initialized()
+        dist_world = torch.distributed.get_world_size() if dist else 1
+        if under_torchrun:
+            # The engine reads RANK, MASTER_ADDR and MASTER_PORT itself and
+            # names what is missing or malformed.
+            if dist_world not in (1, int(torchrun)):
+                raise ValueError(
+                    f"strata.torch.initialize: WORLD_SIZE={torchrun} but the torch.distributed process group has "
+                    f"{dist_world} ranks; the engine's ranks are the launcher's (RANK, WORLD_SIZE)")
+            return _lib.COMM_TCP, -1
+        if dist_world > 1:
             raise NotImplementedError(
-                "strata.torch.initialize: launched as one of several data-parallel ranks (" + ", ".join(ranks) +
-                ") by a launcher the package cannot join with a CPU model: such ranks meet over NCCL, which "
-                "trains models on GPUs, and each process would train alone on its own data. Put the model on a "
-                "GPU, launch host ranks with `mpirun -np N python ...` (or pass mpi_comm=), or run one process")
+                "strata.torch.initialize: torch.distributed has a process group of "
+                f"{dist_world} ranks, but the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) "
+                "is not set, so the engine cannot meet the other ranks and each process would train alone on its "
+                "own data. Launch with torchrun (or init_process_group's env:// with those variables), launch "
+                "host ranks with `mpirun -np N python ...` (or pass mpi_comm=), or run one process")
         return _lib.COMM_NONE, -1
     if cuda:
         raise NotImplementedError(
@@ -1213,7 +1220,9 @@ def initialize(model=None, model_parameters=None, config=None, lr_scheduler=None
     gradients) and is the 4th value returned.
 
     Ranks: under `mpirun -np N` (or with mpi_comm=, an mpi4py communicator or
-    its Fortran handle) every process is one data-parallel rank of one engine
+    its Fortran handle), or under torchrun (`torchrun --nproc-per-node N`, CPU
+    ranks over TCP; GPU ranks over NCCL) every process is one data-parallel
+    rank of one engine
     (ZeRO stage 3, or 1-2 from the config): each rank passes its own
     micro-batches and the step averages the gradients over all ranks; every
     rank must run the same model through the same calls (docs/python.md).
