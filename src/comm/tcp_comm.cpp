@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sched.h>
 #include <sys/eventfd.h>
 #include <sys/socket.h>
 
@@ -227,8 +228,12 @@ class TcpCommunicator final : public P2pCommunicator {
     t.bytes = bytes;
     ++op.pending;
     if (!recv) {
+      // Written here at once when nothing is queued ahead (a small message
+      // then costs no wake-up of the progress thread); what the socket does
+      // not take, the progress thread writes.
       p.sendq.push_back(&t);
-      wake();
+      if (p.sendq.size() == 1) send_some(peer);
+      if (!p.sendq.empty()) wake();
       return Status();
     }
     if (arrived) {
@@ -251,6 +256,14 @@ class TcpCommunicator final : public P2pCommunicator {
     const auto deadline =
         op.start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s()));
     std::unique_lock<std::mutex> lock(mu_);
+    // Yielding for the first millisecond (as the MPI backend polls): a
+    // collective of small messages is then seen done without a wake-up.
+    const auto spin_until = Clock::now() + std::chrono::milliseconds(1);
+    while (op.pending > 0 && op.error.ok() && !stopped_ && Clock::now() < spin_until) {
+      lock.unlock();
+      sched_yield();
+      lock.lock();
+    }
     for (;;) {
       if (!op.error.ok()) return op.error;
       if (op.pending == 0) {
