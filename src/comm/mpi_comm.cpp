@@ -120,12 +120,7 @@ class MpiCommunicator final : public P2pCommunicator {
 
  private:
   std::unique_ptr<P2pOp> make_op(const char* name, uint64_t seq) override {
-    auto op = std::make_unique<MpiOp>();
-    op->name = name;
-    op->seq = seq;
-    op->rank = rank();
-    op->world = world_size();
-    op->backend = "mpi";
+    auto op = new_op<MpiOp>(name, seq);
     // Tags: 2 per collective (phases), cycling below the MPI tag bound.
     op->tag_base = static_cast<int>((seq % (static_cast<uint64_t>(tag_ub_) / 2)) * 2);
     return op;

@@ -59,8 +59,20 @@ class P2pCommunicator : public Communicator {
   P2pCommunicator(DeviceBackend* device, int rank, int world, double timeout_s)
       : device_(device), rank_(rank), world_(world), timeout_s_(timeout_s) {}
 
-  // The backend's op for collective `seq` (fills the base fields but start).
+  // The backend's op for collective `seq` (the base fields but start: see
+  // new_op()).
   virtual std::unique_ptr<P2pOp> make_op(const char* name, uint64_t seq) = 0;
+  // A backend's Op with the base fields filled.
+  template <typename Op>
+  std::unique_ptr<Op> new_op(const char* name, uint64_t seq) const {
+    auto op = std::make_unique<Op>();
+    op->name = name;
+    op->seq = seq;
+    op->rank = rank_;
+    op->world = world_;
+    op->backend = backend_name();
+    return op;
+  }
   // Posts one transfer of `bytes` (0 allowed: buf may be null) to or from
   // `peer`; it may complete at any time until wait() returns.
   virtual Status post(P2pOp& op, bool recv, void* buf, std::size_t bytes, int peer, int phase) = 0;

@@ -199,13 +199,7 @@ class TcpCommunicator final : public P2pCommunicator {
 
  private:
   std::unique_ptr<P2pOp> make_op(const char* name, uint64_t seq) override {
-    auto op = std::make_unique<TcpOp>();
-    op->name = name;
-    op->seq = seq;
-    op->rank = rank();
-    op->world = world_size();
-    op->backend = "tcp";
-    return op;
+    return new_op<TcpOp>(name, seq);
   }
 
   Status post(P2pOp& base, bool recv, void* buf, std::size_t bytes, int peer, int phase) override {
