@@ -157,7 +157,7 @@ class MpiCommunicator final : public P2pCommunicator {
   // yielding for 1 ms, then every 100 us. A collective enqueued ahead (stage
   // 3's gather of the next group) waits here while the trainer computes, on
   // the same cores: a longer spin (20 ms once) took their time.
-  Status wait(P2pOp& base, std::shared_ptr<std::vector<float>> keep) override {
+  Status wait(P2pOp& base) override {
     auto& op = static_cast<MpiOp&>(base);
     const auto deadline = op.start + std::chrono::duration_cast<Clock::duration>(
                                          std::chrono::duration<double>(timeout_s()));
@@ -179,7 +179,6 @@ class MpiCommunicator final : public P2pCommunicator {
               err = statuses[i].MPI_ERROR;
               break;
             }
-        if (keep) graveyard_add(std::move(keep));
         return Status(StatusCode::kIoError,
                       fmt::format("{}: {} rank {} failed: {}", op.where(),
                                   op.info[bad].recv ? "receive from" : "send to", op.info[bad].peer,
@@ -210,7 +209,6 @@ class MpiCommunicator final : public P2pCommunicator {
         if (!first) first = i;
       }
     }
-    if (keep) graveyard_add(std::move(keep));
     const std::size_t i = first_recv ? *first_recv : first_send.value_or(0);
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: timed out after {:g} s waiting for rank {} ({} of {} bytes)", op.where(),
@@ -219,9 +217,12 @@ class MpiCommunicator final : public P2pCommunicator {
   }
 
   // Cancels what is still pending (receives into the caller's buffers must
-  // not land later) and lets MPI free the requests when it can.
+  // not land later) and lets MPI free the requests when it can; the op's
+  // staging stays until the communicator is destroyed (a cancel may come too
+  // late for a matched receive).
   void abandon(P2pOp& base) override {
     auto& op = static_cast<MpiOp&>(base);
+    if (op.stage && !op.reqs.empty()) graveyard_add(std::move(op.stage));
     MpiLock lock;
     for (MPI_Request& r : op.reqs) {
       if (r == MPI_REQUEST_NULL) continue;

@@ -36,8 +36,10 @@ Status P2pCommunicator::enqueue(const char* name, DeviceStream* stream, Body bod
     op->start = std::chrono::steady_clock::now();
     Status st = body(*op);
     if (!st.ok()) {
-      abandon(*op);
+      // Broken first, so that the first error is the one kept (another
+      // stream's collective fails because of this abandon()).
       break_with(st);
+      abandon(*op);
     }
     return st;
   });
@@ -56,7 +58,7 @@ Status P2pCommunicator::all_gather(const void* send, void* recv, std::size_t byt
       STRATA_RETURN_IF_ERROR(post(op, false, own, bytes, p, 0));
       STRATA_RETURN_IF_ERROR(post(op, true, out + static_cast<std::size_t>(p) * bytes, bytes, p, 0));
     }
-    return wait(op, nullptr);
+    return wait(op);
   });
 }
 
@@ -68,6 +70,7 @@ Status P2pCommunicator::reduce_scatter(const float* send, float* recv, std::size
     // Every rank's slice `rank_`, by rank: own from `send`, others received.
     std::vector<const float*> parts(static_cast<std::size_t>(world_));
     auto stage = std::make_shared<std::vector<float>>(count * static_cast<std::size_t>(world_ - 1));
+    op.stage = stage;
     for (int p = 0, slot = 0; p < world_; ++p) {
       if (p == rank_) {
         parts[p] = send + static_cast<std::size_t>(rank_) * count;
@@ -79,7 +82,7 @@ Status P2pCommunicator::reduce_scatter(const float* send, float* recv, std::size
           post(op, false, const_cast<float*>(send) + static_cast<std::size_t>(p) * count, count * sizeof(float), p, 0));
       STRATA_RETURN_IF_ERROR(post(op, true, in, count * sizeof(float), p, 0));
     }
-    STRATA_RETURN_IF_ERROR(wait(op, stage));
+    STRATA_RETURN_IF_ERROR(wait(op));
     sum_in_rank_order(parts, recv, count);
     return Status();
   });
@@ -98,6 +101,7 @@ Status P2pCommunicator::all_reduce(const float* send, float* recv, std::size_t c
     // Phase 0 (reduce-scatter of uneven chunks): chunk `rank_` of every rank.
     std::vector<const float*> parts(static_cast<std::size_t>(world_));
     auto stage = std::make_shared<std::vector<float>>(mine_n * static_cast<std::size_t>(world_));
+    op.stage = stage;
     for (int p = 0, slot = 1; p < world_; ++p) {
       if (p == rank_) {
         parts[p] = send + mine;
@@ -109,7 +113,7 @@ Status P2pCommunicator::all_reduce(const float* send, float* recv, std::size_t c
       STRATA_RETURN_IF_ERROR(post(op, false, const_cast<float*>(send) + pb, pn * sizeof(float), p, 0));
       STRATA_RETURN_IF_ERROR(post(op, true, in, mine_n * sizeof(float), p, 0));
     }
-    STRATA_RETURN_IF_ERROR(wait(op, stage));
+    STRATA_RETURN_IF_ERROR(wait(op));
     // Slot 0 of the stage holds the sum: send may be recv (in place), and
     // recv's chunk must not change before the sum has read send's.
     float* acc = stage->data();
@@ -122,7 +126,7 @@ Status P2pCommunicator::all_reduce(const float* send, float* recv, std::size_t c
       STRATA_RETURN_IF_ERROR(post(op, false, recv + mine, mine_n * sizeof(float), p, 1));
       STRATA_RETURN_IF_ERROR(post(op, true, recv + pb, pn * sizeof(float), p, 1));
     }
-    return wait(op, nullptr);
+    return wait(op);
   });
 }
 
@@ -138,7 +142,7 @@ Status P2pCommunicator::broadcast(void* data, std::size_t bytes, int root, Devic
     } else {
       STRATA_RETURN_IF_ERROR(post(op, true, data, bytes, root, 0));
     }
-    return wait(op, nullptr);
+    return wait(op);
   });
 }
 
@@ -150,7 +154,7 @@ Status P2pCommunicator::barrier(DeviceStream* stream) {
       STRATA_RETURN_IF_ERROR(post(op, false, nullptr, 0, p, 0));
       STRATA_RETURN_IF_ERROR(post(op, true, nullptr, 0, p, 0));
     }
-    return wait(op, nullptr);
+    return wait(op);
   });
 }
 

@@ -37,6 +37,10 @@ struct P2pOp {
   int world = 1;
   const char* backend = "";
   std::chrono::steady_clock::time_point start;
+  // Staging the op's transfers land in (reduce_scatter, all_reduce): owned
+  // by the op, which outlives abandon(), so no transfer of a failed op can
+  // land in freed memory.
+  std::shared_ptr<std::vector<float>> stage;
 
   virtual ~P2pOp() = default;
   // "all_reduce #7 on rank 0 of 3 (mpi)": how errors start.
@@ -77,13 +81,13 @@ class P2pCommunicator : public Communicator {
   // `peer`; it may complete at any time until wait() returns.
   virtual Status post(P2pOp& op, bool recv, void* buf, std::size_t bytes, int peer, int phase) = 0;
   // Until every transfer posted on `op` completed, or the deadline
-  // (op.start + timeout_s()) passed: kUnavailable naming the peer. `keep`
-  // (staging the transfers use) must outlive transfers that are abandoned.
-  virtual Status wait(P2pOp& op, std::shared_ptr<std::vector<float>> keep) = 0;
-  // After an error: the op's pending transfers must never touch its buffers
-  // again. The communicator is broken right after.
+  // (op.start + timeout_s()) passed: kUnavailable naming the peer.
+  virtual Status wait(P2pOp& op) = 0;
+  // After an error (the communicator is already broken): the op's pending
+  // transfers must never touch the caller's buffers again; op.stage may be
+  // kept alive (graveyard_add) where they still could.
   virtual void abandon(P2pOp& op) = 0;
-  // Called once, when the communicator breaks (after abandon()).
+  // Called once, when the communicator breaks (before abandon()).
   virtual void on_broken() {}
 
   double timeout_s() const { return timeout_s_; }

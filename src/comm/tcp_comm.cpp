@@ -15,6 +15,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <random>
 #include <thread>
@@ -52,7 +53,7 @@ struct Hello {  // rank r -> the rank it connects to
   uint64_t token;
 };
 struct Entry {    // rank 0 -> rank r: every rank's address, as rank 0 saw it
-  uint32_t ipv4;  // network order
+  uint32_t ipv4;  // network order; 0: rank 0's host (it came over loopback)
   uint32_t port;
 };
 static_assert(sizeof(Blob) == 24 && sizeof(Hello) == 32 && sizeof(Entry) == 8);
@@ -135,6 +136,8 @@ static_assert(sizeof(Frame) == 24);
 // Bytes moved per peer and direction before the progress thread turns to
 // the next ready socket (fairness between peers and directions).
 constexpr std::size_t kSlice = 4u << 20;
+// Larger than any buffer a collective takes: a header saying more is corrupt.
+constexpr uint64_t kMaxMessage = uint64_t{1} << 44;
 
 struct TcpOp;
 
@@ -189,6 +192,7 @@ class TcpCommunicator final : public P2pCommunicator {
     if (world_size() == 1) return Status();
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (wake_.fd < 0) return Status::from_errno(errno, "tcp communicator: eventfd failed");
+    started_ = true;
     progress_ = std::thread([this] { progress_loop(); });
     return Status();
   }
@@ -198,14 +202,12 @@ class TcpCommunicator final : public P2pCommunicator {
   const char* backend_name() const override { return "tcp"; }
 
  private:
-  std::unique_ptr<P2pOp> make_op(const char* name, uint64_t seq) override {
-    return new_op<TcpOp>(name, seq);
-  }
+  std::unique_ptr<P2pOp> make_op(const char* name, uint64_t seq) override { return new_op<TcpOp>(name, seq); }
 
   Status post(P2pOp& base, bool recv, void* buf, std::size_t bytes, int peer, int phase) override {
     auto& op = static_cast<TcpOp&>(base);
     std::lock_guard<std::mutex> lock(mu_);
-    if (stopped_) return Status(StatusCode::kUnavailable, op.where() + ": the communicator stopped");
+    if (stopped_) return stopped_text(op);
     Peer& p = peers_[peer];
     const Key key{op.seq, static_cast<uint32_t>(phase)};
     // A peer that finished its part and exited has closed: what it sent
@@ -245,7 +247,7 @@ class TcpCommunicator final : public P2pCommunicator {
     return Status();
   }
 
-  Status wait(P2pOp& base, std::shared_ptr<std::vector<float>> /*keep: nothing outlives a stopped thread*/) override {
+  Status wait(P2pOp& base) override {
     auto& op = static_cast<TcpOp&>(base);
     const auto deadline =
         op.start + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(timeout_s()));
@@ -264,10 +266,14 @@ class TcpCommunicator final : public P2pCommunicator {
         op.transfers.clear();
         return Status();
       }
-      if (stopped_) return Status(StatusCode::kUnavailable, op.where() + ": the communicator stopped");
+      if (stopped_) return stopped_text(op);
       if (cv_.wait_until(lock, deadline) == std::cv_status::timeout && Clock::now() >= deadline) break;
     }
     if (!op.error.ok()) return op.error;
+    if (op.pending == 0) {  // done right at the deadline
+      op.transfers.clear();
+      return Status();
+    }
     // Timed out: name the first peer still waited on (a receive before a
     // send: a missing receive is the peer that did not send).
     const Transfer* first = nullptr;
@@ -282,6 +288,13 @@ class TcpCommunicator final : public P2pCommunicator {
   // The progress thread stops and closes every socket: nothing touches the
   // op's buffers after this, and the peers learn of the failure at once.
   void abandon(P2pOp& /*op*/) override { stop_progress(); }
+
+  // Another collective broke the communicator (its error is the first one,
+  // kept by the base class).
+  Status stopped_text(const TcpOp& op) {
+    Status broken = broken_status();
+    return broken.ok() ? Status(StatusCode::kUnavailable, op.where() + ": the communicator stopped") : broken;
+  }
 
   static std::string closed_text(const TcpOp& op, int peer) {
     return fmt::format(
@@ -415,14 +428,21 @@ class TcpCommunicator final : public P2pCommunicator {
       p.posted.erase(posted);
       if (t->bytes != p.in.bytes) {
         fail_transfer(*t, size_text(*t->op, peer, p.in.bytes, t->bytes));
-        close_peer(peer, "");
+        close_peer(peer, "it sent a message of another size than the receive posted for it");
         return;
       }
       p.in_target = t;
     } else {
       Peer::Early& e = p.early[key];
-      e.bytes.resize(p.in.bytes);
       e.complete = false;
+      try {
+        if (p.in.bytes > kMaxMessage) throw std::bad_alloc();
+        e.bytes.resize(p.in.bytes);
+      } catch (const std::bad_alloc&) {
+        p.early.erase(key);
+        close_peer(peer, fmt::format("no memory for a message of {} bytes that came before its receive", p.in.bytes));
+        return;
+      }
       p.in_early = &e.bytes;
     }
   }
@@ -487,19 +507,18 @@ class TcpCommunicator final : public P2pCommunicator {
     cv_.notify_all();
   }
 
+  // Stops the progress thread and waits until it has stopped; the first
+  // caller joins it (only that thread touches progress_ after start()).
   void stop_progress() {
     std::unique_lock<std::mutex> lock(mu_);
-    if (!progress_.joinable() || joined_) return;
+    if (!started_) return;
     stop_ = true;
     wake();
     cv_.wait(lock, [this] { return stopped_; });
-    if (std::this_thread::get_id() != progress_.get_id() && !joining_) {
-      joining_ = true;
-      lock.unlock();
-      progress_.join();
-      lock.lock();
-      joined_ = true;
-    }
+    if (joining_) return;
+    joining_ = true;
+    lock.unlock();
+    progress_.join();
   }
 
   std::vector<Peer> peers_;
@@ -507,7 +526,7 @@ class TcpCommunicator final : public P2pCommunicator {
   std::thread progress_;
   std::mutex mu_;  // guards everything the progress thread touches
   std::condition_variable cv_;
-  bool stop_ = false, stopped_ = false, joining_ = false, joined_ = false;
+  bool started_ = false, stop_ = false, stopped_ = false, joining_ = false;
 };
 
 }  // namespace
@@ -567,7 +586,11 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
     std::vector<Entry> table(static_cast<std::size_t>(world));
     if (rank == 0) {
       STRATA_ASSIGN_OR_RETURN(links, accept_ranks(listener.fd, 1, world, world, b.token, deadline, where));
-      for (int r = 1; r < world; ++r) table[r] = Entry{links[r].ipv4, links[r].port};
+      // A rank that reached rank 0 over loopback is on rank 0's host: 0 in
+      // the table says "where you reach rank 0" (MASTER_ADDR as each rank
+      // resolves it), not 127.x, which other hosts cannot reach.
+      for (int r = 1; r < world; ++r)
+        table[r] = Entry{(ntohl(links[r].ipv4) >> 24) == 127 ? 0u : links[r].ipv4, links[r].port};
       for (int r = 1; r < world; ++r)
         STRATA_RETURN_IF_ERROR(net::send_all(links[r].fd.fd, table.data(), table.size() * sizeof(Entry), deadline,
                                              fmt::format("{}: sending the address table to rank {}", where, r)));
@@ -580,7 +603,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
       for (int q = 1; q < rank; ++q) {
         sockaddr_in to{};
         to.sin_family = AF_INET;
-        to.sin_addr.s_addr = table[q].ipv4;
+        to.sin_addr.s_addr = table[q].ipv4 != 0 ? table[q].ipv4 : zero.sin_addr.s_addr;
         to.sin_port = htons(static_cast<uint16_t>(table[q].port));
         char ip[INET_ADDRSTRLEN] = "?";
         ::inet_ntop(AF_INET, &to.sin_addr, ip, sizeof ip);

@@ -9,7 +9,8 @@
 // serves there), with a random job token. Each other rank connects to rank 0
 // at MASTER_ADDR and says its rank, the world size, the token and its own
 // port; once all have come, rank 0 answers each with the table of every
-// rank's address (as rank 0 saw it) and port. Then rank r connects to ranks
+// rank's address (as rank 0 saw it; a rank that came over loopback is on
+// rank 0's host and is reached at MASTER_ADDR) and port. Then rank r connects to ranks
 // 1 .. r-1 and accepts ranks r+1 .. N-1: one connection per pair of ranks,
 // TCP_NODELAY. A connection that does not present the token (a rank of
 // another job, a port scanner) is closed and ignored.

@@ -275,27 +275,43 @@ TEST(RanksDeath, ADeadRankIsNamedAtOnce) {
   Communicator& comm = **made;
   const int world = comm.world_size(), dead = world - 1;
   ASSERT_GE(world, 2);
-  auto stream = dev->create_stream("comm");
-  ASSERT_TRUE(stream.ok());
-  std::vector<float> buf(1000, 1.0f);
+  // Two streams, a collective waiting on each when the rank dies: both fail
+  // (the communicator breaks once, from two threads), and the error kept is
+  // the first one, naming the rank.
+  DeviceStream* streams[2];
+  for (auto*& s : streams) {
+    auto made_stream = dev->create_stream("comm");
+    ASSERT_TRUE(made_stream.ok());
+    s = *made_stream;
+  }
+  std::vector<float> a(1000, 1.0f), b(100'000, 2.0f);
   if (comm.rank() == dead) {
     // A moment in which the others are surely waiting, then gone without a word.
     std::this_thread::sleep_for(std::chrono::milliseconds(300));
     ::_exit(0);
   }
   const auto t0 = std::chrono::steady_clock::now();
-  ASSERT_TRUE(comm.all_reduce(buf.data(), buf.data(), buf.size(), *stream).ok());
-  Status st = dev->synchronize(*stream);
+  ASSERT_TRUE(comm.all_reduce(a.data(), a.data(), a.size(), streams[0]).ok());
+  ASSERT_TRUE(comm.all_gather(b.data(), b.data(), 0, streams[1]).ok());  // matches, completes
+  ASSERT_TRUE(comm.reduce_scatter(b.data(), b.data() + b.size() - 10, 10, streams[1]).ok());
+  Status st = dev->synchronize(streams[0]);
+  Status st1 = dev->synchronize(streams[1]);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_FALSE(st.ok());
+  ASSERT_FALSE(st1.ok());
   // The dead rank, or a living one whose communicator broke on it first
   // (it closes its connections too): either way a rank named, in seconds.
-  EXPECT_NE(st.message().find("closed its connection"), std::string::npos) << st.message();
+  for (const Status* e : {&st, &st1}) {
+    EXPECT_NE(e->message().find("closed its connection"), std::string::npos) << e->message();
+    EXPECT_EQ(e->message().find("the communicator stopped"), std::string::npos) << e->message();
+  }
   EXPECT_NE(st.message().find("all_reduce #0 on rank " + std::to_string(comm.rank())), std::string::npos)
       << st.message();
   EXPECT_LT(s, 20.0) << "the error came late: " << st.message();
-  (void)dev->destroy_stream(*stream);
+  Status again = comm.barrier(streams[0]);
+  EXPECT_NE(again.message().find("broken by an earlier failure"), std::string::npos) << again.message();
+  EXPECT_NE(again.message().find("closed its connection"), std::string::npos) << again.message();
+  for (DeviceStream* stream : streams) (void)dev->destroy_stream(stream);
 }
-
 }  // namespace
 }  // namespace strata::comm
