@@ -56,10 +56,10 @@ std::string store_key(const char* backend) {
 // TCP over the torchrun-style launcher's ranks.
 Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const CommOptions& options) {
   STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
-  if (li.launcher == Launcher::kMpirun && li.master_addr.empty())
+  if (li.launcher == Launcher::kMpirun)
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("the tcp communicator under mpirun ({} ranks): its ranks meet at MASTER_ADDR:MASTER_PORT "
-                              "(torchrun style), which mpirun does not set; use the mpi backend",
+                  fmt::format("the tcp communicator under mpirun ({} ranks): its ranks come from a torchrun-style "
+                              "launch (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT); mpirun's meet over the mpi backend",
                               li.world_size));
   TcpCommOptions to;
   to.master_addr = li.master_addr;

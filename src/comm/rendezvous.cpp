@@ -124,15 +124,8 @@ class StoreClient {
 
   // Retries until the deadline (the store may not listen yet).
   Status connect_retrying(const sockaddr_in& target, double timeout_s) {
-    for (;;) {
-      bool refused = false;
-      Status st = connect_once(target, &refused);
-      if (st.ok()) return st;
-      if (ms_left(deadline_) == 0)
-        return Status(StatusCode::kUnavailable, fmt::format("{}: could not reach rank 0 within {:g} s (last error: {})",
-                                                            where_, timeout_s, st.message()));
-      std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, ms_left(deadline_))));
-    }
+    STRATA_ASSIGN_OR_RETURN(fd_, net::connect_retrying(target, deadline_, where_, "rank 0", timeout_s));
+    return Status();
   }
 
   // VALIDATE, then a PING that must come back: a TCPStore is listening.

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <thread>
 
 namespace strata::comm::net {
 
@@ -100,6 +101,19 @@ Result<Fd> connect_once(const sockaddr_in& target, Clock::time_point deadline, c
   int one = 1;
   ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
   return s;
+}
+
+Result<Fd> connect_retrying(const sockaddr_in& target, Clock::time_point deadline, const std::string& where,
+                            const std::string& peer, double timeout_s) {
+  for (;;) {
+    bool refused = false;
+    auto fd = connect_once(target, deadline, where, &refused);
+    if (fd.ok()) return fd;
+    if (ms_left(deadline) == 0)
+      return Status(StatusCode::kUnavailable, fmt::format("{}: could not reach {} within {:g} s (last error: {})",
+                                                          where, peer, timeout_s, fd.status().message()));
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, ms_left(deadline))));
+  }
 }
 
 Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where) {

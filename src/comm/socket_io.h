@@ -58,6 +58,12 @@ Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::s
 // nothing listens there (ECONNREFUSED), worth retrying.
 Result<Fd> connect_once(const sockaddr_in& target, Clock::time_point deadline, const std::string& where, bool* refused);
 
+// Connects, retrying every 50 ms until `deadline` (the peer may not listen
+// yet); then kUnavailable "<where>: could not reach <peer> within <timeout_s>
+// s (last error: ...)".
+Result<Fd> connect_retrying(const sockaddr_in& target, Clock::time_point deadline, const std::string& where,
+                            const std::string& peer, double timeout_s);
+
 // A listening socket on every interface at `port` (0: the kernel picks;
 // SO_REUSEADDR).
 Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where);

@@ -107,20 +107,14 @@ Result<std::vector<Link>> accept_ranks(int listener, int lo, int hi, int world, 
   return links;
 }
 
-// Connects to `target` (retrying while nothing listens there yet) and says
-// hello.
-Result<Fd> connect_to(const sockaddr_in& target, const Hello& hello, Clock::time_point deadline,
-                      const std::string& where) {
-  for (;;) {
-    bool refused = false;
-    auto fd = net::connect_once(target, deadline, where, &refused);
-    if (fd.ok()) {
-      STRATA_RETURN_IF_ERROR(net::send_all(fd->fd, &hello, sizeof hello, deadline, where));
-      return std::move(fd).value();
-    }
-    if (!refused || net::ms_left(deadline) == 0) return fd.status();
-    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(50, net::ms_left(deadline))));
-  }
+// Connects to rank `peer` at `target` (retrying until the deadline) and
+// says hello.
+Result<Fd> connect_to(const sockaddr_in& target, int peer, const Hello& hello, Clock::time_point deadline,
+                      double timeout_s, const std::string& where) {
+  STRATA_ASSIGN_OR_RETURN(Fd fd,
+                          net::connect_retrying(target, deadline, where, fmt::format("rank {}", peer), timeout_s));
+  STRATA_RETURN_IF_ERROR(net::send_all(fd.fd, &hello, sizeof hello, deadline, where));
+  return fd;
 }
 
 // ---- moving data (tcp_comm.h "Moving data")
@@ -597,7 +591,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
     } else {
       STRATA_ASSIGN_OR_RETURN(sockaddr_in zero, net::resolve(o.master_addr.empty() ? "127.0.0.1" : o.master_addr,
                                                              static_cast<uint16_t>(b.port), where));
-      STRATA_ASSIGN_OR_RETURN(links[0].fd, connect_to(zero, hello, deadline, where + ": connecting to rank 0"));
+      STRATA_ASSIGN_OR_RETURN(links[0].fd, connect_to(zero, 0, hello, deadline, o.timeout_s, where));
       STRATA_RETURN_IF_ERROR(net::recv_all(links[0].fd.fd, table.data(), table.size() * sizeof(Entry), deadline,
                                            where + ": the address table from rank 0"));
       for (int q = 1; q < rank; ++q) {
@@ -607,9 +601,8 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
         to.sin_port = htons(static_cast<uint16_t>(table[q].port));
         char ip[INET_ADDRSTRLEN] = "?";
         ::inet_ntop(AF_INET, &to.sin_addr, ip, sizeof ip);
-        STRATA_ASSIGN_OR_RETURN(
-            links[q].fd, connect_to(to, hello, deadline,
-                                    fmt::format("{}: connecting to rank {} at {}:{}", where, q, ip, table[q].port)));
+        STRATA_ASSIGN_OR_RETURN(links[q].fd, connect_to(to, q, hello, deadline, o.timeout_s,
+                                                        fmt::format("{} (to {}:{})", where, ip, table[q].port)));
       }
       if (rank + 1 < world) {
         STRATA_ASSIGN_OR_RETURN(auto higher,
