@@ -168,16 +168,26 @@ TEST_F(Ranks, HostCollectivesStageThroughDeviceMemoryInRounds) {
 }
 
 TEST_F(Ranks, BarrierWaitsForTheSlowestRank) {
-  // The last rank arrives 300 ms late; nobody leaves the barrier before that.
-  // The ranks' clocks are not compared: rank 0 measures its own wait.
-  const auto t0 = std::chrono::steady_clock::now();
-  if (rank_ == world_ - 1) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  // The last rank arrives 300 ms late; no rank leaves the barrier before the
+  // moment it arrived. The ranks share one host, so steady_clock
+  // (CLOCK_MONOTONIC) is one clock for all of them: the last rank's arrival,
+  // broadcast afterwards, is compared with each rank's departure. (A wait
+  // measured from each rank's own start would fail when a loaded machine
+  // starts the ranks' tests far apart.)
+  const int last = world_ - 1;
+  const auto now_ns = [] {
+    return static_cast<int64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+            .count());
+  };
+  if (rank_ == last) std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  int64_t arrived = now_ns();
   ASSERT_TRUE(comm_->barrier(stream_).ok());
   sync();
-  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  if (rank_ == 0) {
-    EXPECT_GE(s, 0.25);
-  }
+  const int64_t left = now_ns();
+  ASSERT_TRUE(broadcast_host(*comm_, stream_, &arrived, sizeof arrived, last, HostStaging{}).ok());
+  EXPECT_GE(left, arrived) << "rank " << rank_ << " left the barrier " << (arrived - left) / 1e6
+                           << " ms before rank " << last << " arrived";
 }
 
 TEST_F(Ranks, OrderedOnTheStreamAndConcurrentAcrossStreams) {
