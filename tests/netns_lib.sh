@@ -1,10 +1,12 @@
-# Hosts made of network namespaces on this machine, for Open MPI jobs whose
-# ranks talk TCP as across machines. Sourced by tests/runtime/netns_ranks_test.sh
-# and scripts/bench_ranks_netns.sh:
+# Hosts made of network namespaces on this machine, for jobs whose ranks talk
+# TCP as across machines. Sourced by tests/runtime/netns_ranks_test.sh (Open
+# MPI), tests/runtime/netns_tcp_ranks_test.sh (torchrun-style ranks over the
+# TCP communicator) and scripts/bench_ranks_netns.sh:
 #   source tests/netns_lib.sh
 #   netns_mpirun_bin=/usr/bin/mpirun                           # optional (default: mpirun)
 #   netns_hosts 3 [RATE] || { echo "$netns_error"; exit 77; }   # root only
 #   "${netns_mpirun[@]}" --host "${netns_addr[0]},${netns_addr[1]}" -np 2 CMD...
+#   ip netns exec "${netns_ns[0]}" CMD...                      # CMD on host 0
 # netns_hosts makes a bridge and N namespaces on it, each with its own UTS
 # namespace whose hostname is its address (Open MPI tells its daemons apart
 # by hostname: with the machine's one hostname in every namespace its launch
@@ -14,11 +16,13 @@
 # TCP only (no shared memory between hosts), on the bridge's subnet.
 # Everything is removed at exit (netns_cleanup, an EXIT trap the caller keeps);
 # namespaces of an earlier run that was killed are removed first.
-# Needs: ip and tc (iproute2), nsenter and unshare (util-linux), mpirun.
+# Needs: ip and tc (iproute2), nsenter and unshare (util-linux); mpirun for
+# netns_mpirun, which stays empty where there is none.
 
 netns_error=
 netns_net=        # the bridge's /24, as 10.x.y
-netns_addr=()
+netns_addr=()      # host i's address on the bridge
+netns_ns=()        # host i's network namespace (for ip netns exec)
 netns_mpirun=()
 _netns_made=()
 _netns_tag=$$
@@ -48,7 +52,7 @@ _netns_remove_stale() {
 
 netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error on failure
   local n=$1 rate=${2:-} i ns net= cand tool
-  for tool in ip tc nsenter unshare "${netns_mpirun_bin:-mpirun}"; do
+  for tool in ip tc nsenter unshare; do
     command -v "$tool" >/dev/null || { netns_error="no $tool here"; return 1; }
   done
   _netns_remove_stale
@@ -68,6 +72,7 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
   ip addr add "$net.1/24" dev "$_netns_br" && ip link set "$_netns_br" up ||
     { netns_error="bridge setup failed"; return 1; }
   netns_addr=()
+  netns_ns=()
   for ((i = 1; i <= n; ++i)); do
     ns=strata_ns${_netns_tag}_$i
     ip netns add "$ns" || { netns_error="ip netns add $ns failed"; return 1; }
@@ -83,7 +88,10 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
         { netns_error="tc tbf rate $rate failed"; return 1; }
     fi
     netns_addr+=("$net.$((i + 1))")
+    netns_ns+=("$ns")
   done
+  netns_mpirun=()
+  command -v "${netns_mpirun_bin:-mpirun}" >/dev/null || return 0
   # Open MPI's rsh agent: "agent [options] HOST CMD..." runs CMD on HOST.
   {
     echo '#!/bin/bash'

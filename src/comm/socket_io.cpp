@@ -74,7 +74,8 @@ Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::s
   const std::string p = std::to_string(port);
   if (int rc = ::getaddrinfo(addr.c_str(), p.c_str(), &hints, &res); rc != 0)
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("{}: cannot resolve {} '{}': {}", where, label, addr, gai_strerror(rc)));
+                  fmt::format("{}: cannot resolve {} '{}' to an IPv4 address (IPv4 only): {}", where, label,
+                              addr, gai_strerror(rc)));
   sockaddr_in target{};
   std::memcpy(&target, res->ai_addr, sizeof target);
   ::freeaddrinfo(res);

@@ -136,5 +136,22 @@ TEST(TcpComm, AMissingRankZeroIsNamedWithinTheTimeout) {
   EXPECT_LT(s, 10.0);
 }
 
+// IPv4 only: an IPv6 MASTER_ADDR is refused at once, naming it.
+TEST(TcpComm, AnIpv6MasterAddrIsRefusedNamingIt) {
+  auto dev = create_host_backend(HostBackendOptions{});
+  ASSERT_TRUE(dev.ok());
+  TcpCommOptions o;
+  o.master_addr = "::1";
+  o.master_port = 1;
+  o.rank = 1;
+  o.world_size = 2;
+  o.timeout_s = 30;
+  auto r = create_tcp_communicator(dev->get(), o);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument) << r.status().to_string();
+  EXPECT_NE(r.status().message().find("'::1' to an IPv4 address (IPv4 only)"), std::string::npos)
+      << r.status().to_string();
+}
+
 }  // namespace
 }  // namespace strata::comm

@@ -32,6 +32,7 @@ if ! netns_hosts 3; then
   echo "SKIP: $netns_error"
   exit 77
 fi
+((${#netns_mpirun[@]})) || { echo "FAIL: no mpirun ($mpirun_bin)"; exit 1; }
 hosts=("${netns_addr[@]}")
 mpirun=("${netns_mpirun[@]}")
 net=$netns_net
