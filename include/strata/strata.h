@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 9
+#define STRATA_API_VERSION 10
 
 /* ------------------------------------------------------------------ status */
 
@@ -339,6 +339,23 @@ typedef struct strata_engine_options {
    * must be device_ordinal. Borrowed for the call only. NULL: bootstrap.
    * Never run on a GPU yet. */
   void* nccl_comm;
+  /* STRATA_COMM_TCP and STRATA_COMM_NCCL (API 10): the ranks as the caller's
+   * own process group has them, instead of the launcher's environment: this
+   * process is rank `comm_rank` of `comm_world_size`, and the ranks meet
+   * through the TCPStore (torch's protocol) at comm_store_addr:comm_store_port,
+   * e.g. the store of torch.distributed's default process group (tcp:// or
+   * env:// init_method) in processes started by torch.multiprocessing.spawn
+   * or a launcher of the trainer's own, without RANK and WORLD_SIZE in their
+   * environment. The engine adds its own keys there ("tcp/...", "nccl/..."),
+   * never touching the group's. comm_world_size 0: the environment (as
+   * before API 10); otherwise 0 <= comm_rank < comm_world_size and, with
+   * more than one rank, a store address (borrowed for the call) and port
+   * 1..65535. Refused with STRATA_COMM_NONE, STRATA_COMM_MPI and nccl_comm
+   * (their ranks are their own). */
+  int32_t comm_rank;
+  int32_t comm_world_size;
+  const char* comm_store_addr;
+  int32_t comm_store_port;
 } strata_engine_options_t;
 
 /* One parameter of the model. Zero-initialise, set struct_size and the rest. */

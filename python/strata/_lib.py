@@ -11,7 +11,7 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 9  # STRATA_API_VERSION these bindings speak
+API_VERSION = 10  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
@@ -60,7 +60,8 @@ c_void_p, c_char_p, c_int, c_int32, c_uint32, c_uint64, c_int64, c_size_t, c_dou
 class EngineOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("config_json", c_char_p), ("config_path", c_char_p),
                 ("device_kind", c_int), ("device_ordinal", c_int), ("comm_kind", c_int), ("mpi_comm", c_int64),
-                ("comm_timeout_s", c_double), ("nccl_comm", c_void_p)]
+                ("comm_timeout_s", c_double), ("nccl_comm", c_void_p), ("comm_rank", c_int32),
+                ("comm_world_size", c_int32), ("comm_store_addr", c_char_p), ("comm_store_port", c_int32)]
 
 
 class ParamDesc(ctypes.Structure):

@@ -1,10 +1,16 @@
 """One rank of test_torch_ranks.py, run as `mpirun -np N python _ranks_worker.py
 OUT STAGE NVME` or `torchrun --nproc-per-node N _ranks_worker.py OUT STAGE NVME
 [pg]` (pg: torch.distributed.init_process_group("gloo") first, as trainers
-do): trains the tests' small Llama through strata.torch.initialize (the engine
-joins the launcher's ranks) on its rows of each
-batch (rank r takes row r), then writes OUT/losses<rank>.json, and (rank 0)
-OUT/state.pt from engine.state_dict() and OUT/model from save_pretrained."""
+do), or all ranks at once as `python _ranks_worker.py OUT STAGE NVME spawn
+tcp|env PORT`: torch.multiprocessing.spawn starts 2 processes without RANK or
+WORLD_SIZE in their environment, each making its process group with
+init_process_group("gloo", rank=, world_size=) and init_method
+tcp://127.0.0.1:PORT (tcp) or MASTER_ADDR=localhost, MASTER_PORT=PORT (env,
+PyTorch's DDP tutorial); the engine then takes its ranks from that group.
+Each rank trains the tests' small Llama through strata.torch.initialize (the
+engine joins the ranks) on its rows of each batch (rank r takes row r), then
+writes OUT/losses<rank>.json, and (rank 0) OUT/state.pt from
+engine.state_dict() and OUT/model from save_pretrained."""
 import json
 import os
 import sys
@@ -17,11 +23,7 @@ import strata.torch as st
 VOCAB = 96
 
 
-def main():
-    out, stage, nvme = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-    pg = sys.argv[4:] == ["pg"]
-    if pg:
-        torch.distributed.init_process_group("gloo")
+def train(out, stage, nvme):
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -49,6 +51,30 @@ def main():
     if engine.rank == 0:
         torch.save(state, os.path.join(out, "state.pt"))
     engine.destroy()
+
+
+def spawned(rank, how, port, out, stage, nvme):
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
+    if how == "tcp":
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    else:
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
+        torch.distributed.init_process_group("gloo", rank=rank, world_size=2)
+    train(out, stage, nvme)
+    torch.distributed.destroy_process_group()
+
+
+def main():
+    out, stage, nvme = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+    if sys.argv[4:5] == ["spawn"]:
+        how, port = sys.argv[5], int(sys.argv[6])
+        torch.multiprocessing.spawn(spawned, args=(how, port, out, stage, nvme), nprocs=2)
+        return
+    pg = sys.argv[4:] == ["pg"]
+    if pg:
+        torch.distributed.init_process_group("gloo")
+    train(out, stage, nvme)
     if pg:
         torch.distributed.destroy_process_group()
 

@@ -78,13 +78,14 @@ class RanksTest(unittest.TestCase):
         engine.destroy()
         return losses, state
 
-    def two_ranks(self, launcher, cmd, env, stage, pg=False):
+    def two_ranks(self, launcher, cmd, env, stage, pg=False, extra=()):
         """The 2-rank job launched by `cmd`, against the one-process reference."""
         out = os.path.join(self.dir, f"{launcher}-stage{stage}{'-pg' if pg else ''}")
         nvme = out + "-nvme"
         os.makedirs(out)
         os.makedirs(nvme)
-        r = subprocess.run(cmd + [os.path.join(HERE, "_ranks_worker.py"), out, str(stage), nvme] + (["pg"] if pg else []),
+        r = subprocess.run(cmd + [os.path.join(HERE, "_ranks_worker.py"), out, str(stage), nvme] +
+                           (["pg"] if pg else []) + list(extra),
                            env=env, capture_output=True, text=True, timeout=600)
         self.assertEqual(r.returncode, 0, f"{launcher}, stage {stage}: the 2-rank job failed:\n{r.stdout[-3000:]}\n"
                                           f"{r.stderr[-3000:]}")
@@ -133,6 +134,36 @@ class RanksTest(unittest.TestCase):
                 port = s.getsockname()[1]
             self.two_ranks("torchrun", [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                                         "--master-addr", "127.0.0.1", "--master-port", str(port)], env, stage, pg)
+
+    def test_a_process_group_without_the_launchers_environment(self):
+        # torch.multiprocessing.spawn, each process making the group with
+        # init_process_group(rank=, world_size=): no RANK or WORLD_SIZE in
+        # the environment, so the engine takes the group's ranks and meets
+        # the others through its TCPStore (tcp:// init_method; env:// with
+        # MASTER_ADDR=localhost as in PyTorch's DDP tutorial).
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        for key in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR",
+                    "MASTER_PORT"):
+            env.pop(key, None)
+        for stage, how in ((3, "tcp"), (2, "env")):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            self.two_ranks(f"spawn-{how}", [sys.executable], env, stage, extra=("spawn", how, str(port)))
+
+    def test_a_process_group_on_a_file_store_is_refused_by_name(self):
+        # A group of 2 on a FileStore (file:// init_method): nothing for the
+        # engine to meet the other rank through. One process: torch's "fake"
+        # backend makes the group without a second rank (gloo would wait for
+        # it); the group is never used.
+        import torch.testing._internal.distributed.fake_pg  # noqa: F401 (registers "fake")
+        store = torch.distributed.FileStore(os.path.join(self.dir, "store"), 2)
+        torch.distributed.init_process_group("fake", store=store, rank=0, world_size=2)
+        try:
+            with self.assertRaisesRegex(NotImplementedError, "store is a FileStore.*TCPStore"):
+                st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}})
+        finally:
+            torch.distributed.destroy_process_group()
 
     def test_a_launch_it_cannot_join_is_refused_by_name(self):
         # A partial torchrun environment: named by the engine's launch detection.

@@ -173,6 +173,27 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
     return Status(StatusCode::kInvalidArgument,
                   "options.nccl_comm is set but options.comm_kind is not STRATA_COMM_NCCL (it is " +
                       std::to_string(kind) + ")");
+  const bool given = o.comm_world_size != 0;
+  if (given && kind != STRATA_COMM_TCP && kind != STRATA_COMM_NCCL)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("options.comm_world_size is {} but options.comm_kind is {} (given ranks are for "
+                              "STRATA_COMM_TCP and STRATA_COMM_NCCL)",
+                              o.comm_world_size, kind));
+  if (given && o.nccl_comm != nullptr)
+    return Status(StatusCode::kInvalidArgument,
+                  "options.comm_world_size is set with options.nccl_comm (the ranks are the NCCL communicator's)");
+  if (given && (o.comm_world_size < 0 || o.comm_rank < 0 || o.comm_rank >= o.comm_world_size))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("options.comm_rank {} of options.comm_world_size {}: expected 0 <= rank < world size",
+                              o.comm_rank, o.comm_world_size));
+  if (given && o.comm_world_size > 1 &&
+      (o.comm_store_addr == nullptr || *o.comm_store_addr == '\0' || o.comm_store_port < 1 ||
+       o.comm_store_port > 65535))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("options.comm_store_addr '{}' and options.comm_store_port {}: {} ranks need the "
+                              "address and port (1..65535) of the TCPStore they meet through",
+                              o.comm_store_addr != nullptr ? o.comm_store_addr : "(null)", o.comm_store_port,
+                              o.comm_world_size));
   if (kind == STRATA_COMM_NONE) return Status();
   if (kind != STRATA_COMM_MPI && kind != STRATA_COMM_NCCL && kind != STRATA_COMM_TCP)
     return Status(StatusCode::kInvalidArgument, "options.comm_kind: unknown kind " + std::to_string(kind));
@@ -208,6 +229,15 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
   co.timeout_s = o.comm_timeout_s > 0 ? o.comm_timeout_s : 300.0;
   co.mpi_fortran_comm = o.mpi_comm;
   co.nccl_parent = o.nccl_comm;
+  if (given) {
+    comm::LaunchInfo li;
+    li.launcher = comm::Launcher::kTorchrun;
+    li.rank = o.comm_rank;
+    li.world_size = o.comm_world_size;
+    li.master_addr = o.comm_store_addr != nullptr ? o.comm_store_addr : "";
+    li.master_port = static_cast<uint16_t>(o.comm_store_port);
+    co.ranks = li;
+  }
   auto c = comm::create_communicator(e.device.get(), co);
   if (!c.ok()) return c.status().with_context(what);
   e.comm = std::move(c).value();

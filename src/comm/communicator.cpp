@@ -53,9 +53,28 @@ std::string store_key(const char* backend) {
   return fmt::format("{}/{}/{}", backend, restart != nullptr && *restart ? restart : "0", sequence++);
 }
 
-// TCP over the torchrun-style launcher's ranks.
+// The ranks: the caller's (CommOptions::ranks, checked) or the launcher's.
+Result<LaunchInfo> launch_of(const CommOptions& options) {
+  if (!options.ranks) return detect_launch();
+  const LaunchInfo& li = *options.ranks;
+  if (li.launcher != Launcher::kTorchrun)
+    return Status(StatusCode::kInvalidArgument,
+                  "create_communicator: given ranks must be torchrun-style (a TCPStore address and port)");
+  if (li.world_size < 1 || li.rank < 0 || li.rank >= li.world_size)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("create_communicator: given rank {} of world size {}: expected 0 <= rank < world size",
+                              li.rank, li.world_size));
+  if (li.world_size > 1 && (li.master_addr.empty() || li.master_port == 0))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("create_communicator: given rank {} of {} without the store's address and port "
+                              "(got '{}':{})",
+                              li.rank, li.world_size, li.master_addr, li.master_port));
+  return li;
+}
+
+// TCP over the torchrun-style launcher's ranks (or the caller's).
 Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const CommOptions& options) {
-  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
   if (li.launcher == Launcher::kMpirun)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("the tcp communicator under mpirun ({} ranks): its ranks come from a torchrun-style "
@@ -80,7 +99,7 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
     no.parent = options.nccl_parent;
     return create_nccl_communicator(device, no);
   }
-  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
   NcclCommOptions no;
   no.rank = li.rank;
   no.world_size = li.world_size;
@@ -139,16 +158,22 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
                                 comm_backend_kind_name(kind)));
     kind = CommBackendKind::kNccl;
   }
+  if (options.ranks && (kind == CommBackendKind::kSelf || kind == CommBackendKind::kMpi ||
+                        options.nccl_parent != nullptr))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("create_communicator: ranks were given with the {} (the ranks are its own)",
+                              options.nccl_parent != nullptr ? "NCCL communicator to split"
+                                                             : std::string(comm_backend_kind_name(kind)) + " backend"));
   if (kind == CommBackendKind::kAuto) {
     // GPU ranks meet over NCCL, host ranks over MPI (mpirun) or TCP
-    // (torchrun style); one rank needs none.
+    // (torchrun style, or the caller's ranks); one rank needs none.
     if (device->kind() == DeviceKind::kCuda) {
-      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
       kind = li.world_size > 1 ? CommBackendKind::kNccl : CommBackendKind::kSelf;
-    } else if (mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
+    } else if (!options.ranks && mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
       kind = CommBackendKind::kMpi;
     } else {
-      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, detect_launch());
+      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
       kind = li.launcher == Launcher::kTorchrun && li.world_size > 1 ? CommBackendKind::kTcp : CommBackendKind::kSelf;
     }
   }

@@ -59,9 +59,11 @@
 
 #include <cstddef>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
+#include "comm/bootstrap.h"
 #include "common/status.h"
 #include "device/device_backend.h"
 
@@ -117,6 +119,15 @@ struct CommOptions {
   // kNccl: the caller's own ncclComm_t; the communicator is a child of it
   // (nccl_comm.h NcclCommOptions::parent) instead of a launcher bootstrap.
   void* nccl_parent = nullptr;
+  // kTcp, kNccl, kAuto: the ranks as the caller's own process group has them
+  // instead of the launcher's environment: rank, world_size and the TCPStore
+  // the ranks meet through (master_addr, master_port; launcher must be
+  // kTorchrun, local_rank is not used). For trainers whose processes were
+  // started without RANK and WORLD_SIZE in their environment (a process
+  // group made with init_process_group(rank=, world_size=) by
+  // torch.multiprocessing.spawn, its own launcher, ...). Unset: the
+  // environment (bootstrap.h).
+  std::optional<LaunchInfo> ranks = std::nullopt;
 };
 
 // True when this build has the MPI backend (STRATA_HAVE_MPI).
@@ -137,7 +148,8 @@ bool mpi_backend_built();
 // Errors: kUnavailable with the reason (built without MPI or NCCL: how to get
 // it; the NCCL module or libnccl not loadable), kInvalidArgument (null device,
 // timeout <= 0, MPI or TCP over a CUDA backend, NCCL over the host backend,
-// TCP under mpirun, a malformed launcher environment), and those of the
+// TCP under mpirun, a malformed launcher environment or given ranks, given
+// ranks with kSelf, kMpi or an NCCL parent), and those of the
 // backend's constructor.
 Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device, const CommOptions& options);
 

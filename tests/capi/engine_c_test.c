@@ -586,6 +586,37 @@ static int test_errors(void) {
     strata_engine_destroy(e);
     e = NULL;
   }
+  /* Given ranks (API 10): checked by name; rank 0 of 1 needs no store (N
+   * ranks: test_torch_ranks.py, a process group made by
+   * torch.multiprocessing.spawn). */
+  opts.comm_world_size = 2;
+  opts.comm_rank = 2;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "options.comm_rank 2 of options.comm_world_size 2") != NULL);
+  opts.comm_rank = 1;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "options.comm_store_addr '(null)' and options.comm_store_port 0") != NULL);
+  opts.comm_store_addr = "127.0.0.1";
+  opts.comm_store_port = 70000;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "comm_store_port 70000") != NULL);
+  opts.comm_kind = STRATA_COMM_MPI;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "options.comm_world_size is 2 but options.comm_kind is 1") != NULL);
+  opts.comm_kind = STRATA_COMM_TCP;
+  opts.comm_world_size = 1;
+  opts.comm_rank = 0;
+  opts.comm_store_addr = NULL;
+  opts.comm_store_port = 0;
+  OK(NULL, strata_engine_create(&opts, d, NPARAM, &e));
+  {
+    uint32_t rank = 9, world = 9;
+    OK(e, strata_engine_ranks(e, &rank, &world));
+    CHECK(rank == 0 && world == 1);
+  }
+  strata_engine_destroy(e);
+  e = NULL;
+  opts.comm_world_size = 0;
   opts.comm_kind = STRATA_COMM_NONE;
   opts.struct_size = sizeof(opts);
   d[2].struct_size = 0;

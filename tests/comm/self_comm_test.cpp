@@ -136,6 +136,37 @@ TEST(TcpComm, AMissingRankZeroIsNamedWithinTheTimeout) {
   EXPECT_LT(s, 10.0);
 }
 
+// Ranks given by the caller (a process group's rank, world size and store)
+// are checked, and refused with a backend whose ranks are its own.
+TEST(TcpComm, GivenRanksAreCheckedByName) {
+  auto dev = create_host_backend(HostBackendOptions{});
+  ASSERT_TRUE(dev.ok());
+  LaunchInfo li;
+  li.launcher = Launcher::kTorchrun;
+  li.rank = 0;
+  li.world_size = 1;
+  CommOptions o;
+  o.kind = CommBackendKind::kTcp;
+  o.ranks = li;
+  auto one = create_communicator(dev->get(), o);  // rank 0 of 1: no store needed
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  EXPECT_EQ((*one)->world_size(), 1);
+  o.ranks->world_size = 2;
+  auto no_store = create_communicator(dev->get(), o);
+  EXPECT_EQ(no_store.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_store.status().message().find("without the store's address and port"), std::string::npos)
+      << no_store.status().to_string();
+  o.ranks->rank = 3;
+  EXPECT_NE(create_communicator(dev->get(), o).status().message().find("given rank 3 of world size 2"),
+            std::string::npos);
+  o.ranks->rank = 0;
+  o.kind = CommBackendKind::kSelf;
+  auto self = create_communicator(dev->get(), o);
+  EXPECT_EQ(self.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(self.status().message().find("ranks were given with the self backend"), std::string::npos)
+      << self.status().to_string();
+}
+
 // IPv4 only: an IPv6 MASTER_ADDR is refused at once, naming it.
 TEST(TcpComm, AnIpv6MasterAddrIsRefusedNamingIt) {
   auto dev = create_host_backend(HostBackendOptions{});

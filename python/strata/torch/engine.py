@@ -85,6 +85,8 @@ def _launch_world(mpi_comm):
         v = os.environ.get(key, "")
         if v.isdigit() and int(v) > 0:
             return int(v)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
     return 1
 
 
@@ -260,15 +262,39 @@ class _Optimizer(torch.optim.Optimizer):
         return None
 
 
+def _group_ranks():
+    """The ranks of torch.distributed's default process group, made without
+    the launcher's environment (RANK, WORLD_SIZE unset: processes started by
+    torch.multiprocessing.spawn or the trainer's own launcher, with
+    init_process_group(rank=, world_size=)): (rank, world size, the address
+    and port of the group's TCPStore, where the engine's ranks meet under
+    keys of their own). A group whose store is not a TCPStore (file://) is
+    refused by name."""
+    from torch.distributed import distributed_c10d
+    store = distributed_c10d._get_default_store()
+    while isinstance(store, torch.distributed.PrefixStore):
+        store = store.underlying_store
+    world = torch.distributed.get_world_size()
+    if not isinstance(store, torch.distributed.TCPStore):
+        raise NotImplementedError(
+            f"strata.torch.initialize: torch.distributed has a process group of {world} ranks whose store is a "
+            f"{type(store).__name__}; the engine's ranks meet through a TCPStore: make the group with "
+            "init_method=\"tcp://HOST:PORT\" or env:// (MASTER_ADDR, MASTER_PORT), or launch with torchrun")
+    return torch.distributed.get_rank(), world, store.host, store.port
+
+
 def _ranks(mpi_comm, cuda):
     """How this process meets the other data-parallel ranks: (comm_kind,
-    Fortran handle). A model on a GPU under a launcher with several ranks
-    (torchrun style: WORLD_SIZE > 1; or mpirun) is one GPU rank over NCCL.
-    A CPU model under mpirun (OMPI_COMM_WORLD_SIZE > 1) or with mpi_comm=
-    (an mpi4py communicator or its Fortran handle, comm.py2f()) is one rank
-    of an MPI job; under a torchrun-style launcher (RANK, WORLD_SIZE > 1,
-    MASTER_ADDR, MASTER_PORT: torchrun, or torch.distributed's env://) one
-    rank over TCP, meeting the others through the TCPStore at MASTER_PORT
+    Fortran handle, given ranks or None). A model on a GPU under a launcher
+    with several ranks (torchrun style: WORLD_SIZE > 1; or mpirun) is one GPU
+    rank over NCCL. A CPU model under mpirun (OMPI_COMM_WORLD_SIZE > 1) or
+    with mpi_comm= (an mpi4py communicator or its Fortran handle,
+    comm.py2f()) is one rank of an MPI job; under a torchrun-style launcher
+    (RANK, WORLD_SIZE > 1, MASTER_ADDR, MASTER_PORT: torchrun, or
+    torch.distributed's env://) one rank over TCP, meeting the others through
+    the TCPStore at MASTER_PORT. Without either, a torch.distributed default
+    process group of several ranks gives the ranks (_group_ranks: rank, world
+    size, its TCPStore): CPU models over TCP, GPU models over NCCL
     (docs/python.md "Ranks"); otherwise one rank. A launch the package cannot
     join is refused by name: each process would otherwise train alone on its
     own data."""
@@ -288,7 +314,7 @@ def _ranks(mpi_comm, cuda):
             raise NotImplementedError(
                 "strata.torch.initialize: mpi_comm= with a model on a GPU: GPU ranks meet over NCCL, bootstrapped "
                 "from the launcher's environment (torchrun or mpirun); mpi_comm= is for CPU models")
-        return _lib.COMM_NCCL, -1
+        return _lib.COMM_NCCL, -1, None
     if handle is None and not under_mpirun:
         dist = torch.distributed.is_available() and torch.distributed.is_initialized()
         dist_world = torch.distributed.get_world_size() if dist else 1
@@ -299,20 +325,15 @@ def _ranks(mpi_comm, cuda):
                 raise ValueError(
                     f"strata.torch.initialize: WORLD_SIZE={torchrun} but the torch.distributed process group has "
                     f"{dist_world} ranks; the engine's ranks are the launcher's (RANK, WORLD_SIZE)")
-            return _lib.COMM_TCP, -1
+            return _lib.COMM_TCP, -1, None
         if dist_world > 1:
-            raise NotImplementedError(
-                "strata.torch.initialize: torch.distributed has a process group of "
-                f"{dist_world} ranks, but the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) "
-                "is not set, so the engine cannot meet the other ranks and each process would train alone on its "
-                "own data. Launch with torchrun (or init_process_group's env:// with those variables), launch "
-                "host ranks with `mpirun -np N python ...` (or pass mpi_comm=), or run one process")
-        return _lib.COMM_NONE, -1
+            return (_lib.COMM_NCCL if cuda else _lib.COMM_TCP), -1, _group_ranks()
+        return _lib.COMM_NONE, -1, None
     if cuda:
         raise NotImplementedError(
             "strata.torch.initialize: mpi_comm= with a model on a GPU: GPU ranks meet over NCCL, bootstrapped "
             "from the launcher's environment (torchrun or mpirun); mpi_comm= is for CPU models")
-    return _lib.COMM_MPI, (-1 if handle is None else handle)
+    return _lib.COMM_MPI, (-1 if handle is None else handle), None
 
 
 class StrataEngine:
@@ -325,7 +346,7 @@ class StrataEngine:
             raise TypeError("strata.torch.initialize: model must be a torch.nn.Module")
         self.device = _model_device(model)
         self._cuda = _is_cuda(self.device)
-        comm_kind, comm_handle = _ranks(mpi_comm, self._cuda)
+        comm_kind, comm_handle, given_ranks = _ranks(mpi_comm, self._cuda)
         self._dev_type = self.device.type  # saved tensors of this device type may view engine buffers
         self._lock = threading.RLock()     # driving calls never overlap (backward hooks: autograd's thread)
         self._wrapped = {}                 # CUDA: native stream handle -> (strata stream, torch stream)
@@ -493,6 +514,10 @@ class StrataEngine:
         else:
             opts.device_kind = _lib.DEVICE_HOST
         opts.comm_kind, opts.mpi_comm = comm_kind, comm_handle  # timeout: the library's 300 s
+        if given_ranks is not None:
+            store_addr = given_ranks[2].encode()  # kept alive across the call
+            opts.comm_rank, opts.comm_world_size, opts.comm_store_addr, opts.comm_store_port = (
+                given_ranks[0], given_ranks[1], store_addr, given_ranks[3])
         e = ctypes.c_void_p()
         with self._driving():
             _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self._params), ctypes.byref(e)))
