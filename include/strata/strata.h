@@ -31,7 +31,7 @@ extern "C" {
 #define STRATA_API __attribute__((visibility("default")))
 #endif
 
-#define STRATA_API_VERSION 10
+#define STRATA_API_VERSION 11
 
 /* ------------------------------------------------------------------ status */
 
@@ -511,6 +511,16 @@ STRATA_API strata_status_t strata_engine_load_param(strata_engine_t engine, uint
  * collective, every rank must call it for the same parameter). */
 STRATA_API strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param, void* dst,
                                                     strata_dtype_t dtype, size_t count);
+/* Copies rank `root`'s host bytes data[0, bytes) into every rank's data (API
+ * 11): a collective over the engine's ranks (every rank calls it at the same
+ * point with the same bytes and root). strata_engine_load_param keeps each
+ * rank's own src, so ranks whose initial values may differ (a random init
+ * without a common seed, a LoRA adapter's) broadcast each tensor from rank 0
+ * before loading it, as DDP and DeepSpeed start every rank from rank 0's
+ * values (strata.torch does). One rank: returns at once. Blocking. Errors:
+ * STRATA_ERR_INVALID_ARGUMENT (root >= the world size, NULL data with bytes
+ * > 0), the communicator's (a rank that ended, the timeout). */
+STRATA_API strata_status_t strata_engine_broadcast(strata_engine_t engine, void* data, size_t bytes, uint32_t root);
 /* The optimizer state of trainable `param` as `count` (= numel) fp32 values
  * (read: one rank only, STRATA_ERR_UNAVAILABLE with N ranks; load: each rank
  * takes its shard of the whole tensor):

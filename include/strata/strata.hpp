@@ -188,6 +188,10 @@ class Engine {
   Error read_param(uint32_t p, void* dst, strata_dtype_t dtype, size_t count) {
     return Error::from(strata_engine_read_param(e_, p, dst, dtype, count));
   }
+  // Root's bytes on every rank (a collective): strata_engine_broadcast.
+  Error broadcast(void* data, size_t bytes, uint32_t root) {
+    return Error::from(strata_engine_broadcast(e_, data, bytes, root));
+  }
 
   // ---- the training protocol
   Error begin_micro_batch(bool last) { return Error::from(strata_engine_begin_micro_batch(e_, last ? 1 : 0)); }

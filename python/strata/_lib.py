@@ -11,7 +11,7 @@ import os
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 10  # STRATA_API_VERSION these bindings speak
+API_VERSION = 11  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
@@ -125,6 +125,7 @@ strata_engine_last_error = _fn("strata_engine_last_error", c_char_p, c_void_p)
 strata_engine_find_group = _fn("strata_engine_find_group", c_int, c_void_p, c_char_p, ctypes.POINTER(c_uint32))
 strata_engine_load_param = _fn("strata_engine_load_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
 strata_engine_read_param = _fn("strata_engine_read_param", c_int, c_void_p, c_uint32, c_void_p, c_int, c_size_t)
+strata_engine_broadcast = _fn("strata_engine_broadcast", c_int, c_void_p, c_void_p, c_size_t, c_uint32)
 strata_engine_ranks = _fn("strata_engine_ranks", c_int, c_void_p, ctypes.POINTER(c_uint32), ctypes.POINTER(c_uint32))
 strata_engine_read_state = _fn("strata_engine_read_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)
 strata_engine_load_state = _fn("strata_engine_load_state", c_int, c_void_p, c_uint32, c_int, c_void_p, c_size_t)

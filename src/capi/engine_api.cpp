@@ -464,6 +464,13 @@ strata_status_t strata_engine_read_param(strata_engine_t engine, uint32_t param,
   });
 }
 
+strata_status_t strata_engine_broadcast(strata_engine_t engine, void* data, size_t bytes, uint32_t root) {
+  return on_engine(engine, "strata_engine_broadcast", [&]() -> Status {
+    if (!data && bytes > 0) return null_arg("strata_engine_broadcast", "data");
+    return engine->engine->broadcast(data, bytes, root);
+  });
+}
+
 strata_status_t strata_engine_read_state(strata_engine_t engine, uint32_t param, int state, float* dst,
                                          size_t count) {
   return on_engine(engine, "strata_engine_read_state", [&]() -> Status {

@@ -218,6 +218,18 @@ Status Engine::read_param(ParamId id, void* dst, DType dtype) {
   return {};
 }
 
+Status Engine::broadcast(void* data, size_t bytes, uint32_t root) {
+  Impl& I = *impl_;
+  engine::Registry& R = I.reg;
+  if (root >= R.world)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: broadcast: root {} is not a rank (world size {})", root, R.world));
+  if (data == nullptr && bytes > 0) return Status(StatusCode::kInvalidArgument, "engine: broadcast: null data");
+  if (R.world == 1 || bytes == 0) return {};
+  STRATA_RETURN_IF_ERROR(I.wait_idle());  // the upload stream and the staging buffer are the pipeline's too
+  return R.host_broadcast(data, bytes, static_cast<int>(root)).with_context("engine: broadcast");
+}
+
 Status Engine::gather_param(ParamId id, void* dst, DType dtype) {
   Impl& I = *impl_;
   engine::Registry& R = I.reg;

@@ -302,6 +302,13 @@ class Engine {
   // rank's shard: a collective (every rank calls it, same p, same order).
   // One rank: read_param. Blocking.
   Status gather_param(ParamId p, void* dst, DType dtype);
+  // data[0, bytes) (host memory) on every rank = rank root's: a collective
+  // over the engine's communicator (every rank, same bytes and root, same
+  // point). What the ranks must agree on and may not: load_param keeps each
+  // rank's own src, so initial values made differently on each rank (an
+  // unseeded init) are broadcast from one rank first. One rank: nothing.
+  // Blocking. kInvalidArgument: root out of range, null data with bytes.
+  Status broadcast(void* data, size_t bytes, uint32_t root);
   // The optimizer state of trainable parameter p as fp32 (AdamW: k = 0 the
   // first moment exp_avg, k = 1 the second exp_avg_sq; torch's names), this
   // rank's shard: read to convert a checkpoint to PyTorch/DeepSpeed, loaded to

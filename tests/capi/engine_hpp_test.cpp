@@ -208,6 +208,12 @@ TEST(StrataHpp, FrozenAndUndecayedParameters) {
   std::vector<float> got(kN);
   ASSERT_TRUE(e.read_param(0, got.data(), STRATA_DTYPE_F32, kN).ok());
   EXPECT_EQ(got, p0);
+  // One rank: a broadcast from rank 0 leaves the bytes; rank 1 is no rank.
+  ASSERT_TRUE(e.broadcast(got.data(), kN * sizeof(float), 0).ok());
+  EXPECT_EQ(got, p0);
+  Error no_rank = e.broadcast(got.data(), 4, 1);
+  EXPECT_EQ(no_rank.code(), STRATA_ERR_INVALID_ARGUMENT);
+  EXPECT_NE(no_rank.to_string().find("root 1 is not a rank"), std::string::npos) << no_rank.to_string();
   // lr 0.1, weight decay 0.5: step 1 moves by lr * sign(g) (+ lr * wd * p when decayed).
   ASSERT_TRUE(e.read_param(1, got.data(), STRATA_DTYPE_F32, kN).ok());
   EXPECT_NEAR(got[0], 1.0 * (1 - 0.1 * 0.5) - 0.1 * 0.5 / (0.5 + 1e-8), 1e-6);

@@ -11,6 +11,9 @@
  *     every rank's micro-batch of the job in rank order: the weights acquired
  *     and strata_engine_read_param (whole tensors, a collective) are
  *     bit-identical, and stats.comm_bytes is nonzero only with 2 ranks;
+ *   - strata_engine_broadcast: the last rank's bytes reach every rank of the
+ *     job (and the 1-rank engine's leaves its own); a root past the world
+ *     size is refused, naming it;
  *   - refused by name: STRATA_COMM_MPI with STRATA_DEVICE_CUDA, NCCL with the
  *     host device, NCCL where no GPU is (unavailable), an unknown
  *     comm_kind, a handle MPI does not know, read_state with 2 ranks.
@@ -154,6 +157,22 @@ static int run_stage(int stage, MPI_Comm part, int world_rank) {
   /* Each group is acquired once per micro-batch and a step drops the slots:
    * stage 3 gathers every acquire (none ahead in this order, none reused). */
   CHECK(st.gathers_reused == 0);
+  {
+    /* 3 MB: several rounds of the engine's staging buffer. */
+    const size_t n = 3u << 18;
+    uint32_t* buf = malloc(n * sizeof(uint32_t));
+    const int root = size - 1;
+    for (size_t i = 0; i < n; ++i) buf[i] = (uint32_t)(rank * 1000003u + i);
+    OK(multi, strata_engine_broadcast(multi, buf, n * sizeof(uint32_t), (uint32_t)root));
+    int same = 1;
+    for (size_t i = 0; i < n; ++i) same &= buf[i] == (uint32_t)(root * 1000003u + i);
+    CHECK(same);
+    OK(one, strata_engine_broadcast(one, buf, n * sizeof(uint32_t), 0));
+    CHECK(buf[1] == (uint32_t)(root * 1000003u + 1));
+    CHECK(strata_engine_broadcast(multi, buf, 4, (uint32_t)size) == STRATA_ERR_INVALID_ARGUMENT);
+    CHECK(strstr(strata_engine_last_error(multi), "is not a rank") != NULL);
+    free(buf);
+  }
   if (size > 1) {
     float* dst = malloc(kNumel[0] * sizeof(float));
     CHECK(strata_engine_read_state(multi, 0, 0, dst, kNumel[0]) == STRATA_ERR_UNAVAILABLE);

@@ -553,12 +553,18 @@ class StrataEngine:
 
         # Initial values (the engine reads host memory), then the placeholders:
         # one zero scalar on the model's device (alive as long as the engine)
-        # expanded to each parameter's shape.
+        # expanded to each parameter's shape. With several ranks every value
+        # is rank 0's (broadcast first, into a copy), as DDP and DeepSpeed
+        # start every rank from rank 0's model: ranks whose models were
+        # initialised without a common seed (a LoRA adapter's random A) train
+        # one model, not a mix of each rank's shards.
         self._scalar = torch.zeros((), dtype=self.compute_dtype, device=self.device)
         self._scalar_ptr = self._scalar.untyped_storage().data_ptr()
         with torch.no_grad():
             for pid, p in enumerate(self._params):
-                src = p.detach().to(device="cpu", dtype=torch.float32).contiguous()
+                src = p.detach().to(device="cpu", dtype=torch.float32, copy=self.world_size > 1).contiguous()
+                if self.world_size > 1:
+                    self._call(_lib.strata_engine_broadcast, src.data_ptr(), src.numel() * 4, 0)
                 self._call(_lib.strata_engine_load_param, pid, src.data_ptr(), _lib.DTYPE_F32, src.numel())
                 p.data = self._placeholder(p)
                 # Any use between uses is refused by name (_EngineParameter).

@@ -470,9 +470,9 @@ Status Registry::host_all_gather(const void* mine, void* all, size_t bytes_per_r
   return {};
 }
 
-Status Registry::host_broadcast(void* data, size_t bytes) {
-  STRATA_RETURN_IF_ERROR(comm::broadcast_host(*comm, upload, data, bytes, 0, comm_staging));
-  if (rank == 0) traffic.comm += bytes * (world - 1);
+Status Registry::host_broadcast(void* data, size_t bytes, int root) {
+  STRATA_RETURN_IF_ERROR(comm::broadcast_host(*comm, upload, data, bytes, root, comm_staging));
+  if (rank == static_cast<uint32_t>(root)) traffic.comm += bytes * (world - 1);
   return {};
 }
 

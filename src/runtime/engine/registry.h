@@ -185,7 +185,7 @@ struct Registry {
   static constexpr size_t kCommStagingBytes = 64u << 10;
   comm::HostStaging comm_staging;  // N ranks: allocated with the arrays
   Status host_all_gather(const void* mine, void* all, size_t bytes_per_rank);
-  Status host_broadcast(void* data, size_t bytes);  // from rank 0
+  Status host_broadcast(void* data, size_t bytes, int root = 0);
   // Stages 1-2: every rank's shard of each listed parameter's compute copy
   // into every rank's replica (in place; engine idle). All ranks pass the
   // same list.
