@@ -52,8 +52,17 @@ The model trains on the device TrainingArguments gives: the CPU (use_cpu=True)
 or one CUDA GPU (the Trainer moves the model there; the engine then runs on
 that GPU: strata.torch.initialize's GPU path, never run on a GPU yet).
 
+Under torchrun (or accelerate launch, or mpirun) each process is one
+data-parallel rank of the engine (strata.torch.initialize joins them: CPU
+ranks over TCP or MPI, GPU ranks over NCCL, never run on GPUs). The engine
+reduces the gradients, so _wrap_model hands the Trainer the engine's forward
+and the model is never wrapped in DistributedDataParallel; the data loader's
+per-rank batches, the loss scaling over processes and the logging are the
+Trainer's. Every rank calls train, evaluate, save_model (a gather) and
+destroy; checkpoints resume on another number of ranks.
+
 Refused by name: TrainingArguments deepspeed, fsdp / fsdp_config, torch_compile,
-more than one process or GPU, a device other than the CPU or one CUDA GPU,
+several GPUs in one process (DataParallel), a device other than the CPU or one CUDA GPU,
 optim other than adamw_torch / adamw_torch_fused, optim_args,
 fp16_full_eval / bf16_full_eval, auto_find_batch_size, load_best_model_at_end;
 Trainer's model_init, optimizers and optimizer_cls_and_kwargs; resuming from a
@@ -203,9 +212,9 @@ class StrataTrainer(transformers.Trainer):
                           ("load_best_model_at_end", "not supported yet")):
             if getattr(a, name, False):
                 _refuse(f"TrainingArguments.{name}", why)
-        if a.world_size > 1 or a.n_gpu > 1:
-            _refuse("TrainingArguments", f"{a.world_size} processes / {a.n_gpu} GPUs: StrataTrainer trains in one "
-                    "process")
+        if a.n_gpu > 1:
+            _refuse("TrainingArguments", f"{a.n_gpu} GPUs in one process (torch DataParallel): the engine runs on "
+                    "one device per process; launch one process per GPU (torchrun --nproc-per-node N)")
         if a.device.type not in ("cpu", "cuda") or (a.device.type == "cuda" and a.n_gpu != 1):
             _refuse("TrainingArguments.device", f"{a.device} ({a.n_gpu} GPUs): the engine runs on the CPU "
                     "(use_cpu=True) or on one CUDA GPU")
@@ -346,6 +355,20 @@ class StrataTrainer(transformers.Trainer):
                 if hasattr(opt, "_is_overflow"):
                     opt._is_overflow = bool(result["skipped"])
         return (loss if scaled else loss / k).detach()
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        # Once the engine holds the model, training and evaluation go through
+        # it (a forward under no_grad is no micro-batch), and it reduces the
+        # gradients over the ranks itself: never DistributedDataParallel,
+        # which Accelerate would wrap the model in under torchrun (its
+        # all-reduce would run next to the engine's, and its start broadcasts
+        # parameters the engine holds), nor Accelerate's device placement
+        # (model.to, on parameters whose values live in the engine).
+        # Returning a model other than self.model keeps the Trainer from
+        # passing it to accelerator.prepare.
+        if self._strata_forward is not None:
+            return self._strata_forward
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
 
     def _clip_grad_norm(self, model):
         return self._get_grad_norm(model)
