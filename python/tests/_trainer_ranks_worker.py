@@ -5,7 +5,9 @@ script), or the same command under plain `python` (one process). Trains the
 tests' small Llama with StrataTrainer on test_hf_trainer's fixed tokens in
 order (sequential sampler), a micro-batch of 1 per rank, saving a Trainer
 checkpoint every 2 steps; RESUME: train(resume_from_checkpoint=RESUME).
-UNSEEDED_RANKS=1: ranks other than 0 start from other weights.
+UNSEEDED_RANKS=1: ranks other than 0 start from other weights and buffers. LORA=1: a
+PEFT LoRA adapter (random A and B) on q_proj and v_proj, the base frozen.
+DDP_BROADCAST_BUFFERS=1: TrainingArguments(ddp_broadcast_buffers=True).
 Rank 0 then writes OUT/result.json (every logged loss, learning rate and
 gradient norm, the engine's world size and bytes sent) and OUT/state.pt
 (engine.state_dict(), gathered by every rank); save_model writes OUT/model. Then evaluate on 4 held-out sequences,
@@ -25,6 +27,11 @@ def main():
     resume = sys.argv[6] if len(sys.argv) > 6 else None
     torch.set_num_threads(1)
     model = llama()
+    if os.environ.get("LORA") == "1":
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(5)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 lora_dropout=0.0, init_lora_weights=False))
     rank = int(os.environ.get("RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     if os.environ.get("UNSEEDED_RANKS") == "1" and rank > 0:
         # As if each process initialised its model without a common seed:
@@ -33,6 +40,9 @@ def main():
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p))
+            for b in model.buffers():  # the rotary inv_freq
+                if b.is_floating_point():
+                    b.mul_(1.5)
     cfg = strata_cfg(nvme)
     cfg["zero_optimization"]["stage"] = stage
     if stage < 3:  # stages 1-2 keep the parameters whole on every rank: in host memory
@@ -40,7 +50,8 @@ def main():
     t = RecordingStrataTrainer(model=model, train_dataset=Tokens(16), strata_config=cfg,
                                args=targs(os.path.join(out, "run"), per_device_train_batch_size=1,
                                           gradient_accumulation_steps=gas, max_steps=max_steps,
-                                          save_strategy="steps", save_steps=2, per_device_eval_batch_size=1))
+                                          save_strategy="steps", save_steps=2, per_device_eval_batch_size=1,
+                                          ddp_broadcast_buffers=os.environ.get("DDP_BROADCAST_BUFFERS") == "1" or None))
     t.train(resume_from_checkpoint=resume)
     eval_loss = t.evaluate(Tokens(4, seed=9))["eval_loss"]
     engine = t.strata_engine

@@ -17,8 +17,11 @@ divides by it again, powers of two both. The logged gradient norms agree to
 1e-12 (the engine sums squares per rank's shard, then over ranks, in a
 different order from one rank). Checkpoints move between rank counts: the 2
 ranks' step-2 checkpoint resumed by one process, and the one process's by 2
-ranks, end equal to the uninterrupted run, bit for bit. In the first test
-rank 1 builds its model with other weights (an unseeded init): the engine
+ranks, end equal to the uninterrupted run, bit for bit. A PEFT LoRA model
+(frozen base, random adapters) trains the same way on 2 ranks and one
+process, bit for bit, adapters saved alike. In the 2-rank runs of
+test_two_ranks_equal_one_process and test_lora_ranks_equal_one_process, rank
+1 builds its model with other weights (an unseeded init): the engine
 starts every rank from rank 0's (strata_engine_broadcast at initialize), as
 DDP and DeepSpeed do, so the runs still agree.
 
@@ -34,8 +37,8 @@ import sys
 import tempfile
 import unittest
 
+import safetensors.torch
 import torch
-from transformers import LlamaForCausalLM
 
 from test_torch_ranks import mpirun
 
@@ -47,6 +50,14 @@ def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def saved_model(out):
+    """save_model's tensors: the model's, or a PEFT model's adapter."""
+    d = os.path.join(out, "model")
+    name = "adapter_model.safetensors" if os.path.isfile(os.path.join(d, "adapter_model.safetensors")) \
+        else "model.safetensors"
+    return safetensors.torch.load_file(os.path.join(d, name))
 
 
 class TrainerRanksTest(unittest.TestCase):
@@ -64,15 +75,15 @@ class TrainerRanksTest(unittest.TestCase):
     def tearDownClass(cls):
         shutil.rmtree(cls.dir, ignore_errors=True)
 
-    def run_job(self, name, launcher, stage, gas, resume=None, unseeded=False):
+    def run_job(self, name, launcher, stage, gas, resume=None, unseeded=False, lora=False):
         """The worker under `launcher` ("one", "torchrun" or "mpirun"): (result, state, its directory).
-        unseeded: rank 1 starts from other weights than rank 0."""
+        unseeded: rank 1 starts from other weights than rank 0; lora: a PEFT LoRA model."""
         out = os.path.join(self.dir, name)
         nvme = out + "-nvme"
         os.makedirs(out)
         os.makedirs(nvme)
         args = [WORKER, out, nvme, str(stage), str(gas), "4"] + ([resume] if resume else [])
-        env = dict(self.env, UNSEEDED_RANKS="1" if unseeded else "0")
+        env = dict(self.env, UNSEEDED_RANKS="1" if unseeded else "0", LORA="1" if lora else "0")
         if launcher == "one":
             cmd = [sys.executable]
         elif launcher == "torchrun":
@@ -98,7 +109,7 @@ class TrainerRanksTest(unittest.TestCase):
         return TrainerRanksTest.reference
 
     def assert_equal_runs(self, what, got, ref):
-        (res, state, out), (ref_res, ref_state, _) = got, ref
+        (res, state, out), (ref_res, ref_state, ref_out) = got, ref
         for key in ("loss", "learning_rate", "eval_loss"):
             self.assertEqual(res[key], ref_res[key], f"{what}: {key}")
         self.assertEqual(len(res["grad_norm"]), len(ref_res["grad_norm"]), what)
@@ -107,9 +118,10 @@ class TrainerRanksTest(unittest.TestCase):
         self.assertEqual(sorted(state), sorted(ref_state), what)
         for key in ref_state:
             self.assertTrue(torch.equal(state[key], ref_state[key]), f"{what}: {key} differs")
-        saved = LlamaForCausalLM.from_pretrained(os.path.join(out, "model")).state_dict()
+        saved, ref_saved = saved_model(out), saved_model(ref_out)
+        self.assertEqual(sorted(saved), sorted(ref_saved), what)
         for key, v in saved.items():
-            self.assertTrue(torch.equal(v, ref_state[key]), f"{what}: save_model's {key}")
+            self.assertTrue(torch.equal(v, ref_saved[key]), f"{what}: save_model's {key}")
 
     def test_two_ranks_equal_one_process(self):
         ref = self.one_process()
@@ -126,6 +138,26 @@ class TrainerRanksTest(unittest.TestCase):
                   f"{got[0]['comm_bytes']} bytes")
         if exe is None:
             self.skipTest("mpirun is not installed (the torchrun cases ran)")
+
+    def test_lora_ranks_equal_one_process(self):
+        # PEFT LoRA: frozen base weights (stage 3, sharded on NVMe), random
+        # adapters; rank 1 starts from other values of both.
+        ref = self.run_job("lora-one", "one", 3, 2, lora=True)
+        got = self.run_job("lora-torchrun", "torchrun", 3, 1, unseeded=True, lora=True)
+        self.assert_equal_runs("PEFT LoRA, torchrun, stage 3", got, ref)
+        self.assertTrue(any("lora_A" in k for k in got[1]), sorted(got[1])[:4])
+        print(f"  PEFT LoRA, torchrun, stage 3: 2 ranks equal one process bit for bit (losses "
+              f"{[round(x, 4) for x in ref[0]['loss']]}), the adapter save_model writes too")
+
+    def test_ddp_broadcast_buffers_is_refused_by_name(self):
+        out = os.path.join(self.dir, "ddp-buffers")
+        os.makedirs(out)
+        r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr",
+                            "127.0.0.1", "--master-port", str(free_port()), WORKER, out, out + "-nvme", "3", "1", "4"],
+                           env=dict(self.env, DDP_BROADCAST_BUFFERS="1"), cwd=HERE, capture_output=True, text=True,
+                           timeout=600)
+        self.assertNotEqual(r.returncode, 0)
+        self.assertIn("TrainingArguments.ddp_broadcast_buffers: there is no DistributedDataParallel", r.stderr)
 
     def test_checkpoints_move_between_rank_counts(self):
         ref = self.one_process()

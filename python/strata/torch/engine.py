@@ -572,6 +572,16 @@ class StrataEngine:
                 p._strata_placeholder = self._scalar_ptr
                 p._strata_name = self._names[pid]
                 p._strata_engine = weakref.ref(self)
+            if self.world_size > 1:
+                # The buffers too (DDP's start does the same; its
+                # broadcast_buffers then repeats it at every forward, for
+                # models whose forward changes them: BatchNorm's statistics).
+                for b in model.buffers():
+                    if b.numel() > 0:
+                        host = b.detach().to(device="cpu", copy=True).contiguous()
+                        self._call(_lib.strata_engine_broadcast, host.data_ptr(),
+                                   host.numel() * host.element_size(), 0)
+                        b.copy_(host)
         self._held = collections.Counter()  # group -> holders
         self._views = {}                    # pid -> tensor viewing the engine buffer (while held)
         self._live = {}                     # storage data_ptr -> pid (while held)

@@ -62,7 +62,8 @@ Trainer's. Every rank calls train, evaluate, save_model (a gather) and
 destroy; checkpoints resume on another number of ranks.
 
 Refused by name: TrainingArguments deepspeed, fsdp / fsdp_config, torch_compile,
-several GPUs in one process (DataParallel), a device other than the CPU or one CUDA GPU,
+several GPUs in one process (DataParallel), ddp_broadcast_buffers=True with
+ranks, a device other than the CPU or one CUDA GPU,
 optim other than adamw_torch / adamw_torch_fused, optim_args,
 fp16_full_eval / bf16_full_eval, auto_find_batch_size, load_best_model_at_end;
 Trainer's model_init, optimizers and optimizer_cls_and_kwargs; resuming from a
@@ -215,6 +216,10 @@ class StrataTrainer(transformers.Trainer):
         if a.n_gpu > 1:
             _refuse("TrainingArguments", f"{a.n_gpu} GPUs in one process (torch DataParallel): the engine runs on "
                     "one device per process; launch one process per GPU (torchrun --nproc-per-node N)")
+        if a.world_size > 1 and a.ddp_broadcast_buffers:
+            _refuse("TrainingArguments.ddp_broadcast_buffers", "there is no DistributedDataParallel to broadcast "
+                    "the buffers at every forward: the engine starts every rank from rank 0's buffers once, at "
+                    "initialize; leave it unset")
         if a.device.type not in ("cpu", "cuda") or (a.device.type == "cuda" and a.n_gpu != 1):
             _refuse("TrainingArguments.device", f"{a.device} ({a.n_gpu} GPUs): the engine runs on the CPU "
                     "(use_cpu=True) or on one CUDA GPU")
