@@ -6,6 +6,8 @@
 #   fail "what went wrong"
 #   cli_finish "name of the checks"         # exit 1 on failures, 0 otherwise
 #   cli_small_model_and_data "$strata" DIR  # DIR/model (2 layers, tied) and DIR/data.txt (~60 KB)
+#   cli_ranks_reference "$strata" DIR       # the 1-rank run 2-rank finetunes are checked against
+#   cli_same_as_one_rank DIR NAME WHAT      # DIR/NAME's exported model is DIR/one's
 # Exit status convention: 0 pass, 1 fail, 77 skip (ctest SKIP_RETURN_CODE).
 
 failures=0
@@ -51,4 +53,23 @@ cli_small_model_and_data() {
   for ((i = 0; i < 2000; i++)); do
     echo "the ${words[i % 6]} sees the ${words[(i * 7 + i / 6) % 6]} . $((i % 10)) plus $((i / 10 % 10)) is $((i % 10 + i / 10 % 10)) ."
   done >"$d/data.txt"
+}
+
+# The multi-host finetune tests' reference: the small model and data in DIR,
+# cli_ranks_flags (the finetune flags both runs share; 2 ranks add --batch 2)
+# and DIR/one, one rank with --batch 2 --grad-accum 2, the micro-batches 2
+# ranks of --batch 2 take. Exits 1 when the model cannot be made.
+cli_ranks_reference() {
+  local strata=$1 d=$2
+  cli_small_model_and_data "$strata" "$d" || { echo "init-model failed"; exit 1; }
+  cli_ranks_flags=(--model "$d/model" --data "$d/data.txt" --seq 64 --lr 3e-3 --progress quiet --eval-batches 2
+    --threads 1 --steps 4)
+  "$strata" finetune "${cli_ranks_flags[@]}" --batch 2 --grad-accum 2 --out "$d/one" >"$d/one.log" 2>&1 ||
+    fail "1-rank run: $(tail -5 "$d/one.log")"
+}
+
+# DIR/NAME's exported model equals cli_ranks_reference's, byte for byte.
+cli_same_as_one_rank() {
+  cmp -s "$1/one/model/model.safetensors" "$1/$2/model/model.safetensors" ||
+    fail "$3: the model differs from the 1-rank run's"
 }

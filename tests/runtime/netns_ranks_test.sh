@@ -67,14 +67,9 @@ for n in 2 3; do
   [[ $addrs -eq $n ]] || fail "$n ranks did not land in $n namespaces ($addrs addresses): $(head -c 2000 "$dir/addr$n.log")"
 done
 
-cli_small_model_and_data "$strata" "$dir" || { echo "init-model failed"; exit 1; }
-common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 3e-3 --progress quiet --eval-batches 2
-  --threads 1 --steps 4)
-"$strata" finetune "${common[@]}" --batch 2 --grad-accum 2 --out "$dir/one" >"$dir/one.log" 2>&1 ||
-  fail "1-rank run: $(tail -5 "$dir/one.log")"
-launch "$dir/two.log" 300 --host "${hosts[0]},${hosts[1]}" -np 2 stdbuf -oL "$strata" finetune "${common[@]}" \
-  --batch 2 --out "$dir/two" || fail "finetune across 2 hosts: $(tail -20 "$dir/two.log")"
-cmp -s "$dir/one/model/model.safetensors" "$dir/two/model/model.safetensors" ||
-  fail "finetune across 2 hosts: the model differs from the 1-rank run's"
+cli_ranks_reference "$strata" "$dir"
+launch "$dir/two.log" 300 --host "${hosts[0]},${hosts[1]}" -np 2 stdbuf -oL "$strata" finetune \
+  "${cli_ranks_flags[@]}" --batch 2 --out "$dir/two" || fail "finetune across 2 hosts: $(tail -20 "$dir/two.log")"
+cli_same_as_one_rank "$dir" two "finetune across 2 hosts"
 
 cli_finish "ranks across network namespaces"

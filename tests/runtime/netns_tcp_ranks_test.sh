@@ -91,15 +91,10 @@ for r in 0 1; do
 done
 
 # strata finetune across 2 hosts: the same model as one rank with 2 micro-batches.
-cli_small_model_and_data "$strata" "$dir" || { echo "init-model failed"; exit 1; }
-common=(--model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 3e-3 --progress quiet --eval-batches 2
-  --threads 1 --steps 4)
-"$strata" finetune "${common[@]}" --batch 2 --grad-accum 2 --out "$dir/one" >"$dir/one.log" 2>&1 ||
-  fail "1-rank run: $(tail -5 "$dir/one.log")"
-ranks 2 1 two 300 "$strata" finetune "${common[@]}" --batch 2 --out "$dir/two"
+cli_ranks_reference "$strata" "$dir"
+ranks 2 1 two 300 "$strata" finetune "${cli_ranks_flags[@]}" --batch 2 --out "$dir/two"
 ((rcs[0] == 0 && rcs[1] == 0)) || fail "finetune across 2 hosts: exit ${rcs[*]}: $(logs two 2)"
 grep -q "over TCP" "$dir/two.0.log" || fail "finetune across 2 hosts did not say it runs over TCP: $(logs two 2)"
-cmp -s "$dir/one/model/model.safetensors" "$dir/two/model/model.safetensors" ||
-  fail "finetune across 2 hosts: the model differs from the 1-rank run's"
+cli_same_as_one_rank "$dir" two "finetune across 2 hosts"
 
 cli_finish "torchrun-style ranks across network namespaces (TCP communicator)"
