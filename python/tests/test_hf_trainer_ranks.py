@@ -19,7 +19,8 @@ different order from one rank). Checkpoints move between rank counts: the 2
 ranks' step-2 checkpoint resumed by one process, and the one process's by 2
 ranks, end equal to the uninterrupted run, bit for bit. A PEFT LoRA model
 (frozen base, random adapters) trains the same way on 2 ranks and one
-process, bit for bit, adapters saved alike. In the 2-rank runs of
+process, bit for bit, adapters saved alike. With accumulation (2 ranks of 2
+micro-batches, one process of 4) the runs agree to rounding. In the 2-rank runs of
 test_two_ranks_equal_one_process and test_lora_ranks_equal_one_process, rank
 1 builds its model with other weights (an unseeded init): the engine
 starts every rank from rank 0's (strata_engine_broadcast at initialize), as
@@ -138,6 +139,26 @@ class TrainerRanksTest(unittest.TestCase):
                   f"{got[0]['comm_bytes']} bytes")
         if exe is None:
             self.skipTest("mpirun is not installed (the torchrun cases ran)")
+
+    def test_accumulation_on_ranks(self):
+        # 2 ranks accumulating 2 micro-batches against one process of 4: the
+        # same sequences per step (rank r's micro-batch m of step s is
+        # sequence 4s + 2m + r), summed in another order, so equal to
+        # rounding (fp32 gradients of 4 summed in another grouping): losses
+        # and learning rates exactly, gradient norms to 1e-6 (the scale a
+        # wrong loss normalisation would change by x2 while Adam's update
+        # hides it), weights to 1e-6.
+        ref = self.run_job("accum-one", "one", 3, 4)
+        got = self.run_job("accum-torchrun", "torchrun", 3, 2)
+        (res, state, _), (ref_res, ref_state, _) = got, ref
+        self.assertEqual(res["loss"], ref_res["loss"])
+        self.assertEqual(res["learning_rate"], ref_res["learning_rate"])
+        for a, b in zip(res["grad_norm"], ref_res["grad_norm"]):
+            self.assertLessEqual(abs(a - b), 1e-6 * b, f"grad_norm {res['grad_norm']} vs {ref_res['grad_norm']}")
+        diff = max((state[k] - ref_state[k]).abs().max().item() for k in ref_state)
+        self.assertLessEqual(diff, 1e-6)
+        print(f"  torchrun, 2 ranks x 2 micro-batches against one process of 4: losses equal, weights within "
+              f"{diff:.1e}")
 
     def test_lora_ranks_equal_one_process(self):
         # PEFT LoRA: frozen base weights (stage 3, sharded on NVMe), random
