@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
+#include <regex>
 #include <set>
 #include <sstream>
 
@@ -52,6 +54,31 @@ bool all_digits(std::string_view s) {
 bool is_off(const json& v) {
   return v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_object() && v.empty()) ||
          (v.is_array() && v.empty()) || (v.is_string() && v.get<std::string>().empty());
+}
+
+// PEFT matches a string target_modules with Python's re.fullmatch; Strata
+// with std::regex's ECMAScript grammar, which reads the patterns adapters
+// use alike (., *, +, ?, |, (), (?:), [], \d, \w, \., {m,n}, ^, $) but not
+// Python's inline flags, named groups, lookbehind, \A / \Z or {,n}: those
+// are refused rather than read another way (std::regex takes \Z for "Z").
+Result<std::regex> compile_lora_regex(const std::string& pattern) {
+  for (size_t i = 0; i + 1 < pattern.size(); ++i) {
+    const char c = pattern[i], d = pattern[i + 1];
+    const bool escaped = i > 0 && pattern[i - 1] == '\\';
+    if (c == '\\' && !escaped && (d == 'A' || d == 'Z' || d == 'z'))
+      return Status(StatusCode::kInvalidArgument, fmt::format("\\{} (Python's anchor) is not read alike here", d));
+    if (c == '(' && !escaped && d == '?' && (i + 2 >= pattern.size() || !std::strchr(":=!", pattern[i + 2])))
+      return Status(StatusCode::kInvalidArgument,
+                    "(?... other than (?:...), (?=...), (?!...) (Python's flags, named groups, lookbehind) is not "
+                    "read here");
+    if (c == '{' && !escaped && d == ',')
+      return Status(StatusCode::kInvalidArgument, "{,n} (Python's) is not read here: write {0,n}");
+  }
+  try {
+    return std::regex(pattern, std::regex::ECMAScript);
+  } catch (const std::regex_error& e) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("not a regular expression ({})", e.what()));
+  }
 }
 
 }  // namespace
@@ -100,6 +127,35 @@ Result<uint32_t> match_lora_target(std::string_view entry, int64_t* layer) {
                             "model.layers.<i>.self_attn.{{q,k,v,o}}_proj and model.layers.<i>.mlp.{{gate,up,down}}_proj "
                             "(known: {})",
                             clip_for_message(entry), known_modules()));
+}
+
+Status resolve_lora_regex(LoraOptions* o, uint32_t layers, const std::string& where) {
+  if (o->target_regex.empty()) return {};
+  auto bad = [&](const std::string& why) {
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}: target_modules is the pattern \"{}\", which {}",
+                                                            where, clip_for_message(o->target_regex), why));
+  };
+  auto re = compile_lora_regex(o->target_regex);
+  if (!re.ok()) return bad(std::string(re.status().message()));
+  for (const char* other : {"lm_head", "model.embed_tokens"})
+    if (std::regex_match(other, *re))
+      return bad(fmt::format("selects {}: Strata adapts only the attention and MLP projections ({})", other,
+                             known_modules()));
+  uint32_t bits = 0;
+  o->target_layers.clear();
+  for (LayerTensor t : kLoraTargets) {
+    const uint32_t bit = 1u << lora_target_index(t);
+    for (uint32_t l = 0; l < layers; ++l)
+      if (std::regex_match(fmt::format("model.layers.{}.{}", l, module_path(t)), *re)) {
+        o->target_layers[bit].insert(l);
+        bits |= bit;
+      }
+  }
+  if (bits == 0)
+    return bad("selects none of model.layers.<i>.self_attn.{q,k,v,o}_proj and model.layers.<i>.mlp.{gate,up,down}_proj "
+               "(PEFT matches the whole module name)");
+  o->targets = bits;
+  return {};
 }
 
 Status check_lora_layers(const LoraOptions& o, uint32_t layers, const std::string& where) {
@@ -173,15 +229,23 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
   {
     const json& t = j.contains("target_modules") ? j["target_modules"] : json();
     uint32_t bits = 0;
+    o->target_regex.clear();
     if (t.is_string()) {
-      // PEFT: a string is a regular expression matched against module paths,
-      // except "all-linear"; only a plain module name is understood here.
-      auto b = parse_lora_targets(t.get<std::string>());
-      if (!b.ok())
-        return bad("target_modules", fmt::format("is the pattern {}: Strata understands a list of module names or "
-                                                 "\"all-linear\" ({})",
-                                                 clip_for_message(t.dump()), b.status().message()));
-      bits = *b;
+      // PEFT: "all-linear", else a regular expression that must match a
+      // module's whole name; resolved against the model's layers later
+      // (resolve_lora_regex). A bare module name ("q_proj") is read as
+      // before, as the module.
+      const std::string s = t.get<std::string>();
+      auto b = parse_lora_targets(s);
+      if (b.ok()) {
+        bits = *b;
+      } else {
+        auto re = compile_lora_regex(s);
+        if (!re.ok())
+          return bad("target_modules", fmt::format("is the pattern {}: {}", clip_for_message(t.dump()),
+                                                   re.status().message()));
+        o->target_regex = s;
+      }
     } else if (t.is_array() && !t.empty()) {
       // PEFT's list: short names, suffixes, or full module names (PEFT
       // writes "all-linear" as the full names of every layer's projections).

@@ -42,6 +42,11 @@ struct LoraOptions {
   // Strata adapts a projection in every layer or none (checked against the
   // model, check_lora_layers).
   std::map<uint32_t, std::set<uint32_t>> target_layers;
+  // An adapter whose target_modules is a regular expression (PEFT:
+  // re.fullmatch against every module's full name): targets and
+  // target_layers come from it once the layer count is known
+  // (resolve_lora_regex); until then targets is 0.
+  std::string target_regex;
   bool rslora = false;      // use_rslora: scaling alpha / sqrt(r)
   // Start from this PEFT adapter directory: its adapter_config.json gives
   // r, lora_alpha, lora_dropout, target_modules and use_rslora (flags given
@@ -68,6 +73,12 @@ Result<uint32_t> parse_lora_targets(std::string_view csv);
 // entry names, -1 for every layer. kInvalidArgument for an entry that selects
 // no module Strata adapts (PEFT would adapt another module, or none).
 Result<uint32_t> match_lora_target(std::string_view entry, int64_t* layer);
+// With o->target_regex set: the modules of a `layers`-layer model it matches
+// whole (model.layers.<i>.self_attn.q_proj, ...) become o->targets and
+// o->target_layers, for check_lora_layers. kInvalidArgument, naming the
+// pattern, when it selects lm_head or model.embed_tokens (not adapted here)
+// or no projection at all. No-op without a pattern.
+Status resolve_lora_regex(LoraOptions* o, uint32_t layers, const std::string& where);
 // kInvalidArgument when o's target_layers leave a target out of some of the
 // model's `layers` layers (or name a layer it does not have).
 Status check_lora_layers(const LoraOptions& o, uint32_t layers, const std::string& where);

@@ -117,8 +117,9 @@ Status Trainer::Impl::open_model() {
   const model::LlamaConfig& mc = model.config;
   dims = llama_dims(mc);
   if (opt.lora.enabled()) {
-    STRATA_RETURN_IF_ERROR(check_lora_layers(opt.lora, mc.num_hidden_layers,
-                                             "LoRA adapter " + opt.lora.adapter_dir + "/adapter_config.json"));
+    const std::string where = "LoRA adapter " + opt.lora.adapter_dir + "/adapter_config.json";
+    STRATA_RETURN_IF_ERROR(resolve_lora_regex(&opt.lora, mc.num_hidden_layers, where));
+    STRATA_RETURN_IF_ERROR(check_lora_layers(opt.lora, mc.num_hidden_layers, where));
     dims.lora_targets = opt.lora.targets;
     dims.lora_rank = opt.lora.rank;
     dims.lora_scaling = opt.lora.scaling();
@@ -501,7 +502,7 @@ Status Trainer::Impl::resolve_lora() {
     if (l.merge) return Status(StatusCode::kInvalidArgument, "--lora-merge needs LoRA (--lora-rank or --lora-adapter)");
     return {};
   }
-  if (l.targets == 0) l.targets = kLoraDefaultTargets;
+  if (l.targets == 0 && l.target_regex.empty()) l.targets = kLoraDefaultTargets;  // a pattern: open_model
   if (!(l.dropout >= 0 && l.dropout < 1))
     return Status(StatusCode::kInvalidArgument, fmt::format("LoRA dropout {} is outside [0, 1)", l.dropout));
   if (!std::isfinite(l.alpha)) return Status(StatusCode::kInvalidArgument, "LoRA alpha must be finite");

@@ -19,6 +19,12 @@ and a constant lr on the same batches. Checked:
   scaling * B A of the exported adapter, and the base's bytes are untouched
   (Strata's own test checks the NVMe copy: tests/train/trainer_lora_test.cpp).
 
+target_modules as PEFT writes it: "all-linear" (a list of full names), module
+suffixes, and a regular expression (one case). Adapters Strata cannot train
+exactly are refused naming the field (bad_adapters), patterns included: one
+selecting a single layer's projection, one selecting lm_head, one in Python's
+own syntax (an inline flag).
+
     lora_reference_test.py STRATA_BINARY
 
 Exit 0: every case passed; 1: a case failed; 77: torch/transformers/peft
@@ -64,6 +70,9 @@ CASES = [
                                     targets=["q_proj", "v_proj"], rslora=True)),
     ("qwen3_some_targets", dict(arch="qwen3", head_dim=32, r=2, alpha=5, targets=["k_proj", "o_proj", "down_proj"],
                                 peft_targets=["self_attn.k_proj", "o_proj", "mlp.down_proj"])),
+    # A regular expression (PEFT: re.fullmatch against each module's name).
+    ("llama_regex_targets", dict(arch="llama", r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj"],
+                                 peft_targets=r".*\.(q_proj|v_proj|up_proj)")),
 ]
 
 
@@ -202,7 +211,11 @@ def bad_adapters(strata, work):
              ("modules_to_save", dict(modules_to_save=["lm_head"])), ("bias", dict(bias="all")),
              # a projection of one layer only, and a module Strata has no adapter for
              ("target_modules", dict(target_modules=["model.layers.1.self_attn.q_proj"])),
-             ("target_modules", dict(target_modules=["q_proj", "lm_head"]))]
+             ("target_modules", dict(target_modules=["q_proj", "lm_head"])),
+             # the same as patterns, and one in Python's own syntax (an inline flag)
+             ("target_modules", dict(target_modules=r"model\.layers\.1\.self_attn\.q_proj")),
+             ("target_modules", dict(target_modules=r".*\.q_proj|lm_head")),
+             ("target_modules", dict(target_modules=r"(?i).*\.Q_PROJ"))]
     for i, (field, lcfg) in enumerate(cases):
         a = f"{d}/{field}-{i}"
         lcfg = {"target_modules": ["q_proj"], **lcfg}
