@@ -59,20 +59,32 @@ bool is_off(const json& v) {
 // PEFT matches a string target_modules with Python's re.fullmatch; Strata
 // with std::regex's ECMAScript grammar, which reads the patterns adapters
 // use alike (., *, +, ?, |, (), (?:), [], \d, \w, \., {m,n}, ^, $) but not
-// Python's inline flags, named groups, lookbehind, \A / \Z or {,n}: those
-// are refused rather than read another way (std::regex takes \Z for "Z").
+// Python's inline flags, named groups, lookbehind, \A / \Z, octal and \U / \N
+// escapes, possessive quantifiers or {,n}, nor does Python read POSIX
+// classes ([[:alpha:]]): those are refused rather than read another way
+// (std::regex takes \Z for "Z", Python [[:alpha:]] for a set).
 Result<std::regex> compile_lora_regex(const std::string& pattern) {
+  if (pattern.empty()) return Status(StatusCode::kInvalidArgument, "an empty pattern selects no module");
   for (size_t i = 0; i + 1 < pattern.size(); ++i) {
     const char c = pattern[i], d = pattern[i + 1];
-    const bool escaped = i > 0 && pattern[i - 1] == '\\';
-    if (c == '\\' && !escaped && (d == 'A' || d == 'Z' || d == 'z'))
-      return Status(StatusCode::kInvalidArgument, fmt::format("\\{} (Python's anchor) is not read alike here", d));
-    if (c == '(' && !escaped && d == '?' && (i + 2 >= pattern.size() || !std::strchr(":=!", pattern[i + 2])))
+    bool escaped = false;  // c follows an odd number of backslashes
+    for (size_t j = i; j > 0 && pattern[j - 1] == '\\'; --j) escaped = !escaped;
+    if (escaped) continue;
+    if (c == '\\' && (d == 'A' || d == 'Z' || d == 'z' || d == 'U' || d == 'N' || (d >= '0' && d <= '9')))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("\\{} (Python's anchor, octal, back-reference or named escape) is not read alike here",
+                                d));
+    if (c == '(' && d == '?' && (i + 2 >= pattern.size() || !std::strchr(":=!", pattern[i + 2])))
       return Status(StatusCode::kInvalidArgument,
                     "(?... other than (?:...), (?=...), (?!...) (Python's flags, named groups, lookbehind) is not "
                     "read here");
-    if (c == '{' && !escaped && d == ',')
+    if (c == '{' && d == ',')
       return Status(StatusCode::kInvalidArgument, "{,n} (Python's) is not read here: write {0,n}");
+    if (std::strchr("*+?}", c) && d == '+')
+      return Status(StatusCode::kInvalidArgument, fmt::format("{}+ (a possessive quantifier) is not read here", c));
+    if (c == '[' && (d == ':' || d == '.' || d == '='))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("[{} (a POSIX class, which Python reads as a set) is not read here", d));
   }
   try {
     return std::regex(pattern, std::regex::ECMAScript);
@@ -137,10 +149,18 @@ Status resolve_lora_regex(LoraOptions* o, uint32_t layers, const std::string& wh
   };
   auto re = compile_lora_regex(o->target_regex);
   if (!re.ok()) return bad(std::string(re.status().message()));
-  for (const char* other : {"lm_head", "model.embed_tokens"})
+  // The model's other modules (Llama, Qwen2 and Qwen3 name them alike): PEFT
+  // adapts the embedding and the head and refuses the rest (decoder layers,
+  // norms); Strata adapts only the projections.
+  std::vector<std::string> others = {"", "model", "model.embed_tokens", "model.layers", "model.norm",
+                                     "model.rotary_emb", "lm_head"};
+  for (uint32_t l = 0; l < layers; ++l)
+    for (const char* m : {"", ".self_attn", ".mlp", ".mlp.act_fn", ".input_layernorm", ".post_attention_layernorm"})
+      others.push_back(fmt::format("model.layers.{}{}", l, m));
+  for (const std::string& other : others)
     if (std::regex_match(other, *re))
-      return bad(fmt::format("selects {}: Strata adapts only the attention and MLP projections ({})", other,
-                             known_modules()));
+      return bad(fmt::format("selects the module \"{}\": Strata adapts only the attention and MLP projections ({})",
+                             other, known_modules()));
   uint32_t bits = 0;
   o->target_layers.clear();
   for (LayerTensor t : kLoraTargets) {
@@ -232,13 +252,11 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
     o->target_regex.clear();
     if (t.is_string()) {
       // PEFT: "all-linear", else a regular expression that must match a
-      // module's whole name; resolved against the model's layers later
-      // (resolve_lora_regex). A bare module name ("q_proj") is read as
-      // before, as the module.
+      // module's whole name (so "q_proj" alone selects nothing); resolved
+      // against the model's layers later (resolve_lora_regex).
       const std::string s = t.get<std::string>();
-      auto b = parse_lora_targets(s);
-      if (b.ok()) {
-        bits = *b;
+      if (s == "all-linear") {
+        bits = kAllLoraTargets;
       } else {
         auto re = compile_lora_regex(s);
         if (!re.ok())

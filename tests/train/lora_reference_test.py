@@ -23,7 +23,8 @@ target_modules as PEFT writes it: "all-linear" (a list of full names), module
 suffixes, and a regular expression (one case). Adapters Strata cannot train
 exactly are refused naming the field (bad_adapters), patterns included: one
 selecting a single layer's projection, one selecting lm_head, one in Python's
-own syntax (an inline flag).
+own syntax (an inline flag), and, edited by hand (PEFT refuses to make them),
+an empty pattern, a bare name (selects nothing) and one selecting MLP blocks.
 
     lora_reference_test.py STRATA_BINARY
 
@@ -229,6 +230,26 @@ def bad_adapters(strata, work):
         if res.returncode == 0 or field not in res.stderr:
             problems.append(f"an adapter with {field} was not refused by name (exit {res.returncode}: "
                             f"{res.stderr.strip()[-300:]})")
+    # Written by hand (PEFT itself refuses to make these): an empty pattern,
+    # a bare name (re.fullmatch selects nothing), a pattern that also
+    # selects the MLP module and its activation (PEFT: "not supported").
+    edited = ["", "q_proj", r".*\.mlp.*"]
+    for i, pattern in enumerate(edited):
+        a = f"{d}/edited-{i}"
+        shutil.copytree(f"{d}/target_modules-5", a)
+        with open(a + "/adapter_config.json") as f:
+            acfg = json.load(f)
+        acfg["target_modules"] = pattern
+        with open(a + "/adapter_config.json", "w") as f:
+            json.dump(acfg, f)
+        res = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
+                              "--data-format", "u32", "--seq", str(SEQ), "--batch", "1", "--steps", "1",
+                              "--out", a + "-out", "--device", "cpu", "--progress", "quiet", "--lora-adapter", a],
+                             capture_output=True, text=True)
+        if res.returncode == 0 or "target_modules" not in res.stderr:
+            problems.append(f"an adapter with target_modules {pattern!r} was not refused by name (exit "
+                            f"{res.returncode}: {res.stderr.strip()[-300:]})")
+    cases += edited
     print(f"  refused adapters: {len(cases) - len(problems)} of {len(cases)} named the field")
     return "; ".join(problems)
 
