@@ -10,7 +10,8 @@ PyTorch's DDP tutorial); the engine then takes its ranks from that group.
 Each rank trains the tests' small Llama through strata.torch.initialize (the
 engine joins the ranks) on its rows of each batch (rank r takes row r), then
 writes OUT/losses<rank>.json, and (rank 0) OUT/state.pt from
-engine.state_dict() and OUT/model from save_pretrained."""
+engine.state_dict() and OUT/model from save_pretrained; state_dict(rank=0) must
+give rank 0 the same tensors and the other ranks none."""
 import json
 import os
 import sys
@@ -47,6 +48,11 @@ def train(out, stage, nvme):
         json.dump({"rank": engine.rank, "world_size": engine.world_size, "losses": losses,
                    "comm_bytes": engine.stats()["comm_bytes"]}, f)
     state = engine.state_dict()  # a collective: every rank
+    only0 = engine.state_dict(rank=0)  # the same gather, kept on rank 0 only
+    if engine.rank == 0:
+        assert sorted(only0) == sorted(state) and all(torch.equal(only0[k], state[k]) for k in state), "rank=0"
+    else:
+        assert len(only0) == 0, f"state_dict(rank=0) gave rank {engine.rank} {len(only0)} tensors"
     engine.save_pretrained(os.path.join(out, "model"))  # every rank; rank 0 writes
     if engine.rank == 0:
         torch.save(state, os.path.join(out, "state.pt"))

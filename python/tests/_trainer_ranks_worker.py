@@ -9,7 +9,8 @@ UNSEEDED_RANKS=1: ranks other than 0 start from other weights and buffers. LORA=
 PEFT LoRA adapter (random A and B) on q_proj and v_proj, the base frozen.
 DDP_BROADCAST_BUFFERS=1: TrainingArguments(ddp_broadcast_buffers=True).
 Rank 0 then writes OUT/result.json (every logged loss, learning rate and
-gradient norm, the engine's world size and bytes sent) and OUT/state.pt
+gradient norm, the engine's world size and bytes sent, at the start of
+training and in all) and OUT/state.pt
 (engine.state_dict(), gathered by every rank); save_model writes OUT/model. Then evaluate on 4 held-out sequences,
 one per batch (each rank its own: the sharded evaluation loop)."""
 import json
@@ -17,6 +18,7 @@ import os
 import sys
 
 import torch
+from transformers import TrainerCallback
 
 from test_hf_trainer import RecordingStrataTrainer, Tokens, logged, strata_cfg, targs
 from test_torch_engine import llama
@@ -52,6 +54,13 @@ def main():
                                           gradient_accumulation_steps=gas, max_steps=max_steps,
                                           save_strategy="steps", save_steps=2, per_device_eval_batch_size=1,
                                           ddp_broadcast_buffers=os.environ.get("DDP_BROADCAST_BUFFERS") == "1" or None))
+    start = {}
+
+    class Start(TrainerCallback):  # the bytes rank 0 sent to start (the initial values' agreement)
+        def on_train_begin(self, args, state, control, **kwargs):
+            start["comm_bytes"] = t.strata_engine.stats()["comm_bytes"]
+
+    t.add_callback(Start())
     t.train(resume_from_checkpoint=resume)
     eval_loss = t.evaluate(Tokens(4, seed=9))["eval_loss"]
     engine = t.strata_engine
@@ -61,6 +70,7 @@ def main():
         torch.save(state, os.path.join(out, "state.pt"))
         with open(os.path.join(out, "result.json"), "w") as f:
             json.dump({"world_size": engine.world_size, "comm_bytes": engine.stats()["comm_bytes"],
+                   "start_comm_bytes": start["comm_bytes"],
                        "steps": engine.stats()["steps"], "loss": logged(t, "loss"),
                        "learning_rate": logged(t, "learning_rate"), "grad_norm": logged(t, "grad_norm"), "eval_loss": eval_loss}, f)
     t.destroy()

@@ -133,6 +133,8 @@ class TrainerRanksTest(unittest.TestCase):
         for what, launcher, stage in jobs:
             got = self.run_job(what.replace(", ", "-").replace(" ", ""), launcher, stage, 1, unseeded=True)
             self.assertGreater(got[0]["comm_bytes"], 0, what)
+            # Every parameter differs on rank 1: rank 0 sent the whole fp32 model to start.
+            self.assertGreaterEqual(got[0]["start_comm_bytes"], 4 * sum(v.numel() for v in ref[1].values()), what)
             self.assert_equal_runs(what, got, ref)
             print(f"  {what}: 2 ranks x 4 steps equal one process of 2 micro-batches bit for bit (losses "
                   f"{[round(x, 4) for x in ref[0]['loss']]}, eval_loss {ref[0]['eval_loss']:.4f}); sent per rank: "
@@ -183,6 +185,9 @@ class TrainerRanksTest(unittest.TestCase):
     def test_checkpoints_move_between_rank_counts(self):
         ref = self.one_process()
         ranks = self.run_job("ranks", "torchrun", 3, 1)
+        # The same weights on both ranks: only checksums went out to start,
+        # not the model (rank 0's bytes; 16 per parameter and 1 per verdict).
+        self.assertLess(ranks[0]["start_comm_bytes"], 1000, ranks[0]["start_comm_bytes"])
         got = self.run_job("ranks-to-one", "one", 3, 2, os.path.join(ranks[2], "run", "checkpoint-2"))
         self.assert_equal_runs("2 ranks' checkpoint resumed by one process", got, ref)
         got = self.run_job("one-to-ranks", "torchrun", 3, 1, os.path.join(ref[2], "run", "checkpoint-2"))

@@ -206,6 +206,30 @@ def _driven(method):
     return run
 
 
+_CHECKSUM_CHUNK = 1 << 22
+_checksum_weights = None
+
+
+def _checksum(t):
+    """Two sums of a tensor's fp32 bytes read as int32 words, taken mod 2^64: a plain one and one weighted
+    by fixed odd multipliers per position (and per 16 MiB chunk): equal tensors give equal sums on every
+    rank, and tensors that differ (another random init) differ in them but with chance ~2^-64. Not a
+    cryptographic hash: it tells ranks apart, not adversaries."""
+    global _checksum_weights
+    if _checksum_weights is None:
+        g = torch.Generator().manual_seed(0x5eed5)
+        _checksum_weights = torch.randint(-2 ** 31, 2 ** 31 - 1, (_CHECKSUM_CHUNK,), dtype=torch.int32,
+                                          generator=g) | 1
+    v = t.detach().to(device="cpu", dtype=torch.float32).contiguous().reshape(-1).view(torch.int32)
+    plain = weighted = 0
+    for i in range(0, v.numel(), _CHECKSUM_CHUNK):
+        c = v[i:i + _CHECKSUM_CHUNK]
+        plain += int(c.sum(dtype=torch.int64))
+        # int32 products wrap, which is as good a mix and stays exact on every rank.
+        weighted = weighted * 1000003 + int((c * _checksum_weights[:c.numel()]).sum(dtype=torch.int64))
+    return [((x + 2 ** 63) % 2 ** 64) - 2 ** 63 for x in (plain, weighted)]
+
+
 def _is_cuda(device):
     return device.type == "cuda"
 
@@ -554,16 +578,19 @@ class StrataEngine:
         # Initial values (the engine reads host memory), then the placeholders:
         # one zero scalar on the model's device (alive as long as the engine)
         # expanded to each parameter's shape. With several ranks every value
-        # is rank 0's (broadcast first, into a copy), as DDP and DeepSpeed
-        # start every rank from rank 0's model: ranks whose models were
-        # initialised without a common seed (a LoRA adapter's random A) train
-        # one model, not a mix of each rank's shards.
+        # is rank 0's, as DDP and DeepSpeed start every rank from rank 0's
+        # model: ranks whose models were initialised without a common seed (a
+        # LoRA adapter's random A) train one model, not a mix of each rank's
+        # shards. Only the parameters some rank holds differently are
+        # broadcast (into a copy): the usual start, every rank loading the
+        # same checkpoint, sends a checksum per parameter, not the model.
         self._scalar = torch.zeros((), dtype=self.compute_dtype, device=self.device)
         self._scalar_ptr = self._scalar.untyped_storage().data_ptr()
         with torch.no_grad():
+            differ = self._differing_params() if self.world_size > 1 else set()
             for pid, p in enumerate(self._params):
-                src = p.detach().to(device="cpu", dtype=torch.float32, copy=self.world_size > 1).contiguous()
-                if self.world_size > 1:
+                src = p.detach().to(device="cpu", dtype=torch.float32, copy=pid in differ).contiguous()
+                if pid in differ:
                     self._call(_lib.strata_engine_broadcast, src.data_ptr(), src.numel() * 4, 0)
                 self._call(_lib.strata_engine_load_param, pid, src.data_ptr(), _lib.DTYPE_F32, src.numel())
                 p.data = self._placeholder(p)
@@ -605,6 +632,22 @@ class StrataEngine:
         for pid, p in enumerate(self._params):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(pid)))
+
+    def _differing_params(self):
+        """The ids of the parameters whose initial fp32 values are not the same on every rank (_checksum):
+        rank 0's checksums go to every rank, then each rank's verdicts to every rank (one broadcast of a
+        byte per parameter from each rank), so every rank takes the same broadcasts after. A collective."""
+        n = len(self._params)
+        mine = torch.tensor([_checksum(p) for p in self._params], dtype=torch.int64).reshape(n, 2)
+        ref = mine.clone()
+        self._call(_lib.strata_engine_broadcast, ref.data_ptr(), ref.numel() * 8, 0)
+        verdict = (mine != ref).any(dim=1).to(torch.uint8)
+        seen = torch.zeros(n, dtype=torch.uint8)
+        for r in range(self.world_size):
+            buf = verdict.clone() if r == self.rank else torch.zeros(n, dtype=torch.uint8)
+            self._call(_lib.strata_engine_broadcast, buf.data_ptr(), n, r)
+            seen |= buf
+        return {pid for pid in range(n) if seen[pid]}
 
     # ---------------------------------------------------------------- ownership
 
@@ -1071,19 +1114,26 @@ class StrataEngine:
             out[key] = t
         return out
 
-    def state_dict(self):
+    def state_dict(self, rank=None):
         """The full trained weights (fp32 masters, CPU) under the model's own state_dict keys (buffers: a CPU copy).
-        N ranks: a collective (every rank calls it and gets the whole weights)."""
+        N ranks: a collective (every rank calls it); every rank gets the whole weights, or with rank=r only
+        rank r does and the others an empty dict (they hold one parameter at a time: a writer's memory)."""
+        return self._state_dict(rank is None or rank == self.rank)
+
+    def _state_dict(self, keep):
         out = collections.OrderedDict()
         by_id = {}
         for key, t in self.module.state_dict(keep_vars=True).items():
             pid = self._pid.get(id(t))
             if pid is None:
-                out[key] = t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
+                if keep:
+                    out[key] = t.detach().clone() if t.device.type == "cpu" else t.detach().cpu()
                 continue
             if pid not in by_id:
-                by_id[pid] = self._read(pid)
-            out[key] = by_id[pid]
+                whole = self._read(pid)  # a gather with N ranks: every rank takes part
+                by_id[pid] = whole if keep else None
+            if keep:
+                out[key] = by_id[pid]
         return out
 
     def save_pretrained(self, directory, **kwargs):
@@ -1091,7 +1141,7 @@ class StrataEngine:
         N ranks: every rank calls it (the weights are gathered); rank 0 writes."""
         if not hasattr(self.module, "save_pretrained"):
             raise TypeError("strata.torch: the model has no save_pretrained; use engine.state_dict()")
-        state = self.state_dict()
+        state = self.state_dict(rank=0)
         if self.rank == 0:
             self.module.save_pretrained(directory, state_dict=state, **kwargs)
 

@@ -387,7 +387,8 @@ class StrataTrainer(transformers.Trainer):
 
     def _save(self, output_dir=None, state_dict=None):
         if state_dict is None and self.strata_engine is not None:
-            state_dict = self.strata_engine.state_dict()
+            # A gather on every rank; only the writers keep the weights.
+            state_dict = self.strata_engine._state_dict(self.args.should_save)
         super()._save(output_dir, state_dict=state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir):
