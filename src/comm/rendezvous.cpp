@@ -1,7 +1,5 @@
 #include "comm/rendezvous.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -117,14 +115,14 @@ class StoreClient {
   void close() { fd_ = Fd(); }
 
   // One attempt; *refused: nothing listens there (ECONNREFUSED).
-  Status connect_once(const sockaddr_in& target, bool* refused) {
-    STRATA_ASSIGN_OR_RETURN(fd_, net::connect_once(target, deadline_, where_, refused));
+  Status connect_once(const std::vector<net::SockAddr>& targets, bool* refused) {
+    STRATA_ASSIGN_OR_RETURN(fd_, net::connect_once(targets, deadline_, where_, refused));
     return Status();
   }
 
   // Retries until the deadline (the store may not listen yet).
-  Status connect_retrying(const sockaddr_in& target, double timeout_s) {
-    STRATA_ASSIGN_OR_RETURN(fd_, net::connect_retrying(target, deadline_, where_, "rank 0", timeout_s));
+  Status connect_retrying(const std::vector<net::SockAddr>& targets, double timeout_s) {
+    STRATA_ASSIGN_OR_RETURN(fd_, net::connect_retrying(targets, deadline_, where_, "rank 0", timeout_s));
     return Status();
   }
 
@@ -208,14 +206,14 @@ class StoreClient {
 
 // The ranks' side (rank > 0): the blob, an ack, the verdict.
 Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point deadline, const std::string& where) {
-  STRATA_ASSIGN_OR_RETURN(sockaddr_in target, resolve(o.addr, o.port, where));
+  STRATA_ASSIGN_OR_RETURN(std::vector<net::SockAddr> targets, resolve(o.addr, o.port, where));
   StoreClient c(where, deadline);
   const Keys k(o);
   // Until the blob is there. A store that closes the connection first is
   // the server of rank 0's previous exchange, ending: connect again.
   std::vector<uint8_t> v;
   for (;;) {
-    STRATA_RETURN_IF_ERROR(c.connect_retrying(target, o.timeout_s));
+    STRATA_RETURN_IF_ERROR(c.connect_retrying(targets, o.timeout_s));
     Status st = c.handshake();
     if (st.ok()) {
       Result<bool> came = c.wait({k.blob}, deadline);
@@ -566,10 +564,11 @@ Result<std::vector<uint8_t>> lead_alone(const RendezvousOptions& o, const std::v
 
 Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
                                   Clock::time_point deadline, const std::string& where) {
-  STRATA_ASSIGN_OR_RETURN(sockaddr_in target, resolve(o.addr.empty() ? "127.0.0.1" : o.addr, o.port, where));
+  STRATA_ASSIGN_OR_RETURN(std::vector<net::SockAddr> targets,
+                          resolve(o.addr.empty() ? "127.0.0.1" : o.addr, o.port, where));
   StoreClient c(where, deadline);
   bool refused = false;
-  Status st = c.connect_once(target, &refused);
+  Status st = c.connect_once(targets, &refused);
   if (st.ok()) return lead_through(c, o, blob, deadline, where);
   if (refused) return lead_alone(o, blob, deadline, where);
   return st;
@@ -590,8 +589,9 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, co
   if (o.port == 0) return Status(StatusCode::kInvalidArgument, "rendezvous: port 0 (set MASTER_PORT)");
   if (o.rank != 0 && o.addr.empty())
     return Status(StatusCode::kInvalidArgument, "rendezvous: empty address (set MASTER_ADDR)");
-  const std::string where =
-      fmt::format("rendezvous at {}:{} (rank {} of {})", o.addr.empty() ? "*" : o.addr, o.port, o.rank, o.world_size);
+  const std::string where = fmt::format("rendezvous at {} (rank {} of {})",
+                                        net::host_port_text(o.addr.empty() ? "*" : o.addr, o.port), o.rank,
+                                        o.world_size);
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.timeout_s));
   return o.rank == 0 ? lead(o, root_blob, deadline, where) : join(o, deadline, where);

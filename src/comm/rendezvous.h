@@ -7,7 +7,10 @@
 // torch.distributed.init_process_group's rank 0, and the port is taken. Rank 0
 // connects there first; where nothing listens (a launcher that only sets the
 // variables) it serves the few requests itself on that port, on every
-// interface, until every rank has its answer, and closes it.
+// interface, IPv4 and IPv6 alike, until every rank has its answer, and
+// closes it. MASTER_ADDR is a host name, IPv4 or IPv6 address ("::1", no
+// brackets, as torch.distributed reads it); every address it resolves to is
+// tried in turn (socket_io.h).
 //
 // Keys, under "strata/rendezvous/<key>/" (RendezvousOptions::key: a store
 // outlives one job attempt and one engine):
@@ -43,7 +46,7 @@
 namespace strata::comm {
 
 struct RendezvousOptions {
-  std::string addr;       // rank 0's address (MASTER_ADDR): host name or IPv4
+  std::string addr;       // rank 0's address (MASTER_ADDR): host name, IPv4 or IPv6 address
   uint16_t port = 0;      // MASTER_PORT: a TCPStore there, or rank 0 serves one on every interface
   int rank = 0;
   int world_size = 1;

@@ -14,6 +14,38 @@
 
 namespace strata::comm::net {
 
+uint16_t SockAddr::port() const {
+  if (family() == AF_INET6) return ntohs(reinterpret_cast<const sockaddr_in6&>(ss).sin6_port);
+  if (family() == AF_INET) return ntohs(reinterpret_cast<const sockaddr_in&>(ss).sin_port);
+  return 0;
+}
+
+void SockAddr::set_port(uint16_t port) {
+  if (family() == AF_INET6) reinterpret_cast<sockaddr_in6&>(ss).sin6_port = htons(port);
+  if (family() == AF_INET) reinterpret_cast<sockaddr_in&>(ss).sin_port = htons(port);
+}
+
+std::string to_text(const SockAddr& a) {
+  char ip[INET6_ADDRSTRLEN] = "?";
+  if (a.family() == AF_INET) {
+    ::inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in&>(a.ss).sin_addr, ip, sizeof ip);
+    return fmt::format("{}:{}", ip, a.port());
+  }
+  if (a.family() != AF_INET6) return fmt::format("(address family {})", a.family());
+  const in6_addr& in6 = reinterpret_cast<const sockaddr_in6&>(a.ss).sin6_addr;
+  if (IN6_IS_ADDR_V4MAPPED(&in6)) {
+    ::inet_ntop(AF_INET, in6.s6_addr + 12, ip, sizeof ip);
+    return fmt::format("{}:{}", ip, a.port());
+  }
+  ::inet_ntop(AF_INET6, &in6, ip, sizeof ip);
+  return fmt::format("[{}]:{}", ip, a.port());
+}
+
+std::string host_port_text(const std::string& host, uint16_t port) {
+  const bool bare_ipv6 = host.find(':') != std::string::npos && host.front() != '[';
+  return bare_ipv6 ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
+}
+
 Clock::time_point deadline_after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
@@ -66,49 +98,97 @@ Status recv_all(int fd, void* data, std::size_t n, Clock::time_point deadline, c
   return Status();
 }
 
-Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::string& where, const char* label) {
+Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, const std::string& where,
+                                      const char* label) {
+  // torch's TCPStore cannot resolve "[::1]" either (it retries until its
+  // timeout); torchrun's --master_addr takes brackets and exports without.
+  if (addr.size() >= 2 && addr.front() == '[' && addr.back() == ']')
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: cannot resolve {} '{}': an IPv6 address is written without brackets ('{}'), "
+                              "as torch.distributed reads it",
+                              where, label, addr, addr.substr(1, addr.size() - 2)));
   addrinfo hints{};
-  hints.ai_family = AF_INET;
+  hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
   addrinfo* res = nullptr;
   const std::string p = std::to_string(port);
   if (int rc = ::getaddrinfo(addr.c_str(), p.c_str(), &hints, &res); rc != 0)
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("{}: cannot resolve {} '{}' to an IPv4 address (IPv4 only): {}", where, label,
-                              addr, gai_strerror(rc)));
-  sockaddr_in target{};
-  std::memcpy(&target, res->ai_addr, sizeof target);
+                  fmt::format("{}: cannot resolve {} '{}': {}", where, label, addr,
+                              rc == EAI_SYSTEM ? std::strerror(errno) : gai_strerror(rc)));
+  std::vector<SockAddr> out;
+  for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
+    if ((ai->ai_family != AF_INET && ai->ai_family != AF_INET6) || ai->ai_addrlen > sizeof(sockaddr_storage)) continue;
+    SockAddr a;
+    std::memcpy(&a.ss, ai->ai_addr, ai->ai_addrlen);
+    a.len = ai->ai_addrlen;
+    const bool seen = std::any_of(out.begin(), out.end(), [&](const SockAddr& b) {
+      return b.len == a.len && std::memcmp(&b.ss, &a.ss, a.len) == 0;
+    });
+    if (!seen) out.push_back(a);
+  }
   ::freeaddrinfo(res);
-  return target;
+  if (out.empty())
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: cannot resolve {} '{}': no IPv4 or IPv6 address", where, label, addr));
+  return out;
 }
 
-Result<Fd> connect_once(const sockaddr_in& target, Clock::time_point deadline, const std::string& where,
-                        bool* refused) {
-  *refused = false;
-  Fd s(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (s.fd < 0) return Status::from_errno(errno, where + ": socket failed");
-  int rc = ::connect(s.fd, reinterpret_cast<const sockaddr*>(&target), sizeof target);
+namespace {
+
+// A target that does not answer at all (a dropped SYN) holds the attempt at
+// most this long when other targets follow.
+constexpr auto kPerTargetCap = std::chrono::seconds(5);
+
+// One connect to `target`; 0 or the errno.
+int connect_one(const SockAddr& target, Clock::time_point deadline, Fd* out) {
+  Fd s(::socket(target.family(), SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  if (s.fd < 0) return errno;
+  const int rc = ::connect(s.fd, target.sa(), target.len);
   int err = rc == 0 ? 0 : errno;
   if (rc != 0 && err == EINPROGRESS) {
-    STRATA_ASSIGN_OR_RETURN(bool ready, wait_fd(s.fd, POLLOUT, deadline));
+    auto ready = wait_fd(s.fd, POLLOUT, deadline);
     err = ETIMEDOUT;
     socklen_t len = sizeof err;
-    if (ready) ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
+    if (ready.ok() && *ready) ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
   }
-  if (err != 0) {
-    *refused = err == ECONNREFUSED;
-    return Status::from_errno(err, where + ": connect failed");
-  }
-  int one = 1;
-  ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-  return s;
+  if (err == 0) *out = std::move(s);
+  return err;
 }
 
-Result<Fd> connect_retrying(const sockaddr_in& target, Clock::time_point deadline, const std::string& where,
-                            const std::string& peer, double timeout_s) {
+}  // namespace
+
+Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
+                        bool* refused) {
+  *refused = false;
+  std::string failed;
+  int err = 0;
+  for (std::size_t i = 0; i < targets.size(); ++i) {
+    const auto until = i + 1 < targets.size() ? std::min(deadline, Clock::now() + kPerTargetCap) : deadline;
+    Fd s;
+    err = connect_one(targets[i], until, &s);
+    if (err == 0) {
+      int one = 1;
+      ::setsockopt(s.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+      *refused = false;  // (an earlier target refused)
+      return s;
+    }
+    *refused = *refused || err == ECONNREFUSED;
+    char buf[256];
+    const char* why = strerror_r(err, buf, sizeof buf);
+    failed += failed.empty() ? fmt::format("{} failed: {}", to_text(targets[i]), why)
+                             : fmt::format("; to {}: {}", to_text(targets[i]), why);
+  }
+  if (failed.empty()) return Status(StatusCode::kInvalidArgument, where + ": connect to no address");
+  return Status(status_code_from_errno(err), fmt::format("{}: connect to {}", where, failed));
+}
+
+Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline,
+                            const std::string& where, const std::string& peer, double timeout_s) {
   for (;;) {
     bool refused = false;
-    auto fd = connect_once(target, deadline, where, &refused);
+    auto fd = connect_once(targets, deadline, where, &refused);
     if (fd.ok()) return fd;
     if (ms_left(deadline) == 0)
       return Status(StatusCode::kUnavailable, fmt::format("{}: could not reach {} within {:g} s (last error: {})",
@@ -118,25 +198,43 @@ Result<Fd> connect_retrying(const sockaddr_in& target, Clock::time_point deadlin
 }
 
 Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where) {
-  Fd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
-  if (l.fd < 0) return Status::from_errno(errno, where + ": socket failed");
-  int one = 1;
+  // Dual-stack where the kernel has IPv6 (rank 0 listens on the wildcard:
+  // MASTER_ADDR may name it by either family); IPv4 where it has none.
+  Fd l(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+  int err = l.fd < 0 ? errno : 0, zero = 0, one = 1;
+  if (l.fd >= 0 && ::setsockopt(l.fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof zero) != 0) {
+    err = errno;
+    l = Fd();
+  }
+  if (l.fd < 0 && err != EAFNOSUPPORT && err != EPROTONOSUPPORT && err != ENOPROTOOPT && err != EINVAL)
+    return Status::from_errno(err, where + ": socket failed");
+  SockAddr a;
+  if (l.fd >= 0) {
+    auto& sa6 = reinterpret_cast<sockaddr_in6&>(a.ss);
+    sa6.sin6_family = AF_INET6;
+    sa6.sin6_addr = in6addr_any;
+    a.len = sizeof sa6;
+  } else {
+    l = Fd(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (l.fd < 0) return Status::from_errno(errno, where + ": socket failed");
+    auto& sa4 = reinterpret_cast<sockaddr_in&>(a.ss);
+    sa4.sin_family = AF_INET;
+    sa4.sin_addr.s_addr = htonl(INADDR_ANY);
+    a.len = sizeof sa4;
+  }
+  a.set_port(port);
   ::setsockopt(l.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_ANY);
-  sa.sin_port = htons(port);
-  if (::bind(l.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) != 0)
+  if (::bind(l.fd, a.sa(), a.len) != 0)
     return Status::from_errno(errno, fmt::format("{}: bind to port {} failed", where, port));
   if (::listen(l.fd, std::max(backlog, 16)) != 0) return Status::from_errno(errno, where + ": listen failed");
   return l;
 }
 
 uint16_t local_port(int fd) {
-  sockaddr_in sa{};
-  socklen_t len = sizeof sa;
-  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) != 0) return 0;
-  return ntohs(sa.sin_port);
+  SockAddr a;
+  a.len = sizeof a.ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&a.ss), &a.len) != 0) return 0;
+  return a.port();
 }
 
 }  // namespace strata::comm::net

@@ -1,10 +1,11 @@
 // Blocking-with-deadline helpers on TCP sockets, shared by the rendezvous
-// (rendezvous.cpp) and the TCP communicator (tcp_comm.cpp). IPv4 only; every
-// socket is close-on-exec and nonblocking, calls wait with poll() until their
-// deadline.
+// (rendezvous.cpp) and the TCP communicator (tcp_comm.cpp). IPv4 and IPv6:
+// a name resolves to all its addresses, tried in order, and a listener takes
+// both families; every socket is close-on-exec and nonblocking, calls wait
+// with poll() until their deadline.
 #pragma once
 
-#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -12,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "common/status.h"
 
@@ -36,6 +38,22 @@ struct Fd {
   }
 };
 
+// An IPv4 or IPv6 socket address.
+struct SockAddr {
+  sockaddr_storage ss{};
+  socklen_t len = 0;
+  const sockaddr* sa() const { return reinterpret_cast<const sockaddr*>(&ss); }
+  int family() const { return ss.ss_family; }
+  uint16_t port() const;
+  void set_port(uint16_t port);
+};
+
+// "10.0.0.2:29500", "[fd00::2]:29500"; an IPv4-mapped IPv6 address (a
+// dual-stack listener's IPv4 peer) prints as IPv4.
+std::string to_text(const SockAddr& a);
+// host:port as written in a URL: an IPv6 literal in brackets.
+std::string host_port_text(const std::string& host, uint16_t port);
+
 Clock::time_point deadline_after(double seconds);
 // Milliseconds until `deadline` for poll(): 0 once passed.
 int ms_left(Clock::time_point deadline);
@@ -49,23 +67,32 @@ Result<bool> wait_fd(int fd, short events, Clock::time_point deadline);
 Status send_all(int fd, const void* data, std::size_t n, Clock::time_point deadline, const std::string& what);
 Status recv_all(int fd, void* data, std::size_t n, Clock::time_point deadline, const std::string& what);
 
-// Host name or IPv4 text -> address. kInvalidArgument "<where>: cannot
-// resolve <label> '<addr>': ...".
-Result<sockaddr_in> resolve(const std::string& addr, uint16_t port, const std::string& where,
-                            const char* label = "MASTER_ADDR");
+// A host name, IPv4 or IPv6 text ("10.0.0.2", "::1"; as torch.distributed
+// reads MASTER_ADDR, an IPv6 address without brackets) -> its addresses,
+// IPv4 and IPv6, in getaddrinfo's order, none twice; never empty.
+// kInvalidArgument "<where>: cannot resolve <label> '<addr>': ..." (a name
+// with no address; an address in brackets, named as such).
+Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, const std::string& where,
+                                      const char* label = "MASTER_ADDR");
 
-// One connect attempt, finished by `deadline`; TCP_NODELAY set. *refused:
-// nothing listens there (ECONNREFUSED), worth retrying.
-Result<Fd> connect_once(const sockaddr_in& target, Clock::time_point deadline, const std::string& where, bool* refused);
+// One connect attempt to each target in order (as torch's TCPStore client
+// does), the first that connects returned, all finished by `deadline`;
+// TCP_NODELAY set. *refused: nothing listens at any of them (ECONNREFUSED
+// from each), worth retrying. The error names the target of the last
+// attempt ("<where>: connect to [::1]:29500 failed: ...").
+Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
+                        bool* refused);
 
 // Connects, retrying every 50 ms until `deadline` (the peer may not listen
 // yet); then kUnavailable "<where>: could not reach <peer> within <timeout_s>
 // s (last error: ...)".
-Result<Fd> connect_retrying(const sockaddr_in& target, Clock::time_point deadline, const std::string& where,
-                            const std::string& peer, double timeout_s);
+Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline,
+                            const std::string& where, const std::string& peer, double timeout_s);
 
 // A listening socket on every interface at `port` (0: the kernel picks;
-// SO_REUSEADDR).
+// SO_REUSEADDR), for IPv4 and IPv6 peers alike: a dual-stack IPv6 socket
+// (IPV6_V6ONLY off; IPv4 peers show as IPv4-mapped addresses), or an IPv4
+// one where the kernel has no IPv6.
 Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where);
 // The port a socket is bound to.
 uint16_t local_port(int fd);

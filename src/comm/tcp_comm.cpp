@@ -1,7 +1,7 @@
 #include "comm/tcp_comm.h"
 
-#include <arpa/inet.h>
 #include <fmt/format.h>
+#include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sched.h>
@@ -36,7 +36,7 @@ using net::Fd;
 // supported target is little-endian.
 
 constexpr char kMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'T', 'C'};
-constexpr uint32_t kWireVersion = 1;
+constexpr uint32_t kWireVersion = 2;  // 2: IPv6 addresses in the table
 
 struct Blob {  // rank 0 -> every rank, through the rendezvous
   char magic[8];
@@ -52,17 +52,65 @@ struct Hello {  // rank r -> the rank it connects to
   uint32_t port;  // rank r's listening port
   uint64_t token;
 };
-struct Entry {    // rank 0 -> rank r: every rank's address, as rank 0 saw it
-  uint32_t ipv4;  // network order; 0: rank 0's host (it came over loopback)
+struct Entry {       // rank 0 -> rank r: every rank's address, as rank 0 saw it
+  uint8_t addr[16];  // IPv6, an IPv4 address IPv4-mapped; all zero: rank 0's host (it came over loopback)
   uint32_t port;
 };
-static_assert(sizeof(Blob) == 24 && sizeof(Hello) == 32 && sizeof(Entry) == 8);
+static_assert(sizeof(Blob) == 24 && sizeof(Hello) == 32 && sizeof(Entry) == 20);
 
 struct Link {
   Fd fd;
-  uint32_t ipv4 = 0;  // the peer's address (network order)
-  uint32_t port = 0;  // its listening port
+  net::SockAddr peer;  // where its connection came from
+  uint32_t port = 0;   // its listening port
 };
+
+// The table's entry for a rank whose connection came from `peer`.
+Entry entry_of(const net::SockAddr& peer, uint32_t port) {
+  Entry e{};
+  e.port = port;
+  if (peer.family() == AF_INET6) {
+    std::memcpy(e.addr, &reinterpret_cast<const sockaddr_in6&>(peer.ss).sin6_addr, 16);
+  } else if (peer.family() == AF_INET) {
+    e.addr[10] = e.addr[11] = 0xff;
+    std::memcpy(e.addr + 12, &reinterpret_cast<const sockaddr_in&>(peer.ss).sin_addr, 4);
+  }
+  in6_addr a;
+  std::memcpy(&a, e.addr, 16);
+  // Loopback (127/8, also IPv4-mapped, or ::1): the rank is on rank 0's host.
+  if (IN6_IS_ADDR_LOOPBACK(&a) || (IN6_IS_ADDR_V4MAPPED(&a) && e.addr[12] == 127)) std::memset(e.addr, 0, 16);
+  return e;
+}
+
+// Where to reach the rank of entry `e`: its address, or where rank 0 is
+// reached (`zero`: MASTER_ADDR's addresses) at its port.
+std::vector<net::SockAddr> targets_of(const Entry& e, std::vector<net::SockAddr> zero) {
+  in6_addr a;
+  std::memcpy(&a, e.addr, 16);
+  if (IN6_IS_ADDR_UNSPECIFIED(&a)) {
+    for (auto& z : zero) z.set_port(static_cast<uint16_t>(e.port));
+    return zero;
+  }
+  net::SockAddr t;
+  if (IN6_IS_ADDR_V4MAPPED(&a)) {  // as IPv4: the peer's listener may be IPv4 only
+    auto& sa = reinterpret_cast<sockaddr_in&>(t.ss);
+    sa.sin_family = AF_INET;
+    std::memcpy(&sa.sin_addr, e.addr + 12, 4);
+    t.len = sizeof sa;
+  } else {
+    auto& sa = reinterpret_cast<sockaddr_in6&>(t.ss);
+    sa.sin6_family = AF_INET6;
+    sa.sin6_addr = a;
+    t.len = sizeof sa;
+  }
+  t.set_port(static_cast<uint16_t>(e.port));
+  return {t};
+}
+
+std::string targets_text(const std::vector<net::SockAddr>& targets) {
+  std::string s;
+  for (const auto& t : targets) s += (s.empty() ? "" : " or ") + net::to_text(t);
+  return s;
+}
 
 std::string rank_list(const std::vector<int>& ranks) {
   std::string s;
@@ -85,9 +133,9 @@ Result<std::vector<Link>> accept_ranks(int listener, int lo, int hi, int world, 
       return Status(StatusCode::kUnavailable, fmt::format("{}: rank{} {} never connected before the timeout", where,
                                                           never.size() > 1 ? "s" : "", rank_list(never)));
     }
-    sockaddr_in peer{};
-    socklen_t len = sizeof peer;
-    Fd c(::accept4(listener, reinterpret_cast<sockaddr*>(&peer), &len, SOCK_CLOEXEC | SOCK_NONBLOCK));
+    net::SockAddr peer;
+    peer.len = sizeof peer.ss;
+    Fd c(::accept4(listener, reinterpret_cast<sockaddr*>(&peer.ss), &peer.len, SOCK_CLOEXEC | SOCK_NONBLOCK));
     if (c.fd < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) continue;
       return Status::from_errno(errno, where + ": accept failed");
@@ -101,18 +149,18 @@ Result<std::vector<Link>> accept_ranks(int listener, int lo, int hi, int world, 
       continue;  // not a rank of this communicator (or a duplicate): ignored
     int one = 1;
     ::setsockopt(c.fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-    links[h.rank] = Link{std::move(c), peer.sin_addr.s_addr, h.port};
+    links[h.rank] = Link{std::move(c), peer, h.port};
     --missing;
   }
   return links;
 }
 
-// Connects to rank `peer` at `target` (retrying until the deadline) and
-// says hello.
-Result<Fd> connect_to(const sockaddr_in& target, int peer, const Hello& hello, Clock::time_point deadline,
-                      double timeout_s, const std::string& where) {
+// Connects to rank `peer` at one of `targets` (retrying until the deadline)
+// and says hello.
+Result<Fd> connect_to(const std::vector<net::SockAddr>& targets, int peer, const Hello& hello,
+                      Clock::time_point deadline, double timeout_s, const std::string& where) {
   STRATA_ASSIGN_OR_RETURN(Fd fd,
-                          net::connect_retrying(target, deadline, where, fmt::format("rank {}", peer), timeout_s));
+                          net::connect_retrying(targets, deadline, where, fmt::format("rank {}", peer), timeout_s));
   STRATA_RETURN_IF_ERROR(net::send_all(fd.fd, &hello, sizeof hello, deadline, where));
   return fd;
 }
@@ -582,27 +630,22 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
       STRATA_ASSIGN_OR_RETURN(links, accept_ranks(listener.fd, 1, world, world, b.token, deadline, where));
       // A rank that reached rank 0 over loopback is on rank 0's host: 0 in
       // the table says "where you reach rank 0" (MASTER_ADDR as each rank
-      // resolves it), not 127.x, which other hosts cannot reach.
-      for (int r = 1; r < world; ++r)
-        table[r] = Entry{(ntohl(links[r].ipv4) >> 24) == 127 ? 0u : links[r].ipv4, links[r].port};
+      // resolves it), not 127.x or ::1, which other hosts cannot reach.
+      for (int r = 1; r < world; ++r) table[r] = entry_of(links[r].peer, links[r].port);
       for (int r = 1; r < world; ++r)
         STRATA_RETURN_IF_ERROR(net::send_all(links[r].fd.fd, table.data(), table.size() * sizeof(Entry), deadline,
                                              fmt::format("{}: sending the address table to rank {}", where, r)));
     } else {
-      STRATA_ASSIGN_OR_RETURN(sockaddr_in zero, net::resolve(o.master_addr.empty() ? "127.0.0.1" : o.master_addr,
-                                                             static_cast<uint16_t>(b.port), where));
+      STRATA_ASSIGN_OR_RETURN(
+          std::vector<net::SockAddr> zero,
+          net::resolve(o.master_addr.empty() ? "127.0.0.1" : o.master_addr, static_cast<uint16_t>(b.port), where));
       STRATA_ASSIGN_OR_RETURN(links[0].fd, connect_to(zero, 0, hello, deadline, o.timeout_s, where));
       STRATA_RETURN_IF_ERROR(net::recv_all(links[0].fd.fd, table.data(), table.size() * sizeof(Entry), deadline,
                                            where + ": the address table from rank 0"));
       for (int q = 1; q < rank; ++q) {
-        sockaddr_in to{};
-        to.sin_family = AF_INET;
-        to.sin_addr.s_addr = table[q].ipv4 != 0 ? table[q].ipv4 : zero.sin_addr.s_addr;
-        to.sin_port = htons(static_cast<uint16_t>(table[q].port));
-        char ip[INET_ADDRSTRLEN] = "?";
-        ::inet_ntop(AF_INET, &to.sin_addr, ip, sizeof ip);
+        const std::vector<net::SockAddr> to = targets_of(table[q], zero);
         STRATA_ASSIGN_OR_RETURN(links[q].fd, connect_to(to, q, hello, deadline, o.timeout_s,
-                                                        fmt::format("{} (to {}:{})", where, ip, table[q].port)));
+                                                        fmt::format("{} (to {})", where, targets_text(to))));
       }
       if (rank + 1 < world) {
         STRATA_ASSIGN_OR_RETURN(auto higher,

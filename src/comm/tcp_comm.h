@@ -4,16 +4,20 @@
 // without MPI uses. Always built (POSIX sockets only).
 //
 // Connecting. Every rank listens on a port the kernel picks, on every
-// interface. Rank 0's port travels to the others through the TCP rendezvous
-// (rendezvous.h: torchrun's TCPStore at MASTER_ADDR:MASTER_PORT, or one rank 0
-// serves there), with a random job token. Each other rank connects to rank 0
-// at MASTER_ADDR and says its rank, the world size, the token and its own
-// port; once all have come, rank 0 answers each with the table of every
-// rank's address (as rank 0 saw it; a rank that came over loopback is on
-// rank 0's host and is reached at MASTER_ADDR) and port. Then rank r connects to ranks
-// 1 .. r-1 and accepts ranks r+1 .. N-1: one connection per pair of ranks,
-// TCP_NODELAY. A connection that does not present the token (a rank of
-// another job, a port scanner) is closed and ignored.
+// interface, IPv4 and IPv6 alike (socket_io.h). Rank 0's port travels to the
+// others through the TCP rendezvous (rendezvous.h: torchrun's TCPStore at
+// MASTER_ADDR:MASTER_PORT, or one rank 0 serves there), with a random job
+// token. Each other rank connects to rank 0 at MASTER_ADDR (each address it
+// resolves to, in turn) and says its rank, the world size, the token and its
+// own port; once all have come, rank 0 answers each with the table of every
+// rank's address, IPv4 or IPv6 (as rank 0 saw it; a rank that came over
+// loopback, 127/8 or ::1, is on rank 0's host and is reached at MASTER_ADDR)
+// and port. Then rank r connects to ranks 1 .. r-1 and accepts ranks
+// r+1 .. N-1: one connection per pair of ranks, TCP_NODELAY. A connection
+// that does not present the token (a rank of another job, a port scanner) is
+// closed and ignored. An IPv6 link-local address (fe80::/10) in the table is
+// not usable from another host (its scope is rank 0's interface): give the
+// hosts routable addresses.
 //
 // Moving data. The collectives are P2pCommunicator's (p2p_communicator.h: its
 // algorithms and rank-order sums, so results are bit-identical to the MPI
@@ -49,7 +53,7 @@
 namespace strata::comm {
 
 struct TcpCommOptions {
-  std::string master_addr;   // MASTER_ADDR: rank 0's host (name or IPv4)
+  std::string master_addr;   // MASTER_ADDR: rank 0's host (name, IPv4 or IPv6 address; see rendezvous.h)
   uint16_t master_port = 0;  // MASTER_PORT: the rendezvous store's port
   int rank = 0;
   int world_size = 1;

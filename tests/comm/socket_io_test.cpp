@@ -1,0 +1,121 @@
+// The socket helpers' addresses (comm/socket_io.h): MASTER_ADDR as IPv4,
+// IPv6 or a host name, brackets refused by name, a connect that tries each
+// resolved address in turn, and a listener that takes IPv4 and IPv6 peers.
+// The IPv6 cases skip, saying why, where ::1 is not available.
+#include "comm/socket_io.h"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <string>
+#include <vector>
+
+#include "test_util/ipv6.h"
+
+namespace strata::comm::net {
+namespace {
+
+bool contains(const Status& st, const std::string& needle) { return st.message().find(needle) != std::string::npos; }
+
+std::vector<SockAddr> must_resolve(const std::string& addr, uint16_t port) {
+  auto r = resolve(addr, port, "test");
+  EXPECT_TRUE(r.ok()) << r.status().to_string();
+  return r.ok() ? *r : std::vector<SockAddr>{};
+}
+
+// Accepts one connection on `listener` and returns where it came from.
+std::string accept_peer(int listener) {
+  auto ready = wait_fd(listener, POLLIN, deadline_after(10));
+  if (!ready.ok() || !*ready) return "(nothing came)";
+  SockAddr peer;
+  peer.len = sizeof peer.ss;
+  Fd c(::accept4(listener, reinterpret_cast<sockaddr*>(&peer.ss), &peer.len, SOCK_CLOEXEC));
+  return c.fd < 0 ? "(accept failed)" : to_text(peer);
+}
+
+TEST(SocketIo, ResolvesIpv4Ipv6AndHostNames) {
+  auto v4 = must_resolve("127.0.0.1", 29500);
+  ASSERT_EQ(v4.size(), 1u);
+  EXPECT_EQ(v4[0].family(), AF_INET);
+  EXPECT_EQ(to_text(v4[0]), "127.0.0.1:29500");
+  auto v6 = must_resolve("::1", 29500);
+  ASSERT_EQ(v6.size(), 1u);
+  EXPECT_EQ(v6[0].family(), AF_INET6);
+  EXPECT_EQ(v6[0].port(), 29500);
+  EXPECT_EQ(to_text(v6[0]), "[::1]:29500");
+  // An IPv4-mapped address (how a dual-stack listener sees an IPv4 peer)
+  // prints as the IPv4 address it is.
+  auto mapped = must_resolve("::ffff:10.1.2.3", 7);
+  ASSERT_EQ(mapped.size(), 1u);
+  EXPECT_EQ(to_text(mapped[0]), "10.1.2.3:7");
+  auto host = must_resolve("localhost", 1);
+  ASSERT_FALSE(host.empty());
+  for (const auto& a : host) {
+    EXPECT_TRUE(a.family() == AF_INET || a.family() == AF_INET6) << a.family();
+    EXPECT_EQ(a.port(), 1);
+  }
+  EXPECT_EQ(host_port_text("::1", 29500), "[::1]:29500");
+  EXPECT_EQ(host_port_text("node0", 29500), "node0:29500");
+}
+
+// torch.distributed cannot resolve "[::1]" (its TCPStore retries until its
+// timeout): refused at once, saying how to write it.
+TEST(SocketIo, AnAddressInBracketsIsRefusedNamingIt) {
+  auto r = resolve("[::1]", 29500, "rendezvous at [::1]:29500 (rank 1 of 2)");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(r.status(), "cannot resolve MASTER_ADDR '[::1]': an IPv6 address is written without "
+                                   "brackets ('::1')"))
+      << r.status().message();
+}
+
+// Rank 0's listener: dual-stack, so ranks that name its host by IPv4 and by
+// IPv6 both reach it.
+TEST(SocketIo, TheListenerTakesIpv4AndIpv6Peers) {
+  if (auto why = test::ipv6_loopback_missing(); !why.empty()) GTEST_SKIP() << why;
+  auto l = listen_on(0, 4, "test");
+  ASSERT_TRUE(l.ok()) << l.status().to_string();
+  const uint16_t port = local_port(l->fd);
+  ASSERT_NE(port, 0);
+  bool refused = false;
+  auto c4 = connect_once(must_resolve("127.0.0.1", port), deadline_after(10), "test", &refused);
+  ASSERT_TRUE(c4.ok()) << c4.status().to_string();
+  EXPECT_EQ(accept_peer(l->fd).rfind("127.0.0.1:", 0), 0u);
+  auto c6 = connect_once(must_resolve("::1", port), deadline_after(10), "test", &refused);
+  ASSERT_TRUE(c6.ok()) << c6.status().to_string();
+  EXPECT_EQ(accept_peer(l->fd).rfind("[::1]:", 0), 0u);
+}
+
+// Each resolved address is tried in order: [::1] refuses (nothing listens
+// there), 127.0.0.1 takes it; with nothing listening at either, the error
+// names both and says "refused" (worth retrying).
+TEST(SocketIo, ConnectTriesEachAddressInTurn) {
+  if (auto why = test::ipv6_loopback_missing(); !why.empty()) GTEST_SKIP() << why;
+  Fd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));  // IPv4 only
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(l.fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::listen(l.fd, 4), 0);
+  const uint16_t port = local_port(l.fd);
+  std::vector<SockAddr> both = must_resolve("::1", port);
+  const auto v4 = must_resolve("127.0.0.1", port);
+  both.insert(both.end(), v4.begin(), v4.end());
+  bool refused = true;
+  auto c = connect_once(both, deadline_after(10), "test", &refused);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_FALSE(refused);
+  l = Fd();  // nothing listens at either now
+  auto none = connect_once(both, deadline_after(10), "test", &refused);
+  ASSERT_FALSE(none.ok());
+  EXPECT_TRUE(refused);
+  const std::string p = std::to_string(port);
+  EXPECT_TRUE(contains(none.status(), "test: connect to [::1]:" + p + " failed: Connection refused; to 127.0.0.1:" +
+                                          p + ": Connection refused"))
+      << none.status().message();
+}
+
+}  // namespace
+}  // namespace strata::comm::net
