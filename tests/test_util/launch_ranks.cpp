@@ -4,8 +4,11 @@
 // was free a moment ago (rank 0 serves the rendezvous there). Output goes
 // where the launcher's goes.
 //
-//   launch_ranks [--timeout S] [--keep-going] N PROGRAM [ARGS...]
+//   launch_ranks [--timeout S] [--keep-going] [--master-addr A[,B...]] N PROGRAM [ARGS...]
 //
+// --master-addr: MASTER_ADDR instead of 127.0.0.1 ("::1", "localhost"); a
+// list gives rank r the r-th address (the last for the ranks past its end),
+// so that ranks name rank 0's host by IPv4 and by IPv6 in one job.
 // Exit status: 0 when every rank exited 0; otherwise that of the first rank
 // that failed (128 + signal when killed), after a line on stderr per failed
 // rank. When a rank fails, the others get SIGTERM and, 15 s later, SIGKILL
@@ -20,6 +23,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -46,7 +50,8 @@ int free_port() {
 }
 
 int usage() {
-  std::fprintf(stderr, "usage: launch_ranks [--timeout S] [--keep-going] N PROGRAM [ARGS...]\n");
+  std::fprintf(stderr,
+               "usage: launch_ranks [--timeout S] [--keep-going] [--master-addr A[,B...]] N PROGRAM [ARGS...]\n");
   return 2;
 }
 
@@ -55,12 +60,21 @@ int usage() {
 int main(int argc, char** argv) {
   double timeout_s = 600;
   bool keep_going = false;
+  std::vector<std::string> master_addrs{"127.0.0.1"};
   int i = 1;
   for (; i < argc && std::strncmp(argv[i], "--", 2) == 0; ++i) {
     if (std::strcmp(argv[i], "--timeout") == 0 && i + 1 < argc)
       timeout_s = std::atof(argv[++i]);
     else if (std::strcmp(argv[i], "--keep-going") == 0)
       keep_going = true;
+    else if (std::strcmp(argv[i], "--master-addr") == 0 && i + 1 < argc) {
+      master_addrs.clear();
+      std::string list = argv[++i];
+      for (std::size_t at = 0, end; at <= list.size(); at = end + 1) {
+        end = std::min(list.find(',', at), list.size());
+        master_addrs.push_back(list.substr(at, end - at));
+      }
+    }
     else
       return usage();
   }
@@ -83,7 +97,7 @@ int main(int argc, char** argv) {
       ::setenv("LOCAL_RANK", rank.c_str(), 1);
       ::setenv("WORLD_SIZE", world.c_str(), 1);
       ::setenv("LOCAL_WORLD_SIZE", world.c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_ADDR", master_addrs[std::min<std::size_t>(r, master_addrs.size() - 1)].c_str(), 1);
       ::setenv("MASTER_PORT", port.c_str(), 1);
       ::execvp(cmd[0], cmd);
       std::fprintf(stderr, "launch_ranks: cannot run %s: %s\n", cmd[0], std::strerror(errno));
