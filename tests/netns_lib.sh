@@ -5,6 +5,7 @@
 #   source tests/netns_lib.sh
 #   netns_mpirun_bin=/usr/bin/mpirun                           # optional (default: mpirun)
 #   netns_hosts 3 [RATE] || { echo "$netns_error"; exit 77; }   # root only
+#   ((${#netns_addr6[@]})) || echo "no IPv6: $netns_error6"    # host i's IPv6 address
 #   "${netns_mpirun[@]}" --host "${netns_addr[0]},${netns_addr[1]}" -np 2 CMD...
 #   ip netns exec "${netns_ns[0]}" CMD...                      # CMD on host 0
 # netns_hosts makes a bridge and N namespaces on it, each with its own UTS
@@ -22,6 +23,8 @@
 netns_error=
 netns_net=        # the bridge's /24, as 10.x.y
 netns_addr=()      # host i's address on the bridge
+netns_addr6=()     # host i's IPv6 address on the bridge (fd10:x:y::i+1); empty where IPv6 is off
+netns_error6=      # why netns_addr6 is empty
 netns_ns=()        # host i's network namespace (for ip netns exec)
 netns_mpirun=()
 _netns_made=()
@@ -51,7 +54,7 @@ _netns_remove_stale() {
 }
 
 netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error on failure
-  local n=$1 rate=${2:-} i ns net= cand tool
+  local n=$1 rate=${2:-} i ns net= cand tool out
   for tool in ip tc nsenter unshare; do
     command -v "$tool" >/dev/null || { netns_error="no $tool here"; return 1; }
   done
@@ -72,6 +75,8 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
   ip addr add "$net.1/24" dev "$_netns_br" && ip link set "$_netns_br" up ||
     { netns_error="bridge setup failed"; return 1; }
   netns_addr=()
+  netns_addr6=()
+  netns_error6=
   netns_ns=()
   for ((i = 1; i <= n; ++i)); do
     ns=strata_ns${_netns_tag}_$i
@@ -89,7 +94,17 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
     fi
     netns_addr+=("$net.$((i + 1))")
     netns_ns+=("$ns")
+    # IPv6 too where the kernel has it (nodad: usable at once), on a /64
+    # named after the IPv4 /24; optional, so no failure.
+    if [[ -z $netns_error6 ]]; then
+      if out=$(ip -n "$ns" -6 addr add "fd${net//./:}::$((i + 1))/64" dev eth0 nodad 2>&1); then
+        netns_addr6+=("fd${net//./:}::$((i + 1))")
+      else
+        netns_error6="cannot add an IPv6 address in $ns: ${out:-ip -6 addr add failed}"
+      fi
+    fi
   done
+  [[ -z $netns_error6 ]] || netns_addr6=()
   netns_mpirun=()
   command -v "${netns_mpirun_bin:-mpirun}" >/dev/null || return 0
   # Open MPI's rsh agent: "agent [options] HOST CMD..." runs CMD on HOST.

@@ -10,7 +10,10 @@
 #   tests/runtime/netns_tcp_ranks_test.sh build/tests/comm/test_comm_tcp build/tools/strata
 # Runs the communicator's collectives (test_comm_tcp) across 2 and 3 hosts
 # and with 4 ranks on 2 hosts, a rank killed mid-collective across 3, and `strata finetune` across 2
-# against a 1-rank run of 2 micro-batches (cmp of the exported models).
+# against a 1-rank run of 2 micro-batches (cmp of the exported models). Where
+# the hosts have IPv6 (netns_addr6), the collectives across 3 hosts again
+# with MASTER_ADDR host 0's IPv6 address, and with one rank naming it by IPv4
+# and another by IPv6 (the table then holds both families).
 # ctest tcp_ranks_netns; exit 77 where namespaces cannot be made, saying why
 # (exit 1 instead with STRATA_REQUIRE_NETNS=1, as CI runs it).
 set -uo pipefail
@@ -40,7 +43,9 @@ fi
 port=29400
 # ranks N K NAME T CMD...: rank r of N runs CMD on host r/K (K ranks per
 # host, as torchrun's agent on each of N/K nodes starts them) with torchrun's
-# environment, output in $dir/NAME.r.log, at most T seconds; sets rcs.
+# environment (MASTER_ADDR: ${rank_master[r]}, by default host 0's IPv4
+# address), output in $dir/NAME.r.log, at most T seconds; sets rcs.
+rank_master=()
 ranks() {
   local n=$1 k=$2 name=$3 t=$4 r
   shift 4
@@ -48,7 +53,7 @@ ranks() {
   pids=()
   for ((r = 0; r < n; ++r)); do
     ip netns exec "${netns_ns[r / k]}" env RANK=$r WORLD_SIZE=$n LOCAL_RANK=$((r % k)) LOCAL_WORLD_SIZE=$k \
-      GROUP_RANK=$((r / k)) MASTER_ADDR="${netns_addr[0]}" MASTER_PORT=$port timeout -s KILL "$t" "$@" \
+      GROUP_RANK=$((r / k)) MASTER_ADDR="${rank_master[r]:-${netns_addr[0]}}" MASTER_PORT=$port timeout -s KILL "$t" "$@" \
       >"$dir/$name.$r.log" 2>&1 &
     pids+=($!)
   done
@@ -82,6 +87,24 @@ for layout in "2 1" "3 1" "4 2"; do
     grep -q "PASSED" "$dir/$name.$r.log" || fail "test_comm_tcp, $n ranks on $((n / k)) hosts: rank $r printed no PASSED"
   done
 done
+
+# Over IPv6 across 3 hosts: every rank names host 0 by its IPv6 address, then
+# rank 1 by IPv4 and rank 2 by IPv6 (rank 0's dual-stack listener takes
+# both; rank 2 reaches rank 1 at the IPv4 address the table gives).
+if ((${#netns_addr6[@]} == 0)); then
+  echo "note: no IPv6 across the hosts, its checks not run: $netns_error6"
+else
+  for masters in "${netns_addr6[0]} ${netns_addr6[0]} ${netns_addr6[0]}" \
+    "${netns_addr6[0]} ${netns_addr[0]} ${netns_addr6[0]}"; do
+    read -r -a rank_master <<<"$masters"
+    ranks 3 1 comm3v6 300 "$comm_test" --gtest_filter=-RanksTimeout.*:RanksDeath.*
+    for ((r = 0; r < 3; ++r)); do
+      ((rcs[r] == 0)) || fail "test_comm_tcp, 3 hosts, MASTER_ADDR $masters: rank $r exited ${rcs[r]}: $(logs comm3v6 3)"
+      grep -q "PASSED" "$dir/comm3v6.$r.log" || fail "test_comm_tcp, 3 hosts, MASTER_ADDR $masters: rank $r printed no PASSED"
+    done
+  done
+  rank_master=()
+fi
 
 # A rank that dies mid-collective on another host: the others fail naming it,
 # long before any timeout (a FIN across the bridge, as across machines).
