@@ -14,6 +14,9 @@
   comes is named on every rank that came, also on one that started first.
 - Without any store (rank 0 serves each exchange itself): 5 exchanges in a
   row.
+- Over IPv6 (skipped, saying why, where ::1 is not available): torchrun with
+  --master-addr "[::1]" (it exports MASTER_ADDR=::1) and a store torch.
+  distributed serves at ::1.
 
 Exit 0: every case passed; 1: a case failed; 77: torch missing (a failure
 instead when STRATA_REQUIRE_REFERENCE=1, as in CI).
@@ -67,36 +70,63 @@ def check_blobs(case, out, world, rounds):
     print(f"{case}: {world} ranks x {rounds} rounds got rank 0's blob: {got[(0, 0)]!r}, {got[(0, rounds - 1)]!r}")
 
 
-def env_for(rank, world, port):
+def env_for(rank, world, port, addr="127.0.0.1"):
     e = dict(os.environ)
-    e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+    e.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR=addr,
              MASTER_PORT=str(port))
     return e
 
 
-# ---- under torchrun: its agent's store on MASTER_PORT
-port = free_port()
-tmp = tempfile.mkdtemp(prefix="strata-torchrun-")  # torchrun leaves its torchelastic_* log dirs in TMPDIR
-try:
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "3",
-                          "--master-addr", "127.0.0.1", "--master-port", str(port), PROBE, "2", "60"],
-                         capture_output=True, text=True, timeout=240, env=dict(os.environ, TMPDIR=tmp))
-finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-if run.returncode != 0:
-    failures.append(f"torchrun: exit {run.returncode}:\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}")
-else:
-    check_blobs("torchrun (agent store)", run.stdout, 3, 2)
+def ipv6_loopback_missing():
+    """"" when ::1 can be bound, else why not (tests/test_util/ipv6.h)."""
+    try:
+        with open("/proc/sys/net/ipv6/conf/lo/disable_ipv6") as f:
+            if f.read().strip() == "1":
+                return "IPv6 is disabled on lo"
+    except OSError:
+        pass
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        return f"cannot bind [::1]: {e}"
+    return ""
 
-# ---- beside a store torch.distributed's rank 0 serves
-for libuv in (True, False):
+
+no_ipv6 = ipv6_loopback_missing()
+
+# ---- under torchrun: its agent's store on MASTER_PORT (over IPv6 too:
+# torchrun takes "[::1]" and exports MASTER_ADDR=::1)
+for master in ("127.0.0.1", "[::1]"):
+    if master != "127.0.0.1" and no_ipv6:
+        print(f"torchrun --master-addr {master}: skipped: {no_ipv6}")
+        continue
     port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+    tmp = tempfile.mkdtemp(prefix="strata-torchrun-")  # torchrun leaves its torchelastic_* log dirs in TMPDIR
+    try:
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--no-python", "--nproc-per-node", "3",
+                              "--master-addr", master, "--master-port", str(port), PROBE, "2", "60"],
+                             capture_output=True, text=True, timeout=240, env=dict(os.environ, TMPDIR=tmp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if run.returncode != 0:
+        failures.append(f"torchrun --master-addr {master}: exit {run.returncode}:\n{run.stdout[-2000:]}\n"
+                        f"{run.stderr[-3000:]}")
+    else:
+        check_blobs(f"torchrun --master-addr {master} (agent store)", run.stdout, 3, 2)
+
+# ---- beside a store torch.distributed's rank 0 serves (and one at ::1)
+for libuv, addr in ((True, "127.0.0.1"), (False, "127.0.0.1"), (True, "::1")):
+    if addr == "::1" and no_ipv6:
+        print(f"torch.distributed.TCPStore at {addr}: skipped: {no_ipv6}")
+        continue
+    port = free_port()
+    store = dist.TCPStore(addr, port, None, True, timeout=datetime.timedelta(seconds=60),
                           wait_for_workers=False, use_libuv=libuv)
-    procs = [subprocess.Popen([PROBE, "2", "60"], env=env_for(r, 3, port), stdout=subprocess.PIPE,
+    procs = [subprocess.Popen([PROBE, "2", "60"], env=env_for(r, 3, port, addr), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(3)]
     outs = [p.communicate(timeout=120) for p in procs]
-    case = f"torch.distributed.TCPStore (use_libuv={libuv})"
+    case = f"torch.distributed.TCPStore at {addr} (use_libuv={libuv})"
     if any(p.returncode != 0 for p in procs):
         failures.append(f"{case}: exits {[p.returncode for p in procs]}: {[o[1][-500:] for o in outs]}")
     else:
