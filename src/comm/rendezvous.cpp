@@ -589,9 +589,9 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, co
   if (o.port == 0) return Status(StatusCode::kInvalidArgument, "rendezvous: port 0 (set MASTER_PORT)");
   if (o.rank != 0 && o.addr.empty())
     return Status(StatusCode::kInvalidArgument, "rendezvous: empty address (set MASTER_ADDR)");
-  const std::string where = fmt::format("rendezvous at {} (rank {} of {})",
-                                        net::host_port_text(o.addr.empty() ? "*" : o.addr, o.port), o.rank,
-                                        o.world_size);
+  const std::string where =
+      fmt::format("rendezvous at {} (rank {} of {})", net::host_port_text(o.addr.empty() ? "*" : o.addr, o.port),
+                  o.rank, o.world_size);
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.timeout_s));
   return o.rank == 0 ? lead(o, root_blob, deadline, where) : join(o, deadline, where);

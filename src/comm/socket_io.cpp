@@ -184,8 +184,8 @@ Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point 
   return Status(status_code_from_errno(err), fmt::format("{}: connect to {}", where, failed));
 }
 
-Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline,
-                            const std::string& where, const std::string& peer, double timeout_s) {
+Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
+                            const std::string& peer, double timeout_s) {
   for (;;) {
     bool refused = false;
     auto fd = connect_once(targets, deadline, where, &refused);

@@ -86,8 +86,8 @@ Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point 
 // Connects, retrying every 50 ms until `deadline` (the peer may not listen
 // yet); then kUnavailable "<where>: could not reach <peer> within <timeout_s>
 // s (last error: ...)".
-Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline,
-                            const std::string& where, const std::string& peer, double timeout_s);
+Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
+                            const std::string& peer, double timeout_s);
 
 // A listening socket on every interface at `port` (0: the kernel picks;
 // SO_REUSEADDR), for IPv4 and IPv6 peers alike: a dual-stack IPv6 socket

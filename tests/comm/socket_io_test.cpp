@@ -66,8 +66,8 @@ TEST(SocketIo, AnAddressInBracketsIsRefusedNamingIt) {
   auto r = resolve("[::1]", 29500, "rendezvous at [::1]:29500 (rank 1 of 2)");
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_TRUE(contains(r.status(), "cannot resolve MASTER_ADDR '[::1]': an IPv6 address is written without "
-                                   "brackets ('::1')"))
+  EXPECT_TRUE(contains(r.status(),
+                       "cannot resolve MASTER_ADDR '[::1]': an IPv6 address is written without brackets ('::1')"))
       << r.status().message();
 }
 
@@ -112,8 +112,8 @@ TEST(SocketIo, ConnectTriesEachAddressInTurn) {
   ASSERT_FALSE(none.ok());
   EXPECT_TRUE(refused);
   const std::string p = std::to_string(port);
-  EXPECT_TRUE(contains(none.status(), "test: connect to [::1]:" + p + " failed: Connection refused; to 127.0.0.1:" +
-                                          p + ": Connection refused"))
+  EXPECT_TRUE(contains(none.status(), "test: connect to [::1]:" + p + " failed: Connection refused; to 127.0.0.1:" + p +
+                                          ": Connection refused"))
       << none.status().message();
 }
 

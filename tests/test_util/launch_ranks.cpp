@@ -74,8 +74,7 @@ int main(int argc, char** argv) {
         end = std::min(list.find(',', at), list.size());
         master_addrs.push_back(list.substr(at, end - at));
       }
-    }
-    else
+    } else
       return usage();
   }
   if (argc - i < 2) return usage();
