@@ -76,10 +76,12 @@ Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, co
                                       const char* label = "MASTER_ADDR");
 
 // One connect attempt to each target in order (as torch's TCPStore client
-// does), the first that connects returned, all finished by `deadline`;
-// TCP_NODELAY set. *refused: nothing listens at any of them (ECONNREFUSED
-// from each), worth retrying. The error names the target of the last
-// attempt ("<where>: connect to [::1]:29500 failed: ...").
+// does), the first that connects returned, all finished by `deadline` (a
+// target that does not answer is left after 5 s when others follow);
+// TCP_NODELAY set. *refused: none connected and one at least refused
+// (ECONNREFUSED: reachable, but nothing listens there yet), worth retrying.
+// The error names each target and why ("<where>: connect to [::1]:29500
+// failed: Connection refused; to 127.0.0.1:29500: Connection refused").
 Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
                         bool* refused);
 
