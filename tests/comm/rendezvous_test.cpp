@@ -105,7 +105,7 @@ void three_ranks_meet(const std::vector<std::string>& addrs) {
 }
 
 TEST(Rendezvous, ThreeRanksOverIpv6Loopback) {
-  if (auto why = test::ipv6_loopback_missing(); !why.empty()) GTEST_SKIP() << why;
+  STRATA_NEED_IPV6_LOOPBACK();
   three_ranks_meet({"::1", "::1", "::1"});
 }
 
@@ -114,7 +114,7 @@ TEST(Rendezvous, ThreeRanksThroughAHostName) { three_ranks_meet({"localhost", "l
 // Rank 0 serves on the wildcard, dual-stack: rank 1 comes over IPv4, rank 2
 // over IPv6.
 TEST(Rendezvous, RanksComingOverIpv4AndIpv6Meet) {
-  if (auto why = test::ipv6_loopback_missing(); !why.empty()) GTEST_SKIP() << why;
+  STRATA_NEED_IPV6_LOOPBACK();
   three_ranks_meet({"::1", "127.0.0.1", "::1"});
 }
 

@@ -74,7 +74,7 @@ TEST(SocketIo, AnAddressInBracketsIsRefusedNamingIt) {
 // Rank 0's listener: dual-stack, so ranks that name its host by IPv4 and by
 // IPv6 both reach it.
 TEST(SocketIo, TheListenerTakesIpv4AndIpv6Peers) {
-  if (auto why = test::ipv6_loopback_missing(); !why.empty()) GTEST_SKIP() << why;
+  STRATA_NEED_IPV6_LOOPBACK();
   auto l = listen_on(0, 4, "test");
   ASSERT_TRUE(l.ok()) << l.status().to_string();
   const uint16_t port = local_port(l->fd);
@@ -92,7 +92,7 @@ TEST(SocketIo, TheListenerTakesIpv4AndIpv6Peers) {
 // there), 127.0.0.1 takes it; with nothing listening at either, the error
 // names both and says "refused" (worth retrying).
 TEST(SocketIo, ConnectTriesEachAddressInTurn) {
-  if (auto why = test::ipv6_loopback_missing(); !why.empty()) GTEST_SKIP() << why;
+  STRATA_NEED_IPV6_LOOPBACK();
   Fd l(::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0));  // IPv4 only
   sockaddr_in sa{};
   sa.sin_family = AF_INET;

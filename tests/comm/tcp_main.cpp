@@ -38,6 +38,10 @@ int main(int argc, char** argv) {
   const char* master = std::getenv("MASTER_ADDR");
   if (master != nullptr && std::strchr(master, ':') != nullptr) {
     if (auto why = test::ipv6_loopback_missing(); !why.empty()) {
+      if (test::ipv6_required()) {
+        std::printf("FAIL (STRATA_REQUIRE_IPV6=1): MASTER_ADDR=%s: %s\n", master, why.c_str());
+        return 1;
+      }
       std::printf("SKIP: MASTER_ADDR=%s: %s\n", master, why.c_str());
       return 77;
     }

@@ -94,6 +94,8 @@ def ipv6_loopback_missing():
 
 
 no_ipv6 = ipv6_loopback_missing()
+if no_ipv6 and os.environ.get("STRATA_REQUIRE_IPV6") == "1":
+    sys.exit(f"FAIL (STRATA_REQUIRE_IPV6=1): {no_ipv6}")
 
 # ---- under torchrun: its agent's store on MASTER_PORT (over IPv6 too:
 # torchrun takes "[::1]" and exports MASTER_ADDR=::1)

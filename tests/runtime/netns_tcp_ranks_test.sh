@@ -92,6 +92,7 @@ done
 # rank 1 by IPv4 and rank 2 by IPv6 (rank 0's dual-stack listener takes
 # both; rank 2 reaches rank 1 at the IPv4 address the table gives).
 if ((${#netns_addr6[@]} == 0)); then
+  [[ "${STRATA_REQUIRE_IPV6:-0}" != "1" ]] || fail "no IPv6 across the hosts (STRATA_REQUIRE_IPV6=1): $netns_error6"
   echo "note: no IPv6 across the hosts, its checks not run: $netns_error6"
 else
   for masters in "${netns_addr6[0]} ${netns_addr6[0]} ${netns_addr6[0]}" \

@@ -1,7 +1,8 @@
 // Whether this machine can run a test over IPv6 loopback (::1): tests of the
 // IPv6 paths skip, saying why, where the kernel has IPv6 off (net.ipv6 sysctl
 // disable_ipv6 on lo, or no IPv6 at all: ipv6.disable=1) or ::1 cannot be
-// bound.
+// bound. With STRATA_REQUIRE_IPV6=1 (CI, whose machines have ::1) such a
+// test fails instead of skipping.
 #pragma once
 
 #include <netinet/in.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -32,4 +34,20 @@ inline std::string ipv6_loopback_missing() {
   return "";
 }
 
+// STRATA_REQUIRE_IPV6=1: a missing ::1 fails the IPv6 tests.
+inline bool ipv6_required() {
+  const char* e = std::getenv("STRATA_REQUIRE_IPV6");
+  return e != nullptr && std::string(e) == "1";
+}
+
 }  // namespace strata::test
+
+// In a gtest body: skips (or, under STRATA_REQUIRE_IPV6=1, fails) naming why
+// when ::1 cannot be used.
+#define STRATA_NEED_IPV6_LOOPBACK()                                                     \
+  do {                                                                                  \
+    if (auto why_ = ::strata::test::ipv6_loopback_missing(); !why_.empty()) {          \
+      if (::strata::test::ipv6_required()) GTEST_FAIL() << why_ << " (STRATA_REQUIRE_IPV6=1)"; \
+      GTEST_SKIP() << why_;                                                             \
+    }                                                                                   \
+  } while (0)
