@@ -282,7 +282,7 @@ void NvmeOptimizer::piece_done(std::size_t si, int array, const Status& st) {
         s.phase = Phase::kIdle;
       } else {
         s.phase = Phase::kIdle;
-        chunk_part_done_locked(s.chunk);
+        if (done_ && write_counts_[s.chunk]) chunk_part_done_locked(s.chunk);
         const std::size_t ci = s.chunk + slots_.size();
         if (!stop_ && ci < chunks_.size()) {
           prepare_io_locked(si, ci, false, &next);
@@ -345,13 +345,22 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
     finished_ = reported_ = 0;
     if (done_) {
       chunk_left_.assign(n, 1);
+      write_counts_.assign(n, 0);
       for (std::size_t i = 0; i < n; ++i) {
         const OptimizerTensor& t = tensors_[chunks_[i].tensor];
-        for (int a = 0; a < kArrays; ++a)
-          if (writes(a, t)) {
-            ++chunk_left_[i];
-            break;
-          }
+        // The write-back counts only where a reader of the tensor's result
+        // reads the store: a compute copy in it (or none here, so one made
+        // from the written master). A compute copy on the host or device is
+        // final once updated (and uploaded); the master and moments written
+        // back are the next pass's and a checkpoint's, which wait for the
+        // whole call.
+        const bool result_in_store = writes(kOut, t) || !t.params_out.present();
+        bool any_write = false;
+        for (int a = 0; a < kArrays; ++a) any_write = any_write || writes(a, t);
+        if (any_write && result_in_store) {
+          ++chunk_left_[i];
+          write_counts_[i] = 1;
+        }
         if (t.params_out.tier == Placement::Tier::kDevice) ++chunk_left_[i];
       }
     }

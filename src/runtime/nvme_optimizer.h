@@ -148,7 +148,13 @@ struct OptimizerTensor {
 };
 
 // step()'s completion callback: `tensors_done` leading tensors of the call
-// are updated, written back and uploaded (a device params_out). Called with
+// are updated and their compute copies final: written back where the copy
+// is in the swap store (or the tensor has no params_out: a copy made from
+// the master reads the store), uploaded where it is on the device. A copy
+// on the host or device does not wait for the master's and moments' write-
+// back, which only the next call (and whoever waits for this call's end)
+// reads; a write-back that fails after its tensor was reported still fails
+// the call and tears the state (progress()). Called with
 // increasing values, the last one the call's tensor count (on success), on
 // the I/O thread or the calling thread, under the optimizer's lock: it must
 // not block or call into the optimizer. A device upload counts as done when
@@ -339,6 +345,7 @@ class NvmeOptimizer {
   std::vector<std::uint8_t> keep_;  // run(): per slot, its read-ahead is used
   std::atomic<std::uint64_t> prefetch_hits_{0};  // written by the calling thread, read by any
   std::vector<std::uint8_t> chunk_left_;   // per chunk: parts not yet finished (mu_)
+  std::vector<std::uint8_t> write_counts_; // per chunk: its write-back is one of those parts (mu_)
   std::size_t finished_ = 0;               // chunks finished as a prefix (mu_)
   std::size_t reported_ = 0;               // tensors reported to done_ (mu_)
 };

@@ -580,6 +580,36 @@ TEST_P(NvmeOptimizerErrors, WriteErrorMidStepMarksTheStateTorn) {
   EXPECT_TRUE((*opt)->step(config_, 2, ts).ok());
 }
 
+// The completion callback reports a tensor whose compute copy is on the host
+// once it is updated, without waiting for its master's and moments' write-back
+// (the engine's next forward reads only the copy); one whose copy is in the
+// swap store only once that is written. Every write failing: the host-copy
+// tensor is reported (its copy final at the call), the swap-copy tensor never,
+// and the step still fails with the write error, its state torn.
+TEST_P(NvmeOptimizerErrors, HostComputeCopiesAreReportedBeforeTheWriteBack) {
+  add("host_out", 3000, true, true, true, false);  // one chunk: master, grads, states on NVMe; copy in RAM
+  add("swap_out", 3000, true, true, true, true);   // the same with its copy on NVMe
+  auto opt = make();
+  ASSERT_TRUE(opt.ok());
+  new_grads();
+  reference_step(1);
+  auto ts = tensors();
+  std::vector<std::size_t> calls;
+  int copy_not_final = 0;
+  faults_->set_plan({.op = io::IoOpKind::kWrite, .fail_nth = 1, .fail_errno = EIO, .fail_after = true});
+  Status s = (*opt)->step(config_, 1, ts, [&](std::size_t done) {
+    calls.push_back(done);
+    if (done >= 1 && std::memcmp(models_[0].h_out.data(), models_[0].out.data(), models_[0].count * 2) != 0)
+      ++copy_not_final;
+  });
+  faults_->set_plan({});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("optimizer step 1: writing back "), std::string::npos) << s.message();
+  EXPECT_TRUE((*opt)->progress().torn);
+  EXPECT_EQ(calls, std::vector<std::size_t>{1}) << "host_out must be reported, swap_out (never written) must not";
+  EXPECT_EQ(copy_not_final, 0) << "host_out was reported before its compute copy was final";
+}
+
 // A failed upload leaves a device compute copy behind its master: the step
 // fails naming it, and the state counts as torn (as after a failed write).
 TEST_P(NvmeOptimizerErrors, FailedDeviceUploadMarksTheStateTorn) {

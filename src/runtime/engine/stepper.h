@@ -90,8 +90,10 @@ class Stepper {
   // step() computes the norm and the decision (the norm's squares are
   // already summed), then hands one pass over every group (step_all, which
   // also writes the compute copies, on the device too) to the optimizer
-  // thread and returns: each group counts as updated as soon as the pass has
-  // written it back, so the update of group k runs while the trainer
+  // thread and returns: each group counts as updated as soon as its compute
+  // copies are final (on the host or device: updated and uploaded, not
+  // waiting for the master's and moments' write-back; in the swap store:
+  // written back), so the update of group k runs while the trainer
   // computes the next forward of the groups before k. Exactly the same
   // arithmetic as the synchronous step. After the pass the optimizer reads
   // the next step's first chunks ahead (read_ahead()), during the next
@@ -178,8 +180,8 @@ class Stepper {
   // group's tensors in group order (each part with its own
   // hyper-parameters), so the ring's reads run ahead across group
   // boundaries instead of filling and draining once per group.
-  // group_done(g) (optional) hears, in order, that group g is updated,
-  // written back and uploaded; it runs under the optimizer's lock. The
+  // group_done(g) (optional) hears, in order, that group g's compute copies
+  // are final (NvmeOptimizer's TensorsDone); it runs under the optimizer's lock. The
   // update counts of this step's parameters are already advanced
   // (count_updates).
   Status step_all(const cpu_optim::OptimizerConfig& c, int64_t step, const std::vector<GroupHyper>& group_hp,
