@@ -32,6 +32,8 @@ PLACEMENTS = {
     # name: (offload_param, offload_optimizer) as functions of the NVMe directory
     "RAM": lambda nv: ({"device": "cpu"}, {"device": "cpu"}),
     "NVMe": lambda nv: ({"device": "nvme", "nvme_path": nv}, {"device": "nvme", "nvme_path": nv}),
+    # Parameters in RAM, optimizer states on NVMe (ZeRO-Infinity's usual split).
+    "RAM+NVMe": lambda nv: ({"device": "cpu"}, {"device": "nvme", "nvme_path": nv}),
     # Compute copies homed on the (host backend's) device, master and moments on NVMe:
     # the one-GPU case where the model's bf16/fp32 copy fits on the GPU.
     "GPU+NVMe": lambda nv: ({"device": "none"}, {"device": "nvme", "nvme_path": nv}),
