@@ -292,6 +292,30 @@ class EngineTest(unittest.TestCase):
         for k, v in engine.state_dict().items():
             self.assertTrue(torch.equal(v, final[k]), k)
 
+    def test_checkpoint_without_counters_takes_the_engines_step_count(self):
+        # A checkpoint written before the package saved DeepSpeed's counters:
+        # global_steps and global_samples come from the engine's own count.
+        from unittest import mock
+        import strata.torch.engine as package
+        m = llama()
+        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme("a")))
+        strata_run(engine, batches(3))
+        dumps = package.json.dumps
+
+        def without_counters(obj, *a, **k):
+            obj = {"strata_torch": {key: v for key, v in obj["strata_torch"].items() if key != "counters"}}
+            return dumps(obj, *a, **k)
+
+        ck = os.path.join(self.dir, "ck")
+        with mock.patch.object(package.json, "dumps", without_counters):
+            engine.save_checkpoint(ck, tag="old")
+        batch = engine.train_batch_size()
+        engine.destroy()
+        engine, _, _, _ = st.initialize(model=llama(), config=ds_config(self.nvme("b")))
+        engine.load_checkpoint(ck, tag="old")
+        self.assertEqual((engine.global_steps, engine.global_samples, engine.skipped_steps), (3, 3 * batch, 0))
+        engine.destroy()
+
     def test_exception_in_forward_discards_the_step(self):
         data = batches(4)
         ref_m = llama()

@@ -1224,6 +1224,13 @@ class StrataEngine:
         self._betas_set = {gi: None for gi in range(len(groups))}
         if "counters" in extra:
             self.global_steps, self.global_samples, self.skipped_steps = extra["counters"]
+        else:  # a checkpoint saved before the counters were: the engine's own count
+            s = _lib.EngineStats()
+            s.struct_size = ctypes.sizeof(s)
+            self._call(_lib.strata_engine_stats, ctypes.byref(s))
+            self.global_steps = s.steps + s.skipped_steps
+            self.global_samples = self.global_steps * (self.train_batch_size or 0)
+            self.skipped_steps = s.skipped_steps
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self._micro = 0
