@@ -8,7 +8,7 @@
 // Exit status: 0 done; 1 a problem the user can fix (the message says what,
 // where and why); 2 an internal error; 130 interrupted by SIGINT/SIGTERM after
 // the current step finished and a checkpoint was saved (resume with
-// --resume OUT).
+// --resume OUT), or while the ranks were still meeting (nothing trained).
 #include <signal.h>
 #include <unistd.h>
 
@@ -95,7 +95,9 @@ void run_finetune(const FinetuneFlags& f) {
   auto t = train::Trainer::create(o);
   if (!t.ok()) {
     print_error("strata finetune", t.status());
-    set_exit_code(exit_code_for(t.status()));
+    // A stop signal while the ranks were meeting: nothing trained, nothing to resume.
+    const bool interrupted = t.status().code() == StatusCode::kCancelled && signals.stopped();
+    set_exit_code(interrupted ? kExitInterrupted : exit_code_for(t.status()));
     return;
   }
   train::Trainer& tr = *t.value();

@@ -10,6 +10,7 @@
 #include "comm/nccl_comm.h"
 #include "comm/rendezvous.h"
 #include "comm/self_comm.h"
+#include "comm/socket_io.h"
 #include "comm/tcp_comm.h"
 #include "device/host_backend.h"
 #include "strata/strata_config.h"
@@ -147,6 +148,7 @@ bool mpi_backend_built() { return STRATA_HAVE_MPI != 0; }
 
 Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device, const CommOptions& options) {
   if (device == nullptr) return Status(StatusCode::kInvalidArgument, "create_communicator: null device backend");
+  net::CancelScope cancel(options.cancel);  // the rendezvous and connections below run on this thread
   if (!(options.timeout_s > 0))
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("create_communicator: timeout_s must be > 0 (got {})", options.timeout_s));

@@ -57,6 +57,7 @@
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <memory>
 #include <optional>
@@ -128,6 +129,10 @@ struct CommOptions {
   // torch.multiprocessing.spawn, its own launcher, ...). Unset: the
   // environment (bootstrap.h).
   std::optional<LaunchInfo> ranks = std::nullopt;
+  // kTcp, kNccl: while the ranks meet (the rendezvous and the connections),
+  // a set flag (a signal handler's stop request) ends the wait at once with
+  // kCancelled instead of at the timeout. Null: waits until the timeout.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 // True when this build has the MPI backend (STRATA_HAVE_MPI).

@@ -339,12 +339,13 @@ class MiniStore {
       for (const auto& c : conns_) flushed = flushed && c.out.empty();
       if (done() && flushed) return true;
       if (ms_left(until) == 0) return false;
+      STRATA_RETURN_IF_ERROR(net::check_cancel(where_));
       const bool accepting = Clock::now() >= accept_again;
       std::vector<pollfd> p{{listener_.fd, static_cast<short>(accepting ? POLLIN : 0), 0}};
       for (const auto& c : conns_)
         p.push_back({c.fd.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
       const int wait_ms = accepting ? ms_left(until) : std::min(ms_left(until), 50);
-      const int n = ::poll(p.data(), p.size(), wait_ms);
+      const int n = ::poll(p.data(), p.size(), net::poll_slice(wait_ms));
       if (n < 0 && errno != EINTR) return Status::from_errno(errno, where_ + ": poll");
       if (n <= 0) continue;
       if (p[0].revents & POLLIN) {

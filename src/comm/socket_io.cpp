@@ -46,6 +46,24 @@ std::string host_port_text(const std::string& host, uint16_t port) {
   return bare_ipv6 ? fmt::format("[{}]:{}", host, port) : fmt::format("{}:{}", host, port);
 }
 
+namespace {
+thread_local const std::atomic<bool>* t_cancel = nullptr;
+constexpr int kCancelPollMs = 100;
+}  // namespace
+
+CancelScope::CancelScope(const std::atomic<bool>* flag) : outer_(t_cancel) {
+  if (flag != nullptr) t_cancel = flag;
+}
+
+CancelScope::~CancelScope() { t_cancel = outer_; }
+
+Status check_cancel(const std::string& what) {
+  if (t_cancel == nullptr || !t_cancel->load(std::memory_order_relaxed)) return Status();
+  return Status(StatusCode::kCancelled, fmt::format("{}: interrupted (a stop signal) while waiting", what));
+}
+
+int poll_slice(int ms) { return t_cancel == nullptr ? ms : std::min(ms, kCancelPollMs); }
+
 Clock::time_point deadline_after(double seconds) {
   return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
@@ -57,10 +75,15 @@ int ms_left(Clock::time_point deadline) {
 
 Result<bool> wait_fd(int fd, short events, Clock::time_point deadline) {
   for (;;) {
+    STRATA_RETURN_IF_ERROR(check_cancel("waiting for a peer"));
     pollfd p{fd, events, 0};
-    const int n = ::poll(&p, 1, ms_left(deadline));
+    const int left = ms_left(deadline);
+    const int n = ::poll(&p, 1, poll_slice(left));
     if (n > 0) return true;
-    if (n == 0) return false;
+    if (n == 0) {
+      if (poll_slice(left) == left) return false;  // the deadline (not a slice) passed
+      continue;
+    }
     if (errno != EINTR) return Status::from_errno(errno, "poll");
   }
 }
@@ -180,6 +203,7 @@ Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point 
     failed += failed.empty() ? fmt::format("{} failed: {}", to_text(targets[i]), why)
                              : fmt::format("; to {}: {}", to_text(targets[i]), why);
   }
+  STRATA_RETURN_IF_ERROR(check_cancel(where));  // (a wait above ended early for it)
   if (failed.empty()) return Status(StatusCode::kInvalidArgument, where + ": connect to no address");
   return Status(status_code_from_errno(err), fmt::format("{}: connect to {}", where, failed));
 }
@@ -187,9 +211,11 @@ Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point 
 Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
                             const std::string& peer, double timeout_s) {
   for (;;) {
+    STRATA_RETURN_IF_ERROR(check_cancel(fmt::format("{}: reaching {}", where, peer)));
     bool refused = false;
     auto fd = connect_once(targets, deadline, where, &refused);
     if (fd.ok()) return fd;
+    if (fd.status().code() == StatusCode::kCancelled) return fd.status();
     if (ms_left(deadline) == 0)
       return Status(StatusCode::kUnavailable, fmt::format("{}: could not reach {} within {:g} s (last error: {})",
                                                           where, peer, timeout_s, fd.status().message()));

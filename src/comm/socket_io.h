@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -53,6 +54,29 @@ struct SockAddr {
 std::string to_text(const SockAddr& a);
 // host:port as written in a URL: an IPv6 literal in brackets.
 std::string host_port_text(const std::string& host, uint16_t port);
+
+// While a CancelScope lives on a thread, every wait of this file on that
+// thread (wait_fd and what uses it, connect_retrying's retries) and the
+// rendezvous' serving loop look at `flag` at least every 100 ms and fail with
+// kCancelled "interrupted (a stop signal) while <what>" once it is set: a
+// signal handler's stop flag ends a rank that waits for the others (up to
+// the timeout: minutes) at once. Null: nothing to watch. Scopes nest (the
+// inner one's flag is watched until it ends).
+class CancelScope {
+ public:
+  explicit CancelScope(const std::atomic<bool>* flag);
+  ~CancelScope();
+  CancelScope(const CancelScope&) = delete;
+  CancelScope& operator=(const CancelScope&) = delete;
+
+ private:
+  const std::atomic<bool>* outer_;
+};
+// kCancelled naming `what` when this thread's scope flag is set; OK otherwise.
+Status check_cancel(const std::string& what);
+// The longest one poll() may block on this thread: `ms`, or at most 100
+// under a CancelScope.
+int poll_slice(int ms);
 
 Clock::time_point deadline_after(double seconds);
 // Milliseconds until `deadline` for poll(): 0 once passed.

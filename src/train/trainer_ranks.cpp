@@ -45,6 +45,7 @@ Status Trainer::Impl::join_ranks() {
             : launcher == comm::Launcher::kMpirun ? comm::CommBackendKind::kMpi
                                                   : comm::CommBackendKind::kTcp;
   co.timeout_s = opt.comm_timeout_s;
+  co.cancel = opt.stop;  // a stop signal while the ranks meet ends the wait at once
   auto c = comm::create_communicator(backend.get(), co);
   if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));
   comm = std::move(c).value();

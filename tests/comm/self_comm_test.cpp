@@ -1,11 +1,16 @@
-// The one-rank communicator, the factory, and the TCP backend's one-rank
-// and refusal cases.
+// The one-rank communicator, the factory, and the TCP backend's one-rank,
+// refusal and stop-flag cases.
 #include "comm/self_comm.h"
 
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "comm/communicator.h"
@@ -184,6 +189,44 @@ TEST(TcpComm, AMasterAddrInBracketsIsRefusedNamingIt) {
   EXPECT_NE(r.status().message().find("'[::1]': an IPv6 address is written without brackets ('::1')"),
             std::string::npos)
       << r.status().to_string();
+}
+
+// A stop flag (the CLI's signal handler) set while a rank waits for the
+// others ends the wait at once with kCancelled, rank 0 (serving the store,
+// waiting for rank 1) and rank 1 (retrying to reach a rank 0 that is not
+// there) alike, instead of at the 120 s timeout.
+TEST(TcpComm, AStopFlagEndsTheWaitForTheOtherRanks) {
+  auto dev = create_host_backend(HostBackendOptions{});
+  ASSERT_TRUE(dev.ok());
+  for (int rank : {0, 1}) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);  // a free port: nothing listens there afterwards
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof sa;
+    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
+    ::close(fd);
+    std::atomic<bool> stop{false};
+    CommOptions o;
+    o.kind = CommBackendKind::kTcp;
+    o.timeout_s = 120;
+    o.ranks = LaunchInfo{Launcher::kTorchrun, rank, 2, 0, "127.0.0.1", ntohs(sa.sin_port)};
+    o.cancel = &stop;
+    std::thread signal([&] {
+      std::this_thread::sleep_for(std::chrono::milliseconds(300));
+      stop.store(true);
+    });
+    const auto t0 = std::chrono::steady_clock::now();
+    auto r = create_communicator(dev->get(), o);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    signal.join();
+    ASSERT_FALSE(r.ok()) << "rank " << rank;
+    EXPECT_EQ(r.status().code(), StatusCode::kCancelled) << r.status().to_string();
+    EXPECT_NE(r.status().message().find("interrupted (a stop signal) while waiting"), std::string::npos)
+        << r.status().to_string();
+    EXPECT_LT(s, 30.0) << "rank " << rank << " waited past the stop";
+  }
 }
 
 }  // namespace

@@ -9,6 +9,8 @@
 #   - SIGTERM to one rank stops every rank after the same step with a
 #     checkpoint (exit 130); --resume finishes the job with the same model as
 #     a run never stopped;
+#   - SIGTERM to a rank still waiting for the others (tcp) ends it at once
+#     (exit 130), not at the rendezvous timeout;
 #   - a rank that stops answering (SIGSTOP) makes the other fail within
 #     --comm-timeout naming it; a rank killed with SIGKILL ends the job
 #     (mpirun ends the others; over TCP the others see its connections close
@@ -159,6 +161,28 @@ else
     --resume "$dir/sig" >"$dir/resume.log" 2>&1 || { cat "$dir/resume.log"; fail "--resume after SIGTERM"; }
   cmp -s "$dir/full/model/model.safetensors" "$dir/sig/model/model.safetensors" ||
     fail "SIGTERM + --resume: the model differs from the uninterrupted run's"
+fi
+
+# ---- a stop signal while a rank waits for the others (here: a peer that
+# never comes): it ends at once, exit 130, instead of at the 300 s timeout
+if [[ $kind == tcp ]]; then
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  RANK=1 WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+    "$strata" finetune "${common[@]}" --steps 4 --batch 2 --out "$dir/alone" >"$dir/alone.log" 2>&1 &
+  alone=$!
+  for ((i = 0; i < 300; i++)); do  # until its SIGTERM handler is in place (bit 15 of SigCgt)
+    mask=$(awk '/^SigCgt/ {print $2}' "/proc/$alone/status" 2>/dev/null) || break
+    [[ -n $mask ]] && (((16#$mask >> 14) & 1)) && break
+    sleep 0.1
+  done
+  t0=$SECONDS
+  kill -TERM "$alone"
+  wait "$alone"
+  rc=$?
+  ((rc == 130)) || fail "SIGTERM while waiting for the ranks: exit $rc, expected 130: $(tail -3 "$dir/alone.log")"
+  ((SECONDS - t0 < 30)) || fail "SIGTERM while waiting for the ranks: $((SECONDS - t0)) s to end"
+  grep -q "interrupted (a stop signal) while waiting" "$dir/alone.log" ||
+    fail "SIGTERM while waiting for the ranks: no 'interrupted' error: $(tail -3 "$dir/alone.log")"
 fi
 
 # A 400-step job of 2 ranks into OUT NAME (extra flags after); once step 2
