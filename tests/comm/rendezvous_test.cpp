@@ -17,23 +17,13 @@
 #include <string>
 #include <vector>
 
+#include "test_util/free_port.h"
 #include "test_util/ipv6.h"
 
 namespace strata::comm {
 namespace {
 
-// A port that was free a moment ago (the kernel's pick for port 0).
-uint16_t free_port() {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  ::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  ::close(fd);
-  return ntohs(sa.sin_port);
-}
+using test::free_port;
 
 // Runs `child` in a forked process; its return value is the exit status.
 pid_t spawn(const std::function<int()>& child) {

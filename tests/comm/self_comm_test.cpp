@@ -3,9 +3,6 @@
 #include "comm/self_comm.h"
 
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -18,6 +15,7 @@
 #include "comm/tcp_comm.h"
 #include "comm_pattern.h"
 #include "device/host_backend.h"
+#include "test_util/free_port.h"
 
 namespace strata::comm {
 namespace {
@@ -199,19 +197,13 @@ TEST(TcpComm, AStopFlagEndsTheWaitForTheOtherRanks) {
   auto dev = create_host_backend(HostBackendOptions{});
   ASSERT_TRUE(dev.ok());
   for (int rank : {0, 1}) {
-    int fd = ::socket(AF_INET, SOCK_STREAM, 0);  // a free port: nothing listens there afterwards
-    sockaddr_in sa{};
-    sa.sin_family = AF_INET;
-    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof sa;
-    ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
-    ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len), 0);
-    ::close(fd);
+    const uint16_t port = strata::test::free_port();  // nothing listens there afterwards
+    ASSERT_NE(port, 0);
     std::atomic<bool> stop{false};
     CommOptions o;
     o.kind = CommBackendKind::kTcp;
     o.timeout_s = 120;
-    o.ranks = LaunchInfo{Launcher::kTorchrun, rank, 2, 0, "127.0.0.1", ntohs(sa.sin_port)};
+    o.ranks = LaunchInfo{Launcher::kTorchrun, rank, 2, 0, "127.0.0.1", port};
     o.cancel = &stop;
     std::thread signal([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
