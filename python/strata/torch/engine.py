@@ -1225,12 +1225,10 @@ class StrataEngine:
         if "counters" in extra:
             self.global_steps, self.global_samples, self.skipped_steps = extra["counters"]
         else:  # a checkpoint saved before the counters were: the engine's own count
-            s = _lib.EngineStats()
-            s.struct_size = ctypes.sizeof(s)
-            self._call(_lib.strata_engine_stats, ctypes.byref(s))
-            self.global_steps = s.steps + s.skipped_steps
+            s = self.stats()
+            self.global_steps = s["steps"] + s["skipped_steps"]
             self.global_samples = self.global_steps * (self.train_batch_size or 0)
-            self.skipped_steps = s.skipped_steps
+            self.skipped_steps = s["skipped_steps"]
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self._micro = 0
@@ -1243,6 +1241,7 @@ class StrataEngine:
         self._call(_lib.strata_engine_stats, ctypes.byref(s))
         return {"tier_bytes": {"device": s.tier_bytes[1], "host": s.tier_bytes[2], "nvme": s.tier_bytes[3]},
                 "nvme_read_bytes": s.nvme_read_bytes, "nvme_write_bytes": s.nvme_write_bytes, "steps": s.steps,
+                "skipped_steps": s.skipped_steps,
                 "comm_bytes": s.comm_bytes, "gathers_ahead": s.gathers_ahead, "gathers_reused": s.gathers_reused}
 
     def destroy(self):
