@@ -8,10 +8,11 @@ library's message and status.
 """
 import ctypes
 import os
+import threading
 
 __all__ = ["lib", "StrataError", "check", "library_path", "DTYPE_F32", "DTYPE_BF16", "DTYPE_F16"]
 
-API_VERSION = 11  # STRATA_API_VERSION these bindings speak
+API_VERSION = 12  # STRATA_API_VERSION these bindings speak
 
 DTYPE_F32, DTYPE_BF16, DTYPE_F16 = 0, 1, 2
 DEVICE_AUTO, DEVICE_CUDA, DEVICE_HOST = 0, 1, 2
@@ -61,7 +62,8 @@ class EngineOptions(ctypes.Structure):
     _fields_ = [("struct_size", c_size_t), ("config_json", c_char_p), ("config_path", c_char_p),
                 ("device_kind", c_int), ("device_ordinal", c_int), ("comm_kind", c_int), ("mpi_comm", c_int64),
                 ("comm_timeout_s", c_double), ("nccl_comm", c_void_p), ("comm_rank", c_int32),
-                ("comm_world_size", c_int32), ("comm_store_addr", c_char_p), ("comm_store_port", c_int32)]
+                ("comm_world_size", c_int32), ("comm_store_addr", c_char_p), ("comm_store_port", c_int32),
+                ("cancel", ctypes.POINTER(c_int))]
 
 
 class ParamDesc(ctypes.Structure):
@@ -166,6 +168,47 @@ def check(status, engine=None):
         return
     msg = strata_engine_last_error(engine) if engine else strata_last_error()
     raise StrataError(status, (msg or b"").decode("utf-8", "replace"))
+
+
+def create_engine(opts, descs, count):
+    """strata_engine_create: the engine handle (a c_void_p), or StrataError.
+
+    With ranks (TCP, NCCL) the call waits for the other ranks, up to the
+    timeout (minutes). Python runs a signal handler only between bytecodes, so
+    Ctrl-C during a call into C would wait for all of it: the call runs on a
+    thread of its own instead, and when this thread is interrupted (a
+    KeyboardInterrupt, or any exception raised by a signal handler) it sets
+    the call's stop flag (strata_engine_options_t.cancel, API 12), which ends
+    the wait within 100 ms, and raises the interruption here, leaving no
+    engine behind."""
+    e = c_void_p()
+    if opts.comm_kind not in (COMM_TCP, COMM_NCCL):
+        check(strata_engine_create(ctypes.byref(opts), descs, count, ctypes.byref(e)))
+        return e
+    stop = c_int(0)
+    opts.cancel = ctypes.pointer(stop)
+    done = {}
+
+    def create():
+        status = strata_engine_create(ctypes.byref(opts), descs, count, ctypes.byref(e))
+        done["status"] = status
+        if status != 0:  # the message is the creating thread's
+            done["message"] = (strata_last_error() or b"").decode("utf-8", "replace")
+
+    t = threading.Thread(target=create, name="strata-engine-create", daemon=True)
+    t.start()
+    try:
+        while t.is_alive():
+            t.join(0.5)  # interruptible: a signal's exception is raised here
+    except BaseException:
+        stop.value = 1
+        t.join()
+        if done.get("status") == 0:  # it had already met the others
+            strata_engine_destroy(e)
+        raise
+    if done["status"] != 0:
+        raise StrataError(done["status"], done["message"])
+    return e
 
 strata_engine_loss_scale = _fn("strata_engine_loss_scale", c_int, c_void_p, ctypes.POINTER(c_double))
 

@@ -18,10 +18,12 @@ instead under STRATA_REQUIRE_REFERENCE=1 (CI).
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 import unittest
 
 import torch
@@ -175,6 +177,42 @@ class RanksTest(unittest.TestCase):
             del os.environ["WORLD_SIZE"]
         with self.assertRaisesRegex(TypeError, "mpi_comm must be an mpi4py communicator"):
             st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}}, mpi_comm="world")
+
+    def test_ctrl_c_while_waiting_for_the_other_ranks_ends_the_wait(self):
+        # Rank 1 of 2 whose rank 0 never comes waits for it up to the
+        # library's timeout (300 s). Ctrl-C there must end the wait at once:
+        # Python cannot run its handler during the call into C, so the call
+        # runs on a thread of its own and the interruption sets its stop flag
+        # (C ABI API 12). Before, the process went on waiting for 300 s.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]  # nothing listens there afterwards
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        code = ("import torch, strata.torch as st\n"
+                "print('joining', flush=True)\n"
+                "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
+                "print('joined', flush=True)\n")
+        p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            self.assertEqual(p.stdout.readline().strip(), "joining")
+            time.sleep(2.0)  # into the wait for rank 0
+            self.assertIsNone(p.poll(), "the lone rank 1 did not wait for rank 0")
+            p.send_signal(signal.SIGINT)
+            t0 = time.monotonic()
+            out, err = p.communicate(timeout=60)
+            waited = time.monotonic() - t0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("KeyboardInterrupt", err)
+        self.assertNotIn("joined", out)
+        self.assertLess(waited, 30.0, err)
+        print(f"  Ctrl-C ended rank 1's wait for rank 0 after {waited:.2f} s (exit {p.returncode})")
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -238,6 +238,8 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
     li.master_port = static_cast<uint16_t>(o.comm_store_port);
     co.ranks = li;
   }
+  if (const volatile int* stop = o.cancel)  // a signal handler's flag or another thread's: a plain int in C
+    co.cancel = [stop] { return __atomic_load_n(stop, __ATOMIC_RELAXED) != 0; };
   auto c = comm::create_communicator(e.device.get(), co);
   if (!c.ok()) return c.status().with_context(what);
   e.comm = std::move(c).value();

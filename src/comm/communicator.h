@@ -59,6 +59,7 @@
 
 #include <atomic>
 #include <cstddef>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -130,9 +131,10 @@ struct CommOptions {
   // environment (bootstrap.h).
   std::optional<LaunchInfo> ranks = std::nullopt;
   // kTcp, kNccl: while the ranks meet (the rendezvous and the connections),
-  // a set flag (a signal handler's stop request) ends the wait at once with
-  // kCancelled instead of at the timeout. Null: waits until the timeout.
-  const std::atomic<bool>* cancel = nullptr;
+  // a stop request (true from `cancel`: a signal handler's flag) ends the
+  // wait at once with kCancelled instead of at the timeout (net::CancelScope).
+  // Empty: waits until the timeout.
+  std::function<bool()> cancel = nullptr;
 };
 
 // True when this build has the MPI backend (STRATA_HAVE_MPI).

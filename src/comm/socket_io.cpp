@@ -47,18 +47,18 @@ std::string host_port_text(const std::string& host, uint16_t port) {
 }
 
 namespace {
-thread_local const std::atomic<bool>* t_cancel = nullptr;
+thread_local const StopRequested* t_cancel = nullptr;
 constexpr int kCancelPollMs = 100;
 }  // namespace
 
-CancelScope::CancelScope(const std::atomic<bool>* flag) : outer_(t_cancel) {
-  if (flag != nullptr) t_cancel = flag;
+CancelScope::CancelScope(const StopRequested& stop) : outer_(t_cancel) {
+  if (stop) t_cancel = &stop;
 }
 
 CancelScope::~CancelScope() { t_cancel = outer_; }
 
 Status check_cancel(const std::string& what) {
-  if (t_cancel == nullptr || !t_cancel->load(std::memory_order_relaxed)) return Status();
+  if (t_cancel == nullptr || !(*t_cancel)()) return Status();
   return Status(StatusCode::kCancelled, fmt::format("{}: interrupted (a stop signal) while waiting", what));
 }
 

@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -55,22 +56,28 @@ std::string to_text(const SockAddr& a);
 // host:port as written in a URL: an IPv6 literal in brackets.
 std::string host_port_text(const std::string& host, uint16_t port);
 
+// A stop request to watch: true once the caller wants the wait to end (a
+// signal handler's flag: the CLI's std::atomic<bool>, a C caller's int). It
+// is called from the waiting thread, so it only reads a flag.
+using StopRequested = std::function<bool()>;
+
 // While a CancelScope lives on a thread, every wait of this file on that
 // thread (wait_fd and what uses it, connect_retrying's retries) and the
-// rendezvous' serving loop look at `flag` at least every 100 ms and fail with
-// kCancelled "interrupted (a stop signal) while <what>" once it is set: a
-// signal handler's stop flag ends a rank that waits for the others (up to
-// the timeout: minutes) at once. Null: nothing to watch. Scopes nest (the
-// inner one's flag is watched until it ends).
+// rendezvous' serving loop call `stop` at least every 100 ms and fail with
+// kCancelled "interrupted (a stop signal) while <what>" once it returns true:
+// a signal handler's stop flag ends a rank that waits for the others (up to
+// the timeout: minutes) at once. Empty: nothing to watch. Scopes nest (the
+// inner one's request is watched until it ends). `stop` must outlive the
+// scope.
 class CancelScope {
  public:
-  explicit CancelScope(const std::atomic<bool>* flag);
+  explicit CancelScope(const StopRequested& stop);
   ~CancelScope();
   CancelScope(const CancelScope&) = delete;
   CancelScope& operator=(const CancelScope&) = delete;
 
  private:
-  const std::atomic<bool>* outer_;
+  const StopRequested* outer_;
 };
 // kCancelled naming `what` when this thread's scope flag is set; OK otherwise.
 Status check_cancel(const std::string& what);

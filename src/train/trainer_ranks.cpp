@@ -45,7 +45,8 @@ Status Trainer::Impl::join_ranks() {
             : launcher == comm::Launcher::kMpirun ? comm::CommBackendKind::kMpi
                                                   : comm::CommBackendKind::kTcp;
   co.timeout_s = opt.comm_timeout_s;
-  co.cancel = opt.stop;  // a stop signal while the ranks meet ends the wait at once
+  // A stop signal while the ranks meet ends the wait at once.
+  if (const std::atomic<bool>* stop = opt.stop) co.cancel = [stop] { return stop->load(std::memory_order_relaxed); };
   auto c = comm::create_communicator(backend.get(), co);
   if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));
   comm = std::move(c).value();

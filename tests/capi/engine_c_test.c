@@ -13,13 +13,17 @@
  * Exit status 0 = pass. Temp files: STRATA_TEST_DIR or /tmp, removed. */
 #define _XOPEN_SOURCE 700
 #define _DEFAULT_SOURCE
+#include <arpa/inet.h>
 #include <ftw.h>
 #include <math.h>
+#include <netinet/in.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "c_check.h"
@@ -36,6 +40,27 @@ static const char* const kGroups[NPARAM] = {"layer0", "layer0", "layer1", "layer
 static const uint64_t kRows[NPARAM] = {H1, H1, H2, H2, OUT};
 static const uint64_t kCols[NPARAM] = {IN, 0, H1, 0, H2}; /* 0: a vector */
 static size_t numel(int p) { return (size_t)kRows[p] * (kCols[p] ? kCols[p] : 1); }
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* A loopback port nothing listened on a moment ago (the kernel's pick). */
+static int free_port(void) {
+  struct sockaddr_in a;
+  socklen_t len = sizeof a;
+  memset(&a, 0, sizeof a);
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  CHECK(fd >= 0);
+  CHECK(bind(fd, (struct sockaddr*)&a, sizeof a) == 0);
+  CHECK(getsockname(fd, (struct sockaddr*)&a, &len) == 0);
+  close(fd);
+  return ntohs(a.sin_port);
+}
 
 static const double kLr = 0.01, kBeta1 = 0.9, kBeta2 = 0.999, kEps = 1e-8, kWd = 0.01;
 
@@ -604,6 +629,28 @@ static int test_errors(void) {
   CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_last_error(), "options.comm_world_size is 2 but options.comm_kind is 1") != NULL);
   opts.comm_kind = STRATA_COMM_TCP;
+  /* A stop request (API 12) ends the wait for the other ranks at once,
+   * instead of at the timeout: rank 1 whose store never answers, and rank 0
+   * serving the store while rank 1 never comes. (The flag set by another
+   * thread during the wait: TcpComm.AStopFlagEndsTheWaitForTheOtherRanks and
+   * test_torch_ranks.py's Ctrl-C test.) */
+  {
+    volatile int stop = 1;
+    opts.cancel = &stop;
+    opts.comm_timeout_s = 120;
+    opts.comm_store_addr = "127.0.0.1";
+    opts.comm_store_port = free_port();
+    for (int rank = 1; rank >= 0; --rank) {
+      const double t0 = now_s();
+      opts.comm_rank = rank;
+      CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_CANCELLED);
+      CHECK(strstr(strata_last_error(), "interrupted (a stop signal) while waiting") != NULL);
+      CHECK(e == NULL);
+      CHECK(now_s() - t0 < 30);
+    }
+    opts.cancel = NULL;
+    opts.comm_timeout_s = 0;
+  }
   opts.comm_world_size = 1;
   opts.comm_rank = 0;
   opts.comm_store_addr = NULL;

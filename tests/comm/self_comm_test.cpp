@@ -204,7 +204,7 @@ TEST(TcpComm, AStopFlagEndsTheWaitForTheOtherRanks) {
     o.kind = CommBackendKind::kTcp;
     o.timeout_s = 120;
     o.ranks = LaunchInfo{Launcher::kTorchrun, rank, 2, 0, "127.0.0.1", port};
-    o.cancel = &stop;
+    o.cancel = [&stop] { return stop.load(); };
     std::thread signal([&] {
       std::this_thread::sleep_for(std::chrono::milliseconds(300));
       stop.store(true);

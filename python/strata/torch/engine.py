@@ -542,9 +542,8 @@ class StrataEngine:
             store_addr = given_ranks[2].encode()  # kept alive across the call
             opts.comm_rank, opts.comm_world_size, opts.comm_store_addr, opts.comm_store_port = (
                 given_ranks[0], given_ranks[1], store_addr, given_ranks[3])
-        e = ctypes.c_void_p()
-        with self._driving():
-            _lib.check(_lib.strata_engine_create(ctypes.byref(opts), descs, len(self._params), ctypes.byref(e)))
+        with self._driving():  # Ctrl-C while the ranks meet ends the wait at once (_lib.create_engine)
+            e = _lib.create_engine(opts, descs, len(self._params))
         self._e = e
         rank, world = ctypes.c_uint32(), ctypes.c_uint32()
         _lib.check(_lib.strata_engine_ranks(e, ctypes.byref(rank), ctypes.byref(world)), e)
