@@ -122,7 +122,7 @@ Result<std::unique_ptr<RunDir>> RunDir::open(const std::string& out) {
   std::error_code ec;
   fs::create_directories(out, ec);
   if (ec) return Status::from_errno(ec.value(), "out dir " + out + ": cannot create it");
-  const std::string lock = join_path(out, kLockFile);
+  const std::string lock = lock_path(out);
   d->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (d->lock_fd_ < 0) return Status::from_errno(errno, "out dir " + out + " is not writable (lock file " + lock + ")");
   if (::flock(d->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
@@ -144,6 +144,8 @@ Result<std::unique_ptr<RunDir>> RunDir::open(const std::string& out) {
   STRATA_ASSIGN_OR_RETURN(d->run_id_, read_run_id(out));
   return d;
 }
+
+std::string RunDir::lock_path(const std::string& out) { return join_path(out, kLockFile); }
 
 RunDir::~RunDir() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock

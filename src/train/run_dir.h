@@ -61,6 +61,8 @@ class RunDir {
 
   const std::string& path() const { return path_; }
   const std::string& run_id() const { return run_id_; }
+  // OUT/.strata.lock: the file open() locks (it stays after the run).
+  static std::string lock_path(const std::string& out);
 
  private:
   RunDir() = default;

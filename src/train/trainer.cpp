@@ -9,10 +9,15 @@ namespace fs = std::filesystem;
 
 namespace trainer_detail {
 
-Status make_dirs(const std::string& dir, const std::string& what) {
+Status make_dirs(const std::string& dir, const std::string& what, std::vector<std::string>* made) {
   std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
+  std::vector<std::string> missing;  // innermost first
+  fs::path p = fs::path(dir).lexically_normal();
+  if (!p.has_filename()) p = p.parent_path();  // "out/"
+  for (; !p.empty() && p != p.parent_path() && !fs::exists(p, ec); p = p.parent_path()) missing.push_back(p.string());
+  fs::create_directories(dir, ec);
   if (ec) return Status::from_errno(ec.value(), what + " " + dir + ": cannot create it");
+  if (made != nullptr) made->assign(missing.rbegin(), missing.rend());
   // Writable? A probe file says so before hours of training do.
   const std::string probe = dir + "/.strata-write-probe";
   const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
@@ -61,8 +66,22 @@ uint32_t Trainer::world_size() const { return impl_->world; }
 Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) {
   auto impl = std::make_unique<Impl>();
   impl->opt = options;
-  STRATA_RETURN_IF_ERROR(impl->setup());
-  return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+  Status s = impl->setup();
+  if (s.ok()) return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
+  // A run that never started leaves nothing behind: the directories it made
+  // for OUT (ranks that never met, a budget too small, unreadable weights)
+  // are removed once everything of it is closed, if they hold nothing but
+  // its lock file. rmdir never removes anything else: a directory that
+  // holds more (an NVMe directory inside OUT the engine did not clean) stays.
+  const std::vector<std::string> made = std::move(impl->made_out_dirs);
+  const bool locked = impl->run_dir != nullptr;
+  impl.reset();
+  if (!made.empty()) {
+    if (locked) ::unlink(RunDir::lock_path(made.back()).c_str());
+    for (auto d = made.rbegin(); d != made.rend() && ::rmdir(d->c_str()) == 0; ++d) {
+    }
+  }
+  return s;
 }
 
 // Each step names the part it checks or builds in its errors (trainer.h,
@@ -171,7 +190,7 @@ Status Trainer::Impl::open_data() {
 // The out dir (created, writable) and every NVMe directory (an existing,
 // writable directory) before hours of training depend on them.
 Status Trainer::Impl::check_output_dirs() {
-  STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir"));
+  STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir", &made_out_dirs));
   // OUT: locked, a dead job's leftovers removed, and which run it continues
   // decided now, before hours of work depend on it (run_dir.h). N ranks:
   // rank 0 owns OUT and tells the others (join_ranks).

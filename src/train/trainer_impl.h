@@ -51,8 +51,9 @@ using Clock = std::chrono::steady_clock;
 
 inline double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
-// Creates `dir` and checks it is writable (a probe file); `what` names it in errors.
-Status make_dirs(const std::string& dir, const std::string& what);
+// Creates `dir` and checks it is writable (a probe file); `what` names it in
+// errors. `made`: the directories it created, outermost first.
+Status make_dirs(const std::string& dir, const std::string& what, std::vector<std::string>* made = nullptr);
 
 }  // namespace trainer_detail
 
@@ -130,6 +131,7 @@ struct Trainer::Impl {
   std::string metrics_file;  // its path, for messages
   bool warned_order = false;
   std::unique_ptr<RunDir> run_dir;  // OUT, locked for the whole run
+  std::vector<std::string> made_out_dirs;  // what creating OUT made, outermost first (Trainer::create)
   std::string resume_from;          // the checkpoint resume() loads
   int64_t skipped_in_a_row = 0;     // consecutive skipped steps
 

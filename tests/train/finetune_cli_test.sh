@@ -63,6 +63,13 @@ if mount -t tmpfs -o size=1m tmpfs "$dir/full" 2>/dev/null; then
 else
   echo "note: cannot mount a small tmpfs here (not root?): the full-NVMe case is not checked"
 fi
+# A run that never started leaves no out dir behind, also when it failed after
+# creating it (the GPU refused, the NVMe directory full, a budget too small).
+expect_error "the host budget is 1.0 MiB" "${common[@]}" --host-mem 1MiB --out "$dir/o1/a/b"
+[[ ! -e $dir/o1 ]] || fail "runs that failed to start left their out dir: $(find "$dir/o1" | head -5)"
+mkdir "$dir/o2"
+expect_error "the host budget is 1.0 MiB" "${common[@]}" --host-mem 1MiB --out "$dir/o2"
+[[ -d $dir/o2 ]] || fail "a failed run removed the out dir it was given (it existed before)"
 
 # ---- DeepSpeed's batch sizes in --config: train_micro_batch_size_per_gpu and
 # train_batch_size set the micro-batch and accumulation as in DeepSpeed

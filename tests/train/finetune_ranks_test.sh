@@ -183,6 +183,7 @@ if [[ $kind == tcp ]]; then
   ((SECONDS - t0 < 30)) || fail "SIGTERM while waiting for the ranks: $((SECONDS - t0)) s to end"
   grep -q "interrupted (a stop signal) while waiting" "$dir/alone.log" ||
     fail "SIGTERM while waiting for the ranks: no 'interrupted' error: $(tail -3 "$dir/alone.log")"
+  [[ ! -e $dir/alone ]] || fail "the rank stopped while waiting left its out dir: $(ls -A "$dir/alone")"
 fi
 
 # A 400-step job of 2 ranks into OUT NAME (extra flags after); once step 2
