@@ -24,6 +24,7 @@ netns_error=
 netns_net=        # the bridge's /24, as 10.x.y
 netns_addr=()      # host i's address on the bridge
 netns_addr6=()     # host i's IPv6 address on the bridge (fd10:x:y::i+1); empty where IPv6 is off
+netns_ll6=()       # host i's link-local IPv6 address on the bridge (fe80::5:i+1; its interface: eth0 on every host)
 netns_error6=      # why netns_addr6 is empty
 netns_ns=()        # host i's network namespace (for ip netns exec)
 netns_mpirun=()
@@ -76,6 +77,7 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
     { netns_error="bridge setup failed"; return 1; }
   netns_addr=()
   netns_addr6=()
+  netns_ll6=()
   netns_error6=
   netns_ns=()
   for ((i = 1; i <= n; ++i)); do
@@ -97,14 +99,16 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
     # IPv6 too where the kernel has it (nodad: usable at once), on a /64
     # named after the IPv4 /24; optional, so no failure.
     if [[ -z $netns_error6 ]]; then
-      if out=$(ip -n "$ns" -6 addr add "fd${net//./:}::$((i + 1))/64" dev eth0 nodad 2>&1); then
+      if out=$(ip -n "$ns" -6 addr add "fd${net//./:}::$((i + 1))/64" dev eth0 nodad 2>&1) &&
+        out=$(ip -n "$ns" -6 addr add "fe80::5:$((i + 1))/64" dev eth0 nodad 2>&1); then
         netns_addr6+=("fd${net//./:}::$((i + 1))")
+        netns_ll6+=("fe80::5:$((i + 1))")
       else
         netns_error6="cannot add an IPv6 address in $ns: ${out:-ip -6 addr add failed}"
       fi
     fi
   done
-  [[ -z $netns_error6 ]] || netns_addr6=()
+  [[ -z $netns_error6 ]] || { netns_addr6=(); netns_ll6=(); }
   netns_mpirun=()
   command -v "${netns_mpirun_bin:-mpirun}" >/dev/null || return 0
   # Open MPI's rsh agent: "agent [options] HOST CMD..." runs CMD on HOST.

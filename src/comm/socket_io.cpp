@@ -2,6 +2,7 @@
 
 #include <arpa/inet.h>
 #include <fmt/format.h>
+#include <net/if.h>
 #include <netdb.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -38,7 +39,19 @@ std::string to_text(const SockAddr& a) {
     return fmt::format("{}:{}", ip, a.port());
   }
   ::inet_ntop(AF_INET6, &in6, ip, sizeof ip);
-  return fmt::format("[{}]:{}", ip, a.port());
+  const uint32_t zone = reinterpret_cast<const sockaddr_in6&>(a.ss).sin6_scope_id;
+  if (zone == 0) return fmt::format("[{}]:{}", ip, a.port());
+  char name[IF_NAMESIZE] = {};
+  return fmt::format("[{}%{}]:{}", ip, ::if_indextoname(zone, name) ? name : std::to_string(zone).c_str(), a.port());
+}
+
+uint32_t link_local_zone(const std::vector<SockAddr>& addrs) {
+  for (const SockAddr& a : addrs) {
+    if (a.family() != AF_INET6) continue;
+    const auto& sa = reinterpret_cast<const sockaddr_in6&>(a.ss);
+    if (IN6_IS_ADDR_LINKLOCAL(&sa.sin6_addr) && sa.sin6_scope_id != 0) return sa.sin6_scope_id;
+  }
+  return 0;
 }
 
 std::string host_port_text(const std::string& host, uint16_t port) {
@@ -146,6 +159,16 @@ Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, co
     SockAddr a;
     std::memcpy(&a.ss, ai->ai_addr, ai->ai_addrlen);
     a.len = ai->ai_addrlen;
+    if (a.family() == AF_INET6) {
+      const auto& sa = reinterpret_cast<const sockaddr_in6&>(a.ss);
+      if (IN6_IS_ADDR_LINKLOCAL(&sa.sin6_addr) && sa.sin6_scope_id == 0) {
+        ::freeaddrinfo(res);
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{}: {} '{}' is a link-local IPv6 address (fe80::/10), which is reached through "
+                                  "one interface: name it after the address, as in '{}%eth0'",
+                                  where, label, addr, addr));
+      }
+    }
     const bool seen = std::any_of(out.begin(), out.end(), [&](const SockAddr& b) {
       return b.len == a.len && std::memcmp(&b.ss, &a.ss, a.len) == 0;
     });

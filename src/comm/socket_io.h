@@ -53,6 +53,10 @@ struct SockAddr {
 // "10.0.0.2:29500", "[fd00::2]:29500"; an IPv4-mapped IPv6 address (a
 // dual-stack listener's IPv4 peer) prints as IPv4.
 std::string to_text(const SockAddr& a);
+// The interface (scope id) of the first link-local IPv6 address in `addrs`
+// ("fe80::2%eth0" as resolved); 0 when none has one. The link's other hosts
+// are reached through the same interface.
+uint32_t link_local_zone(const std::vector<SockAddr>& addrs);
 // host:port as written in a URL: an IPv6 literal in brackets.
 std::string host_port_text(const std::string& host, uint16_t port);
 
@@ -99,10 +103,11 @@ Status send_all(int fd, const void* data, std::size_t n, Clock::time_point deadl
 Status recv_all(int fd, void* data, std::size_t n, Clock::time_point deadline, const std::string& what);
 
 // A host name, IPv4 or IPv6 text ("10.0.0.2", "::1"; as torch.distributed
-// reads MASTER_ADDR, an IPv6 address without brackets) -> its addresses,
-// IPv4 and IPv6, in getaddrinfo's order, none twice; never empty.
-// kInvalidArgument "<where>: cannot resolve <label> '<addr>': ..." (a name
-// with no address; an address in brackets, named as such).
+// reads MASTER_ADDR, an IPv6 address without brackets; a link-local one with
+// its interface, "fe80::2%eth0") -> its addresses, IPv4 and IPv6, in
+// getaddrinfo's order, none twice; never empty. kInvalidArgument "<where>:
+// cannot resolve <label> '<addr>': ..." (a name with no address; an address
+// in brackets, or link-local without an interface, named as such).
 Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, const std::string& where,
                                       const char* label = "MASTER_ADDR");
 

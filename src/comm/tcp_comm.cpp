@@ -82,7 +82,9 @@ Entry entry_of(const net::SockAddr& peer, uint32_t port) {
 }
 
 // Where to reach the rank of entry `e`: its address, or where rank 0 is
-// reached (`zero`: MASTER_ADDR's addresses) at its port.
+// reached (`zero`: MASTER_ADDR's addresses) at its port. A link-local
+// address (ranks that met over MASTER_ADDR "fe80::...%eth0" are all on that
+// link) is reached through the interface rank 0 is.
 std::vector<net::SockAddr> targets_of(const Entry& e, std::vector<net::SockAddr> zero) {
   in6_addr a;
   std::memcpy(&a, e.addr, 16);
@@ -100,6 +102,7 @@ std::vector<net::SockAddr> targets_of(const Entry& e, std::vector<net::SockAddr>
     auto& sa = reinterpret_cast<sockaddr_in6&>(t.ss);
     sa.sin6_family = AF_INET6;
     sa.sin6_addr = a;
+    if (IN6_IS_ADDR_LINKLOCAL(&a)) sa.sin6_scope_id = net::link_local_zone(zero);
     t.len = sizeof sa;
   }
   t.set_port(static_cast<uint16_t>(e.port));

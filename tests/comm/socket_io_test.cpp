@@ -71,6 +71,27 @@ TEST(SocketIo, AnAddressInBracketsIsRefusedNamingIt) {
       << r.status().message();
 }
 
+// A link-local address is reached through one interface: with it
+// ("fe80::2%lo") it resolves with that interface as its zone, printed and
+// found again by link_local_zone (the TCP communicator reaches the other
+// ranks' link-local addresses through it); without it, connect() would fail
+// with EINVAL: refused, saying how to write it. (Ranks meeting over
+// link-local addresses: tcp_ranks_netns.)
+TEST(SocketIo, ALinkLocalAddressNeedsItsInterface) {
+  auto r = resolve("fe80::2", 29500, "rendezvous at [fe80::2]:29500 (rank 1 of 2)");
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(r.status(), "MASTER_ADDR 'fe80::2' is a link-local IPv6 address")) << r.status().message();
+  EXPECT_TRUE(contains(r.status(), "'fe80::2%eth0'")) << r.status().message();
+  STRATA_NEED_IPV6_LOOPBACK();
+  auto zoned = must_resolve("fe80::2%lo", 29500);
+  ASSERT_EQ(zoned.size(), 1u);
+  EXPECT_EQ(to_text(zoned[0]), "[fe80::2%lo]:29500");
+  EXPECT_NE(link_local_zone(zoned), 0u);
+  EXPECT_EQ(link_local_zone(must_resolve("::1", 1)), 0u);
+  EXPECT_EQ(link_local_zone(must_resolve("127.0.0.1", 1)), 0u);
+}
+
 // Rank 0's listener: dual-stack, so ranks that name its host by IPv4 and by
 // IPv6 both reach it.
 TEST(SocketIo, TheListenerTakesIpv4AndIpv6Peers) {

@@ -90,13 +90,17 @@ done
 
 # Over IPv6 across 3 hosts: every rank names host 0 by its IPv6 address, then
 # rank 1 by IPv4 and rank 2 by IPv6 (rank 0's dual-stack listener takes
-# both; rank 2 reaches rank 1 at the IPv4 address the table gives).
+# both; rank 2 reaches rank 1 at the IPv4 address the table gives), then
+# every rank by its link-local address with the interface ("fe80::5:2%eth0":
+# the table then holds link-local addresses, reached through each host's
+# own eth0).
 if ((${#netns_addr6[@]} == 0)); then
   [[ "${STRATA_REQUIRE_IPV6:-0}" != "1" ]] || fail "no IPv6 across the hosts (STRATA_REQUIRE_IPV6=1): $netns_error6"
   echo "note: no IPv6 across the hosts, its checks not run: $netns_error6"
 else
   for masters in "${netns_addr6[0]} ${netns_addr6[0]} ${netns_addr6[0]}" \
-    "${netns_addr6[0]} ${netns_addr[0]} ${netns_addr6[0]}"; do
+    "${netns_addr6[0]} ${netns_addr[0]} ${netns_addr6[0]}" \
+    "${netns_ll6[0]}%eth0 ${netns_ll6[0]}%eth0 ${netns_ll6[0]}%eth0"; do
     read -r -a rank_master <<<"$masters"
     ranks 3 1 comm3v6 300 "$comm_test" --gtest_filter=-RanksTimeout.*:RanksDeath.*
     for ((r = 0; r < 3; ++r)); do
