@@ -1,8 +1,11 @@
 #include "common/status.h"
 
+#include <sys/resource.h>
+
 #include <array>
 #include <cerrno>
 #include <cstring>
+#include <string>
 
 #include "common/enum_names.h"
 
@@ -49,11 +52,26 @@ StatusCode status_code_from_errno(int err) {
   }
 }
 
+namespace {
+
+// The resource limit behind an errno, when a soft limit of this process
+// caused it (the user can raise it: ulimit), as a hint; "" otherwise.
+std::string limit_hint(int err) {
+  rlimit r{};
+  if (err == EMFILE && ::getrlimit(RLIMIT_NOFILE, &r) == 0)
+    return " (this process may have " + std::to_string(r.rlim_cur) + " files open: raise `ulimit -n`)";
+  if (err == EFBIG && ::getrlimit(RLIMIT_FSIZE, &r) == 0 && r.rlim_cur != RLIM_INFINITY)
+    return " (files are limited to " + std::to_string(r.rlim_cur) + " bytes: raise `ulimit -f`)";
+  return "";
+}
+
+}  // namespace
+
 Status Status::from_errno(int err, const std::string& what) {
   char buf[256];
   // GNU strerror_r returns a pointer that may or may not be buf.
   const char* text = strerror_r(err, buf, sizeof(buf));
-  return Status(status_code_from_errno(err), what + ": " + text);
+  return Status(status_code_from_errno(err), what + ": " + text + limit_hint(err));
 }
 
 std::string Status::to_string() const {

@@ -1,6 +1,7 @@
 #include "common/status.h"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 
 #include <cerrno>
 #include <string>
@@ -23,6 +24,30 @@ TEST(Status, FromErrnoNamesWhatAndWhy) {
   EXPECT_EQ(Status::from_errno(ENOSPC, "w").code(), StatusCode::kNoSpace);
   EXPECT_EQ(Status::from_errno(EACCES, "w").code(), StatusCode::kPermission);
   EXPECT_EQ(Status::from_errno(ENOENT, "w").code(), StatusCode::kNotFound);
+}
+
+// An errno that a soft limit of the process caused says which limit (the
+// user raises it with ulimit); other errnos say nothing more.
+TEST(Status, FromErrnoNamesTheLimitBehindIt) {
+  rlimit files{};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &files), 0);
+  EXPECT_EQ(Status::from_errno(EMFILE, "opening m/model.safetensors failed").message(),
+            "opening m/model.safetensors failed: Too many open files (this process may have " +
+                std::to_string(files.rlim_cur) + " files open: raise `ulimit -n`)");
+  rlimit size{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &size), 0);
+  rlimit lower = size;
+  lower.rlim_cur = rlim_t{1} << 40;  // far above anything this test writes
+  if (size.rlim_max != RLIM_INFINITY && size.rlim_max < lower.rlim_cur) lower.rlim_cur = size.rlim_max;
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &lower), 0);
+  const std::string with_limit = Status::from_errno(EFBIG, "w").message();
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &size), 0);
+  EXPECT_EQ(with_limit, "w: File too large (files are limited to " + std::to_string(lower.rlim_cur) +
+                            " bytes: raise `ulimit -f`)");
+  if (size.rlim_cur == RLIM_INFINITY) {
+    EXPECT_EQ(Status::from_errno(EFBIG, "w").message(), "w: File too large");
+  }
+  EXPECT_EQ(Status::from_errno(ENOSPC, "w").message(), "w: No space left on device");
 }
 
 TEST(Status, WithContextPrefixes) {
