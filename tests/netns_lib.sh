@@ -99,10 +99,12 @@ netns_hosts() {  # N [RATE]; sets netns_addr, netns_mpirun; 1 with netns_error o
     # IPv6 too where the kernel has it (nodad: usable at once), on a /64
     # named after the IPv4 /24; optional, so no failure.
     if [[ -z $netns_error6 ]]; then
-      if out=$(ip -n "$ns" -6 addr add "fd${net//./:}::$((i + 1))/64" dev eth0 nodad 2>&1) &&
-        out=$(ip -n "$ns" -6 addr add "fe80::5:$((i + 1))/64" dev eth0 nodad 2>&1); then
+      if out=$(ip -n "$ns" -6 addr add "fd${net//./:}::$((i + 1))/64" dev eth0 nodad 2>&1); then
         netns_addr6+=("fd${net//./:}::$((i + 1))")
-        netns_ll6+=("fe80::5:$((i + 1))")
+        # A link-local address of its own (the kernel's, from the MAC, is
+        # tentative for a while): where it cannot be added, netns_ll6 stays
+        # short and the link-local checks say so.
+        ip -n "$ns" -6 addr add "fe80::5:$((i + 1))/64" dev eth0 nodad 2>/dev/null && netns_ll6+=("fe80::5:$((i + 1))")
       else
         netns_error6="cannot add an IPv6 address in $ns: ${out:-ip -6 addr add failed}"
       fi

@@ -179,33 +179,51 @@ def create_engine(opts, descs, count):
     thread of its own instead, and when this thread is interrupted (a
     KeyboardInterrupt, or any exception raised by a signal handler) it sets
     the call's stop flag (strata_engine_options_t.cancel, API 12), which ends
-    the wait within 100 ms, and raises the interruption here, leaving no
-    engine behind."""
+    the wait within 100 ms of the C library's polls, waits for the call to
+    return, and raises the interruption here, leaving no engine behind. A
+    second interruption raises at once: the call then finishes on its own
+    thread, which destroys the engine if it made one."""
     e = c_void_p()
     if opts.comm_kind not in (COMM_TCP, COMM_NCCL):
         check(strata_engine_create(ctypes.byref(opts), descs, count, ctypes.byref(e)))
         return e
     stop = c_int(0)
     opts.cancel = ctypes.pointer(stop)
-    done = {}
+    lock = threading.Lock()
+    done = {}  # under lock: "status" and "message", or "error"; "abandoned" once the caller left
 
     def create():
-        status = strata_engine_create(ctypes.byref(opts), descs, count, ctypes.byref(e))
-        done["status"] = status
-        if status != 0:  # the message is the creating thread's
-            done["message"] = (strata_last_error() or b"").decode("utf-8", "replace")
+        try:
+            status = strata_engine_create(ctypes.byref(opts), descs, count, ctypes.byref(e))
+            message = (strata_last_error() or b"").decode("utf-8", "replace") if status else ""  # this thread's
+        except BaseException as ex:  # noqa: BLE001 - handed to the caller
+            with lock:
+                done["error"] = ex
+            return
+        with lock:
+            done["status"], done["message"] = status, message
+            if status == 0 and done.get("abandoned"):
+                strata_engine_destroy(e)
 
     t = threading.Thread(target=create, name="strata-engine-create", daemon=True)
     t.start()
     try:
         while t.is_alive():
-            t.join(0.5)  # interruptible: a signal's exception is raised here
+            t.join(0.1)  # interruptible: a signal's exception is raised here
     except BaseException:
         stop.value = 1
-        t.join()
-        if done.get("status") == 0:  # it had already met the others
-            strata_engine_destroy(e)
+        try:
+            while t.is_alive():
+                t.join(0.1)
+        finally:  # also when a second interruption ends the wait
+            with lock:
+                done["abandoned"] = True
+                made = done.get("status") == 0
+            if made:  # it had already met the others
+                strata_engine_destroy(e)
         raise
+    if "error" in done:
+        raise done["error"]
     if done["status"] != 0:
         raise StrataError(done["status"], done["message"])
     return e

@@ -179,31 +179,35 @@ class RanksTest(unittest.TestCase):
             st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}}, mpi_comm="world")
 
     def test_ctrl_c_while_waiting_for_the_other_ranks_ends_the_wait(self):
-        # Rank 1 of 2 whose rank 0 never comes waits for it up to the
+        # Rank 1 of 2 whose rank 0 never answers waits for it up to the
         # library's timeout (300 s). Ctrl-C there must end the wait at once:
         # Python cannot run its handler during the call into C, so the call
         # runs on a thread of its own and the interruption sets its stop flag
-        # (C ABI API 12). Before, the process went on waiting for 300 s.
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]  # nothing listens there afterwards
+        # (C ABI API 12). Before, the process went on waiting for 300 s. The
+        # "store" here takes rank 1's connection and never replies, so the
+        # signal comes while rank 1 is inside the C call's wait.
+        store = socket.socket()
+        store.bind(("127.0.0.1", 0))
+        store.listen(4)
+        store.settimeout(120)
         env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
         code = ("import torch, strata.torch as st\n"
-                "print('joining', flush=True)\n"
                 "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
                 "print('joined', flush=True)\n")
         p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
         try:
-            self.assertEqual(p.stdout.readline().strip(), "joining")
-            time.sleep(2.0)  # into the wait for rank 0
-            self.assertIsNone(p.poll(), "the lone rank 1 did not wait for rank 0")
+            conn, _ = store.accept()  # rank 1 is in strata_engine_create, waiting for an answer
+            time.sleep(0.3)
+            self.assertIsNone(p.poll(), "rank 1 did not wait for rank 0")
             p.send_signal(signal.SIGINT)
             t0 = time.monotonic()
             out, err = p.communicate(timeout=60)
             waited = time.monotonic() - t0
+            conn.close()
         finally:
+            store.close()
             if p.poll() is None:
                 p.kill()
                 p.communicate()

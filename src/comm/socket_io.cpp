@@ -154,6 +154,7 @@ Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, co
                   fmt::format("{}: cannot resolve {} '{}': {}", where, label, addr,
                               rc == EAI_SYSTEM ? std::strerror(errno) : gai_strerror(rc)));
   std::vector<SockAddr> out;
+  int zoneless = 0;
   for (const addrinfo* ai = res; ai != nullptr; ai = ai->ai_next) {
     if ((ai->ai_family != AF_INET && ai->ai_family != AF_INET6) || ai->ai_addrlen > sizeof(sockaddr_storage)) continue;
     SockAddr a;
@@ -162,11 +163,16 @@ Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, co
     if (a.family() == AF_INET6) {
       const auto& sa = reinterpret_cast<const sockaddr_in6&>(a.ss);
       if (IN6_IS_ADDR_LINKLOCAL(&sa.sin6_addr) && sa.sin6_scope_id == 0) {
-        ::freeaddrinfo(res);
-        return Status(StatusCode::kInvalidArgument,
-                      fmt::format("{}: {} '{}' is a link-local IPv6 address (fe80::/10), which is reached through "
-                                  "one interface: name it after the address, as in '{}%eth0'",
-                                  where, label, addr, addr));
+        in6_addr literal;
+        if (::inet_pton(AF_INET6, addr.c_str(), &literal) == 1) {
+          ::freeaddrinfo(res);
+          return Status(StatusCode::kInvalidArgument,
+                        fmt::format("{}: {} '{}' is a link-local IPv6 address (fe80::/10), which is reached "
+                                    "through one interface: name it after the address, as in '{}%eth0'",
+                                    where, label, addr, addr));
+        }
+        ++zoneless;  // a name's link-local address without an interface: unreachable, its others are tried
+        continue;
       }
     }
     const bool seen = std::any_of(out.begin(), out.end(), [&](const SockAddr& b) {
@@ -177,7 +183,8 @@ Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, co
   ::freeaddrinfo(res);
   if (out.empty())
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("{}: cannot resolve {} '{}': no IPv4 or IPv6 address", where, label, addr));
+                  fmt::format("{}: cannot resolve {} '{}': no IPv4 or IPv6 address{}", where, label, addr,
+                              zoneless ? " but link-local ones, which need an interface (fe80::...%eth0)" : ""));
   return out;
 }
 

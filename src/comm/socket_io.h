@@ -76,6 +76,7 @@ using StopRequested = std::function<bool()>;
 class CancelScope {
  public:
   explicit CancelScope(const StopRequested& stop);
+  CancelScope(StopRequested&&) = delete;  // kept by address: must outlive the scope
   ~CancelScope();
   CancelScope(const CancelScope&) = delete;
   CancelScope& operator=(const CancelScope&) = delete;
@@ -107,7 +108,8 @@ Status recv_all(int fd, void* data, std::size_t n, Clock::time_point deadline, c
 // its interface, "fe80::2%eth0") -> its addresses, IPv4 and IPv6, in
 // getaddrinfo's order, none twice; never empty. kInvalidArgument "<where>:
 // cannot resolve <label> '<addr>': ..." (a name with no address; an address
-// in brackets, or link-local without an interface, named as such).
+// in brackets, or a link-local one without an interface, named as such; a
+// name's link-local addresses without an interface are left out).
 Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, const std::string& where,
                                       const char* label = "MASTER_ADDR");
 

@@ -73,14 +73,17 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) 
   // are removed once everything of it is closed, if they hold nothing but
   // its lock file. rmdir never removes anything else: a directory that
   // holds more (an NVMe directory inside OUT the engine did not clean) stays.
+  // The lock is held until its file is gone: another job that opens OUT
+  // meanwhile waits on it or fails, and never finds its own lock file removed.
   const std::vector<std::string> made = std::move(impl->made_out_dirs);
-  const bool locked = impl->run_dir != nullptr;
+  std::unique_ptr<RunDir> held = std::move(impl->run_dir);
   impl.reset();
   if (!made.empty()) {
-    if (locked) ::unlink(RunDir::lock_path(made.back()).c_str());
+    if (held) ::unlink(RunDir::lock_path(made.back()).c_str());
     for (auto d = made.rbegin(); d != made.rend() && ::rmdir(d->c_str()) == 0; ++d) {
     }
   }
+  held.reset();
   return s;
 }
 
