@@ -184,7 +184,10 @@ def create_engine(opts, descs, count):
     second interruption raises at once: the call then finishes on its own
     thread, which destroys the engine if it made one."""
     e = c_void_p()
-    if opts.comm_kind not in (COMM_TCP, COMM_NCCL):
+    # Under mpirun (MPI, or NCCL whose id travels over MPI) the call stays on
+    # this thread, where MPI is initialised; mpirun ends its ranks on Ctrl-C.
+    mpirun = os.environ.get("OMPI_COMM_WORLD_SIZE") is not None and opts.comm_world_size == 0
+    if opts.comm_kind not in (COMM_TCP, COMM_NCCL) or (opts.comm_kind == COMM_NCCL and mpirun):
         check(strata_engine_create(ctypes.byref(opts), descs, count, ctypes.byref(e)))
         return e
     stop = c_int(0)
