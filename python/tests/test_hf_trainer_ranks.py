@@ -67,7 +67,7 @@ class TrainerRanksTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.dir = tempfile.mkdtemp(prefix="strata-trainer-ranks-", dir=os.environ.get("STRATA_TEST_DIR"))
-        cls.env = dict(os.environ, OMP_NUM_THREADS="1")
+        cls.env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=cls.dir)  # torchrun's torchelastic_* dirs go there
         for key in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK",
                     "MASTER_ADDR", "MASTER_PORT"):
             cls.env.pop(key, None)

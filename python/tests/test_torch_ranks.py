@@ -127,7 +127,8 @@ class RanksTest(unittest.TestCase):
         # CPU ranks under torchrun meet over TCP through its agent's TCPStore;
         # also after the script's own init_process_group("gloo") (the store
         # then serves both).
-        env = dict(os.environ, OMP_NUM_THREADS="1")
+        # TMPDIR: torchrun leaves a torchelastic_* log directory there.
+        env = dict(os.environ, OMP_NUM_THREADS="1", TMPDIR=self.dir)
         for key in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE"):
             env.pop(key, None)
         for stage, pg in ((3, False), (2, False), (3, True)):
