@@ -123,7 +123,16 @@ Result<std::unique_ptr<RunDir>> RunDir::open(const std::string& out) {
   fs::create_directories(out, ec);
   if (ec) return Status::from_errno(ec.value(), "out dir " + out + ": cannot create it");
   const std::string lock = lock_path(out);
-  d->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  // Whether this call made the lock file: if it then fails while holding the
+  // lock (a full disk refusing the pid), it removes the file again, so a new
+  // OUT it failed in holds nothing (the trainer removes the directory).
+  bool created = false;
+  for (int attempt = 0; d->lock_fd_ < 0 && attempt < 3; ++attempt) {
+    d->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
+    created = d->lock_fd_ >= 0;
+    if (d->lock_fd_ < 0 && errno == EEXIST) d->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+    if (d->lock_fd_ < 0 && errno != ENOENT) break;  // ENOENT: removed meanwhile, try again
+  }
   if (d->lock_fd_ < 0) return Status::from_errno(errno, "out dir " + out + " is not writable (lock file " + lock + ")");
   if (::flock(d->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
     const int err = errno;
@@ -137,12 +146,26 @@ Result<std::unique_ptr<RunDir>> RunDir::open(const std::string& out) {
                               "run another --out",
                               out, holder.empty() ? "its pid is not recorded yet" : holder));
   }
+  Status s = d->record_holder();
+  if (s.ok()) s = d->remove_leftovers();
+  if (s.ok()) {
+    auto id = read_run_id(out);
+    if (id.ok()) d->run_id_ = std::move(*id);
+    s = id.status();
+  }
+  if (s.ok()) return d;
+  if (created) ::unlink(lock.c_str());  // still locked: nobody else holds it
+  return s;
+}
+
+// Records who holds the lock, for the message another job gets.
+Status RunDir::record_holder() {
   const std::string me = fmt::format("pid {} on host {}, since {}", ::getpid(), this_host(), utc_now());
-  if (::ftruncate(d->lock_fd_, 0) != 0 || ::pwrite(d->lock_fd_, me.data(), me.size(), 0) != ssize_t(me.size()))
-    return Status::from_errno(errno, "out dir " + out + ": writing " + lock);
-  STRATA_RETURN_IF_ERROR(d->remove_leftovers());
-  STRATA_ASSIGN_OR_RETURN(d->run_id_, read_run_id(out));
-  return d;
+  // A short write (a disk with a few bytes left) sets no errno: say so.
+  errno = ENOSPC;
+  if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, me.data(), me.size(), 0) != ssize_t(me.size()))
+    return Status::from_errno(errno, "out dir " + path_ + ": writing " + lock_path(path_));
+  return Status();
 }
 
 std::string RunDir::lock_path(const std::string& out) { return join_path(out, kLockFile); }

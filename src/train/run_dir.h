@@ -66,6 +66,7 @@ class RunDir {
 
  private:
   RunDir() = default;
+  Status record_holder();  // writes "pid P on host H, since T" into the lock file
   Status remove_leftovers();
   Status write_run_json(const std::string& settings_json);
   std::string path_;

@@ -59,6 +59,11 @@ mkdir -p "$dir/full"
 if mount -t tmpfs -o size=1m tmpfs "$dir/full" 2>/dev/null; then
   expect_error "$dir/full" "${common[@]}" --offload-params nvme:"$dir/full" --offload-optimizer nvme:"$dir/full" \
     --out "$dir/o1"
+  # An out dir on that disk once it is full: the lock file is made, but the
+  # pid cannot be written in it; the run leaves neither the file nor the dirs.
+  dd if=/dev/zero of="$dir/full/fill" bs=64k 2>/dev/null
+  expect_error "writing $dir/full/o3/x/.strata.lock: No space left on device" "${common[@]}" --out "$dir/full/o3/x"
+  [[ -z $(ls -A "$dir/full" | grep -v '^fill$') ]] || fail "a run on a full disk left: $(find "$dir/full" | head -5)"
   umount "$dir/full"
 else
   echo "note: cannot mount a small tmpfs here (not root?): the full-NVMe case is not checked"
