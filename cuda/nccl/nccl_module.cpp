@@ -1,5 +1,5 @@
 // libstrata_nccl.so: NCCL for the communicator (src/comm/nccl_comm.cpp),
-// loaded with dlopen. Exports only strata_nccl_api_v1. Plain C++ over the
+// loaded with dlopen. Exports only strata_nccl_api_v2. Plain C++ over the
 // CUDA runtime and NCCL: no kernels (the rank-order sums run on the device
 // backend's accumulate kernel).
 #include <cuda_runtime.h>
@@ -74,11 +74,16 @@ int settle(ncclComm_t comm, ncclResult_t r, double timeout_s, const char* what, 
     if (_rc != 0) return _rc;                                                  \
   } while (0)
 
-// Polls the communicator's state until it leaves ncclInProgress or the
-// deadline passes (0: ready, else an error code).
-int wait_ready(ncclComm_t comm, double timeout_s, const char* what, char* err, size_t err_len) {
+// Polls the communicator's state until it leaves ncclInProgress, the
+// deadline passes or the caller asks to stop (0: ready, else an error code).
+int wait_ready(ncclComm_t comm, double timeout_s, const strata_nccl_stop_t* stop, const char* what, char* err,
+               size_t err_len) {
   const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
   for (;;) {
+    if (stop && stop->requested && stop->requested(stop->ctx) != 0) {
+      if (err && err_len) std::snprintf(err, err_len, "%s: interrupted (a stop signal) while waiting", what);
+      return STRATA_NCCL_ERR_CANCELLED;
+    }
     ncclResult_t state = ncclSuccess;
     const ncclResult_t q = ncclCommGetAsyncError(comm, &state);
     if (q != ncclSuccess) return nccl_fail(q, comm, "ncclCommGetAsyncError", err, err_len);
@@ -106,8 +111,8 @@ int unique_id(uint8_t* id, char* err, size_t err_len) {
   return 0;
 }
 
-int comm_init(int device, const uint8_t* id, int world, int rank, double timeout_s, void** out, char* err,
-              size_t err_len) {
+int comm_init(int device, const uint8_t* id, int world, int rank, double timeout_s, const strata_nccl_stop_t* stop,
+              void** out, char* err, size_t err_len) {
   *out = nullptr;
   CUDA_TRY(cudaSetDevice(device));
   ncclUniqueId u;
@@ -120,7 +125,8 @@ int comm_init(int device, const uint8_t* id, int world, int rank, double timeout
     if (comm) ncclCommAbort(comm);
     return nccl_fail(r, nullptr, "ncclCommInitRankConfig", err, err_len);
   }
-  const int rc = wait_ready(comm, timeout_s, "ncclCommInitRankConfig (waiting for every rank to join)", err, err_len);
+  const int rc =
+      wait_ready(comm, timeout_s, stop, "ncclCommInitRankConfig (waiting for every rank to join)", err, err_len);
   if (rc != 0) {
     ncclCommAbort(comm);
     return rc;
@@ -129,8 +135,8 @@ int comm_init(int device, const uint8_t* id, int world, int rank, double timeout
   return 0;
 }
 
-int comm_split(int device, void* parent, double timeout_s, void** out, int* world, int* rank, char* err,
-               size_t err_len) {
+int comm_split(int device, void* parent, double timeout_s, const strata_nccl_stop_t* stop, void** out, int* world,
+               int* rank, char* err, size_t err_len) {
   *out = nullptr;
   CUDA_TRY(cudaSetDevice(device));
   auto p = static_cast<ncclComm_t>(parent);
@@ -157,7 +163,7 @@ int comm_split(int device, void* parent, double timeout_s, void** out, int* worl
     if (err && err_len) std::snprintf(err, err_len, "ncclCommSplit gave no communicator");
     return STRATA_NCCL_ERR_BASE + ncclInternalError;
   }
-  int rc = wait_ready(comm, timeout_s, "ncclCommSplit (waiting for every rank of the caller's communicator)", err,
+  int rc = wait_ready(comm, timeout_s, stop, "ncclCommSplit (waiting for every rank of the caller's communicator)", err,
                       err_len);
   if (rc == 0 && (r = ncclCommCount(comm, world)) != ncclSuccess) rc = nccl_fail(r, comm, "ncclCommCount", err, err_len);
   if (rc == 0 && (r = ncclCommUserRank(comm, rank)) != ncclSuccess)
@@ -178,7 +184,7 @@ int comm_finalize_destroy(int device, void* c, double timeout_s, char* err, size
   if (r != ncclSuccess && r != ncclInProgress)
     rc = nccl_fail(r, comm, "ncclCommFinalize", err, err_len);
   else
-    rc = wait_ready(comm, timeout_s, "ncclCommFinalize (flushing the last operations)", err, err_len);
+    rc = wait_ready(comm, timeout_s, nullptr, "ncclCommFinalize (flushing the last operations)", err, err_len);
   if (rc != 0) {
     ncclCommAbort(comm);
     return rc;
@@ -249,8 +255,8 @@ int all_reduce_unordered(int device, void* c, const float* send, float* recv, si
   return 0;
 }
 
-const strata_nccl_api_v1_t kApi = {
-    sizeof(strata_nccl_api_v1_t),
+const strata_nccl_api_v2_t kApi = {
+    sizeof(strata_nccl_api_v2_t),
     STRATA_NCCL_ABI_VERSION,
     version,
     unique_id,
@@ -267,6 +273,6 @@ const strata_nccl_api_v1_t kApi = {
 
 }  // namespace
 
-extern "C" __attribute__((visibility("default"))) const strata_nccl_api_v1_t* strata_nccl_api_v1(void) {
+extern "C" __attribute__((visibility("default"))) const strata_nccl_api_v2_t* strata_nccl_api_v2(void) {
   return &kApi;
 }

@@ -8,7 +8,7 @@
 // to it alone, with dlopen's text.
 //
 // Like cuda/module_abi.h: the module exports one C symbol,
-// strata_nccl_api_v1, returning a table of plain C function pointers that
+// strata_nccl_api_v2, returning a table of plain C function pointers that
 // starts with its size and ABI version; a loader reads only fields within
 // struct_size. Every function returns 0 on success or a nonzero code: a
 // cudaError_t value (below STRATA_CUDA_ERR_BLAS_BASE), or
@@ -34,10 +34,11 @@
 extern "C" {
 #endif
 
-#define STRATA_NCCL_ABI_VERSION 1u
+#define STRATA_NCCL_ABI_VERSION 2u  // 2: comm_init and comm_split take a stop request
 
 #define STRATA_NCCL_ERR_BASE 2000                   // + ncclResult_t
 #define STRATA_NCCL_ERR_TIMEOUT 2999                // a call ran out of its timeout_s
+#define STRATA_NCCL_ERR_CANCELLED 2998              // the caller's stop request ended the wait
 #define STRATA_NCCL_UNIQUE_ID_BYTES 128             // NCCL_UNIQUE_ID_BYTES
 
 // One peer's part of an exchange: `send_bytes` from `send` to `peer`, and
@@ -52,7 +53,16 @@ typedef struct strata_nccl_xfer_s {
   size_t recv_bytes;
 } strata_nccl_xfer_t;
 
-typedef struct strata_nccl_api_v1_s {
+// The caller's stop request, polled while a communicator is made (every
+// millisecond, on the calling thread): requested(ctx) != 0 ends the wait, the
+// communicator is aborted and the call returns STRATA_NCCL_ERR_CANCELLED. A
+// null pointer or null `requested`: waits up to the timeout.
+typedef struct strata_nccl_stop_s {
+  int (*requested)(void* ctx);
+  void* ctx;
+} strata_nccl_stop_t;
+
+typedef struct strata_nccl_api_v2_s {
   uint32_t struct_size;
   uint32_t abi_version;
 
@@ -61,10 +71,11 @@ typedef struct strata_nccl_api_v1_s {
   // ncclGetUniqueId into id[STRATA_NCCL_UNIQUE_ID_BYTES] (rank 0 makes it).
   int (*unique_id)(uint8_t* id, char* err, size_t err_len);
   // ncclCommInitRankConfig (non-blocking) on `device`, then polls until the
-  // communicator is ready, failed, or `timeout_s` passed (then aborted:
-  // STRATA_NCCL_ERR_TIMEOUT).
-  int (*comm_init)(int device, const uint8_t* id, int world, int rank, double timeout_s, void** comm, char* err,
-                   size_t err_len);
+  // communicator is ready, failed, `timeout_s` passed (then aborted:
+  // STRATA_NCCL_ERR_TIMEOUT) or `stop` was requested (aborted:
+  // STRATA_NCCL_ERR_CANCELLED).
+  int (*comm_init)(int device, const uint8_t* id, int world, int rank, double timeout_s, const strata_nccl_stop_t* stop,
+                   void** comm, char* err, size_t err_len);
   // ncclCommFinalize, polled up to timeout_s, then ncclCommDestroy; on failure
   // or timeout the communicator is aborted instead (and the code returned).
   int (*comm_finalize_destroy)(int device, void* comm, double timeout_s, char* err, size_t err_len);
@@ -92,16 +103,17 @@ typedef struct strata_nccl_api_v1_s {
 
   // ---- appended (a loader checks struct_size before using them)
   // A child of the caller's communicator `parent` (ncclCommSplit, color 0,
-  // key = the parent's rank; non-blocking, polled like comm_init), after
+  // key = the parent's rank; non-blocking, polled like comm_init, `stop`
+  // too), after
   // checking that the parent's GPU is `device`; its rank and size in *rank
   // and *world. Collective over the parent's ranks. The parent is untouched
   // (an abort of the child leaves it working).
-  int (*comm_split)(int device, void* parent, double timeout_s, void** comm, int* world, int* rank, char* err,
-                    size_t err_len);
-} strata_nccl_api_v1_t;
+  int (*comm_split)(int device, void* parent, double timeout_s, const strata_nccl_stop_t* stop, void** comm, int* world,
+                    int* rank, char* err, size_t err_len);
+} strata_nccl_api_v2_t;
 
-typedef const strata_nccl_api_v1_t* (*strata_nccl_api_v1_fn)(void);
-#define STRATA_NCCL_API_SYMBOL "strata_nccl_api_v1"
+typedef const strata_nccl_api_v2_t* (*strata_nccl_api_v2_fn)(void);
+#define STRATA_NCCL_API_SYMBOL "strata_nccl_api_v2"
 
 #ifdef __cplusplus
 }

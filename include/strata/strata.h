@@ -358,14 +358,14 @@ typedef struct strata_engine_options {
   int32_t comm_store_port;
   /* STRATA_COMM_TCP and STRATA_COMM_NCCL (API 12): a stop request. While
    * strata_engine_create waits for the other ranks to meet and connect (up to
-   * comm_timeout_s: minutes when a peer never comes), it reads *cancel at
-   * least every 100 ms and, once it is nonzero, returns STRATA_ERR_CANCELLED
+   * comm_timeout_s: minutes when a peer never comes; with NCCL, also NCCL's
+   * own join, ncclCommInitRank or the split of nccl_comm), it reads *cancel
+   * at least every 100 ms and, once it is nonzero, returns STRATA_ERR_CANCELLED
    * at once ("... interrupted (a stop signal) while waiting"), leaving
    * nothing behind. Set it from a signal handler (it may point at a volatile
    * sig_atomic_t) or from another thread while the call runs, e.g. so that
    * Ctrl-C ends a rank whose peers never came. It is only read. NULL: wait
-   * until the timeout. Not read by NCCL's own initialisation, nor with
-   * STRATA_COMM_MPI (MPI's calls cannot be interrupted) or STRATA_COMM_NONE
+   * until the timeout. Not read with STRATA_COMM_MPI (MPI's calls cannot be interrupted) or STRATA_COMM_NONE
    * (nothing waits). Borrowed for the call only. */
   const volatile int* cancel;
 } strata_engine_options_t;

@@ -98,6 +98,7 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
     NcclCommOptions no;
     no.timeout_s = options.timeout_s;
     no.parent = options.nccl_parent;
+    no.cancel = options.cancel;
     return create_nccl_communicator(device, no);
   }
   STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
@@ -105,6 +106,7 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
   no.rank = li.rank;
   no.world_size = li.world_size;
   no.timeout_s = options.timeout_s;
+  no.cancel = options.cancel;
   if (li.launcher == Launcher::kTorchrun) {
     const std::string key = store_key("nccl");
     no.share_id = [li, options, key](const std::vector<uint8_t>& blob) {

@@ -57,7 +57,6 @@
 // Thread-safety: every method may be called from any thread.
 #pragma once
 
-#include <atomic>
 #include <cstddef>
 #include <functional>
 #include <memory>
@@ -130,9 +129,10 @@ struct CommOptions {
   // torch.multiprocessing.spawn, its own launcher, ...). Unset: the
   // environment (bootstrap.h).
   std::optional<LaunchInfo> ranks = std::nullopt;
-  // kTcp, kNccl: while the ranks meet (the rendezvous and the connections),
-  // a stop request (true from `cancel`: a signal handler's flag) ends the
-  // wait at once with kCancelled instead of at the timeout (net::CancelScope).
+  // kTcp, kNccl: while the ranks meet (the rendezvous and the connections;
+  // NCCL's own join, ncclCommInitRank or ncclCommSplit), a stop request (true
+  // from `cancel`: a signal handler's flag) ends the wait at once with
+  // kCancelled instead of at the timeout (net::CancelScope, NcclCommOptions).
   // Empty: waits until the timeout.
   std::function<bool()> cancel = nullptr;
 };

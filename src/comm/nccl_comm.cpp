@@ -47,6 +47,7 @@ struct Err {
 Status nccl_status(int rc, const char* text, const std::string& what) {
   const std::string t = text && text[0] ? text : "error " + std::to_string(rc);
   if (rc == STRATA_NCCL_ERR_TIMEOUT) return Status(StatusCode::kUnavailable, what + " failed: " + t);
+  if (rc == STRATA_NCCL_ERR_CANCELLED) return Status(StatusCode::kCancelled, what + ": " + t);
   if (rc >= STRATA_NCCL_ERR_BASE && rc < STRATA_NCCL_ERR_TIMEOUT) {
     const int r = rc - STRATA_NCCL_ERR_BASE;  // ncclResult_t
     // 2 ncclSystemError, 6 ncclRemoteError: a peer or the network; 4
@@ -59,25 +60,28 @@ Status nccl_status(int rc, const char* text, const std::string& what) {
   return cuda_module_status(rc, text, what);
 }
 
-Result<const strata_nccl_api_v1_t*> load_once() {
+Result<const strata_nccl_api_v2_t*> load_once() {
   auto m = load_cuda_sibling_module(kModuleName, STRATA_NCCL_API_SYMBOL, "STRATA_NCCL_MODULE");
   if (!m.ok()) return Status(m.status().code(), "NCCL module not loadable: " + m.status().message());
-  const strata_nccl_api_v1_t* api = reinterpret_cast<strata_nccl_api_v1_fn>(m->symbol)();
-  if (!api || api->abi_version != STRATA_NCCL_ABI_VERSION || api->struct_size < sizeof(strata_nccl_api_v1_t))
+  const strata_nccl_api_v2_t* api = reinterpret_cast<strata_nccl_api_v2_fn>(m->symbol)();
+  if (!api || api->abi_version != STRATA_NCCL_ABI_VERSION || api->struct_size < sizeof(strata_nccl_api_v2_t))
     return Status(StatusCode::kUnavailable, m->path + " speaks another NCCL module ABI version; rebuild Strata");
   return api;
 }
 
-Result<const strata_nccl_api_v1_t*> load_module() {
+Result<const strata_nccl_api_v2_t*> load_module() {
   static std::once_flag once;
-  static Result<const strata_nccl_api_v1_t*> result = Status(StatusCode::kInternal, "not loaded");
+  static Result<const strata_nccl_api_v2_t*> result = Status(StatusCode::kInternal, "not loaded");
   std::call_once(once, [] { result = load_once(); });
   return result;
 }
 
+// NcclCommOptions::cancel as the module's stop request (ctx: the callable).
+int stop_requested(void* ctx) { return (*static_cast<const std::function<bool()>*>(ctx))() ? 1 : 0; }
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(DeviceBackend* dev, const strata_nccl_api_v1_t* api, int device, const NcclCommOptions& o)
+  NcclCommunicator(DeviceBackend* dev, const strata_nccl_api_v2_t* api, int device, const NcclCommOptions& o)
       : dev_(dev), api_(api), device_(device), rank_(o.rank), world_(o.world_size), timeout_s_(o.timeout_s) {}
 
   ~NcclCommunicator() override {
@@ -108,16 +112,18 @@ class NcclCommunicator final : public Communicator {
     if (stream_) (void)dev_->destroy_stream(stream_);
   }
 
-  // A child of the caller's communicator; then init(nullptr, ...).
-  Status split(void* parent) {
+  // A child of the caller's communicator; then init(nullptr, ...). `stop`:
+  // the caller's stop request (null: none), polled while the ranks join.
+  Status split(void* parent, const strata_nccl_stop_t* stop) {
     Err err;
-    const int rc = api_->comm_split(device_, parent, timeout_s_, &comm_, &world_, &rank_, err.text, sizeof(err.text));
+    const int rc =
+        api_->comm_split(device_, parent, timeout_s_, stop, &comm_, &world_, &rank_, err.text, sizeof(err.text));
     if (rc != 0) return nccl_status(rc, err.text, "nccl communicator: splitting the caller's communicator");
     return {};
   }
 
   // id: rank 0's unique id to join with, or null when split() made comm_.
-  Status init(const uint8_t* id, std::size_t scratch_bytes) {
+  Status init(const uint8_t* id, std::size_t scratch_bytes, const strata_nccl_stop_t* stop) {
     STRATA_ASSIGN_OR_RETURN(stream_, dev_->create_stream("nccl"));
     STRATA_ASSIGN_OR_RETURN(CudaNativeStream ns, cuda_native_stream(stream_));
     native_ = ns.stream;
@@ -132,7 +138,8 @@ class NcclCommunicator final : public Communicator {
     barrier_flag_ = scratch_ + chunk_ * world_;
     if (id != nullptr) {
       Err err;
-      const int rc = api_->comm_init(device_, id, world_, rank_, timeout_s_, &comm_, err.text, sizeof(err.text));
+      const int rc =
+          api_->comm_init(device_, id, world_, rank_, timeout_s_, stop, &comm_, err.text, sizeof(err.text));
       if (rc != 0)
         return nccl_status(rc, err.text, fmt::format("nccl communicator: joining rank {} of {}", rank_, world_));
     }
@@ -419,7 +426,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   DeviceBackend* dev_;
-  const strata_nccl_api_v1_t* api_;
+  const strata_nccl_api_v2_t* api_;
   const int device_;
   int rank_, world_;  // constant once init() returned (split() sets them)
   const double timeout_s_;
@@ -475,11 +482,13 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
                   fmt::format("nccl communicator: NCCL_COMM_BLOCKING={} makes NCCL calls block, which would let a "
                               "dead peer hang this rank past every timeout; unset it",
                               b));
-  STRATA_ASSIGN_OR_RETURN(const strata_nccl_api_v1_t* api, load_module());
+  STRATA_ASSIGN_OR_RETURN(const strata_nccl_api_v2_t* api, load_module());
+  const strata_nccl_stop_t stop_request{stop_requested, const_cast<std::function<bool()>*>(&o.cancel)};
+  const strata_nccl_stop_t* stop = o.cancel ? &stop_request : nullptr;
   if (o.parent != nullptr) {
     auto c = std::make_unique<NcclCommunicator>(device, api, device->ordinal(), o);
-    STRATA_RETURN_IF_ERROR(c->split(o.parent));
-    STRATA_RETURN_IF_ERROR(c->init(nullptr, o.scratch_bytes));
+    STRATA_RETURN_IF_ERROR(c->split(o.parent, stop));
+    STRATA_RETURN_IF_ERROR(c->init(nullptr, o.scratch_bytes, stop));
     return std::unique_ptr<Communicator>(std::move(c));
   }
   std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
@@ -498,7 +507,7 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
     id = std::move(*shared);
   }
   auto c = std::make_unique<NcclCommunicator>(device, api, device->ordinal(), o);
-  STRATA_RETURN_IF_ERROR(c->init(id.data(), o.scratch_bytes));
+  STRATA_RETURN_IF_ERROR(c->init(id.data(), o.scratch_bytes, stop));
   return std::unique_ptr<Communicator>(std::move(c));
 }
 

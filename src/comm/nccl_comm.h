@@ -47,7 +47,8 @@
 // split from it: the engine's collectives never match the trainer's, and a
 // timeout aborts the child only.
 // ncclCommInitRank is non-blocking and polled up to the timeout, so a rank
-// that never joins fails the others instead of hanging them.
+// that never joins fails the others instead of hanging them; a stop request
+// (`cancel`) ends that wait at once.
 //
 // Multi-process on one GPU is not possible (NCCL refuses two ranks on one
 // device): each rank needs its own GPU (LOCAL_RANK picks it in the trainer).
@@ -83,6 +84,11 @@ struct NcclCommOptions {
   // size replace rank/world_size, and share_id is not used. Its GPU must be
   // the device backend's.
   void* parent = nullptr;
+  // A stop request (CommOptions::cancel), read every millisecond while the
+  // ranks join (ncclCommInitRank, ncclCommSplit): once true, the
+  // communicator is aborted and the call fails with kCancelled. Only the
+  // create call reads it. Empty: waits up to timeout_s.
+  std::function<bool()> cancel = nullptr;
 };
 
 // True when this build has the NCCL module (STRATA_HAVE_NCCL).
@@ -93,7 +99,8 @@ bool nccl_backend_built();
 // calls it. Errors: kInvalidArgument (not a CUDA backend, bad rank/world,
 // timeout <= 0, no share_id with N > 1), kUnavailable (not built; the module
 // or libnccl does not load: dlopen's text; a rank did not join within the
-// timeout), and NCCL's errors as the module reports them.
+// timeout), kCancelled (`cancel` while the ranks joined), and NCCL's errors
+// as the module reports them.
 Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* device, const NcclCommOptions& options);
 
 }  // namespace strata::comm

@@ -12,6 +12,7 @@
 // unverified until a multi-GPU machine runs finetune with N GPU ranks.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
 #include <vector>
 
@@ -65,12 +66,12 @@ TEST(NcclComm, RefusesTheHostBackendByName) {
 TEST(NcclModule, LoadsAndSpeaksTheAbi) {
   void* h = dlopen(STRATA_TEST_NCCL_MODULE, RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(h, nullptr) << dlerror();
-  auto fn = reinterpret_cast<strata_nccl_api_v1_fn>(dlsym(h, STRATA_NCCL_API_SYMBOL));
+  auto fn = reinterpret_cast<strata_nccl_api_v2_fn>(dlsym(h, STRATA_NCCL_API_SYMBOL));
   ASSERT_NE(fn, nullptr);
-  const strata_nccl_api_v1_t* api = fn();
+  const strata_nccl_api_v2_t* api = fn();
   ASSERT_NE(api, nullptr);
   EXPECT_EQ(api->abi_version, STRATA_NCCL_ABI_VERSION);
-  EXPECT_GE(api->struct_size, sizeof(strata_nccl_api_v1_t));
+  EXPECT_GE(api->struct_size, sizeof(strata_nccl_api_v2_t));
   int version = 0;
   char err[256] = {0};
   ASSERT_EQ(api->version(&version, err, sizeof(err)), 0) << err;
@@ -198,13 +199,13 @@ TEST_F(NcclOneRank, TwoCallerStreamsShareTheCommStream) {
 TEST_F(NcclOneRank, SplitsTheCallersCommunicator) {
   void* h = dlopen(STRATA_TEST_NCCL_MODULE, RTLD_NOW | RTLD_LOCAL);
   ASSERT_NE(h, nullptr) << dlerror();
-  const strata_nccl_api_v1_t* api = reinterpret_cast<strata_nccl_api_v1_fn>(dlsym(h, STRATA_NCCL_API_SYMBOL))();
+  const strata_nccl_api_v2_t* api = reinterpret_cast<strata_nccl_api_v2_fn>(dlsym(h, STRATA_NCCL_API_SYMBOL))();
   ASSERT_NE(api, nullptr);
   char err[512] = {0};
   std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
   ASSERT_EQ(api->unique_id(id.data(), err, sizeof(err)), 0) << err;
   void* parent = nullptr;
-  ASSERT_EQ(api->comm_init(0, id.data(), 1, 0, 60.0, &parent, err, sizeof(err)), 0) << err;
+  ASSERT_EQ(api->comm_init(0, id.data(), 1, 0, 60.0, nullptr, &parent, err, sizeof(err)), 0) << err;
   {
     CommOptions co{CommBackendKind::kNccl, 60.0};
     co.nccl_parent = parent;
@@ -225,6 +226,34 @@ TEST_F(NcclOneRank, SplitsTheCallersCommunicator) {
   ASSERT_EQ(api->comm_async_error(parent, &state, err, sizeof(err)), 0) << err;
   EXPECT_EQ(state, 0);  // ncclSuccess: the parent is untouched
   EXPECT_EQ(api->comm_finalize_destroy(0, parent, 60.0, err, sizeof(err)), 0) << err;
+}
+
+// Rank 0 of 2 whose peer never comes waits in NCCL's own join
+// (ncclCommInitRankConfig, non-blocking, polled); a stop request ends that
+// wait at once with kCancelled, where the timeout would take 120 s, and the
+// half-made communicator is aborted: the GPU takes a new one.
+TEST_F(NcclOneRank, AStopRequestEndsNcclsJoin) {
+  using Clock = std::chrono::steady_clock;
+  NcclCommOptions o;
+  o.rank = 0;
+  o.world_size = 2;
+  o.timeout_s = 120.0;
+  o.share_id = [](const std::vector<uint8_t>& id) -> Result<std::vector<uint8_t>> { return id; };
+  const Clock::time_point t0 = Clock::now();
+  bool asked = false;
+  o.cancel = [&] { return asked = asked || Clock::now() - t0 > std::chrono::seconds(2); };
+  auto c = create_nccl_communicator(dev_.get(), o);
+  const double took = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kCancelled) << c.status().to_string();
+  EXPECT_NE(c.status().message().find("interrupted (a stop signal) while waiting"), std::string::npos)
+      << c.status().to_string();
+  EXPECT_NE(c.status().message().find("joining rank 0 of 2"), std::string::npos) << c.status().to_string();
+  EXPECT_TRUE(asked);
+  EXPECT_LT(took, 30.0);
+  auto one = create_nccl_communicator(dev_.get(), NcclCommOptions{});
+  ASSERT_TRUE(one.ok()) << one.status().to_string();
+  EXPECT_EQ((*one)->world_size(), 1);
 }
 
 TEST_F(NcclOneRank, TheFactoryPicksNcclForACudaDevice) {
