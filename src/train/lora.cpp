@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -54,6 +55,51 @@ bool all_digits(std::string_view s) {
 bool is_off(const json& v) {
   return v.is_null() || (v.is_boolean() && !v.get<bool>()) || (v.is_object() && v.empty()) ||
          (v.is_array() && v.empty()) || (v.is_string() && v.get<std::string>().empty());
+}
+
+// PEFT's init_lora_weights, which PEFT runs again whenever it loads the
+// adapter. The plain ones only initialise lora_A/lora_B, which the file's
+// weights then replace: true, false, "gaussian", "orthogonal", "eva", and
+// "lora_ga" (without the gradients preprocess_loraga attaches, it falls back
+// to the default). The others change the model PEFT builds from the same
+// files, so Strata, which adds the adapter to the base weights as the model
+// directory holds them, would train and export another model: PiSSA, CorDA,
+// OLoRA and LoftQ replace the base weight by a residual (W - scale*B0*A0, a
+// quantized W), MiCA freezes lora_B.
+Status check_init_lora_weights(const std::string& path, const json& v) {
+  if (v.is_boolean()) return {};
+  const std::string s = v.is_string() ? v.get<std::string>() : "";
+  for (const char* plain : {"gaussian", "orthogonal", "eva", "lora_ga"})
+    if (s == plain) return {};
+  std::string low = s;
+  for (char& c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const char* what = nullptr;
+  if (s.rfind("pissa", 0) == 0)
+    what = "PiSSA";
+  else if (s.rfind("corda", 0) == 0)
+    what = "CorDA";
+  else if (low == "olora")
+    what = "OLoRA";
+  else if (s == "loftq")
+    what = "LoftQ";
+  if (what != nullptr)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: \"init_lora_weights\" is {}: not supported by Strata. When PEFT loads this adapter, "
+                              "{} replaces each adapted base weight by a residual computed from it, while Strata adds "
+                              "the adapter to the base weights as the model directory holds them (a different model). "
+                              "Convert it to a plain LoRA adapter first (PEFT's save_pretrained(..., "
+                              "path_initial_model_for_weight_conversion=...)), or train with a fresh adapter",
+                              path, clip_for_message(v.dump()), what));
+  if (low == "mica")
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: \"init_lora_weights\" is {}: not supported by Strata (MiCA freezes lora_B and "
+                              "trains lora_A only)",
+                              path, clip_for_message(v.dump())));
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("{}: \"init_lora_weights\" is {}: a value this version of Strata does not know (it takes "
+                            "true, false, \"gaussian\", \"orthogonal\", \"eva\", \"lora_ga\"); refused rather "
+                            "than ignored",
+                            path, clip_for_message(v.dump())));
 }
 
 // PEFT matches a string target_modules with Python's re.fullmatch; Strata
@@ -324,6 +370,7 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
     if (k == "task_type" && !it.value().is_null() && it.value() != "CAUSAL_LM")
       return bad("task_type", fmt::format("is {}: Strata fine-tunes causal language models (\"CAUSAL_LM\")",
                                           clip_for_message(it.value().dump())));
+    if (k == "init_lora_weights") STRATA_RETURN_IF_ERROR(check_init_lora_weights(path, it.value()));
     if (kMetadata.count(k)) continue;
     auto off = kMustBeOff.find(k);
     if (off != kMustBeOff.end()) {

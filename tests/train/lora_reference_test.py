@@ -216,7 +216,10 @@ def bad_adapters(strata, work):
              # the same as patterns, and one in Python's own syntax (an inline flag)
              ("target_modules", dict(target_modules=r"model\.layers\.1\.self_attn\.q_proj")),
              ("target_modules", dict(target_modules=r".*\.q_proj|lm_head")),
-             ("target_modules", dict(target_modules=r"(?i).*\.Q_PROJ"))]
+             ("target_modules", dict(target_modules=r"(?i).*\.Q_PROJ")),
+             # PEFT replaces the base weight by a residual when it loads these
+             ("init_lora_weights", dict(init_lora_weights="pissa")),
+             ("init_lora_weights", dict(init_lora_weights="olora"))]
     for i, (field, lcfg) in enumerate(cases):
         a = f"{d}/{field}-{i}"
         lcfg = {"target_modules": ["q_proj"], **lcfg}
