@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -649,7 +650,10 @@ Result<ModelDir> open_model_dir(const std::string& dir) {
       wrong_shape.push_back(fmt::format("{} is {}, expected {}", d.name, shape_str(t.shape), shape_str(d.shape)));
     else if (!to_dtype(t.dtype))
       wrong_dtype.push_back(fmt::format("{} is {}", d.name, st_dtype_name(t.dtype)));
-    if (!optional) m.tensors.push_back(t);
+    if (!optional)
+      m.tensors.push_back(t);
+    else
+      m.tied_head = t;
   }
   for (const auto& t : found) {
     if (used.count(t.name)) continue;
@@ -676,6 +680,31 @@ Result<ModelDir> open_model_dir(const std::string& dir) {
   msg += list("not F32/BF16/F16", wrong_dtype);
   msg += list("unexpected", unexpected);
   return Status(StatusCode::kCorrupt, msg);
+}
+
+Status check_tied_head(const ModelDir& m, TensorReader& reader) {
+  if (!m.tied_head) return {};
+  const TensorInfo* embed = m.find(weight_row(kEmbedTokens).name);
+  if (embed == nullptr || embed->numel() != m.tied_head->numel())
+    return Status(StatusCode::kInternal, m.dir + ": the tied embedding to compare lm_head.weight with is missing");
+  const uint64_t n = embed->numel();
+  constexpr uint64_t kChunk = 1u << 20;
+  std::vector<float> a(std::min(n, kChunk)), b(a.size());
+  for (uint64_t at = 0; at < n; at += kChunk) {
+    const uint64_t count = std::min(kChunk, n - at);
+    STRATA_RETURN_IF_ERROR(reader.read(*embed, DType::kF32, a.data(), at, count));
+    STRATA_RETURN_IF_ERROR(reader.read(*m.tied_head, DType::kF32, b.data(), at, count));
+    uint64_t i = 0;  // values, as torch.equal (transformers' test): -0 equals 0
+    while (i < count && a[i] == b[i]) ++i;
+    if (i == count) continue;
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("{}: config.json ties the embeddings (tie_word_embeddings), but the weights' "
+                              "lm_head.weight differs from model.embed_tokens.weight (element {}: {} against {}); "
+                              "transformers 5 would use lm_head.weight untied, older versions the embedding. Set "
+                              "\"tie_word_embeddings\": false to train them untied, or remove lm_head.weight",
+                              m.dir, at + i, b[i], a[i]));
+  }
+  return {};
 }
 
 }  // namespace strata::model

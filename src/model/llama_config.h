@@ -116,13 +116,23 @@ struct ModelDir {
   // file dtype and shape (dtypes may differ from torch_dtype and between
   // tensors; any of F32/BF16/F16 is accepted).
   std::vector<TensorInfo> tensors;
+  // Tied embeddings whose files still carry lm_head.weight: that tensor (not
+  // in `tensors`). Whoever reads the weights must check it equals the
+  // embedding (check_tied_head): transformers 5 unties a head that differs
+  // and uses it, older versions use the embedding.
+  std::optional<TensorInfo> tied_head;
   const TensorInfo* find(std::string_view name) const;
 };
+
+// With m.tied_head: OK when lm_head.weight holds the embedding's values
+// (compared as fp32, chunk by chunk), else kInvalidArgument naming both
+// tensors and the first element that differs.
+Status check_tied_head(const ModelDir& m, TensorReader& reader);
 
 // Opens DIR/config.json and the weights (read_model_tensors), then checks
 // every expected Hugging Face tensor is present with the right shape and a
 // float dtype. A model with tied embeddings may still carry lm_head.weight
-// (ignored, must have the right shape). Errors: kNotFound (no config.json /
+// (ModelDir::tied_head; it must have the right shape). Errors: kNotFound (no config.json /
 // weights), kCorrupt listing missing, unexpected and wrong-shaped tensors
 // (the first few of each, and how many), errors from the parsers. Rotary
 // caches (`*.rotary_emb.inv_freq`) are ignored. Blocking (reads headers only).

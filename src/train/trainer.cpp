@@ -489,6 +489,7 @@ Status Trainer::Impl::load_weights() {
                                   "(adapter_config.json: {}); refused rather than ignored",
                                   path, clip_for_message(t.name), fmt::join(lora_target_names(opt.lora.targets), ",")));
   }
+  STRATA_RETURN_IF_ERROR(model::check_tied_head(model, *reader));
   std::mt19937_64 rng(opt.data.seed ^ 0x10a4a11ce5ull);
   for (ParamId p = 0; p < spec.params.size(); ++p) {
     const ParamSpec& ps = spec.params[p];
@@ -510,6 +511,16 @@ Status Trainer::Impl::load_weights() {
                     fmt::format("model {}: tensor {} holds a non-finite value ({}) at element {} of {}: the "
                                 "weights are damaged",
                                 opt.model_dir, ps.name, *bad, bad - buf.begin(), buf.size()));
+    // fp16 compute copies: a weight past fp16's range would be inf in every
+    // forward (every step skipped, the run "succeeding" on NaN losses).
+    if (compute_dtype == DType::kF16) {
+      const auto big = std::find_if(buf.begin(), buf.end(), [](float v) { return std::fabs(v) >= 65520.0f; });
+      if (big != buf.end())
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("model {}: tensor {} holds {} at element {} of {}, beyond fp16's range (+-65504): "
+                                  "fp16 compute copies cannot hold it; train in bf16 or fp32",
+                                  opt.model_dir, ps.name, *big, big - buf.begin(), buf.size()));
+    }
     STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
   }
   return {};
@@ -929,6 +940,25 @@ Status Trainer::save_checkpoint(const std::string& dir) {
 
 // N ranks: every rank assembles each tensor (gather_param is a collective),
 // rank 0 writes the files.
+// A value the export dtype cannot hold (it would be written as inf, and no
+// loader, Strata's included, takes the file back) is refused naming it.
+static Status check_export_range(const std::string& name, const std::vector<float>& v, DType dtype) {
+  // The smallest magnitudes that round to inf: 65520 for fp16; bf16's largest
+  // finite value plus half an ulp (0x7F7F8000).
+  const float limit = dtype == DType::kF16 ? 65520.0f : dtype == DType::kBF16 ? std::bit_cast<float>(0x7F7F8000u)
+                                                                              : INFINITY;
+  const auto bad = std::find_if(v.begin(), v.end(), [&](float x) { return !(std::fabs(x) < limit); });
+  if (bad == v.end()) return {};
+  if (!std::isfinite(*bad))
+    return Status(StatusCode::kCorrupt, fmt::format("tensor {} holds a non-finite value ({}) at element {} of {}", name,
+                                                    *bad, bad - v.begin(), v.size()));
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("tensor {} holds {} at element {} of {}, beyond {}'s range: it would be written as inf; "
+                            "export in {} (--export-dtype)",
+                            name, *bad, bad - v.begin(), v.size(), dtype_name(dtype),
+                            dtype == DType::kF16 ? "bf16 or fp32" : "fp32"));
+}
+
 Status Trainer::export_model(const std::string& dir, DType dtype) {
   Impl& m = *impl_;
   const bool writes = m.rank == 0;
@@ -969,6 +999,9 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
           buf[i * in + j] = static_cast<float>(buf[i * in + j] + sc * acc);
         }
     }
+    // Every rank holds the whole tensor here and checks it, so all ranks
+    // fail at the same one.
+    STRATA_RETURN_IF_ERROR(check_export_range(d.name, buf, dtype));
     if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
   }
   if (!w) return {};

@@ -50,7 +50,9 @@ class Trainer::Run {
     if (has_val_) {
       STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
     }
-    if (m_.opt.export_model) STRATA_RETURN_IF_ERROR(export_model());
+    if (m_.opt.export_model) {
+      if (Status st = export_model(); !st.ok()) return keep_work(st);
+    }
     return res_;
   }
 
@@ -170,6 +172,23 @@ class Trainer::Run {
     progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
                               seconds_since(t0)));
     return v;
+  }
+
+  // An export that failed (a value its dtype cannot hold, a full disk)
+  // loses no training: one rank saves the last step's checkpoint, if the
+  // schedule did not, and the error says how to export it again. (N ranks
+  // may not all have failed: rank 0 alone writes; they stop as they are.)
+  Status keep_work(const Status& failed) {
+    if (m_.world != 1 || m_.step == 0) return failed;
+    if (res_.last_checkpoint != checkpoint_dir()) {
+      if (Status c = checkpoint(); !c.ok())
+        return Status(failed.code(), fmt::format("{}; saving the trained state in a checkpoint failed too: {}",
+                                                 failed.message(), c.message()));
+    }
+    return Status(failed.code(),
+                  fmt::format("{}; the trained state is saved in {}: export it again with --resume {} --steps {} "
+                              "(with another --export-dtype, or room on the disk)",
+                              failed.message(), res_.last_checkpoint, m_.opt.out_dir, m_.step));
   }
 
   std::string checkpoint_dir() const { return m_.opt.out_dir + "/checkpoint-" + std::to_string(m_.step); }

@@ -105,6 +105,29 @@ printf '\x00\x00\xc0\x7f' | dd of="$dir/nan-model/model.safetensors" bs=1 seek=$
 expect_error "holds a non-finite value (nan) at element" --model "$dir/nan-model" --data "$dir/data.txt" --seq 32 \
   --batch 4 --out "$dir/o-nan"
 
+# ---- config.json ties the embeddings, but the file's lm_head.weight differs:
+# refused (transformers 5 would untie them, 4.x use the embedding)
+cp -r "$dir/model" "$dir/tied-model"
+sed -i 's/"tie_word_embeddings": false/"tie_word_embeddings": true/' "$dir/tied-model/config.json"
+expect_error "lm_head.weight differs from model.embed_tokens.weight (element 0:" --model "$dir/tied-model" \
+  --data "$dir/data.txt" --seq 32 --batch 4 --out "$dir/o-tied"
+
+# ---- a weight of 1e6 (element 5 of the embedding, the file's first tensor):
+# fp16 compute copies cannot hold it (refused at load); an fp16 export of it
+# fails naming it, and the run's last step is saved so the export can be redone
+cp -r "$dir/model" "$dir/big-model"
+printf '\x00\x24\x74\x49' | dd of="$dir/big-model/model.safetensors" bs=1 seek=$((8 + hl + 4 * 5)) conv=notrunc status=none
+expect_error "holds 1000000 at element 5 of 8192, beyond fp16's range" --model "$dir/big-model" --data "$dir/data.txt" \
+  --seq 32 --batch 4 --fp16 --out "$dir/o-big"
+big=(--model "$dir/big-model" --data "$dir/data.txt" --seq 32 --batch 4 --lr 1e-4 --steps 2 --save-every 0
+  --progress quiet --out "$dir/o-big")
+expect_error "beyond fp16's range: it would be written as inf; export in bf16 or fp32 (--export-dtype); the trained \
+state is saved in $dir/o-big/checkpoint-2: export it again with --resume $dir/o-big --steps 2" "${big[@]}" --export-dtype fp16
+[[ ! -e $dir/o-big/model/config.json ]] || fail "a failed export left a config.json"
+"$strata" finetune "${big[@]}" --export-dtype bf16 --resume "$dir/o-big" >"$dir/last.log" 2>&1 ||
+  fail "exporting again from the saved step failed: $(cat "$dir/last.log")"
+[[ -s $dir/o-big/model/model.safetensors && -e $dir/o-big/model/config.json ]] || fail "no export after the resume"
+
 # ---- FIFOs where files belong: refused at once, never waited on
 mkdir -p "$dir/fifo-model" "$dir/fifo-weights"
 mkfifo "$dir/fifo-model/config.json" "$dir/fifo.json"
