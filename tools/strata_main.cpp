@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <string>
 
+#include "cli_values.h"
 #include "commands.h"
 #include "common/log.h"
 #include "version.h"
@@ -74,6 +75,7 @@ int main(int argc, char** argv) {
   register_plan(app);
   register_finetune(app);
   register_demo(app);
+  read_values_strictly(app);
 
   try {
     app.parse(argc, argv);

@@ -2,9 +2,13 @@
 // becomes a typed trainer option, or an error naming the flag and the value.
 #include "finetune_flags.h"
 
+#include "cli_values.h"
+
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 namespace strata::tools {
 namespace {
@@ -54,6 +58,48 @@ TEST(FinetuneFlags, TypedOptions) {
   g = f;
   g.export_dtype = "fp8";
   EXPECT_EQ(build_trainer_options(g, &o).message(), "unknown dtype 'fp8' (expected fp32|bf16|fp16)");
+}
+
+// What CLI11 2.1 would bend is refused naming the option (cli_values.h):
+// 64-bit overflow (clamped), negative unsigned values (wrapped), empty values
+// (read as 0 or the default); leading zeros are decimal, not octal.
+TEST(FinetuneFlags, ValuesAreReadStrictly) {
+  auto parse = [](const std::vector<std::string>& extra, FinetuneFlags* f) -> std::string {
+    CLI::App app;
+    CLI::App* cmd = app.add_subcommand("finetune");
+    add_finetune_flags(cmd, f);
+    read_values_strictly(app);
+    std::vector<std::string> args = {"finetune", "--model", "m", "--data", "d"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    std::vector<std::string> reversed(args.rbegin(), args.rend());  // CLI11 takes the arguments reversed
+    try {
+      app.parse(reversed);
+    } catch (const CLI::ParseError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  FinetuneFlags f;
+  EXPECT_EQ(parse({"--steps", "010", "--seed", "+7", "--warmup", "-0"}, &f), "");
+  EXPECT_EQ(f.steps, 10);
+  EXPECT_EQ(f.seed, 7u);
+  EXPECT_EQ(f.warmup, 0);
+  EXPECT_EQ(parse({"--steps", "9223372036854775807"}, &f), "");
+  EXPECT_EQ(f.steps, INT64_MAX);
+  EXPECT_EQ(parse({"--steps", "99999999999999999999"}, &f),
+            "--steps: '99999999999999999999' is out of range (-9223372036854775808 to 9223372036854775807)");
+  EXPECT_EQ(parse({"--seed", "18446744073709551616"}, &f),
+            "--seed: '18446744073709551616' is out of range (0 to 18446744073709551615)");
+  EXPECT_EQ(parse({"--seed", "-1"}, &f), "--seed: '-1' is negative: expected 0 to 18446744073709551615");
+  for (const char* bad : {"1.5", "0x10", "1e3", "", "-", "+-3", " 4"}) {
+    FinetuneFlags g;
+    const std::string why = parse({"--save-every", bad}, &g);
+    EXPECT_NE(why.find("--save-every: "), std::string::npos) << bad << ": " << why;
+  }
+  for (const char* opt : {"--lr", "--device-mem", "--lora-targets", "--out"}) {
+    FinetuneFlags g;
+    EXPECT_EQ(parse({opt, ""}, &g), std::string(opt) + ": an empty value: give one, or leave the option out");
+  }
 }
 
 }  // namespace
