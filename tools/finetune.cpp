@@ -16,6 +16,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <string>
 
@@ -31,6 +32,7 @@ namespace strata::tools {
 namespace {
 std::atomic<bool> g_stop{false};
 std::atomic<int> g_signal{0};
+std::atomic<const char*> g_message{""};
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free);
 // SIGHUP (the terminal went away) stops like SIGTERM: with a checkpoint.
 constexpr std::array<int, 3> kStopSignals = {SIGINT, SIGTERM, SIGHUP};
@@ -44,14 +46,14 @@ void on_stop_signal(int sig) {
     return;
   }
   g_signal.store(sig);
-  static const char msg[] =
-      "\nstopping after this step (a checkpoint is saved, also after the last step); signal again to abort now\n";
-  ssize_t n = ::write(STDERR_FILENO, msg, sizeof(msg) - 1);
+  const char* msg = g_message.load();
+  ssize_t n = ::write(STDERR_FILENO, msg, std::strlen(msg));
   (void)n;
 }
 }  // namespace
 
-StopSignals::StopSignals() {
+StopSignals::StopSignals(const char* message) {
+  g_message.store(message);
   g_stop.store(false);
   g_signal.store(0);
   for (size_t i = 0; i < kStopSignals.size(); ++i) {

@@ -16,7 +16,10 @@ namespace strata::tools {
 // handlers on destruction. One instance at a time per process.
 class StopSignals {
  public:
-  StopSignals();
+  // `message`: written to stderr at the first signal (a string literal).
+  explicit StopSignals(const char* message = kFinetuneStopMessage);
+  static constexpr const char* kFinetuneStopMessage =
+      "\nstopping after this step (a checkpoint is saved, also after the last step); signal again to abort now\n";
   ~StopSignals();
   StopSignals(const StopSignals&) = delete;
   StopSignals& operator=(const StopSignals&) = delete;

@@ -6,6 +6,8 @@
 #include <dirent.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -15,6 +17,7 @@
 #include <string>
 
 #include "commands.h"
+#include "finetune.h"
 #include "common/dtype_parse.h"
 #include "common/units.h"
 #include "model/llama_init.h"
@@ -111,13 +114,34 @@ int run(const InitModelOptions& o) {
   if (state == 0 && !o.force)
     return fail(fmt::format("{} is not empty; use --force to write the model there anyway", o.out));
   std::error_code ec;
+  const bool made = !std::filesystem::exists(o.out, ec);
   std::filesystem::create_directories(o.out, ec);
   if (ec) return fail(fmt::format("cannot create {}: {}", o.out, ec.message()));
+  // What this run made goes again when it fails (the writer removes its files).
+  auto undo = [&] {
+    if (made) (void)::rmdir(o.out.c_str());
+  };
 
   const uint64_t params = spec->numel();
+  // The weights must fit: a model too large for the disk would fill it first.
+  const uint64_t bytes = params * dtype_size(*dt);
+  struct statvfs fs {};
+  if (::statvfs(o.out.c_str(), &fs) == 0 && uint64_t{fs.f_bavail} * fs.f_frsize < bytes + (uint64_t{1} << 20)) {
+    undo();
+    return fail(fmt::format("the weights take {} ({} parameters as {}), and {} has {} free", format_bytes(bytes),
+                            params, dtype_name(*dt), o.out, format_bytes(uint64_t{fs.f_bavail} * fs.f_frsize)));
+  }
   const auto t0 = std::chrono::steady_clock::now();
-  Status st = model::write_random_llama(o.out, c, model::from_dtype(*dt), o.seed, *shard);
-  if (!st.ok()) return fail(st.message());
+  Status st;
+  {
+    StopSignals signals("\nstopping: removing the partly written model; signal again to abort now\n");
+    st = model::write_random_llama(o.out, c, model::from_dtype(*dt), o.seed, *shard, signals.flag());
+  }
+  if (!st.ok()) {
+    undo();
+    (void)fail(st.message());
+    return st.code() == StatusCode::kCancelled ? kExitInterrupted : 1;
+  }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("wrote %s: Llama, %u layers, dim %llu, %u heads (%u kv), ffn %llu, vocab %llu%s\n", o.out.c_str(),
               c.num_hidden_layers, static_cast<unsigned long long>(c.hidden_size), c.num_attention_heads,

@@ -58,7 +58,7 @@ void llama_init_values(std::string_view name, uint64_t seed, double stddev, uint
 }
 
 Status write_random_llama(const std::string& dir, const LlamaConfig& config, StDType dtype, uint64_t seed,
-                          uint64_t max_shard_bytes) {
+                          uint64_t max_shard_bytes, const std::atomic<bool>* stop) {
   STRATA_RETURN_IF_ERROR(validate_llama_config(config));
   if (!to_dtype(dtype))
     return Status(StatusCode::kInvalidArgument,
@@ -72,6 +72,8 @@ Status write_random_llama(const std::string& dir, const LlamaConfig& config, StD
     buf.resize(std::min(n, kChunk));
     for (uint64_t at = 0; at < n; at += kChunk) {
       const uint64_t c = std::min(kChunk, n - at);
+      if (stop != nullptr && stop->load(std::memory_order_relaxed))
+        return Status(StatusCode::kCancelled, "interrupted (a stop signal) while writing the weights into " + dir);
       llama_init_values(d.name, seed, config.initializer_range, at, c, buf.data());
       STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), c));
     }

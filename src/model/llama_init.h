@@ -9,6 +9,7 @@
 // the same bits as producing the whole model at once. Thread-safe (pure).
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -32,8 +33,11 @@ void llama_init_values(std::string_view name, uint64_t seed, double stddev, uint
 // Writes DIR/config.json and the weights (one file, or shards of at most
 // max_shard_bytes; 0 = one file) of a freshly initialised model, streaming
 // (memory use: a few MiB whatever the model size). `dir` must exist.
-// Blocking. Errors: from validate_llama_config and the writers.
+// Blocking; `stop` (a signal handler's flag), when set, ends it between
+// chunks of 1M elements with kCancelled. A write that fails or is stopped
+// leaves none of its files. Errors: from validate_llama_config and the
+// writers.
 Status write_random_llama(const std::string& dir, const LlamaConfig& config, StDType dtype, uint64_t seed,
-                          uint64_t max_shard_bytes = 0);
+                          uint64_t max_shard_bytes = 0, const std::atomic<bool>* stop = nullptr);
 
 }  // namespace strata::model

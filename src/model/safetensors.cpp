@@ -761,7 +761,15 @@ Result<std::unique_ptr<ShardedWriter>> ShardedWriter::create(const std::string& 
   return w;
 }
 
-ShardedWriter::~ShardedWriter() = default;
+// An unfinished write leaves nothing: the open shard's temp file goes with
+// its writer, and the shards already complete are removed, the last one too
+// when finish() failed after it (without the index and the rest they are no
+// model).
+ShardedWriter::~ShardedWriter() {
+  if (finished_ || shards_.size() < 2) return;
+  writer_.reset();
+  for (size_t s = 0; s <= shard_ && s < files_.size(); ++s) (void)::unlink((dir_ + "/" + files_[s]).c_str());
+}
 
 Status ShardedWriter::advance() {
   while (writer_ && writer_->remaining() == 0 && shard_ + 1 < shards_.size()) {

@@ -209,7 +209,9 @@ Result<std::vector<TensorInfo>> read_model_tensors(const std::string& dir);
 // larger than the limit gets a shard of its own. With one shard the output is
 // DIR/model.safetensors; otherwise DIR/model-0000k-of-0000n.safetensors plus
 // DIR/model.safetensors.index.json. Same streaming interface as
-// SafetensorsWriter (write / write_from / finish). Not thread-safe. Blocking.
+// SafetensorsWriter (write / write_from / finish). Destroying an unfinished
+// writer removes what it wrote (the open shard's temp file, the shards already
+// complete). Not thread-safe. Blocking.
 class ShardedWriter {
  public:
   static Result<std::unique_ptr<ShardedWriter>> create(const std::string& dir, std::vector<TensorDecl> tensors,

@@ -44,7 +44,25 @@ expect_error "--layers" --layers 0 --out "$dir/bad"
 expect_error "--layers" --layers abc --out "$dir/bad"
 touch "$dir/file"
 expect_error "is not a directory" --out "$dir/file"
+# A model larger than the disk's free space (64 TiB) is refused before writing.
+expect_error "(35184372237504 parameters as bf16), and $dir/bad has" --dim 64 --heads 4 --layers 1 \
+  --vocab 549755813888 --tie-embeddings --out "$dir/bad"
 [[ ! -e $dir/bad ]] || fail "a refused init-model left $dir/bad"
+# A stop signal mid-write: exit 130, and neither the temp file nor the
+# directory it made is left (a 512 MB model, stopped once its file appears).
+"$strata" init-model --dim 128 --heads 4 --layers 1 --vocab 2000000 --tie-embeddings --out "$dir/big" \
+  >"$dir/big.log" 2>&1 &
+pid=$!
+for ((i = 0; i < 600; i++)); do
+  compgen -G "$dir/big/model.safetensors.tmp.*" >/dev/null && break
+  sleep 0.05
+done
+kill -TERM $pid
+wait $pid
+rc=$?
+[[ $rc == 130 ]] || fail "init-model stopped by SIGTERM exited $rc, not 130: $(cat "$dir/big.log")"
+grep -q "interrupted (a stop signal) while writing the weights" "$dir/big.log" || fail "no stop message: $(cat "$dir/big.log")"
+[[ ! -e $dir/big ]] || fail "a stopped init-model left: $(ls -A "$dir/big")"
 
 # The model directory it wrote plans (config read from the directory).
 cli_command "$strata" plan

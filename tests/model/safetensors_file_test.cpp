@@ -234,6 +234,28 @@ TEST(SafetensorsFile, EveryTruncationIsAnErrorAndCorruptFilesNeverCrashReads) {
   EXPECT_EQ(read_safetensors_header(dir.path()).status().code(), StatusCode::kInvalidArgument);
 }
 
+// A sharded write that stops half-way (an error, a stop signal) leaves no
+// file: neither the shards already complete nor the open one's temp file.
+TEST(SafetensorsFile, AnUnfinishedShardedWriteLeavesNothing) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  std::vector<TensorDecl> decls;
+  for (int i = 0; i < 6; ++i) decls.push_back({"t" + std::to_string(i), StDType::kF32, {256}});
+  uint64_t total = 0;
+  for (const auto& d : decls) total += d.nbytes();
+  auto data = pattern(total, 3);
+  {
+    auto w = ShardedWriter::create(dir.path(), decls, 2048);
+    ASSERT_TRUE(w.ok()) << w.status().to_string();
+    ASSERT_GT((*w)->files().size(), 2u);
+    ASSERT_TRUE((*w)->write(data.data(), total - 100).ok());  // every shard but the last one complete
+    std::error_code ec;
+    ASSERT_TRUE(std::filesystem::exists(dir.file((*w)->files()[0]), ec));
+  }
+  std::error_code ec;
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path(), ec)) << ec.message();
+}
+
 TEST(SafetensorsFile, ShardsAndIndex) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
