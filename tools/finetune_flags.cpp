@@ -59,9 +59,13 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   f->o_batch = cmd->add_option("--batch", f->batch, "Sequences per micro-batch")->capture_default_str();
   cmd->add_option("--seq", f->seq, "Tokens per sequence")->capture_default_str();
   f->o_lr = cmd->add_option("--lr", f->lr, "Peak learning rate")->capture_default_str();
-  cmd->add_option("--min-lr", f->min_lr, "Learning rate at the end of a linear/cosine decay")->capture_default_str();
-  cmd->add_option("--warmup", f->warmup, "Linear warm-up steps")->capture_default_str();
-  cmd->add_option("--schedule", f->schedule, "constant | linear | cosine (after the warm-up)")->capture_default_str();
+  f->o_min_lr = cmd->add_option("--min-lr", f->min_lr, "Learning rate at the end of a linear/cosine decay")
+                   ->capture_default_str();
+  f->o_warmup = cmd->add_option("--warmup", f->warmup, "Linear warm-up steps")->capture_default_str();
+  f->o_schedule = cmd->add_option("--schedule", f->schedule,
+                                  "constant | linear | cosine (after the warm-up); a --config's DeepSpeed \"scheduler\" "
+                                  "section (WarmupLR, WarmupDecayLR, WarmupCosineLR) instead when it has one")
+                      ->capture_default_str();
   f->o_grad_accum =
       cmd->add_option("--grad-accum", f->grad_accum, "Micro-batches per optimizer step")->capture_default_str();
   f->o_clip = cmd->add_option("--clip", f->clip, "Clip the global gradient norm to this (0: off)")
@@ -229,9 +233,23 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
 
   // --lr wins; else the config file's optimizer.lr; else --lr's default.
   o->schedule.lr = !f.config.empty() && !f.o_lr->count() ? o->config.optimizer.lr : f.lr;
-  STRATA_ASSIGN_OR_RETURN(o->schedule.kind, train::parse_schedule_kind(f.schedule));
-  o->schedule.min_lr = f.min_lr;
-  o->schedule.warmup = f.warmup;
+  if (!notes.scheduler_json.empty()) {
+    // The config's DeepSpeed "scheduler" section sets the schedule; the
+    // flags that would set another are refused rather than one ignored.
+    for (const CLI::Option* given : {f.o_schedule, f.o_warmup, f.o_min_lr})
+      if (given->count())
+        return Status(StatusCode::kInvalidArgument,
+                      fmt::format("{} and the \"scheduler\" section of {} both set the learning-rate schedule; "
+                                  "keep one",
+                                  given->get_name(), f.config));
+    auto ds = train::parse_deepspeed_scheduler(notes.scheduler_json, o->schedule.lr);
+    if (!ds.ok()) return ds.status().with_context(f.config);
+    o->schedule = *ds;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(o->schedule.kind, train::parse_schedule_kind(f.schedule));
+    o->schedule.min_lr = f.min_lr;
+    o->schedule.warmup = f.warmup;
+  }
   o->schedule.total = std::max<int64_t>(1, f.steps);
   if (f.steps < 0) return Status(StatusCode::kInvalidArgument, "--steps must be >= 0");
   if (f.steps > 0) STRATA_RETURN_IF_ERROR(train::validate_schedule(o->schedule).with_context("--lr/--min-lr/--warmup"));

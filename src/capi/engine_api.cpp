@@ -21,6 +21,7 @@
 
 #include "capi/c_api_util.h"
 #include "capi/engine_handle.h"
+#include "common/log.h"
 #include "device/device_backend.h"
 #include "runtime/config.h"
 #include "runtime/engine.h"
@@ -83,9 +84,17 @@ Result<Config> to_config(const strata_engine_options_t* o) {
     return Status(StatusCode::kInvalidArgument,
                   "options: set config_json or config_path, not both (config_path is '" + std::string(o->config_path) +
                       "')");
-  if (o->config_json) return parse_config(o->config_json, "<config_json>");
-  if (o->config_path) return load_config_file(o->config_path);
-  return Config{};
+  ConfigNotes notes;
+  Result<Config> c = Config{};
+  if (o->config_json) c = parse_config(o->config_json, "<config_json>", &notes);
+  if (o->config_path) c = load_config_file(o->config_path, &notes);
+  // The engine takes each step's lr from the caller (strata_engine_step).
+  if (c.ok() && !notes.scheduler_json.empty())
+    log_once(LogLevel::kWarn, "capi.scheduler",
+             fmt::format("{}: the \"scheduler\" section is not used: the caller gives each step's learning rate "
+                         "(strata_engine_step's lr; strata.torch follows the section itself)",
+                         o->config_json ? "<config_json>" : o->config_path));
+  return c;
 }
 
 Status check_count(const Engine& e, uint32_t p, size_t count) {

@@ -659,6 +659,9 @@ Status read_root(Obj& o, Config* c) {
                                    1, uint64_t{1} << 40));
   STRATA_RETURN_IF_ERROR(read_object(
       o, "strata", [&](Obj& s) { return read_strata(s, &c->strata); }, false));
+  // The learning-rate schedule is the trainer's: kept as written (strata
+  // finetune follows it, train/schedule.h; strata.torch reads it itself).
+  if (const json* sched = o.take_raw("scheduler")) o.ctx().notes.scheduler_json = sched->dump();
 
   // The trainer's business (batch sizes, schedule, logging, monitoring) or
   // choices Strata makes itself: accepted so DeepSpeed configs load, listed once.
@@ -673,7 +676,6 @@ Status read_root(Obj& o, Config* c) {
             "sparse_gradients",
             "zero_allow_untested_optimizer",
             "zero_force_ds_cpu_optimizer",
-            "scheduler",
             "activation_checkpointing",
             "flops_profiler",
             "tensorboard",

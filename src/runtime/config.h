@@ -233,6 +233,11 @@ struct ConfigNotes {
   uint64_t train_batch_size = 0;
   uint64_t train_micro_batch_size_per_gpu = 0;
   bool gradient_accumulation_given = false;
+  // The "scheduler" section's JSON ("" when absent or null): the engine
+  // takes each step's lr from its caller; strata finetune follows it
+  // (train::parse_deepspeed_scheduler), a C caller is warned that it is not
+  // used.
+  std::string scheduler_json;
 };
 
 // Parses a config from JSON text. `origin` names the text in messages (a file

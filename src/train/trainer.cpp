@@ -590,6 +590,13 @@ std::string Trainer::Impl::settings_json() const {
                    {"min_lr", opt.schedule.min_lr},
                    {"warmup", opt.schedule.warmup},
                    {"total", opt.steps}};
+  if (is_deepspeed_schedule(opt.schedule.kind)) {  // only then: older runs' settings stay as they were
+    const Schedule::DeepSpeed& d = opt.schedule.ds;
+    t["schedule"]["deepspeed"] = {{"warmup_min_lr", d.warmup_min_lr},       {"warmup_max_lr", d.warmup_max_lr},
+                                  {"warmup_num_steps", d.warmup_num_steps}, {"log_warmup", d.log_warmup},
+                                  {"total_num_steps", d.total_num_steps},   {"warmup_min_ratio", d.warmup_min_ratio},
+                                  {"cos_min_ratio", d.cos_min_ratio}};
+  }
   t["optimizer"] = {{"beta1", o.beta1},
                     {"beta2", o.beta2},
                     {"eps", o.eps},

@@ -84,7 +84,7 @@ TEST(ConfigSamples, ZeroInfinityNvme) {
                 "zero_optimization.overlap_comm", "zero_optimization.stage3_param_persistence_threshold",
                 "zero_optimization.stage3_max_live_parameters", "zero_optimization.stage3_max_reuse_distance",
                 "zero_optimization.stage3_gather_16bit_weights_on_model_save", "steps_per_print",
-                "wall_clock_breakdown", "scheduler", "activation_checkpointing"}));
+                "wall_clock_breakdown", "activation_checkpointing"}));
   EXPECT_TRUE(notes.warnings.empty());
   // The trainer's batch sizes, kept for it (strata finetune derives its batch from them).
   EXPECT_EQ(notes.train_batch_size, 16u);
@@ -111,7 +111,8 @@ TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
   EXPECT_EQ(notes.train_batch_size, 0u);  // "auto": not given
   EXPECT_EQ(notes.train_micro_batch_size_per_gpu, 0u);
   EXPECT_FALSE(notes.gradient_accumulation_given);
-  EXPECT_TRUE(contains(notes.ignored_keys, "scheduler"));
+  EXPECT_FALSE(contains(notes.ignored_keys, "scheduler"));  // kept for the trainer (its "auto" values: refused there)
+  EXPECT_NE(notes.scheduler_json.find("\"WarmupLR\""), std::string::npos) << notes.scheduler_json;
 }
 
 TEST(ConfigSamples, ZeroOffloadFp16Adam) {
