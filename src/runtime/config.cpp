@@ -350,6 +350,22 @@ Status read_object(Obj& parent, std::string_view key, Fn&& fn, bool allow_auto) 
   return o.finish();
 }
 
+// A DeepSpeed key Strata takes only at the value that means what Strata does
+// anyway (`same`): listed as not used there, refused naming it otherwise
+// (`why`: what Strata does instead).
+template <typename Same>
+Status accept_only(Obj& o, std::string_view key, Same&& same, std::string_view why) {
+  const json* v = o.take(key);
+  if (!v) return Status::ok_status();  // absent, null or "auto": DeepSpeed's default
+  if (!same(*v)) return key_error(o.child(key), fmt::format("is {}: not supported by Strata ({})", show(*v), why));
+  o.ctx().notes.ignored_keys.push_back(o.child(key));
+  return Status::ok_status();
+}
+
+bool is_fp32_name(const json& v) {
+  return v.is_string() && (v == "fp32" || v == "float32" || v == "torch.float32" || v == "float");
+}
+
 // ------------------------------------------------------------------ sections
 
 Status read_offload_device(Obj& o, OffloadDevice* out) {
@@ -460,15 +476,18 @@ Status read_zero(Obj& o, ZeroConfig* z) {
             "legacy_stage1",
             "round_robin_gradients",
             "zero_hpz_partition_size",
-            "zero_quantized_weights",
-            "zero_quantized_nontrainable_weights",
-            "zero_quantized_gradients",
             "zeropp_loco_param",
             "mics_shard_size",
             "mics_hierarchical_params_gather",
             "memory_efficient_linear",
             "pipeline_loading_checkpoint",
             "override_module_apply"});
+  // ZeRO++'s quantized communication changes the numbers each rank gets.
+  auto off = [](const json& v) { return v.is_boolean() && !v.get<bool>(); };
+  for (const char* key : {"zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"})
+    STRATA_RETURN_IF_ERROR(accept_only(o, key, off,
+                                       "ZeRO++ quantized communication; Strata moves weights and gradients at full "
+                                       "precision"));
   return Status::ok_status();
 }
 
@@ -509,8 +528,10 @@ Status read_fp16(Obj& o, Fp16Config* f) {
   STRATA_RETURN_IF_ERROR(read_uint(o, "hysteresis", &f->hysteresis, 1, 1u << 30));
   STRATA_RETURN_IF_ERROR(read_bool(o, "consecutive_hysteresis", &f->consecutive_hysteresis));
   STRATA_RETURN_IF_ERROR(read_double(o, "min_loss_scale", &f->min_loss_scale, 0.0, std::numeric_limits<double>::max()));
-  o.ignore({"auto_cast", "fp16_master_weights_and_grads"});
-  return Status::ok_status();
+  o.ignore({"auto_cast"});
+  return accept_only(
+      o, "fp16_master_weights_and_grads", [](const json& v) { return v.is_boolean() && !v.get<bool>(); },
+      "Strata keeps fp32 master weights and gradients; fp16 ones are not offered");
 }
 
 Status read_optimizer(Obj& o, OptimizerConfig* c) {
@@ -659,6 +680,17 @@ Status read_root(Obj& o, Config* c) {
                                    1, uint64_t{1} << 40));
   STRATA_RETURN_IF_ERROR(read_object(
       o, "strata", [&](Obj& s) { return read_strata(s, &c->strata); }, false));
+  // Lower-precision reductions and accumulation than Strata's fp32 ones.
+  STRATA_RETURN_IF_ERROR(accept_only(o, "communication_data_type", is_fp32_name,
+                                     "Strata reduces gradients in fp32, in a fixed order; remove the key or say "
+                                     "\"fp32\""));
+  STRATA_RETURN_IF_ERROR(read_object(
+      o, "data_types",
+      [&](Obj& d) {
+        return accept_only(d, "grad_accum_dtype", is_fp32_name,
+                           "Strata accumulates gradients in fp32; remove the key or say \"fp32\"");
+      },
+      true));
   // The learning-rate schedule is the trainer's: kept as written (strata
   // finetune follows it, train/schedule.h; strata.torch reads it itself).
   if (const json* sched = o.take_raw("scheduler")) o.ctx().notes.scheduler_json = sched->dump();
@@ -671,7 +703,6 @@ Status read_root(Obj& o, Config* c) {
             "dump_state",
             "prescale_gradients",
             "gradient_predivide_factor",
-            "communication_data_type",
             "seq_parallel_communication_data_type",
             "sparse_gradients",
             "zero_allow_untested_optimizer",
@@ -684,7 +715,6 @@ Status read_root(Obj& o, Config* c) {
             "comet",
             "comms_logger",
             "checkpoint",
-            "data_types",
             "dataloader_drop_last",
             "disable_allgather",
             "timers",

@@ -373,6 +373,28 @@ TEST(ConfigErrors, RejectedDeepSpeedFeatures) {
             "<string>: amp: DeepSpeed feature not supported by Strata: Apex AMP; use \"bf16\" or \"fp16\"");
   EXPECT_EQ(error_of(R"({"sparse_attention": {"mode": "fixed"}})"),
             "<string>: sparse_attention: DeepSpeed feature not supported by Strata: it changes the model's attention");
+  // Lower precision than Strata's fp32 masters, reductions and accumulation:
+  // refused when asked for, accepted (listed as not used) at fp32 / false.
+  EXPECT_EQ(error_of(R"({"fp16": {"enabled": true, "fp16_master_weights_and_grads": true}})"),
+            "<string>: fp16.fp16_master_weights_and_grads: is true: not supported by Strata (Strata keeps fp32 "
+            "master weights and gradients; fp16 ones are not offered)");
+  EXPECT_EQ(error_of(R"({"communication_data_type": "bf16"})"),
+            "<string>: communication_data_type: is \"bf16\": not supported by Strata (Strata reduces gradients in "
+            "fp32, in a fixed order; remove the key or say \"fp32\")");
+  EXPECT_EQ(error_of(R"({"data_types": {"grad_accum_dtype": "bf16"}})"),
+            "<string>: data_types.grad_accum_dtype: is \"bf16\": not supported by Strata (Strata accumulates "
+            "gradients in fp32; remove the key or say \"fp32\")");
+  EXPECT_NE(error_of(R"({"data_types": {"grad_accum": "fp32"}})").find("data_types.grad_accum"), std::string::npos);
+  EXPECT_NE(error_of(R"({"zero_optimization": {"stage": 3, "zero_quantized_gradients": true}})")
+                .find("zero_optimization.zero_quantized_gradients: is true: not supported by Strata (ZeRO++"),
+            std::string::npos);
+  ConfigNotes notes;
+  auto ok = parse_config(R"({"fp16": {"fp16_master_weights_and_grads": false}, "communication_data_type": "fp32",
+                             "data_types": {"grad_accum_dtype": "fp32"}})",
+                         "<string>", &notes);
+  ASSERT_TRUE(ok.ok()) << ok.status().to_string();
+  EXPECT_EQ(notes.ignored_keys, (std::vector<std::string>{"fp16.fp16_master_weights_and_grads",
+                                                          "communication_data_type", "data_types.grad_accum_dtype"}));
 }
 
 TEST(ConfigErrors, DuplicateKeys) {
