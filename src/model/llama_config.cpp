@@ -473,7 +473,8 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
       return key_error(source, key,
                        fmt::format("is true; {} layers with these bias terms are not supported", model_arch_class(c.arch)));
   }
-  if (auto it = root.find("hidden_act"); it != root.end() && !it->is_null()) {
+  // null too: transformers would look up ACT2FN[None] and fail to build it.
+  if (auto it = root.find("hidden_act"); it != root.end()) {
     if (!it->is_string() || it->get<std::string>() != "silu")
       return key_error(source, "hidden_act", fmt::format("is {}; only \"silu\" (SwiGLU) is supported", it->dump()));
   }
@@ -515,7 +516,11 @@ Status copy_model_side_files(const std::string& from, const std::string& to, std
   for (const char* name : kFiles) {
     const std::string src = from + "/" + name;
     struct stat st {};
-    if (::stat(src.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) continue;
+    if (::stat(src.c_str(), &st) != 0) continue;
+    if (!S_ISREG(st.st_mode)) {  // a directory, a FIFO, /dev/zero: never read
+      log_warn("{} is not a regular file: not copied to {}", src, to);
+      continue;
+    }
     std::ifstream in(src, std::ios::binary);
     if (!in) return Status::from_errno(errno, "open of " + src + " failed");
     std::ostringstream ss;

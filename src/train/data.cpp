@@ -4,6 +4,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cassert>
 #include <cerrno>
@@ -213,7 +215,7 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   if (o.val_fraction > 0 && val < need)
     return Status(StatusCode::kInvalidArgument,
                   "data file " + path + " is too short for a validation split: the last " +
-                      std::to_string(o.val_fraction * 100) + "% is " + std::to_string(val) +
+                      fmt::format("{:g}", o.val_fraction * 100) + "% is " + std::to_string(val) +
                       " tokens, one sequence needs " + std::to_string(need) +
                       "; raise --val-fraction, shorten --seq, or pass --val-fraction 0");
   d->train_windows_ = (d->train_tokens_ - 1) / o.seq;

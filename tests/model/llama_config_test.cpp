@@ -365,6 +365,8 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
                "\"architectures\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"attention_bias":true,)" + base + "}"), "\"attention_bias\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":"gelu",)" + base + "}"), "\"hidden_act\"");
+  // null: transformers cannot build it (ACT2FN[None]); not taken as the default.
+  expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":null,)" + base + "}"), "\"hidden_act\" is null");
   expect_error(parse_llama_config(R"({"hidden_size":64,"rms_norm_eps":0,)" + base + "}"), "\"rms_norm_eps\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"tie_word_embeddings":1,)" + base + "}"),
                "\"tie_word_embeddings\" must be true or false");

@@ -304,7 +304,7 @@ class CPUAdamW(torch.optim.Optimizer):
         """p's gradient, contiguous, after the checks both modes make."""
         if p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous():
             raise ValueError(f"{where}: must be a contiguous fp32 CPU tensor (the fp32 master), is "
-                             f"{p.dtype} on {p.device}")
+                             f"{'' if p.is_contiguous() else 'a non-contiguous '}{p.dtype} on {p.device}")
         g = p.grad
         if g.is_sparse or g.device.type != "cpu" or g.dtype not in _DTYPES:
             raise ValueError(f"{where}: its gradient must be a dense fp32/bf16/fp16 CPU tensor, is "
