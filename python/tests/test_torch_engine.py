@@ -540,6 +540,38 @@ class EngineTest(unittest.TestCase):
                          engine.state_dict(), l_strata, l_torch)
             self.assertFalse(engine._held or engine._copies, "nothing held or copied after backward")
 
+    def test_activation_checkpointing_with_frozen_parameters(self):
+        # LoRA's case: most weights frozen. Non-reentrant checkpointing saves
+        # a tensor that needs no gradient by reference (the Parameter itself,
+        # not a detached view), so a frozen weight whose .data went back to
+        # the placeholder after its recomputed module read as zeros in
+        # backward: the gradients through frozen layers were wrong with no
+        # error (o_proj 3.7e-3 off of 0.52; an audit found it).
+        for reentrant in (True, False):
+            data = batches(4)
+            ref = llama(layers=2)
+            for n, p in ref.named_parameters():
+                p.requires_grad_("o_proj" in n or "q_proj" in n)
+            ref.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            init = copy.deepcopy(ref.state_dict())
+            l_torch = torch_run(ref, data)
+            m = llama(layers=2)
+            for n, p in m.named_parameters():
+                p.requires_grad_("o_proj" in n or "q_proj" in n)
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+            engine, _, _, _ = st.initialize(model=m, model_parameters=[p for p in m.parameters() if p.requires_grad],
+                                            config=ds_config(self.nvme(f"frozen{int(reentrant)}")))
+            l_strata = strata_run(engine, data)
+            self.compare(f"llama, frozen but o_proj/q_proj, activation checkpointing (use_reentrant={reentrant})",
+                         ref, init, engine.state_dict(), l_strata, l_torch)
+            self.assertFalse(engine._held or engine._copies, "nothing held or copied after backward")
+            held = {id(q) for q in engine._params}
+            for n, mod in m.named_modules():
+                for pn, q in mod._parameters.items():
+                    if q is not None:
+                        self.assertIn(id(q), held, f"{n}.{pn}: the module holds its own parameter again")
+            engine.destroy()
+
     def test_dlpack_views_and_gradient_hand_over(self):
         # A held parameter is a DLPack view of the engine's buffer (no copy):
         # its data pointer is the one strata_engine_acquire gives (a second

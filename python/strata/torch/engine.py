@@ -465,6 +465,7 @@ class StrataEngine:
         self._group_of = []      # pid -> group index
         group_names, group_params = [], []
         self._module_groups = {}  # module -> [group index]
+        self._holders = {}        # pid -> [(module, name)]: the modules whose _parameters hold it
         for mname, mod in model.named_modules(remove_duplicate=False):
             used = []
             for pname, p in mod._parameters.items():
@@ -484,6 +485,9 @@ class StrataEngine:
                     self._names.append(named.get(id(p), f"{mname}.{pname}"))
                     self._group_of.append(len(group_names) - 1)
                     group_params[-1].append(pid)
+                holders = self._holders.setdefault(self._pid[id(p)], [])
+                if not any(h is mod and n == pname for h, n in holders):
+                    holders.append((mod, pname))
                 gi = self._group_of[self._pid[id(p)]]
                 if gi not in used:
                     used.append(gi)
@@ -616,6 +620,7 @@ class StrataEngine:
         self._boundary = None      # set_gradient_accumulation_boundary's override
         self._betas_set = {}       # param group -> the betas last given to the engine
         self._copies = {}          # pid -> storage ptr of its private copy (recomputation)
+        self._swapped = set()      # frozen pids whose copy stands in for them in their modules (recomputation)
         self._micro = 0        # micro-batches since the last step
         self._in_step = False  # a micro-batch began and was not stepped
         self.last_step = None
@@ -830,12 +835,28 @@ class StrataEngine:
             # (so the post-forward hook may never run): the module computes
             # with private copies of its weights, and the group is released
             # at once.
+            #
+            # A frozen parameter's copy is not set as its .data but put in
+            # its place in the modules that hold it (a Parameter of its own,
+            # restored by _drop_copies): non-reentrant checkpointing saves a
+            # tensor that needs no gradient by reference, not detached, so
+            # the saved tensor would be the engine's Parameter, whose .data
+            # goes back to the placeholder after this module (zeros in
+            # backward). A trainable parameter keeps its object (its gradient
+            # must reach it), and torch saves it detached: a view of the copy.
             for g in self._module_groups[module]:
                 self._acquire(g)
                 try:
                     for pid in self._group_params[g]:
                         copy = self._views[pid].clone()
-                        self._params[pid].data = copy
+                        p = self._params[pid]
+                        if p.requires_grad:
+                            p.data = copy
+                        else:
+                            stand_in = torch.nn.Parameter(copy, requires_grad=False)
+                            for mod, name in self._holders.get(pid, ()):
+                                mod._parameters[name] = stand_in
+                            self._swapped.add(pid)
                         self._copies[pid] = copy.untyped_storage().data_ptr()
                 finally:
                     self._release(g, reset=False)
@@ -856,8 +877,12 @@ class StrataEngine:
         for pid in pids:
             if pid in self._copies:
                 del self._copies[pid]
-                if pid not in self._views:
-                    p = self._params[pid]
+                p = self._params[pid]
+                if pid in self._swapped:  # the modules hold the parameter again (the stand-in lives on where saved)
+                    self._swapped.discard(pid)
+                    for mod, name in self._holders.get(pid, ()):
+                        mod._parameters[name] = p
+                elif pid not in self._views:
                     p.data = self._placeholder(p)
 
     def _pack(self, t):
