@@ -625,6 +625,15 @@ class EngineTest(unittest.TestCase):
         with self.assertRaises(StrataError) as cm:
             st.initialize(model=llama(), config={"zero_optimization": {"stage": 3, "no_such_key": 1}})
         self.assertIn("no_such_key", str(cm.exception))
+        # Parameters the engine cannot hold as they are (it keeps fp32 masters
+        # in the compute dtype): float64 lost precision, an int64 index became
+        # float (an audit found both taken silently).
+        with self.assertRaisesRegex(ValueError, "parameter 0.weight is torch.float64: the engine keeps fp32 masters"):
+            st.initialize(model=torch.nn.Sequential(torch.nn.Linear(4, 1)).double(), config=ds_config(None))
+        m = torch.nn.Linear(2, 1)
+        m.idx = torch.nn.Parameter(torch.tensor([0, 2]), requires_grad=False)
+        with self.assertRaisesRegex(ValueError, "parameter idx is torch.int64: only floating-point parameters"):
+            st.initialize(model=m, config=ds_config(None))
 
 
 if __name__ == "__main__":

@@ -512,6 +512,17 @@ class StrataEngine:
         self._group_params = group_params
         self._group_names = group_names
 
+        # The engine keeps fp32 masters and computes in the compute dtype:
+        # other parameters would silently become float (an index tensor) or
+        # lose precision (float64), so they are refused by name.
+        for pid, p in enumerate(self._params):
+            if p.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                what = ("only floating-point parameters live in the engine: register it as a buffer"
+                        if not p.dtype.is_floating_point and not p.dtype.is_complex else
+                        f"the engine keeps fp32 masters and computes in {self.compute_dtype}: convert the model "
+                        "(model.float()) or keep this parameter out of it")
+                raise ValueError(f"strata.torch.initialize: parameter {self._names[pid]} is {p.dtype}: {what}")
+
         # The engine.
         descs = (_lib.ParamDesc * len(self._params))()
         keep = []  # the name bytes must outlive the create call
