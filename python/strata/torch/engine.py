@@ -43,6 +43,7 @@ never ran on a GPU yet: unverified). On CUDA:
   for activations of Strata's own trainer, and torch's live outside the
   engine's budget.
 """
+import atexit
 import collections
 import contextlib
 import ctypes
@@ -560,6 +561,8 @@ class StrataEngine:
         with self._driving():  # Ctrl-C while the ranks meet ends the wait at once (_lib.create_engine)
             e = _lib.create_engine(opts, descs, len(self._params))
         self._e = e
+        self._owner_pid = os.getpid()
+        _LIVE_ENGINES.add(self)
         rank, world = ctypes.c_uint32(), ctypes.c_uint32()
         _lib.check(_lib.strata_engine_ranks(e, ctypes.byref(rank), ctypes.byref(world)), e)
         self.rank, self.world_size = rank.value, world.value
@@ -1311,10 +1314,29 @@ class StrataEngine:
                     device.__exit__(None, None, None)
 
     def __del__(self):
+        if getattr(self, "_owner_pid", os.getpid()) != os.getpid():
+            return  # a forked child (a DataLoader worker) must not remove its parent's swap files
         try:
             self.destroy()
         except Exception:
             pass
+
+
+# Engines still alive at interpreter exit (the model's hooks keep an engine
+# alive as long as the model, and __del__ is not promised at exit) are
+# destroyed then, so a script that never calls destroy() (DeepSpeed's API has
+# none to call) leaves no swap files on the NVMe.
+_LIVE_ENGINES = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_live_engines():
+    for engine in list(_LIVE_ENGINES):
+        if getattr(engine, "_owner_pid", None) == os.getpid():
+            try:
+                engine.destroy()
+            except Exception:
+                pass
 
 
 def register_external_parameter(module, parameter):
