@@ -653,6 +653,21 @@ class EngineTest(unittest.TestCase):
         m.idx = torch.nn.Parameter(torch.tensor([0, 2]), requires_grad=False)
         with self.assertRaisesRegex(ValueError, "parameter idx is torch.int64: only floating-point parameters"):
             st.initialize(model=m, config=ds_config(None))
+        # Config values named where they are wrong (were a bare float() or
+        # IndexError, or "malformed JSON" for a NaN).
+        for params, want in (({"lr": "auto"}, r"optimizer.params.lr is 'auto', not a number: a Hugging Face"),
+                             ({"lr": 1e-3, "betas": [0.9]}, r"optimizer.params.betas is \[0.9\]: expected two"),
+                             ({"lr": float("nan")}, r"config.optimizer.params.lr is nan: not a finite number")):
+            with self.assertRaisesRegex(ValueError, want):
+                st.initialize(model=llama(), config=ds_config(None, extra={"optimizer": {"type": "AdamW",
+                                                                                         "params": params}}))
+        # client_state is stored as JSON: refused before anything is written.
+        engine, _, _, _ = st.initialize(model=torch.nn.Linear(2, 1), config=ds_config(None))
+        ck = os.path.join(self.dir, "ck")
+        with self.assertRaisesRegex(TypeError, "client_state must be JSON-serialisable"):
+            engine.save_checkpoint(ck, client_state={"t": torch.ones(1)})
+        self.assertFalse(os.path.exists(ck))
+        engine.destroy()
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import contextlib
 import ctypes
 import functools
 import json
+import math
 import os
 import threading
 import warnings
@@ -389,11 +390,12 @@ class StrataEngine:
             self.compute_dtype = torch.float16
         else:
             self.compute_dtype = torch.float32
+        _check_finite(cfg, "config")
         opt_cfg = cfg.get("optimizer", {})
         opt_params = opt_cfg.get("params", {})
-        base_lr = float(opt_params.get("lr", 1e-3))
-        base_wd = float(opt_params.get("weight_decay", 0.0))
-        base_eps = float(opt_params.get("eps", 1e-8))
+        base_lr = _opt_number(opt_params, "lr", 1e-3)
+        base_wd = _opt_number(opt_params, "weight_decay", 0.0)
+        base_eps = _opt_number(opt_params, "eps", 1e-8)
         engine_cfg = {k: v for k, v in cfg.items() if k not in _PACKAGE_KEYS}
         engine_cfg["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         # Backward holds up to two groups (one autograd node's weights, and
@@ -442,6 +444,10 @@ class StrataEngine:
             og["params"] = params
             opt_groups.append(og)
         betas = opt_params.get("betas", [0.9, 0.999])
+        if (not isinstance(betas, (list, tuple)) or len(betas) != 2
+                or not all(isinstance(b, (int, float)) and not isinstance(b, bool) for b in betas)):
+            raise ValueError(f"strata.torch.initialize: config optimizer.params.betas is {betas!r}: expected two "
+                             "numbers [beta1, beta2]")
         defaults = {"lr": base_lr, "weight_decay": base_wd, "betas": (float(betas[0]), float(betas[1])),
                     "eps": base_eps, "amsgrad": False, "maximize": False}
         self.optimizer = _Optimizer(opt_groups, defaults)
@@ -1203,15 +1209,26 @@ class StrataEngine:
         tag = str(tag)  # as DeepSpeed (its examples use loss.item() as a tag)
         if not tag or os.sep in tag or tag in (".", ".."):
             raise ValueError(f"strata.torch: save_checkpoint tag {tag!r} is not a directory name")
-        os.makedirs(save_dir, exist_ok=True)
         groups = self.optimizer.param_groups
         extra = {"strata_torch": {"lrs": [float(g["lr"]) for g in groups],
                                   "betas": [[float(b) for b in g["betas"]] for g in groups],
                                   "counters": [self.global_steps, self.global_samples, self.skipped_steps],
                                   "client_state": client_state,
                                   "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}}
-        self._call(_lib.strata_engine_save_checkpoint, os.fsencode(os.path.join(save_dir, tag)),
-                   json.dumps(extra).encode())
+        # Stored as JSON (DeepSpeed pickles): checked before anything is written.
+        for what, value in (("client_state", client_state),
+                            ("the lr scheduler's state_dict()", extra["strata_torch"]["lr_scheduler"])):
+            try:
+                text = json.dumps(value, allow_nan=False)
+            except (TypeError, ValueError) as e:
+                raise TypeError(f"strata.torch: save_checkpoint: {what} must be JSON-serialisable (Strata stores it "
+                                f"as JSON, not pickle): {e}") from None
+            if what == "client_state" and json.loads(text) != client_state:
+                warnings.warn("strata.torch: save_checkpoint: client_state is stored as JSON and will load as "
+                              f"{text[:200]} (keys become strings, tuples lists)", stacklevel=2)
+        payload = json.dumps(extra).encode()
+        os.makedirs(save_dir, exist_ok=True)
+        self._call(_lib.strata_engine_save_checkpoint, os.fsencode(os.path.join(save_dir, tag)), payload)
         if save_latest and self.rank == 0:
             tmp = os.path.join(save_dir, f".latest.{os.getpid()}")
             with open(tmp, "w") as f:
@@ -1320,6 +1337,29 @@ class StrataEngine:
             self.destroy()
         except Exception:
             pass
+
+
+def _opt_number(params, key, default):
+    """optimizer.params[key] as a float, refused naming the key when it is not a number ("auto": a Hugging
+    Face Trainer placeholder that StrataTrainer fills in)."""
+    v = params.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        hint = (": a Hugging Face Trainer placeholder (StrataTrainer fills it in); give the value"
+                if v == "auto" else "")
+        raise ValueError(f"strata.torch.initialize: config optimizer.params.{key} is {v!r}, not a number{hint}")
+    return float(v)
+
+
+def _check_finite(value, path):
+    """NaN or infinity anywhere in the config, refused naming where (JSON has no such numbers)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"strata.torch.initialize: {path} is {value}: not a finite number")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(v, f"{path}.{k}")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_finite(v, f"{path}[{i}]")
 
 
 # Engines still alive at interpreter exit (the model's hooks keep an engine
