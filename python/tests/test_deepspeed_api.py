@@ -263,6 +263,21 @@ class DeepSpeedApiTest(unittest.TestCase):
             self.assertTrue(torch.equal(v, before[k]), k)
         train(e, batches(2))
         self.assertEqual(e.global_steps, 1)
+        # is_gradient_accumulation_boundary() as DeepSpeed's engine answers it:
+        # (micro_steps + 1) % gas == 0, micro_steps counting step() calls
+        # (True before the first micro-batch with gas 1, and between a
+        # window's last step() of a micro-batch and the next one).
+        e = self.engine(config())
+        self.assertTrue(e.is_gradient_accumulation_boundary())
+        e = self.engine(config({"gradient_accumulation_steps": 2}))
+        seen = []
+        for x, y in batches(4):
+            seen.append(e.is_gradient_accumulation_boundary())
+            e.backward(((e(x) - y) ** 2).mean())
+            seen.append(e.is_gradient_accumulation_boundary())
+            e.step()
+        self.assertEqual(seen, [False, False, True, True] * 2)
+        self.assertEqual(e.global_steps, 2)
 
     def test_deepspeed_cpu_adam_has_deepspeeds_signature_and_defaults(self):
         import inspect

@@ -661,6 +661,10 @@ class EngineTest(unittest.TestCase):
             with self.assertRaisesRegex(ValueError, want):
                 st.initialize(model=llama(), config=ds_config(None, extra={"optimizer": {"type": "AdamW",
                                                                                          "params": params}}))
+        m = llama()
+        with self.assertRaisesRegex(ValueError, r"param group 0 has lr -0.1; expected a finite number >= 0"):
+            st.initialize(model=m, model_parameters=[{"params": list(m.parameters()), "lr": -0.1}],
+                          config=ds_config(None))
         # client_state is stored as JSON: refused before anything is written.
         engine, _, _, _ = st.initialize(model=torch.nn.Linear(2, 1), config=ds_config(None))
         ck = os.path.join(self.dir, "ck")

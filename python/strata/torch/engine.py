@@ -441,6 +441,11 @@ class StrataEngine:
                 self._decay[id(p)] = wd != 0.0
             og = {k: v for k, v in g.items() if k != "params"}
             og.setdefault("lr", base_lr)
+            lr = og["lr"]
+            if not torch.is_tensor(lr) and (isinstance(lr, bool) or not isinstance(lr, (int, float))
+                                            or not lr >= 0 or not math.isfinite(lr)):
+                raise ValueError(f"strata.torch: param group {gi} has lr {lr!r}; expected a finite number >= 0 "
+                                 "(torch.optim refuses it too)")
             og["params"] = params
             opt_groups.append(og)
         betas = opt_params.get("betas", [0.9, 0.999])
@@ -642,6 +647,7 @@ class StrataEngine:
         self._copies = {}          # pid -> storage ptr of its private copy (recomputation)
         self._swapped = set()      # frozen pids whose copy stands in for them in their modules (recomputation)
         self._micro = 0        # micro-batches since the last step
+        self._micro_steps = 0  # step() calls (DeepSpeed's micro_steps)
         self._in_step = False  # a micro-batch began and was not stepped
         self.last_step = None
         self._outside_grads = False  # a gradient arrived outside backward() (loss.backward())
@@ -1029,8 +1035,15 @@ class StrataEngine:
             pass
 
     def is_gradient_accumulation_boundary(self):
-        """Whether step() acts now: every gradient_accumulation_steps micro-batches,
-        or as set_gradient_accumulation_boundary() says (DeepSpeed's API)."""
+        """DeepSpeed's: whether the micro-batch in progress (the next one, once step() returned) ends an
+        accumulation window: (micro_steps + 1) % gradient_accumulation_steps == 0, micro_steps counting the
+        step() calls as DeepSpeed's engine does, or as set_gradient_accumulation_boundary() says."""
+        if self._boundary is not None:
+            return self._boundary
+        return (self._micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def _at_boundary(self):
+        """Whether step() acts now: a window of micro-batches is complete (backward() counts them)."""
         if self._micro == 0:
             return False
         if self._boundary is not None:
@@ -1057,7 +1070,8 @@ class StrataEngine:
                                  "by the accumulation, scales it and counts the micro-batch there); the step's "
                                  "micro-batches were discarded")
         self._step_applied = False
-        if not self.is_gradient_accumulation_boundary():
+        self._micro_steps += 1  # DeepSpeed's micro_steps: every step() call
+        if not self._at_boundary():
             return None
         for gi, group in enumerate(self.optimizer.param_groups):
             for key, was in self._fixed[gi].items():
@@ -1219,7 +1233,7 @@ class StrataEngine:
         for what, value in (("client_state", client_state),
                             ("the lr scheduler's state_dict()", extra["strata_torch"]["lr_scheduler"])):
             try:
-                text = json.dumps(value, allow_nan=False)
+                text = json.JSONEncoder(allow_nan=False).encode(value)
             except (TypeError, ValueError) as e:
                 raise TypeError(f"strata.torch: save_checkpoint: {what} must be JSON-serialisable (Strata stores it "
                                 f"as JSON, not pickle): {e}") from None
