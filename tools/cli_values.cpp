@@ -40,8 +40,9 @@ std::string whole_number(std::string& text, bool is_unsigned) {
 
 void add_checks(CLI::App& app) {
   for (CLI::Option* opt : app.get_options()) {
-    if (opt->get_type_size() == 0) continue;  // a flag: no value
-    const std::string type = opt->get_type_name();
+    if (opt->get_expected_max() == 0) continue;  // a flag: no value
+    // "INT", or "INT:<what its own check() says>".
+    const std::string full = opt->get_type_name(), type = full.substr(0, full.find(':'));
     const bool is_int = type == "INT", is_uint = type == "UINT";
     opt->transform(CLI::Validator(
         [is_int, is_uint](std::string& value) -> std::string {

@@ -244,6 +244,12 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
                                   given->get_name(), f.config));
     auto ds = train::parse_deepspeed_scheduler(notes.scheduler_json, o->schedule.lr);
     if (!ds.ok()) return ds.status().with_context(f.config);
+    if (f.o_lr->count() && !ds->ds.peak_is_optimizer_lr)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("--lr and the \"scheduler\" section of {} both set the peak learning rate ({} "
+                                "takes it from warmup_max_lr{}); keep one",
+                                f.config, train::schedule_kind_name(ds->kind),
+                                ds->kind == train::ScheduleKind::kWarmupDecayLR ? ", default 0.001" : ""));
     o->schedule = *ds;
   } else {
     STRATA_ASSIGN_OR_RETURN(o->schedule.kind, train::parse_schedule_kind(f.schedule));

@@ -565,6 +565,8 @@ class EngineTest(unittest.TestCase):
             self.compare(f"llama, frozen but o_proj/q_proj, activation checkpointing (use_reentrant={reentrant})",
                          ref, init, engine.state_dict(), l_strata, l_torch)
             self.assertFalse(engine._held or engine._copies, "nothing held or copied after backward")
+            for pid, q in enumerate(engine._params):  # between uses: the placeholder, never a released buffer
+                self.assertEqual(q.data_ptr(), q._strata_placeholder, engine._names[pid])
             held = {id(q) for q in engine._params}
             for n, mod in m.named_modules():
                 for pn, q in mod._parameters.items():

@@ -761,19 +761,20 @@ Result<std::unique_ptr<ShardedWriter>> ShardedWriter::create(const std::string& 
   return w;
 }
 
-// An unfinished write leaves nothing: the open shard's temp file goes with
-// its writer, and the shards already complete are removed, the last one too
-// when finish() failed after it (without the index and the rest they are no
-// model).
+// An unfinished write leaves nothing of its own: the open shard's temp file
+// goes with its writer, and the shards it completed are removed (without the
+// index and the rest they are no model); a file it never wrote (an older
+// model's shard of the same name) stays.
 ShardedWriter::~ShardedWriter() {
   if (finished_ || shards_.size() < 2) return;
   writer_.reset();
-  for (size_t s = 0; s <= shard_ && s < files_.size(); ++s) (void)::unlink((dir_ + "/" + files_[s]).c_str());
+  for (size_t s = 0; s < completed_ && s < files_.size(); ++s) (void)::unlink((dir_ + "/" + files_[s]).c_str());
 }
 
 Status ShardedWriter::advance() {
   while (writer_ && writer_->remaining() == 0 && shard_ + 1 < shards_.size()) {
     STRATA_RETURN_IF_ERROR(writer_->finish());
+    completed_ = shard_ + 1;
     ++shard_;
     STRATA_ASSIGN_OR_RETURN(writer_, SafetensorsWriter::create(dir_ + "/" + files_[shard_], shards_[shard_]));
   }
@@ -814,6 +815,7 @@ Status ShardedWriter::finish() {
   if (shard_ + 1 != shards_.size() || writer_->remaining() != 0)
     return Status(StatusCode::kInvalidArgument, fmt::format("{}: not every declared tensor was written", dir_));
   STRATA_RETURN_IF_ERROR(writer_->finish());
+  completed_ = shards_.size();
   const std::string index_path = dir_ + "/model.safetensors.index.json";
   const std::string single = dir_ + "/model.safetensors";
   if (shards_.size() == 1) {

@@ -210,8 +210,8 @@ Result<std::vector<TensorInfo>> read_model_tensors(const std::string& dir);
 // DIR/model.safetensors; otherwise DIR/model-0000k-of-0000n.safetensors plus
 // DIR/model.safetensors.index.json. Same streaming interface as
 // SafetensorsWriter (write / write_from / finish). Destroying an unfinished
-// writer removes what it wrote (the open shard's temp file, the shards already
-// complete). Not thread-safe. Blocking.
+// writer removes what it wrote (the open shard's temp file, the shards it
+// completed). Not thread-safe. Blocking.
 class ShardedWriter {
  public:
   static Result<std::unique_ptr<ShardedWriter>> create(const std::string& dir, std::vector<TensorDecl> tensors,
@@ -231,6 +231,7 @@ class ShardedWriter {
   std::vector<std::vector<TensorDecl>> shards_;
   std::vector<std::string> files_;
   size_t shard_ = 0;
+  size_t completed_ = 0;  // shards finished (renamed into place)
   std::unique_ptr<SafetensorsWriter> writer_;
   uint64_t total_size_ = 0;
   bool finished_ = false;

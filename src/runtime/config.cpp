@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <array>
 #include <cerrno>
 #include <cmath>
@@ -362,8 +363,11 @@ Status accept_only(Obj& o, std::string_view key, Same&& same, std::string_view w
   return Status::ok_status();
 }
 
-bool is_fp32_name(const json& v) {
-  return v.is_string() && (v == "fp32" || v == "float32" || v == "torch.float32" || v == "float");
+bool is_fp32_name(const json& v) {  // as DeepSpeed, any case
+  if (!v.is_string()) return false;
+  std::string s = v.get<std::string>();
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s == "fp32" || s == "float32" || s == "torch.float32" || s == "float";
 }
 
 // ------------------------------------------------------------------ sections
@@ -687,6 +691,12 @@ Status read_root(Obj& o, Config* c) {
   STRATA_RETURN_IF_ERROR(read_object(
       o, "data_types",
       [&](Obj& d) {
+        // param_dtype must match bf16/fp16 in DeepSpeed itself; Strata keeps
+        // buffers as loaded, DeepSpeed's default (buffer_dtype null).
+        d.ignore({"param_dtype", "keep_in_fp32_modules"});
+        STRATA_RETURN_IF_ERROR(accept_only(
+            d, "buffer_dtype", [](const json&) { return false; },
+            "Strata leaves buffers in their loaded dtype, DeepSpeed's default (null)"));
         return accept_only(d, "grad_accum_dtype", is_fp32_name,
                            "Strata accumulates gradients in fp32; remove the key or say \"fp32\"");
       },

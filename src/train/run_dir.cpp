@@ -125,27 +125,41 @@ Result<std::unique_ptr<RunDir>> RunDir::open(const std::string& out) {
   const std::string lock = lock_path(out);
   // Whether this call made the lock file: if it then fails while holding the
   // lock (a full disk refusing the pid), it removes the file again, so a new
-  // OUT it failed in holds nothing (the trainer removes the directory).
+  // OUT it failed in holds nothing (the trainer removes the directory). A job
+  // that removes its lock file does so while holding the lock, so a lock taken
+  // on a file no longer at `lock` (opened just before the removal) is
+  // worthless: the path is opened and locked again.
   bool created = false;
-  for (int attempt = 0; d->lock_fd_ < 0 && attempt < 3; ++attempt) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    if (d->lock_fd_ >= 0) ::close(d->lock_fd_);
     d->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0644);
     created = d->lock_fd_ >= 0;
     if (d->lock_fd_ < 0 && errno == EEXIST) d->lock_fd_ = ::open(lock.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-    if (d->lock_fd_ < 0 && errno != ENOENT) break;  // ENOENT: removed meanwhile, try again
+    if (d->lock_fd_ < 0) {
+      if (errno == ENOENT) continue;  // removed meanwhile
+      return Status::from_errno(errno, "out dir " + out + " is not writable (lock file " + lock + ")");
+    }
+    if (::flock(d->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err != EWOULDBLOCK) return Status::from_errno(err, "out dir " + out + ": locking " + lock);
+      char buf[256] = {};
+      const ssize_t n = ::pread(d->lock_fd_, buf, sizeof(buf) - 1, 0);
+      std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+      return Status(StatusCode::kAlreadyExists,
+                    fmt::format("out dir {} is in use by another strata job ({}); wait for it to end, or give this "
+                                "run another --out",
+                                out, holder.empty() ? "its pid is not recorded yet" : holder));
+    }
+    struct stat held {}, now {};
+    if (::fstat(d->lock_fd_, &held) == 0 && ::stat(lock.c_str(), &now) == 0 && held.st_dev == now.st_dev &&
+        held.st_ino == now.st_ino)
+      break;
+    if (attempt == 7)
+      return Status(StatusCode::kUnavailable,
+                    fmt::format("out dir {}: its lock file {} kept being replaced while locking it", out, lock));
   }
-  if (d->lock_fd_ < 0) return Status::from_errno(errno, "out dir " + out + " is not writable (lock file " + lock + ")");
-  if (::flock(d->lock_fd_, LOCK_EX | LOCK_NB) != 0) {
-    const int err = errno;
-    if (err != EWOULDBLOCK) return Status::from_errno(err, "out dir " + out + ": locking " + lock);
-    char buf[256] = {};
-    const ssize_t n = ::pread(d->lock_fd_, buf, sizeof(buf) - 1, 0);
-    std::string holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
-    return Status(StatusCode::kAlreadyExists,
-                  fmt::format("out dir {} is in use by another strata job ({}); wait for it to end, or give this "
-                              "run another --out",
-                              out, holder.empty() ? "its pid is not recorded yet" : holder));
-  }
+  if (d->lock_fd_ < 0) return Status::from_errno(ENOENT, "out dir " + out + " is not writable (lock file " + lock + ")");
   Status s = d->record_holder();
   if (s.ok()) s = d->remove_leftovers();
   if (s.ok()) {

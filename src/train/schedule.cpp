@@ -118,6 +118,8 @@ Result<Schedule> parse_deepspeed_scheduler(std::string_view json_text, double op
   }
   if (s.kind != ScheduleKind::kWarmupLR && !params.contains("total_num_steps"))
     return bad(".params.total_num_steps", "is required by " + type);
+  s.ds.peak_is_optimizer_lr = s.kind == ScheduleKind::kWarmupCosineLR ||
+                              (s.kind == ScheduleKind::kWarmupLR && !params.contains("warmup_max_lr"));
   if (s.kind == ScheduleKind::kWarmupLR && !params.contains("warmup_max_lr")) s.ds.warmup_max_lr = optimizer_lr;
   s.lr = s.kind == ScheduleKind::kWarmupCosineLR ? optimizer_lr : s.ds.warmup_max_lr;
   s.min_lr = 0;

@@ -61,6 +61,9 @@ struct Schedule {
     bool log_warmup = true;  // warmup_type "log"; false: "linear"
     double total_num_steps = 0;
     double warmup_min_ratio = 0.0, cos_min_ratio = 0.0001;
+    // The peak is the optimizer's lr (WarmupLR without warmup_max_lr,
+    // WarmupCosineLR); false: the section sets it (then --lr has no say).
+    bool peak_is_optimizer_lr = false;
     bool operator==(const DeepSpeed&) const = default;
   } ds;
 };

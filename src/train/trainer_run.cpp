@@ -179,11 +179,16 @@ class Trainer::Run {
   // schedule did not, and the error says how to export it again. (N ranks
   // may not all have failed: rank 0 alone writes; they stop as they are.)
   Status keep_work(const Status& failed) {
-    if (m_.world != 1 || m_.step == 0) return failed;
+    // Only what another dtype or more disk can fix (a NaN master cannot be
+    // exported in any dtype).
+    const StatusCode c = failed.code();
+    const bool fixable = c == StatusCode::kInvalidArgument || c == StatusCode::kNoSpace || c == StatusCode::kIoError ||
+                         c == StatusCode::kPermission;
+    if (m_.world != 1 || m_.step == 0 || !fixable) return failed;
     if (res_.last_checkpoint != checkpoint_dir()) {
-      if (Status c = checkpoint(); !c.ok())
+      if (Status saved = checkpoint(); !saved.ok())
         return Status(failed.code(), fmt::format("{}; saving the trained state in a checkpoint failed too: {}",
-                                                 failed.message(), c.message()));
+                                                 failed.message(), saved.message()));
     }
     return Status(failed.code(),
                   fmt::format("{}; the trained state is saved in {}: export it again with --resume {} --steps {} "

@@ -388,13 +388,18 @@ TEST(ConfigErrors, RejectedDeepSpeedFeatures) {
   EXPECT_NE(error_of(R"({"zero_optimization": {"stage": 3, "zero_quantized_gradients": true}})")
                 .find("zero_optimization.zero_quantized_gradients: is true: not supported by Strata (ZeRO++"),
             std::string::npos);
+  EXPECT_NE(error_of(R"({"data_types": {"buffer_dtype": "bf16"}})").find("data_types.buffer_dtype: is \"bf16\""),
+            std::string::npos);
   ConfigNotes notes;
-  auto ok = parse_config(R"({"fp16": {"fp16_master_weights_and_grads": false}, "communication_data_type": "fp32",
-                             "data_types": {"grad_accum_dtype": "fp32"}})",
+  auto ok = parse_config(R"({"fp16": {"fp16_master_weights_and_grads": false}, "communication_data_type": "FP32",
+                             "data_types": {"grad_accum_dtype": "fp32", "param_dtype": "bf16",
+                                            "keep_in_fp32_modules": "auto", "buffer_dtype": null}})",
                          "<string>", &notes);
   ASSERT_TRUE(ok.ok()) << ok.status().to_string();
-  EXPECT_EQ(notes.ignored_keys, (std::vector<std::string>{"fp16.fp16_master_weights_and_grads",
-                                                          "communication_data_type", "data_types.grad_accum_dtype"}));
+  EXPECT_EQ(notes.ignored_keys,
+            (std::vector<std::string>{"fp16.fp16_master_weights_and_grads", "communication_data_type",
+                                      "data_types.param_dtype", "data_types.keep_in_fp32_modules",
+                                      "data_types.grad_accum_dtype"}));
 }
 
 TEST(ConfigErrors, DuplicateKeys) {

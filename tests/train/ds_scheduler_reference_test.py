@@ -9,7 +9,8 @@ step as DeepSpeed's engine steps it, gives the lr of each step. They must be
 equal bit for bit (the same double operations and libm). Sections Strata
 cannot follow are refused naming the key: OneCycle, "auto", an unknown
 parameter, per-group lists, warmup_max_lr on WarmupCosineLR, a missing
-total_num_steps, and --warmup beside the section.
+total_num_steps, and --warmup beside the section (--lr beside one that sets
+its own peak).
 
     ds_scheduler_reference_test.py STRATA_BINARY
 
@@ -98,6 +99,8 @@ def main():
         ("total_num_steps", {"type": "WarmupDecayLR", "params": {}}, ()),
         ("warmup_type", {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}, ()),
         ("--warmup", {"type": "WarmupLR", "params": {}}, ("--warmup", "3")),
+        ("--lr", {"type": "WarmupDecayLR", "params": {"total_num_steps": 9}}, ("--lr", "1e-3")),  # peak: 0.001
+        ("--lr", {"type": "WarmupLR", "params": {"warmup_max_lr": 1e-3}}, ("--lr", "1e-3")),
     ]
     for n, (name, section, flags) in enumerate(refused):
         res, _ = finetune(f"bad{n}", {"scheduler": section}, *flags)

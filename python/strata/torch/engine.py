@@ -872,6 +872,7 @@ class StrataEngine:
             # must reach it), and torch saves it detached: a view of the copy.
             for g in self._module_groups[module]:
                 self._acquire(g)
+                frozen = []
                 try:
                     for pid in self._group_params[g]:
                         copy = self._views[pid].clone()
@@ -883,9 +884,16 @@ class StrataEngine:
                             for mod, name in self._holders.get(pid, ()):
                                 mod._parameters[name] = stand_in
                             self._swapped.add(pid)
+                            frozen.append(pid)
                         self._copies[pid] = copy.untyped_storage().data_ptr()
                 finally:
                     self._release(g, reset=False)
+                    # The engine's own frozen Parameter must not keep viewing
+                    # the released buffer (a read outside a forward would see
+                    # reused memory instead of being refused).
+                    for pid in frozen:
+                        if pid not in self._views:
+                            self._params[pid].data = self._placeholder(self._params[pid])
             return
         for g in self._module_groups[module]:
             self._acquire(g)
@@ -908,7 +916,7 @@ class StrataEngine:
                     self._swapped.discard(pid)
                     for mod, name in self._holders.get(pid, ()):
                         mod._parameters[name] = p
-                elif pid not in self._views:
+                if pid not in self._views:
                     p.data = self._placeholder(p)
 
     def _pack(self, t):
@@ -1026,6 +1034,7 @@ class StrataEngine:
             self._release_quiet(g)
         _lib.strata_engine_discard_step(self._e, self._s)
         self._micro = 0
+        self._micro_steps -= self._micro_steps % self.gradient_accumulation_steps  # the window starts again
         self._in_step = False
 
     def _release_quiet(self, g):
@@ -1301,6 +1310,7 @@ class StrataEngine:
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
             self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         self._micro = 0
+        self._micro_steps = self.global_steps * self.gradient_accumulation_steps  # a window starts here
         client_state = extra.get("client_state")
         return path, ({} if client_state is None else client_state)  # DeepSpeed's: {} when none was saved
 
