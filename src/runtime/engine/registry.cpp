@@ -6,6 +6,7 @@
 #include <sys/statvfs.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -19,14 +20,25 @@ namespace strata::engine {
 
 namespace {
 
-// Free bytes of the filesystem that holds `path` (or would: the nearest
-// existing ancestor, since the swap store creates missing directories).
-uint64_t free_space(const std::string& path) {
-  std::filesystem::path p = std::filesystem::absolute(path);
+// Free bytes of the filesystem that holds NVMe directory `path` (or would:
+// the nearest existing ancestor, since the swap store creates missing
+// directories). A filesystem with no blocks at all (/proc, /sys) holds no
+// files: refused here, not reported as "0 B free" by the planner.
+Result<uint64_t> free_space(const std::string& path) {
   std::error_code ec;
+  std::filesystem::path p = std::filesystem::absolute(path, ec);
+  if (ec) return Status(StatusCode::kInvalidArgument, fmt::format("NVMe directory {}: {}", path, ec.message()));
   while (!p.empty() && !std::filesystem::exists(p, ec) && p != p.parent_path()) p = p.parent_path();
   struct statvfs s {};
-  if (::statvfs(p.c_str(), &s) != 0) return 0;
+  if (::statvfs(p.c_str(), &s) != 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("NVMe directory {}: cannot read the free space of {}: {}", path, p.string(),
+                              std::strerror(errno)));
+  if (s.f_blocks == 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("NVMe directory {}: {} is on a filesystem without storage (like /proc or /sys: "
+                              "0 blocks), which cannot hold the swap files; give a directory on a disk",
+                              path, p.string()));
   return static_cast<uint64_t>(s.f_bavail) * s.f_frsize;
 }
 
@@ -176,8 +188,11 @@ Status Registry::make_plan_for_budgets() {
       ov.host_bytes ? ov.host_bytes : (cfg.strata.host_memory ? cfg.strata.host_memory : host_memory_available());
   b.pinned_bytes = ov.pinned_bytes ? ov.pinned_bytes : cfg.strata.pinned_memory;
   b.nvme = !ov.nvme.empty() ? ov.nvme : cfg.nvme_dirs();
-  for (auto& d : b.nvme)
-    if (d.capacity == 0) d.capacity = free_space(d.path);
+  for (auto& d : b.nvme) {
+    if (d.capacity == 0) {
+      STRATA_ASSIGN_OR_RETURN(d.capacity, free_space(d.path));
+    }
+  }
   PlanOptions po = plan_options_from_config(cfg);
   STRATA_ASSIGN_OR_RETURN(plan, make_plan(options.model, b, po));
   // Stages 1-2 on GPU ranks: the all-gather after each step writes every
