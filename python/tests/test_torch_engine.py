@@ -429,6 +429,77 @@ class EngineTest(unittest.TestCase):
             for a, b in zip(losses, fp32):
                 self.assertLess(abs(a - b) / b, 1e-2, key)
 
+    def test_the_model_called_directly_trains_as_through_the_engine(self):
+        # DeepSpeed's ZeRO-3 hooks the module, so model(x) in place of
+        # engine(x) trains the same. Here it once gave wrong gradients with no
+        # error (autograd saved views of reused buffers): grad norm 1.04
+        # instead of 3.67 on the first step.
+        data = batches(6)
+        ref = llama()
+        init = copy.deepcopy(ref.state_dict())
+        l_torch = torch_run(ref, data, accum=2)
+        m = llama()
+        engine, _, _, _ = st.initialize(model=m, config=ds_config(self.nvme(), accum=2))
+        losses = []
+        for i, x in enumerate(data):
+            if i == 3:  # a forward that raises: the window is dropped, the model stays usable
+                with self.assertRaises((IndexError, RuntimeError)):  # in the embedding's forward, once acquired
+                    m(input_ids=torch.full((2, 32), VOCAB + 5))
+                for y in data[2:3]:  # the window again
+                    engine.backward(lm_loss(m, y))
+                    engine.step()
+            loss = lm_loss(m if i % 2 else engine, x)  # model(x) and engine(x) in one window
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            with torch.no_grad():  # an evaluation between micro-batches is no micro-batch
+                lm_loss(m, x)
+        self.compare("llama, model(x) and engine(x)", ref, init, engine.state_dict(), losses, l_torch)
+        # A submodule called by itself with gradients is refused by name.
+        h = torch.randn(2, 8, 64)
+        with self.assertRaisesRegex(StrataError, r"module model\.norm's forward ran with gradients enabled outside"):
+            m.model.norm(h)
+        with torch.no_grad():
+            m.model.norm(h)
+        engine.backward(lm_loss(m, data[0]))  # still usable
+        engine.step()
+        engine.destroy()
+
+    def test_fp16_auto_cast_casts_positional_inputs(self):
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                torch.manual_seed(3)
+                self.a = torch.nn.Linear(16, 16)
+
+            def forward(self, x, pair, scale=None):
+                y = self.a(x) + pair[0] * pair[1]
+                return y if scale is None else y * scale
+
+        torch.manual_seed(5)
+        x, pair = torch.randn(4, 16), (torch.randn(4, 16), torch.randn(16))
+        fp16 = {"fp16": {"enabled": True, "initial_scale_power": 4, "auto_cast": True}}
+        engine, _, _, _ = st.initialize(model=Net(), config=ds_config(None, extra=fp16))
+        out = engine(x, pair, scale=torch.full((16,), 2.0))  # keyword arguments are left as they are, as in DeepSpeed
+        self.assertEqual(out.dtype, torch.float32)
+        out = engine(x, [pair[0], pair[1]])
+        self.assertEqual(out.dtype, torch.float16)
+        plain, _, _, _ = st.initialize(model=Net(), config=ds_config(None, extra={"fp16": {"enabled": True,
+                                                                                         "initial_scale_power": 4}}))
+        self.assertTrue(torch.equal(out, plain(x.half(), [pair[0].half(), pair[1].half()])))
+        with self.assertRaises(RuntimeError):  # without auto_cast, as in DeepSpeed: fp32 inputs meet fp16 weights
+            plain(x, pair)
+        engine.backward(out.float().square().mean())
+        engine.step()
+        self.assertTrue(engine.was_step_applied())
+        for sect, msg in (({"fp16": {"auto_cast": True}}, "fp16 is not enabled"),
+                          ({"bf16": {"enabled": True}, "fp16": {"enabled": False, "auto_cast": True}}, "computes in bf16"),
+                          ({"fp16": {"enabled": True, "auto_cast": "yes"}}, "true or false")):
+            with self.assertRaisesRegex(ValueError, msg):
+                st.initialize(model=Net(), config=ds_config(None, extra=sect))
+        engine.destroy()
+        plain.destroy()
+
     def test_a_parameter_skipped_in_some_steps_counts_its_own_steps(self):
         # A branch used only in even steps: torch.optim.AdamW skips its
         # parameters (grad None) in odd steps and counts state['step'] per
@@ -655,6 +726,15 @@ class EngineTest(unittest.TestCase):
         m.idx = torch.nn.Parameter(torch.tensor([0, 2]), requires_grad=False)
         with self.assertRaisesRegex(ValueError, "parameter idx is torch.int64: only floating-point parameters"):
             st.initialize(model=m, config=ds_config(None))
+        # An NVMe path on a filesystem without storage: named (was "has 0 B free").
+        with self.assertRaisesRegex(StrataError, "NVMe directory /proc/strata: /proc is on a filesystem without "
+                                                 "storage"):
+            st.initialize(model=llama(), config=ds_config("/proc/strata"))
+        # A bf16 model with neither bf16 nor fp16 in the config computes in
+        # fp32 (DeepSpeed would compute in bf16): said, not silent.
+        with self.assertWarnsRegex(UserWarning, "parameters are bfloat16 but the config enables neither bf16 nor "
+                                                "fp16: the engine computes in fp32"):
+            st.initialize(model=torch.nn.Linear(2, 1).bfloat16(), config=ds_config(None))[0].destroy()
         # Config values named where they are wrong (were a bare float() or
         # IndexError, or "malformed JSON" for a NaN).
         for params, want in (({"lr": "auto"}, r"optimizer.params.lr is 'auto', not a number: a Hugging Face"),

@@ -51,6 +51,7 @@ import functools
 import json
 import math
 import os
+import sys
 import threading
 import warnings
 import weakref
@@ -391,12 +392,15 @@ class StrataEngine:
         else:
             self.compute_dtype = torch.float32
         _check_finite(cfg, "config")
+        self._auto_cast = _auto_cast(cfg)
         opt_cfg = cfg.get("optimizer", {})
         opt_params = opt_cfg.get("params", {})
         base_lr = _opt_number(opt_params, "lr", 1e-3)
         base_wd = _opt_number(opt_params, "weight_decay", 0.0)
         base_eps = _opt_number(opt_params, "eps", 1e-8)
         engine_cfg = {k: v for k, v in cfg.items() if k not in _PACKAGE_KEYS}
+        if "auto_cast" in engine_cfg.get("fp16", {}):  # forward() does it (the engine would list it as not used)
+            engine_cfg["fp16"] = {k: v for k, v in engine_cfg["fp16"].items() if k != "auto_cast"}
         engine_cfg["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         # Backward holds up to two groups (one autograd node's weights, and
         # the next node's), so the device buffers are planned for two.
@@ -534,6 +538,13 @@ class StrataEngine:
                         f"the engine keeps fp32 masters and computes in {self.compute_dtype}: convert the model "
                         "(model.float()) or keep this parameter out of it")
                 raise ValueError(f"strata.torch.initialize: parameter {self._names[pid]} is {p.dtype}: {what}")
+        lower = sorted({str(p.dtype).replace("torch.", "") for p in self._params if p.dtype != torch.float32})
+        if lower and self.compute_dtype == torch.float32:
+            # DeepSpeed would compute in the model's dtype here; the engine
+            # computes in the config's (fp32 masters either way).
+            warnings.warn(f"strata.torch.initialize: the model's parameters are {'/'.join(lower)} but the config "
+                          "enables neither bf16 nor fp16: the engine computes in fp32 (2x the memory and time of "
+                          "bf16); set \"bf16\": {\"enabled\": true} to compute in bf16", stacklevel=3)
 
         # The engine.
         descs = (_lib.ParamDesc * len(self._params))()
@@ -657,11 +668,17 @@ class StrataEngine:
         self.skipped_steps = 0
         self._hooks = []
         self._hooked = set()
+        self._fwd = []  # the open forwards: (saved-tensor hooks entered, "engine" or "model")
+        # model(x) works as engine(x) (DeepSpeed's ZeRO-3 hooks the module
+        # too): the root's hooks open and close the forward, before and
+        # after any other hook of the root.
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_forward, prepend=True))
         for mod in self._module_groups:
             self._hook(mod)
         for pid, p in enumerate(self._params):
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(pid)))
+        self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
 
     def _differing_params(self):
         """The ids of the parameters whose initial fp32 values are not the same on every rank (_checksum):
@@ -895,6 +912,15 @@ class StrataEngine:
                         if pid not in self._views:
                             self._params[pid].data = self._placeholder(self._params[pid])
             return
+        if not self._fwd and torch.is_grad_enabled():
+            # A submodule called by itself: what autograd saves would bypass
+            # the pack hooks and view buffers the engine reuses, and no
+            # micro-batch would be counted.
+            name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
+            raise StrataError(1, f"strata.torch: module {name}'s forward ran with gradients enabled outside a "
+                                 "forward of the engine's model: call engine(x) (or the model itself), or run it "
+                                 "under torch.no_grad(); in a checkpointed recomputation, loss.backward() was "
+                                 "called in place of engine.backward(loss)")
         for g in self._module_groups[module]:
             self._acquire(g)
 
@@ -986,19 +1012,51 @@ class StrataEngine:
         return self.forward(*args, **kwargs)
 
     def forward(self, *args, **kwargs):
-        # A forward under torch.no_grad() (evaluation) is no micro-batch: the
-        # engine averages gradients over the micro-batches it was told of.
+        if self._auto_cast:
+            args = _cast_half(args)
+        while self._fwd:  # a model(x) that KeyboardInterrupt ended (torch ran no hook after it)
+            self._close_forward(failed=True)
+        self._open_forward("engine")
+        try:
+            out = self.module(*args, **kwargs)
+        except BaseException:
+            self._close_forward(failed=True)
+            raise
+        self._close_forward(failed=False)
+        return out
+
+    def _open_forward(self, by):
+        """A forward of the model, engine(x) or model(x) (as under DeepSpeed's ZeRO-3, the model's own hooks
+        open one): with gradients enabled it is a micro-batch of the step, and what autograd saves goes through
+        the pack hooks. Under torch.no_grad() (evaluation) it is no micro-batch: the engine averages gradients
+        over the micro-batches it was told of."""
         if torch.is_grad_enabled():
             last = (self._boundary if self._boundary is not None
                     else (self._micro + 1) % self.gradient_accumulation_steps == 0)
             self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
             self._in_step = True
-        try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return self.module(*args, **kwargs)
-        except BaseException:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        hooks.__enter__()
+        self._fwd.append((hooks, by))
+
+    def _close_forward(self, failed):
+        self._fwd.pop()[0].__exit__(None, None, None)
+        if failed:
             self._abandon()
-            raise
+
+    def _root_pre_forward(self, module, args):
+        if self._in_backward:
+            return  # a checkpointed recomputation
+        if self._fwd and self._fwd[-1][1] == "model":
+            self._close_forward(failed=True)  # a model(x) that KeyboardInterrupt ended
+        if not self._fwd:
+            self._open_forward("model")
+
+    def _root_post_forward(self, module, args, output):
+        # Registered with always_call: also when the forward raised (then
+        # inside torch's exception handler, with output None).
+        if self._fwd and self._fwd[-1][1] == "model" and not self._in_backward:
+            self._close_forward(failed=output is None and sys.exc_info()[0] is not None)
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """loss.backward() of loss / gradient_accumulation_steps (DeepSpeed's scale_wrt_gas), with the fp16
@@ -1372,6 +1430,31 @@ def _opt_number(params, key, default):
                 if v == "auto" else "")
         raise ValueError(f"strata.torch.initialize: config optimizer.params.{key} is {v!r}, not a number{hint}")
     return float(v)
+
+
+def _auto_cast(cfg):
+    """fp16.auto_cast: DeepSpeed's engine(...) casts its floating-point positional inputs (in lists, tuples and
+    dicts too) to fp16; keyword arguments and model(...) called directly are left as they are, as there."""
+    section = cfg.get("fp16", {})
+    value = section.get("auto_cast", False) if isinstance(section, dict) else False
+    if not isinstance(value, bool):
+        raise ValueError(f"strata.torch: fp16.auto_cast is {value!r}: true or false")
+    if value and not section.get("enabled"):
+        raise ValueError("strata.torch: fp16.auto_cast casts the inputs to fp16, but fp16 is not enabled (the model "
+                         "computes in " + ("bf16" if cfg.get("bf16", {}).get("enabled") else "fp32") +
+                         "): drop auto_cast or enable fp16")
+    return value
+
+
+def _cast_half(inputs):
+    if isinstance(inputs, (list, tuple)):
+        cast = [_cast_half(v) for v in inputs]
+        return type(inputs)(*cast) if hasattr(inputs, "_fields") else type(inputs)(cast)  # a namedtuple too
+    if isinstance(inputs, dict):
+        return {k: _cast_half(v) for k, v in inputs.items()}
+    if torch.is_tensor(inputs) and inputs.is_floating_point():
+        return inputs.half()
+    return inputs
 
 
 def _check_finite(value, path):
