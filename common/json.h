@@ -47,4 +47,9 @@ bool parse_json(std::string_view text, nlohmann::json* out, JsonError* err, cons
 // ("abc…(5242880 bytes)") so a 5 MB key is not echoed whole.
 std::string clip_for_message(std::string_view s, size_t max = 80);
 
+// Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code
+// points past U+10FFFF): what a name must be to go into a JSON file Strata
+// writes (checkpoint manifests, traces).
+bool is_valid_utf8(std::string_view s);
+
 }  // namespace strata

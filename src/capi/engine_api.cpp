@@ -46,6 +46,12 @@ Result<ModelSpec> to_model(const strata_param_desc_t* params, size_t count) {
   if (!params) return Status(StatusCode::kInvalidArgument, "params is NULL");
   STRATA_RETURN_IF_ERROR(check_struct(params, "params[0]"));
   const size_t stride = params[0].struct_size;
+  // The stride between elements: a garbage value would read far past the
+  // array (no descriptor will grow to 4 KiB).
+  if (stride > 4096)
+    return Status(StatusCode::kInvalidArgument,
+                  "params[0].struct_size is " + std::to_string(stride) + ", more than 4096: set it to " +
+                      "sizeof(strata_param_desc_t) (" + std::to_string(sizeof(strata_param_desc_t)) + ")");
   const auto* base = reinterpret_cast<const unsigned char*>(params);
   model.params.reserve(count);
   for (size_t i = 0; i < count; ++i) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <initializer_list>
 #include <utility>
@@ -358,6 +359,14 @@ Status Engine::begin_micro_batch(bool last) {
   if (I.uploader.acquired_count() > 0)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("engine: begin_micro_batch with {} group(s) still acquired", I.uploader.acquired_count()));
+  // overlap_backward updates each group once the last micro-batch reduced
+  // it: a micro-batch after that one would reduce into groups already
+  // updated (its gradients lost, with no error).
+  if (I.overlap_running)
+    return Status(StatusCode::kInvalidArgument,
+                  "engine: begin_micro_batch after the micro-batch that ended the accumulation (last) with "
+                  "strata.overlap_backward: the optimizer is already updating the groups it reduced; step() first, "
+                  "or discard_step()");
   STRATA_RETURN_IF_ERROR(I.errors.take());
   ++I.micro_index;
   if (last && I.reg.cfg.strata.overlap_backward) {
@@ -482,6 +491,11 @@ Result<StepResult> Engine::step(double lr) {
   if (I.uploader.acquired_count() > 0)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("engine: step() with {} group(s) still acquired", I.uploader.acquired_count()));
+  // Refused before anything runs (the update would fail in the background
+  // and leave the engine broken).
+  if (!std::isfinite(lr))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("engine: step({}): the lr must be finite (>= 0, or < 0 to keep the current one)", lr));
   if (I.broken)
     return Status(I.broken_status.code(),
                   fmt::format("engine: an earlier step failed ({}); the state may be torn: load a checkpoint "

@@ -8,6 +8,7 @@
 #include <limits>
 #include <unordered_set>
 
+#include "common/json.h"
 #include "model/llama_weights.h"
 
 namespace strata {
@@ -61,6 +62,20 @@ ShardRange shard_range(uint64_t numel, uint32_t world_size, uint32_t rank, uint6
   return r;
 }
 
+namespace {
+
+// A name that may not be text, for a message: bytes outside printable ASCII
+// as \xNN, clipped.
+std::string bytes_for_message(std::string_view s) {
+  std::string out;
+  for (unsigned char c : s.substr(0, 80)) out += (c >= 0x20 && c < 0x7F) ? std::string(1, static_cast<char>(c))
+                                                                          : fmt::format("\\x{:02x}", c);
+  if (s.size() > 80) out += fmt::format("...({} bytes)", s.size());
+  return out;
+}
+
+}  // namespace
+
 Status validate_model_spec(const ModelSpec& model) {
   if (model.world_size == 0) return Status(StatusCode::kInvalidArgument, "model: world_size must be at least 1");
   if (model.rank >= model.world_size)
@@ -72,6 +87,18 @@ Status validate_model_spec(const ModelSpec& model) {
     if (p.name.empty()) return Status(StatusCode::kInvalidArgument, "model: a parameter has an empty name");
     if (p.group.empty())
       return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} has no group", p.name));
+    // Names go into checkpoint manifests and traces (JSON): UTF-8 only.
+    if (!is_valid_utf8(p.name))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("model: parameter name \"{}\" is not valid UTF-8", bytes_for_message(p.name)));
+    if (!is_valid_utf8(p.group))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("model: parameter \"{}\"'s group name \"{}\" is not valid UTF-8",
+                                bytes_for_message(p.name), bytes_for_message(p.group)));
+    if (p.lr_group >= kMaxLrGroups)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("model: parameter {}'s lr_group is {}: at most {} learning-rate groups (0 to {})",
+                                p.name, p.lr_group, kMaxLrGroups, kMaxLrGroups - 1));
     if (!names.insert(p.name).second)
       return Status(StatusCode::kInvalidArgument, fmt::format("model: parameter {} is listed twice", p.name));
     if (!is_compute_dtype(p.compute_dtype))

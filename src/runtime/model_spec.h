@@ -17,6 +17,10 @@ namespace strata {
 
 // Element types: DType, dtype_size and dtype_name from common/dtype.h.
 
+// Learning-rate groups a model may number (the engine keeps a table indexed
+// by lr_group and copies it to each step).
+inline constexpr uint32_t kMaxLrGroups = 65536;
+
 struct ParamSpec {
   std::string name;             // e.g. "model.layers.3.mlp.up_proj.weight"
   std::vector<uint64_t> shape;  // empty shape: a scalar (1 element)
@@ -31,8 +35,9 @@ struct ParamSpec {
   // master, no optimizer state and no gradient accumulator, reduce_grad
   // refuses it and the optimizer never writes it.
   bool trainable = true;
-  // The learning-rate group (a torch param_groups index): Engine::set_group_lr
-  // gives a group its own lr; a group without one follows the step's lr.
+  // The learning-rate group (a torch param_groups index, below kMaxLrGroups):
+  // Engine::set_group_lr gives a group its own lr; a group without one
+  // follows the step's lr.
   uint32_t lr_group = 0;
   uint64_t numel() const;
 };

@@ -678,6 +678,25 @@ static int test_errors(void) {
   CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_last_error(), "layer0.weight") != NULL);
   describe(d);
+  /* An audit's crashes: lr_group UINT32_MAX wrapped a table's size to 0
+   * (SIGSEGV at set_group_lr); a garbage stride read past the array; a name
+   * that is not UTF-8 made every checkpoint save fail. */
+  d[4].lr_group = 0xFFFFFFFFu;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "head.weight's lr_group is 4294967295: at most 65536") != NULL);
+  describe(d);
+  for (int i = 0; i < NPARAM; ++i) d[i].struct_size = 1u << 20;
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "params[0].struct_size is 1048576, more than 4096") != NULL);
+  describe(d);
+  d[1].name = "layer0.\xff";
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "parameter name \"layer0.\\xff\" is not valid UTF-8") != NULL);
+  describe(d);
+  d[1].group = "\xed\xa0\x80"; /* a surrogate */
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "group name \"\\xed\\xa0\\x80\" is not valid UTF-8") != NULL);
+  describe(d);
   CHECK(strata_engine_create(&opts, d, 0, &e) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(e == NULL);
 
@@ -771,6 +790,12 @@ static int test_errors(void) {
   res.struct_size = 4;
   CHECK(strata_engine_step(e, -1, &res) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_engine_last_error(e), "result.struct_size") != NULL);
+  /* A non-finite lr is refused before the step runs (it was taken, and the
+   * background update then broke the engine). */
+  CHECK(strata_engine_step(e, INFINITY, NULL) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_engine_last_error(e), "the lr must be finite") != NULL);
+  CHECK(strata_engine_step(e, NAN, NULL) == STRATA_ERR_INVALID_ARGUMENT);
+  OK(e, strata_engine_synchronize(e));
   int64_t steps = -1;
   OK(e, strata_engine_step_count(e, &steps));
   CHECK(steps == 0); /* refused before the step ran */

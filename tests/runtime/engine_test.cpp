@@ -724,6 +724,26 @@ TEST(Engine, OverlapRefusesDynamicFp16) {
   EXPECT_NE(st.message().find("overlap_backward"), std::string::npos) << st.message();
 }
 
+// An audit's silent loss: with overlap_backward, a micro-batch begun after
+// the last one reduced into groups whose update had started, and its
+// gradient was dropped (grad norm halved, no error).
+TEST(Engine, OverlapRefusesAMicroBatchAfterTheLastOne) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  RunOptions o;
+  o.overlap = true;
+  Trainer t(d.dev.get(), o);
+  ASSERT_TRUE(t.init(make_config(o, Place::kHost, "")).ok());
+  ASSERT_TRUE(t.e->begin_micro_batch(true).ok());
+  Status st = t.e->begin_micro_batch(false);
+  EXPECT_EQ(st.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(st.message().find("after the micro-batch that ended the accumulation"), std::string::npos)
+      << st.message();
+  EXPECT_EQ(t.e->begin_micro_batch(true).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(t.e->discard_step(t.s).ok());
+  EXPECT_TRUE(t.e->begin_micro_batch(true).ok());  // a new step
+}
+
 TEST(Engine, ChangedOrderCostsNothingButSpeed) {
   Device d = make_device();
   SKIP_WITHOUT_DEVICE(d);

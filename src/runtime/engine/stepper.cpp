@@ -131,7 +131,7 @@ Status Stepper::allocate(std::function<double(ParamId)> grad_sum_sq) {
       if (it == parts.end()) it = parts.insert(parts.end(), GroupUpdate::Part{p.lr_group, p.weight_decay, {}, {}});
       it->tensors.push_back(t);
       it->ids.push_back(id);
-      if (p.lr_group >= group_hp_.size()) group_hp_.resize(p.lr_group + 1);
+      if (p.lr_group >= group_hp_.size()) group_hp_.resize(size_t{p.lr_group} + 1);
     }
     size_t widest = 0;
     for (const auto& part : groups_[gi].parts) widest = std::max(widest, part.tensors.size());
