@@ -139,6 +139,17 @@ Result<std::unique_ptr<SwapStore>> SwapStore::create(IoEngine& engine, const Swa
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("swap store: checksum block {} is not a power of two of at least 4096 bytes", cb));
   SwapStoreOptions o = options;
+  // Absolute now: a caller that changes its working directory later must
+  // not make close() remove files in another directory (or none).
+  for (auto& d : o.dirs) {
+    std::error_code ec;
+    std::filesystem::path abs = std::filesystem::absolute(d, ec);
+    if (ec)
+      return Status(StatusCode::kInvalidArgument, fmt::format("swap store: directory {}: {}", d, ec.message()));
+    abs = abs.lexically_normal();
+    if (!abs.has_filename() && abs.has_relative_path()) abs = abs.parent_path();  // "dir/" -> "dir"
+    d = abs.string();
+  }
   if (o.run_name.empty()) o.run_name = default_run_name();
   if (o.run_name.find('/') != std::string::npos || o.run_name == "." || o.run_name == "..")
     return Status(StatusCode::kInvalidArgument, "swap store: bad run name '" + o.run_name + "'");

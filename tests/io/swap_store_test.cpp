@@ -133,6 +133,29 @@ TEST_F(SwapStoreTest, PrivateFilesRemovedOnCloseAndDirectoryReusable) {
   EXPECT_TRUE(again);
 }
 
+// A relative directory is fixed when the store is made: a caller that
+// changes its working directory later still gets its files removed (an
+// audit found them left behind).
+TEST_F(SwapStoreTest, ARelativeDirectoryOutlivesAChdir) {
+  const std::string base = dir_.file("base");
+  fs::create_directories(base + "/elsewhere");
+  const fs::path cwd = fs::current_path();
+  fs::current_path(base);
+  std::string run_dir, file;
+  {
+    auto store = make_store({"rel_nv/"});
+    ASSERT_TRUE(store);
+    run_dir = store->run_dir(0);
+    file = store->file_path(0);
+    EXPECT_EQ(run_dir.rfind(base + "/rel_nv/", 0), 0u) << run_dir;
+    ASSERT_TRUE(store->add_tensor("x", 8192).ok());
+    fs::current_path(base + "/elsewhere");
+  }
+  fs::current_path(cwd);
+  EXPECT_FALSE(fs::exists(file));
+  EXPECT_FALSE(fs::exists(run_dir));
+}
+
 // A run killed with SIGKILL leaves its run directory behind. The next run
 // removes those of dead processes on this host, and only those: a live
 // process's, another host's and an unmarked one's are kept.
