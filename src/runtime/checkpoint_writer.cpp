@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 
+#include "common/json.h"
 #include "common/log.h"
 #include "common/posix_file.h"
 #include "runtime/checkpoint.h"
@@ -30,6 +31,22 @@ using json = nlohmann::json;
 namespace {
 
 constexpr std::size_t kMaxFileStem = 160;
+
+// "<digits><tail>" at `pos` of `name`, ending the name.
+bool digits_then(const std::string& name, size_t pos, std::string_view tail) {
+  size_t i = pos;
+  while (i < name.size() && std::isdigit(static_cast<unsigned char>(name[i]))) ++i;
+  return i > pos && name.compare(i, std::string::npos, tail) == 0;
+}
+
+// The names a checkpoint writer gives its files: index.json,
+// manifest.rank<R>.json, <entry>.rank<R>.bin (extra.rank<R>.bin too).
+bool is_checkpoint_file_name(const std::string& name) {
+  if (name == "index.json") return true;
+  if (name.rfind("manifest.rank", 0) == 0) return digits_then(name, 13, ".json");
+  const size_t r = name.rfind(".rank");
+  return r != std::string::npos && digits_then(name, r + 5, ".bin");
+}
 
 bool valid_token(const std::string& t) {
   if (t.empty() || t.size() > 64) return false;
@@ -343,6 +360,29 @@ Status CheckpointWriter::commit() {
     if (!has_index && !empty) {
       return fail(Status(StatusCode::kAlreadyExists,
                          prefix + ": exists and is not a Strata checkpoint (no index.json); refusing to replace it"));
+    }
+    // A checkpoint with files of the user's added (metrics, a tokenizer):
+    // replacing it would delete them (DeepSpeed leaves them alone).
+    if (has_index) {
+      std::vector<std::string> foreign;
+      if (DIR* d = ::opendir(dir_.c_str())) {
+        while (dirent* e = ::readdir(d)) {
+          const std::string name = e->d_name;
+          if (name != "." && name != ".." && !is_checkpoint_file_name(name)) foreign.push_back(name);
+        }
+        ::closedir(d);
+      }
+      if (!foreign.empty()) {
+        std::sort(foreign.begin(), foreign.end());
+        std::string list;
+        for (size_t i = 0; i < std::min<size_t>(foreign.size(), 4); ++i)
+          list += (i ? ", " : "") + clip_for_message(foreign[i], 60);
+        if (foreign.size() > 4) list += fmt::format(" and {} more", foreign.size() - 4);
+        return fail(Status(StatusCode::kAlreadyExists,
+                           fmt::format("{}: the checkpoint there also holds files Strata did not write ({}); "
+                                       "replacing it would delete them: move them, or save to another directory",
+                                       prefix, list)));
+      }
     }
     target_exists = true;
   }

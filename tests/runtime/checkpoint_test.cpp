@@ -668,6 +668,30 @@ TEST(Checkpoint, RefusesToReplaceSomethingThatIsNotACheckpoint) {
   EXPECT_TRUE(save_buffers(tmp.file("empty"), 1, small_model()).ok());
 }
 
+// A checkpoint the user added files to (DeepSpeed writes only its own files
+// into a tag directory): replacing it would delete them, so it is refused,
+// naming them. An audit found metrics.json and tokenizer/ deleted.
+TEST(Checkpoint, RefusesToReplaceACheckpointHoldingTheUsersFiles) {
+  TempDir tmp;
+  ASSERT_TRUE(tmp.ok());
+  const std::string dir = tmp.file("best");
+  ASSERT_TRUE(save_buffers(dir, 1, small_model()).ok());
+  write_text(dir + "/metrics.json", "{}");
+  fs::create_directory(dir + "/tokenizer");
+  Status st = save_buffers(dir, 2, small_model());
+  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists);
+  EXPECT_TRUE(contains(st.message(), "also holds files Strata did not write (metrics.json, tokenizer)"))
+      << st.message();
+  EXPECT_EQ(read_text(dir + "/metrics.json"), "{}");
+  auto r = CheckpointReader::open(dir);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  EXPECT_EQ((*r)->info().step, 1u);
+  EXPECT_TRUE(leftovers(dir).empty());
+  fs::remove(dir + "/metrics.json");
+  fs::remove(dir + "/tokenizer");
+  EXPECT_TRUE(save_buffers(dir, 2, small_model()).ok());  // only its own files: replaced
+}
+
 void expect_old_intact(const std::string& dir) {
   auto r = CheckpointReader::open(dir);
   ASSERT_TRUE(r.ok()) << r.status().to_string();
