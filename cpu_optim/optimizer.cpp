@@ -179,6 +179,31 @@ Status step(const OptimizerConfig& c, std::int64_t t, const StepBuffers& b, std:
   }
   STRATA_ASSIGN_OR_RETURN(const detail::KernelTable* table, table_for(exec.isa));
   if (count == 0) return Status::ok_status();
+  {
+    // Every buffer is read or written element by element in one pass: two
+    // that share bytes would read what the pass already wrote (params_out
+    // over params wrote bf16 into the fp32 masters, and returned OK).
+    struct Range {
+      const char* name;
+      std::uintptr_t lo, hi;
+    };
+    Range ranges[6];
+    std::size_t n = 0;
+    auto add = [&](const char* name, const void* p, std::size_t elem) {
+      const auto lo = reinterpret_cast<std::uintptr_t>(p);
+      if (p) ranges[n++] = {name, lo, lo + elem * count};
+    };
+    static const char* const kStateNames[3] = {"state[0]", "state[1]", "state[2]"};
+    add("params", b.params, 4);
+    add("grads", b.grads, dtype_size(b.grad_dtype));
+    for (int i = 0; i < nstates; ++i) add(kStateNames[i], b.state[i], dtype_size(b.state_dtype));
+    add("params_out", b.params_out, dtype_size(b.out_dtype));
+    for (std::size_t i = 0; i < n; ++i)
+      for (std::size_t j = i + 1; j < n; ++j)
+        if (ranges[i].lo < ranges[j].hi && ranges[j].lo < ranges[i].hi)
+          return invalid(std::string(ranges[i].name) + " and " + ranges[j].name +
+                         " overlap: each buffer must be its own memory");
+  }
 
   // Constants in double, rounded once to fp32 (DeepSpeed's fp32 1 - beta2
   // carries a 1.3e-5 relative error into v). Decoupled weight decay uses

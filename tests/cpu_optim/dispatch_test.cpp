@@ -123,6 +123,19 @@ TEST(Validation, BadArgumentsAreRejectedAndNothingIsTouched) {
   bb.params_out = m;
   bb.out_dtype = DType::kF32;
   expect_invalid(ok, 1, bb, "fp32 params_out");
+  // Buffers sharing bytes (an audit: params_out over params wrote bf16 into
+  // the fp32 masters and returned OK).
+  bb = b;
+  bb.params_out = p;
+  bb.out_dtype = DType::kBF16;
+  expect_invalid(ok, 1, bb, "params_out over params");
+  EXPECT_EQ(step(ok, 1, bb, 4).message(), "cpu_optim: params and params_out overlap: each buffer must be its own memory");
+  bb = b;
+  bb.state[1] = m + 2;
+  expect_invalid(ok, 1, bb, "exp_avg_sq inside exp_avg");
+  bb = b;
+  bb.grads = v;
+  expect_invalid(ok, 1, bb, "grads over exp_avg_sq");
   c = ok;
   c.kind = static_cast<OptimizerKind>(99);
   expect_invalid(c, 1, b, "unknown optimizer");
