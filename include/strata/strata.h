@@ -231,7 +231,7 @@ STRATA_API void strata_free(void* ptr);
  * backward() meanwhile; the engine takes no lock for them, so a trainer that
  * could overlap them must serialize them itself. Any thread may call, at any
  * time, concurrently with the driving calls: strata_engine_stats,
- * strata_engine_last_error, strata_engine_trace_begin / _end, the queries
+ * strata_engine_trace_begin / _end, the queries
  * about the model and plan, which are fixed at creation (counts, find_*,
  * param/group info, group_params, device, plan report), and the stream,
  * event and device-memory calls. A DLManagedTensor's deleter may run on any
@@ -480,7 +480,10 @@ STRATA_API void strata_engine_destroy(strata_engine_t engine);
 
 /* The message of the last failed call on this engine or its streams ("" if
  * none): what failed, where and why. Owned by the engine; valid until the
- * next failing call on it. Any thread. NULL engine: "". */
+ * next failing call on it, so read (or copy) it on the thread that made the
+ * failed call, before its next call, or while no call on the engine is in
+ * flight: a failing call on another thread frees it (strata_last_error() is
+ * the calling thread's own copy). NULL engine: "". */
 STRATA_API const char* strata_engine_last_error(strata_engine_t engine);
 
 /* ---- the model (any thread; non-blocking) */
@@ -502,7 +505,7 @@ STRATA_API strata_status_t strata_engine_group_params(strata_engine_t engine, ui
  * *name is owned by the engine, valid until strata_engine_destroy. */
 STRATA_API strata_status_t strata_engine_device(strata_engine_t engine, strata_device_kind_t* kind,
                                                 const char** name);
-/* This engine's rank and the number of ranks (1 and 0 without a
+/* This engine's rank and the number of ranks (rank 0 of 1 without a
  * communicator). */
 STRATA_API strata_status_t strata_engine_ranks(strata_engine_t engine, uint32_t* rank, uint32_t* world_size);
 /* The plan as multi-line text (tiers, groups, traffic per step); *text is
@@ -558,8 +561,12 @@ STRATA_API strata_status_t strata_engine_set_param_steps(strata_engine_t engine,
 /* ---- the training protocol (driving thread) */
 
 /* Marks the start of a micro-batch; nonzero `last` says it ends the gradient
- * accumulation. Non-blocking. STRATA_ERR_INVALID_ARGUMENT while groups are
- * still acquired. */
+ * accumulation. The step divides the summed gradients by the number of
+ * micro-batches begun since the last step (strata.average_micro_batches, the
+ * default; false: the caller scaled them). Non-blocking.
+ * STRATA_ERR_INVALID_ARGUMENT while groups are still acquired, and with
+ * strata.overlap_backward after a `last` micro-batch until the step (or
+ * discard_step): the optimizer is already updating what that one reduced. */
 STRATA_API strata_status_t strata_engine_begin_micro_batch(strata_engine_t engine, int last);
 
 /* Makes the group's parameters available on the device and `stream` wait for
@@ -646,7 +653,8 @@ STRATA_API strata_status_t strata_engine_reduce_grad_dlpack(strata_engine_t engi
  * every parameter a micro-batch of this step reduced (the others are left
  * alone: no update, no weight decay, as torch skips a grad of None).
  * lr < 0 keeps the current lr: the last lr >= 0 given to a step, at first
- * the config's optimizer.lr. Learning-rate groups with their own lr
+ * the config's optimizer.lr; a NaN or infinite lr is refused before the step
+ * runs. Learning-rate groups with their own lr
  * (strata_engine_set_group_lr) use theirs. Blocks until the step is decided
  * (pipelined, the default: the updates finish in the background, see
  * strata_engine_synchronize; else until done). result may be NULL; else its

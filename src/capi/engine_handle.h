@@ -4,6 +4,7 @@
 // into C and a Status becomes a strata_status_t and the engine's last error.
 #pragma once
 
+#include <cstring>
 #include <mutex>
 #include <new>
 #include <set>
@@ -89,7 +90,11 @@ strata_status_t guarded(strata_engine* e, const char* fn, Fn&& body) noexcept {
   try {
     Status st = body();
     if (st.ok()) return STRATA_OK;
-    return fail_on(e, st.with_context(fn));
+    // Named once: a message that already starts with the function's name
+    // (null_arg's) is not prefixed again.
+    const bool named = st.message().compare(0, std::strlen(fn), fn) == 0 && st.message().size() > std::strlen(fn) &&
+                       st.message()[std::strlen(fn)] == ':';
+    return fail_on(e, named ? st : st.with_context(fn));
   } catch (const std::bad_alloc&) {
     try {
       return fail_on(e, Status(StatusCode::kOutOfMemory, std::string(fn) + ": out of memory"));

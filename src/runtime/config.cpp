@@ -76,8 +76,10 @@ namespace {
 
 // ------------------------------------------------------------------ helpers
 
+// Keys are the user's: clipped, so a 5 MB key is not echoed whole.
 std::string join_path(const std::string& parent, std::string_view key) {
-  return parent.empty() ? std::string(key) : parent + "." + std::string(key);
+  std::string k = clip_for_message(key, 60);
+  return parent.empty() ? k : parent + "." + k;
 }
 
 // The offending value as the user wrote it (strings quoted), kept short.
@@ -187,11 +189,15 @@ class Obj {
       if (seen_.count(it.key())) continue;
       std::string best;
       size_t best_d = 3;
-      for (const auto& k : known_) {
-        size_t d = edit_distance(it.key(), k);
-        if (d < best_d) {
-          best_d = d;
-          best = k;
+      // A suggestion only for a key that could be a typo of one (edit
+      // distance is quadratic in the key's length).
+      if (it.key().size() <= 64) {
+        for (const auto& k : known_) {
+          size_t d = edit_distance(it.key(), k);
+          if (d < best_d) {
+            best_d = d;
+            best = k;
+          }
         }
       }
       std::string msg = "unknown key";
@@ -331,7 +337,9 @@ Status read_enum(Obj& o, std::string_view key, E* out, const std::array<EnumName
   if (!v->is_string()) return expected(o.child(key), choices, *v);
   std::string s = v->get<std::string>();
   for (size_t i = 0; i < N; ++i) {
-    bool eq = ignore_case ? strcasecmp(s.c_str(), names[i].name) == 0 : s == names[i].name;
+    // Lengths first: "AdamW\u0000junk" is not "AdamW".
+    bool eq = ignore_case ? s.size() == std::strlen(names[i].name) && strcasecmp(s.c_str(), names[i].name) == 0
+                          : s == names[i].name;
     if (eq) {
       *out = names[i].value;
       return Status::ok_status();

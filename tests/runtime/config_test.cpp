@@ -268,6 +268,15 @@ TEST(ConfigErrors, UnknownKeyNamesPathAndSuggests) {
             "<string>: strata.nvme[0].capactiy: unknown key (did you mean \"capacity\"?)");
   // An unknown key inside fp16 (Apex's opt_level) is refused like any other.
   EXPECT_EQ(error_of(R"({"fp16": {"enabled": true, "opt_level": "O2"}})"), "<string>: fp16.opt_level: unknown key");
+  // A 1 MB key: clipped in the message, and no suggestion (the edit
+  // distance over it took 1.6 s per MB).
+  const std::string huge(1 << 20, 'k');
+  const std::string msg = error_of("{\"" + huge + "\": 1}");
+  EXPECT_LT(msg.size(), 200u) << msg.substr(0, 200);
+  EXPECT_NE(msg.find("...(1048576 bytes): unknown key"), std::string::npos) << msg.substr(0, 200);
+  // A name with a NUL in it is not the name before the NUL.
+  EXPECT_NE(error_of(R"({"optimizer": {"type": "AdamW\u0000junk"}})").find("optimizer.type: expected"),
+            std::string::npos);
 }
 
 TEST(ConfigErrors, WrongTypesNamePathAndValue) {
