@@ -21,6 +21,7 @@
 DeepSpeed is the reference: without it the tests that need it skip, and fail
 under STRATA_REQUIRE_REFERENCE=1 (CI installs deepspeed==0.19.8).
 """
+import copy
 import logging
 import os
 import shutil
@@ -222,6 +223,90 @@ class DeepSpeedApiTest(unittest.TestCase):
             self.assertEqual(resumed.load_checkpoint(self.dir), (None, None))
         with self.assertRaisesRegex(NotImplementedError, "load_optimizer_states=False"):
             resumed.load_checkpoint(ck, load_optimizer_states=False)
+
+    def test_torch_schedulers_resume_exactly(self):
+        # Scheduler states that plain JSON changes: MultiStepLR's milestones
+        # (a Counter of ints, whose keys came back as strings: the lr never
+        # decayed after a resume, found by an audit) and ReduceLROnPlateau's
+        # best = inf (JSON has no inf: its save was refused).
+        data = batches(10)
+        for make_sched in (lambda o: torch.optim.lr_scheduler.MultiStepLR(o, milestones=[5, 7], gamma=0.1),
+                           lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, patience=0)):
+            def run(engine, part):
+                out = []
+                for x, y in part:
+                    loss = ((engine(x) - y) ** 2).mean()
+                    engine.backward(loss)
+                    plateau = isinstance(engine.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+                    # DeepSpeed's lr_kwargs; a metric never better: the lr drops every step
+                    out.append(engine.step(lr_kwargs={"metrics": 1.0} if plateau else None))
+                return out
+            straight = self.engine(config(), lr_scheduler=make_sched)
+            want = run(straight, data)
+            first = self.engine(config(), lr_scheduler=make_sched)
+            got = run(first, data[:4])
+            ck = os.path.join(self.dir, type(first.lr_scheduler).__name__)
+            first.save_checkpoint(ck)
+            resumed = self.engine(config(), lr_scheduler=make_sched)
+            resumed.load_checkpoint(ck)
+            self.assertEqual(resumed.lr_scheduler.state_dict(), first.lr_scheduler.state_dict())
+            got += run(resumed, data[4:])
+            self.assertEqual(got, want, type(first.lr_scheduler).__name__)
+        # best = -inf before any step (JSON has no infinities).
+        plateau = self.engine(config(), lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, "max"))
+        plateau.save_checkpoint(os.path.join(self.dir, "plateau"))
+        other = self.engine(config(), lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o, "min"))
+        other.load_checkpoint(os.path.join(self.dir, "plateau"))
+        self.assertEqual(other.lr_scheduler.state_dict(), plateau.lr_scheduler.state_dict())
+        self.assertEqual(other.lr_scheduler.best, -float("inf"))
+        # What a checkpoint cannot hold is refused by name before anything is written.
+        class Odd(torch.optim.lr_scheduler.LambdaLR):
+            def state_dict(self):
+                return {"fn": object()}
+        e = self.engine(config(), lr_scheduler=lambda o: Odd(o, lambda s: 1.0))
+        with self.assertRaisesRegex(TypeError, "the lr scheduler's state_dict\\(\\) holds a object"):
+            e.save_checkpoint(os.path.join(self.dir, "odd"))
+        self.assertFalse(os.path.exists(os.path.join(self.dir, "odd")))
+
+    def test_checkpoint_misuse_is_named(self):
+        e = self.engine(config())
+        train(e, batches(2))
+        # The optimizer's state lives in the engine: torch's state_dict would
+        # be empty, and a loaded one would never reach it (both were silent).
+        with self.assertRaisesRegex(NotImplementedError, "engine.save_checkpoint"):
+            e.optimizer.state_dict()
+        with self.assertRaisesRegex(NotImplementedError, "engine.load_checkpoint"):
+            e.optimizer.load_state_dict({"state": {}, "param_groups": []})
+        # An evaluation forward with autograd on, then a save (was refused
+        # with "no micro-batch begun"; DeepSpeed saves).
+        e.eval()
+        x, y = batches(1)[0]
+        e(x)
+        ck = os.path.join(self.dir, "ck")
+        self.assertTrue(e.save_checkpoint(ck, tag="t"))
+        e.train()
+        train(e, batches(1))
+        # Files of the user's in a tag directory are not deleted by saving there again.
+        with open(os.path.join(ck, "t", "metrics.json"), "w") as f:
+            f.write("{}")
+        with self.assertRaisesRegex(strata.StrataError, r"also holds files Strata did not write \(metrics.json\)"):
+            e.save_checkpoint(ck, tag="t")
+        self.assertTrue(os.path.isfile(os.path.join(ck, "t", "metrics.json")))
+        # An empty or hostile `latest` is named.
+        for text in ("", "../../etc"):
+            with open(os.path.join(ck, "latest"), "w") as f:
+                f.write(text)
+            with self.assertRaisesRegex(strata.StrataError, "latest names .* not a tag"):
+                e.load_checkpoint(ck)
+        # DeepSpeed's engine attributes; deepcopy and use after destroy() named.
+        self.assertTrue(e.training)
+        self.assertEqual((e.global_rank, e.local_rank), (0, 0))
+        with self.assertRaisesRegex(TypeError, "cannot be copied"):
+            copy.deepcopy(e.module)
+        e.destroy()
+        with self.assertRaisesRegex(strata.StrataError, "the engine was destroyed"):
+            e.synchronize()
+        self.engines.remove(e)
 
     def test_deepspeeds_engine_methods(self):
         e = self.engine(config())

@@ -288,6 +288,17 @@ class _Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):  # noqa: D102 - the engine owns the gradients
         return None
 
+    # The AdamW state lives in the engine: torch's state_dict would hold no
+    # moments, and a loaded one would never reach the engine.
+    def state_dict(self):  # noqa: D102
+        raise NotImplementedError("strata.torch: the optimizer's state (AdamW moments, steps) lives in the engine: "
+                                  "engine.save_checkpoint(dir) / engine.load_checkpoint(dir) save and restore it with "
+                                  "the weights (engine.optimizer_state(name) reads one parameter's)")
+
+    def load_state_dict(self, state_dict):  # noqa: D102
+        raise NotImplementedError("strata.torch: the optimizer's state lives in the engine: restore it with "
+                                  "engine.load_checkpoint(dir) (a torch optimizer's state_dict cannot be loaded)")
+
 
 def _group_ranks():
     """The ranks of torch.distributed's default process group, made without
@@ -754,6 +765,8 @@ class StrataEngine:
         return section["device_memory"]
 
     def _call(self, fn, *args):
+        if self._e is None:
+            raise StrataError(1, f"strata.torch: {fn.__name__}: the engine was destroyed (engine.destroy())")
         with self._driving():
             _lib.check(fn(self._e, *args), self._e)
 
@@ -1125,8 +1138,9 @@ class StrataEngine:
         window's length."""
         self._boundary = None if is_boundary is None else bool(is_boundary)
 
-    def step(self):
-        """At the accumulation boundary: one optimizer step with the param_groups' learning rates."""
+    def step(self, lr_kwargs=None):
+        """At the accumulation boundary: one optimizer step with the param_groups' learning rates; then the
+        lr scheduler's step(**lr_kwargs), as DeepSpeed's (ReduceLROnPlateau: lr_kwargs={"metrics": loss})."""
         if self._outside_grads:
             # Gradients that did not come through backward(): loss.backward()
             # bypasses the engine's accounting (the accumulation's division,
@@ -1166,7 +1180,7 @@ class StrataEngine:
         # warns that the scheduler stepped first).
         if self.lr_scheduler is not None and not r.skipped:
             self.optimizer.step()
-            self.lr_scheduler.step()
+            self.lr_scheduler.step(**(lr_kwargs or {}))
         self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
                           "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
         # DeepSpeed's counters: every boundary counts, a skipped one also in skipped_steps.
@@ -1203,6 +1217,29 @@ class StrataEngine:
 
     def eval(self):
         return self.train(False)
+
+    @property
+    def training(self):
+        """The model's training flag (DeepSpeed's engine is a Module and has one)."""
+        return self.module.training
+
+    @property
+    def global_rank(self):
+        return self.rank
+
+    @property
+    def local_rank(self):
+        """This process's rank on its node: LOCAL_RANK as launchers set it, else the rank's device index on a
+        GPU, else 0."""
+        if "LOCAL_RANK" in os.environ:
+            return int(os.environ["LOCAL_RANK"])
+        return (self.device.index or 0) if self._cuda else 0
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(engine.module) reaches the engine through the model's
+        # hooks (was "cannot pickle '_thread.RLock'").
+        raise TypeError("strata.torch: the engine (and a model it drives, whose hooks call it) cannot be copied: "
+                        "copy the model before strata.torch.initialize, or build a new one from engine.state_dict()")
 
     def parameters(self, recurse=True):
         return self.module.parameters(recurse)
@@ -1279,6 +1316,11 @@ class StrataEngine:
         if self._micro != 0:
             raise StrataError(1, "strata.torch: save_checkpoint in the middle of an accumulation (after "
                                  f"{self._micro} micro-batches): save after engine.step()")
+        if self._in_step and not self._fwd:
+            # A forward with autograd on and no backward after it (an
+            # evaluation without torch.no_grad()): it began a micro-batch
+            # that reduced nothing; dropped, as DeepSpeed saves here.
+            self._abandon()
         if exclude_frozen_parameters:
             raise NotImplementedError("strata.torch: save_checkpoint(exclude_frozen_parameters=True) is not "
                                       "implemented (the checkpoint holds every parameter)")
@@ -1295,7 +1337,9 @@ class StrataEngine:
                                   "betas": [[float(b) for b in g["betas"]] for g in groups],
                                   "counters": [self.global_steps, self.global_samples, self.skipped_steps],
                                   "client_state": client_state,
-                                  "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler else None}}
+                                  "lr_scheduler": (_encode_state(self.lr_scheduler.state_dict(), "the lr "
+                                                                 "scheduler's state_dict()")
+                                                   if self.lr_scheduler else None)}}
         # Stored as JSON (DeepSpeed pickles): checked before anything is written.
         for what, value in (("client_state", client_state),
                             ("the lr scheduler's state_dict()", extra["strata_torch"]["lr_scheduler"])):
@@ -1337,7 +1381,11 @@ class StrataEngine:
             path = os.path.join(load_dir, str(tag))
         elif os.path.isfile(os.path.join(load_dir, "latest")):
             with open(os.path.join(load_dir, "latest")) as f:
-                path = os.path.join(load_dir, f.read().strip())
+                latest = f.read().strip()
+            if not latest or os.sep in latest or latest in (".", ".."):
+                raise StrataError(1, f"strata.torch: load_checkpoint: {os.path.join(load_dir, 'latest')} names "
+                                     f"{latest!r}, not a tag (a directory in {load_dir}); pass tag=")
+            path = os.path.join(load_dir, latest)
         elif os.path.isfile(os.path.join(load_dir, "index.json")):
             path = load_dir  # itself a checkpoint (the package's earlier layout)
         else:
@@ -1366,7 +1414,7 @@ class StrataEngine:
             self.global_samples = self.global_steps * (self.train_batch_size or 0)
             self.skipped_steps = s["skipped_steps"]
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
-            self.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+            self.lr_scheduler.load_state_dict(_decode_state(extra["lr_scheduler"]))
         self._micro = 0
         self._micro_steps = self.global_steps * self.gradient_accumulation_steps  # a window starts here
         client_state = extra.get("client_state")
@@ -1455,6 +1503,55 @@ def _cast_half(inputs):
     if torch.is_tensor(inputs) and inputs.is_floating_point():
         return inputs.half()
     return inputs
+
+
+_TYPE_TAG = "__strata_type__"
+
+
+def _encode_state(value, what):
+    """A torch scheduler's state_dict as JSON that decodes to an equal value: dicts with keys that are not
+    strings (MultiStepLR's milestones, a Counter of ints), tuples and non-finite floats (ReduceLROnPlateau's
+    best = inf) carry a type tag; anything else JSON cannot hold is refused naming `what` (DeepSpeed pickles
+    it; Strata's checkpoints hold no pickles)."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {_TYPE_TAG: "float", "value": repr(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode_state(v, what) for v in value]
+        return items if type(value) is list else {_TYPE_TAG: "tuple", "items": items}
+    if isinstance(value, dict):
+        kind = {dict: "dict", collections.Counter: "Counter", collections.OrderedDict: "OrderedDict"}.get(type(value))
+        if kind is None:
+            raise TypeError(f"strata.torch: save_checkpoint: {what} holds a {type(value).__name__}, which a "
+                            "checkpoint cannot store (JSON with plain dicts, Counter and OrderedDict only)")
+        if kind == "dict" and all(isinstance(k, str) for k in value) and _TYPE_TAG not in value:
+            return {k: _encode_state(v, what) for k, v in value.items()}
+        return {_TYPE_TAG: kind, "items": [[_encode_state(k, what), _encode_state(v, what)] for k, v in value.items()]}
+    raise TypeError(f"strata.torch: save_checkpoint: {what} holds a {type(value).__name__} ({value!r:.80}), which "
+                    "a checkpoint cannot store (Strata stores it as JSON, not pickle)")
+
+
+def _decode_state(value):
+    if isinstance(value, list):
+        return [_decode_state(v) for v in value]
+    if not isinstance(value, dict):
+        return value
+    kind = value.get(_TYPE_TAG)
+    if kind is None:
+        return {k: _decode_state(v) for k, v in value.items()}
+    if kind == "float":
+        return float(value["value"])
+    if kind == "tuple":
+        return tuple(_decode_state(v) for v in value["items"])
+    out = {"dict": dict, "Counter": collections.Counter, "OrderedDict": collections.OrderedDict}[kind]()
+    for k, v in value["items"]:  # not cls(pairs): a Counter would count the pairs
+        out[_freeze(_decode_state(k))] = _decode_state(v)
+    return out
+
+
+def _freeze(key):
+    return tuple(_freeze(k) for k in key) if isinstance(key, list) else key
 
 
 def _check_finite(value, path):
