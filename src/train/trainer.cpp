@@ -710,6 +710,17 @@ Result<GroupView> Trainer::Impl::acquire(GroupId g) {
 }
 
 // batch_tokens -> pinned staging -> inputs/targets (device), on the stream.
+// The targets of batch_tokens / batch_mask that count in the loss (as
+// stage_tokens makes them: position t's target is token t+1, counted where
+// its mask byte is 1).
+uint64_t Trainer::Impl::counted_targets() const {
+  const int64_t B = opt.batch, T = seq;
+  uint64_t n = 0;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) n += batch_mask[b * (T + 1) + t + 1] ? 1 : 0;
+  return n;
+}
+
 Status Trainer::Impl::stage_tokens() {
   // The last upload must have read the staging buffer before it is rewritten
   // (on CUDA the host may be ahead of the stream by a whole micro-batch).
@@ -777,7 +788,7 @@ Status Trainer::Impl::forward(const int32_t* tokens, bool training) {
   return {};
 }
 
-Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
+Status Trainer::Impl::micro_batch(bool last, double weight, LossStats* loss) {
   const size_t act = static_cast<size_t>(tokens_per_micro * dims.dim);
   const int64_t B = opt.batch, T = seq;
   const size_t L = layer_groups.size();
@@ -785,7 +796,7 @@ Status Trainer::Impl::micro_batch(bool last, LossStats* loss) {
   STRATA_RETURN_IF_ERROR(forward(inputs, true));
 
   // Head: loss, dx and the head's gradients.
-  const float dloss = static_cast<float>(engine->loss_scale());
+  const float dloss = static_cast<float>(engine->loss_scale() * weight);
   {
     engine->trace_begin("head_forward_backward");
     GroupView ev{};
@@ -860,14 +871,41 @@ Result<StepReport> Trainer::train_step() {
   const uint64_t global_micro = static_cast<uint64_t>(m.opt.batch) * m.world;
   const uint64_t S = global_micro * m.accum;
   const int64_t T = m.seq;
+  auto first_of = [&](uint32_t mb) {
+    return static_cast<uint64_t>(m.step) * S + static_cast<uint64_t>(mb) * global_micro +
+           static_cast<uint64_t>(m.rank) * m.opt.batch;
+  };
+  // The step's loss is the mean over every counted target of the step, on
+  // every rank, and so is its gradient (Hugging Face Trainer's
+  // num_items_in_batch weighting): each micro-batch's loss (a mean over its
+  // own targets) weighs count_mb * M * N / count_step, since the engine
+  // averages the M micro-batches (strata.average_micro_batches) and N ranks. With a loss mask the counts
+  // differ (a micro-batch of 5 targets would weigh as one of 500); without
+  // one every weight is exactly 1.
+  std::vector<double> weight(m.accum, 1.0);
+  if (m.data->has_loss_mask()) {
+    double mine = 0;
+    for (uint32_t mb = 0; mb < m.accum; ++mb) {
+      STRATA_RETURN_IF_ERROR(m.data->train_batch(first_of(mb), m.opt.batch, m.batch_tokens, m.batch_mask));
+      weight[mb] = static_cast<double>(m.counted_targets());
+      mine += weight[mb];
+    }
+    double all = mine;
+    if (m.world > 1) {
+      std::vector<double> gathered;
+      STRATA_RETURN_IF_ERROR(m.all_gather(&mine, 1, &gathered));
+      all = 0;
+      for (double c : gathered) all += c;
+    }
+    const double micro = m.opt.config.strata.average_micro_batches ? m.accum : 1.0;  // what the engine divides by
+    for (double& w : weight) w = all > 0 ? w * micro * m.world / all : 1.0;
+  }
   for (uint32_t mb = 0; mb < m.accum; ++mb) {
-    const uint64_t first = static_cast<uint64_t>(m.step) * S + static_cast<uint64_t>(mb) * global_micro +
-                           static_cast<uint64_t>(m.rank) * m.opt.batch;
-    STRATA_RETURN_IF_ERROR(m.data->train_batch(first, m.opt.batch, m.batch_tokens, m.batch_mask));
+    STRATA_RETURN_IF_ERROR(m.data->train_batch(first_of(mb), m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     m.losses[mb] = LossStats{};
     m.micro_index = static_cast<uint64_t>(m.step) * m.accum + mb;
-    STRATA_RETURN_IF_ERROR(m.micro_batch(mb + 1 == m.accum, &m.losses[mb]));
+    STRATA_RETURN_IF_ERROR(m.micro_batch(mb + 1 == m.accum, weight[mb], &m.losses[mb]));
   }
   // Every reduce_grad must have been read before step() (it waits for the
   // engine's own work; the stream's downloads are ordered before it by the

@@ -187,8 +187,11 @@ struct Trainer::Impl {
   Result<bool> any_rank(bool mine);  // true when it is true on some rank
   Result<bool> stop_requested();     // opt.stop, agreed on by every rank
   Status stage_tokens();
+  uint64_t counted_targets() const;
   Status forward(const int32_t* tokens, bool keep_for_backward);
-  Status micro_batch(bool last, LossStats* loss);
+  // weight: the micro-batch's share of the step's loss gradient (see
+  // Trainer::train_step; 1 when every micro-batch counts as many targets).
+  Status micro_batch(bool last, double weight, LossStats* loss);
   Result<GroupView> acquire(GroupId g);
   const void* ptr_of(const GroupView& v, ParamId p) const;
   // training: LoRA dropout on, seeded by (data seed, micro-batch, layer).

@@ -441,6 +441,65 @@ def sliding_window_refused(strata, work):
     return "" if ok else f"not refused as expected (exit {r.returncode}): {r.stderr.strip()[:500]}"
 
 
+def masked_accumulation(strata, work):
+    """A loss mask with gradient accumulation: the step's gradient is that of the mean over every counted target
+    of the step, as the Hugging Face Trainer weighs micro-batches (num_items_in_batch), not the mean of each
+    micro-batch's own mean (which gave a 3% larger norm on a chat data set). The training part is exactly ACCUM
+    windows of batch 1, so step 1 sees each once, in an order the sum does not depend on; the masks count
+    from 3 to all SEQ targets per window."""
+    accum = 3
+    d = os.path.join(work, "masked_accumulation")
+    torch.manual_seed(1234)
+    LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(d + "/model")
+    g = torch.Generator().manual_seed(11)
+    n = accum * SEQ + 1  # the training part: ACCUM windows of SEQ+1 tokens at stride SEQ, no slack
+    tokens = torch.randint(0, SHAPE["vocab_size"], (2 * n,), generator=g, dtype=torch.int64)
+    mask = torch.ones(2 * n, dtype=torch.uint8)
+    for w, keep in enumerate((3, SEQ // 2, SEQ)):  # window w's targets are tokens w*SEQ+1 .. w*SEQ+SEQ
+        mask[w * SEQ + 1 + keep:w * SEQ + 1 + SEQ] = 0
+    tokens.to(torch.int32).numpy().tofile(d + "/tokens.u32")
+    mask.numpy().tofile(d + "/tokens.mask")
+    r = subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32", "--data-format",
+                        "u32", "--loss-mask", d + "/tokens.mask", "--val-fraction", "0.5", "--seq", str(SEQ),
+                        "--batch", "1", "--grad-accum", str(accum), "--steps", "1", "--clip", "0", "--out",
+                        d + "/out", "--device", "cpu", "--progress", "quiet", "--no-export"],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"strata finetune exited {r.returncode}: {r.stderr.strip()[-2000:]}"
+    got = next(e for e in map(json.loads, open(d + "/out/metrics.jsonl")) if e.get("event") == "train")
+    m = LlamaForCausalLM.from_pretrained(d + "/model", dtype=torch.float64).train()
+    wins = [(tokens[w * SEQ:w * SEQ + SEQ + 1], mask[w * SEQ:w * SEQ + SEQ + 1]) for w in range(accum)]
+    items = sum(int(k[1:].sum()) for _, k in wins)
+    norms, losses = [], []
+    for weigh_by_items in (True, False):
+        m.zero_grad()
+        total = 0.0
+        for x, k in wins:
+            labels = torch.where(k.bool(), x, torch.full_like(x, -100))[None]
+            # transformers' own loss (labels shifted inside the model, -100 ignored); the Trainer's
+            # num_items_in_batch makes it a sum over the step's targets / their number
+            out = m(input_ids=x[None], labels=labels, num_items_in_batch=items if weigh_by_items else None)
+            loss = out.loss if weigh_by_items else out.loss / accum  # else: each micro-batch's mean, averaged
+            loss.backward()
+            total += out.loss.item()
+        norms.append(sum(p.grad.pow(2).sum().item() for p in m.parameters()) ** 0.5)
+        losses.append(total)
+    rel = abs(got["grad_norm"] - norms[0]) / norms[0]
+    control = abs(norms[1] - norms[0]) / norms[0]
+    loss_rel = abs(got["loss"] - losses[0]) / losses[0]
+    print(f"  masked accumulation ({accum} micro-batches, {items} targets): grad norm strata {got['grad_norm']:.8f}"
+          f"  transformers (float64, num_items_in_batch) {norms[0]:.8f}  rel {rel:.2e}; loss rel {loss_rel:.2e}"
+          f"   (mean of micro-batch means: rel {control:.2e})")
+    problems = []
+    if not rel <= 1e-5:
+        problems.append(f"grad norm differs by {rel:.3e} relative")
+    if not loss_rel <= 1e-5:
+        problems.append(f"loss differs by {loss_rel:.3e} relative")
+    if not control > 100 * 1e-5:
+        problems.append(f"negative control too weak: {control:.3e}")
+    return "; ".join(problems)
+
+
 def main():
     if len(sys.argv) not in (2, 3):
         print(__doc__)
@@ -460,6 +519,9 @@ def main():
         err = sliding_window_refused(strata, work)
         if err:
             failed.append(f"sliding window: {err}")
+        err = masked_accumulation(strata, work)
+        if err:
+            failed.append(f"masked accumulation: {err}")
         audit = audit_fields(strata, work)
         if audit:
             failed.append("config field audit: " + "; ".join(audit))
@@ -467,7 +529,7 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
     for f in failed:
         print("FAILED " + f)
-    total = 2 * len(CASES) + 2
+    total = 2 * len(CASES) + 3
     print(f"hf_reference_test: {total - len(failed)} of {total} cases passed")
     return 1 if failed else 0
 
