@@ -41,7 +41,8 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   cmd->add_option("--data", f->data, "Training data file")->required();
   cmd->add_option("--loss-mask", f->loss_mask,
                   "One byte per token (0/1): train only on tokens marked 1 (tools/prepare_data.py writes it)");
-  cmd->add_option("--data-format", f->data_format, "text (bytes are tokens) | u16 | u32 (token ids)")
+  cmd->add_option("--data-format", f->data_format,
+                  "auto (*.u32: u32, *.u16: u16, else text) | text (bytes are tokens) | u16 | u32 (token ids)")
       ->capture_default_str();
   cmd->add_option("--vocab", f->vocab, "Token ids must be below this (0: the model's vocab_size; text: <= 256)")
       ->capture_default_str();
@@ -211,11 +212,32 @@ Status resolve_deepspeed_batch(const BatchFlags& g, const ConfigNotes& n, uint64
   return Status::ok_status();
 }
 
+// --data-format: "auto" reads the file's suffix (prepare_data writes .u32);
+// a format that contradicts a .u16/.u32 suffix is refused (a u32 file read
+// as text or u16 trained on garbage, with a normal-looking loss).
+static Status data_format_of(const FinetuneFlags& f, train::DataFormat* out) {
+  auto ends_with = [&](std::string_view suffix) {
+    return f.data.size() >= suffix.size() && f.data.compare(f.data.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  const char* named = ends_with(".u32") ? "u32" : ends_with(".u16") ? "u16" : nullptr;
+  if (f.data_format == "auto") {
+    STRATA_ASSIGN_OR_RETURN(*out, train::parse_data_format(named ? named : "text"));
+    return Status::ok_status();
+  }
+  STRATA_ASSIGN_OR_RETURN(*out, train::parse_data_format(f.data_format));
+  if (named && f.data_format != named)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("--data-format {}, but {}'s name says {} token ids: drop --data-format (auto reads "
+                              "the suffix) or rename the file",
+                              f.data_format, f.data, named));
+  return Status::ok_status();
+}
+
 Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->model_dir = f.model;
   o->data.path = f.data;
   o->data.loss_mask_path = f.loss_mask;
-  STRATA_ASSIGN_OR_RETURN(o->data.format, train::parse_data_format(f.data_format));
+  STRATA_RETURN_IF_ERROR(data_format_of(f, &o->data.format));
   o->data.vocab = f.vocab;
   o->data.val_fraction = f.val_fraction;
   o->data.seed = f.seed;

@@ -32,7 +32,7 @@ Result<train::TrainDevice> parse_train_device(std::string_view text);
 // The flags as given (strings where the user writes text), and which of
 // them were given (they override --config).
 struct FinetuneFlags {
-  std::string model, data, data_format = "text", config, offload_params = "auto", offload_optimizer = "auto";
+  std::string model, data, data_format = "auto", config, offload_params = "auto", offload_optimizer = "auto";
   std::string loss_mask;
   uint32_t vocab = 0;
   double val_fraction = 0.05;

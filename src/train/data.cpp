@@ -187,6 +187,11 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
     constexpr uint64_t kChunk = 1 << 20;
     std::vector<uint8_t> buf(std::min<uint64_t>(kChunk, d->tokens_));
     uint64_t ones = 0;
+    // Targets (a window's tokens after its first) in the training part and
+    // in the held-out part (as split below).
+    const uint64_t train_end =
+        d->tokens_ - static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
+    uint64_t train_ones = 0, val_ones = 0;
     for (uint64_t first = 0; first < d->tokens_; first += kChunk) {
       const uint64_t n = std::min(kChunk, d->tokens_ - first);
       STRATA_RETURN_IF_ERROR(d->read_mask(first, n, buf.data()));
@@ -195,12 +200,26 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
           return Status(StatusCode::kInvalidArgument, "loss mask " + mp + ": byte " + std::to_string(first + k) +
                                                           " is " + std::to_string(buf[k]) + "; expected 0 or 1");
         ones += buf[k];
+        if (first + k >= 1 && first + k < train_end) train_ones += buf[k];
+        if (first + k > train_end) val_ones += buf[k];
       }
     }
     d->masked_tokens_ = d->tokens_ - ones;
     if (ones == 0)
       return Status(StatusCode::kInvalidArgument,
                     "loss mask " + mp + " masks every token: there is nothing to train on");
+    // Otherwise every step would report loss 0 and train on nothing.
+    if (train_ones == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("loss mask {} marks no target in the training part (tokens 0 to {}; the last {} "
+                                "are held out by --val-fraction {:g}): there is nothing to train on",
+                                mp, train_end, d->tokens_ - train_end, o.val_fraction));
+    if (train_end < d->tokens_ && val_ones == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("loss mask {} marks no target in the validation part (the last {} tokens, held out "
+                                "by --val-fraction {:g}): its loss would be over nothing; use --val-fraction 0 or "
+                                "data whose end has trained tokens",
+                                mp, d->tokens_ - train_end, o.val_fraction));
   }
 
   const uint64_t need = uint64_t{o.seq} + 1;

@@ -35,6 +35,22 @@ printf 'too short' >"$dir/short.txt"
 expect_error "too short" --model "$dir/model" --data "$dir/short.txt" --out "$dir/o1"
 : >"$dir/empty.txt"
 expect_error "is empty" --model "$dir/model" --data "$dir/empty.txt" --out "$dir/o1"
+# A token file read in the wrong format trained on garbage with a normal-looking loss: the
+# suffix picks the format, and a --data-format that contradicts it is refused.
+python3 -c "import sys; sys.stdout.buffer.write(bytes(range(200)) * 40)" >"$dir/ids.u32"
+expect_error "--data-format u16, but $dir/ids.u32's name says u32 token ids" --model "$dir/model" --seq 64 --batch 8 --data "$dir/ids.u32" \
+  --data-format u16 --out "$dir/o1"
+expect_error "token id" --model "$dir/model" --seq 64 --batch 8 --data "$dir/ids.u32" --out "$dir/o1"  # read as u32 (auto): ids past the vocab
+# A loss mask with no target in the training part (every step would report loss 0), or none in
+# the validation part (its loss over nothing).
+cp "$dir/data.txt" "$dir/m.txt"
+n=$(stat -c %s "$dir/m.txt")
+python3 -c "import sys; n=$n; v=int(n*0.05); sys.stdout.buffer.write(bytes([0]*(n-v) + [1]*v))" >"$dir/valonly.mask"
+expect_error "marks no target in the training part" --model "$dir/model" --seq 64 --batch 8 --data "$dir/m.txt" --loss-mask "$dir/valonly.mask" \
+  --out "$dir/o1"
+python3 -c "import sys; n=$n; v=int(n*0.05); sys.stdout.buffer.write(bytes([1]*(n-v) + [0]*v))" >"$dir/trainonly.mask"
+expect_error "marks no target in the validation part" --model "$dir/model" --seq 64 --batch 8 --data "$dir/m.txt" \
+  --loss-mask "$dir/trainonly.mask" --out "$dir/o1"
 printf '{"zero_optimization": {"stage": 3,,}}' >"$dir/bad.json"
 expect_error "$dir/bad.json: malformed JSON" "${common[@]}" --config "$dir/bad.json" --out "$dir/o1"
 printf '{"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "%s/nvme"}}, "gradient_clipping": "x"}' \
