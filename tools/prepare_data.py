@@ -10,18 +10,32 @@ MODEL_DIR (tokenizer.json / tokenizer_config.json, as downloaded from the Hub):
 Strata never tokenizes by itself, so the ids are the ones the model was
 trained with.
 
-Inputs, one document each (the format is chosen per file, or per line of a
-JSONL file):
-  *.txt (or --format text)  the whole file is one document;
+Inputs, one document each (the format is chosen per file by its suffix, in
+any case, or by --format):
+  *.txt, anything else      the whole file is one document (bytes as they
+                            are: "\r\n" is kept);
   *.jsonl                   one JSON object per line:
      {"text": "..."}                       a document;
      {"messages": [{"role": ..., "content": ...}, ...]}
                                            a conversation, rendered with the
                                            tokenizer's chat template; only the
-                                           assistant turns are trained on.
+                                           assistant turns are trained on;
+  *.json                    one such object, or an array of them (a Hugging
+                            Face dataset's to_json).
 Documents are packed back to back with the tokenizer's EOS after each one
-(--no-eos: none). A text document's ids are exactly AutoTokenizer's
-tokenizer(text)["input_ids"] (with the BOS the tokenizer adds, if any).
+(--no-eos: none), unless it has one already: a text document whose ids end
+with it, a conversation whose template writes it (as TRL leaves them). An
+empty text document is skipped. A text document's ids are exactly
+AutoTokenizer's tokenizer(text)["input_ids"] (with the BOS the tokenizer adds,
+if any). A conversation's mask is transformers' own
+(apply_chat_template(return_assistant_tokens_mask=True)) when the template
+marks the assistant's text with {% generation %}; otherwise each assistant
+turn's text after the generation prompt (a template that ignores
+add_generation_prompt gets the role header trained too, with a warning).
+Packing joins documents into one stream cut into --seq windows: attention
+crosses document boundaries and a window may start inside a conversation
+(its earlier turns out of sight); a --seq that holds whole conversations
+keeps that rare.
 
 Outputs:
   PREFIX.u32   little-endian uint32 token ids;
@@ -37,6 +51,7 @@ outputs are written to temporary names and renamed at the end).
 import argparse
 import json
 import os
+import re
 import sys
 
 
@@ -78,15 +93,19 @@ class Packer:
         self.ids_file, self.mask_file = ids_file, mask_file
         self.ids = array.array("I")
         self.mask = bytearray()
-        self.docs = self.tokens = self.trained = 0
+        self.docs = self.tokens = self.trained = self.empty = 0
 
-    def add(self, ids, mask, eos_trained):
+    def add(self, ids, mask, eos_trained, chat=False):
+        """One document, then the EOS unless it already has one: a text document that ends with it (a
+        tokenizer that appends it), a conversation whose template writes it (per turn: Llama-3's <|eot_id|>,
+        Qwen's <|im_end|>, Mistral's </s>), as TRL leaves them."""
         assert len(ids) == len(mask)
         if ids and max(ids) >= 2 ** 32:
             fail(f"token id {max(ids)} does not fit in uint32")
         self.ids.extend(ids)
         self.mask.extend(mask)
-        if self.eos is not None:
+        has_eos = self.eos in ids if chat else bool(ids) and ids[-1] == self.eos
+        if self.eos is not None and not has_eos:
             self.ids.append(self.eos)
             self.mask.append(1 if eos_trained else 0)
         self.docs += 1
@@ -106,7 +125,23 @@ class Packer:
 
 def text_doc(tok, text):
     ids = tok(text)["input_ids"]
-    return ids, [1] * len(ids)
+    mask = [1] * len(ids)
+    if ids and ids[0] == tok.bos_token_id:
+        mask[0] = 0  # packed after another document, the BOS would be a target of its EOS
+    return ids, mask
+
+
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_WARNED_GEN = [False]
+
+
+def _render_empty(tok):
+    """The template's text before a first assistant turn: an empty conversation with the generation prompt
+    ("" where the template cannot render one)."""
+    try:
+        return tok.apply_chat_template([], tokenize=False, add_generation_prompt=True)
+    except Exception:
+        return ""
 
 
 def chat_doc(tok, messages, where):
@@ -128,22 +163,47 @@ def chat_doc(tok, messages, where):
         except Exception as e:
             fail(f"{where}: the chat template failed: {type(e).__name__}: {e}")
 
+    if not any(m["role"] == "assistant" for m in messages):
+        fail(f"{where}: the conversation has no assistant turn: nothing to train on")
+    if _GENERATION.search(tok.chat_template):
+        # The template marks what the assistant generates ({% generation %}):
+        # transformers' own mask, as the Trainer and TRL take it.
+        try:
+            enc = tok.apply_chat_template(messages, tokenize=True, return_dict=True,
+                                          return_assistant_tokens_mask=True)
+        except Exception as e:
+            fail(f"{where}: the chat template failed: {type(e).__name__}: {e}")
+        ids, mask = list(enc["input_ids"]), [int(bool(b)) for b in enc["assistant_masks"]]
+        if not any(mask):
+            fail(f"{where}: the chat template's {{% generation %}} blocks mark no token of the assistant turns")
+        return ids, mask, messages[-1]["role"] == "assistant"
     full = render(messages, False)
     # Character spans of the assistant turns: the text a turn adds after the
     # generation prompt. Templates whose earlier text changes as turns are
     # added cannot be masked this way: refused, never guessed.
     spans = []
+    warned = _WARNED_GEN
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
-        before = render(messages[:i], True) if i > 0 else ""
+        # The text before the turn, generation prompt included (for the
+        # first message too: a template may add a default system prompt).
+        before = render(messages[:i], True) if i > 0 else _render_empty(tok)
         upto = render(messages[:i + 1], False)
+        if i == 0 and (not before or not upto.startswith(before)):
+            # A template that cannot render an empty conversation (it reads
+            # messages[0]): the turn starts where its text does.
+            k = upto.rfind(m["content"]) if m["content"] else -1
+            before = upto[:k] if k >= 0 else ""
+        if i > 0 and not warned[0] and before == render(messages[:i], False):
+            warned[0] = True
+            print(f"prepare_data: warning: {where}: the chat template ignores add_generation_prompt, so an "
+                  f"assistant turn's header (its role marker) cannot be told from its text and is trained too",
+                  file=sys.stderr)
         if not upto.startswith(before) or not full.startswith(upto):
             fail(f"{where}: the chat template renders earlier turns differently once later ones are added; "
                  f"the assistant turns cannot be located (turn {i})")
         spans.append((len(before), len(upto)))
-    if not spans:
-        fail(f"{where}: the conversation has no assistant turn: nothing to train on")
     enc = tok(full, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = enc["input_ids"], enc["offset_mapping"]
     mask = []
@@ -162,20 +222,63 @@ def _lines(f, path):
             fail(f"{path}:{n}: not UTF-8 ({e})")
 
 
+def add_record(tok, p, obj, where):
+    """One JSON record (a JSONL line, an element of a .json array): a document or a conversation."""
+    if not isinstance(obj, dict):
+        fail(f"{where}: expected an object with \"text\" or \"messages\"")
+    if "messages" in obj and "text" in obj:
+        fail(f"{where}: the object has both \"text\" and \"messages\"; keep one")
+    try:
+        if "messages" in obj:
+            ids, mask, last_assistant = chat_doc(tok, obj["messages"], where)
+            p.add(ids, mask, last_assistant, chat=True)
+        elif "text" in obj:
+            if not isinstance(obj["text"], str):
+                fail(f"{where}: \"text\" must be a string")
+            if obj["text"] == "":
+                p.empty += 1  # no document (a lone EOS would be trained)
+                return
+            ids, mask = text_doc(tok, obj["text"])
+            p.add(ids, mask, True)
+        else:
+            fail(f"{where}: the object has neither \"text\" nor \"messages\" (keys: "
+                 f"{', '.join(list(obj)[:10])})")
+    except (TypeError, ValueError, RecursionError) as e:  # the tokenizer's (a lone surrogate) and the like
+        fail(f"{where}: {type(e).__name__}: {e}")
+
+
 def add_inputs(a, tok, p):
     """Every input file, document by document, into the packer."""
     for path in a.inputs:
         if not os.path.isfile(path):
             fail(f"{path}: not a regular file")
-        fmt = a.format if a.format != "auto" else ("jsonl" if path.endswith(".jsonl") else "text")
+        suffix = os.path.splitext(path)[1].lower()
+        fmt = a.format if a.format != "auto" else {".jsonl": "jsonl", ".json": "json"}.get(suffix, "text")
         if fmt == "text":
             try:
-                with open(path, encoding="utf-8") as f:
+                with open(path, encoding="utf-8", newline="") as f:  # "\r\n" kept, as the tokenizer sees it
                     text = f.read()
             except UnicodeDecodeError as e:
                 fail(f"{path}: not UTF-8 text ({e})")
-            ids, mask = text_doc(tok, text)
+            if text == "":
+                p.empty += 1
+                continue
+            try:
+                ids, mask = text_doc(tok, text)
+            except (TypeError, ValueError) as e:
+                fail(f"{path}: {type(e).__name__}: {e}")
             p.add(ids, mask, True)
+            continue
+        if fmt == "json":  # one record, or an array of records (a Hugging Face dataset's to_json)
+            try:
+                with open(path, encoding="utf-8") as f:
+                    data = json.load(f)
+            except UnicodeDecodeError as e:
+                fail(f"{path}: not UTF-8 ({e})")
+            except (json.JSONDecodeError, RecursionError) as e:
+                fail(f"{path}: not JSON: {type(e).__name__}: {e}")
+            for i, obj in enumerate(data if isinstance(data, list) else [data]):
+                add_record(tok, p, obj, f"{path}[{i}]" if isinstance(data, list) else path)
             continue
         with open(path, "rb") as f:
             for n, line in enumerate(_lines(f, path), 1):
@@ -184,21 +287,9 @@ def add_inputs(a, tok, p):
                     continue
                 try:
                     obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    fail(f"{where}: not JSON: {e}")
-                if not isinstance(obj, dict):
-                    fail(f"{where}: expected an object with \"text\" or \"messages\"")
-                if "messages" in obj:
-                    ids, mask, last_assistant = chat_doc(tok, obj["messages"], where)
-                    p.add(ids, mask, last_assistant)
-                elif "text" in obj:
-                    if not isinstance(obj["text"], str):
-                        fail(f"{where}: \"text\" must be a string")
-                    ids, mask = text_doc(tok, obj["text"])
-                    p.add(ids, mask, True)
-                else:
-                    fail(f"{where}: the object has neither \"text\" nor \"messages\" (keys: "
-                         f"{', '.join(list(obj)[:10])})")
+                except (json.JSONDecodeError, RecursionError) as e:
+                    fail(f"{where}: not JSON: {type(e).__name__}: {e}")
+                add_record(tok, p, obj, where)
 
 
 def main():
@@ -206,8 +297,9 @@ def main():
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", required=True, help="model directory with the tokenizer files")
     ap.add_argument("--out", required=True, help="output prefix: PREFIX.u32, PREFIX.mask, PREFIX.json")
-    ap.add_argument("--format", choices=["auto", "text", "jsonl"], default="auto",
-                    help="auto: *.jsonl is JSON lines, anything else text")
+    ap.add_argument("--format", choices=["auto", "text", "jsonl", "json"], default="auto",
+                    help="auto: *.jsonl is JSON lines, *.json one JSON record or an array of them (any case), "
+                         "anything else text")
     ap.add_argument("--no-eos", action="store_true", help="no EOS between documents")
     ap.add_argument("inputs", nargs="+")
     a = ap.parse_args()
@@ -256,7 +348,8 @@ def main():
         f.write("\n")
     for ext, t in zip((".u32", ".mask", ".json"), temps):
         os.replace(t, a.out + ext)
-    print(f"prepare_data: {p.docs} documents, {p.tokens} tokens ({p.trained} trained on) -> {a.out}.u32, "
+    skipped = f" ({p.empty} empty documents skipped)" if p.empty else ""
+    print(f"prepare_data: {p.docs} documents{skipped}, {p.tokens} tokens ({p.trained} trained on) -> {a.out}.u32, "
           f"{a.out}.mask; then: strata finetune {meta['finetune']}")
     return 0
 

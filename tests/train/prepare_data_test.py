@@ -115,7 +115,8 @@ def main():
     for t in texts:
         e = tok(t)["input_ids"]
         want += e + [eos]
-        want_mask += [1] * (len(e) + 1)
+        # The BOS is no target (packed after another document it would be one of its EOS).
+        want_mask += [0 if e[0] == tok.bos_token_id else 1] + [1] * len(e)
     chat_ranges = []
     for c in chats:
         rendered = tok.apply_chat_template(c, tokenize=False)
@@ -125,7 +126,8 @@ def main():
         want_mask += [None] * len(e) + [1]
     check(ids == want, f"token ids equal AutoTokenizer's, EOS-packed ({len(ids)} tokens)")
     check(len(mask) == len(ids), "one mask byte per token")
-    check(all(m == 1 for m, x in zip(mask, want_mask) if x == 1), "text documents and EOS are all trained on")
+    check(all(m == x for m, x in zip(mask, want_mask) if x is not None),
+          "text documents and EOS are trained on, their BOS not")
     check(meta["tokens"] == len(ids) and meta["documents"] == 4 and meta["vocab_size"] == len(tok),
           f"metadata ({meta['documents']} docs, {meta['tokens']} tokens)")
     for (s, e), c in zip(chat_ranges, chats):
@@ -170,6 +172,83 @@ def main():
     r = run([sys.executable, prep, "--tokenizer", broken, "--out", os.path.join(w, "y"), os.path.join(w, "c.jsonl")])
     check(r.returncode == 1 and "c.jsonl:1" in r.stderr and "template" in r.stderr,
           f"a failing chat template names file:line: {r.stderr.strip()[:300]}")
+
+    # Found by an audit, each against what transformers / TRL do.
+    def tokenizer_with(name, template):
+        d = os.path.join(w, name)
+        t = AutoTokenizer.from_pretrained(model)
+        t.chat_template = template
+        t.save_pretrained(d)
+        return d, t
+
+    def prepare(tokdir, *inputs):
+        o = os.path.join(w, "o", os.path.basename(tokdir) + "_" + os.path.basename(inputs[0]))
+        r = run([sys.executable, prep, "--tokenizer", tokdir, "--out", o] + list(inputs))
+        ok = r.returncode == 0
+        got = (list(torch.frombuffer(bytearray(open(o + ".u32", "rb").read()), dtype=torch.int32).tolist()),
+               list(open(o + ".mask", "rb").read())) if ok else (None, None)
+        return r, got[0], got[1]
+
+    one = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
+    # EOS is not doubled: a template that writes it per turn (Mistral's </s>,
+    # Llama-3's <|eot_id|>), a text document that already ends with it.
+    eos_tpl, t_eos = tokenizer_with("eos_tpl", "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}"
+                                               "{{ eos_token }}\n{% endfor %}"
+                                               "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+    with open(os.path.join(w, "e.jsonl"), "w") as f:
+        f.write(json.dumps({"messages": one}) + "\n" + json.dumps({"text": "done</s>"}) + "\n")
+    r, ids2, mask2 = prepare(eos_tpl, os.path.join(w, "e.jsonl"))
+    want2 = (t_eos(t_eos.apply_chat_template(one, tokenize=False), add_special_tokens=False)["input_ids"] +
+             t_eos("done</s>")["input_ids"])
+    check(ids2 == want2, f"no EOS appended where the document has one: {ids2} vs {want2}")
+    # {% generation %} blocks: transformers' own assistant mask.
+    gen_tpl, t_gen = tokenizer_with("gen_tpl", "{% for m in messages %}<|start|>{{ m['role'] }}\n"
+                                               "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
+                                               "<|end|>{% endgeneration %}{% else %}{{ m['content'] }}<|end|>{% endif %}"
+                                               "\n{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n"
+                                               "{% endif %}")
+    r, ids3, mask3 = prepare(gen_tpl, os.path.join(w, "c.jsonl"))
+    hf_mask = []
+    for c in chats:
+        enc = t_gen.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        hf_mask += list(enc["assistant_masks"]) + [1]  # then the EOS, trained after an assistant turn
+    check(r.returncode == 0 and mask3 == hf_mask, "{% generation %} blocks: the mask is transformers' "
+                                                  "return_assistant_tokens_mask")
+    # A default system prompt before a first assistant turn is context, not a target.
+    sys_tpl, t_sys = tokenizer_with("sys_tpl", "{% if messages[0]['role'] != 'system' %}<|start|>system\nBe kind."
+                                               "<|end|>\n{% endif %}" + CHAT_TEMPLATE)
+    with open(os.path.join(w, "s.jsonl"), "w") as f:
+        f.write(json.dumps({"messages": [{"role": "assistant", "content": "Welcome!"}]}) + "\n")
+    r, ids4, mask4 = prepare(sys_tpl, os.path.join(w, "s.jsonl"))
+    trained4 = t_sys.decode([i for i, k in zip(ids4 or [], mask4 or []) if k]) if r.returncode == 0 else r.stderr
+    check(trained4 == "Welcome!<|end|>\n</s>", f"a template's default system prompt is not trained: {trained4!r}")
+    # A template that ignores add_generation_prompt: the header cannot be told apart; said, not silent.
+    nogen_tpl, _ = tokenizer_with("nogen_tpl", CHAT_TEMPLATE.split("{% if add_generation_prompt")[0])
+    r, _, _ = prepare(nogen_tpl, os.path.join(w, "c.jsonl"))
+    check(r.returncode == 0 and "ignores add_generation_prompt" in r.stderr,
+          f"a template without a generation prompt warns ({r.stderr.strip()[-160:]})")
+    # .json arrays and any-case suffixes are JSON; "\r\n" in a text file is kept; empty documents skipped.
+    with open(os.path.join(w, "arr.json"), "w") as f:
+        json.dump([{"messages": chats[1]}, {"text": "x"}, {"text": ""}], f)
+    with open(os.path.join(w, "up.JSONL"), "w") as f:
+        f.write(json.dumps({"messages": chats[1]}) + "\n")
+    with open(os.path.join(w, "crlf.txt"), "wb") as f:
+        f.write(b"one\r\ntwo\r\n")
+    r, ids5, _ = prepare(model, os.path.join(w, "arr.json"), os.path.join(w, "up.JSONL"), os.path.join(w, "crlf.txt"))
+    chat1 = tok(tok.apply_chat_template(chats[1], tokenize=False), add_special_tokens=False)["input_ids"]
+    want5 = (chat1 + [eos] + tok("x")["input_ids"] + [eos] + chat1 + [eos] + tok("one\r\ntwo\r\n")["input_ids"] +
+             [eos])
+    check(ids5 == want5 and "1 empty documents skipped" in r.stdout,
+          f".json arrays, .JSONL, CRLF kept, an empty document skipped ({r.stdout.strip()[:120]})")
+    # A record with both keys, a lone surrogate, deep nesting: named with file:line, nothing written.
+    for name, line in (("both.jsonl", json.dumps({"text": "a", "messages": one})),
+                       ("sur.jsonl", '{"text": "\\ud800"}'),
+                       ("deep.jsonl", "[" * 100000 + "]" * 100000)):
+        with open(os.path.join(w, name), "w") as f:
+            f.write(line + "\n")
+        r, _, _ = prepare(model, os.path.join(w, name))
+        check(r.returncode == 1 and f"{name}:1: " in r.stderr and "Traceback" not in r.stderr,
+              f"{name}: named with file:line ({r.stderr.strip()[-160:]})")
 
     # End to end: the masked loss against transformers with labels -100.
     big = os.path.join(w, "big.jsonl")
