@@ -186,7 +186,8 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
     STRATA_RETURN_IF_ERROR(make_dirs(dir, 0700).with_context("scratch directory"));
     STRATA_RETURN_IF_ERROR(write_marker(dir + "/" + kScratchMarker).with_context("scratch directory"));
   } else if (!S_ISDIR(st.st_mode)) {
-    return Status::from_errno(ENOTDIR, "scratch directory " + dir);
+    return Status(StatusCode::kInvalidArgument,
+                  "scratch directory " + dir + ": exists and is not a directory (Not a directory)");
   } else {
     STRATA_ASSIGN_OR_RETURN(std::vector<std::string> names, list_dir(dir));
     // A file system's root (a mounted NVMe drive, DeepSpeed's usual

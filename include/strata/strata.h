@@ -324,7 +324,7 @@ typedef struct strata_engine_options {
    * LOCAL_RANK), one GPU per rank; device_kind must be AUTO or CUDA. It has
    * been compiled and tested on the host only: no GPU has run it yet. A peer
    * that stops taking part fails the call after comm_timeout_s seconds
-   * (0: 300) with STRATA_ERR_UNAVAILABLE naming it (MPI, TCP) or the
+   * (0: 300; at most 1e7) with STRATA_ERR_UNAVAILABLE naming it (MPI, TCP) or the
    * collective (NCCL); over TCP a peer whose process ended fails it at once,
    * naming the rank. */
   strata_comm_kind_t comm_kind;

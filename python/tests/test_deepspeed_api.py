@@ -273,10 +273,14 @@ class DeepSpeedApiTest(unittest.TestCase):
         train(e, batches(2))
         # The optimizer's state lives in the engine: torch's state_dict would
         # be empty, and a loaded one would never reach it (both were silent).
-        with self.assertRaisesRegex(NotImplementedError, "engine.save_checkpoint"):
-            e.optimizer.state_dict()
+        with self.assertWarnsRegex(UserWarning, "no AdamW moments: they live in the engine"):
+            sd = e.optimizer.state_dict()
+        self.assertEqual(sd["state"], {})
+        e.optimizer.load_state_dict(sd)  # the param groups only, as accelerate round-trips it
+        moments = {"state": {0: {"step": torch.tensor(1.0), "exp_avg": torch.zeros(16, 8)}},
+                   "param_groups": sd["param_groups"]}
         with self.assertRaisesRegex(NotImplementedError, "engine.load_checkpoint"):
-            e.optimizer.load_state_dict({"state": {}, "param_groups": []})
+            e.optimizer.load_state_dict(moments)
         # An evaluation forward with autograd on, then a save (was refused
         # with "no micro-batch begun"; DeepSpeed saves).
         e.eval()
@@ -298,6 +302,11 @@ class DeepSpeedApiTest(unittest.TestCase):
                 f.write(text)
             with self.assertRaisesRegex(strata.StrataError, "latest names .* not a tag"):
                 e.load_checkpoint(ck)
+        # step() with no backward since the last one: nothing moves, and it says so once.
+        steps = e.global_steps
+        with self.assertWarnsRegex(UserWarning, "no engine.backward\\(\\) since the last step"):
+            self.assertIsNone(e.step())
+        self.assertEqual(e.global_steps, steps)
         # DeepSpeed's engine attributes; deepcopy and use after destroy() named.
         self.assertTrue(e.training)
         self.assertEqual((e.global_rank, e.local_rank), (0, 0))

@@ -229,9 +229,11 @@ Status join_ranks(const strata_engine_options_t& o, strata_engine& e, EngineOpti
     return Status(StatusCode::kInvalidArgument,
                   "options.comm_kind STRATA_COMM_NCCL with STRATA_DEVICE_HOST: NCCL ranks run on GPUs; host ranks "
                   "use STRATA_COMM_MPI or STRATA_COMM_TCP");
-  if (!(o.comm_timeout_s >= 0))
-    return Status(StatusCode::kInvalidArgument,
-                  "options.comm_timeout_s is " + std::to_string(o.comm_timeout_s) + " (seconds; 0: 300)");
+  // Finite and bounded: the timeout becomes integer clock ticks (infinity
+  // would overflow them); 1e7 s is 115 days.
+  if (!(o.comm_timeout_s >= 0 && o.comm_timeout_s <= 1e7))
+    return Status(StatusCode::kInvalidArgument, "options.comm_timeout_s is " + std::to_string(o.comm_timeout_s) +
+                                                    ": seconds from 0 to 1e7 (0: 300)");
   DeviceBackendOptions d;  // as Engine::create would make it
   d.kind = nccl ? DeviceBackendKind::kCuda : DeviceBackendKind::kHost;
   d.device = o.device_ordinal;

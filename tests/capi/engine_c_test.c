@@ -655,6 +655,10 @@ static int test_errors(void) {
   opts.comm_rank = 0;
   opts.comm_store_addr = NULL;
   opts.comm_store_port = 0;
+  opts.comm_timeout_s = INFINITY; /* would overflow the clock's ticks */
+  CHECK(strata_engine_create(&opts, d, NPARAM, &e) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_last_error(), "options.comm_timeout_s is inf: seconds from 0 to 1e7") != NULL);
+  opts.comm_timeout_s = 0;
   OK(NULL, strata_engine_create(&opts, d, NPARAM, &e));
   {
     uint32_t rank = 9, world = 9;

@@ -288,16 +288,26 @@ class _Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):  # noqa: D102 - the engine owns the gradients
         return None
 
-    # The AdamW state lives in the engine: torch's state_dict would hold no
-    # moments, and a loaded one would never reach the engine.
+    # The AdamW state lives in the engine: torch's state_dict holds no moments
+    # here, and moments loaded here would never reach the engine. accelerate
+    # (the Hugging Face Trainer) round-trips the state_dict at prepare(): an
+    # empty state loads (the param groups, as torch), StrataTrainer silences
+    # the warning.
+    _quiet_state_dict = False
+
     def state_dict(self):  # noqa: D102
-        raise NotImplementedError("strata.torch: the optimizer's state (AdamW moments, steps) lives in the engine: "
-                                  "engine.save_checkpoint(dir) / engine.load_checkpoint(dir) save and restore it with "
-                                  "the weights (engine.optimizer_state(name) reads one parameter's)")
+        if not self._quiet_state_dict:
+            warnings.warn("strata.torch: optimizer.state_dict() holds the param groups but no AdamW moments: they "
+                          "live in the engine (engine.save_checkpoint(dir) / load_checkpoint(dir) save and restore "
+                          "them with the weights; engine.optimizer_state(name) reads one parameter's)", stacklevel=2)
+        return super().state_dict()
 
     def load_state_dict(self, state_dict):  # noqa: D102
-        raise NotImplementedError("strata.torch: the optimizer's state lives in the engine: restore it with "
-                                  "engine.load_checkpoint(dir) (a torch optimizer's state_dict cannot be loaded)")
+        if state_dict.get("state"):
+            raise NotImplementedError("strata.torch: optimizer.load_state_dict() with optimizer state (moments): "
+                                      "it would never reach the engine, where the state lives; restore it with "
+                                      "engine.load_checkpoint(dir)")
+        return super().load_state_dict(state_dict)
 
 
 def _group_ranks():
@@ -674,6 +684,7 @@ class StrataEngine:
         self.last_step = None
         self._outside_grads = False  # a gradient arrived outside backward() (loss.backward())
         self._step_applied = False
+        self._warned_empty_step = False
         self.global_steps = 0     # optimizer boundaries passed, skipped ones included (DeepSpeed's count)
         self.global_samples = 0
         self.skipped_steps = 0
@@ -1151,7 +1162,13 @@ class StrataEngine:
                                  "by the accumulation, scales it and counts the micro-batch there); the step's "
                                  "micro-batches were discarded")
         self._step_applied = False
+        ds_boundary = self.is_gradient_accumulation_boundary()
         self._micro_steps += 1  # DeepSpeed's micro_steps: every step() call
+        if self._micro == 0 and ds_boundary and not self._warned_empty_step:
+            self._warned_empty_step = True
+            warnings.warn("strata.torch: step() at an accumulation boundary with no engine.backward() since the "
+                          "last step: nothing to update, the counters and the scheduler do not move (DeepSpeed "
+                          "would run its optimizer and scheduler anyway); said once", stacklevel=2)
         if not self._at_boundary():
             return None
         for gi, group in enumerate(self.optimizer.param_groups):

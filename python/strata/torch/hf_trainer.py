@@ -308,6 +308,7 @@ class StrataTrainer(transformers.Trainer):
             self._strata_forward = _EngineForward(self.strata_engine)
         if self.optimizer is None:
             self.optimizer = self.strata_engine.optimizer
+            self.optimizer._quiet_state_dict = True  # accelerate's prepare() round-trips it; the engine saves it
         return self.optimizer
 
     def create_scheduler(self, num_training_steps, optimizer=None):
