@@ -420,7 +420,7 @@ class StrataEngine:
         base_wd = _opt_number(opt_params, "weight_decay", 0.0)
         base_eps = _opt_number(opt_params, "eps", 1e-8)
         engine_cfg = {k: v for k, v in cfg.items() if k not in _PACKAGE_KEYS}
-        if "auto_cast" in engine_cfg.get("fp16", {}):  # forward() does it (the engine would list it as not used)
+        if isinstance(engine_cfg.get("fp16"), dict) and "auto_cast" in engine_cfg["fp16"]:  # forward() does it
             engine_cfg["fp16"] = {k: v for k, v in engine_cfg["fp16"].items() if k != "auto_cast"}
         engine_cfg["gradient_accumulation_steps"] = self.gradient_accumulation_steps
         # Backward holds up to two groups (one autograd node's weights, and
@@ -690,7 +690,8 @@ class StrataEngine:
         self.skipped_steps = 0
         self._hooks = []
         self._hooked = set()
-        self._fwd = []  # the open forwards: (saved-tensor hooks entered, "engine" or "model")
+        self._fwd = []        # the open forward scopes (_open_forward)
+        self._begun = False   # a micro-batch began and no backward followed yet
         # model(x) works as engine(x) (DeepSpeed's ZeRO-3 hooks the module
         # too): the root's hooks open and close the forward, before and
         # after any other hook of the root.
@@ -936,15 +937,10 @@ class StrataEngine:
                         if pid not in self._views:
                             self._params[pid].data = self._placeholder(self._params[pid])
             return
-        if not self._fwd and torch.is_grad_enabled():
-            # A submodule called by itself: what autograd saves would bypass
-            # the pack hooks and view buffers the engine reuses, and no
-            # micro-batch would be counted.
-            name = next((n for n, m in self.module.named_modules() if m is module), type(module).__name__)
-            raise StrataError(1, f"strata.torch: module {name}'s forward ran with gradients enabled outside a "
-                                 "forward of the engine's model: call engine(x) (or the model itself), or run it "
-                                 "under torch.no_grad(); in a checkpointed recomputation, loss.backward() was "
-                                 "called in place of engine.backward(loss)")
+        if not self._fwd:
+            # A submodule called by itself (model.get_input_embeddings()(ids)
+            # for inputs_embeds): a forward scope of its own, as the root's.
+            self._scope_enter(module)
         for g in self._module_groups[module]:
             self._acquire(g)
 
@@ -956,6 +952,8 @@ class StrataEngine:
             return
         for g in self._module_groups[module]:
             self._release(g)
+        if self._fwd and self._fwd[-1][2] is module:
+            self._scope_exit(module)
 
     def _drop_copies(self, pids):
         for pid in pids:
@@ -1038,9 +1036,8 @@ class StrataEngine:
     def forward(self, *args, **kwargs):
         if self._auto_cast:
             args = _cast_half(args)
-        while self._fwd:  # a model(x) that KeyboardInterrupt ended (torch ran no hook after it)
-            self._close_forward(failed=True)
-        self._open_forward("engine")
+        self._prune_scopes(None)
+        self._open_forward("engine", None)
         try:
             out = self.module(*args, **kwargs)
         except BaseException:
@@ -1049,38 +1046,65 @@ class StrataEngine:
         self._close_forward(failed=False)
         return out
 
-    def _open_forward(self, by):
-        """A forward of the model, engine(x) or model(x) (as under DeepSpeed's ZeRO-3, the model's own hooks
-        open one): with gradients enabled it is a micro-batch of the step, and what autograd saves goes through
-        the pack hooks. Under torch.no_grad() (evaluation) it is no micro-batch: the engine averages gradients
-        over the micro-batches it was told of."""
-        if torch.is_grad_enabled():
+    # A forward scope: engine(x), or a module of the model called by itself
+    # (model(x) as under DeepSpeed's ZeRO-3, whose hooks are the module's; a
+    # submodule). Entries of self._fwd: (the saved-tensor hooks entered,
+    # "engine" or "model", the module, the exception being handled when it
+    # opened).
+
+    def _open_forward(self, by, module):
+        """With gradients enabled, the first forward since the last backward begins the micro-batch (more
+        forwards before one backward belong to it); what autograd saves goes through the pack hooks. Under
+        torch.no_grad() (evaluation) nothing begins: the engine averages over the micro-batches it was told
+        of."""
+        if torch.is_grad_enabled() and not self._begun:
             last = (self._boundary if self._boundary is not None
                     else (self._micro + 1) % self.gradient_accumulation_steps == 0)
             self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
             self._in_step = True
+            self._begun = True
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
-        self._fwd.append((hooks, by))
+        self._fwd.append((hooks, by, module, sys.exc_info()[1]))
 
     def _close_forward(self, failed):
         self._fwd.pop()[0].__exit__(None, None, None)
         if failed:
             self._abandon()
 
-    def _root_pre_forward(self, module, args):
+    def _prune_scopes(self, current):
+        """Closes, as failed, the model scopes whose module is no longer running (a KeyboardInterrupt, or an
+        exception after which torch ran no hook): the call stack says, not a count (a module may call
+        itself). `current`: the module whose call is starting (its own frame does not count)."""
+        while self._fwd and self._fwd[-1][1] == "model":
+            module = self._fwd[-1][2]
+            if _running_calls(module) - (module is current) > 0:
+                return
+            self._close_forward(failed=True)
+
+    def _scope_enter(self, module):
         if self._in_backward:
             return  # a checkpointed recomputation
-        if self._fwd and self._fwd[-1][1] == "model":
-            self._close_forward(failed=True)  # a model(x) that KeyboardInterrupt ended
+        self._prune_scopes(module)
         if not self._fwd:
-            self._open_forward("model")
+            self._open_forward("model", module)
+
+    def _scope_exit(self, module):
+        if self._in_backward or not self._fwd:
+            return
+        hooks, by, opener, exc_at_open = self._fwd[-1]
+        if by == "model" and opener is module and _running_calls(module) == 1:  # its outermost call
+            # A root forward that raised comes here from torch's exception
+            # handler (always_call): an exception other than the one being
+            # handled when the scope opened.
+            exc = sys.exc_info()[1]
+            self._close_forward(failed=exc is not None and exc is not exc_at_open)
+
+    def _root_pre_forward(self, module, args):
+        self._scope_enter(module)
 
     def _root_post_forward(self, module, args, output):
-        # Registered with always_call: also when the forward raised (then
-        # inside torch's exception handler, with output None).
-        if self._fwd and self._fwd[-1][1] == "model" and not self._in_backward:
-            self._close_forward(failed=output is None and sys.exc_info()[0] is not None)
+        self._scope_exit(module)  # registered with always_call: also when the forward raised
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True):
         """loss.backward() of loss / gradient_accumulation_steps (DeepSpeed's scale_wrt_gas), with the fp16
@@ -1103,6 +1127,7 @@ class StrataEngine:
             self._in_backward = False
             self._release_backward()
             self._drop_copies(list(self._copies))
+        self._begun = False  # the next forward begins the next micro-batch
         self._micro += 1
         return loss  # DeepSpeed's: divided by the accumulation (scale_wrt_gas), without the fp16 scale
 
@@ -1115,6 +1140,7 @@ class StrataEngine:
             self._held[g] = 1
             self._release_quiet(g)
         _lib.strata_engine_discard_step(self._e, self._s)
+        self._begun = False
         self._micro = 0
         self._micro_steps -= self._micro_steps % self.gradient_accumulation_steps  # the window starts again
         self._in_step = False
@@ -1161,6 +1187,12 @@ class StrataEngine:
                                  "engine.backward(loss) (loss.backward() is not enough: the engine divides the loss "
                                  "by the accumulation, scales it and counts the micro-batch there); the step's "
                                  "micro-batches were discarded")
+        if self._micro == 0 and self._begun:
+            # A forward with autograd on and no backward (an evaluation
+            # without torch.no_grad()): its micro-batch reduced nothing and
+            # is dropped (with strata.overlap_backward the engine would
+            # otherwise wait for it).
+            self._abandon()
         self._step_applied = False
         ds_boundary = self.is_gradient_accumulation_boundary()
         self._micro_steps += 1  # DeepSpeed's micro_steps: every step() call
@@ -1333,7 +1365,7 @@ class StrataEngine:
         if self._micro != 0:
             raise StrataError(1, "strata.torch: save_checkpoint in the middle of an accumulation (after "
                                  f"{self._micro} micro-batches): save after engine.step()")
-        if self._in_step and not self._fwd:
+        if self._begun and not self._fwd:
             # A forward with autograd on and no backward after it (an
             # evaluation without torch.no_grad()): it began a micro-batch
             # that reduced nothing; dropped, as DeepSpeed saves here.
@@ -1431,7 +1463,13 @@ class StrataEngine:
             self.global_samples = self.global_steps * (self.train_batch_size or 0)
             self.skipped_steps = s["skipped_steps"]
         if self.lr_scheduler is not None and extra.get("lr_scheduler"):
-            self.lr_scheduler.load_state_dict(_decode_state(extra["lr_scheduler"]))
+            state = _decode_state(extra["lr_scheduler"])
+            milestones = state.get("milestones")
+            if isinstance(milestones, dict) and not isinstance(milestones, collections.Counter):
+                # Saved before the state was encoded (plain JSON made
+                # MultiStepLR's int milestones strings: it never decayed).
+                state["milestones"] = collections.Counter({int(k): v for k, v in milestones.items()})
+            self.lr_scheduler.load_state_dict(state)
         self._micro = 0
         self._micro_steps = self.global_steps * self.gradient_accumulation_steps  # a window starts here
         client_state = extra.get("client_state")
@@ -1520,6 +1558,20 @@ def _cast_half(inputs):
     if torch.is_tensor(inputs) and inputs.is_floating_point():
         return inputs.half()
     return inputs
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _running_calls(module):
+    """How many calls of `module` are running on this thread's stack (frames of Module._call_impl)."""
+    n = 0
+    f = sys._getframe(1)
+    while f is not None:
+        if f.f_code is _CALL_IMPL and f.f_locals.get("self") is module:
+            n += 1
+        f = f.f_back
+    return n
 
 
 _TYPE_TAG = "__strata_type__"
