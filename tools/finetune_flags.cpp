@@ -1,6 +1,7 @@
 #include "finetune_flags.h"
 
 #include <fmt/format.h>
+#include <strings.h>
 
 #include <algorithm>
 #include <cmath>
@@ -216,8 +217,9 @@ Status resolve_deepspeed_batch(const BatchFlags& g, const ConfigNotes& n, uint64
 // a format that contradicts a .u16/.u32 suffix is refused (a u32 file read
 // as text or u16 trained on garbage, with a normal-looking loss).
 static Status data_format_of(const FinetuneFlags& f, train::DataFormat* out) {
-  auto ends_with = [&](std::string_view suffix) {
-    return f.data.size() >= suffix.size() && f.data.compare(f.data.size() - suffix.size(), suffix.size(), suffix) == 0;
+  auto ends_with = [&](std::string_view suffix) {  // in any case, as prepare_data's suffixes
+    return f.data.size() >= suffix.size() &&
+           strcasecmp(f.data.c_str() + f.data.size() - suffix.size(), std::string(suffix).c_str()) == 0;
   };
   const char* named = ends_with(".u32") ? "u32" : ends_with(".u16") ? "u16" : nullptr;
   if (f.data_format == "auto") {

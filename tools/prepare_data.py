@@ -20,8 +20,8 @@ any case, or by --format):
                                            a conversation, rendered with the
                                            tokenizer's chat template; only the
                                            assistant turns are trained on;
-  *.json                    one such object, or an array of them (a Hugging
-                            Face dataset's to_json).
+  *.json                    one such object, an array of them, or JSON lines
+                            (a Hugging Face dataset's to_json writes those).
 Documents are packed back to back with the tokenizer's EOS after each one
 (--no-eos: none), unless it has one already: a text document whose ids end
 with it, a conversation whose template writes it (as TRL leaves them). An
@@ -40,8 +40,8 @@ keeps that rare.
 Outputs:
   PREFIX.u32   little-endian uint32 token ids;
   PREFIX.mask  one byte per token: 1 = a target the loss counts (text: every
-               token; chat: the tokens of assistant turns, their end-of-turn
-               markers included), 0 = context only;
+               token but a leading BOS; chat: the tokens of assistant turns,
+               their end-of-turn markers included), 0 = context only;
   PREFIX.json  what was done: tokenizer, vocab size, EOS id, documents, tokens,
                trained tokens, library versions.
 
@@ -95,7 +95,7 @@ class Packer:
         self.mask = bytearray()
         self.docs = self.tokens = self.trained = self.empty = 0
 
-    def add(self, ids, mask, eos_trained, chat=False):
+    def add(self, ids, mask, eos_trained, chat=False, ends_with_eos=False):
         """One document, then the EOS unless it already has one: a text document that ends with it (a
         tokenizer that appends it), a conversation whose template writes it (per turn: Llama-3's <|eot_id|>,
         Qwen's <|im_end|>, Mistral's </s>), as TRL leaves them."""
@@ -104,8 +104,7 @@ class Packer:
             fail(f"token id {max(ids)} does not fit in uint32")
         self.ids.extend(ids)
         self.mask.extend(mask)
-        has_eos = self.eos in ids if chat else bool(ids) and ids[-1] == self.eos
-        if self.eos is not None and not has_eos:
+        if self.eos is not None and not (ends_with_eos if chat else bool(ids) and ids[-1] == self.eos):
             self.ids.append(self.eos)
             self.mask.append(1 if eos_trained else 0)
         self.docs += 1
@@ -165,7 +164,8 @@ def chat_doc(tok, messages, where):
 
     if not any(m["role"] == "assistant" for m in messages):
         fail(f"{where}: the conversation has no assistant turn: nothing to train on")
-    if _GENERATION.search(tok.chat_template):
+    template = tok.get_chat_template() if hasattr(tok, "get_chat_template") else tok.chat_template
+    if isinstance(template, str) and _GENERATION.search(template):
         # The template marks what the assistant generates ({% generation %}):
         # transformers' own mask, as the Trainer and TRL take it.
         try:
@@ -222,6 +222,15 @@ def _lines(f, path):
             fail(f"{path}:{n}: not UTF-8 ({e})")
 
 
+def _ends_with_eos(tok, ids):
+    """Whether the rendered conversation ends with the EOS, but for whitespace after it (a template writing
+    it after the last turn: "...</s>\n")."""
+    k = len(ids)
+    while k > 0 and ids[k - 1] != tok.eos_token_id and tok.decode([ids[k - 1]]).strip() == "":
+        k -= 1
+    return k > 0 and ids[k - 1] == tok.eos_token_id
+
+
 def add_record(tok, p, obj, where):
     """One JSON record (a JSONL line, an element of a .json array): a document or a conversation."""
     if not isinstance(obj, dict):
@@ -231,7 +240,7 @@ def add_record(tok, p, obj, where):
     try:
         if "messages" in obj:
             ids, mask, last_assistant = chat_doc(tok, obj["messages"], where)
-            p.add(ids, mask, last_assistant, chat=True)
+            p.add(ids, mask, last_assistant, chat=True, ends_with_eos=_ends_with_eos(tok, ids))
         elif "text" in obj:
             if not isinstance(obj["text"], str):
                 fail(f"{where}: \"text\" must be a string")
@@ -275,11 +284,16 @@ def add_inputs(a, tok, p):
                     data = json.load(f)
             except UnicodeDecodeError as e:
                 fail(f"{path}: not UTF-8 ({e})")
-            except (json.JSONDecodeError, RecursionError) as e:
+            except json.JSONDecodeError as e:
+                if e.msg != "Extra data":
+                    fail(f"{path}: not JSON: {type(e).__name__}: {e}")
+                data = None  # JSON lines (datasets' to_json writes them by default): read below
+            except RecursionError as e:
                 fail(f"{path}: not JSON: {type(e).__name__}: {e}")
-            for i, obj in enumerate(data if isinstance(data, list) else [data]):
-                add_record(tok, p, obj, f"{path}[{i}]" if isinstance(data, list) else path)
-            continue
+            if data is not None:
+                for i, obj in enumerate(data if isinstance(data, list) else [data]):
+                    add_record(tok, p, obj, f"{path}[{i}]" if isinstance(data, list) else path)
+                continue
         with open(path, "rb") as f:
             for n, line in enumerate(_lines(f, path), 1):
                 where = f"{path}:{n}"

@@ -879,7 +879,7 @@ Result<StepReport> Trainer::train_step() {
   // every rank, and so is its gradient (Hugging Face Trainer's
   // num_items_in_batch weighting): each micro-batch's loss (a mean over its
   // own targets) weighs count_mb * M * N / count_step, since the engine
-  // averages the M micro-batches (strata.average_micro_batches) and N ranks. With a loss mask the counts
+  // averages the M micro-batches and N ranks. With a loss mask the counts
   // differ (a micro-batch of 5 targets would weigh as one of 500); without
   // one every weight is exactly 1.
   std::vector<double> weight(m.accum, 1.0);
@@ -897,8 +897,9 @@ Result<StepReport> Trainer::train_step() {
       all = 0;
       for (double c : gathered) all += c;
     }
-    const double micro = m.opt.config.strata.average_micro_batches ? m.accum : 1.0;  // what the engine divides by
-    for (double& w : weight) w = all > 0 ? w * micro * m.world / all : 1.0;
+    // x M whether or not the engine averages the micro-batches: an all-ones
+    // mask then weighs exactly 1, as no mask does.
+    for (double& w : weight) w = all > 0 ? w * m.accum * m.world / all : 1.0;
   }
   for (uint32_t mb = 0; mb < m.accum; ++mb) {
     STRATA_RETURN_IF_ERROR(m.data->train_batch(first_of(mb), m.opt.batch, m.batch_tokens, m.batch_mask));

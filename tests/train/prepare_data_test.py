@@ -192,14 +192,20 @@ def main():
     one = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
     # EOS is not doubled: a template that writes it per turn (Mistral's </s>,
     # Llama-3's <|eot_id|>), a text document that already ends with it.
+    # Mistral-style: </s> after assistant turns only, so a conversation ending
+    # with a user turn still gets its separating EOS.
     eos_tpl, t_eos = tokenizer_with("eos_tpl", "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}"
-                                               "{{ eos_token }}\n{% endfor %}"
-                                               "{% if add_generation_prompt %}<|start|>assistant\n{% endif %}")
+                                               "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
+                                               "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n"
+                                               "{% endif %}")
+    two = one + [{"role": "user", "content": "ok"}]
     with open(os.path.join(w, "e.jsonl"), "w") as f:
-        f.write(json.dumps({"messages": one}) + "\n" + json.dumps({"text": "done</s>"}) + "\n")
+        for rec in ({"messages": one}, {"text": "done</s>"}, {"messages": two}):
+            f.write(json.dumps(rec) + "\n")
     r, ids2, mask2 = prepare(eos_tpl, os.path.join(w, "e.jsonl"))
-    want2 = (t_eos(t_eos.apply_chat_template(one, tokenize=False), add_special_tokens=False)["input_ids"] +
-             t_eos("done</s>")["input_ids"])
+    rendered = [t_eos(t_eos.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
+                for c in (one, two)]
+    want2 = rendered[0] + t_eos("done</s>")["input_ids"] + rendered[1] + [eos]
     check(ids2 == want2, f"no EOS appended where the document has one: {ids2} vs {want2}")
     # {% generation %} blocks: transformers' own assistant mask.
     gen_tpl, t_gen = tokenizer_with("gen_tpl", "{% for m in messages %}<|start|>{{ m['role'] }}\n"
@@ -232,6 +238,10 @@ def main():
         json.dump([{"messages": chats[1]}, {"text": "x"}, {"text": ""}], f)
     with open(os.path.join(w, "up.JSONL"), "w") as f:
         f.write(json.dumps({"messages": chats[1]}) + "\n")
+    with open(os.path.join(w, "lines.json"), "w") as f:  # datasets' to_json writes JSON lines
+        f.write(json.dumps({"text": "x"}) + "\n" + json.dumps({"text": "x"}) + "\n")
+    r, ids6, _ = prepare(model, os.path.join(w, "lines.json"))
+    check(ids6 == (tok("x")["input_ids"] + [eos]) * 2, f"a .json file of JSON lines ({r.stderr.strip()[-120:]})")
     with open(os.path.join(w, "crlf.txt"), "wb") as f:
         f.write(b"one\r\ntwo\r\n")
     r, ids5, _ = prepare(model, os.path.join(w, "arr.json"), os.path.join(w, "up.JSONL"), os.path.join(w, "crlf.txt"))
