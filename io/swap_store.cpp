@@ -146,7 +146,8 @@ Result<std::unique_ptr<SwapStore>> SwapStore::create(IoEngine& engine, const Swa
     std::filesystem::path abs = std::filesystem::absolute(d, ec);
     if (ec)
       return Status(StatusCode::kInvalidArgument, fmt::format("swap store: directory {}: {}", d, ec.message()));
-    abs = abs.lexically_normal();
+    // Not lexically_normal(): "link/.." is where the kernel says, not the
+    // link's directory.
     if (!abs.has_filename() && abs.has_relative_path()) abs = abs.parent_path();  // "dir/" -> "dir"
     d = abs.string();
   }
