@@ -929,6 +929,11 @@ Result<StepReport> Trainer::train_step() {
       total.count += static_cast<decltype(total.count)>(all[2 * r + 1]);
     }
   }
+  if (total.count == 0)  // every target of the step masked: loss 0 and a zero gradient (HF would give NaN)
+    log_once(LogLevel::kWarn, "trainer.no-targets",
+             fmt::format("step {}: the loss mask leaves no target in this step's windows: its loss is reported "
+                         "as 0 and its gradient is zero (AdamW still moves the weights by its moments); said once",
+                         m.step + 1));
   Schedule sched = m.opt.schedule;
   sched.total = std::max<int64_t>(1, m.opt.steps);
   const double lr = schedule_lr(sched, m.step);
