@@ -14,6 +14,13 @@ std::string clip_for_message(std::string_view s, size_t max) {
   return fmt::format("{}...({} bytes)", s.substr(0, max), s.size());
 }
 
+std::string names_for_message(const std::vector<std::string>& names, size_t max) {
+  std::string list;
+  for (size_t i = 0; i < names.size() && i < max; ++i) list += (i ? ", " : "") + clip_for_message(names[i], 60);
+  if (names.size() > max) list += fmt::format(" and {} more", names.size() - max);
+  return list;
+}
+
 bool is_valid_utf8(std::string_view s) {
   const auto* p = reinterpret_cast<const unsigned char*>(s.data());
   const size_t n = s.size();

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -46,6 +47,9 @@ bool parse_json(std::string_view text, nlohmann::json* out, JsonError* err, cons
 // A user-supplied string quoted in a message, clipped to `max` characters
 // ("abc…(5242880 bytes)") so a 5 MB key is not echoed whole.
 std::string clip_for_message(std::string_view s, size_t max = 80);
+// The first `max` of `names`, each clipped, ", "-separated, then
+// " and N more" ("a, b and 3 more").
+std::string names_for_message(const std::vector<std::string>& names, size_t max = 4);
 
 // Whether `s` is well-formed UTF-8 (no overlong forms, surrogates or code
 // points past U+10FFFF): what a name must be to go into a JSON file Strata

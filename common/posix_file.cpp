@@ -1,5 +1,6 @@
 #include "common/posix_file.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
@@ -87,6 +88,18 @@ Status write_new_file(const std::string& path, const std::string& text) {
   STRATA_RETURN_IF_ERROR(pwrite_full(fd, text.data(), text.size(), 0, path));
   if (::fsync(fd) != 0) return Status::from_errno(errno, "fsync of " + path);
   return {};
+}
+
+Result<std::vector<std::string>> list_dir(const std::string& dir) {
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return Status::from_errno(errno, "listing " + dir + " failed");
+  std::vector<std::string> names;
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") names.push_back(std::move(n));
+  }
+  ::closedir(d);
+  return names;
 }
 
 Status remove_tree(const std::string& path) {

@@ -1,6 +1,6 @@
 // Small POSIX file helpers: an owning-or-borrowing descriptor, full-length
 // pread/pwrite loops, fsync through a fresh descriptor, create-write-fsync of
-// a new file, recursive removal, and '/'-path splitting.
+// a new file, recursive removal, directory listing, and '/'-path splitting.
 //
 // Owns nothing beyond the descriptors an Fd holds. Every call blocks and is
 // safe from any thread for distinct descriptors. Errors are Status values
@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
@@ -69,5 +70,9 @@ Status write_new_file(const std::string& path, const std::string& text);
 
 // Removes `path` and everything under it; a missing path is fine.
 Status remove_tree(const std::string& path);
+
+// The names in directory `dir` but "." and "..", in readdir order. Errors:
+// from_errno "listing <dir> failed".
+Result<std::vector<std::string>> list_dir(const std::string& dir);
 
 }  // namespace strata

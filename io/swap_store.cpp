@@ -18,6 +18,7 @@
 #include "common/crc32c.h"
 #include "common/json.h"
 #include "common/log.h"
+#include "common/posix_file.h"
 #include "common/units.h"
 
 namespace strata::io {
@@ -27,18 +28,6 @@ constexpr const char* kScratchMarker = ".strata-scratch";
 constexpr const char* kRunMarker = ".strata-run";
 // "<prefix><pid>-<run name>": a run directory being made (see add below).
 constexpr const char* kStagingPrefix = ".strata-run-staging-";
-
-Result<std::vector<std::string>> list_dir(const std::string& dir) {
-  DIR* d = opendir(dir.c_str());
-  if (!d) return Status::from_errno(errno, "listing " + dir + " failed");
-  std::vector<std::string> names;
-  while (dirent* e = readdir(d)) {
-    std::string n = e->d_name;
-    if (n != "." && n != "..") names.push_back(std::move(n));
-  }
-  closedir(d);
-  return names;
-}
 
 Status make_dirs(const std::string& path, mode_t mode) {
   std::string cur;

@@ -346,43 +346,25 @@ Status CheckpointWriter::commit() {
       return fail(
           Status(StatusCode::kAlreadyExists, prefix + ": exists and is not a directory; refusing to replace it"));
     }
+    // A checkpoint the user added files to (metrics, a tokenizer) is not
+    // replaced either: that would delete them (DeepSpeed leaves them alone).
     struct stat ist {};
     const bool has_index = ::stat(join_path(dir_, "index.json").c_str(), &ist) == 0;
-    bool empty = true;
-    if (!has_index) {
-      if (DIR* d = ::opendir(dir_.c_str())) {
-        while (dirent* e = ::readdir(d)) {
-          if (std::strcmp(e->d_name, ".") != 0 && std::strcmp(e->d_name, "..") != 0) empty = false;
-        }
-        ::closedir(d);
-      }
-    }
-    if (!has_index && !empty) {
+    auto names = list_dir(dir_);
+    if (!names.ok()) return fail(names.status().with_context(prefix));
+    std::vector<std::string> foreign;
+    for (const std::string& name : *names)
+      if (!has_index || !is_checkpoint_file_name(name)) foreign.push_back(name);
+    if (!has_index && !foreign.empty()) {
       return fail(Status(StatusCode::kAlreadyExists,
                          prefix + ": exists and is not a Strata checkpoint (no index.json); refusing to replace it"));
     }
-    // A checkpoint with files of the user's added (metrics, a tokenizer):
-    // replacing it would delete them (DeepSpeed leaves them alone).
-    if (has_index) {
-      std::vector<std::string> foreign;
-      if (DIR* d = ::opendir(dir_.c_str())) {
-        while (dirent* e = ::readdir(d)) {
-          const std::string name = e->d_name;
-          if (name != "." && name != ".." && !is_checkpoint_file_name(name)) foreign.push_back(name);
-        }
-        ::closedir(d);
-      }
-      if (!foreign.empty()) {
-        std::sort(foreign.begin(), foreign.end());
-        std::string list;
-        for (size_t i = 0; i < std::min<size_t>(foreign.size(), 4); ++i)
-          list += (i ? ", " : "") + clip_for_message(foreign[i], 60);
-        if (foreign.size() > 4) list += fmt::format(" and {} more", foreign.size() - 4);
-        return fail(Status(StatusCode::kAlreadyExists,
-                           fmt::format("{}: the checkpoint there also holds files Strata did not write ({}); "
-                                       "replacing it would delete them: move them, or save to another directory",
-                                       prefix, list)));
-      }
+    if (!foreign.empty()) {
+      std::sort(foreign.begin(), foreign.end());
+      return fail(Status(StatusCode::kAlreadyExists,
+                         fmt::format("{}: the checkpoint there also holds files Strata did not write ({}); "
+                                     "replacing it would delete them: move them, or save to another directory",
+                                     prefix, names_for_message(foreign))));
     }
     target_exists = true;
   }

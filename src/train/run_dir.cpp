@@ -254,9 +254,7 @@ Status RunDir::start_fresh(bool overwrite) {
   if (!found.empty()) {
     std::sort(found.begin(), found.end());
     if (!overwrite) {
-      std::string list;
-      for (size_t i = 0; i < found.size() && i < 6; ++i) list += (i ? ", " : "") + found[i];
-      if (found.size() > 6) list += fmt::format(" and {} more", found.size() - 6);
+      const std::string list = names_for_message(found, 6);
       return Status(StatusCode::kAlreadyExists,
                     fmt::format("out dir {} holds an earlier run ({}{}): continue it with --resume {}, start over "
                                 "with --overwrite (removes them), or give another --out",
