@@ -4,11 +4,11 @@
 // into C and a Status becomes a strata_status_t and the engine's last error.
 #pragma once
 
-#include <cstring>
 #include <mutex>
 #include <new>
 #include <set>
 #include <string>
+#include <string_view>
 #include <unordered_set>
 #include <vector>
 
@@ -92,8 +92,7 @@ strata_status_t guarded(strata_engine* e, const char* fn, Fn&& body) noexcept {
     if (st.ok()) return STRATA_OK;
     // Named once: a message that already starts with the function's name
     // (null_arg's) is not prefixed again.
-    const bool named = st.message().compare(0, std::strlen(fn), fn) == 0 && st.message().size() > std::strlen(fn) &&
-                       st.message()[std::strlen(fn)] == ':';
+    const bool named = std::string_view(st.message()).starts_with(std::string(fn) + ":");
     return fail_on(e, named ? st : st.with_context(fn));
   } catch (const std::bad_alloc&) {
     try {

@@ -64,13 +64,12 @@ ShardRange shard_range(uint64_t numel, uint32_t world_size, uint32_t rank, uint6
 
 namespace {
 
-// A name that may not be text, for a message: bytes outside printable ASCII
-// as \xNN, clipped.
+// A name that may not be text, for a message: clipped, and bytes outside
+// printable ASCII as \xNN.
 std::string bytes_for_message(std::string_view s) {
   std::string out;
-  for (unsigned char c : s.substr(0, 80)) out += (c >= 0x20 && c < 0x7F) ? std::string(1, static_cast<char>(c))
-                                                                          : fmt::format("\\x{:02x}", c);
-  if (s.size() > 80) out += fmt::format("...({} bytes)", s.size());
+  for (unsigned char c : clip_for_message(s)) out += (c >= 0x20 && c < 0x7F) ? std::string(1, static_cast<char>(c))
+                                                                             : fmt::format("\\x{:02x}", c);
   return out;
 }
 

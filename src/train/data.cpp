@@ -172,6 +172,10 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   }
   posix_fadvise(d->fd_, 0, 0, POSIX_FADV_RANDOM);
 
+  // The split: the last floor(tokens x val_fraction) tokens are held out.
+  d->train_tokens_ =
+      d->tokens_ - static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
+
   if (!o.loss_mask_path.empty()) {
     const std::string& mp = o.loss_mask_path;
     d->mask_fd_ = ::open(mp.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
@@ -188,9 +192,8 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
     std::vector<uint8_t> buf(std::min<uint64_t>(kChunk, d->tokens_));
     uint64_t ones = 0;
     // Targets (a window's tokens after its first) in the training part and
-    // in the held-out part (as split below).
-    const uint64_t train_end =
-        d->tokens_ - static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
+    // in the held-out part.
+    const uint64_t train_end = d->train_tokens_;
     uint64_t train_ones = 0, val_ones = 0;
     for (uint64_t first = 0; first < d->tokens_; first += kChunk) {
       const uint64_t n = std::min(kChunk, d->tokens_ - first);
@@ -223,8 +226,7 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   }
 
   const uint64_t need = uint64_t{o.seq} + 1;
-  const uint64_t val = static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
-  d->train_tokens_ = d->tokens_ - val;
+  const uint64_t val = d->tokens_ - d->train_tokens_;
   if (d->train_tokens_ < need)
     return Status(StatusCode::kInvalidArgument,
                   "data file " + path + " is too short: its training part holds " +
