@@ -680,7 +680,6 @@ class StrataEngine:
         self._swapped = set()      # frozen pids whose copy stands in for them in their modules (recomputation)
         self._micro = 0        # micro-batches since the last step
         self._micro_steps = 0  # step() calls (DeepSpeed's micro_steps)
-        self._in_step = False  # a micro-batch began and was not stepped
         self.last_step = None
         self._outside_grads = False  # a gradient arrived outside backward() (loss.backward())
         self._step_applied = False
@@ -1061,7 +1060,6 @@ class StrataEngine:
             last = (self._boundary if self._boundary is not None
                     else (self._micro + 1) % self.gradient_accumulation_steps == 0)
             self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
-            self._in_step = True
             self._begun = True
         hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         hooks.__enter__()
@@ -1143,7 +1141,6 @@ class StrataEngine:
         self._begun = False
         self._micro = 0
         self._micro_steps -= self._micro_steps % self.gradient_accumulation_steps  # the window starts again
-        self._in_step = False
 
     def _release_quiet(self, g):
         try:
@@ -1222,7 +1219,6 @@ class StrataEngine:
         r.struct_size = ctypes.sizeof(r)
         self._call(_lib.strata_engine_step, -1.0, ctypes.byref(r))
         self._micro = 0
-        self._in_step = False
         # As DeepSpeed: the schedule advances with the optimizer steps taken,
         # not with a step skipped for non-finite gradients (fp16 overflow).
         # optimizer.step() does nothing; a torch scheduler counts it (else it
@@ -1389,17 +1385,16 @@ class StrataEngine:
                                   "lr_scheduler": (_encode_state(self.lr_scheduler.state_dict(), "the lr "
                                                                  "scheduler's state_dict()")
                                                    if self.lr_scheduler else None)}}
-        # Stored as JSON (DeepSpeed pickles): checked before anything is written.
-        for what, value in (("client_state", client_state),
-                            ("the lr scheduler's state_dict()", extra["strata_torch"]["lr_scheduler"])):
-            try:
-                text = json.JSONEncoder(allow_nan=False).encode(value)
-            except (TypeError, ValueError) as e:
-                raise TypeError(f"strata.torch: save_checkpoint: {what} must be JSON-serialisable (Strata stores it "
-                                f"as JSON, not pickle): {e}") from None
-            if what == "client_state" and json.loads(text) != client_state:
-                warnings.warn("strata.torch: save_checkpoint: client_state is stored as JSON and will load as "
-                              f"{text[:200]} (keys become strings, tuples lists)", stacklevel=2)
+        # Stored as JSON (DeepSpeed pickles): checked before anything is
+        # written (the scheduler's state already is, by _encode_state).
+        try:
+            text = json.JSONEncoder(allow_nan=False).encode(client_state)
+        except (TypeError, ValueError) as e:
+            raise TypeError("strata.torch: save_checkpoint: client_state must be JSON-serialisable (Strata stores it "
+                            f"as JSON, not pickle): {e}") from None
+        if json.loads(text) != client_state:
+            warnings.warn("strata.torch: save_checkpoint: client_state is stored as JSON and will load as "
+                          f"{text[:200]} (keys become strings, tuples lists)", stacklevel=2)
         payload = json.dumps(extra).encode()
         os.makedirs(save_dir, exist_ok=True)
         self._call(_lib.strata_engine_save_checkpoint, os.fsencode(os.path.join(save_dir, tag)), payload)
@@ -1615,12 +1610,8 @@ def _decode_state(value):
         return tuple(_decode_state(v) for v in value["items"])
     out = {"dict": dict, "Counter": collections.Counter, "OrderedDict": collections.OrderedDict}[kind]()
     for k, v in value["items"]:  # not cls(pairs): a Counter would count the pairs
-        out[_freeze(_decode_state(k))] = _decode_state(v)
+        out[_decode_state(k)] = _decode_state(v)
     return out
-
-
-def _freeze(key):
-    return tuple(_freeze(k) for k in key) if isinstance(key, list) else key
 
 
 def _check_finite(value, path):
