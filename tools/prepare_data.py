@@ -131,7 +131,24 @@ def text_doc(tok, text):
 
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
-_WARNED_GEN = [False]
+_CHECKED_GEN_PROMPT = set()  # ids of the tokenizers checked
+
+
+def _check_generation_prompt(tok, where):
+    """Warns, once per tokenizer, when its template writes nothing for add_generation_prompt: an assistant
+    turn's header (its role marker) then cannot be told from its text and is trained too."""
+    if id(tok) in _CHECKED_GEN_PROMPT:
+        return
+    _CHECKED_GEN_PROMPT.add(id(tok))
+    probe = [{"role": "user", "content": "x"}]
+    try:
+        ignores = (tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=True) ==
+                   tok.apply_chat_template(probe, tokenize=False, add_generation_prompt=False))
+    except Exception:  # a template that wants another first message: the real ones say (render below)
+        return
+    if ignores:
+        print(f"prepare_data: warning: {where}: the chat template ignores add_generation_prompt, so an assistant "
+              f"turn's header (its role marker) cannot be told from its text and is trained too", file=sys.stderr)
 
 
 def _render_empty(tok):
@@ -177,12 +194,12 @@ def chat_doc(tok, messages, where):
         if not any(mask):
             fail(f"{where}: the chat template's {{% generation %}} blocks mark no token of the assistant turns")
         return ids, mask, messages[-1]["role"] == "assistant"
+    _check_generation_prompt(tok, where)
     full = render(messages, False)
     # Character spans of the assistant turns: the text a turn adds after the
     # generation prompt. Templates whose earlier text changes as turns are
     # added cannot be masked this way: refused, never guessed.
     spans = []
-    warned = _WARNED_GEN
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
@@ -195,11 +212,6 @@ def chat_doc(tok, messages, where):
             # messages[0]): the turn starts where its text does.
             k = upto.rfind(m["content"]) if m["content"] else -1
             before = upto[:k] if k >= 0 else ""
-        if i > 0 and not warned[0] and before == render(messages[:i], False):
-            warned[0] = True
-            print(f"prepare_data: warning: {where}: the chat template ignores add_generation_prompt, so an "
-                  f"assistant turn's header (its role marker) cannot be told from its text and is trained too",
-                  file=sys.stderr)
         if not upto.startswith(before) or not full.startswith(upto):
             fail(f"{where}: the chat template renders earlier turns differently once later ones are added; "
                  f"the assistant turns cannot be located (turn {i})")
