@@ -143,6 +143,21 @@ struct Guard {
   }
 };
 
+// err->byte = `byte` (1-based; 0: unknown), and its line and column in `text`.
+void locate(std::string_view text, uint64_t byte, JsonError* err) {
+  const size_t at = byte == 0 ? 0 : std::min<size_t>(byte - 1, text.size());
+  err->byte = byte;
+  err->line = err->column = 1;
+  for (size_t i = 0; i < at; ++i) {
+    if (text[i] == '\n') {
+      ++err->line;
+      err->column = 1;
+    } else {
+      ++err->column;
+    }
+  }
+}
+
 }  // namespace
 
 bool parse_json(std::string_view text, json* out, JsonError* err, const JsonParseOptions& options) {
@@ -162,21 +177,20 @@ bool parse_json(std::string_view text, json* out, JsonError* err, const JsonPars
     err->kind = JsonError::kSyntax;
     err->what = clip_for_message(what, 200);
     // e.byte counts characters read, so the offending one is at index byte-1.
-    const size_t at = e.byte == 0 ? 0 : std::min<size_t>(e.byte - 1, text.size());
-    err->byte = e.byte;
-    err->line = err->column = 1;
-    for (size_t i = 0; i < at; ++i) {
-      if (text[i] == '\n') {
-        ++err->line;
-        err->column = 1;
-      } else {
-        ++err->column;
-      }
-    }
+    locate(text, e.byte, err);
     return false;
   } catch (const std::exception& e) {
+    if (err->kind != JsonError::kNone) return false;
+    // A number past double's range: "[json.exception.out_of_range.406] number
+    // overflow parsing '1e999'" gives no position; find the literal.
+    std::string what = e.what();
+    if (auto p = what.find("] "); p != std::string::npos) what = what.substr(p + 2);
     err->kind = JsonError::kSyntax;
-    err->what = clip_for_message(e.what(), 200);
+    err->what = clip_for_message(what, 200);
+    const size_t q = what.find('\''), q2 = what.rfind('\'');
+    const size_t at = q != std::string::npos && q2 > q + 1 ? text.find(what.substr(q + 1, q2 - q - 1))
+                                                          : std::string_view::npos;
+    locate(text, at == std::string_view::npos ? 0 : at + 1, err);
     return false;
   }
   return err->kind == JsonError::kNone;

@@ -69,6 +69,17 @@ TEST(Json, SyntaxErrorsSayLineAndColumn) {
   EXPECT_EQ(e.kind, JsonError::kSyntax);
 }
 
+TEST(Json, NumberOverflowSaysWhere) {
+  json j;
+  JsonError e;
+  EXPECT_FALSE(parse_json("{\n  \"a\": 1,\n  \"b\": 1e999\n}", &j, &e));
+  EXPECT_EQ(e.kind, JsonError::kSyntax);
+  EXPECT_EQ(e.line, 3u);
+  EXPECT_EQ(e.column, 8u);
+  EXPECT_NE(e.message().find("line 3, column 8"), std::string::npos) << e.message();
+  EXPECT_NE(e.message().find("1e999"), std::string::npos) << e.message();
+}
+
 TEST(Json, CommentsOnlyWhenAllowed) {
   json j;
   JsonError e;
