@@ -642,6 +642,9 @@ Result<std::unique_ptr<IoFile>> IoEngineImpl::open(const std::string& path, cons
   std::unique_ptr<IoFile> f(new IoFile());
   f->path_ = path;
   f->writable_ = o.write;
+  // Whether this open creates the file: a later failure then removes it.
+  struct stat before {};
+  const bool creates = o.create && (o.exclusive || ::stat(path.c_str(), &before) != 0);
   f->buffered_fd_ = ::open(path.c_str(), flags, static_cast<mode_t>(o.mode));
   if (f->buffered_fd_ < 0) return Status::from_errno(errno, "opening " + path + " failed");
   if (o.direct) {
@@ -649,7 +652,10 @@ Result<std::unique_ptr<IoFile>> IoEngineImpl::open(const std::string& path, cons
     f->direct_fd_ = ::open(path.c_str(), dflags);
     if (f->direct_fd_ < 0) {
       const int err = errno;
-      if (err != EINVAL) return Status::from_errno(err, "opening " + path + " with O_DIRECT failed");
+      if (err != EINVAL) {
+        if (creates) ::unlink(path.c_str());  // no empty file left behind (EMFILE, ENOMEM)
+        return Status::from_errno(err, "opening " + path + " with O_DIRECT failed");
+      }
       struct stat st {};
       fstat(f->buffered_fd_, &st);
       log_once(LogLevel::kWarn, fmt::format("io-no-odirect-{}", static_cast<unsigned long>(st.st_dev)),

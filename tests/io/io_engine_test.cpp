@@ -302,6 +302,32 @@ TEST_P(EngineTest, FileOutlivingItsEngineIsDetached) {
 std::string backend_name(const ::testing::TestParamInfo<std::string>& info) {
   return info.param;
 }
+// The buffered open creates the file, the O_DIRECT one fails (here: out of
+// descriptors): the file it created is removed, not left empty (a swap
+// store's run directory would stay behind it).
+TEST_P(EngineTest, AFailedOpenLeavesNoFileItCreated) {
+  auto e = make(GetParam());
+  ASSERT_TRUE(e);
+  const std::string path = dir_.file("emfile.bin");
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    const int lowest = ::open("/dev/null", O_RDONLY);  // the next descriptor open() returns
+    ::close(lowest);
+    const rlimit rl{static_cast<rlim_t>(lowest + 1), static_cast<rlim_t>(lowest + 1)};
+    if (lowest < 0 || ::setrlimit(RLIMIT_NOFILE, &rl) != 0) ::_exit(4);
+    IoOpenOptions o;
+    o.write = o.create = o.exclusive = true;
+    auto f = e->open(path, o);
+    const bool emfile = !f.ok() && f.status().message().find("Too many open files") != std::string::npos;
+    ::_exit(f.ok() ? 2 : !emfile ? 5 : ::access(path.c_str(), F_OK) == 0 ? 3 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(pid, &status, 0), pid);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: opened anyway, 3: the file was left, 4: setrlimit failed, 5: another error";
+}
+
 INSTANTIATE_TEST_SUITE_P(Backends, EngineTest, ::testing::ValuesIn(testing::backends()), backend_name);
 
 // ---------------------------------------------------------------- choice and fallback
