@@ -288,6 +288,19 @@ class DeepSpeedApiTest(unittest.TestCase):
         e(x)
         ck = os.path.join(self.dir, "ck")
         self.assertTrue(e.save_checkpoint(ck, tag="t"))
+        # A save of "t" killed mid-way left its staging directory: the next save of "t" removes it.
+        stale = os.path.join(ck, "t.tmp-1-deadbeef")
+        os.makedirs(stale)
+        open(os.path.join(stale, "x.bin"), "w").close()
+        # `latest` cannot be written (a directory in its place): named, the checkpoint kept, no temp file left.
+        latest = os.path.join(ck, "latest")
+        os.unlink(latest)
+        os.makedirs(os.path.join(latest, "sub"))
+        with self.assertRaisesRegex(strata.StrataError, r"ck/t is saved, but writing .*latest failed"):
+            e.save_checkpoint(ck, tag="t")
+        self.assertFalse(os.path.exists(stale))
+        self.assertEqual(sorted(os.listdir(ck)), ["latest", "t"])
+        shutil.rmtree(latest)
         e.train()
         train(e, batches(1))
         # Files of the user's in a tag directory are not deleted by saving there again.

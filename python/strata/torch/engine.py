@@ -47,6 +47,7 @@ import atexit
 import collections
 import contextlib
 import ctypes
+import errno
 import functools
 import json
 import math
@@ -1399,12 +1400,24 @@ class StrataEngine:
         os.makedirs(save_dir, exist_ok=True)
         self._call(_lib.strata_engine_save_checkpoint, os.fsencode(os.path.join(save_dir, tag)), payload)
         if save_latest and self.rank == 0:
+            latest = os.path.join(save_dir, "latest")
             tmp = os.path.join(save_dir, f".latest.{os.getpid()}")
-            with open(tmp, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(save_dir, "latest"))
+            try:
+                with open(tmp, "w") as f:
+                    f.write(tag)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, latest)
+            except OSError as e:
+                try:
+                    os.unlink(tmp)
+                except OSError:
+                    pass
+                status = 3 if e.errno == errno.ENOSPC else 2  # NO_SPACE, IO
+                raise StrataError(status, f"strata.torch: save_checkpoint: checkpoint {os.path.join(save_dir, tag)} "
+                                          f"is saved, but writing {latest} failed ({e.strerror}): it still names the "
+                                          "previous tag; load this one with load_checkpoint(save_dir, "
+                                          f"tag={tag!r})") from None
         return True
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,

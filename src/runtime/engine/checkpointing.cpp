@@ -163,6 +163,14 @@ Result<std::string> agree_token(engine::Registry& R) {
 Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_json) {
   Impl& I = *impl_;
   engine::Registry& R = I.reg;
+  // What an earlier save of this directory left when its process died
+  // (<dir>.tmp-*, a <dir>.old-* beside no <dir>): that save is over, since
+  // this one is of the same directory. Before any rank stages (rank 0 picks
+  // the token after it).
+  if (R.rank == 0) {
+    if (Status st = cleanup_checkpoint_leftovers(dir); !st.ok() && st.code() != StatusCode::kNotFound)
+      log_warn("engine: save_checkpoint {}: removing an earlier save's leftovers: {}", dir, st.message());
+  }
   if (R.world == 1) return save_shard(dir, extra_json, {});
   STRATA_ASSIGN_OR_RETURN(std::string token, agree_token(R));
   std::unique_ptr<CheckpointWriter> w;
