@@ -56,6 +56,11 @@ int main(int argc, char** argv) {
   // A write past `ulimit -f` fails with EFBIG, which every command reports as
   // an error naming the file, instead of SIGXFSZ killing the process mid-save.
   ::signal(SIGXFSZ, SIG_IGN);
+  // A closed pipe on stdout or stderr (`strata finetune ... | tee log` and
+  // Ctrl-C, which ends tee too) makes writes fail with EPIPE instead of
+  // SIGPIPE killing the process before it saves: the run still stops after
+  // its step, saves and cleans up.
+  ::signal(SIGPIPE, SIG_IGN);
   if (!enough_stack()) return 1;
   CLI::App app{"strata: offload engine for fine-tuning models larger than GPU memory"};
   app.require_subcommand(0, 1);

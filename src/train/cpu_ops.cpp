@@ -68,18 +68,28 @@ class CpuOps final : public ModelOps {
   // one slot per arena thread.
   Status init() {
     Status st;
-    arena_.execute([&] {
-      try {
-        const int slots = tbb::this_task_arena::max_concurrency();
-        layer_.emplace(dims_, max_tokens_, max_seq_, slots);
-        head_.emplace(dims_, max_tokens_);
-      } catch (const std::bad_alloc&) {
-        st = Status(StatusCode::kOutOfMemory,
-                    fmt::format("CPU train ops: workspace for {} tokens (max_seq {}) of {} "
-                                "does not fit in memory",
+    const auto no_memory = [&] {
+      return Status(StatusCode::kOutOfMemory,
+                    fmt::format("CPU train ops: workspace for {} tokens (max_seq {}) of {} does not fit in memory",
                                 max_tokens_, max_seq_, dims_.to_string()));
-      }
-    });
+    };
+    // The arena starts (its threads and their stacks) in the first execute,
+    // which may throw before the lambda runs (a small ulimit -v).
+    try {
+      arena_.execute([&] {
+        try {
+          const int slots = tbb::this_task_arena::max_concurrency();
+          layer_.emplace(dims_, max_tokens_, max_seq_, slots);
+          head_.emplace(dims_, max_tokens_);
+        } catch (const std::bad_alloc&) {
+          st = no_memory();
+        }
+      });
+    } catch (const std::bad_alloc&) {
+      return no_memory().with_context("starting the CPU threads");
+    } catch (const std::exception& e) {
+      return Status(StatusCode::kUnavailable, fmt::format("CPU train ops: starting the CPU threads failed: {}", e.what()));
+    }
     return st;
   }
 
