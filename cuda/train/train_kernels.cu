@@ -499,12 +499,12 @@ __device__ __forceinline__ bool lora_keep(uint64_t seed, int target, uint64_t i,
 
 // add = false: dst = dropout(src); add = true: dst += dropout(src) (the
 // backward through the same mask).
-__global__ void lora_dropout_kernel(float* dst, const float* src, uint64_t seed, int target, size_t count, float p,
-                                    bool add) {
+__global__ void lora_dropout_kernel(float* dst, const float* src, uint64_t seed, int target, uint64_t first,
+                                    size_t count, float p, bool add) {
   const float keep = 1.0f / (1.0f - p);
   for (size_t i = blockIdx.x * static_cast<size_t>(blockDim.x) + threadIdx.x; i < count;
        i += static_cast<size_t>(gridDim.x) * blockDim.x) {
-    const float v = lora_keep(seed, target, i, p) ? src[i] * keep : 0.0f;
+    const float v = lora_keep(seed, target, first + i, p) ? src[i] * keep : 0.0f;
     dst[i] = add ? dst[i] + v : v;
   }
 }
@@ -696,11 +696,11 @@ cudaError_t scale(float* dst, const float* src, float s, size_t count, bool add,
   return cudaGetLastError();
 }
 
-cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, size_t count, float p, bool add,
-                         cudaStream_t stream) {
+cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, uint64_t first, size_t count, float p,
+                         bool add, cudaStream_t stream) {
   clear_stale_error();
   if (count == 0) return cudaSuccess;
-  lora_dropout_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, src, seed, target, count, p, add);
+  lora_dropout_kernel<<<grid_for(count), kThreads, 0, stream>>>(dst, src, seed, target, first, count, p, add);
   return cudaGetLastError();
 }
 

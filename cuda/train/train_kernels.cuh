@@ -73,9 +73,9 @@ cudaError_t col_sum(const float* dy, float* out, int64_t n, int64_t cols, cudaSt
 // dst = src * s, or dst += src * s with add.
 cudaError_t scale(float* dst, const float* src, float s, size_t count, bool add, cudaStream_t stream);
 // LoRA dropout: dst = src * keep / (1 - p) (keep drawn per (seed, target,
-// element) exactly as the CPU ops draw it), or dst += that with add.
-cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, size_t count, float p, bool add,
-                         cudaStream_t stream);
+// first + element) exactly as the CPU ops draw it), or dst += that with add.
+cudaError_t lora_dropout(float* dst, const float* src, uint64_t seed, int target, uint64_t first, size_t count, float p,
+                         bool add, cudaStream_t stream);
 
 // dst (dtype bf16/fp16) = round(src).
 cudaError_t cast_from_f32(void* dst, int dtype, const float* src, size_t count, cudaStream_t stream);

@@ -301,8 +301,8 @@ int lora_input(Ctx* c, const strata_cuda_train_layer_t* w, int target, const flo
                const float** out, char* err, size_t err_len) {
   *out = x;
   if (!lora_dropping(c, w)) return 0;
-  CUDA_TRY(k::lora_dropout(c->lora_xd, x, w->lora_seed, target, static_cast<size_t>(n * in), c->d.lora_dropout, false,
-                           c->stream));
+  CUDA_TRY(k::lora_dropout(c->lora_xd, x, w->lora_seed, target, w->lora_row0 * static_cast<uint64_t>(in),
+                           static_cast<size_t>(n * in), c->d.lora_dropout, false, c->stream));
   *out = c->lora_xd;
   return 0;
 }
@@ -346,8 +346,8 @@ int lora_bwd(Ctx* c, const strata_cuda_train_layer_t* w, const strata_cuda_train
     return linear_bwd_x(c, Mat{c->lora_dxa, f32, r}, A, f32, n, in, r, dx, 1.0f, err, err_len);
   // Through the dropout (stream order: the dA product above has read lora_xd).
   TRY(linear_bwd_x(c, Mat{c->lora_dxa, f32, r}, A, f32, n, in, r, c->lora_xd, 0.0f, err, err_len));
-  CUDA_TRY(k::lora_dropout(dx, c->lora_xd, w->lora_seed, target, static_cast<size_t>(n * in), c->d.lora_dropout, true,
-                           c->stream));
+  CUDA_TRY(k::lora_dropout(dx, c->lora_xd, w->lora_seed, target, w->lora_row0 * static_cast<uint64_t>(in),
+                           static_cast<size_t>(n * in), c->d.lora_dropout, true, c->stream));
   return 0;
 }
 

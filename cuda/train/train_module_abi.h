@@ -45,7 +45,7 @@
 extern "C" {
 #endif
 
-#define STRATA_CUDA_TRAIN_ABI_VERSION 4u
+#define STRATA_CUDA_TRAIN_ABI_VERSION 5u
 
 // Bits of strata_cuda_train_report_t::bad_ids.
 #define STRATA_CUDA_TRAIN_BAD_TOKEN_FWD 1u  // embed_forward saw a token outside [0, vocab)
@@ -118,6 +118,10 @@ typedef struct strata_cuda_train_layer_s {
   int lora_dropout_on;
   int reserved;
   uint64_t lora_seed;
+  // The micro-batch's first token row in the whole run: the mask of element
+  // (row, i) of an adapter's input of width `in` is drawn at index
+  // (lora_row0 + row) * in + i.
+  uint64_t lora_row0;
   // Indexed by strata_cuda_train_layer_tensor; tensors the model does not
   // have (dims' features) are NULL.
   const void* tensors[STRATA_CUDA_TRAIN_LAYER_TENSORS];

@@ -575,8 +575,10 @@ const S* LayerMath<S>::lora_input(int ti, const S* x, int64_t n, int64_t in, con
   S* xd = lora_xd_.data();
   const float p = d_.lora_dropout;
   const S keep = S(1) / (S(1) - static_cast<S>(p));
+  const int64_t first = static_cast<int64_t>(dr.row0) * in;  // the element index in the whole run
   for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
-    for (int64_t i = b * in; i < e * in; ++i) xd[i] = lora_keep(dr.seed, ti, i, p) ? x[i] * keep : S(0);
+    for (int64_t i = b * in; i < e * in; ++i)
+      xd[i] = lora_keep(dr.seed, ti, first + i, p) ? x[i] * keep : S(0);
   });
   return xd;
 }
@@ -631,9 +633,10 @@ void LayerMath<S>::lora_backward(const LayerParams<S>& p, LayerTensor proj, cons
   linear_backward_input(dxa, p[ta], t, n, in, r, false);
   const float pd = d_.lora_dropout;
   const S keep = S(1) / (S(1) - static_cast<S>(pd));
+  const int64_t first = static_cast<int64_t>(dr.row0) * in;
   for_blocks(n, kRowBlock, [&](int64_t b, int64_t e) {
     for (int64_t i = b * in; i < e * in; ++i)
-      if (lora_keep(dr.seed, ti, i, pd)) dx[i] += t[i] * keep;
+      if (lora_keep(dr.seed, ti, first + i, pd)) dx[i] += t[i] * keep;
   });
 }
 

@@ -177,6 +177,7 @@ using LayerParamGrads = LayerArray<S*>;
 struct LoraDropout {
   bool on = false;
   uint64_t seed = 0;
+  uint64_t row0 = 0;  // the first row's index in the whole run (LayerWeights::lora_row0)
 };
 
 template <typename S>

@@ -289,7 +289,7 @@ class CpuOps final : public ModelOps {
     }
     return p;
   }
-  cpu::LoraDropout dropout(const LayerWeights& w) const { return {w.lora_dropout_on, w.lora_seed}; }
+  cpu::LoraDropout dropout(const LayerWeights& w) const { return {w.lora_dropout_on, w.lora_seed, w.lora_row0}; }
 
   std::pair<const float*, const float*> head_params(const HeadWeights& w) {
     int64_t c = 0;

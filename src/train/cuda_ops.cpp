@@ -275,6 +275,7 @@ class CudaOps final : public ModelOps {
     lw.lora_dtype = static_cast<int>(w.lora_dtype);
     lw.lora_dropout_on = w.lora_dropout_on ? 1 : 0;
     lw.lora_seed = w.lora_seed;
+    lw.lora_row0 = w.lora_row0;
     for (LayerTensor t : kAllLayerTensors) lw.tensors[t] = dims_.has(t) ? w[t] : nullptr;
     return lw;
   }

@@ -152,11 +152,17 @@ struct LayerWeights {
   // The LoRA adapters' dtype (PEFT keeps them in fp32 beside a bf16/fp16 base).
   DType lora_dtype = DType::kF32;
   // LoRA dropout (dims.lora_dropout > 0): on for training calls, with the
-  // seed of this layer in this micro-batch; the forward and the backward of
-  // one micro-batch must pass the same seed (the backward recomputes the
-  // forward and must draw the same mask). Off: evaluation (no dropout).
+  // seed of this layer; the mask of element (row, i) of an adapter's input
+  // is a pure function of (seed, target, (lora_row0 + row) x width + i),
+  // where lora_row0 is the micro-batch's first token row in the whole run
+  // (its first sample x T): the same sequence draws the same mask whatever
+  // micro-batch, rank or batch size carries it, and different sequences
+  // draw independent ones. The forward and the backward of one micro-batch
+  // must pass the same values (the backward recomputes the forward). Off:
+  // evaluation (no dropout).
   bool lora_dropout_on = false;
   uint64_t lora_seed = 0;
+  uint64_t lora_row0 = 0;
   LayerArray<const void*> ptr;
   const void*& operator[](LayerTensor t) { return ptr[t]; }
   const void* operator[](LayerTensor t) const { return ptr[t]; }

@@ -750,9 +750,12 @@ LayerWeights Trainer::Impl::layer_weights(const GroupView& v, size_t layer, bool
   w.dtype = compute_dtype;
   w.lora_dtype = DType::kF32;
   w.lora_dropout_on = training && dims.lora_dropout > 0;
-  // splitmix-style mixing of (seed, micro-batch, layer): a fresh mask per
-  // layer and micro-batch, the same in its forward and backward.
-  w.lora_seed = (opt.data.seed + 0x9E3779B97F4A7C15ull * (micro_index + 1)) ^ (0xC2B2AE3D27D4EB4Full * (layer + 1));
+  // A seed per layer (splitmix-style mixing of the data seed and the layer);
+  // the rows are keyed by the micro-batch's first sample (model_ops.h): the
+  // same masks on N ranks of batch b as on one rank of batch N x b, and
+  // other masks on every rank.
+  w.lora_seed = (opt.data.seed + 0x9E3779B97F4A7C15ull) ^ (0xC2B2AE3D27D4EB4Full * (layer + 1));
+  w.lora_row0 = micro_first_sample * static_cast<uint64_t>(seq);
   for (LayerTensor t : kAllLayerTensors) w[t] = dims.has(t) ? ptr_of(v, ids[t]) : nullptr;
   return w;
 }
@@ -905,7 +908,7 @@ Result<StepReport> Trainer::train_step() {
     STRATA_RETURN_IF_ERROR(m.data->train_batch(first_of(mb), m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     m.losses[mb] = LossStats{};
-    m.micro_index = static_cast<uint64_t>(m.step) * m.accum + mb;
+    m.micro_first_sample = first_of(mb);
     STRATA_RETURN_IF_ERROR(m.micro_batch(mb + 1 == m.accum, weight[mb], &m.losses[mb]));
   }
   // Every reduce_grad must have been read before step() (it waits for the

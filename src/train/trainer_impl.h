@@ -96,7 +96,13 @@ struct Trainer::Impl {
   std::vector<LayerArray<ParamId>> layer_param_ids;
   // Per ParamId: trains (false: frozen, e.g. a LoRA base).
   std::vector<bool> trainable;
-  uint64_t micro_index = 0;  // micro-batches since the run began (LoRA dropout seeds)
+  uint64_t micro_first_sample = 0;  // the current micro-batch's first sample (LoRA dropout masks)
+  // Validation batches per evaluation: --eval-batches, capped at the
+  // distinct global batches (batch x ranks windows each); 0 without a
+  // validation part.
+  uint64_t eval_batch_count() const {
+    return std::min<uint64_t>(opt.eval_batches, data->val_batches(opt.batch * world));
+  }
 
   // Buffers, all from backend->alloc (device memory; RAM on the host
   // backend). grad_buf: the largest group's fp32 gradients (reduce_grad

@@ -478,6 +478,7 @@ TEST_P(CudaOpsFeatureTest, ForwardAndBackwardMatchCpu) {
   for (LayerWeights* w : {&wc, &wg}) {
     w->lora_dropout_on = fc.lora_dropout > 0;
     w->lora_seed = 0xfeed;
+    w->lora_row0 = 3 * T;  // the masks' row offset (the micro-batch's first sample x T)
   }
   std::vector<float> y(x.size());
   ASSERT_TRUE(cpu_->layer_forward(wc, B, T, x.data(), y.data()).ok());

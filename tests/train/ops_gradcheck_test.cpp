@@ -271,7 +271,7 @@ TEST(OpsGradCheck, WholeLayerWithLoraAdapters) {
       dims.lora_dropout = 0.3f;
       dims.qkv_bias = true;
     }
-    const cpu::LoraDropout dr{variant == 2, 0x5eed};
+    const cpu::LoraDropout dr{variant == 2, 0x5eed, 7};
     const int64_t B = 2, T = 5, n = B * T;
     cpu::LayerMath<double> layer(dims, n, T, slots());
     LayerBlob<double> w, gw;
@@ -307,8 +307,19 @@ TEST(OpsGradCheck, WholeLayerWithLoraAdapters) {
       layer.forward(w.params(), x.data(), y_eval.data(), B, T, {});
       EXPECT_NE(y_drop, y_eval);
       V y_other(n * dims.dim);
-      layer.forward(w.params(), x.data(), y_other.data(), B, T, {true, 0x5eed + 1});
+      layer.forward(w.params(), x.data(), y_other.data(), B, T, {true, 0x5eed + 1, 7});
       EXPECT_NE(y_drop, y_other);
+      // The masks follow the sequence, not the micro-batch: row b of a batch
+      // whose first row is 7 draws as a batch of one whose first row is
+      // 7 + b x T (N ranks of batch 1 = one rank of batch N).
+      for (int64_t b = 0; b < B; ++b) {
+        V y1(T * dims.dim);
+        layer.forward(w.params(), x.data() + b * T * dims.dim, y1.data(), 1, T,
+                      {true, 0x5eed, 7 + static_cast<uint64_t>(b * T)});
+        for (int64_t i = 0; i < T * dims.dim; ++i) ASSERT_NEAR(y1[i], y_drop[b * T * dims.dim + i], 1e-12) << b;
+      }
+      layer.forward(w.params(), x.data(), y_other.data(), B, T, {true, 0x5eed, 7 + T});
+      EXPECT_NE(y_drop, y_other);  // another offset, other masks
     }
   }
 }
