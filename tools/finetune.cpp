@@ -122,6 +122,15 @@ void run_finetune(const FinetuneFlags& f) {
                 static_cast<long long>(f.steps), o.batch, f.seq, o.config.gradient_accumulation_steps,
                 tr.world_size() > 1 ? fmt::format(" x {} ranks (state per rank)", tr.world_size()).c_str() : "",
                 tr.step() > 0 ? fmt::format(" (resuming at step {})", tr.step()).c_str() : "");
+    if (tr.data().by_document()) {
+      const double positions = static_cast<double>(tr.data().train_windows()) * (f.seq + 1);
+      std::printf("documents %s: %lu with a target, %lu training windows, %lu validation; %.1f%% of training "
+                  "positions are padding\n",
+                  f.documents.c_str(), static_cast<unsigned long>(tr.data().documents()),
+                  static_cast<unsigned long>(tr.data().train_windows()),
+                  static_cast<unsigned long>(tr.data().val_windows()),
+                  100.0 * static_cast<double>(tr.data().train_padding()) / positions);
+    }
     std::fflush(stdout);
   }
   auto r = tr.run();

@@ -34,6 +34,7 @@ Result<train::TrainDevice> parse_train_device(std::string_view text);
 struct FinetuneFlags {
   std::string model, data, data_format = "auto", config, offload_params = "auto", offload_optimizer = "auto";
   std::string loss_mask;
+  std::string documents;  // --documents: document starts (windows by document)
   uint32_t vocab = 0;
   double val_fraction = 0.05;
   uint64_t seed = 1234;

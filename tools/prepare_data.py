@@ -32,16 +32,19 @@ if any). A conversation's mask is transformers' own
 marks the assistant's text with {% generation %}; otherwise each assistant
 turn's text after the generation prompt (a template that ignores
 add_generation_prompt gets the role header trained too, with a warning).
-Packing joins documents into one stream cut into --seq windows: attention
-crosses document boundaries and a window may start inside a conversation
-(its earlier turns out of sight); a --seq that holds whole conversations
-keeps that rare.
+With --documents PREFIX.docs, strata finetune cuts windows inside each
+document, padded, as Hugging Face's per-example batches (TRL's SFT without
+packing); without it, documents are packed into one stream cut into --seq
+windows: attention crosses document boundaries and a window may start inside
+a conversation (its earlier turns out of sight).
 
 Outputs:
   PREFIX.u32   little-endian uint32 token ids;
   PREFIX.mask  one byte per token: 1 = a target the loss counts (text: every
                token but a leading BOS; chat: the tokens of assistant turns,
                their end-of-turn markers included), 0 = context only;
+  PREFIX.docs  little-endian uint64 token offsets where each document starts
+               (strata finetune --documents);
   PREFIX.json  what was done: tokenizer, vocab size, EOS id, documents, tokens,
                trained tokens, library versions.
 
@@ -86,13 +89,14 @@ class Packer:
 
     FLUSH = 1 << 20  # tokens
 
-    def __init__(self, eos, ids_file, mask_file):
+    def __init__(self, eos, ids_file, mask_file, docs_file):
         import array
         self.array = array
         self.eos = eos
-        self.ids_file, self.mask_file = ids_file, mask_file
+        self.ids_file, self.mask_file, self.docs_file = ids_file, mask_file, docs_file
         self.ids = array.array("I")
         self.mask = bytearray()
+        self.starts = array.array("Q")
         self.docs = self.tokens = self.trained = self.empty = 0
 
     def add(self, ids, mask, eos_trained, chat=False, ends_with_eos=False):
@@ -102,11 +106,16 @@ class Packer:
         assert len(ids) == len(mask)
         if ids and max(ids) >= 2 ** 32:
             fail(f"token id {max(ids)} does not fit in uint32")
+        self.starts.append(self.tokens + len(self.ids))
         self.ids.extend(ids)
         self.mask.extend(mask)
         if self.eos is not None and not (ends_with_eos if chat else bool(ids) and ids[-1] == self.eos):
             self.ids.append(self.eos)
             self.mask.append(1 if eos_trained else 0)
+        if self.starts[-1] == self.tokens + len(self.ids):  # nothing added (no ids, no EOS): no document
+            self.starts.pop()
+            self.empty += 1
+            return
         self.docs += 1
         if len(self.ids) >= self.FLUSH:
             self.flush()
@@ -114,7 +123,10 @@ class Packer:
     def flush(self):
         if sys.byteorder != "little":
             self.ids.byteswap()
+            self.starts.byteswap()
         self.ids.tofile(self.ids_file)
+        self.starts.tofile(self.docs_file)
+        self.starts = self.array.array("Q")
         self.mask_file.write(self.mask)
         self.tokens += len(self.ids)
         self.trained += sum(self.mask)
@@ -322,7 +334,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokenizer", required=True, help="model directory with the tokenizer files")
-    ap.add_argument("--out", required=True, help="output prefix: PREFIX.u32, PREFIX.mask, PREFIX.json")
+    ap.add_argument("--out", required=True, help="output prefix: PREFIX.u32, PREFIX.mask, PREFIX.docs, PREFIX.json")
     ap.add_argument("--format", choices=["auto", "text", "jsonl", "json"], default="auto",
                     help="auto: *.jsonl is JSON lines, *.json one JSON record or an array of them (any case), "
                          "anything else text")
@@ -340,7 +352,8 @@ def main():
     out_dir = os.path.dirname(os.path.abspath(a.out))
     os.makedirs(out_dir, exist_ok=True)
     tmp = f".tmp.{os.getpid()}"
-    temps = [a.out + ext + tmp for ext in (".u32", ".mask", ".json")]
+    exts = (".u32", ".mask", ".docs", ".json")
+    temps = [a.out + ext + tmp for ext in exts]
 
     def cleanup():
         for t in temps:
@@ -351,8 +364,8 @@ def main():
 
     import atexit
     atexit.register(cleanup)  # an error (fail() exits) leaves no partial output
-    with open(temps[0], "wb") as ids_file, open(temps[1], "wb") as mask_file:
-        p = Packer(eos, ids_file, mask_file)
+    with open(temps[0], "wb") as ids_file, open(temps[1], "wb") as mask_file, open(temps[2], "wb") as docs_file:
+        p = Packer(eos, ids_file, mask_file, docs_file)
         add_inputs(a, tok, p)
         p.flush()
     if p.tokens == 0:
@@ -366,17 +379,19 @@ def main():
         "trained_tokens": p.trained,
         "inputs": [os.path.abspath(x) for x in a.inputs],
         "transformers": tf_version,
-        "files": {"tokens": os.path.basename(a.out) + ".u32", "mask": os.path.basename(a.out) + ".mask"},
-        "finetune": f"--data {a.out}.u32 --data-format u32 --loss-mask {a.out}.mask",
+        "files": {"tokens": os.path.basename(a.out) + ".u32", "mask": os.path.basename(a.out) + ".mask",
+                  "documents": os.path.basename(a.out) + ".docs"},
+        "finetune": f"--data {a.out}.u32 --data-format u32 --loss-mask {a.out}.mask --documents {a.out}.docs",
     }
-    with open(temps[2], "w") as f:
+    with open(temps[3], "w") as f:
         json.dump(meta, f, indent=2)
         f.write("\n")
-    for ext, t in zip((".u32", ".mask", ".json"), temps):
+    for ext, t in zip(exts, temps):
         os.replace(t, a.out + ext)
     skipped = f" ({p.empty} empty documents skipped)" if p.empty else ""
     print(f"prepare_data: {p.docs} documents{skipped}, {p.tokens} tokens ({p.trained} trained on) -> {a.out}.u32, "
-          f"{a.out}.mask; then: strata finetune {meta['finetune']}")
+          f"{a.out}.mask, {a.out}.docs; then: strata finetune {meta['finetune']} (drop --documents to pack documents "
+          f"into full windows)")
     return 0
 
 

@@ -116,6 +116,73 @@ uint32_t TokenDataset::token(uint64_t i) const {
   return token_bytes_ == 1 ? (v & 0xFFu) : token_bytes_ == 2 ? (v & 0xFFFFu) : v;  // little-endian
 }
 
+Status TokenDataset::load_documents() {
+  const std::string& dp = options_.documents_path;
+  const int fd = ::open(dp.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return Status::from_errno(errno, "documents " + dp + ": cannot open");
+  std::vector<uint64_t> starts;
+  Status st = [&]() -> Status {
+    struct stat fs {};
+    if (fstat(fd, &fs) != 0) return Status::from_errno(errno, "documents " + dp + ": stat failed");
+    if (!S_ISREG(fs.st_mode)) return Status(StatusCode::kInvalidArgument, "documents " + dp + " is not a regular file");
+    const uint64_t size = static_cast<uint64_t>(fs.st_size);
+    if (size == 0 || size % 8 != 0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("documents {}: {} bytes is not a non-empty list of uint64 offsets (8 bytes each; "
+                                "tools/prepare_data.py writes it with the tokens)",
+                                dp, size));
+    if (size / 8 > tokens_)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("documents {} lists {} documents, more than the {} tokens of {}", dp, size / 8,
+                                tokens_, options_.path));
+    starts.resize(size / 8);
+    uint64_t done = 0;
+    while (done < size) {
+      const ssize_t n = ::pread(fd, reinterpret_cast<uint8_t*>(starts.data()) + done, size - done,
+                                static_cast<off_t>(done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) return Status::from_errno(errno, "documents " + dp + ": read failed");
+      if (n == 0) return Status(StatusCode::kIoError, "documents " + dp + " shrank while it was read");
+      done += static_cast<uint64_t>(n);
+    }
+    return {};
+  }();
+  ::close(fd);
+  STRATA_RETURN_IF_ERROR(st);
+  if (starts[0] != 0)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("documents {}: the first document starts at token {}, not 0", dp, starts[0]));
+  for (size_t i = 1; i < starts.size(); ++i) {
+    if (starts[i] <= starts[i - 1] || starts[i] >= tokens_)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("documents {}: entry {} (byte {}) is token {}; each start must be greater than the "
+                                "one before ({}) and below the {} tokens of {}",
+                                dp, i, i * 8, starts[i], starts[i - 1], tokens_, options_.path));
+  }
+  // The validation part begins at the first document at or after the split.
+  const size_t first_val = static_cast<size_t>(std::lower_bound(starts.begin(), starts.end(), train_tokens_) -
+                                               starts.begin());
+  train_tokens_ = first_val < starts.size() ? starts[first_val] : tokens_;
+  const uint64_t n = uint64_t{options_.seq} + 1;
+  for (size_t i = 0; i < starts.size(); ++i) {
+    const uint64_t end = i + 1 < starts.size() ? starts[i + 1] : tokens_;
+    if (end - starts[i] < 2) continue;  // no target
+    ++documents_;
+    for (uint64_t b = starts[i]; b + 1 < end; b += options_.seq) {
+      const uint64_t len = std::min(n, end - b);
+      win_begin_.push_back(b);
+      win_len_.push_back(static_cast<uint32_t>(len));
+      if (i < first_val) {
+        ++train_windows_;
+        train_padding_ += n - len;
+      } else {
+        ++val_windows_;
+      }
+    }
+  }
+  return {};
+}
+
 Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   const std::string& path = o.path;
   if (path.empty()) return Status(StatusCode::kInvalidArgument, "no data file given");
@@ -175,6 +242,7 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   // The split: the last floor(tokens x val_fraction) tokens are held out.
   d->train_tokens_ =
       d->tokens_ - static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
+  if (!o.documents_path.empty()) STRATA_RETURN_IF_ERROR(d->load_documents());
 
   if (!o.loss_mask_path.empty()) {
     const std::string& mp = o.loss_mask_path;
@@ -227,6 +295,20 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
 
   const uint64_t need = uint64_t{o.seq} + 1;
   const uint64_t val = d->tokens_ - d->train_tokens_;
+  if (d->by_document()) {
+    if (d->train_windows_ == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("documents {}: no document in the training part (tokens 0 to {}) holds 2 tokens or "
+                                "more: there is nothing to train on",
+                                o.documents_path, d->train_tokens_));
+    if (o.val_fraction > 0 && d->val_windows_ == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("documents {}: no document of 2 tokens or more starts in the last {:g}% of {} (the "
+                                "validation part; a document straddling the split is training data); raise "
+                                "--val-fraction or pass --val-fraction 0",
+                                o.documents_path, o.val_fraction * 100, path));
+    return d;
+  }
   if (d->train_tokens_ < need)
     return Status(StatusCode::kInvalidArgument,
                   "data file " + path + " is too short: its training part holds " +
@@ -244,32 +326,43 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   return d;
 }
 
-Status TokenDataset::copy_window(uint64_t begin, int32_t* out, uint8_t* mask) const {
+Status TokenDataset::copy_window(uint64_t begin, uint64_t len, int32_t* out, uint8_t* mask) const {
   const uint64_t n = uint64_t{options_.seq} + 1;
+  assert(len >= 1 && len <= n);
   if (mask) {
     if (mask_fd_ >= 0)
-      STRATA_RETURN_IF_ERROR(read_mask(begin, n, mask));
+      STRATA_RETURN_IF_ERROR(read_mask(begin, len, mask));
     else
-      std::memset(mask, 1, n);
+      std::memset(mask, 1, len);
+    std::memset(mask + len, 0, n - len);  // padding: no target
   }
-  // Read the n ids into the tail of `out`, then widen forward in place: id t
-  // moves from byte n*(4-b) + t*b to byte 4t, never past an unread id.
+  // Read the ids into the tail of `out`'s first len slots, then widen
+  // forward in place: id t moves from byte len*(4-b) + t*b to byte 4t, never
+  // past an unread id.
   uint8_t* bytes = reinterpret_cast<uint8_t*>(out);
-  const uint64_t src = n * (4 - token_bytes_);
-  STRATA_RETURN_IF_ERROR(read_tokens(begin, n, bytes + src));
-  for (uint64_t t = 0; t < n; ++t) {
+  const uint64_t src = len * (4 - token_bytes_);
+  STRATA_RETURN_IF_ERROR(read_tokens(begin, len, bytes + src));
+  for (uint64_t t = 0; t < len; ++t) {
     uint32_t v = 0;
     std::memcpy(&v, bytes + src + t * token_bytes_, token_bytes_);
     out[t] = static_cast<int32_t>(v);
   }
+  std::fill(out + len, out + n, 0);  // padding after the last token: never attended to by a real one
   return {};
+}
+
+uint64_t TokenDataset::train_window(uint64_t s) const {
+  const uint64_t w = train_windows_;
+  const uint64_t epoch = s / w;
+  const uint64_t key = counter_random(options_.seed, epoch, 0x5eed);
+  return permute_index(s % w, w, key);
 }
 
 uint64_t TokenDataset::train_sample_offset(uint64_t s) const {
   const uint64_t w = train_windows_;
   const uint64_t epoch = s / w;
-  const uint64_t key = counter_random(options_.seed, epoch, 0x5eed);
-  const uint64_t window = permute_index(s % w, w, key);
+  const uint64_t window = train_window(s);
+  if (by_document()) return win_begin_[window];
   // Slack at the end of the training part: shifting every window by the same
   // amount in [0, slack] changes which token pairs share a window per epoch.
   const uint64_t slack = (train_tokens_ - 1) - w * options_.seq;
@@ -284,9 +377,18 @@ Status TokenDataset::train_batch(uint64_t first_sample, uint32_t batch, std::spa
     return Status(StatusCode::kInvalidArgument, "train_batch: output holds " + std::to_string(out.size()) +
                                                     " tokens (mask " + std::to_string(mask.size()) +
                                                     "), batch needs " + std::to_string(batch * n));
-  for (uint32_t b = 0; b < batch; ++b)
-    STRATA_RETURN_IF_ERROR(copy_window(train_sample_offset(first_sample + b), out.data() + b * n,
-                                       mask.empty() ? nullptr : mask.data() + b * n));
+  for (uint32_t b = 0; b < batch; ++b) {
+    uint64_t begin = 0, len = n;
+    if (by_document()) {
+      const uint64_t w = train_window(first_sample + b);
+      begin = win_begin_[w];
+      len = win_len_[w];
+    } else {
+      begin = train_sample_offset(first_sample + b);
+    }
+    STRATA_RETURN_IF_ERROR(
+        copy_window(begin, len, out.data() + b * n, mask.empty() ? nullptr : mask.data() + b * n));
+  }
   return {};
 }
 
@@ -295,17 +397,20 @@ uint64_t TokenDataset::val_batches(uint32_t batch) const {
   return (val_windows_ + batch - 1) / batch;
 }
 
-Status TokenDataset::val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out, std::span<uint8_t> mask) const {
+Status TokenDataset::val_windows(uint64_t first, uint32_t batch, std::span<int32_t> out,
+                                 std::span<uint8_t> mask) const {
   const uint64_t n = uint64_t{options_.seq} + 1;
   if (val_windows_ == 0)
     return Status(StatusCode::kInvalidArgument, "data file " + options_.path + " has no validation part");
   if (out.size() != batch * n || (!mask.empty() && mask.size() != out.size()))
-    return Status(StatusCode::kInvalidArgument, "val_batch: output holds " + std::to_string(out.size()) +
+    return Status(StatusCode::kInvalidArgument, "val_windows: output holds " + std::to_string(out.size()) +
                                                     " tokens, batch needs " + std::to_string(batch * n));
   for (uint32_t b = 0; b < batch; ++b) {
-    const uint64_t w = (j * batch + b) % val_windows_;
-    STRATA_RETURN_IF_ERROR(copy_window(train_tokens_ + w * options_.seq, out.data() + b * n,
-                                       mask.empty() ? nullptr : mask.data() + b * n));
+    const uint64_t w = (first + b) % val_windows_;
+    const uint64_t begin = by_document() ? win_begin_[train_windows_ + w] : train_tokens_ + w * options_.seq;
+    const uint64_t len = by_document() ? win_len_[train_windows_ + w] : n;
+    STRATA_RETURN_IF_ERROR(
+        copy_window(begin, len, out.data() + b * n, mask.empty() ? nullptr : mask.data() + b * n));
   }
   return {};
 }

@@ -42,6 +42,21 @@
 // (no shift); batch j holds windows j*B .. j*B + B - 1 (mod the window count).
 // Always the same batches for the same file, seq and B.
 //
+// Documents (optional, DataOptions::documents_path; tools/prepare_data.py
+// writes PREFIX.docs): little-endian uint64 token offsets where documents
+// start, the first 0, strictly increasing, each below the token count. With
+// it every window lies inside one document: a document of L tokens gives
+// ceil((L - 1) / seq) windows (none when L < 2), its first at the document's
+// start and each next seq further on (a document longer than seq + 1 tokens
+// continues in its next window, which sees the tail only); a window shorter
+// than seq + 1 is padded at the end with token 0, its padded targets masked.
+// With causal attention the padding is never attended to by a real token, so
+// each window trains as the document alone would (Hugging Face's per-example,
+// right-padded batches: TRL's SFT without packing). The split: the validation
+// part begins at the first document starting at or after the token split
+// above (a document straddling it is training data). Training and validation
+// windows are drawn as above, with no per-epoch shift.
+//
 // Thread-safety: after open() the dataset is immutable; batch functions may
 // be called from any thread.
 #pragma once
@@ -51,6 +66,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "common/status.h"
 
@@ -69,6 +85,7 @@ struct DataOptions {
   uint64_t seed = 1234;        // shuffling of training windows
   uint32_t seq = 256;          // T: tokens per sequence (windows hold T + 1)
   std::string loss_mask_path;  // "": every token is a target
+  std::string documents_path;  // "": documents packed into one stream (see above)
 };
 
 class TokenDataset {
@@ -106,15 +123,32 @@ class TokenDataset {
                      std::span<uint8_t> mask = {}) const;
   // Validation batch j (see the header comment); kInvalidArgument when there
   // is no validation part.
-  Status val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out, std::span<uint8_t> mask = {}) const;
-  bool has_loss_mask() const { return mask_fd_ >= 0; }
+  Status val_batch(uint64_t j, uint32_t batch, std::span<int32_t> out, std::span<uint8_t> mask = {}) const {
+    return val_windows(j * batch, batch, out, mask);
+  }
+  // Validation windows first .. first + count - 1 (mod the window count):
+  // rank r's share of global batch j is first = j * N * b + r * b, count b.
+  Status val_windows(uint64_t first, uint32_t count, std::span<int32_t> out, std::span<uint8_t> mask = {}) const;
+  // Whether windows may hold positions that are not targets (a loss mask
+  // file, or documents' padding): the trainer then weighs micro-batches by
+  // their counted targets.
+  bool has_loss_mask() const { return mask_fd_ >= 0 || by_document(); }
   uint64_t masked_tokens() const { return masked_tokens_; }  // mask bytes that are 0
+  bool by_document() const { return !options_.documents_path.empty(); }
+  uint64_t documents() const { return documents_; }  // documents with a window (by_document)
+  // Padded positions of every training window (by_document), of
+  // train_windows() * (seq + 1).
+  uint64_t train_padding() const { return train_padding_; }
   // Number of distinct validation batches of size `batch`: ceil(windows / batch).
   uint64_t val_batches(uint32_t batch) const;
 
  private:
   TokenDataset() = default;
-  Status copy_window(uint64_t begin, int32_t* out, uint8_t* mask) const;
+  uint64_t train_window(uint64_t s) const;  // training sample s's window
+  Status load_documents();  // by open(), after the split; fills the windows
+  // Window w of the whole file (training windows first): packed, seq + 1
+  // tokens at `w * seq` past its part's start; by document, win_begin_[w].
+  Status copy_window(uint64_t begin, uint64_t len, int32_t* out, uint8_t* mask) const;
   Status read_mask(uint64_t first, uint64_t count, uint8_t* dst) const;
   Status read_tokens(uint64_t first, uint64_t count, void* dst) const;  // pread, whole or an error
 
@@ -127,6 +161,11 @@ class TokenDataset {
   uint64_t train_tokens_ = 0;
   uint64_t train_windows_ = 0;
   uint64_t val_windows_ = 0;
+  // By document: each window's first token and length (<= seq + 1), the
+  // training windows first.
+  std::vector<uint64_t> win_begin_;
+  std::vector<uint32_t> win_len_;
+  uint64_t documents_ = 0, train_padding_ = 0;
 };
 
 // Counter-based pseudo-random numbers: splitmix64's finalizer over a key.

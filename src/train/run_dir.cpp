@@ -345,7 +345,7 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
         continue;
       }
       if (*it == bv) continue;
-      if (key == "data" || key == "loss_mask") {
+      if (key == "data" || key == "loss_mask" || key == "documents") {
         log_warn("resume: the checkpoint was trained on {} {}, this run reads {}", key, it->dump(), bv.dump());
         continue;
       }
@@ -357,6 +357,13 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
     }
     return {};
   };
+  // Older runs wrote no "windows": they were packed.
+  if (!saved.contains("windows") && now.contains("windows") && now["windows"] != "packed")
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("resume from {}: the run was started with windows = \"packed\", this run has {}: a "
+                              "resumed run continues the same run; to change it, start a new run (another --out, "
+                              "or --overwrite)",
+                              checkpoint, now["windows"].dump()));
   return cmp(saved, now, "");
 }
 

@@ -89,7 +89,8 @@ Result<std::string> checkpoint_run_id(const std::string& checkpoint);
 // resumed run with other values would be another run. JSON object text.
 // `settings` and `now` are such texts; returns kInvalidArgument naming the
 // first key whose value differs (keys absent from `saved`, written by older
-// versions, are not compared; "data" only warns: a moved file is fine).
+// versions, are not compared, except "windows": absent means "packed";
+// "data", "loss_mask" and "documents" only warn: a moved file is fine).
 Status check_same_settings(const std::string& saved, const std::string& now, const std::string& checkpoint);
 
 // Rewrites the metrics file of a run resumed at `step` without the lines of

@@ -584,7 +584,24 @@ std::string Trainer::Impl::settings_json() const {
   t["data"] = opt.data.path;
   t["data_format"] = data_format_name(opt.data.format);
   t["loss_mask"] = opt.data.loss_mask_path;
+  if (!opt.data.documents_path.empty()) t["documents"] = opt.data.documents_path;
+  t["windows"] = opt.data.documents_path.empty() ? "packed" : "by document";
   t["val_fraction"] = opt.data.val_fraction;
+  // What the model computes (beyond the shapes the checkpoint checks): a
+  // resume with another config.json of the same shapes would mix two models.
+  const model::LlamaConfig& mc = model.config;
+  t["model"] = {{"model_type", model::model_arch_type(mc.arch)},
+                {"hidden_size", mc.hidden_size},
+                {"intermediate_size", mc.intermediate_size},
+                {"num_hidden_layers", mc.num_hidden_layers},
+                {"num_attention_heads", mc.num_attention_heads},
+                {"num_key_value_heads", mc.num_key_value_heads},
+                {"head_dim", mc.head_dim()},
+                {"vocab_size", mc.vocab_size},
+                {"rms_norm_eps", mc.rms_norm_eps},
+                {"rope", model::rope_describe(mc.rope)},
+                {"sliding_window", mc.sliding_window ? json(*mc.sliding_window) : json(nullptr)},
+                {"tie_word_embeddings", mc.tie_word_embeddings}};
   t["schedule"] = {{"kind", schedule_kind_name(opt.schedule.kind)},
                    {"lr", opt.schedule.lr},
                    {"min_lr", opt.schedule.min_lr},

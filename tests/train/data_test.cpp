@@ -251,6 +251,94 @@ TEST_F(DataTest, LossMaskComesWithItsWindowsAndBadMasksAreRefused) {
   refused(fifo, "not a regular file");
 }
 
+TEST_F(DataTest, DocumentsGiveWindowsInsideOneDocumentPadded) {
+  // Token i of the file is i (so a window shows where it came from). The
+  // documents: [0, 5), [5, 6) (one token: no target, no window), [6, 30)
+  // (longer than seq + 1 = 9: windows at 6, 14, 22), [30, 40), [40, 47)
+  // and [47, 60); the split at 60 - floor(60 x 0.25) = 45 falls inside
+  // [40, 47), which stays training data: validation is [47, 60).
+  std::vector<uint32_t> ids(60);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<uint32_t>(i);
+  std::vector<uint8_t> mask(60, 1);
+  mask[8] = 0;
+  const std::vector<uint64_t> starts = {0, 5, 6, 30, 40, 47};
+  DataOptions o;
+  o.path = write("d.u32", ids.data(), ids.size() * 4);
+  o.format = DataFormat::kU32;
+  o.vocab = 100;
+  o.seq = 8;
+  o.val_fraction = 0.25;
+  o.documents_path = write("d.docs", starts.data(), starts.size() * 8);
+  o.loss_mask_path = write("d.mask", mask.data(), mask.size());
+  auto d = TokenDataset::open(o);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_TRUE((*d)->by_document());
+  EXPECT_TRUE((*d)->has_loss_mask());  // padding is not a target
+  EXPECT_EQ((*d)->documents(), 5u);
+  EXPECT_EQ((*d)->train_tokens(), 47u);
+  // Training windows (begin, length): (0,5) (6,9) (14,9) (22,8) (30,9) (38,2) (40,7); validation (47,9) (55,5).
+  const std::vector<std::pair<int, int>> want = {{0, 5}, {6, 9}, {14, 9}, {22, 8}, {30, 9}, {38, 2}, {40, 7}};
+  ASSERT_EQ((*d)->train_windows(), want.size());
+  EXPECT_EQ((*d)->val_windows(), 2u);
+  EXPECT_EQ((*d)->train_padding(), 4u + 0 + 0 + 1 + 0 + 7 + 2);
+  std::set<int> seen;
+  std::vector<int32_t> tok(9);
+  std::vector<uint8_t> m(9);
+  for (uint64_t s = 0; s < want.size(); ++s) {  // one epoch: every window once
+    ASSERT_TRUE((*d)->train_batch(s, 1, tok, m).ok());
+    const auto it = std::find_if(want.begin(), want.end(), [&](auto w) { return w.first == tok[0]; });
+    ASSERT_NE(it, want.end()) << "sample " << s << " starts at " << tok[0];
+    EXPECT_EQ((*d)->train_sample_offset(s), static_cast<uint64_t>(tok[0]));
+    seen.insert(tok[0]);
+    for (int t = 0; t < 9; ++t) {
+      if (t < it->second) {
+        EXPECT_EQ(tok[t], it->first + t);
+        EXPECT_EQ(m[t], it->first + t == 8 ? 0 : 1);
+      } else {
+        EXPECT_EQ(tok[t], 0) << "padding";
+        EXPECT_EQ(m[t], 0) << "padding is no target";
+      }
+    }
+  }
+  EXPECT_EQ(seen.size(), want.size());
+  std::vector<int32_t> vt(2 * 9);
+  std::vector<uint8_t> vm(2 * 9);
+  ASSERT_TRUE((*d)->val_batch(0, 2, vt, vm).ok());
+  EXPECT_EQ(vt[0], 47);
+  EXPECT_EQ(vt[8], 55);
+  EXPECT_EQ(vt[9], 55);
+  EXPECT_EQ(vt[13], 59);
+  EXPECT_EQ(vt[14], 0);
+  EXPECT_EQ(vm[14], 0);
+
+  // Without a mask file the padding is still no target.
+  o.loss_mask_path.clear();
+  d = TokenDataset::open(o);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_TRUE((*d)->has_loss_mask());
+  ASSERT_TRUE((*d)->val_batch(0, 2, vt, vm).ok());
+  EXPECT_EQ(std::count(vm.begin(), vm.end(), 1), 9 + 5);
+
+  auto refused = [&](const std::vector<uint64_t>& docs, double val, const std::string& needle) {
+    DataOptions b = o;
+    b.val_fraction = val;
+    b.documents_path = write("bad.docs", docs.data(), docs.size() * 8);
+    auto r = TokenDataset::open(b);
+    ASSERT_FALSE(r.ok()) << needle;
+    EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
+  };
+  refused({1, 5}, 0, "the first document starts at token 1");
+  refused({0, 5, 5}, 0, "entry 2 (byte 16) is token 5");
+  refused({0, 60}, 0, "below the 60 tokens");
+  refused({0, 12}, 0.1, "no document of 2 tokens or more starts in the last 10%");
+  refused({}, 0, "0 bytes is not a non-empty list");
+  std::vector<uint64_t> singles(60);
+  for (size_t i = 0; i < singles.size(); ++i) singles[i] = i;
+  refused(singles, 0, "no document in the training part");
+  std::vector<uint64_t> too_many(61, 0);
+  refused(too_many, 0, "lists 61 documents, more than the 60 tokens");
+}
+
 TEST(DataShuffle, PermuteIndexIsABijection) {
   for (uint64_t n : {1ull, 2ull, 3ull, 7ull, 64ull, 1000ull, 4097ull}) {
     for (uint64_t key : {0ull, 1ull, 0xdeadbeefull}) {

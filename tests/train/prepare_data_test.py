@@ -300,6 +300,47 @@ def main():
     rel = abs(got - want_loss) / want_loss if got is not None else float("inf")
     check(rel < 1e-6, f"masked validation loss {got} equals transformers' {want_loss:.10f} (rel {rel:.2e}; "
                       f"{counted} of {labels.numel()} targets counted; unmasked loss would be {plain:.6f})")
+
+    # --documents: windows inside one conversation each, right-padded, against transformers' per-example batch
+    # (padding with attention_mask 0 and labels -100, as TRL's SFT without packing).
+    docs = list(__import__("struct").unpack(f"<{os.path.getsize(pre + '.docs') // 8}Q", open(pre + ".docs", "rb").read()))
+    check(len(docs) == 40 and docs[0] == 0 and docs == sorted(set(docs)), f"PREFIX.docs holds the 40 starts ({docs[:4]})")
+    seq = 64
+    r = run([strata, "finetune", "--model", model, "--data", pre + ".u32", "--loss-mask", pre + ".mask", "--documents",
+             pre + ".docs", "--val-fraction", "0.5", "--seq", str(seq), "--batch", str(batch), "--eval-batches", "2",
+             "--steps", "1", "--out", os.path.join(w, "ftd"), "--device", "cpu", "--offload-params", "cpu",
+             "--offload-optimizer", "cpu", "--progress", "quiet"])
+    check(r.returncode == 0, f"strata finetune --documents runs ({r.stderr.strip()[-300:]})")
+    got = None
+    if r.returncode == 0:
+        for line in open(os.path.join(w, "ftd", "metrics.jsonl")):
+            e = json.loads(line)
+            if e.get("event") == "eval":
+                got = e["val_loss"]
+                break
+    first_val = next(i for i, d in enumerate(docs) if d >= n - v)
+    ends = docs[1:] + [n]
+    examples = [(ids[docs[i]:min(ends[i], docs[i] + seq + 1)], m[docs[i]:min(ends[i], docs[i] + seq + 1)])
+                for i in range(first_val, first_val + 2 * batch)]
+    check(all(len(e) <= seq + 1 for e, _ in examples), "each validation conversation fits one window")
+    losses = []
+    for k in range(0, len(examples), batch):  # Hugging Face's eval loss: the mean of each batch's mean
+        part = examples[k:k + batch]
+        width = max(len(e) for e, _ in part)
+        x = torch.zeros(len(part), width, dtype=torch.int64)
+        am = torch.zeros(len(part), width, dtype=torch.int64)
+        labels = torch.full((len(part), width), -100, dtype=torch.int64)  # the model shifts them
+        for b, (e, em) in enumerate(part):
+            x[b, :len(e)] = e
+            am[b, :len(e)] = 1
+            labels[b, :len(e)] = torch.where(em, e, torch.full_like(e, -100))
+        with torch.no_grad():
+            losses.append(hf(input_ids=x, attention_mask=am, labels=labels).loss.item())
+    want_loss = sum(losses) / len(losses)
+    rel = abs(got - want_loss) / want_loss if got is not None else float("inf")
+    check(rel < 1e-6, f"--documents validation loss {got} equals transformers' padded per-example batches "
+                      f"{want_loss:.10f} (rel {rel:.2e})")
+
     import shutil
     shutil.rmtree(w, ignore_errors=True)
     print(f"prepare_data_test: {'FAILED ' + str(len(failures)) if failures else 'all passed'}")

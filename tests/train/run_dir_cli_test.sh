@@ -2,7 +2,8 @@
 # The out dir of `strata finetune` as an unlucky user meets it (issue 10):
 #   - a fresh run into an out dir holding another run is refused (--overwrite
 #     starts over); --resume continues only its own run's checkpoints;
-#   - a resumed run with another lr/steps is refused, naming the setting;
+#   - a resumed run with another lr/steps/model config/windows is refused,
+#     naming the setting;
 #   - two jobs on one out dir: the second fails at once, naming the first's pid;
 #   - what a dead job left (checkpoint staging, export temp files) is removed
 #     at start; odd names in the out dir do not crash it;
@@ -37,6 +38,17 @@ expect_error "holds an earlier run" "${common[@]}" --steps 8 --lr 2e-3 --out "$d
 # --resume continues the same run only: another lr or step count is another run.
 expect_error "schedule.lr = 0.001, this run has 0.002" "${common[@]}" --steps 8 --lr 2e-3 --out "$dir/a" --resume "$dir/a"
 expect_error "schedule.total = 8, this run has 12" "${common[@]}" --steps 12 --lr 1e-3 --out "$dir/a" --resume "$dir/a"
+# Another model of the same shapes (its RoPE base changed) is another run too, and so is
+# cutting the windows by document where the run packed them.
+cp -r "$dir/model" "$dir/model-theta"
+python3 -c 'import json, sys; p = sys.argv[1]; c = json.load(open(p)); c["rope_theta"] = 500000.0; json.dump(c, open(p, "w"))' \
+  "$dir/model-theta/config.json"
+expect_error 'model.rope = "default theta=10000' "${common[@]/$dir\/model/$dir/model-theta}" --steps 8 --lr 1e-3 \
+  --out "$dir/a" --resume "$dir/a"
+python3 -c 'import os, struct, sys; n = os.path.getsize(sys.argv[1]); open(sys.argv[2], "wb").write(struct.pack("<2Q", 0, n - 200))' \
+  "$dir/data.txt" "$dir/one.docs"
+expect_error 'windows = "packed", this run has "by document"' "${common[@]}" --steps 8 --lr 1e-3 \
+  --documents "$dir/one.docs" --out "$dir/a" --resume "$dir/a"
 # --overwrite starts over; then --resume of A's dir takes B's checkpoints, never A's.
 id_a=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/a/run.json")
 cp -r "$dir/a/checkpoint-8" "$dir/a-checkpoint-8"
