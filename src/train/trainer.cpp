@@ -335,8 +335,7 @@ Status Trainer::Impl::alloc_buffers() {
   if (Status st = dev.synchronize(stream); !st.ok()) return st.with_context("zeroing the trainer's buffers");
   batch_tokens.assign(static_cast<size_t>(opt.batch) * (seq + 1), 0);
   batch_mask.assign(batch_tokens.size(), 1);
-  losses.assign(std::max<uint64_t>({uint64_t{accum}, std::min<uint64_t>(opt.eval_batches, data->val_batches(opt.batch)), 1}),
-                LossStats{});
+  losses.assign(std::max<uint64_t>({uint64_t{accum}, eval_batch_count(), 1}), LossStats{});
   return {};
 }
 
@@ -491,10 +490,12 @@ Status Trainer::Impl::load_weights() {
   }
   STRATA_RETURN_IF_ERROR(model::check_tied_head(model, *reader));
   std::mt19937_64 rng(opt.data.seed ^ 0x10a4a11ce5ull);
+  uint32_t crc = 0;  // of every value loaded, in order: the ranks compare it
   for (ParamId p = 0; p < spec.params.size(); ++p) {
     const ParamSpec& ps = spec.params[p];
     if (opt.lora.enabled() && ps.trainable) {
       STRATA_RETURN_IF_ERROR(lora_initial(ps, adapter, *reader, rng, &buf));
+      crc = crc32c_extend(crc, buf.data(), buf.size() * sizeof(float));
       STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
       continue;
     }
@@ -521,9 +522,10 @@ Status Trainer::Impl::load_weights() {
                                   "fp16 compute copies cannot hold it; train in bf16 or fp32",
                                   opt.model_dir, ps.name, *big, big - buf.begin(), buf.size()));
     }
+    crc = crc32c_extend(crc, buf.data(), buf.size() * sizeof(float));
     STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
   }
-  return {};
+  return agree_on_weights(crc);
 }
 
 // LoRA settings: the adapter directory's config, or the flags with PEFT's
@@ -972,14 +974,19 @@ Result<StepReport> Trainer::train_step() {
 
 Result<double> Trainer::evaluate() {
   Impl& m = *impl_;
-  const uint64_t n = std::min<uint64_t>(m.opt.eval_batches, m.data->val_batches(m.opt.batch));
+  const uint64_t n = m.eval_batch_count();
   if (n == 0)
     return Status(StatusCode::kInvalidArgument, "data " + m.opt.data.path + " has no validation part to evaluate on");
   const int64_t B = m.opt.batch, T = m.seq;
   const size_t act = static_cast<size_t>(m.tokens_per_micro * m.dims.dim);
   const size_t L = m.layer_groups.size();
+  // Global validation batch j is windows j*N*b .. of N*b (N ranks of batch
+  // b): rank r evaluates its b of them, as in training, so N ranks of batch
+  // b report what one rank of batch N*b reports.
+  const uint64_t global_batch = static_cast<uint64_t>(m.opt.batch) * m.world;
   for (uint64_t j = 0; j < n; ++j) {
-    STRATA_RETURN_IF_ERROR(m.data->val_batch(j, m.opt.batch, m.batch_tokens, m.batch_mask));
+    STRATA_RETURN_IF_ERROR(m.data->val_windows(j * global_batch + static_cast<uint64_t>(m.rank) * m.opt.batch,
+                                               m.opt.batch, m.batch_tokens, m.batch_mask));
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     STRATA_RETURN_IF_ERROR(m.forward(m.inputs, false));
     GroupView ev{};
@@ -997,12 +1004,33 @@ Result<double> Trainer::evaluate() {
   }
   // Stream-ordered ops write the losses when the stream gets there.
   STRATA_RETURN_IF_ERROR(m.backend->synchronize(m.stream));
-  LossStats total;
-  for (uint64_t j = 0; j < n; ++j) {
-    total.sum += m.losses[j].sum;
-    total.count += m.losses[j].count;
+  std::vector<LossStats> batches(m.losses.begin(), m.losses.begin() + static_cast<std::ptrdiff_t>(n));
+  if (m.world > 1) {  // each global batch's sum and count over every rank
+    std::vector<double> mine(2 * n), all;
+    for (uint64_t j = 0; j < n; ++j) {
+      mine[2 * j] = batches[j].sum;
+      mine[2 * j + 1] = static_cast<double>(batches[j].count);
+    }
+    STRATA_RETURN_IF_ERROR(m.all_gather(mine.data(), mine.size(), &all));
+    for (uint64_t j = 0; j < n; ++j) {
+      batches[j] = LossStats{};
+      for (uint32_t r = 0; r < m.world; ++r) {
+        batches[j].sum += all[r * 2 * n + 2 * j];
+        batches[j].count += static_cast<int64_t>(all[r * 2 * n + 2 * j + 1]);
+      }
+    }
   }
-  return total.mean();
+  // Hugging Face Trainer's eval_loss: the mean of each batch's own mean loss
+  // (every batch holds N*b windows). A batch with no counted target is left
+  // out (transformers would make the whole figure NaN).
+  double sum = 0;
+  uint64_t counted = 0;
+  for (const LossStats& b : batches) {
+    if (b.count == 0) continue;
+    sum += b.mean();
+    ++counted;
+  }
+  return counted ? sum / static_cast<double>(counted) : 0.0;
 }
 
 Status Trainer::save_checkpoint(const std::string& dir) {

@@ -110,8 +110,10 @@
 // its shard of each checkpoint into OUT/checkpoint-<step> (committed once
 // every rank finished) and resumes from rank 0's choice (a checkpoint
 // resumes on another number of ranks with the same global batch, batch x
-// ranks: the engine reshards it and the data continues where it was). Every rank evaluates
-// every validation batch (the same numbers). A stop request (signal) is
+// ranks: the engine reshards it and the data continues where it was). Validation batches
+// are split as training ones: global batch j is N*b windows, rank r evaluates its b,
+// and the loss of each global batch is summed over the ranks (N ranks of batch b
+// report what one rank of batch N*b reports). A stop request (signal) is
 // agreed on: the ranks stop after the same step. The settings must be the
 // same on every rank (refused otherwise, naming the rank). A rank that dies
 // or stops answering makes the others fail with kUnavailable after
@@ -269,8 +271,9 @@ class Trainer {
 
   // The parts, for tests and tools.
   Result<StepReport> train_step();
-  // Mean validation loss over the fixed batches; kInvalidArgument without a
-  // validation part.
+  // Validation loss over the fixed batches: the mean of each batch's mean
+  // over its counted targets (Hugging Face Trainer's eval_loss; batches with
+  // no target left out); kInvalidArgument without a validation part.
   Result<double> evaluate();
   Status save_checkpoint(const std::string& dir);
   // Writes dir/config.json + dir/model.safetensors (HF layout) from the fp32

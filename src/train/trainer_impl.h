@@ -31,6 +31,7 @@
 #include "comm/bootstrap.h"
 #include "comm/communicator.h"
 #include "comm/host_collectives.h"
+#include "common/crc32c.h"
 #include "common/json.h"
 #include "common/log.h"
 #include "common/posix_file.h"
@@ -208,6 +209,11 @@ struct Trainer::Impl {
   Status write_metrics(const json& j);
   std::string extra_json() const;
   std::string settings_json() const;
+  // settings_json() and what else every rank must share (trainer_ranks.cpp).
+  std::string rank_settings_json() const;
+  // N ranks: every rank loaded the same weights (a checksum of what each
+  // read), else kInvalidArgument naming the ranks that differ.
+  Status agree_on_weights(uint32_t crc);
   json stats_json() const;
 };
 

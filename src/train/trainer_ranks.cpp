@@ -9,6 +9,66 @@
 
 namespace strata::train {
 
+namespace {
+
+// "key.sub = X here, Y on rank 0" for the first key whose value differs.
+std::string first_difference(const json& here, const json& there, const std::string& prefix = "") {
+  if (here.is_object() && there.is_object()) {
+    for (auto it = here.begin(); it != here.end(); ++it) {
+      const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
+      if (!there.contains(it.key())) return fmt::format("{} is set here, not on rank 0", key);
+      if (*it != there[it.key()]) return first_difference(*it, there[it.key()], key);
+    }
+    for (auto it = there.begin(); it != there.end(); ++it)
+      if (!here.contains(it.key()))
+        return fmt::format("{} is set on rank 0, not here", prefix.empty() ? it.key() : prefix + "." + it.key());
+  }
+  return fmt::format("{} = {} here, {} on rank 0", prefix, clip_for_message(here.dump(), 300),
+                     clip_for_message(there.dump(), 300));
+}
+
+}  // namespace
+
+std::string Trainer::Impl::rank_settings_json() const {
+  json t = json::parse(settings_json());
+  // Not kept across a resume (they may change then), but the ranks run in
+  // step: a rank that evaluates, saves or stops at other steps, or writes
+  // elsewhere, would wait for the others until the timeout.
+  std::error_code ec;
+  const std::filesystem::path out = std::filesystem::absolute(opt.out_dir, ec);
+  t["ranks"] = {{"steps", opt.steps},
+                {"eval_every", opt.eval_every},
+                {"eval_batches", opt.eval_batches},
+                {"save_every", opt.save_every},
+                {"keep", opt.keep},
+                {"out", ec ? opt.out_dir : out.lexically_normal().string()},
+                {"resume", !opt.resume_dir.empty()},
+                {"export_model", opt.export_model},
+                {"export_dtype", opt.export_dtype ? dtype_name(*opt.export_dtype) : "model"},
+                {"max_skipped_steps", opt.max_skipped_steps},
+                {"compute_dtype", dtype_name(compute_dtype)},
+                {"device", train_device_name(opt.device)},
+                {"lora_merge", opt.lora.merge}};
+  return t.dump();
+}
+
+Status Trainer::Impl::agree_on_weights(uint32_t crc) {
+  if (world == 1) return {};
+  std::vector<double> all;
+  const double mine = crc;
+  STRATA_RETURN_IF_ERROR(all_gather(&mine, 1, &all));
+  std::vector<uint32_t> differ;
+  for (uint32_t r = 1; r < world; ++r)
+    if (all[r] != all[0]) differ.push_back(r);
+  if (differ.empty()) return {};
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("the weights loaded by rank{} {} differ from rank 0's (checksums of what each read; rank {} "
+                            "read --model {}{}): every rank must start from the same model; point every rank at the "
+                            "same files",
+                            differ.size() > 1 ? "s" : "", fmt::join(differ, ", "), rank, opt.model_dir,
+                            opt.lora.adapter_dir.empty() ? "" : " and --lora-adapter " + opt.lora.adapter_dir));
+}
+
 Status Trainer::Impl::detect_ranks() {
   auto li = comm::detect_launch();
   if (!li.ok()) return li.status().with_context("the launcher's environment");
@@ -59,7 +119,7 @@ Status Trainer::Impl::join_ranks() {
     return Status(StatusCode::kInternal,
                   fmt::format("the {} communicator says rank {} of {}, the launcher's environment rank {} of {}",
                               comm->backend_name(), comm->rank(), comm->world_size(), rank, world));
-  const std::string settings = settings_json();
+  const std::string settings = rank_settings_json();
   std::string text;
   if (rank == 0) text = json{{"run_id", run_dir->run_id()}, {"resume_from", resume_from}, {"settings", settings}}.dump();
   uint64_t len = text.size();
@@ -76,8 +136,8 @@ Status Trainer::Impl::join_ranks() {
   if (!same)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("rank {}: its settings differ from rank 0's (every rank must run the same model, data, "
-                              "batch and config): {} here, {} on rank 0",
-                              rank, settings, j["settings"].get<std::string>()));
+                              "batch, flags and config): {}",
+                              rank, first_difference(json::parse(settings), json::parse(j["settings"].get<std::string>()))));
   if (differs)
     return Status(StatusCode::kInvalidArgument,
                   "another rank's settings differ from this rank's (that rank's error shows both)");

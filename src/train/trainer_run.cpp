@@ -18,8 +18,8 @@ class Trainer::Run {
       : t_(t),
         m_(*t.impl_),
         progress_(m_.opt.progress),
-        has_val_(m_.data->val_batches(m_.opt.batch) > 0),
-        eval_n_(std::min<uint64_t>(m_.opt.eval_batches, m_.data->val_batches(m_.opt.batch))),
+        has_val_(m_.eval_batch_count() > 0),
+        eval_n_(m_.eval_batch_count()),
         first_step_(m_.step),
         tokens_per_step_(static_cast<uint64_t>(m_.tokens_per_micro) * m_.accum * m_.world),  // every rank's
         prev_(m_.engine->stats()) {}

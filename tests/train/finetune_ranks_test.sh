@@ -17,9 +17,11 @@
 #     and fail at once, naming it);
 #   - ZeRO stages 2 and 1 (parameters whole on every rank; stage 1 reduces
 #     each rank's summed gradient once per step) give the same model;
+#   - the validation loss of N ranks of batch b is 1 rank's of batch N x b;
+#     LoRA dropout masks follow the sequences (N ranks = 1 rank again);
 #   - what N ranks cannot do is refused by name (GPU ranks where no GPU or
 #     no NCCL, parameters on NVMe with stage 2, ranks with different
-#     settings).
+#     settings, flags or weights: the first difference named).
 #   finetune_ranks_test.sh mpi MPIRUN STRATA_BINARY
 #   finetune_ranks_test.sh tcp LAUNCH_RANKS STRATA_BINARY
 # Exit 0 pass, 1 fail.
@@ -85,6 +87,23 @@ timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 5 --batch
 same_run "2 ranks, RAM" "$dir/one2" "$dir/two"
 grep -q "x 2 ranks" "$dir/two.log" || fail "2 ranks: the header does not say so: $(head -3 "$dir/two.log")"
 [[ $(grep -c '^done:' "$dir/two.log") -eq 1 ]] || fail "2 ranks: more than rank 0 printed the summary"
+# The validation loss of 2 ranks of batch 2 is that of 1 rank of batch 4 (global batches
+# of 4 windows, each rank evaluating its 2)
+"$strata" finetune "${common[@]}" --steps 0 --batch 4 --no-export --out "$dir/one4" >"$dir/one4.log" 2>&1 ||
+  { cat "$dir/one4.log"; fail "1-rank evaluation (batch 4)"; }
+python3 - "$dir/one4/metrics.jsonl" "$dir/two/metrics.jsonl" <<'PY' || fail "2 ranks: the validation loss is not 1 rank's of the global batch"
+import json, sys
+a, b = ([json.loads(l)["val_loss"] for l in open(f) if '"eval"' in l] for f in sys.argv[1:3])
+assert abs(a[0] - b[0]) <= 1e-6 * a[0], (a, b)
+PY
+
+# LoRA dropout: the masks follow the sequences, so 2 ranks still equal 1 rank with accumulation 2
+lora=(--lora-rank 4 --lora-dropout 0.3)
+"$strata" finetune "${common[@]}" "${lora[@]}" --steps 4 --batch 2 --grad-accum 2 --lora-merge --out "$dir/onel" \
+  >"$dir/onel.log" 2>&1 || { cat "$dir/onel.log"; fail "1-rank LoRA run with dropout"; }
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" "${lora[@]}" --steps 4 --batch 2 --lora-merge \
+  --out "$dir/twol" >"$dir/twol.log" 2>&1 || { cat "$dir/twol.log"; fail "2 ranks ($kind): LoRA with dropout"; }
+same_run "2 ranks, LoRA dropout" "$dir/onel" "$dir/twol"
 
 # ZeRO stage 2 (parameters whole on every rank, optimizer on NVMe): the same model
 mkdir -p "$dir/nv1" "$dir/nv2" "$dir/nv3"
@@ -243,6 +262,31 @@ else
 fi
 rc=$?
 ((rc != 0)) || fail "ranks with different --batch: exit 0"
-[[ $out == *"settings differ from rank 0's"* ]] || fail "ranks with different --batch: message lacks the reason: $out"
+[[ $out == *"settings differ from rank 0's"*"batch = 8 here, 4 on rank 0"* ]] ||
+  fail "ranks with different --batch: message lacks the reason: $out"
+# Another flag every rank must share (evaluating at other steps would leave the others waiting)
+if [[ $kind == mpi ]]; then
+  out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e5" : \
+    -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --eval-every 1 --out "$dir/e5" 2>&1)
+else
+  out=$(timeout 120 "${launch[@]}" 2 bash -c '"$0" finetune "$@" --eval-every $((RANK ? 1 : 0))' "$strata" \
+    "${common[@]}" --steps 2 --batch 2 --out "$dir/e5" 2>&1)
+fi
+[[ $out == *"ranks.eval_every = 1 here, 0 on rank 0"* ]] || fail "ranks with different --eval-every: $out"
+# Another model of the same shapes on one rank (DDP would start every rank from rank 0's)
+"$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
+  --tie-embeddings --seed 6 --out "$dir/model6" >/dev/null || fail "init-model (seed 6)"
+mine=("${common[@]}")
+mine[1]=$dir/model6
+if [[ $kind == mpi ]]; then
+  out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e6" : \
+    -np 1 "$strata" finetune "${mine[@]}" --steps 2 --batch 2 --out "$dir/e6" 2>&1)
+else
+  out=$(timeout 120 "${launch[@]}" 2 bash -c '"$0" finetune --model "$([[ $RANK == 1 ]] && echo "$1" || echo "$2")" "${@:5}"' \
+    "$strata" "$dir/model6" "$dir/model" "${common[@]}" --steps 2 --batch 2 --out "$dir/e6" 2>&1)
+fi
+rc=$?
+((rc != 0)) || fail "a rank with another model: exit 0"
+[[ $out == *"weights loaded by rank 1 differ from rank 0's"* ]] || fail "a rank with another model: $out"
 
 cli_finish "finetune over $kind ranks"
