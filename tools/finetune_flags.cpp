@@ -97,9 +97,11 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   cmd->add_option("--save-every", f->save_every, "Save OUT/checkpoint-<step> every N steps (0: never)")
       ->capture_default_str();
   cmd->add_option("--keep", f->keep, "Checkpoints kept (the newest; 0: all)")->capture_default_str();
-  cmd->add_option("--eval-every", f->eval_every, "Validation loss every N steps (0: before and after only)")
-      ->capture_default_str();
-  cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation")->capture_default_str();
+  f->o_eval_every =
+      cmd->add_option("--eval-every", f->eval_every, "Validation loss every N steps (0: before and after only)")
+          ->capture_default_str();
+  f->o_eval_batches =
+      cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation")->capture_default_str();
   cmd->add_option("--out", f->out, "Output directory: metrics, checkpoints, the model")->capture_default_str();
   cmd->add_option("--resume", f->resume,
                   "Continue a run: its out dir (its newest checkpoint) or one checkpoint-<step> dir");
@@ -281,6 +283,10 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
     o->schedule = *ds;
   } else {
     STRATA_ASSIGN_OR_RETURN(o->schedule.kind, train::parse_schedule_kind(f.schedule));
+    if (o->schedule.kind == train::ScheduleKind::kConstant && f.o_min_lr->count())
+      return Status(StatusCode::kInvalidArgument,
+                    "--min-lr is the end of a linear or cosine decay; --schedule constant keeps --lr (after "
+                    "--warmup): drop --min-lr or choose --schedule linear/cosine");
     o->schedule.min_lr = f.min_lr;
     o->schedule.warmup = f.warmup;
   }
@@ -325,6 +331,12 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   };
   STRATA_RETURN_IF_ERROR(in_range("--save-every", f.save_every, 0, INT64_MAX));
   STRATA_RETURN_IF_ERROR(in_range("--eval-every", f.eval_every, 0, INT64_MAX));
+  for (const CLI::Option* given : {f.o_eval_every, f.o_eval_batches})
+    if (given->count() && f.val_fraction == 0 && (given != f.o_eval_every || f.eval_every > 0))
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("{} with --val-fraction 0: there is no validation part to evaluate on; drop {} or "
+                                "hold out a part (--val-fraction, default 0.05)",
+                                given->get_name(), given->get_name()));
   STRATA_RETURN_IF_ERROR(in_range("--log-every", f.log_every, 1, INT64_MAX));
   STRATA_RETURN_IF_ERROR(in_range("--grad-accum", f.grad_accum, 1, 1 << 16));
   STRATA_RETURN_IF_ERROR(in_range("--eval-batches", f.eval_batches, 1, 1 << 20));

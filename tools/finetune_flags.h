@@ -63,6 +63,7 @@ struct FinetuneFlags {
   CLI::Option *o_batch = nullptr, *o_grad_accum = nullptr, *o_clip = nullptr, *o_wd = nullptr, *o_lr = nullptr,
               *o_fp16 = nullptr, *o_bf16 = nullptr, *o_offp = nullptr, *o_offo = nullptr;
   CLI::Option *o_schedule = nullptr, *o_warmup = nullptr, *o_min_lr = nullptr;
+  CLI::Option *o_eval_every = nullptr, *o_eval_batches = nullptr;
 };
 
 // DeepSpeed's batch sizes (its runtime/config.py: _set_batch_related_parameters,

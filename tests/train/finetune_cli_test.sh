@@ -62,6 +62,9 @@ expect_error "offload target \"disk\"" "${common[@]}" --offload-optimizer disk -
 expect_error "out dir $dir/short.txt/out" "${common[@]}" --out "$dir/short.txt/out"
 expect_error "schedule \"exp\"" "${common[@]}" --schedule exp --out "$dir/o1"
 expect_error "warm-up" "${common[@]}" --steps 5 --warmup 9 --out "$dir/o1"
+# Flags that would do nothing are refused, not ignored
+expect_error "--schedule constant keeps --lr" "${common[@]}" --schedule constant --min-lr 1e-5 --out "$dir/o1"
+expect_error "--eval-batches with --val-fraction 0" "${common[@]}" --val-fraction 0 --eval-batches 3 --out "$dir/o1"
 expect_error "--fp16 and --bf16" "${common[@]}" --fp16 --bf16 --out "$dir/o1"
 expect_error "resume: $dir/model is neither" "${common[@]}" --resume "$dir/model" --out "$dir/o1"
 expect_error 'device "gpu" is not one of auto, cuda, cpu' "${common[@]}" --device gpu --out "$dir/o1"
