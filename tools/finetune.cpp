@@ -151,6 +151,9 @@ void run_finetune(const FinetuneFlags& f) {
   std::printf("done: %lld steps, %.0f tokens/s", static_cast<long long>(r->steps_done), r->tokens_per_s);
   if (r->initial_val_loss >= 0)
     std::printf(", validation loss %.4f -> %.4f", r->initial_val_loss, r->final_val_loss);
+  if (r->initial_val_loss >= 0 && r->export_rounds)
+    std::printf(" (of the %s weights trained; %s holds them rounded to %s)", dtype_name(r->trained_dtype),
+                r->exported_model.c_str(), dtype_name(r->exported_dtype));
   std::printf("\n");
 }
 

@@ -209,8 +209,13 @@ Status Trainer::Impl::check_output_dirs() {
   }
   for (const NvmeDir& nd : opt.config.nvme_dirs()) {
     struct stat st {};
-    if (::stat(nd.path.c_str(), &st) != 0)
-      return Status::from_errno(errno, "NVMe directory " + nd.path + " (offload target)");
+    if (::stat(nd.path.c_str(), &st) != 0) {
+      const int err = errno;
+      return Status::from_errno(err, "NVMe directory " + nd.path +
+                                           (err == ENOENT ? " (offload target; not created here, since a mistyped "
+                                                              "path would fill another disk: make it first)"
+                                                            : " (offload target)"));
+    }
     if (!S_ISDIR(st.st_mode))
       return Status(StatusCode::kInvalidArgument, "NVMe directory " + nd.path + " is not a directory");
     if (::access(nd.path.c_str(), W_OK) != 0) return Status::from_errno(errno, "NVMe directory " + nd.path);
@@ -1061,53 +1066,64 @@ static Status check_export_range(const std::string& name, const std::vector<floa
 Status Trainer::export_model(const std::string& dir, DType dtype) {
   Impl& m = *impl_;
   const bool writes = m.rank == 0;
-  model::LlamaConfig cfg = m.model.config;
-  cfg.torch_dtype = dtype;
-  std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
-  std::unique_ptr<model::SafetensorsWriter> w;
-  if (writes) {
-    STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
-    // config.json comes last: a directory that has it is a whole model (an
-    // export that fails, a full disk, leaves none, and no stale one).
-    std::error_code ec;
-    fs::remove(dir + "/config.json", ec);
-    if (ec) return Status::from_errno(ec.value(), "export dir " + dir + ": cannot remove the old config.json");
-    STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
-  }
-  std::vector<float> buf, a, b;
-  for (const model::TensorDecl& d : decls) {
-    STRATA_ASSIGN_OR_RETURN(ParamId p, m.engine->find_param(d.name));
-    buf.resize(d.numel());
-    STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
-    // LoRA: W + scaling * B A for an adapted projection (PEFT's merge).
-    const std::string a_name = d.name.substr(0, d.name.size() - 7) + ".lora_A.weight";  // "<module>.weight"
-    if (m.opt.lora.enabled() && d.name.ends_with(".weight") && m.engine->find_param(a_name).ok()) {
-      const std::string b_name = d.name.substr(0, d.name.size() - 7) + ".lora_B.weight";
-      STRATA_ASSIGN_OR_RETURN(ParamId pa, m.engine->find_param(a_name));
-      STRATA_ASSIGN_OR_RETURN(ParamId pb, m.engine->find_param(b_name));
-      const uint64_t r = m.opt.lora.rank, out = d.shape[0], in = d.shape[1];
-      a.resize(r * in);
-      b.resize(out * r);
-      STRATA_RETURN_IF_ERROR(m.engine->gather_param(pa, a.data(), DType::kF32));
-      STRATA_RETURN_IF_ERROR(m.engine->gather_param(pb, b.data(), DType::kF32));
-      const double sc = m.opt.lora.scaling();
-      for (uint64_t i = 0; i < out; ++i)
-        for (uint64_t j = 0; j < in; ++j) {
-          double acc = 0;
-          for (uint64_t k = 0; k < r; ++k) acc += static_cast<double>(b[i * r + k]) * a[k * in + j];
-          buf[i * in + j] = static_cast<float>(buf[i * in + j] + sc * acc);
-        }
+  // A directory this export made is removed again if the export fails (the
+  // writers remove their own files): no empty OUT/model left behind.
+  std::error_code exists_ec;
+  const bool made = writes && !fs::exists(dir, exists_ec) && !exists_ec;
+  Status st = [&]() -> Status {
+    model::LlamaConfig cfg = m.model.config;
+    cfg.torch_dtype = dtype;
+    std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
+    std::unique_ptr<model::SafetensorsWriter> w;
+    if (writes) {
+      STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
+      // config.json comes last: a directory that has it is a whole model (an
+      // export that fails, a full disk, leaves none, and no stale one).
+      std::error_code ec;
+      fs::remove(dir + "/config.json", ec);
+      if (ec) return Status::from_errno(ec.value(), "export dir " + dir + ": cannot remove the old config.json");
+      STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
     }
-    // Every rank holds the whole tensor here and checks it, so all ranks
-    // fail at the same one.
-    STRATA_RETURN_IF_ERROR(check_export_range(d.name, buf, dtype));
-    if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
+    std::vector<float> buf, a, b;
+    for (const model::TensorDecl& d : decls) {
+      STRATA_ASSIGN_OR_RETURN(ParamId p, m.engine->find_param(d.name));
+      buf.resize(d.numel());
+      STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
+      // LoRA: W + scaling * B A for an adapted projection (PEFT's merge).
+      const std::string a_name = d.name.substr(0, d.name.size() - 7) + ".lora_A.weight";  // "<module>.weight"
+      if (m.opt.lora.enabled() && d.name.ends_with(".weight") && m.engine->find_param(a_name).ok()) {
+        const std::string b_name = d.name.substr(0, d.name.size() - 7) + ".lora_B.weight";
+        STRATA_ASSIGN_OR_RETURN(ParamId pa, m.engine->find_param(a_name));
+        STRATA_ASSIGN_OR_RETURN(ParamId pb, m.engine->find_param(b_name));
+        const uint64_t r = m.opt.lora.rank, out = d.shape[0], in = d.shape[1];
+        a.resize(r * in);
+        b.resize(out * r);
+        STRATA_RETURN_IF_ERROR(m.engine->gather_param(pa, a.data(), DType::kF32));
+        STRATA_RETURN_IF_ERROR(m.engine->gather_param(pb, b.data(), DType::kF32));
+        const double sc = m.opt.lora.scaling();
+        for (uint64_t i = 0; i < out; ++i)
+          for (uint64_t j = 0; j < in; ++j) {
+            double acc = 0;
+            for (uint64_t k = 0; k < r; ++k) acc += static_cast<double>(b[i * r + k]) * a[k * in + j];
+            buf[i * in + j] = static_cast<float>(buf[i * in + j] + sc * acc);
+          }
+      }
+      // Every rank holds the whole tensor here and checks it, so all ranks
+      // fail at the same one.
+      STRATA_RETURN_IF_ERROR(check_export_range(d.name, buf, dtype));
+      if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
+    }
+    if (!w) return {};
+    STRATA_RETURN_IF_ERROR(w->finish());
+    std::vector<std::string> copied;  // the tokenizer and generation config, as the base model has them
+    STRATA_RETURN_IF_ERROR(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
+    return model::save_llama_config(cfg, dir + "/config.json");
+  }();
+  if (!st.ok() && made) {
+    std::error_code ec;
+    fs::remove(dir, ec);  // only if empty
   }
-  if (!w) return {};
-  STRATA_RETURN_IF_ERROR(w->finish());
-  std::vector<std::string> copied;  // the tokenizer and generation config, as the base model has them
-  STRATA_RETURN_IF_ERROR(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
-  return model::save_llama_config(cfg, dir + "/config.json");
+  return st;
 }
 
 Status Trainer::export_adapter(const std::string& dir) {

@@ -243,6 +243,10 @@ struct TrainResult {
   bool interrupted = false;
   std::string last_checkpoint;  // "" when none was written
   std::string exported_model;   // "" when not exported (LoRA: only with LoraOptions::merge)
+  // The exported model's dtype, and whether it rounds the weights the
+  // validation loss was computed with (an fp32 run exported to bf16/fp16).
+  DType exported_dtype = DType::kF32, trained_dtype = DType::kF32;  // the latter: the compute copies'
+  bool export_rounds = false;
   std::string exported_adapter; // LoRA: the PEFT adapter directory written at the end
 };
 

@@ -62,8 +62,8 @@ class Trainer::Run {
   Status train() {
     while (m_.step < m_.opt.steps) {
       STRATA_ASSIGN_OR_RETURN(const bool stopped, m_.stop_requested());
-      if (stopped) {  // stopped before this run's first step
-        STRATA_RETURN_IF_ERROR(checkpoint());
+      if (stopped) {  // before this run's first step, or during the last step's save (not saved twice)
+        if (res_.last_checkpoint != checkpoint_dir()) STRATA_RETURN_IF_ERROR(checkpoint());
         res_.interrupted = true;
         break;
       }
@@ -243,6 +243,9 @@ class Trainer::Run {
     const std::string dir = m_.opt.out_dir + "/model";
     if (Status st = t_.export_model(dir, dt); !st.ok()) return st.with_context("exporting the model to " + dir);
     res_.exported_model = dir;
+    res_.exported_dtype = dt;
+    res_.trained_dtype = m_.compute_dtype;
+    res_.export_rounds = dtype_size(dt) < dtype_size(m_.compute_dtype);
     progress_.say(fmt::format("exported the {}model ({}) to {}", m_.opt.lora.enabled() ? "merged " : "",
                               dtype_name(dt), dir));
     return {};
