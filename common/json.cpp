@@ -143,6 +143,29 @@ struct Guard {
   }
 };
 
+// Where the number literal `num` stands in `text` as a whole token, outside
+// strings (npos if nowhere).
+size_t find_number(std::string_view text, std::string_view num) {
+  auto number_char = [](char c) { return (c >= '0' && c <= '9') || c == '.' || c == 'e' || c == 'E' || c == '+' || c == '-'; };
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      continue;
+    }
+    if (text.compare(i, num.size(), num) == 0 && (i == 0 || !number_char(text[i - 1])) &&
+        (i + num.size() == text.size() || !number_char(text[i + num.size()])))
+      return i;
+  }
+  return std::string_view::npos;
+}
+
 // err->byte = `byte` (1-based; 0: unknown), and its line and column in `text`.
 void locate(std::string_view text, uint64_t byte, JsonError* err) {
   const size_t at = byte == 0 ? 0 : std::min<size_t>(byte - 1, text.size());
@@ -188,8 +211,8 @@ bool parse_json(std::string_view text, json* out, JsonError* err, const JsonPars
     err->kind = JsonError::kSyntax;
     err->what = clip_for_message(what, 200);
     const size_t q = what.find('\''), q2 = what.rfind('\'');
-    const size_t at = q != std::string::npos && q2 > q + 1 ? text.find(what.substr(q + 1, q2 - q - 1))
-                                                          : std::string_view::npos;
+    const size_t at =
+        q != std::string::npos && q2 > q + 1 ? find_number(text, what.substr(q + 1, q2 - q - 1)) : std::string_view::npos;
     locate(text, at == std::string_view::npos ? 0 : at + 1, err);
     return false;
   }

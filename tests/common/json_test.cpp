@@ -78,6 +78,11 @@ TEST(Json, NumberOverflowSaysWhere) {
   EXPECT_EQ(e.column, 8u);
   EXPECT_NE(e.message().find("line 3, column 8"), std::string::npos) << e.message();
   EXPECT_NE(e.message().find("1e999"), std::string::npos) << e.message();
+  // The same text in a string, or inside a longer number, is not the place.
+  EXPECT_FALSE(parse_json(R"({"a": "1e999", "c": 11e999, "b": 1e999})", &j, &e));
+  EXPECT_EQ(e.column, 21u) << e.message();  // 11e999 comes first and overflows first
+  EXPECT_FALSE(parse_json(R"({"a": "1e999", "b": 1e999})", &j, &e));
+  EXPECT_EQ(e.column, 21u) << e.message();
 }
 
 TEST(Json, CommentsOnlyWhenAllowed) {
