@@ -642,10 +642,17 @@ Result<std::unique_ptr<IoFile>> IoEngineImpl::open(const std::string& path, cons
   std::unique_ptr<IoFile> f(new IoFile());
   f->path_ = path;
   f->writable_ = o.write;
-  // Whether this open creates the file: a later failure then removes it.
-  struct stat before {};
-  const bool creates = o.create && (o.exclusive || ::stat(path.c_str(), &before) != 0);
-  f->buffered_fd_ = ::open(path.c_str(), flags, static_cast<mode_t>(o.mode));
+  // Whether this open creates the file (a later failure then removes it):
+  // known for certain by creating it exclusively first.
+  bool creates = false;
+  if (o.create) {
+    f->buffered_fd_ = ::open(path.c_str(), flags | O_EXCL, static_cast<mode_t>(o.mode));
+    creates = f->buffered_fd_ >= 0;
+    if (!creates && errno == EEXIST && !o.exclusive)
+      f->buffered_fd_ = ::open(path.c_str(), flags, static_cast<mode_t>(o.mode));
+  } else {
+    f->buffered_fd_ = ::open(path.c_str(), flags, static_cast<mode_t>(o.mode));
+  }
   if (f->buffered_fd_ < 0) return Status::from_errno(errno, "opening " + path + " failed");
   if (o.direct) {
     int dflags = (flags & ~(O_CREAT | O_EXCL | O_TRUNC)) | O_DIRECT;
