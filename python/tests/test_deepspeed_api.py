@@ -289,9 +289,11 @@ class DeepSpeedApiTest(unittest.TestCase):
         ck = os.path.join(self.dir, "ck")
         self.assertTrue(e.save_checkpoint(ck, tag="t"))
         # A save of "t" killed mid-way left its staging directory: the next save of "t" removes it.
-        stale = os.path.join(ck, "t.tmp-1-deadbeef")
+        stale = os.path.join(ck, "t.tmp-999999999-deadbeef")  # no such pid (above pid_max)
         os.makedirs(stale)
         open(os.path.join(stale, "x.bin"), "w").close()
+        live = os.path.join(ck, f"t.tmp-{os.getppid()}-cafe")  # a live process's save: not ours to remove
+        os.makedirs(live)
         # `latest` cannot be written (a directory in its place): named, the checkpoint kept, no temp file left.
         latest = os.path.join(ck, "latest")
         os.unlink(latest)
@@ -299,6 +301,8 @@ class DeepSpeedApiTest(unittest.TestCase):
         with self.assertRaisesRegex(strata.StrataError, r"ck/t is saved, but writing .*latest failed"):
             e.save_checkpoint(ck, tag="t")
         self.assertFalse(os.path.exists(stale))
+        self.assertTrue(os.path.isdir(live))
+        os.rmdir(live)
         self.assertEqual(sorted(os.listdir(ck)), ["latest", "t"])
         shutil.rmtree(latest)
         e.train()

@@ -174,8 +174,11 @@ Status abort_checkpoint_staging(const std::string& dir, const std::string& token
 // Removes what a crashed save left beside `dir`: <dir>.tmp-* and <dir>.old-*
 // siblings. If `dir` itself is missing and a complete replaced checkpoint is
 // found beside it (a crash inside the two-rename fallback), it is renamed
-// back to `dir` first. Not while another process may be saving to `dir`.
-Status cleanup_checkpoint_leftovers(const std::string& dir);
+// back to `dir` first. Not while another process may be saving to `dir`,
+// unless `keep_live_owners`: then a leftover whose token names a process
+// alive on this host ("<pid>-...", not this one) is left alone (the library's
+// saves, which hold no lock on the directory).
+Status cleanup_checkpoint_leftovers(const std::string& dir, bool keep_live_owners = false);
 
 struct CheckpointOpenOptions {
   uint32_t rank = 0;

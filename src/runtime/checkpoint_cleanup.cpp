@@ -2,7 +2,9 @@
 // checkpoint directory (runtime/checkpoint.h). Runs alone: not while another
 // process may be saving to the same directory.
 #include <dirent.h>
+#include <signal.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
@@ -15,7 +17,25 @@
 
 namespace strata {
 
-Status cleanup_checkpoint_leftovers(const std::string& dir_in) {
+namespace {
+
+// Whether the token after `prefix` in `name` ("<pid>-<random>") names a live
+// process on this host other than this one.
+bool live_owner(const std::string& name, size_t prefix) {
+  const size_t dash = name.find('-', prefix);
+  if (dash == std::string::npos || dash == prefix) return false;
+  long pid = 0;
+  for (size_t i = prefix; i < dash; ++i) {
+    if (name[i] < '0' || name[i] > '9' || pid > (1L << 30)) return false;
+    pid = pid * 10 + (name[i] - '0');
+  }
+  if (pid <= 0 || pid == static_cast<long>(::getpid())) return false;
+  return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
+}
+
+}  // namespace
+
+Status cleanup_checkpoint_leftovers(const std::string& dir_in, bool keep_live_owners) {
   std::string dir = dir_in;
   while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
   const std::string parent = parent_of(dir), base = base_of(dir);
@@ -25,8 +45,10 @@ Status cleanup_checkpoint_leftovers(const std::string& dir_in) {
   if (!d) return Status::from_errno(errno, "listing " + parent);
   while (dirent* e = ::readdir(d)) {
     std::string n = e->d_name;
-    if (n.rfind(tmp_prefix, 0) == 0) tmps.push_back(join_path(parent, n));
-    if (n.rfind(old_prefix, 0) == 0) olds.push_back(join_path(parent, n));
+    const bool tmp = n.rfind(tmp_prefix, 0) == 0, old = n.rfind(old_prefix, 0) == 0;
+    if ((tmp || old) && keep_live_owners && live_owner(n, tmp_prefix.size())) continue;
+    if (tmp) tmps.push_back(join_path(parent, n));
+    if (old) olds.push_back(join_path(parent, n));
   }
   ::closedir(d);
   struct stat st {};

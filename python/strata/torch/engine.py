@@ -1413,7 +1413,8 @@ class StrataEngine:
                     os.unlink(tmp)
                 except OSError:
                     pass
-                status = 3 if e.errno == errno.ENOSPC else 2  # NO_SPACE, IO
+                status = {errno.ENOSPC: 3, errno.EDQUOT: 3, errno.EACCES: 7, errno.EPERM: 7,
+                          errno.EROFS: 7}.get(e.errno, 2)  # NO_SPACE, PERMISSION, else IO
                 raise StrataError(status, f"strata.torch: save_checkpoint: checkpoint {os.path.join(save_dir, tag)} "
                                           f"is saved, but writing {latest} failed ({e.strerror}): it still names the "
                                           "previous tag; load this one with load_checkpoint(save_dir, "

@@ -164,11 +164,13 @@ Status Engine::save_checkpoint(const std::string& dir, std::string_view extra_js
   Impl& I = *impl_;
   engine::Registry& R = I.reg;
   // What an earlier save of this directory left when its process died
-  // (<dir>.tmp-*, a <dir>.old-* beside no <dir>): that save is over, since
-  // this one is of the same directory. Before any rank stages (rank 0 picks
-  // the token after it).
+  // (<dir>.tmp-*, a <dir>.old-* beside no <dir>), unless that process is
+  // alive on this host (a concurrent save of the same directory by another
+  // job is its own business). Before any rank stages (rank 0 picks the token
+  // after it).
   if (R.rank == 0) {
-    if (Status st = cleanup_checkpoint_leftovers(dir); !st.ok() && st.code() != StatusCode::kNotFound)
+    if (Status st = cleanup_checkpoint_leftovers(dir, /*keep_live_owners=*/true);
+        !st.ok() && st.code() != StatusCode::kNotFound)
       log_warn("engine: save_checkpoint {}: removing an earlier save's leftovers: {}", dir, st.message());
   }
   if (R.world == 1) return save_shard(dir, extra_json, {});
