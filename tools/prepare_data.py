@@ -22,10 +22,11 @@ any case, or by --format):
                                            assistant turns are trained on;
   *.json                    one such object, an array of them, or JSON lines
                             (a Hugging Face dataset's to_json writes those).
-Documents are packed back to back with the tokenizer's EOS after each one
-(--no-eos: none), unless it has one already: a text document whose ids end
-with it, a conversation whose template writes it (as TRL leaves them). An
-empty text document is skipped. A text document's ids are exactly
+Documents are written back to back. A text document gets the tokenizer's EOS
+after it (--no-eos: none), trained on, unless its ids end with it already; a
+conversation gets none, its chat template ending each turn (TRL's SFT adds
+the EOS to non-conversational examples only). An empty text document is
+skipped. A text document's ids are exactly
 AutoTokenizer's tokenizer(text)["input_ids"] (with the BOS the tokenizer adds,
 if any). A conversation's mask is transformers' own
 (apply_chat_template(return_assistant_tokens_mask=True)) when the template
@@ -41,8 +42,9 @@ a conversation (its earlier turns out of sight).
 Outputs:
   PREFIX.u32   little-endian uint32 token ids;
   PREFIX.mask  one byte per token: 1 = a target the loss counts (text: every
-               token but a leading BOS; chat: the tokens of assistant turns,
-               their end-of-turn markers included), 0 = context only;
+               token but a leading BOS, the EOS included; chat: the tokens
+               of assistant turns, their end-of-turn markers included),
+               0 = context only;
   PREFIX.docs  little-endian uint64 token offsets where each document starts
                (strata finetune --documents);
   PREFIX.json  what was done: tokenizer, vocab size, EOS id, documents, tokens,
@@ -99,19 +101,20 @@ class Packer:
         self.starts = array.array("Q")
         self.docs = self.tokens = self.trained = self.empty = 0
 
-    def add(self, ids, mask, eos_trained, chat=False, ends_with_eos=False):
-        """One document, then the EOS unless it already has one: a text document that ends with it (a
-        tokenizer that appends it), a conversation whose template writes it (per turn: Llama-3's <|eot_id|>,
-        Qwen's <|im_end|>, Mistral's </s>), as TRL leaves them."""
+    def add(self, ids, mask, chat=False):
+        """One document, then, for a text document, the EOS unless it ends with it already (a tokenizer that
+        appends it), trained on. A conversation gets none: its chat template ends each turn (Llama-3's
+        <|eot_id|>, Qwen's <|im_end|>, Mistral's </s>), and TRL's SFT adds the EOS to non-conversational
+        examples only."""
         assert len(ids) == len(mask)
         if ids and max(ids) >= 2 ** 32:
             fail(f"token id {max(ids)} does not fit in uint32")
         self.starts.append(self.tokens + len(self.ids))
         self.ids.extend(ids)
         self.mask.extend(mask)
-        if self.eos is not None and not (ends_with_eos if chat else bool(ids) and ids[-1] == self.eos):
+        if self.eos is not None and not chat and not (ids and ids[-1] == self.eos):
             self.ids.append(self.eos)
-            self.mask.append(1 if eos_trained else 0)
+            self.mask.append(1)
         if self.starts[-1] == self.tokens + len(self.ids):  # nothing added (no ids, no EOS): no document
             self.starts.pop()
             self.empty += 1
@@ -205,7 +208,7 @@ def chat_doc(tok, messages, where):
         ids, mask = list(enc["input_ids"]), [int(bool(b)) for b in enc["assistant_masks"]]
         if not any(mask):
             fail(f"{where}: the chat template's {{% generation %}} blocks mark no token of the assistant turns")
-        return ids, mask, messages[-1]["role"] == "assistant"
+        return ids, mask
     _check_generation_prompt(tok, where)
     full = render(messages, False)
     # Character spans of the assistant turns: the text a turn adds after the
@@ -233,7 +236,7 @@ def chat_doc(tok, messages, where):
     mask = []
     for (a, b) in offsets:
         mask.append(1 if any(a < e and b > s for (s, e) in spans) else 0)
-    return ids, mask, messages[-1]["role"] == "assistant"
+    return ids, mask
 
 
 def _lines(f, path):
@@ -246,15 +249,6 @@ def _lines(f, path):
             fail(f"{path}:{n}: not UTF-8 ({e})")
 
 
-def _ends_with_eos(tok, ids):
-    """Whether the rendered conversation ends with the EOS, but for whitespace after it (a template writing
-    it after the last turn: "...</s>\n")."""
-    k = len(ids)
-    while k > 0 and ids[k - 1] != tok.eos_token_id and tok.decode([ids[k - 1]]).strip() == "":
-        k -= 1
-    return k > 0 and ids[k - 1] == tok.eos_token_id
-
-
 def add_record(tok, p, obj, where):
     """One JSON record (a JSONL line, an element of a .json array): a document or a conversation."""
     if not isinstance(obj, dict):
@@ -263,8 +257,8 @@ def add_record(tok, p, obj, where):
         fail(f"{where}: the object has both \"text\" and \"messages\"; keep one")
     try:
         if "messages" in obj:
-            ids, mask, last_assistant = chat_doc(tok, obj["messages"], where)
-            p.add(ids, mask, last_assistant, chat=True, ends_with_eos=_ends_with_eos(tok, ids))
+            ids, mask = chat_doc(tok, obj["messages"], where)
+            p.add(ids, mask, chat=True)
         elif "text" in obj:
             if not isinstance(obj["text"], str):
                 fail(f"{where}: \"text\" must be a string")
@@ -272,7 +266,7 @@ def add_record(tok, p, obj, where):
                 p.empty += 1  # no document (a lone EOS would be trained)
                 return
             ids, mask = text_doc(tok, obj["text"])
-            p.add(ids, mask, True)
+            p.add(ids, mask)
         else:
             fail(f"{where}: the object has neither \"text\" nor \"messages\" (keys: "
                  f"{', '.join(list(obj)[:10])})")
@@ -300,7 +294,7 @@ def add_inputs(a, tok, p):
                 ids, mask = text_doc(tok, text)
             except (TypeError, ValueError) as e:
                 fail(f"{path}: {type(e).__name__}: {e}")
-            p.add(ids, mask, True)
+            p.add(ids, mask)
             continue
         if fmt == "json":  # one record, or an array of records (a Hugging Face dataset's to_json)
             try:
@@ -338,7 +332,7 @@ def main():
     ap.add_argument("--format", choices=["auto", "text", "jsonl", "json"], default="auto",
                     help="auto: *.jsonl is JSON lines, *.json one JSON record or an array of them (any case), "
                          "anything else text")
-    ap.add_argument("--no-eos", action="store_true", help="no EOS between documents")
+    ap.add_argument("--no-eos", action="store_true", help="no EOS after text documents")
     ap.add_argument("inputs", nargs="+")
     a = ap.parse_args()
 

@@ -4,8 +4,8 @@
 A byte-level BPE tokenizer is trained here with `tokenizers` (no download),
 given a chat template, and saved with a tiny Llama model as a Hub-style model
 directory. Then:
-  * text files and {"text"} lines: the ids equal AutoTokenizer's, documents
-    packed with EOS after each;
+  * text files and {"text"} lines: the ids equal AutoTokenizer's, an EOS
+    after each (none after a conversation, as TRL);
   * {"messages"} lines: the ids equal the chat template's rendering tokenized
     by AutoTokenizer, and the mask is 1 exactly on the assistant turns (their
     end-of-turn marker included);
@@ -122,9 +122,9 @@ def main():
         rendered = tok.apply_chat_template(c, tokenize=False)
         e = tok(rendered, add_special_tokens=False)["input_ids"]
         chat_ranges.append((len(want), len(want) + len(e)))
-        want += e + [eos]
-        want_mask += [None] * len(e) + [1]
-    check(ids == want, f"token ids equal AutoTokenizer's, EOS-packed ({len(ids)} tokens)")
+        want += e  # no EOS after a conversation (TRL adds none: the template ends the turns)
+        want_mask += [None] * len(e)
+    check(ids == want, f"token ids equal AutoTokenizer's, EOS after text documents ({len(ids)} tokens)")
     check(len(mask) == len(ids), "one mask byte per token")
     check(all(m == x for m, x in zip(mask, want_mask) if x is not None),
           "text documents and EOS are trained on, their BOS not")
@@ -190,10 +190,9 @@ def main():
         return r, got[0], got[1]
 
     one = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]
-    # EOS is not doubled: a template that writes it per turn (Mistral's </s>,
-    # Llama-3's <|eot_id|>), a text document that already ends with it.
-    # Mistral-style: </s> after assistant turns only, so a conversation ending
-    # with a user turn still gets its separating EOS.
+    # EOS is not doubled: a text document that already ends with it gets none;
+    # a conversation gets none whatever its template writes (Mistral-style:
+    # </s> after assistant turns only; TRL adds no EOS to conversations).
     eos_tpl, t_eos = tokenizer_with("eos_tpl", "{% for m in messages %}<|start|>{{ m['role'] }}\n{{ m['content'] }}"
                                                "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}\n"
                                                "{% endfor %}{% if add_generation_prompt %}<|start|>assistant\n"
@@ -205,8 +204,8 @@ def main():
     r, ids2, mask2 = prepare(eos_tpl, os.path.join(w, "e.jsonl"))
     rendered = [t_eos(t_eos.apply_chat_template(c, tokenize=False), add_special_tokens=False)["input_ids"]
                 for c in (one, two)]
-    want2 = rendered[0] + t_eos("done</s>")["input_ids"] + rendered[1] + [eos]
-    check(ids2 == want2, f"no EOS appended where the document has one: {ids2} vs {want2}")
+    want2 = rendered[0] + t_eos("done</s>")["input_ids"] + rendered[1]
+    check(ids2 == want2, f"no EOS appended where the document has one, nor after a conversation: {ids2} vs {want2}")
     # {% generation %} blocks: transformers' own assistant mask.
     gen_tpl, t_gen = tokenizer_with("gen_tpl", "{% for m in messages %}<|start|>{{ m['role'] }}\n"
                                                "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] }}"
@@ -217,7 +216,7 @@ def main():
     hf_mask = []
     for c in chats:
         enc = t_gen.apply_chat_template(c, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
-        hf_mask += list(enc["assistant_masks"]) + [1]  # then the EOS, trained after an assistant turn
+        hf_mask += list(enc["assistant_masks"])
     check(r.returncode == 0 and mask3 == hf_mask, "{% generation %} blocks: the mask is transformers' "
                                                   "return_assistant_tokens_mask")
     # A default system prompt before a first assistant turn is context, not a target.
@@ -227,7 +226,7 @@ def main():
         f.write(json.dumps({"messages": [{"role": "assistant", "content": "Welcome!"}]}) + "\n")
     r, ids4, mask4 = prepare(sys_tpl, os.path.join(w, "s.jsonl"))
     trained4 = t_sys.decode([i for i, k in zip(ids4 or [], mask4 or []) if k]) if r.returncode == 0 else r.stderr
-    check(trained4 == "Welcome!<|end|>\n</s>", f"a template's default system prompt is not trained: {trained4!r}")
+    check(trained4 == "Welcome!<|end|>\n", f"a template's default system prompt is not trained: {trained4!r}")
     # A template that ignores add_generation_prompt: the header cannot be told apart; said, not silent.
     nogen_tpl, _ = tokenizer_with("nogen_tpl", CHAT_TEMPLATE.split("{% if add_generation_prompt")[0])
     r, _, _ = prepare(nogen_tpl, os.path.join(w, "c.jsonl"))
@@ -246,8 +245,7 @@ def main():
         f.write(b"one\r\ntwo\r\n")
     r, ids5, _ = prepare(model, os.path.join(w, "arr.json"), os.path.join(w, "up.JSONL"), os.path.join(w, "crlf.txt"))
     chat1 = tok(tok.apply_chat_template(chats[1], tokenize=False), add_special_tokens=False)["input_ids"]
-    want5 = (chat1 + [eos] + tok("x")["input_ids"] + [eos] + chat1 + [eos] + tok("one\r\ntwo\r\n")["input_ids"] +
-             [eos])
+    want5 = chat1 + tok("x")["input_ids"] + [eos] + chat1 + tok("one\r\ntwo\r\n")["input_ids"] + [eos]
     check(ids5 == want5 and "1 empty documents skipped" in r.stdout,
           f".json arrays, .JSONL, CRLF kept, an empty document skipped ({r.stdout.strip()[:120]})")
     # A record with both keys, a lone surrogate, deep nesting: named with file:line, nothing written.
