@@ -124,9 +124,11 @@ void run_finetune(const FinetuneFlags& f) {
                 tr.step() > 0 ? fmt::format(" (resuming at step {})", tr.step()).c_str() : "");
     if (tr.data().by_document()) {
       const double positions = static_cast<double>(tr.data().train_windows()) * (f.seq + 1);
-      std::printf("documents %s: %lu with a target, %lu training windows, %lu validation; %.1f%% of training "
-                  "positions are padding\n",
+      std::printf("documents %s: %lu with a target, %lu longer than --seq + 1 (%s), %lu training windows, %lu "
+                  "validation; %.1f%% of training positions are padding\n",
                   f.documents.c_str(), static_cast<unsigned long>(tr.data().documents()),
+                  static_cast<unsigned long>(tr.data().long_documents()),
+                  f.truncate_documents ? "truncated" : "their tails in more windows",
                   static_cast<unsigned long>(tr.data().train_windows()),
                   static_cast<unsigned long>(tr.data().val_windows()),
                   100.0 * static_cast<double>(tr.data().train_padding()) / positions);

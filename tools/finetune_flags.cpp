@@ -45,6 +45,9 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
   cmd->add_option("--documents", f->documents,
                   "Where documents start (uint64 token offsets; tools/prepare_data.py writes PREFIX.docs): every "
                   "window lies in one document, padded, as Hugging Face's per-example batches (default: packed)");
+  cmd->add_flag("--truncate-documents", f->truncate_documents,
+                "With --documents: a document longer than --seq + 1 tokens trains its first window only (TRL's "
+                "truncation at max_length = seq + 1; default: its tail continues in more windows)");
   cmd->add_option("--data-format", f->data_format,
                   "auto (*.u32: u32, *.u16: u16, else text) | text (bytes are tokens) | u16 | u32 (token ids)")
       ->capture_default_str();
@@ -245,6 +248,7 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->data.path = f.data;
   o->data.loss_mask_path = f.loss_mask;
   o->data.documents_path = f.documents;
+  o->data.truncate_documents = f.truncate_documents;
   STRATA_RETURN_IF_ERROR(data_format_of(f, &o->data.format));
   o->data.vocab = f.vocab;
   o->data.val_fraction = f.val_fraction;

@@ -35,6 +35,7 @@ struct FinetuneFlags {
   std::string model, data, data_format = "auto", config, offload_params = "auto", offload_optimizer = "auto";
   std::string loss_mask;
   std::string documents;  // --documents: document starts (windows by document)
+  bool truncate_documents = false;
   uint32_t vocab = 0;
   double val_fraction = 0.05;
   uint64_t seed = 1234;

@@ -116,7 +116,7 @@ uint32_t TokenDataset::token(uint64_t i) const {
   return token_bytes_ == 1 ? (v & 0xFFu) : token_bytes_ == 2 ? (v & 0xFFFFu) : v;  // little-endian
 }
 
-Status TokenDataset::load_documents() {
+Status TokenDataset::load_documents(std::vector<uint64_t>* starts_out) {
   const std::string& dp = options_.documents_path;
   const int fd = ::open(dp.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Status::from_errno(errno, "documents " + dp + ": cannot open");
@@ -168,8 +168,10 @@ Status TokenDataset::load_documents() {
     const uint64_t end = i + 1 < starts.size() ? starts[i + 1] : tokens_;
     if (end - starts[i] < 2) continue;  // no target
     ++documents_;
-    for (uint64_t b = starts[i]; b + 1 < end; b += options_.seq) {
-      const uint64_t len = std::min(n, end - b);
+    if (end - starts[i] > n) ++long_documents_;
+    const uint64_t last = options_.truncate_documents ? std::min(end, starts[i] + n) : end;
+    for (uint64_t b = starts[i]; b + 1 < last; b += options_.seq) {
+      const uint64_t len = std::min(n, last - b);
       win_begin_.push_back(b);
       win_len_.push_back(static_cast<uint32_t>(len));
       if (i < first_val) {
@@ -180,6 +182,7 @@ Status TokenDataset::load_documents() {
       }
     }
   }
+  *starts_out = std::move(starts);
   return {};
 }
 
@@ -242,7 +245,13 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
   // The split: the last floor(tokens x val_fraction) tokens are held out.
   d->train_tokens_ =
       d->tokens_ - static_cast<uint64_t>(std::floor(static_cast<double>(d->tokens_) * o.val_fraction));
-  if (!o.documents_path.empty()) STRATA_RETURN_IF_ERROR(d->load_documents());
+  // By document, a document's first token is no target (nor the one token
+  // of a 1-token document): the mask check below skips the starts.
+  std::vector<uint64_t> starts;
+  if (o.truncate_documents && o.documents_path.empty())
+    return Status(StatusCode::kInvalidArgument,
+                  "truncating documents (--truncate-documents) needs their starts (--documents)");
+  if (!o.documents_path.empty()) STRATA_RETURN_IF_ERROR(d->load_documents(&starts));
 
   if (!o.loss_mask_path.empty()) {
     const std::string& mp = o.loss_mask_path;
@@ -263,16 +272,24 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
     // in the held-out part.
     const uint64_t train_end = d->train_tokens_;
     uint64_t train_ones = 0, val_ones = 0;
+    size_t next_start = 0;  // by document: the first start not yet passed
     for (uint64_t first = 0; first < d->tokens_; first += kChunk) {
       const uint64_t n = std::min(kChunk, d->tokens_ - first);
       STRATA_RETURN_IF_ERROR(d->read_mask(first, n, buf.data()));
       for (uint64_t k = 0; k < n; ++k) {
+        const uint64_t i = first + k;
         if (buf[k] > 1)
-          return Status(StatusCode::kInvalidArgument, "loss mask " + mp + ": byte " + std::to_string(first + k) +
+          return Status(StatusCode::kInvalidArgument, "loss mask " + mp + ": byte " + std::to_string(i) +
                                                           " is " + std::to_string(buf[k]) + "; expected 0 or 1");
         ones += buf[k];
-        if (first + k >= 1 && first + k < train_end) train_ones += buf[k];
-        if (first + k > train_end) val_ones += buf[k];
+        if (next_start < starts.size() && starts[next_start] == i) {
+          ++next_start;
+          continue;  // a document's first token: never a target
+        }
+        if (o.truncate_documents && next_start > 0 && i - starts[next_start - 1] > o.seq)
+          continue;  // past a truncated document's window
+        if (i >= 1 && i < train_end) train_ones += buf[k];
+        if (i > train_end) val_ones += buf[k];
       }
     }
     d->masked_tokens_ = d->tokens_ - ones;
@@ -283,14 +300,16 @@ Result<std::unique_ptr<TokenDataset>> TokenDataset::open(const DataOptions& o) {
     if (train_ones == 0)
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("loss mask {} marks no target in the training part (tokens 0 to {}; the last {} "
-                                "are held out by --val-fraction {:g}): there is nothing to train on",
-                                mp, train_end, d->tokens_ - train_end, o.val_fraction));
+                                "are held out by --val-fraction {:g}{}): there is nothing to train on",
+                                mp, train_end, d->tokens_ - train_end, o.val_fraction,
+                                starts.empty() ? "" : "; by document, a document's first token is no target"));
     if (train_end < d->tokens_ && val_ones == 0)
       return Status(StatusCode::kInvalidArgument,
                     fmt::format("loss mask {} marks no target in the validation part (the last {} tokens, held out "
-                                "by --val-fraction {:g}): its loss would be over nothing; use --val-fraction 0 or "
+                                "by --val-fraction {:g}{}): its loss would be over nothing; use --val-fraction 0 or "
                                 "data whose end has trained tokens",
-                                mp, d->tokens_ - train_end, o.val_fraction));
+                                mp, d->tokens_ - train_end, o.val_fraction,
+                                starts.empty() ? "" : "; by document, a document's first token is no target"));
   }
 
   const uint64_t need = uint64_t{o.seq} + 1;

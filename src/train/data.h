@@ -48,7 +48,8 @@
 // it every window lies inside one document: a document of L tokens gives
 // ceil((L - 1) / seq) windows (none when L < 2), its first at the document's
 // start and each next seq further on (a document longer than seq + 1 tokens
-// continues in its next window, which sees the tail only); a window shorter
+// continues in its next window, which sees the tail only; with
+// truncate_documents it gives its first window only); a window shorter
 // than seq + 1 is padded at the end with token 0, its padded targets masked.
 // With causal attention the padding is never attended to by a real token, so
 // each window trains as the document alone would (Hugging Face's per-example,
@@ -86,6 +87,10 @@ struct DataOptions {
   uint32_t seq = 256;          // T: tokens per sequence (windows hold T + 1)
   std::string loss_mask_path;  // "": every token is a target
   std::string documents_path;  // "": documents packed into one stream (see above)
+  // By document: a document longer than seq + 1 tokens gives its first
+  // window only (TRL's truncation at max_length = seq + 1), not the windows
+  // of its tail too.
+  bool truncate_documents = false;
 };
 
 class TokenDataset {
@@ -136,6 +141,9 @@ class TokenDataset {
   uint64_t masked_tokens() const { return masked_tokens_; }  // mask bytes that are 0
   bool by_document() const { return !options_.documents_path.empty(); }
   uint64_t documents() const { return documents_; }  // documents with a window (by_document)
+  // Documents longer than seq + 1 tokens (by_document): continued in more
+  // windows, or truncated (DataOptions::truncate_documents).
+  uint64_t long_documents() const { return long_documents_; }
   // Padded positions of every training window (by_document), of
   // train_windows() * (seq + 1).
   uint64_t train_padding() const { return train_padding_; }
@@ -145,7 +153,9 @@ class TokenDataset {
  private:
   TokenDataset() = default;
   uint64_t train_window(uint64_t s) const;  // training sample s's window
-  Status load_documents();  // by open(), after the split; fills the windows
+  // By open(), after the split: fills the windows; *starts gets the
+  // documents' starts.
+  Status load_documents(std::vector<uint64_t>* starts);
   // Window w of the whole file (training windows first): packed, seq + 1
   // tokens at `w * seq` past its part's start; by document, win_begin_[w].
   Status copy_window(uint64_t begin, uint64_t len, int32_t* out, uint8_t* mask) const;
@@ -165,7 +175,7 @@ class TokenDataset {
   // training windows first.
   std::vector<uint64_t> win_begin_;
   std::vector<uint32_t> win_len_;
-  uint64_t documents_ = 0, train_padding_ = 0;
+  uint64_t documents_ = 0, long_documents_ = 0, train_padding_ = 0;
 };
 
 // Counter-based pseudo-random numbers: splitmix64's finalizer over a key.

@@ -345,6 +345,9 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
         continue;
       }
       if (*it == bv) continue;
+      // A constant schedule has no end lr: runs of earlier versions saved
+      // a --min-lr given with it, which is refused now (it did nothing).
+      if (key == "schedule.min_lr" && a.value("kind", "") == "constant") continue;
       if (key == "data" || key == "loss_mask" || key == "documents") {
         log_warn("resume: the checkpoint was trained on {} {}, this run reads {}", key, it->dump(), bv.dump());
         continue;
@@ -357,13 +360,15 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
     }
     return {};
   };
-  // Older runs wrote no "windows": they were packed.
-  if (!saved.contains("windows") && now.contains("windows") && now["windows"] != "packed")
+  // How the data is cut first (it changes the data's shape too, which would
+  // be named instead). Older runs wrote no "windows": they were packed.
+  const json saved_windows = saved.contains("windows") ? saved["windows"] : json("packed");
+  if (now.contains("windows") && now["windows"] != saved_windows)
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("resume from {}: the run was started with windows = \"packed\", this run has {}: a "
+                  fmt::format("resume from {}: the run was started with windows = {}, this run has {}: a "
                               "resumed run continues the same run; to change it, start a new run (another --out, "
                               "or --overwrite)",
-                              checkpoint, now["windows"].dump()));
+                              checkpoint, saved_windows.dump(), now["windows"].dump()));
   return cmp(saved, now, "");
 }
 

@@ -592,7 +592,16 @@ std::string Trainer::Impl::settings_json() const {
   t["data_format"] = data_format_name(opt.data.format);
   t["loss_mask"] = opt.data.loss_mask_path;
   if (!opt.data.documents_path.empty()) t["documents"] = opt.data.documents_path;
-  t["windows"] = opt.data.documents_path.empty() ? "packed" : "by document";
+  t["windows"] = opt.data.documents_path.empty()    ? "packed"
+                 : opt.data.truncate_documents ? "by document, truncated"
+                                               : "by document";
+  // What the data holds, as far as the sample order goes: a file moved is
+  // fine (its path only warns), one with other contents is another run (and
+  // ranks reading different copies would disagree on their collectives).
+  if (data)
+    t["data_shape"] = {{"tokens", data->tokens()},
+                       {"train_windows", data->train_windows()},
+                       {"val_windows", data->val_windows()}};
   t["val_fraction"] = opt.data.val_fraction;
   // What the model computes (beyond the shapes the checkpoint checks): a
   // resume with another config.json of the same shapes would mix two models.

@@ -318,6 +318,21 @@ TEST_F(DataTest, DocumentsGiveWindowsInsideOneDocumentPadded) {
   EXPECT_TRUE((*d)->has_loss_mask());
   ASSERT_TRUE((*d)->val_batch(0, 2, vt, vm).ok());
   EXPECT_EQ(std::count(vm.begin(), vm.end(), 1), 9 + 5);
+  EXPECT_EQ((*d)->long_documents(), 3u);  // [6, 30), [30, 40), [47, 60)
+
+  // Truncated (TRL's max_length = seq + 1): each document's first window only.
+  o.truncate_documents = true;
+  d = TokenDataset::open(o);
+  ASSERT_TRUE(d.ok()) << d.status().to_string();
+  EXPECT_EQ((*d)->train_windows(), 4u);  // (0,5) (6,9) (30,9) (40,7)
+  EXPECT_EQ((*d)->val_windows(), 1u);    // (47,9)
+  std::set<int> firsts;
+  for (uint64_t s = 0; s < 4; ++s) {
+    ASSERT_TRUE((*d)->train_batch(s, 1, tok, m).ok());
+    firsts.insert(tok[0]);
+  }
+  EXPECT_EQ(firsts, (std::set<int>{0, 6, 30, 40}));
+  o.truncate_documents = false;
 
   auto refused = [&](const std::vector<uint64_t>& docs, double val, const std::string& needle) {
     DataOptions b = o;
@@ -327,7 +342,27 @@ TEST_F(DataTest, DocumentsGiveWindowsInsideOneDocumentPadded) {
     ASSERT_FALSE(r.ok()) << needle;
     EXPECT_NE(r.status().message().find(needle), std::string::npos) << r.status().message();
   };
+  // A mask whose only targets are documents' first tokens trains on nothing by document.
+  {
+    std::vector<uint8_t> firsts(60, 0);
+    for (uint64_t st : starts) firsts[st] = 1;
+    DataOptions b = o;
+    b.loss_mask_path = write("firsts.mask", firsts.data(), firsts.size());
+    auto r = TokenDataset::open(b);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("marks no target in the training part"), std::string::npos)
+        << r.status().message();
+    EXPECT_NE(r.status().message().find("a document's first token is no target"), std::string::npos);
+  }
   refused({1, 5}, 0, "the first document starts at token 1");
+  {
+    DataOptions b = o;
+    b.documents_path.clear();
+    b.truncate_documents = true;
+    auto r = TokenDataset::open(b);
+    ASSERT_FALSE(r.ok());
+    EXPECT_NE(r.status().message().find("needs their starts (--documents)"), std::string::npos);
+  }
   refused({0, 5, 5}, 0, "entry 2 (byte 16) is token 5");
   refused({0, 60}, 0, "below the 60 tokens");
   refused({0, 12}, 0.1, "no document of 2 tokens or more starts in the last 10%");

@@ -32,6 +32,7 @@
 #include "model/llama_init.h"
 #include "small_model.h"
 #include "train/demo_data.h"
+#include "train/run_dir.h"
 #include "test_util/gpu.h"
 
 namespace strata::train {
@@ -597,6 +598,28 @@ TEST_F(TrainerTest, Errors) {
   o.data.format = DataFormat::kU32;
   o.data.vocab = 300;  // larger than the model's 256
   expect_error(o, "vocab_size 256");
+}
+
+// What a resume compares (run_dir.h): a changed key is named; keys an older
+// run did not write are not compared, except "windows" (absent: packed); a
+// constant schedule's min_lr (accepted by earlier versions, refused now) is
+// not compared; a moved data file only warns.
+TEST(ResumeSettings, NamesTheChangeAndKeepsOlderRunsResumable) {
+  const std::string old_run = R"({"seq": 64, "data": "a.txt", "schedule": {"kind": "constant", "lr": 0.001, "min_lr": 1e-5}})";
+  EXPECT_TRUE(check_same_settings(old_run, R"({"seq": 64, "data": "b.txt", "schedule": {"kind": "constant", "lr": 0.001,
+      "min_lr": 0}, "windows": "packed", "model": {"rope": "default theta=10000"}})", "ck").ok());
+  Status st = check_same_settings(old_run, R"({"seq": 32, "schedule": {"kind": "constant", "lr": 0.001}})", "ck");
+  EXPECT_NE(st.message().find("seq = 64, this run has 32"), std::string::npos) << st.message();
+  st = check_same_settings(old_run, R"({"seq": 64, "windows": "by document"})", "ck");
+  EXPECT_NE(st.message().find(R"(windows = "packed", this run has "by document")"), std::string::npos) << st.message();
+  st = check_same_settings(R"({"schedule": {"kind": "cosine", "min_lr": 1e-5}})",
+                           R"({"schedule": {"kind": "cosine", "min_lr": 0}})", "ck");
+  EXPECT_NE(st.message().find("schedule.min_lr = 1e-05, this run has 0"), std::string::npos) << st.message();
+  st = check_same_settings(R"({"model": {"rope": "default theta=10000"}, "data_shape": {"tokens": 5}})",
+                           R"({"model": {"rope": "default theta=500000"}, "data_shape": {"tokens": 5}})", "ck");
+  EXPECT_NE(st.message().find("model.rope"), std::string::npos) << st.message();
+  st = check_same_settings(R"({"data_shape": {"tokens": 5}})", R"({"data_shape": {"tokens": 6}})", "ck");
+  EXPECT_NE(st.message().find("data_shape.tokens = 5, this run has 6"), std::string::npos) << st.message();
 }
 
 }  // namespace
