@@ -179,7 +179,17 @@ Status RunDir::record_holder() {
   errno = ENOSPC;
   if (::ftruncate(lock_fd_, 0) != 0 || ::pwrite(lock_fd_, me.data(), me.size(), 0) != ssize_t(me.size()))
     return Status::from_errno(errno, "out dir " + path_ + ": writing " + lock_path(path_));
+  holder_ = me;
   return Status();
+}
+
+std::string RunDir::read_holder(const std::string& out) {
+  const int fd = ::open(lock_path(out).c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return "";
+  char buf[256] = {};
+  const ssize_t n = ::pread(fd, buf, sizeof(buf) - 1, 0);
+  ::close(fd);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : "";
 }
 
 std::string RunDir::lock_path(const std::string& out) { return join_path(out, kLockFile); }

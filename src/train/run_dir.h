@@ -61,8 +61,13 @@ class RunDir {
 
   const std::string& path() const { return path_; }
   const std::string& run_id() const { return run_id_; }
+  // What the lock file says ("pid P on host H, since T"): N ranks check that
+  // each sees rank 0's OUT by reading it there (read_holder).
+  const std::string& holder() const { return holder_; }
   // OUT/.strata.lock: the file open() locks (it stays after the run).
   static std::string lock_path(const std::string& out);
+  // The lock file's text in `out` ("" when there is none or it cannot be read).
+  static std::string read_holder(const std::string& out);
 
  private:
   RunDir() = default;
@@ -71,6 +76,7 @@ class RunDir {
   Status write_run_json(const std::string& settings_json);
   std::string path_;
   std::string run_id_;
+  std::string holder_;
   int lock_fd_ = -1;
 };
 

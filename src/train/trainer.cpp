@@ -471,7 +471,17 @@ Status Trainer::Impl::use_host(const DeviceSizes& z, Config* cfg) {
   return {};
 }
 
+// N ranks: every rank reaches the agreement, whether its own read failed or
+// not, so the others learn of it at once and a rank that read other weights
+// is named.
 Status Trainer::Impl::load_weights() {
+  uint32_t crc = 0;
+  Status st = read_weights(&crc);
+  STRATA_RETURN_IF_ERROR(agree_on_weights(st.ok(), crc));
+  return st;
+}
+
+Status Trainer::Impl::read_weights(uint32_t* crc_out) {
   STRATA_ASSIGN_OR_RETURN(auto reader, model::TensorReader::create());
   const ModelSpec& spec = engine->model();
   std::vector<float> buf;
@@ -495,12 +505,12 @@ Status Trainer::Impl::load_weights() {
   }
   STRATA_RETURN_IF_ERROR(model::check_tied_head(model, *reader));
   std::mt19937_64 rng(opt.data.seed ^ 0x10a4a11ce5ull);
-  uint32_t crc = 0;  // of every value loaded, in order: the ranks compare it
+  uint32_t& crc = *crc_out;  // of every value loaded, in order: N ranks compare it
   for (ParamId p = 0; p < spec.params.size(); ++p) {
     const ParamSpec& ps = spec.params[p];
     if (opt.lora.enabled() && ps.trainable) {
       STRATA_RETURN_IF_ERROR(lora_initial(ps, adapter, *reader, rng, &buf));
-      crc = crc32c_extend(crc, buf.data(), buf.size() * sizeof(float));
+      if (world > 1) crc = crc32c_extend(crc, buf.data(), buf.size() * sizeof(float));
       STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
       continue;
     }
@@ -527,10 +537,10 @@ Status Trainer::Impl::load_weights() {
                                   "fp16 compute copies cannot hold it; train in bf16 or fp32",
                                   opt.model_dir, ps.name, *big, big - buf.begin(), buf.size()));
     }
-    crc = crc32c_extend(crc, buf.data(), buf.size() * sizeof(float));
+    if (world > 1) crc = crc32c_extend(crc, buf.data(), buf.size() * sizeof(float));
     STRATA_RETURN_IF_ERROR(engine->load_param(p, buf.data(), DType::kF32));
   }
-  return agree_on_weights(crc);
+  return {};
 }
 
 // LoRA settings: the adapter directory's config, or the flags with PEFT's
@@ -996,11 +1006,22 @@ Result<double> Trainer::evaluate() {
   const size_t L = m.layer_groups.size();
   // Global validation batch j is windows j*N*b .. of N*b (N ranks of batch
   // b): rank r evaluates its b of them, as in training, so N ranks of batch
-  // b report what one rank of batch N*b reports.
+  // b report what one rank of batch N*b reports. The last batch holds the
+  // windows left (as a DataLoader's last batch): a rank's rows past the end
+  // are all padding, no target (every rank still runs the forward, whose
+  // stage-3 gathers are collectives).
   const uint64_t global_batch = static_cast<uint64_t>(m.opt.batch) * m.world;
+  const uint64_t windows = m.data->val_windows();
+  const size_t row = static_cast<size_t>(T + 1);
   for (uint64_t j = 0; j < n; ++j) {
-    STRATA_RETURN_IF_ERROR(m.data->val_windows(j * global_batch + static_cast<uint64_t>(m.rank) * m.opt.batch,
-                                               m.opt.batch, m.batch_tokens, m.batch_mask));
+    const uint64_t first = j * global_batch + static_cast<uint64_t>(m.rank) * m.opt.batch;
+    const uint64_t real = first < windows ? std::min<uint64_t>(m.opt.batch, windows - first) : 0;
+    if (real > 0)
+      STRATA_RETURN_IF_ERROR(m.data->val_windows(first, static_cast<uint32_t>(real),
+                                                 std::span(m.batch_tokens).first(real * row),
+                                                 std::span(m.batch_mask).first(real * row)));
+    std::fill(m.batch_tokens.begin() + static_cast<std::ptrdiff_t>(real * row), m.batch_tokens.end(), 0);
+    std::fill(m.batch_mask.begin() + static_cast<std::ptrdiff_t>(real * row), m.batch_mask.end(), 0);
     STRATA_RETURN_IF_ERROR(m.stage_tokens());
     STRATA_RETURN_IF_ERROR(m.forward(m.inputs, false));
     GroupView ev{};
@@ -1034,17 +1055,18 @@ Result<double> Trainer::evaluate() {
       }
     }
   }
-  // Hugging Face Trainer's eval_loss: the mean of each batch's own mean loss
-  // (every batch holds N*b windows). A batch with no counted target is left
-  // out (transformers would make the whole figure NaN).
-  double sum = 0;
-  uint64_t counted = 0;
-  for (const LossStats& b : batches) {
-    if (b.count == 0) continue;
-    sum += b.mean();
-    ++counted;
+  // Hugging Face Trainer's eval_loss (one process, batch N*b): each batch's
+  // mean loss over its counted targets, weighted by the windows it holds. A
+  // batch with no counted target has a NaN loss there, which the Trainer
+  // leaves out (logging_nan_inf_filter); so does this.
+  double sum = 0, weight = 0;
+  for (uint64_t j = 0; j < n; ++j) {
+    if (batches[j].count == 0) continue;
+    const double held = static_cast<double>(std::min<uint64_t>(global_batch, windows - j * global_batch));
+    sum += held * batches[j].mean();
+    weight += held;
   }
-  return counted ? sum / static_cast<double>(counted) : 0.0;
+  return weight > 0 ? sum / weight : 0.0;
 }
 
 Status Trainer::save_checkpoint(const std::string& dir) {

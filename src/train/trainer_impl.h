@@ -178,6 +178,7 @@ struct Trainer::Impl {
   Status alloc_buffers();
   Status open_metrics();
   Status load_weights();
+  Status read_weights(uint32_t* crc);  // load_weights without the ranks' agreement
   Status resolve_lora();
   // A LoRA parameter's initial value: the adapter file's tensor or PEFT's init.
   Status lora_initial(const ParamSpec& ps, const std::vector<model::TensorInfo>& adapter, model::TensorReader& reader,
@@ -211,9 +212,10 @@ struct Trainer::Impl {
   std::string settings_json() const;
   // settings_json() and what else every rank must share (trainer_ranks.cpp).
   std::string rank_settings_json() const;
-  // N ranks: every rank loaded the same weights (a checksum of what each
-  // read), else kInvalidArgument naming the ranks that differ.
-  Status agree_on_weights(uint32_t crc);
+  // N ranks: every rank loaded its weights (`loaded`) and the same ones (a
+  // checksum of what each read), else kInvalidArgument naming the ranks
+  // that failed or differ. A collective: every rank calls it.
+  Status agree_on_weights(bool loaded, uint32_t crc);
   json stats_json() const;
 };
 

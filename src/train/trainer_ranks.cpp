@@ -34,14 +34,11 @@ std::string Trainer::Impl::rank_settings_json() const {
   // Not kept across a resume (they may change then), but the ranks run in
   // step: a rank that evaluates, saves or stops at other steps, or writes
   // elsewhere, would wait for the others until the timeout.
-  std::error_code ec;
-  const std::filesystem::path out = std::filesystem::absolute(opt.out_dir, ec);
   t["ranks"] = {{"steps", opt.steps},
                 {"eval_every", opt.eval_every},
                 {"eval_batches", opt.eval_batches},
                 {"save_every", opt.save_every},
                 {"keep", opt.keep},
-                {"out", ec ? opt.out_dir : out.lexically_normal().string()},
                 {"resume", !opt.resume_dir.empty()},
                 {"export_model", opt.export_model},
                 {"export_dtype", opt.export_dtype ? dtype_name(*opt.export_dtype) : "model"},
@@ -52,14 +49,23 @@ std::string Trainer::Impl::rank_settings_json() const {
   return t.dump();
 }
 
-Status Trainer::Impl::agree_on_weights(uint32_t crc) {
+Status Trainer::Impl::agree_on_weights(bool loaded, uint32_t crc) {
   if (world == 1) return {};
   std::vector<double> all;
-  const double mine = crc;
-  STRATA_RETURN_IF_ERROR(all_gather(&mine, 1, &all));
-  std::vector<uint32_t> differ;
-  for (uint32_t r = 1; r < world; ++r)
-    if (all[r] != all[0]) differ.push_back(r);
+  const double mine[2] = {loaded ? 1.0 : 0.0, static_cast<double>(crc)};
+  STRATA_RETURN_IF_ERROR(all_gather(mine, 2, &all));
+  if (!loaded) return {};  // this rank's own error says why
+  std::vector<uint32_t> failed, differ;
+  for (uint32_t r = 0; r < world; ++r) {
+    if (all[2 * r] == 0.0)
+      failed.push_back(r);
+    else if (all[2 * r + 1] != all[1] && all[0] != 0.0)
+      differ.push_back(r);
+  }
+  if (!failed.empty())
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("rank{} {} could not load the model's weights (its error says why)",
+                              failed.size() > 1 ? "s" : "", fmt::join(failed, ", ")));
   if (differ.empty()) return {};
   return Status(StatusCode::kInvalidArgument,
                 fmt::format("the weights loaded by rank{} {} differ from rank 0's (checksums of what each read; rank {} "
@@ -121,7 +127,12 @@ Status Trainer::Impl::join_ranks() {
                               comm->backend_name(), comm->rank(), comm->world_size(), rank, world));
   const std::string settings = rank_settings_json();
   std::string text;
-  if (rank == 0) text = json{{"run_id", run_dir->run_id()}, {"resume_from", resume_from}, {"settings", settings}}.dump();
+  if (rank == 0)
+    text = json{{"run_id", run_dir->run_id()},
+                {"resume_from", resume_from},
+                {"settings", settings},
+                {"out_holder", run_dir->holder()}}
+               .dump();
   uint64_t len = text.size();
   auto bcast = [&](void* p, size_t n) -> Status {
     return comm::broadcast_host(*comm, stream, p, n, 0, comm_staging);
@@ -141,6 +152,22 @@ Status Trainer::Impl::join_ranks() {
   if (differs)
     return Status(StatusCode::kInvalidArgument,
                   "another rank's settings differ from this rank's (that rank's error shows both)");
+  // Every rank writes its shard of each checkpoint into OUT: it must be rank
+  // 0's directory (the same one, on a filesystem they share), whatever path
+  // leads there on this host. Rank 0's lock file says who holds it.
+  const std::string holder = j["out_holder"].get<std::string>();
+  const std::string seen = rank == 0 ? holder : RunDir::read_holder(opt.out_dir);
+  const bool same_out = seen == holder;
+  STRATA_ASSIGN_OR_RETURN(bool other_out, any_rank(!same_out));
+  if (!same_out)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("rank {}: --out {} is not rank 0's out dir: its lock file {} {}, rank 0's says \"{}\"; "
+                              "every rank must write into the same directory, on a filesystem they share",
+                              rank, opt.out_dir, RunDir::lock_path(opt.out_dir),
+                              seen.empty() ? "is missing" : "says \"" + seen + "\"", holder));
+  if (other_out)
+    return Status(StatusCode::kInvalidArgument,
+                  "another rank does not see this rank's out dir (that rank's error says which)");
   if (rank != 0) {
     run_id = j["run_id"].get<std::string>();
     resume_from = j["resume_from"].get<std::string>();

@@ -288,5 +288,14 @@ fi
 rc=$?
 ((rc != 0)) || fail "a rank with another model: exit 0"
 [[ $out == *"weights loaded by rank 1 differ from rank 0's"* ]] || fail "a rank with another model: $out"
+# Another out dir on one rank (its checkpoint shards would go elsewhere): refused at the start
+if [[ $kind == mpi ]]; then
+  out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e7" : \
+    -np 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e7b" 2>&1)
+else
+  out=$(timeout 120 "${launch[@]}" 2 bash -c '"$0" finetune "${@:2}" --out "$1/e7$([[ $RANK == 1 ]] && echo b)"' \
+    "$strata" "$dir" "${common[@]}" --steps 2 --batch 2 2>&1)
+fi
+[[ $out == *"--out $dir/e7b is not rank 0's out dir"* ]] || fail "a rank with another --out: $out"
 
 cli_finish "finetune over $kind ranks"
