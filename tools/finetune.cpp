@@ -154,8 +154,9 @@ void run_finetune(const FinetuneFlags& f) {
   if (r->initial_val_loss >= 0)
     std::printf(", validation loss %.4f -> %.4f", r->initial_val_loss, r->final_val_loss);
   if (r->initial_val_loss >= 0 && r->export_rounds)
-    std::printf(" (of the %s weights trained; %s holds them rounded to %s)", dtype_name(r->trained_dtype),
-                r->exported_model.c_str(), dtype_name(r->exported_dtype));
+    std::printf(" (of the %s weights trained%s; %s holds them %srounded to %s)", dtype_name(r->trained_dtype),
+                r->export_merged ? " and fp32 adapters" : "", r->exported_model.c_str(),
+                r->export_merged ? "merged and " : "", dtype_name(r->exported_dtype));
   std::printf("\n");
 }
 

@@ -247,6 +247,7 @@ struct TrainResult {
   // validation loss was computed with (an fp32 run exported to bf16/fp16).
   DType exported_dtype = DType::kF32, trained_dtype = DType::kF32;  // the latter: the compute copies'
   bool export_rounds = false;
+  bool export_merged = false;  // LoRA adapters merged into the exported model
   std::string exported_adapter; // LoRA: the PEFT adapter directory written at the end
 };
 

@@ -245,7 +245,10 @@ class Trainer::Run {
     res_.exported_model = dir;
     res_.exported_dtype = dt;
     res_.trained_dtype = m_.compute_dtype;
-    res_.export_rounds = dtype_size(dt) < dtype_size(m_.compute_dtype);
+    // LoRA merged: W + s B A is rounded as a whole, where the evaluation added
+    // the fp32 adapters' output to the base's.
+    res_.export_merged = m_.opt.lora.enabled();
+    res_.export_rounds = dtype_size(dt) < dtype_size(m_.compute_dtype) || (res_.export_merged && dt != DType::kF32);
     progress_.say(fmt::format("exported the {}model ({}) to {}", m_.opt.lora.enabled() ? "merged " : "",
                               dtype_name(dt), dir));
     return {};

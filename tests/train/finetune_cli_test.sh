@@ -200,6 +200,13 @@ fi
 left=$(find "$dir/nvme" -type f | head -3)
 [[ -z $left ]] || echo "note: files left in the NVMe dir (from the killed job): $left"
 
+# A reader that went away (`strata finetune | tee log`, Ctrl-C ending tee too; here a
+# reader that reads nothing): the writes fail, the run still finishes and exports, it is
+# not killed by SIGPIPE (exit 141, nothing saved).
+"$strata" finetune "${common[@]}" --steps 2 --log-every 1 --out "$dir/pipe" 2>&1 | true
+rc=${PIPESTATUS[0]}
+[[ $rc -eq 0 && -e $dir/pipe/model/config.json ]] || fail "finetune writing into a closed pipe: exit $rc (141: SIGPIPE)"
+
 # A tiny stack limit: refused with a message (a SIGSEGV in Eigen's GEMM once);
 # a soft limit the hard one lets it raise is raised.
 out=$( (ulimit -s 128; "$strata" finetune "${common[@]}" --steps 1 --out "$dir/stack1" 2>&1); echo "rc=$?")
