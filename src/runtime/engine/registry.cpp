@@ -7,12 +7,14 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
 #include <random>
 #include <unistd.h>
 
+#include "common/crc32c.h"
 #include "common/log.h"
 #include "common/units.h"
 
@@ -177,20 +179,56 @@ Status Registry::validate() {
   return {};
 }
 
+// N ranks: how many run on this host (this one included), from an
+// all-gather of a host id (the host name and the kernel's boot id). A
+// collective: every rank calls it.
+Result<uint32_t> Registry::ranks_on_this_host() {
+  char name[256] = {};
+  (void)::gethostname(name, sizeof(name) - 1);
+  std::string id = name;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char boot[64] = {};
+    if (std::fgets(boot, sizeof(boot), f)) id += boot;
+    std::fclose(f);
+  }
+  const double mine = static_cast<double>(crc32c(id.data(), id.size()));
+  std::vector<double> all(world, 0.0);
+  STRATA_ASSIGN_OR_RETURN(DeviceStream * s, dev->create_stream("strata host census"));
+  Status st = comm::all_gather_host(*comm, s, &mine, all.data(), sizeof(double), {});
+  Status gone = dev->destroy_stream(s);
+  STRATA_RETURN_IF_ERROR(st.with_context("engine: counting the ranks on this host"));
+  STRATA_RETURN_IF_ERROR(gone);
+  return static_cast<uint32_t>(std::count(all.begin(), all.end(), mine));
+}
+
 // Budgets left at 0 ("detect") are measured; the plan must keep master,
-// optimizer states and gradients off the device.
+// optimizer states and gradients off the device. N ranks on one host share
+// its RAM and its drives: a host budget or NVMe free space detected here is
+// this rank's share of it (a budget given is this rank's own).
 Status Registry::make_plan_for_budgets() {
   PlanBudgets b;
   const PlanBudgets& ov = options.budgets_override;
+  uint32_t local = 1;
+  if (world > 1) {
+    STRATA_ASSIGN_OR_RETURN(local, ranks_on_this_host());
+    local = std::max<uint32_t>(local, 1);
+  }
   b.device_bytes = ov.device_bytes ? ov.device_bytes
                                    : (cfg.strata.device_memory ? cfg.strata.device_memory : dev->memory_stats().budget);
-  b.host_bytes =
-      ov.host_bytes ? ov.host_bytes : (cfg.strata.host_memory ? cfg.strata.host_memory : host_memory_available());
+  if (ov.host_bytes || cfg.strata.host_memory) {
+    b.host_bytes = ov.host_bytes ? ov.host_bytes : cfg.strata.host_memory;
+  } else {
+    b.host_bytes = host_memory_available() / local;
+    if (local > 1)
+      log_info("engine: host budget {} (MemAvailable shared by the {} ranks on this host)",
+               format_bytes(b.host_bytes), local);
+  }
   b.pinned_bytes = ov.pinned_bytes ? ov.pinned_bytes : cfg.strata.pinned_memory;
   b.nvme = !ov.nvme.empty() ? ov.nvme : cfg.nvme_dirs();
   for (auto& d : b.nvme) {
     if (d.capacity == 0) {
       STRATA_ASSIGN_OR_RETURN(d.capacity, free_space(d.path));
+      d.capacity /= local;  // the ranks here may share the drive; a conservative share
     }
   }
   PlanOptions po = plan_options_from_config(cfg);

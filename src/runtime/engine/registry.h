@@ -198,6 +198,7 @@ struct Registry {
   Result<std::string> agree_run_name();
   Status validate();
   Status make_plan_for_budgets();
+  Result<uint32_t> ranks_on_this_host();
   void list_params_and_groups();
 };
 
