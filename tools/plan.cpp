@@ -86,6 +86,7 @@ struct PlanCliOptions {
   double h2d_gbps = 0, d2h_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0;
   double cpu_adam_params_per_s = 0, gpu_tflops = 0;
   uint32_t world_size = 0;  // 0: the config's (1)
+  uint32_t ranks_per_host = 0;  // 0: every rank on this host
   CLI::Option* batch_opt = nullptr;
   double link_gbps = 0;
   std::string measure_size = "256MiB";
@@ -96,8 +97,13 @@ struct PlanCliOptions {
   bool json = false;
 };
 
+// --json: every refusal is also one JSON object on stdout, so a script
+// reading it never gets nothing.
+bool json_errors = false;
+
 int fail(const std::string& msg) {
   std::fprintf(stderr, "strata plan: %s\n", msg.c_str());
+  if (json_errors) std::printf("%s\n", nlohmann::json({{"fits", false}, {"error", msg}}).dump(2).c_str());
   return 1;
 }
 
@@ -323,6 +329,7 @@ json plan_json(const Plan& plan) {
 }
 
 int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
+  json_errors = o.json;
   for (auto [v, flag] : {std::pair{o.h2d_gbps, "--h2d-gbps"},
                          {o.d2h_gbps, "--d2h-gbps"},
                          {o.nvme_read_gbps, "--nvme-read-gbps"},
@@ -369,10 +376,15 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
   if (o.batch == 0) return fail("--batch must be at least 1");
   if (o.seq == 0) return fail("--seq must be at least 1");
   if (o.batch > (1ull << 20) || o.seq > (1ull << 24)) return fail("--batch or --seq is implausibly large");
+  // What strata finetune would refuse is not planned.
+  if (Status st = model::check_sequence_length(*lc, o.seq, o.model); !st.ok()) return fail(st.message());
   // N ranks: rank 0's shard (every rank's is the same size but the last's,
   // which is no larger).
   const uint32_t world = o.world_size > 0 ? o.world_size : ds.strata.world_size;
   if (world > (1u << 20)) return fail("--world-size is implausibly large");
+  // The ranks sharing this host's RAM and drives: what is detected here is
+  // split between them, as the engine splits it (a budget given is per rank).
+  const uint32_t per_host = o.ranks_per_host > 0 ? std::min(o.ranks_per_host, world) : world;
   {
     // The micro-batch and accumulation strata finetune takes: the flags, else
     // the config's DeepSpeed batch keys (train_batch_size with the ranks).
@@ -444,8 +456,13 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
   } else {
     budgets.host_bytes = available_memory();
     if (budgets.host_bytes == 0) return fail("--host-mem is required (MemAvailable is unknown here)");
-    notes.push_back(fmt::format("host budget: MemAvailable here, {} (set --host-mem to plan for another machine)",
-                                format_bytes(budgets.host_bytes)));
+    notes.push_back(fmt::format("host budget: MemAvailable here, {}{} (set --host-mem to plan for another machine)",
+                                format_bytes(budgets.host_bytes / per_host),
+                                per_host > 1 ? fmt::format(", a 1/{} share for each of the {} ranks on this host "
+                                                           "(--ranks-per-host)",
+                                                           per_host, per_host)
+                                             : ""));
+    budgets.host_bytes /= per_host;
   }
   if (!o.pinned_mem.empty()) {
     auto b = parse_bytes(o.pinned_mem);
@@ -478,9 +495,10 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
     struct statvfs vfs {};
     if (::statvfs(d.path.c_str(), &vfs) != 0)
       return fail(fmt::format("statvfs of {} failed: {}", d.path, std::strerror(errno)));
-    d.capacity = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
-    notes.push_back(fmt::format("{}: {} free here (set --nvme-capacity to plan for another size)", d.path,
-                                format_bytes(d.capacity)));
+    d.capacity = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize / per_host;
+    notes.push_back(fmt::format("{}: {} free here{} (set --nvme-capacity to plan for another size)", d.path,
+                                format_bytes(d.capacity),
+                                per_host > 1 ? fmt::format(", each of the {} ranks on this host's share", per_host) : ""));
   }
 
   // The device reserve: what strata finetune holds beside the placement at
@@ -535,7 +553,6 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
       what += fmt::format(" (the {} reserve is mostly strata finetune's activations for batch {} x seq {}: a "
                           "smaller --batch or --seq lowers it)",
                           format_bytes(options.device_reserve), o.batch, o.seq);
-    if (o.json) std::printf("%s\n", json({{"fits", false}, {"error", what}}).dump(2).c_str());
     return fail(what);
   }
 
@@ -774,6 +791,9 @@ void register_plan(CLI::App& app) {
   cmd->add_option("--world-size", o->world_size,
                   "Data-parallel ranks (each rank holds 1/N of every state; with zero_optimization.stage 1 or 2 the "
                   "parameters stay whole on every rank; default 1, or the config's)");
+  cmd->add_option("--ranks-per-host", o->ranks_per_host,
+                  "Ranks sharing one host (default: all --world-size, as mpirun -np N here): the host memory and "
+                  "NVMe space detected are split between them; --host-mem and --nvme-capacity are per rank");
   cmd->add_option("--link-gbps", o->link_gbps,
                   "GB/s one rank sends to the others (default: assumed 12.5, a 100 Gb/s network)");
   cmd->add_option("--gpu-tflops", o->gpu_tflops,
@@ -797,8 +817,8 @@ void register_plan(CLI::App& app) {
   // Given, each must be positive: 0 is no setting (it used to mean "the
   // default" without a word).
   for (const char* name : {"--batch", "--seq", "--grad-accum", "--h2d-gbps", "--d2h-gbps", "--nvme-read-gbps",
-                           "--nvme-write-gbps", "--cpu-adam-params-per-s", "--world-size", "--link-gbps",
-                           "--gpu-tflops"})
+                           "--nvme-write-gbps", "--cpu-adam-params-per-s", "--world-size", "--ranks-per-host",
+                           "--link-gbps", "--gpu-tflops"})
     cmd->get_option(name)->check(CLI::Validator(
         [](std::string& v) {
           char* end = nullptr;

@@ -47,6 +47,16 @@ LlamaShape LlamaConfig::shape() const {
   return s;
 }
 
+Status check_sequence_length(const LlamaConfig& c, uint64_t seq, const std::string& where) {
+  if (!c.sliding_window || seq <= *c.sliding_window) return {};
+  return Status(StatusCode::kInvalidArgument,
+                fmt::format("model {}: config.json \"sliding_window\" is {}, shorter than the sequence length {}: {} "
+                            "attends only to the last {} tokens there, and Strata does not implement sliding-window "
+                            "attention; use --seq {} or less",
+                            where, *c.sliding_window, seq, model_arch_class(c.arch), *c.sliding_window,
+                            *c.sliding_window));
+}
+
 Status validate_llama_config(const LlamaConfig& c) {
   auto bad = [](const char* key, const std::string& why) {
     return Status(StatusCode::kInvalidArgument, fmt::format("llama config: \"{}\" {}", key, why));

@@ -80,6 +80,11 @@ struct LlamaConfig {
 // positive and finite.
 Status validate_llama_config(const LlamaConfig& c);
 
+// A sequence of `seq` tokens within the model's sliding window (Strata does
+// not implement sliding-window attention: a longer one would change the
+// math), else kInvalidArgument naming `where` (the model) and the window.
+Status check_sequence_length(const LlamaConfig& c, uint64_t seq, const std::string& where);
+
 // Parses config.json text. `source` (a path) prefixes messages. Errors
 // (kInvalidArgument / kCorrupt for bad JSON) name the key: missing required
 // key, wrong type, a model_type other than "llama"/"mistral" or architectures

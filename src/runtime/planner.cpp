@@ -311,13 +311,16 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
   const uint64_t usable = sub0(budgets.device_bytes, opt.device_reserve);
   const std::string usable_text = fmt::format("{} is usable ({} minus the {} reserve)", format_bytes(usable),
                                               format_bytes(budgets.device_bytes), format_bytes(opt.device_reserve));
+  // How much more device budget `need` takes: past the reserve too, which
+  // `usable` (never below 0) hides when the budget is under it.
+  auto dev_short = [&](uint64_t need) { return format_bytes(sub0(need + opt.device_reserve, budgets.device_bytes)); };
   const auto dev_forced_by = forced_on(Tier::kDevice);
   const uint64_t dev_forced = sum(dev_forced_by);
   if (dev_forced > usable)
     return out_of_budget(
         fmt::format("device: {} by group overrides but {}: {} short; raise the device budget or "
                     "move groups off the device",
-                    needs(dev_forced_by), usable_text, format_bytes(dev_forced - usable)));
+                    needs(dev_forced_by), usable_text, dev_short(dev_forced)));
   uint64_t auto_compute = 0;
   bool some_compute_off_device = false;
   for (const auto& g : plan.groups) {
@@ -346,15 +349,14 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
         "device: zero_optimization.stage 1 with {} ranks sums each rank's whole gradient on the device ({} fp32) "
         "but {}: {} short; use stage 2 (gradients reduce-scattered every micro-batch, 1/{} on each rank) or raise "
         "the device budget",
-        ws, format_bytes(plan.local_grad_bytes), usable_text, format_bytes(dev_forced + plan.local_grad_bytes - usable),
-        ws));
+        ws, format_bytes(plan.local_grad_bytes), usable_text, dev_short(dev_forced + plan.local_grad_bytes), ws));
   if (dev_forced + plan.local_grad_bytes + plan.device_buffers > usable)
     return out_of_budget(fmt::format(
         "device: working buffers need {} ({} x the largest group, {}: {} in use, {} prefetched){} but {}: {} short; "
         "lower strata.prefetch_depth, strata.held_groups or strata.device_reserve, or raise the device budget",
         format_bytes(plan.device_buffers), held + depth, format_bytes(max_gathered), held, depth,
         dev_forced ? fmt::format(" on top of {} placed by overrides", format_bytes(dev_forced)) : "", usable_text,
-        format_bytes(dev_forced + plan.local_grad_bytes + plan.device_buffers - usable)));
+        dev_short(dev_forced + plan.local_grad_bytes + plan.device_buffers)));
   // N ranks (not stage 1, whose sums live in local_grad_bytes and are
   // reduce-scattered from there): the reduce-scatters' send buffers, one
   // group's worth when they fit (backward runs ahead of its reduce-scatters),
@@ -379,7 +381,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
           "device: the gradients' reduce-scatter needs {} ({} ranks x a {}-element piece, plus one) on top of {} "
           "but {}: {} short; raise the device budget or lower strata.device_reserve",
           format_bytes(plan.reduce_buffers), ws, plan.grad_piece_elems, format_bytes(taken), usable_text,
-          format_bytes(taken + plan.reduce_buffers - usable)));
+          dev_short(taken + plan.reduce_buffers)));
   }
   uint64_t dev_free = sub0(usable, dev_forced + plan.local_grad_bytes + plan.device_buffers + plan.reduce_buffers);
   for (auto& g : plan.groups) {
@@ -759,12 +761,18 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
   // update, writes) takes the cores that compute (measured on the demo, 2
   // cores: the pipelined step hid 2.4 ms of its 9.3 ms; BENCHMARKS.md).
   const double hideable_s = work.shared_cores ? 0.0 : e.optimizer_step_s;
+  // The step's NVMe traffic shares the drives with the forward's and
+  // backward's: while those keep the drives busy, a step that waits for the
+  // drives hides only in their idle share of the window.
+  const double drives_busy =
+      e.forward_backward_s > 0 ? std::min(1.0, e.nvme_fb_s / e.forward_backward_s) : 0.0;
+  const double window_share = e.nvme_step_s >= update_s && e.nvme_step_s > 0 ? 1.0 - drives_busy : 1.0;
 
   if (work.overlap_backward) {
     // Backward is 4 of 6 (or 6 of 8 with recompute) FLOP units of a
     // micro-batch; only the last micro-batch's backward can hide the step.
     const double bwd_share = work.activation_checkpointing ? 6.0 / 8.0 : 4.0 / 6.0;
-    const double window = e.forward_backward_s / m * bwd_share;
+    const double window = e.forward_backward_s / m * bwd_share * window_share;
     e.overlap_saved_s = std::min(window, hideable_s);
   } else if (work.pipelined_step && plan.world_size == 1) {
     // Every group's update is queued in order; the next forward's first
@@ -778,7 +786,7 @@ Result<StepTimeEstimate> predict_step_time(const Plan& plan, const Bandwidths& b
     }
     const double share = all ? static_cast<double>(all - first) / static_cast<double>(all) : 0.0;
     const double fwd_share = work.activation_checkpointing ? 2.0 / 8.0 : 2.0 / 6.0;
-    e.pipelined_saved_s = std::min(e.forward_backward_s / m * fwd_share, hideable_s * share);
+    e.pipelined_saved_s = std::min(e.forward_backward_s / m * fwd_share * window_share, hideable_s * share);
   }
   e.total_s = e.forward_backward_s + e.optimizer_step_s - e.overlap_saved_s - e.pipelined_saved_s;
 

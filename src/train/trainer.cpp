@@ -157,13 +157,7 @@ Status Trainer::Impl::open_model() {
              "attention probabilities in training mode)",
              mc.attention_dropout);
   if (Status st = dims.validate(); !st.ok()) return st.with_context("model " + opt.model_dir);
-  if (mc.sliding_window && static_cast<uint64_t>(seq) > *mc.sliding_window)
-    return Status(StatusCode::kInvalidArgument,
-                  fmt::format("model {}: config.json \"sliding_window\" is {}, shorter than the sequence length {}: "
-                              "{} attends only to the last {} tokens there, and Strata does not implement "
-                              "sliding-window attention; use --seq {} or less",
-                              opt.model_dir, *mc.sliding_window, seq, model::model_arch_class(mc.arch),
-                              *mc.sliding_window, *mc.sliding_window));
+  STRATA_RETURN_IF_ERROR(model::check_sequence_length(mc, static_cast<uint64_t>(seq), opt.model_dir));
   if (static_cast<uint64_t>(seq) > mc.max_position_embeddings)
     log_warn("sequence length {} is longer than the model's max_position_embeddings {}", seq,
              mc.max_position_embeddings);

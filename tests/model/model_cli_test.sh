@@ -132,6 +132,15 @@ done
 expect_error "--device cpu --no-measure: give --gpu-tflops" --model "$cfg70" --gpu-mem 24GiB --device cpu --no-measure
 expect_error "--threads must be 0 (all) or more" --model "$cfg70" --gpu-mem 24GiB --device cpu --threads -2
 expect_error "--device" --model "$cfg70" --gpu-mem 24GiB --device tpu
+# What strata finetune refuses is not planned: a sequence past a Mistral's sliding window
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.update(model_type="mistral", architectures=["MistralForCausalLM"], sliding_window=4096); json.dump(c, open(sys.argv[2], "w"))' \
+  "$cfg70" "$dir/mistral-sw.json"
+expect_error '"sliding_window" is 4096, shorter than the sequence length 8192' --model "$dir/mistral-sw.json" \
+  --gpu-mem 80GiB --host-mem 256GiB --no-measure --seq 8192
+# --json: a refusal is a JSON object on stdout too, never nothing
+out=$("$strata" plan --model "$dir/missing/config.json" --gpu-mem 24GiB --json 2>/dev/null)
+python3 -c 'import json, sys; j = json.loads(sys.argv[1]); assert j["fits"] is False and "config.json" in j["error"], j' "$out" ||
+  fail "plan --json on a missing config printed: $out"
 
 # ---- plan --device cpu (the host backend): copies are memcpys, measured, and
 # add to the CPU's compute instead of overlapping it.

@@ -212,6 +212,14 @@ TEST(Planner, RefusalSaysWhatIsShortAndByHowMuch) {
             "device: working buffers need 4.0 MiB (2 x the largest group, 2.0 MiB: 1 in use, 1 prefetched) but "
             "3.0 MiB is usable (3.0 MiB minus the 0 B reserve): 1.0 MiB short; lower strata.prefetch_depth, "
             "strata.held_groups or strata.device_reserve, or raise the device budget");
+  // A budget under the reserve: short by the buffers plus what the reserve takes beyond it
+  // (4 + 5 - 3 MiB; "4 MiB", the buffers minus nothing usable, would still not fit).
+  PlanOptions reserved = small_options();
+  reserved.device_reserve = 5 * kMiB;
+  EXPECT_EQ(refusal(m, tiny, reserved),
+            "device: working buffers need 4.0 MiB (2 x the largest group, 2.0 MiB: 1 in use, 1 prefetched) but "
+            "0 B is usable (3.0 MiB minus the 5.0 MiB reserve): 6.0 MiB short; lower strata.prefetch_depth, "
+            "strata.held_groups or strata.device_reserve, or raise the device budget");
   // Each group held at once beyond the first is one more buffer.
   PlanOptions held3 = small_options();
   held3.held_groups = 3;
@@ -698,12 +706,32 @@ TEST(Planner70B, PredictedStepTime) {
   EXPECT_EQ(e->bottleneck, "NVMe (optimizer step)");
   EXPECT_NE(e->report().find("bottleneck: NVMe (optimizer step)"), std::string::npos);
 
+  // Forward and backward keep the drives busy all along here (bound by NVMe),
+  // and the step waits for them too: no part of it hides under either.
+  EXPECT_EQ(e->forward_backward_s, e->nvme_fb_s);
+  for (bool overlap : {true, false}) {
+    Workload h = w;
+    h.overlap_backward = overlap;
+    h.pipelined_step = !overlap;
+    auto none = predict_step_time(p, bw, h);
+    ASSERT_TRUE(none.ok());
+    EXPECT_EQ(none->overlap_saved_s + none->pipelined_saved_s, 0.0) << overlap;
+  }
+  // A GPU 20x slower: compute-bound forward and backward, the drives idle for
+  // part of them.
+  bw.gpu_flops = 15e12;
+  e = predict_step_time(p, bw, w);
+  ASSERT_TRUE(e.ok());
   // Overlap with backward hides at most the last backward (6/8 of compute here,
-  // one micro-batch).
+  // one micro-batch), and of it only the share in which forward and backward
+  // leave the drives idle (this step waits for NVMe).
+  const double idle = 1.0 - std::min(1.0, e->nvme_fb_s / e->forward_backward_s);
+  ASSERT_GT(idle, 0.0);
+  ASSERT_LT(idle, 1.0);
   w.overlap_backward = true;
   auto o = predict_step_time(p, bw, w);
   ASSERT_TRUE(o.ok());
-  EXPECT_NEAR(o->overlap_saved_s, std::min(o->forward_backward_s * 0.75, o->optimizer_step_s), 1e-9);
+  EXPECT_NEAR(o->overlap_saved_s, std::min(o->forward_backward_s * 0.75 * idle, o->optimizer_step_s), 1e-9);
   EXPECT_NEAR(o->total_s, e->total_s - o->overlap_saved_s, 1e-9);
 
   // A pipelined step hides at most the next forward (2/8 of a micro-batch
@@ -722,7 +750,8 @@ TEST(Planner70B, PredictedStepTime) {
   const uint64_t queued = all - p.groups.front().trainable_shard_numel;
   ASSERT_GT(queued, 0u);
   EXPECT_NEAR(pl->pipelined_saved_s,
-              std::min(pl->forward_backward_s * 0.25, pl->optimizer_step_s * double(queued) / double(all)), 1e-9);
+              std::min(pl->forward_backward_s * 0.25 * idle, pl->optimizer_step_s * double(queued) / double(all)),
+              1e-9);
   EXPECT_GT(pl->pipelined_saved_s, 0.0);
   EXPECT_NEAR(pl->total_s, e->total_s - pl->pipelined_saved_s, 1e-9);
   EXPECT_NE(pl->report().find("hidden under the next forward"), std::string::npos);
