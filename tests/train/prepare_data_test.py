@@ -20,6 +20,7 @@ under STRATA_REQUIRE_REFERENCE=1).
 """
 import json
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -268,18 +269,20 @@ def main():
     r = run([sys.executable, prep, "--tokenizer", model, "--out", pre, big])
     check(r.returncode == 0, f"prepare_data on 40 conversations: {r.stdout.strip()}")
     seq, batch = 32, 2
-    r = run([strata, "finetune", "--model", model, "--data", pre + ".u32", "--data-format", "u32", "--loss-mask",
-             pre + ".mask", "--val-fraction", "0.5", "--seq", str(seq), "--batch", str(batch), "--eval-batches", "1",
-             "--steps", "1", "--out", os.path.join(w, "ft"), "--device", "cpu", "--offload-params", "cpu",
-             "--offload-optimizer", "cpu", "--progress", "quiet"])
-    check(r.returncode == 0, f"strata finetune --loss-mask runs ({r.stderr.strip()[-300:]})")
-    got = None
-    if r.returncode == 0:
-        for line in open(os.path.join(w, "ft", "metrics.jsonl")):
-            e = json.loads(line)
-            if e.get("event") == "eval":
-                got = e["val_loss"]
-                break
+
+    def first_val_loss(what, out, *flags, bs=batch):
+        """Runs one step of strata finetune on the conversations; its first validation loss (None if it failed)."""
+        r = run([strata, "finetune", "--model", model, "--data", pre + ".u32", "--loss-mask", pre + ".mask",
+                 "--val-fraction", "0.5", "--batch", str(bs), "--steps", "1", "--out", os.path.join(w, out),
+                 "--device", "cpu", "--offload-params", "cpu", "--offload-optimizer", "cpu", "--progress", "quiet",
+                 *flags])
+        check(r.returncode == 0, f"strata finetune {what} runs ({r.stderr.strip()[-300:]})")
+        if r.returncode != 0:
+            return None
+        return next(json.loads(line)["val_loss"] for line in open(os.path.join(w, out, "metrics.jsonl"))
+                    if json.loads(line).get("event") == "eval")
+
+    got = first_val_loss("--loss-mask", "ft", "--seq", str(seq), "--eval-batches", "1")
     ids = torch.frombuffer(bytearray(open(pre + ".u32", "rb").read()), dtype=torch.int32).to(torch.int64)
     m = torch.frombuffer(bytearray(open(pre + ".mask", "rb").read()), dtype=torch.uint8).to(torch.bool)
     n = len(ids)
@@ -301,43 +304,45 @@ def main():
 
     # --documents: windows inside one conversation each, right-padded, against transformers' per-example batch
     # (padding with attention_mask 0 and labels -100, as TRL's SFT without packing).
-    docs = list(__import__("struct").unpack(f"<{os.path.getsize(pre + '.docs') // 8}Q", open(pre + ".docs", "rb").read()))
+    docs = list(struct.unpack(f"<{os.path.getsize(pre + '.docs') // 8}Q", open(pre + ".docs", "rb").read()))
     check(len(docs) == 40 and docs[0] == 0 and docs == sorted(set(docs)), f"PREFIX.docs holds the 40 starts ({docs[:4]})")
     seq = 64
-    r = run([strata, "finetune", "--model", model, "--data", pre + ".u32", "--loss-mask", pre + ".mask", "--documents",
-             pre + ".docs", "--val-fraction", "0.5", "--seq", str(seq), "--batch", str(batch), "--eval-batches", "2",
-             "--steps", "1", "--out", os.path.join(w, "ftd"), "--device", "cpu", "--offload-params", "cpu",
-             "--offload-optimizer", "cpu", "--progress", "quiet"])
-    check(r.returncode == 0, f"strata finetune --documents runs ({r.stderr.strip()[-300:]})")
-    got = None
-    if r.returncode == 0:
-        for line in open(os.path.join(w, "ftd", "metrics.jsonl")):
-            e = json.loads(line)
-            if e.get("event") == "eval":
-                got = e["val_loss"]
-                break
+    got = first_val_loss("--documents", "ftd", "--documents", pre + ".docs", "--seq", str(seq), "--eval-batches", "2")
     first_val = next(i for i, d in enumerate(docs) if d >= n - v)
     ends = docs[1:] + [n]
-    examples = [(ids[docs[i]:min(ends[i], docs[i] + seq + 1)], m[docs[i]:min(ends[i], docs[i] + seq + 1)])
-                for i in range(first_val, first_val + 2 * batch)]
-    check(all(len(e) <= seq + 1 for e, _ in examples), "each validation conversation fits one window")
-    losses = []
-    for k in range(0, len(examples), batch):  # Hugging Face's eval loss: the mean of each batch's mean
-        part = examples[k:k + batch]
-        width = max(len(e) for e, _ in part)
-        x = torch.zeros(len(part), width, dtype=torch.int64)
-        am = torch.zeros(len(part), width, dtype=torch.int64)
-        labels = torch.full((len(part), width), -100, dtype=torch.int64)  # the model shifts them
-        for b, (e, em) in enumerate(part):
-            x[b, :len(e)] = e
-            am[b, :len(e)] = 1
-            labels[b, :len(e)] = torch.where(em, e, torch.full_like(e, -100))
-        with torch.no_grad():
-            losses.append(hf(input_ids=x, attention_mask=am, labels=labels).loss.item())
-    want_loss = sum(losses) / len(losses)
-    rel = abs(got - want_loss) / want_loss if got is not None else float("inf")
-    check(rel < 1e-6, f"--documents validation loss {got} equals transformers' padded per-example batches "
-                      f"{want_loss:.10f} (rel {rel:.2e})")
+    val_docs = [(ids[docs[i]:min(ends[i], docs[i] + seq + 1)], m[docs[i]:min(ends[i], docs[i] + seq + 1)])
+                for i in range(first_val, len(docs))]
+    check(all(len(e) <= seq + 1 for e, _ in val_docs), "each validation conversation fits one window")
+
+    def hf_eval_loss(examples, bs):
+        """The Hugging Face Trainer's eval_loss over `examples` in batches of `bs` (the last one smaller):
+        each batch's mean loss over its labels, weighted by its batch size (losses.repeat(batch_size))."""
+        total = weight = 0.0
+        for k in range(0, len(examples), bs):
+            part = examples[k:k + bs]
+            width = max(len(e) for e, _ in part)
+            x = torch.zeros(len(part), width, dtype=torch.int64)
+            am = torch.zeros(len(part), width, dtype=torch.int64)
+            labels = torch.full((len(part), width), -100, dtype=torch.int64)  # the model shifts them
+            for b, (e, em) in enumerate(part):
+                x[b, :len(e)] = e
+                am[b, :len(e)] = 1
+                labels[b, :len(e)] = torch.where(em, e, torch.full_like(e, -100))
+            with torch.no_grad():
+                total += len(part) * hf(input_ids=x, attention_mask=am, labels=labels).loss.item()
+            weight += len(part)
+        return total / weight
+
+    for bs, evals, label in ((batch, 2, "ftd"), (3, 100, "ftd3")):  # the second: every window, the last batch partial
+        if bs != batch:
+            got = first_val_loss("--documents --batch 3", label, "--documents", pre + ".docs", "--seq", str(seq),
+                                 "--eval-batches", str(evals), bs=bs)
+        shown = val_docs[:bs * evals]
+        want_loss = hf_eval_loss(shown, bs)
+        rel = abs(got - want_loss) / want_loss if got is not None else float("inf")
+        check(len(val_docs) % 3 != 0 and rel < 1e-6,
+              f"--documents validation loss {got} equals transformers' padded per-example batches of {bs} "
+              f"({len(shown)} windows) {want_loss:.10f} (rel {rel:.2e})")
 
     import shutil
     shutil.rmtree(w, ignore_errors=True)
