@@ -439,6 +439,8 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
     budgets.device_bytes = *b;
   } else if (ds.strata.device_memory) {
     budgets.device_bytes = ds.strata.device_memory;
+  } else if (o.device == "cpu") {
+    // Set with the reserve below, as strata finetune --device cpu sets it.
   } else if (auto gpu = this_gpu(); gpu.ok()) {
     budgets.device_bytes = gpu->free_bytes;
     notes.push_back(fmt::format("GPU budget: free memory of {} here, {} (set --gpu-mem to plan for another GPU)",
@@ -531,6 +533,12 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
       }
     }
     const uint64_t needed = z.reserve(workspace, o.device != "cpu" && world > 1 ? comm::kNcclDefaultScratch : 0);
+    if (budgets.device_bytes == 0) {  // --device cpu, no budget given: strata finetune's (trainer.cpp, use_host)
+      budgets.device_bytes = std::max<uint64_t>(1ull << 30, z.reserve_base + z.group_buffers) + z.extra;
+      notes.push_back(fmt::format("device budget {}: RAM, as strata finetune --device cpu sets it (the working set "
+                                  "at batch {} x seq {}; --gpu-mem sets another)",
+                                  format_bytes(budgets.device_bytes), o.batch, o.seq));
+    }
     const bool larger = ds.strata.device_reserve_given && ds.strata.device_reserve > needed;
     options.device_reserve = larger ? ds.strata.device_reserve : needed;
     notes.push_back(fmt::format("device reserve {}{}: strata finetune's fp32 gradient buffer {}, layer inputs and "

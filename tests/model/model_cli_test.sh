@@ -148,6 +148,10 @@ out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cp
   --seq 64 2>&1) || fail "plan --device cpu exited $?: $out"
 [[ $out == *"measured (memcpy of 64 MiB on one thread"* ]] || fail "plan --device cpu did not measure memcpy: $out"
 [[ $out == *"CPU compute"*" + host->device "*" + device->host "* ]] || fail "plan --device cpu does not add the copies: $out"
+# Without --gpu-mem the "device" (RAM) gets the budget strata finetune --device cpu gives it
+out=$("$strata" plan --model "$dir/m" --host-mem 8GiB --device cpu --gpu-tflops 0.1 --no-measure --batch 2 \
+  --seq 64 2>&1) || fail "plan --device cpu without --gpu-mem exited $?: $out"
+[[ $out == *"RAM, as strata finetune --device cpu sets it"* ]] || fail "plan --device cpu: no device budget note: $out"
 [[ $out == *"take the cores that compute"* ]] || fail "plan --device cpu does not say why: $out"
 # Without --gpu-tflops the CPU's rate is measured on the model's layer and head.
 out=$("$strata" plan --model "$dir/m" --gpu-mem 4GiB --host-mem 8GiB --device cpu --threads 1 --batch 2 --seq 64 \
