@@ -187,11 +187,12 @@ Status Trainer::Impl::open_data() {
 // The out dir (created, writable) and every NVMe directory (an existing,
 // writable directory) before hours of training depend on them.
 Status Trainer::Impl::check_output_dirs() {
-  STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir", &made_out_dirs));
-  // OUT: locked, a dead job's leftovers removed, and which run it continues
-  // decided now, before hours of work depend on it (run_dir.h). N ranks:
-  // rank 0 owns OUT and tells the others (join_ranks).
+  // OUT: made, locked, a dead job's leftovers removed, and which run it
+  // continues decided now, before hours of work depend on it (run_dir.h).
+  // N ranks: rank 0 owns OUT (and removes what it made if the start fails)
+  // and tells the others (join_ranks, which also checks they see it).
   if (rank == 0) {
+    STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir", &made_out_dirs));
     STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
     if (opt.resume_dir.empty()) {
       STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite));

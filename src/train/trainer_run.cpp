@@ -167,7 +167,7 @@ class Trainer::Run {
                       {"step", m_.step},
                       {"val_loss", v},
                       {"batches", eval_n_},
-                      {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro)},
+                      {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro) * m_.world},  // every rank's
                       {"seconds", seconds_since(t0)}}));
     progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
                               seconds_since(t0)));

@@ -288,6 +288,7 @@ fi
 rc=$?
 ((rc != 0)) || fail "a rank with another model: exit 0"
 [[ $out == *"weights loaded by rank 1 differ from rank 0's"* ]] || fail "a rank with another model: $out"
+[[ ! -e $dir/e6 ]] || fail "a refused start left its out dir: $(ls -A "$dir/e6")"
 # Another out dir on one rank (its checkpoint shards would go elsewhere): refused at the start
 if [[ $kind == mpi ]]; then
   out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e7" : \
@@ -297,5 +298,6 @@ else
     "$strata" "$dir" "${common[@]}" --steps 2 --batch 2 2>&1)
 fi
 [[ $out == *"--out $dir/e7b is not rank 0's out dir"* ]] || fail "a rank with another --out: $out"
+[[ ! -e $dir/e7 && ! -e $dir/e7b ]] || fail "a refused start left an out dir: $(ls -d "$dir"/e7*)"
 
 cli_finish "finetune over $kind ranks"
