@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <string>
+#include <string_view>
+
+#include <nlohmann/json.hpp>
 
 #include "cli_values.h"
 #include "commands.h"
@@ -48,6 +51,18 @@ bool enough_stack() {
   return false;
 }
 
+// Whether the command line is `strata plan ... --json` (looked at by hand:
+// the parser has just refused it).
+bool plan_wants_json(int argc, char** argv) {
+  if (argc < 2 || std::string_view(argv[1]) != "plan") return false;
+  for (int i = 2; i < argc; ++i) {
+    const std::string_view a = argv[i];
+    if (a == "--") return false;
+    if (a == "--json") return true;
+  }
+  return false;
+}
+
 }  // namespace
 }  // namespace strata::tools
 
@@ -86,7 +101,12 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     // --help and --version-like calls exit 0; every usage error exits 1.
-    return app.exit(e) == 0 ? 0 : 1;
+    const int rc = app.exit(e) == 0 ? 0 : 1;
+    // `strata plan --json` promises one JSON object on stdout whatever goes
+    // wrong, a misspelt flag or a bad value too.
+    if (rc != 0 && plan_wants_json(argc, argv))
+      std::printf("%s\n", nlohmann::json({{"fits", false}, {"error", e.what()}}).dump(2).c_str());
+    return rc;
   }
   if (version) {
     std::printf("%s", version_text().c_str());

@@ -141,6 +141,15 @@ expect_error '"sliding_window" is 4096, shorter than the sequence length 8192' -
 out=$("$strata" plan --model "$dir/missing/config.json" --gpu-mem 24GiB --json 2>/dev/null)
 python3 -c 'import json, sys; j = json.loads(sys.argv[1]); assert j["fits"] is False and "config.json" in j["error"], j' "$out" ||
   fail "plan --json on a missing config printed: $out"
+# ... and so is a flag the parser refuses (a misspelt flag, a bad number)
+for bad in --gpu-memory --layers-typo; do
+  out=$("$strata" plan --model "$cfg70" --json "$bad" 24GiB 2>/dev/null) && fail "plan --json $bad exited 0"
+  python3 -c 'import json, sys; j = json.loads(sys.argv[1]); assert j["fits"] is False and sys.argv[2] in j["error"], j' \
+    "$out" "$bad" || fail "plan --json with $bad printed: $out"
+done
+out=$("$strata" plan --model "$cfg70" --batch x1 --json 2>/dev/null) && fail "plan --batch x1 --json exited 0"
+python3 -c 'import json, sys; j = json.loads(sys.argv[1]); assert j["fits"] is False and "--batch" in j["error"], j' \
+  "$out" || fail "plan --json with --batch x1 printed: $out"
 
 # ---- plan --device cpu (the host backend): copies are memcpys, measured, and
 # add to the CPU's compute instead of overlapping it.
