@@ -430,6 +430,19 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
     }
     if (any_sliding) c.sliding_window = w;
   }
+  // A quantized checkpoint (bitsandbytes, GPTQ, AWQ, FP8, compressed-tensors):
+  // its weights are packed integers or scaled floats that transformers
+  // dequantizes through the named method; Strata trains float weights only.
+  if (auto it = root.find("quantization_config"); it != root.end() && !it->is_null()) {
+    std::string method = "?";
+    if (it->is_object())
+      if (auto m = it->find("quant_method"); m != it->end() && m->is_string()) method = m->get<std::string>();
+    return key_error(source, "quantization_config",
+                     fmt::format("is present (quant_method \"{}\"): Strata trains bf16, fp16 or fp32 weights, not "
+                                 "quantized ones; use the unquantized model (or dequantize it: transformers' "
+                                 "dequantize() then save_pretrained)",
+                                 clip_for_message(method, 100)));
+  }
   constexpr uint64_t k32 = UINT32_MAX;
   constexpr uint64_t kBig = uint64_t{1} << 40;
   uint64_t layers = 0, heads = 0, kv = 0;

@@ -365,6 +365,13 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
                "\"architectures\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"attention_bias":true,)" + base + "}"), "\"attention_bias\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":"gelu",)" + base + "}"), "\"hidden_act\"");
+  // A quantized checkpoint is refused by name (with or without its method).
+  expect_error(parse_llama_config(R"({"hidden_size":64,"quantization_config":{"quant_method":"bitsandbytes",)"
+                                  R"("load_in_4bit":true},)" + base + "}"),
+               "\"quantization_config\" is present (quant_method \"bitsandbytes\")");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"quantization_config":{},)" + base + "}"),
+               "\"quantization_config\" is present");
+  EXPECT_TRUE(parse_llama_config(R"({"hidden_size":64,"quantization_config":null,)" + base + "}").ok());
   // null: transformers cannot build it (ACT2FN[None]); not taken as the default.
   expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":null,)" + base + "}"), "\"hidden_act\" is null");
   expect_error(parse_llama_config(R"({"hidden_size":64,"rms_norm_eps":0,)" + base + "}"), "\"rms_norm_eps\"");

@@ -137,6 +137,10 @@ python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c.update(model_t
   "$cfg70" "$dir/mistral-sw.json"
 expect_error '"sliding_window" is 4096, shorter than the sequence length 8192' --model "$dir/mistral-sw.json" \
   --gpu-mem 80GiB --host-mem 256GiB --no-measure --seq 8192
+# A quantized checkpoint is refused by name, not planned as if its weights were bf16.
+python3 -c 'import json, sys; c = json.load(open(sys.argv[1])); c["quantization_config"] = {"quant_method": "awq", "bits": 4}; json.dump(c, open(sys.argv[2], "w"))' \
+  "$cfg70" "$dir/awq.json"
+expect_error '"quantization_config" is present (quant_method "awq")' --model "$dir/awq.json" --gpu-mem 24GiB
 # --json: a refusal is a JSON object on stdout too, never nothing
 out=$("$strata" plan --model "$dir/missing/config.json" --gpu-mem 24GiB --json 2>/dev/null)
 python3 -c 'import json, sys; j = json.loads(sys.argv[1]); assert j["fits"] is False and "config.json" in j["error"], j' "$out" ||
