@@ -11,7 +11,8 @@ Each rank trains the tests' small Llama through strata.torch.initialize (the
 engine joins the ranks) on its rows of each batch (rank r takes row r), then
 writes OUT/losses<rank>.json, and (rank 0) OUT/state.pt from
 engine.state_dict() and OUT/model from save_pretrained; state_dict(rank=0) must
-give rank 0 the same tensors and the other ranks none."""
+give rank 0 the same tensors and the other ranks none. A save whose `latest`
+rank 0 cannot write raises on every rank (OUT/losses<rank>.json says what)."""
 import json
 import os
 import sys
@@ -20,6 +21,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import strata.torch as st
+from strata import StrataError
 
 VOCAB = 96
 
@@ -44,9 +46,19 @@ def train(out, stage, nvme):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+    # A checkpoint whose `latest` rank 0 cannot write (a directory is in the
+    # way): every rank raises, not rank 0 alone.
+    ck = os.path.join(out, "ck")
+    if engine.rank == 0:
+        os.makedirs(os.path.join(ck, "latest", "in-the-way"))
+    try:
+        engine.save_checkpoint(ck, tag="t1")
+        latest_error = None
+    except StrataError as e:
+        latest_error = str(e)
     with open(os.path.join(out, f"losses{engine.rank}.json"), "w") as f:
         json.dump({"rank": engine.rank, "world_size": engine.world_size, "losses": losses,
-                   "comm_bytes": engine.stats()["comm_bytes"]}, f)
+                   "comm_bytes": engine.stats()["comm_bytes"], "latest_error": latest_error}, f)
     state = engine.state_dict()  # a collective: every rank
     only0 = engine.state_dict(rank=0)  # the same gather, kept on rank 0 only
     if engine.rank == 0:

@@ -97,6 +97,9 @@ class RanksTest(unittest.TestCase):
                 ranks.append(json.load(f))
         self.assertEqual([x["world_size"] for x in ranks], [2, 2])
         self.assertTrue(all(x["comm_bytes"] > 0 for x in ranks))
+        for x in ranks:
+            self.assertIn("writing", x["latest_error"] or "", f"rank {x['rank']}: a failed `latest` did not raise")
+            self.assertIn("latest failed", x["latest_error"])
         if stage not in self.reference:
             self.reference[stage] = self.one_process(stage, os.path.join(self.dir, f"ref{stage}"))
         ref_losses, ref_state = self.reference[stage]

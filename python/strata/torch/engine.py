@@ -1399,24 +1399,36 @@ class StrataEngine:
         payload = json.dumps(extra).encode()
         os.makedirs(save_dir, exist_ok=True)
         self._call(_lib.strata_engine_save_checkpoint, os.fsencode(os.path.join(save_dir, tag)), payload)
-        if save_latest and self.rank == 0:
+        if save_latest:
+            # Rank 0 writes `latest`; its outcome (0, or the errno) goes to
+            # every rank, so all raise or none does (a collective, as the
+            # save is).
             latest = os.path.join(save_dir, "latest")
-            tmp = os.path.join(save_dir, f".latest.{os.getpid()}")
-            try:
-                with open(tmp, "w") as f:
-                    f.write(tag)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, latest)
-            except OSError as e:
+            failure = None
+            if self.rank == 0:
+                tmp = os.path.join(save_dir, f".latest.{os.getpid()}")
                 try:
-                    os.unlink(tmp)
-                except OSError:
-                    pass
+                    with open(tmp, "w") as f:
+                        f.write(tag)
+                        f.flush()
+                        os.fsync(f.fileno())
+                    os.replace(tmp, latest)
+                except OSError as e:
+                    try:
+                        os.unlink(tmp)
+                    except OSError:
+                        pass
+                    failure = (e.errno or errno.EIO, e.strerror or str(e))
+            if self.world_size > 1:
+                code = torch.tensor([failure[0] if failure else 0], dtype=torch.int64)
+                self._call(_lib.strata_engine_broadcast, code.data_ptr(), 8, 0)
+                if failure is None and int(code[0]) != 0:
+                    failure = (int(code[0]), f"{os.strerror(int(code[0]))} on rank 0")
+            if failure is not None:
                 status = {errno.ENOSPC: 3, errno.EDQUOT: 3, errno.EACCES: 7, errno.EPERM: 7,
-                          errno.EROFS: 7}.get(e.errno, 2)  # NO_SPACE, PERMISSION, else IO
+                          errno.EROFS: 7}.get(failure[0], 2)  # NO_SPACE, PERMISSION, else IO
                 raise StrataError(status, f"strata.torch: save_checkpoint: checkpoint {os.path.join(save_dir, tag)} "
-                                          f"is saved, but writing {latest} failed ({e.strerror}): it still names the "
+                                          f"is saved, but writing {latest} failed ({failure[1]}): it still names the "
                                           "previous tag; load this one with load_checkpoint(save_dir, "
                                           f"tag={tag!r})") from None
         return True
