@@ -136,6 +136,45 @@ class DeepSpeedApiTest(unittest.TestCase):
                 self.assertEqual(e.skipped_steps, sum(pattern))
                 self.assertEqual(e.global_steps, len(pattern))
 
+    def test_clipping_and_precision_defaults_are_deepspeeds(self):
+        # What DeepSpeedConfig makes of a config is what the engine does: no
+        # gradient_clipping (or "auto") clips at DeepSpeed's 1.0; "auto" in a
+        # precision section is off; "bfloat16" is bf16's older name.
+        cfg_mod = deepspeed_module(self, "deepspeed.runtime.config")
+        for extra in ({}, {"gradient_clipping": "auto"}, {"gradient_clipping": 0.5}, {"fp16": {"enabled": "auto"}},
+                      {"bf16": {"enabled": "auto"}}, {"bfloat16": {"enabled": True}}, {"bf16": {"enabled": True}}):
+            with self.subTest(extra=extra):
+                ds = cfg_mod.DeepSpeedConfig(dict(extra, train_micro_batch_size_per_gpu=5))
+                want_dtype = (torch.bfloat16 if ds.bfloat16_config.enabled else
+                              torch.float16 if ds.float16_config.enabled else torch.float32)
+                e = self.engine(config(extra))
+                self.assertEqual(e.compute_dtype, want_dtype)
+                if want_dtype != torch.float32:
+                    continue
+                want_clip = 1.0 if ds.gradient_clipping == "auto" else ds.gradient_clipping
+                # torch's AdamW with clip_grad_norm_ at that value (the norms here are 1.5-2.2).
+                ref = MLP()
+                opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, eps=1e-8, weight_decay=0.0)
+                data = batches(3)
+                for x, y in data:
+                    opt.zero_grad()
+                    ((ref(x) - y) ** 2).mean().mul(40).backward()
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), want_clip)
+                    opt.step()
+                for x, y in data:
+                    e.backward(((e(x) - y) ** 2).mean().mul(40))
+                    e.step()
+                    self.assertGreater(e.get_global_grad_norm(), want_clip)
+                got = e.state_dict()
+                for name, b in ref.named_parameters():
+                    torch.testing.assert_close(got[name].float(), b.detach(), rtol=0, atol=2e-6, msg=name)
+        # A scheduler made on another optimizer would drive nothing: refused.
+        other = torch.optim.AdamW(MLP().parameters(), lr=1e-2)
+        with self.assertRaisesRegex(ValueError, "lr_scheduler= was built on another optimizer"):
+            make(config(), lr_scheduler=torch.optim.lr_scheduler.StepLR(other, 1, gamma=0.1))
+        with self.assertRaisesRegex(ValueError, "fp16.enabled is 'yes'"):
+            make(config({"fp16": {"enabled": "yes"}}))
+
     def test_batch_sizes_are_derived_and_checked_as_deepspeed_does(self):
         dsc = deepspeed_module(self, "deepspeed.runtime.config")
         keys = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")

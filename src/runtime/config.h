@@ -207,7 +207,7 @@ struct Config {
   Fp16Config fp16;
   bool bf16 = false;  // bf16.enabled
   OptimizerConfig optimizer;
-  double gradient_clipping = 0.0;  // max global L2 norm; 0: off
+  double gradient_clipping = 1.0;  // max global L2 norm; 0: off (1.0: DeepSpeed's default, as in 0.19)
   uint32_t gradient_accumulation_steps = 1;
   StrataConfig strata;
 

@@ -101,7 +101,7 @@ TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
   EXPECT_EQ(c.fp16.initial_scale_power, 16);
   EXPECT_EQ(c.optimizer, d.optimizer);
   EXPECT_EQ(c.gradient_accumulation_steps, 1u);
-  EXPECT_EQ(c.gradient_clipping, 0.0);
+  EXPECT_EQ(c.gradient_clipping, 1.0);  // "auto": DeepSpeed's default, 1.0
   EXPECT_EQ(c.zero.prefetch_bucket_size, d.zero.prefetch_bucket_size);
   EXPECT_EQ(c.zero.offload_param.device, OffloadDevice::kCpu);
   EXPECT_EQ(c.zero.offload_optimizer.device, OffloadDevice::kCpu);

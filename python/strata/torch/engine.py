@@ -407,12 +407,7 @@ class StrataEngine:
         self.module = model
         self._cfg_batch = {k: cfg.get(k) for k in _BATCH_KEYS}
         self.gradient_accumulation_steps = _batch_sizes(self._cfg_batch, _launch_world(mpi_comm))[2]
-        if cfg.get("bf16", {}).get("enabled"):
-            self.compute_dtype = torch.bfloat16
-        elif cfg.get("fp16", {}).get("enabled"):
-            self.compute_dtype = torch.float16
-        else:
-            self.compute_dtype = torch.float32
+        self.compute_dtype = _precision(cfg)
         _check_finite(cfg, "config")
         self._auto_cast = _auto_cast(cfg)
         opt_cfg = cfg.get("optimizer", {})
@@ -494,6 +489,15 @@ class StrataEngine:
                                                     where="strata.torch.initialize: config scheduler")
         elif callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
+        elif lr_scheduler is not None and getattr(lr_scheduler, "optimizer", self.optimizer) is not self.optimizer:
+            # A scheduler on the caller's own optimizer (deepspeed.initialize(optimizer=opt,
+            # lr_scheduler=sched) ported by dropping optimizer=) would set the lr of
+            # an optimizer nothing steps, and the engine would train at the config's.
+            raise ValueError("strata.torch.initialize: lr_scheduler= was built on another optimizer than the one "
+                             "initialize() makes (its .optimizer is a "
+                             f"{type(lr_scheduler.optimizer).__name__}); pass a function that builds it on "
+                             "Strata's, e.g. lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, 10), "
+                             "or the config's \"scheduler\" section")
         self.lr_scheduler = lr_scheduler
 
         # Ownership: the first module whose _parameters hold a parameter.
@@ -1556,6 +1560,33 @@ def _opt_number(params, key, default):
     return float(v)
 
 
+def _enabled(cfg, section):
+    """A precision section's "enabled" as the engine and DeepSpeed read it: true is on; false, null, absent and
+    "auto" (the Hugging Face placeholder: DeepSpeed's default) are off."""
+    sec = cfg.get(section)
+    if sec is None:
+        return False
+    if not isinstance(sec, dict):
+        raise ValueError(f"strata.torch: config \"{section}\" is {sec!r}, not an object")
+    v = sec.get("enabled")
+    if v is None or v is False or v == "auto":
+        return False
+    if v is True:
+        return True
+    raise ValueError(f"strata.torch: config {section}.enabled is {v!r}: true, false or \"auto\"")
+
+
+def _precision(cfg):
+    """The compute dtype a DeepSpeed config asks for: bf16 (its section "bf16", or DeepSpeed's older name
+    "bfloat16"), fp16, else fp32."""
+    if "bf16" in cfg and "bfloat16" in cfg:
+        raise ValueError("strata.torch: config has both \"bf16\" and \"bfloat16\" (DeepSpeed's older name for "
+                         "it); keep one")
+    if _enabled(cfg, "bfloat16" if "bfloat16" in cfg else "bf16"):
+        return torch.bfloat16
+    return torch.float16 if _enabled(cfg, "fp16") else torch.float32
+
+
 def _auto_cast(cfg):
     """fp16.auto_cast: DeepSpeed's engine(...) casts its floating-point positional inputs (in lists, tuples and
     dicts too) to fp16; keyword arguments and model(...) called directly are left as they are, as there."""
@@ -1563,9 +1594,9 @@ def _auto_cast(cfg):
     value = section.get("auto_cast", False) if isinstance(section, dict) else False
     if not isinstance(value, bool):
         raise ValueError(f"strata.torch: fp16.auto_cast is {value!r}: true or false")
-    if value and not section.get("enabled"):
+    if value and not _enabled(cfg, "fp16"):
         raise ValueError("strata.torch: fp16.auto_cast casts the inputs to fp16, but fp16 is not enabled (the model "
-                         "computes in " + ("bf16" if cfg.get("bf16", {}).get("enabled") else "fp32") +
+                         "computes in " + ("bf16" if _precision(cfg) == torch.bfloat16 else "fp32") +
                          "): drop auto_cast or enable fp16")
     return value
 
