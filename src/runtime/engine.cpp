@@ -45,6 +45,7 @@ Status Engine::Impl::init(const EngineOptions& options) {
   STRATA_RETURN_IF_ERROR(reg.allocate_arrays());
   stepper.plan_pipeline();
   if (stepper.pipelined()) reg.await_update = [this](GroupId g) { return stepper.wait_group(g); };
+  reg.await_handoff = [this](GroupId g) { return stepper.wait_handoff(g); };
   uploader.lay_out();
   STRATA_RETURN_IF_ERROR(grads.prepare());
   engine::PinnedNeeds needs;
@@ -504,6 +505,7 @@ Result<StepResult> Engine::step(double lr) {
   auto fail = [&](Status st) {
     I.broken = true;
     I.broken_status = st;
+    I.uploader.drop_handoffs();
     I.reset_step();
     return st;
   };
@@ -526,6 +528,10 @@ Result<StepResult> Engine::step(double lr) {
   const int64_t micro = std::max<int64_t>(1, I.micro_index + 1);
   Status z = I.grads.zero_unwritten();
   if (!z.ok()) return fail(z);
+  // The next forward's first NVMe-homed groups take the optimizer's output
+  // as it is made instead of reading it back (one pass over every group:
+  // not with overlap_backward, whose groups update one by one in backward).
+  if (!overlap) I.stepper.expect_handoff(I.uploader.plan_handoff(), I.uploader.handoff_dst());
   StepResult r;
   // A parameter no micro-batch of this step reduced is left alone (torch
   // skips a parameter whose grad is None): no update, no decay.
@@ -557,6 +563,7 @@ EngineStats Engine::stats() const {
   s.order_changes = I.uploader.order_changes();
   s.gathers_ahead = I.uploader.gathers_ahead();
   s.gathers_reused = I.uploader.gathers_reused();
+  s.optimizer_handoffs = I.uploader.handoffs();
   s.optimizer_read_ahead = I.stepper.read_ahead_hits();
   s.comm_bytes = I.reg.traffic.comm.load(std::memory_order_relaxed);
   s.hot_path_allocs = I.hot_allocs.load(std::memory_order_relaxed);

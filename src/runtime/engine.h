@@ -258,6 +258,9 @@ struct EngineStats {
   // buffer and gathered nothing (see Sharding).
   uint64_t gathers_ahead = 0;
   uint64_t gathers_reused = 0;
+  // Uploads of NVMe-homed compute copies taken from the optimizer pass's
+  // output instead of read back from NVMe (the next forward's first groups).
+  uint64_t optimizer_handoffs = 0;
   uint64_t hot_path_allocs = 0;  // allocations after the first step (should stay 0)
   int64_t steps = 0, skipped_steps = 0;
 };

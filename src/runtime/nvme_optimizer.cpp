@@ -451,6 +451,12 @@ Status NvmeOptimizer::run(const cpu_optim::OptimizerConfig& config, std::int64_t
       failure = chunk_error("updating", i, -1, st);
       break;
     }
+    if (t.out_copy != nullptr) {
+      const std::size_t es = element_size(kOut, t);
+      std::memcpy(static_cast<char*>(t.out_copy) + c.offset * es, t.out_is_master ? ptr(kMaster) : ptr(kOut),
+                  c.count * es);
+    }
+    if (copied_ && (i + 1 == n || chunks_[i + 1].tensor != c.tensor)) copied_(c.tensor + 1);
     if (t.params_out.tier == Placement::Tier::kDevice) {
       // The fp32 copy of a master is uploaded from the master's chunk, which
       // the slot's next read overwrites: that one upload is waited for here.
@@ -511,17 +517,19 @@ void NvmeOptimizer::out_failed(const Status& st) {
 }
 
 Status NvmeOptimizer::step(const cpu_optim::OptimizerConfig& config, std::int64_t step,
-                           std::span<const OptimizerTensor> tensors, const TensorsDone& done) {
-  return step_impl(config, step, tensors, false, done);
+                           std::span<const OptimizerTensor> tensors, const TensorsDone& done,
+                           const TensorsDone& copied) {
+  return step_impl(config, step, tensors, false, done, copied);
 }
 
 Status NvmeOptimizer::step_part(const cpu_optim::OptimizerConfig& config, std::int64_t step,
                                 std::span<const OptimizerTensor> tensors) {
-  return step_impl(config, step, tensors, true, {});
+  return step_impl(config, step, tensors, true, {}, {});
 }
 
 Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
-                                std::span<const OptimizerTensor> tensors, bool part, const TensorsDone& done) {
+                                std::span<const OptimizerTensor> tensors, bool part, const TensorsDone& done,
+                                const TensorsDone& copied) {
   if (progress_.torn)
     return Status(StatusCode::kCorrupt,
                   fmt::format("nvme optimizer: a write-back failed during step {}, so the state on disk is torn; "
@@ -559,8 +567,11 @@ Status NvmeOptimizer::step_impl(const cpu_optim::OptimizerConfig& config, std::i
                  {{"step", step}, {"elements", total - skip}, {"chunks", static_cast<std::uint64_t>(chunks_.size())}});
   std::size_t chunks_done = 0;
   done_ = done;
+  if (skip == 0) copied_ = copied;  // a resumed step does not update (or copy) its first chunks
   Status st = run(config, step, &chunks_done);
+  if (st.ok() && copied_) copied_(tensors.size());  // tensors without a chunk (no elements)
   done_ = nullptr;
+  copied_ = nullptr;
   progress_.step = step;
   progress_.total_elems = total;
   if (st.ok()) {

@@ -131,6 +131,13 @@ struct OptimizerTensor {
   // the updated master chunk is written there as well, with no conversion
   // (from the ring, or copied from a host-resident master).
   bool out_is_master = false;
+  // Optional host memory (count elements of out_dtype; 4-byte ones with
+  // out_is_master) that receives each updated chunk of the compute copy as
+  // well, right after its update, before any write-back: a reader that needs
+  // the copy soon takes it from here instead of reading it back from the
+  // store (the engine's uploader, for the first groups of the next forward).
+  // step()'s `copied` says when it is complete.
+  void* out_copy = nullptr;
   // This tensor's own bias-correction step (torch's per-parameter
   // state['step']: a parameter skipped in some steps has taken fewer); 0:
   // the call's step. The call's step still orders the calls (see step()).
@@ -219,8 +226,13 @@ class NvmeOptimizer {
   // kCorrupt (state torn by an earlier write failure), cpu_optim's errors.
   // `done` (optional): see TensorsDone; lets a caller use the first tensors
   // while the pass goes on with the rest (the engine's pipelined step).
+  // `copied` (optional): the leading tensors whose updates, and so their
+  // out_copy, are complete, in increasing counts, on the calling thread
+  // without the optimizer's lock (the write-backs may still run); not called
+  // when the call resumes an incomplete step (its first chunks are not
+  // updated again) or after a failure.
   Status step(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::span<const OptimizerTensor> tensors,
-              const TensorsDone& done = {});
+              const TensorsDone& done = {}, const TensorsDone& copied = {});
   // The same for one of several disjoint tensor sets that together make up
   // step `step` (the engine updates one parameter group at a time, e.g. while
   // backward runs): after a complete step, the same number is accepted again
@@ -298,7 +310,8 @@ class NvmeOptimizer {
   NvmeOptimizer(io::SwapStore* store, const NvmeOptimizerOptions& o, int nstates)
       : store_(store), options_(o), nstates_(nstates) {}
   Status step_impl(const cpu_optim::OptimizerConfig& config, std::int64_t step,
-                   std::span<const OptimizerTensor> tensors, bool part, const TensorsDone& done);
+                   std::span<const OptimizerTensor> tensors, bool part, const TensorsDone& done,
+                   const TensorsDone& copied);
   Status validate(std::span<const OptimizerTensor> tensors) const;
   void build_chunks(std::span<const OptimizerTensor> tensors, std::uint64_t skip_elems);
   Status run(const cpu_optim::OptimizerConfig& config, std::int64_t step, std::size_t* chunks_done);
@@ -338,6 +351,7 @@ class NvmeOptimizer {
   std::vector<std::uint8_t> out_copying_;  // per slot: device_out copies in flight (calling thread)
   std::vector<std::size_t> out_chunk_;     // per slot: the chunk of that copy (calling thread)
   TensorsDone done_;                       // the call's callback (may be empty)
+  TensorsDone copied_;                     // the call's out_copy callback (may be empty; calling thread)
   // Read-ahead (prefetch()): per slot, the requests it issued into the slot
   // (chunk index = slot index). Calling thread only.
   std::vector<std::uint8_t> prefetched_;

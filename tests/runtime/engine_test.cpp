@@ -1063,6 +1063,9 @@ TEST(EngineNvme, ReadAheadIsDroppedWhenACheckpointIsLoaded) {
     ASSERT_TRUE(t.e->synchronize().ok());
     const uint64_t ahead = t.e->stats().optimizer_read_ahead;
     EXPECT_GE(ahead, 4u * 7) << "every step after the first takes its first ring-full of chunks from the read-ahead";
+    // The next forward's first groups (compute copies on NVMe) took the
+    // optimizer's output instead of reading it back: after every step.
+    EXPECT_GE(t.e->stats().optimizer_handoffs, 7u);
     st = t.e->load_checkpoint(ck);  // the read-ahead holds step 9's state
     ASSERT_TRUE(st.ok()) << st.to_string();
     for (int i = 4; i < 8; ++i) {
@@ -1099,6 +1102,19 @@ TEST(EngineNvme, ReadAheadIsDroppedWhenACheckpointIsLoaded) {
       ASSERT_TRUE(t.e->set_param_steps(p, steps[p]).ok());
     }
     for (int i = 8; i < 10; ++i) EXPECT_EQ(t.run_step(i)->loss, first[i - 8]) << "step " << i << " after load_state";
+    // A hand-off made by the last step is dropped by load_param: the next
+    // forward reads what was loaded (the masters after step 8, whose
+    // compute copies differ from step 10's output).
+    for (ParamId p = 0; p < np; ++p) ASSERT_TRUE(t.e->load_param(p, master[p].data(), DType::kF32).ok());
+    const uint64_t before = t.e->stats().optimizer_handoffs;
+    Trainer u(d.dev.get(), o);
+    ASSERT_TRUE(u.init(cfg, false).ok());
+    for (ParamId p = 0; p < np; ++p) ASSERT_TRUE(u.e->load_param(p, master[p].data(), DType::kF32).ok());
+    auto lt = t.layer_weights(0), lu = u.layer_weights(0);
+    ASSERT_TRUE(t.e->release(0, t.s).ok());
+    ASSERT_TRUE(u.e->release(0, u.s).ok());
+    EXPECT_TRUE(bits_equal({lt.first, lt.second}, {lu.first, lu.second})) << "the first group's upload after load_param";
+    EXPECT_EQ(t.e->stats().optimizer_handoffs, before);
   }
 }
 
@@ -1261,6 +1277,10 @@ TEST(EngineNvme, PipelinedStepIsBitIdenticalToTheSynchronousStep) {
     ASSERT_TRUE(b.e->synchronize().ok());
     EXPECT_TRUE(bits_equal(a.params(), b.params()));
     EXPECT_TRUE(bits_equal(a.compute_copies(), b.compute_copies()));
+    // Both took the next forward's first groups from the optimizer's output
+    // (the group with the frozen parameter is not handed off).
+    EXPECT_GT(a.e->stats().optimizer_handoffs, 0u);
+    EXPECT_GT(b.e->stats().optimizer_handoffs, 0u);
     for (ParamId p = 0; p < a.e->model().params.size(); ++p) {
       auto sa = a.e->param_steps(p), sb = b.e->param_steps(p);  // frozen: an error on both
       ASSERT_EQ(sa.ok(), sb.ok()) << "param " << p;

@@ -150,6 +150,10 @@ struct Registry {
   // synchronous. Set once by Engine::Impl::init; called by the uploader
   // thread before it reads a compute copy.
   std::function<Status(GroupId)> await_update;
+  // Whether the optimizer's output of group g was copied for the uploader
+  // (Uploader::plan_handoff), blocking while that copy is still to be made.
+  // Set once by Engine::Impl::init; called by the uploader thread.
+  std::function<bool(GroupId)> await_handoff;
 
   Registry() = default;
   Registry(const Registry&) = delete;

@@ -144,6 +144,8 @@ void Stepper::plan_pipeline() {
   pipelined_ = reg_.cfg.strata.pipelined_step && !reg_.cfg.strata.overlap_backward && reg_.world == 1;
   pipe_pending_.assign(reg_.groups.size(), 0);
   pipe_reduced_.assign(reg_.params.size(), 0);
+  handoff_.assign(reg_.groups.size(), kNoHandoff);
+  handoff_dst_.assign(reg_.params.size(), nullptr);
 }
 
 Status Stepper::start() {
@@ -283,6 +285,7 @@ Status Stepper::step_all(const cpu_optim::OptimizerConfig& c, int64_t step, cons
   pass_configs_.clear();
   pass_configs_.reserve(nparts);  // no reallocation below: the tensors point into it
   pass_tensors_.clear();
+  pass_ids_.clear();
   pass_group_end_.assign(ng, 0);
   for (GroupId gi = 0; gi < ng; ++gi) {
     STRATA_RETURN_IF_ERROR(wait_released(gi));
@@ -294,10 +297,52 @@ Status Stepper::step_all(const cpu_optim::OptimizerConfig& c, int64_t step, cons
         t.step = reg_.params[part.ids[i]].updates;
         t.config = &pass_configs_.back();
         pass_tensors_.push_back(t);
+        pass_ids_.push_back(part.ids[i]);
       }
     }
     pass_group_end_[gi] = pass_tensors_.size();
   }
+  // Hand-offs: a group's compute copies also go to the uploader's buffer
+  // as they are updated, if every parameter of the group is in this pass.
+  bool any_handoff = false;
+  {
+    std::lock_guard<std::mutex> lock(pipe_mu_);
+    size_t begin = 0;
+    for (GroupId gi = 0; gi < ng; ++gi) {
+      const size_t end = pass_group_end_[gi];
+      if (handoff_[gi] == kHandoffPending) {
+        bool whole = end - begin == reg_.groups[gi].params.size();
+        for (size_t k = begin; whole && k < end; ++k) whole = pass_tensors_[k].params_out.present();
+        for (size_t k = begin; whole && k < end; ++k) {
+          pass_tensors_[k].out_copy = handoff_dst_[pass_ids_[k]];
+          whole = pass_tensors_[k].out_copy != nullptr;
+        }
+        if (whole) {
+          any_handoff = true;
+        } else {
+          for (size_t k = begin; k < end; ++k) pass_tensors_[k].out_copy = nullptr;
+          handoff_[gi] = kHandoffFailed;
+        }
+      }
+      begin = end;
+    }
+  }
+  if (any_handoff) pipe_cv_.notify_all();
+  size_t copied_next = 0;  // the first group whose hand-off is not yet reported (optimizer's calling thread)
+  auto copied = [&](size_t tensors_copied) {
+    bool woke = false;
+    {
+      std::lock_guard<std::mutex> lock(pipe_mu_);
+      while (copied_next < ng && pass_group_end_[copied_next] <= tensors_copied) {
+        if (handoff_[copied_next] == kHandoffPending) {
+          handoff_[copied_next] = kHandoffReady;
+          woke = true;
+        }
+        ++copied_next;
+      }
+    }
+    if (woke) pipe_cv_.notify_all();
+  };
   if (reg_.array_writes.load(std::memory_order_acquire) != ahead_writes_) opt_->drop_prefetch();
   size_t next = 0;  // the first group not yet reported (written under the optimizer's lock, then read here after it)
   auto report = [&](size_t tensors_done) {
@@ -306,7 +351,8 @@ Status Stepper::step_all(const cpu_optim::OptimizerConfig& c, int64_t step, cons
       ++next;
     }
   };
-  Status st = opt_->step(c, step, pass_tensors_, report);
+  Status st = opt_->step(c, step, pass_tensors_, report, any_handoff ? TensorsDone(copied) : TensorsDone());
+  resolve_handoffs();
   if (!st.ok())
     return st.with_context(
         fmt::format("engine: optimizer step {} of group {}", step, reg_.groups[std::min(next, ng - 1)].name));
@@ -400,6 +446,7 @@ Status Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::f
 
 void Stepper::run_pipelined_pass() {
   Status st = pipeline_error();  // after a failure the state is torn: nothing more is applied
+  if (!st.ok()) resolve_handoffs();
   if (st.ok()) {
     st = step_all(pipe_config_, pipe_step_, pipe_group_hp_, [this](ParamId id) { return pipe_reduced_[id] != 0; },
                   [this](GroupId g) {
@@ -417,6 +464,30 @@ void Stepper::run_pipelined_pass() {
   }
   pipe_cv_.notify_all();
   if (!st.ok()) errors_.set(st);
+}
+
+// ---------------------------------------------------------------- hand-offs
+
+void Stepper::expect_handoff(const std::vector<GroupId>& groups, const std::vector<void*>& dst) {
+  std::lock_guard<std::mutex> lock(pipe_mu_);
+  std::fill(handoff_.begin(), handoff_.end(), kNoHandoff);
+  for (GroupId g : groups) handoff_[g] = kHandoffPending;
+  handoff_dst_ = dst;
+}
+
+bool Stepper::wait_handoff(GroupId g) {
+  std::unique_lock<std::mutex> lock(pipe_mu_);
+  pipe_cv_.wait(lock, [&] { return handoff_[g] != kHandoffPending; });
+  return handoff_[g] == kHandoffReady;
+}
+
+void Stepper::resolve_handoffs() {
+  {
+    std::lock_guard<std::mutex> lock(pipe_mu_);
+    for (auto& h : handoff_)
+      if (h == kHandoffPending) h = kHandoffFailed;
+  }
+  pipe_cv_.notify_all();
 }
 
 Status Stepper::wait_group(GroupId g) {
@@ -442,6 +513,16 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
                        const std::function<bool(ParamId)>& reduced) {
   r.lr = lr_used;
   bool updated_any = false;
+  // Hand-offs the pass does not make (a skipped step, overlap_backward, an
+  // error before the pass) fail here; the pass resolves its own.
+  bool pass_queued = false;
+  struct ResolveAtExit {
+    Stepper* s;
+    const bool* queued;
+    ~ResolveAtExit() {
+      if (!*queued) s->resolve_handoffs();
+    }
+  } resolve_at_exit{this, &pass_queued};
   if (overlap) {
     for (GroupId g = 0; g < groups_.size(); ++g)
       if (!groups_[g].updated) run_group_update(g, reduced);
@@ -486,10 +567,12 @@ Status Stepper::update(bool overlap, double lr_used, int64_t micro, const Bounce
       r.clip_coef = clip > 0 ? std::min(1.0, clip / (r.grad_norm + 1e-6)) : 1.0;
       const auto oc = optimizer_config(lr_used, scale * r.clip_coef);
       count_updates(reduced);
-      if (pipelined_)
+      if (pipelined_) {
         STRATA_RETURN_IF_ERROR(queue_pipeline(oc, reduced));
-      else
+        pass_queued = true;
+      } else {
         STRATA_RETURN_IF_ERROR(step_all(oc, steps_ + 1, group_hp_, reduced, {}));
+      }
       updated_any = true;
       if (scaler_.dynamic) scaler_.update(false, reg_.cfg.fp16);
       prev_norm_ = r.grad_norm;
@@ -527,6 +610,7 @@ void Stepper::restore(int64_t steps, const LossScaler& scaler, double prev_norm,
     std::lock_guard<std::mutex> lock(pipe_mu_);
     pipe_error_ = Status();  // the torn state was replaced
   }
+  resolve_handoffs();  // nothing restored was handed off
   steps_ = steps;
   scaler_ = scaler;
   prev_norm_ = prev_norm;

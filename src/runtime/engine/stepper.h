@@ -107,6 +107,17 @@ class Stepper {
   Status wait_group(GroupId g);
   Status pipeline_error();
 
+  // ---- the optimizer's output handed to the uploader (Uploader::plan_handoff)
+  // Driving thread, engine idle, before update(): the pass also copies the
+  // updated compute copies of `groups` to dst[param] (OptimizerTensor::
+  // out_copy) as it updates them. A group whose every parameter is not in
+  // the pass (one not reduced this step) or whose step is skipped gets none.
+  void expect_handoff(const std::vector<GroupId>& groups, const std::vector<void*>& dst);
+  // Any thread: blocks while g's copy is still to be made; whether it was
+  // made (false: read the compute copy from where it lives, after
+  // wait_group()).
+  bool wait_handoff(GroupId g);
+
   // ---- step() (driving thread, engine idle)
   // The lr of this step (overlap: the one fixed by begin_overlap); lr >= 0
   // also becomes the current lr.
@@ -193,6 +204,8 @@ class Stepper {
   // when a write_array came in between (Registry::array_writes).
   void read_ahead();
   Status queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::function<bool(ParamId)>& reduced);
+  // Hand-offs still expected become failed (no pass made them), waking the waiters.
+  void resolve_handoffs();
   void run_pipelined_pass();  // optimizer thread
   Status group_stats(GroupId g, double scale);
   Status combine_ranks_stats();  // N ranks: the norm's parts of every rank
@@ -225,6 +238,7 @@ class Stepper {
   // the tensors point into it), where each group's tensors end.
   std::vector<OptimizerTensor> pass_tensors_;
   std::vector<cpu_optim::OptimizerConfig> pass_configs_;
+  std::vector<ParamId> pass_ids_;  // each pass tensor's parameter
   std::vector<size_t> pass_group_end_;
   std::vector<OptimizerTensor> ahead_tensors_;  // read_ahead's list: every trainable tensor in pass order
   uint64_t ahead_writes_ = 0;                   // Registry::array_writes when the read-ahead was issued
@@ -242,6 +256,12 @@ class Stepper {
   std::vector<uint8_t> pipe_pending_;  // per group (pipe_mu_)
   Status pipe_error_;                  // first failed update (pipe_mu_), until restore()
 
+  // Hand-offs (expect_handoff): per group, under pipe_mu_ (pipe_cv_ wakes
+  // the waiters); the destinations per parameter, set on the driving thread
+  // before the pass is run or queued.
+  enum : uint8_t { kNoHandoff, kHandoffPending, kHandoffReady, kHandoffFailed };
+  std::vector<uint8_t> handoff_;
+  std::vector<void*> handoff_dst_;
   LossScaler scaler_;
   int64_t steps_ = 0;
   std::atomic<int64_t> steps_atomic_{0};  // mirror of steps_ for stats()

@@ -16,6 +16,8 @@ namespace strata::engine {
 void Uploader::lay_out() {
   // Group layouts: device slots (256-byte aligned params) and upload staging (4 KiB aligned).
   groups_.resize(reg_.groups.size());
+  handoff_stage_.assign(reg_.groups.size(), -1);
+  handoff_dst_.assign(reg_.params.size(), nullptr);
   for (GroupId gi = 0; gi < reg_.groups.size(); ++gi) {
     const GroupInfo& info = reg_.groups[gi];
     GroupSlots& g = groups_[gi];
@@ -49,6 +51,52 @@ void Uploader::lay_out() {
   }
 }
 
+// ---------------------------------------------------------------- hand-offs
+
+bool Uploader::handoff_eligible(GroupId g) const {
+  const GroupInfo& info = reg_.groups[g];
+  if (info.compute_tier != Tier::kNvme || groups_[g].direct || reg_.world != 1) return false;
+  for (ParamId id : info.params) {
+    const ParamState& p = reg_.params[id];
+    if (!p.trainable || p.refresh_from_master || p.compute.tier != Tier::kNvme) return false;
+  }
+  return true;
+}
+
+const std::vector<GroupId>& Uploader::plan_handoff() {
+  drop_handoffs();
+  if (staging_.size() < 2 || reg_.plan.prefetch_groups == 0) return handoff_groups_;
+  // The order end_step() will record: this step's acquires (the recorded
+  // order when there were none). The first positions are what it prefetches.
+  const std::vector<GroupId>& next = current_.empty() ? order_ : current_;
+  const size_t positions = std::min<size_t>(reg_.plan.prefetch_groups, staging_.size() - 1);
+  std::lock_guard<std::mutex> lock(mu_);
+  int used = 0;
+  for (size_t i = 0; i < next.size() && i < positions; ++i) {
+    const GroupId g = next[i];
+    if (handoff_stage_[g] >= 0 || !handoff_eligible(g)) continue;
+    // Idle: its last copies are done; waited for anyway, as any reuse is.
+    if (!reg_.dev->synchronize(staging_event_[used]).ok()) break;
+    handoff_stage_[g] = used;
+    staging_kept_for_[used] = static_cast<int>(g);
+    char* base = static_cast<char*>(staging_[used].data());
+    const GroupInfo& info = reg_.groups[g];
+    for (size_t k = 0; k < info.params.size(); ++k) handoff_dst_[info.params[k]] = base + groups_[g].staging_offset[k];
+    handoff_groups_.push_back(g);
+    ++used;
+  }
+  handoff_writes_ = reg_.array_writes.load(std::memory_order_acquire);
+  return handoff_groups_;
+}
+
+void Uploader::drop_handoffs() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::fill(handoff_stage_.begin(), handoff_stage_.end(), -1);
+  std::fill(staging_kept_for_.begin(), staging_kept_for_.end(), -1);
+  std::fill(handoff_dst_.begin(), handoff_dst_.end(), nullptr);
+  handoff_groups_.clear();
+}
+
 uint32_t Uploader::staging_count() const {
   return any_nvme_compute_ ? 1 + reg_.plan.prefetch_groups : 0;
 }
@@ -61,6 +109,7 @@ Status Uploader::allocate_staging() {
     STRATA_ASSIGN_OR_RETURN(auto ev, reg_.dev->create_event());
     staging_event_.push_back(ev);
   }
+  staging_kept_for_.assign(staging_.size(), -1);
   return {};
 }
 
@@ -142,14 +191,28 @@ void Uploader::upload_main(int s) {
 
 Status Uploader::upload_group(int si) {
   Slot& s = slots_[si];
-  int gi;
+  int gi, hand;
   {
     std::lock_guard<std::mutex> lock(mu_);
     gi = s.group;
+    hand = handoff_stage_[gi];  // one upload takes a hand-off
+    handoff_stage_[gi] = -1;
   }
   const GroupInfo& info = reg_.groups[gi];
   const GroupSlots& g = groups_[gi];
-  if (reg_.await_update) {  // pipelined step: the compute copy is final once the group's update is
+  // A hand-off: the optimizer's output, copied to the kept staging buffer
+  // as the group was updated (nothing wrote the compute copy since).
+  bool from_handoff = false;
+  if (hand >= 0 && reg_.await_handoff) {
+    TraceSpan wait(reg_.tracer.get(), "wait_update", trace_cat::kRuntime, {{"group", info.name.c_str()}});
+    from_handoff =
+        reg_.await_handoff(static_cast<GroupId>(gi)) && reg_.array_writes.load(std::memory_order_acquire) == handoff_writes_;
+  }
+  if (hand >= 0 && !from_handoff) {
+    std::lock_guard<std::mutex> lock(mu_);
+    staging_kept_for_[hand] = -1;
+  }
+  if (!from_handoff && reg_.await_update) {  // pipelined step: the compute copy is final once the group's update is
     TraceSpan wait(reg_.tracer.get(), "wait_update", trace_cat::kRuntime, {{"group", info.name.c_str()}});
     Status st = reg_.await_update(static_cast<GroupId>(gi));
     if (!st.ok())
@@ -158,8 +221,18 @@ Status Uploader::upload_group(int si) {
   TraceSpan span(reg_.tracer.get(), "upload_group", trace_cat::kRuntime, {{"group", info.name.c_str()}});
   char* stage = nullptr;
   size_t stage_index = 0;
-  if (info.compute_tier == Tier::kNvme) {
-    stage_index = next_staging_++ % staging_.size();
+  if (from_handoff) {
+    stage_index = static_cast<size_t>(hand);
+    stage = static_cast<char*>(staging_[stage_index].data());
+    handoffs_.fetch_add(1, std::memory_order_relaxed);
+  } else if (info.compute_tier == Tier::kNvme) {
+    {
+      // Not one kept for a hand-off still to come (plan_handoff keeps one free).
+      std::lock_guard<std::mutex> lock(mu_);
+      do {
+        stage_index = next_staging_++ % staging_.size();
+      } while (staging_kept_for_[stage_index] >= 0);
+    }
     // The staging buffer is free once the copies out of it (last use) are done.
     STRATA_RETURN_IF_ERROR(reg_.dev->synchronize(staging_event_[stage_index]));
     stage = static_cast<char*>(staging_[stage_index].data());
@@ -204,6 +277,10 @@ Status Uploader::upload_group(int si) {
     reg_.traffic.h2d += bytes;
   }
   if (stage) STRATA_RETURN_IF_ERROR(reg_.dev->record(staging_event_[stage_index], reg_.upload));
+  if (from_handoff) {  // the buffer goes back to the others (its copies are ordered by its event)
+    std::lock_guard<std::mutex> lock(mu_);
+    staging_kept_for_[stage_index] = -1;
+  }
   return reg_.dev->record(s.ready_event, reg_.upload);
 }
 
@@ -313,6 +390,11 @@ void Uploader::drop_gathers_ahead() {
 }
 
 void Uploader::invalidate_slots() {
+  clear_slots();
+  drop_handoffs();
+}
+
+void Uploader::clear_slots() {
   // Queued or running uploads (prefetches issued at the end of the last
   // step) finish first: the uploader must not mark a slot "enqueued" after
   // the slot was handed to another group. Only this (driving) thread queues
@@ -331,8 +413,9 @@ void Uploader::invalidate_slots() {
 }
 
 void Uploader::end_step() {
-  // Cached device copies are stale now; the acquires of this step become the order.
-  invalidate_slots();
+  // Cached device copies are stale now (the hand-offs planned for this
+  // step's update are kept); the acquires of this step become the order.
+  clear_slots();
   if (!current_.empty()) {
     if (!recording_ && !order_broken_ && current_ != order_) ++order_changes_;
     if (recording_ || order_broken_ || current_ != order_) order_ = current_;

@@ -63,6 +63,22 @@ class Uploader {
   // next step's first groups start uploading.
   void end_step();
 
+  // ---- the optimizer's output handed to the next step's first uploads
+  // step() (driving thread, uploader idle), before the optimizer pass: the
+  // groups at the first prefetch positions of the next step's order (this
+  // step's acquires, which end_step() records) whose compute copies live on
+  // NVMe get a staging buffer each, kept for them; the pass copies its
+  // output there as it updates them (Stepper::expect_handoff), and their
+  // uploads take it instead of reading back what the pass writes: one NVMe
+  // read less per group and step, and the upload waits for the group's
+  // update, not its write-back. Returns the groups; handoff_dst() gives the
+  // buffer of each parameter (null: none).
+  const std::vector<GroupId>& plan_handoff();
+  const std::vector<void*>& handoff_dst() const { return handoff_dst_; }
+  // Driving thread, no upload queued: forgets the hand-offs (the compute
+  // copies changed: set_param, a checkpoint, a failed step).
+  void drop_handoffs();
+
   // ---- stats (any thread)
   uint64_t device_buffer_bytes() const { return slots_.size() * slot_bytes_; }
   uint64_t acquires() const { return acquires_.load(std::memory_order_relaxed); }
@@ -73,6 +89,8 @@ class Uploader {
   // acquire of the step (never the step's first acquire), and used by it.
   uint64_t gathers_ahead() const { return gathers_ahead_.load(std::memory_order_relaxed); }
   uint64_t gathers_reused() const { return gathers_reused_.load(std::memory_order_relaxed); }
+  // Uploads that took the optimizer's output (plan_handoff) instead of an NVMe read.
+  uint64_t handoffs() const { return handoffs_.load(std::memory_order_relaxed); }
 
  private:
   struct Slot {
@@ -116,6 +134,8 @@ class Uploader {
   Status start_upload(GroupId g, bool prefetch, std::unique_lock<std::mutex>& lock);
   void issue_prefetch();
   void free_slot(Slot& s);  // its events and device memory
+  void clear_slots();       // invalidate_slots() without dropping the hand-offs
+  bool handoff_eligible(GroupId g) const;
 
   Registry& reg_;
   std::vector<GroupSlots> groups_;
@@ -134,6 +154,15 @@ class Uploader {
   std::vector<io::PinnedBuffer> staging_;
   std::vector<DeviceEvent*> staging_event_;
   size_t next_staging_ = 0;  // uploader thread only
+  // Hand-offs (plan_handoff): per group its staging buffer, per staging
+  // buffer the group it is kept for (-1: none; both mu_); per parameter
+  // where the pass copies it; the array writes counted when planned (a
+  // write since makes the upload read the store instead).
+  std::vector<int> handoff_stage_;
+  std::vector<int> staging_kept_for_;
+  std::vector<GroupId> handoff_groups_;
+  std::vector<void*> handoff_dst_;
+  uint64_t handoff_writes_ = 0;
   // Scratch kept between calls so acquire and the uploader allocate nothing:
   std::vector<io::IoHandle> upload_handles_;  // uploader thread only
   std::vector<GroupId> keep_scratch_;         // start_upload, under mu_
@@ -146,7 +175,7 @@ class Uploader {
   bool order_change_logged_ = false;
 
   std::atomic<uint64_t> acquires_{0}, hits_{0}, misses_{0}, order_changes_{0}, gathers_ahead_{0},
-      gathers_reused_{0};
+      gathers_reused_{0}, handoffs_{0};
 };
 
 }  // namespace strata::engine
