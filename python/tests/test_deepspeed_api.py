@@ -229,6 +229,41 @@ class DeepSpeedApiTest(unittest.TestCase):
                     e.step()
                 for k, v in e.state_dict().items():
                     self.assertTrue(torch.equal(v, before[k]), k)
+        # The parameter set is fixed at initialize(): a parameter removed from
+        # its group (torch would stop updating it), a group added, a
+        # parameter frozen then and unfrozen now (torch would train it) are
+        # refused by name at the step, which changes nothing.
+        def removed(e):
+            e.optimizer.param_groups[0]["params"] = [p for p in e.optimizer.param_groups[0]["params"]
+                                                     if p is not e.module.l2.weight]
+
+        def added(e):
+            e.optimizer.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+
+        def unfrozen(e):
+            e.module.l1.weight.requires_grad_(True)
+
+        frozen_l1 = lambda m: [p for n, p in m.named_parameters() if n != "l1.weight"]  # noqa: E731
+        for change, what, params in ((removed, "l2.weight was removed from param group 0", None),
+                                     (added, "the optimizer has 2 param groups, 1 at initialize", None),
+                                     (unfrozen, "parameter l1.weight was frozen", frozen_l1)):
+            with self.subTest(change=what):
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    m = MLP()
+                    if params:
+                        m.l1.weight.requires_grad_(False)
+                    e = st.initialize(model=m, model_parameters=params(m) if params else None, config=config())[0]
+                self.engines.append(e)
+                train(e, batches(1))
+                change(e)
+                before = e.state_dict()
+                x, y = batches(2)[1]
+                e.backward(((e(x) - y) ** 2).mean())
+                with self.assertRaisesRegex(ValueError, what):
+                    e.step()
+                for k, v in e.state_dict().items():
+                    self.assertTrue(torch.equal(v, before[k]), k)
 
     def test_checkpoints_have_deepspeeds_signature_layout_and_result(self):
         def onecycle(opt):

@@ -480,6 +480,8 @@ class StrataEngine:
         # What the engine fixes at initialize: a group's lr and betas may
         # change between steps (schedulers), these may not (step() refuses).
         self._fixed = [{k: g[k] for k in _FIXED_GROUP_KEYS} for g in self.optimizer.param_groups]
+        # ... and which parameters each group holds (step() refuses a change).
+        self._group_members = [tuple(id(p) for p in g["params"]) for g in self.optimizer.param_groups]
         # The schedule: the config's DeepSpeed "scheduler" section, or a torch
         # scheduler (or a callable building one on the optimizer). Built here,
         # before the engine: a bad section costs nothing, and it sets the
@@ -502,6 +504,7 @@ class StrataEngine:
 
         # Ownership: the first module whose _parameters hold a parameter.
         self._params = []        # pid -> Parameter
+        self._frozen_at_init = []  # pids with requires_grad False at initialize() (no master, no state)
         self._names = []         # pid -> qualified name
         self._pid = {}           # id(param) -> pid
         self._group_of = []      # pid -> group index
@@ -587,6 +590,8 @@ class StrataEngine:
                 d.shape[i] = s
             d.dtype = _DTYPES[self.compute_dtype]
             d.frozen = 0 if p.requires_grad else 1
+            if not p.requires_grad:
+                self._frozen_at_init.append(pid)
             d.no_weight_decay = 0 if self._decay.get(id(p), True) else 1
             d.lr_group = self._lr_group.get(id(p), 0)
             if p.requires_grad and id(p) not in self._lr_group:
@@ -1205,6 +1210,7 @@ class StrataEngine:
                           "would run its optimizer and scheduler anyway); said once", stacklevel=2)
         if not self._at_boundary():
             return None
+        self._check_parameter_set()
         for gi, group in enumerate(self.optimizer.param_groups):
             for key, was in self._fixed[gi].items():
                 if group.get(key) != was:
@@ -1239,6 +1245,34 @@ class StrataEngine:
         self.skipped_steps += int(bool(r.skipped))
         self._step_applied = not r.skipped
         return self.last_step
+
+    def _check_parameter_set(self):
+        """What the engine fixed at initialize(): the param groups and their parameters, and the parameters
+        frozen then (no master weights or optimizer states exist for them). A change is refused by name: torch
+        would update what was added or unfrozen and leave alone what was removed; the engine would not."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self._group_members):
+            raise ValueError(f"strata.torch: the optimizer has {len(groups)} param groups, {len(self._group_members)} "
+                             "at initialize() (optimizer.add_param_group() or a removed group): the engine fixes "
+                             "its parameters and groups at initialize(); make a new engine for another set")
+        for gi, group in enumerate(groups):
+            now = tuple(id(p) for p in group["params"])
+            if now == self._group_members[gi]:
+                continue
+            was = set(self._group_members[gi])
+            added = [self._names[self._pid[i]] if i in self._pid else "a tensor not in the model"
+                     for i in now if i not in was]
+            removed = [self._names[self._pid[i]] for i in was if i not in set(now) and i in self._pid]
+            what = (f"{added[0]} was added to" if added else f"{removed[0]} was removed from" if removed
+                    else "the order of the parameters changed in")
+            raise ValueError(f"strata.torch: {what} param group {gi} after initialize(): the engine fixes its "
+                             "parameters and groups at initialize() (to stop updating a parameter, set its "
+                             "requires_grad to False)")
+        for pid in self._frozen_at_init:
+            if self._params[pid].requires_grad:
+                raise ValueError(f"strata.torch: parameter {self._names[pid]} was frozen (requires_grad False) at "
+                                 "initialize() and requires a gradient now: the engine holds no master weights or "
+                                 "optimizer state for it; unfreeze it before initialize() to train it")
 
     def synchronize(self):
         """Waits until the last step's updates are applied (strata.pipelined_step: step() returns once the
