@@ -88,8 +88,15 @@ class CPUAdamWTest(unittest.TestCase):
         p = [torch.nn.Parameter(torch.randn(4))]
         with self.assertRaisesRegex(ValueError, "bias_correction"):
             st.CPUAdamW(p, bias_correction=False)
-        with self.assertRaisesRegex(TypeError, "fused"):
-            st.CPUAdamW(p, fused=True)
+        with self.assertRaisesRegex(TypeError, "capturable=True"):
+            st.CPUAdamW(p, capturable=True)
+        with self.assertRaisesRegex(TypeError, "differentiable=True"):
+            st.CPUAdamW(p, differentiable=True)
+        with self.assertRaisesRegex(TypeError, "no_such_option"):
+            st.CPUAdamW(p, no_such_option=1)
+        # torch's kernel choices (not its math) are taken as torch takes them.
+        for kw in ({"foreach": False}, {"foreach": True}, {"fused": False}, {"fused": True}, {"capturable": False}):
+            st.CPUAdamW(p, **kw).close()
         # What torch.optim.AdamW refuses at construction, refused there too.
         half = [torch.nn.Parameter(torch.randn(4).half())]
         with self.assertRaisesRegex(ValueError, r"param_groups\[0\]\['params'\]\[0\].*torch.float16.*fp32 CPU"):

@@ -549,7 +549,6 @@ Status read_fp16(Obj& o, Fp16Config* f) {
 Status read_optimizer(Obj& o, OptimizerConfig* c) {
   STRATA_RETURN_IF_ERROR(read_enum(o, "type", &c->type, kEnumNames<OptimizerType>, /*ignore_case=*/true));
   bool amsgrad = false;
-  bool has_mode = false;
   STRATA_RETURN_IF_ERROR(read_object(
       o, "params",
       [&](Obj& p) {
@@ -567,7 +566,6 @@ Status read_optimizer(Obj& o, OptimizerConfig* c) {
         STRATA_RETURN_IF_ERROR(
             read_double(p, "weight_decay", &c->weight_decay, 0.0, std::numeric_limits<double>::max()));
         STRATA_RETURN_IF_ERROR(read_bool(p, "bias_correction", &c->bias_correction));
-        has_mode = p.has("adam_w_mode");
         STRATA_RETURN_IF_ERROR(read_bool(p, "adam_w_mode", &c->adam_w_mode));
         STRATA_RETURN_IF_ERROR(read_bool(p, "amsgrad", &amsgrad));
         if (amsgrad) return key_error(p.child("amsgrad"), "AMSGrad is not supported by Strata's optimizers");
@@ -575,9 +573,8 @@ Status read_optimizer(Obj& o, OptimizerConfig* c) {
         return Status::ok_status();
       },
       true));
-  if (c->type == OptimizerType::kAdamW && has_mode && !c->adam_w_mode)
-    return key_error(o.child("params.adam_w_mode"),
-                     "false contradicts type \"AdamW\" (decoupled weight decay); use type \"Adam\"");
+  // DeepSpeed: effective_adam_w_mode = type is AdamW or adam_w_mode, so
+  // AdamW with adam_w_mode false is still AdamW.
   if (c->type == OptimizerType::kAdamW) c->adam_w_mode = true;
   return Status::ok_status();
 }

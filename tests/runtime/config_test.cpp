@@ -308,9 +308,13 @@ TEST(ConfigErrors, WrongTypesNamePathAndValue) {
             "<string>: optimizer.params.eps: expected a number greater than 0, got 0");
   EXPECT_EQ(error_of(R"({"optimizer": {"params": {"amsgrad": true}}})"),
             "<string>: optimizer.params.amsgrad: AMSGrad is not supported by Strata's optimizers");
-  EXPECT_EQ(error_of(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})"),
-            "<string>: optimizer.params.adam_w_mode: false contradicts type \"AdamW\" (decoupled weight decay); use "
-            "type \"Adam\"");
+  // DeepSpeed's rule: type AdamW is AdamW whatever adam_w_mode says
+  // (effective_adam_w_mode = name == AdamW or adam_w_mode).
+  {
+    auto c = parse_config(R"({"optimizer": {"type": "AdamW", "params": {"adam_w_mode": false}}})");
+    ASSERT_TRUE(c.ok()) << c.status().to_string();
+    EXPECT_TRUE(c->optimizer.adam_w_mode);
+  }
   EXPECT_EQ(error_of(R"({"aio": {"block_size": 1000}})"),
             "<string>: aio.block_size: expected a multiple of 4096 bytes from 4 KiB to 64 MiB (O_DIRECT), got 1000");
   EXPECT_EQ(

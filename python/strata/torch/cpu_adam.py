@@ -162,10 +162,18 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2, amsgrad=False, *,
                  maximize=False, adamw_mode=True, bias_correction=True, fp32_optimizer_states=True, threads=0,
-                 nvme_path=None, offload_optimizer=None, aio=None, **unsupported):
+                 nvme_path=None, offload_optimizer=None, aio=None, foreach=None, fused=None, capturable=False,
+                 differentiable=False, **unsupported):
+        # torch's implementation choices: foreach and fused pick a kernel, not
+        # the math (one implementation here); capturable (CUDA graphs) and
+        # differentiable (autograd through the step) would change what step() is.
+        for name, value in (("capturable", capturable), ("differentiable", differentiable)):
+            if value:
+                raise TypeError(f"CPUAdamW: {name}=True is not supported (Strata's CPU optimizer steps outside "
+                                "autograd and CUDA graphs)")
         if unsupported:
             raise TypeError(f"CPUAdamW: {sorted(unsupported)} not supported (Strata's CPU optimizer has one "
-                            "implementation; foreach/fused/capturable/differentiable do not apply)")
+                            "implementation)")
         if not bias_correction:
             raise ValueError("CPUAdamW: bias_correction=False is not implemented (the update always corrects the "
                              "moments' bias, as torch.optim.AdamW)")
