@@ -466,6 +466,24 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   STRATA_RETURN_IF_ERROR(get_bool("tie_word_embeddings", &c.tie_word_embeddings));
   STRATA_RETURN_IF_ERROR(get_token("bos_token_id", &c.bos_token_id));
   STRATA_RETURN_IF_ERROR(get_token("eos_token_id", &c.eos_token_id));
+  // nn.Embedding(vocab, hidden, padding_idx=pad_token_id): an integer in
+  // [-vocab, vocab), a negative one counted from the end; torch refuses
+  // anything else, so does Strata.
+  if (auto it = root.find("pad_token_id"); it != root.end() && !it->is_null()) {
+    const int64_t vocab = static_cast<int64_t>(std::min<uint64_t>(c.vocab_size, INT64_MAX));
+    if (!it->is_number_integer())
+      return key_error(source, "pad_token_id",
+                       fmt::format("must be an integer (nn.Embedding's padding_idx) or null, got {}",
+                                   clip_for_message(it->dump(), 100)));
+    const bool neg = it->is_number_integer() && !it->is_number_unsigned();
+    const int64_t v = neg ? it->get<int64_t>() : static_cast<int64_t>(std::min<uint64_t>(it->get<uint64_t>(), INT64_MAX));
+    if (v >= vocab || v < -vocab)
+      return key_error(source, "pad_token_id",
+                       fmt::format("is {}, outside the vocabulary (vocab_size {}): nn.Embedding's padding_idx must "
+                                   "be in [-vocab_size, vocab_size)",
+                                   v, c.vocab_size));
+    c.pad_token_id = v < 0 ? v + vocab : v;
+  }
 
   // Newer transformers write "dtype", older "torch_dtype".
   c.torch_dtype = DType::kF32;

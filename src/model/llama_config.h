@@ -55,6 +55,10 @@ struct LlamaConfig {
   DType torch_dtype = DType::kBF16;  // "bfloat16" | "float16" | "float32"
   int64_t bos_token_id = -1;         // -1: absent / null (a list: its first id)
   int64_t eos_token_id = -1;
+  // pad_token_id: transformers builds nn.Embedding(padding_idx=pad_token_id),
+  // whose lookup gives that row no gradient (normalized into 0..vocab-1; -1:
+  // absent / null).
+  int64_t pad_token_id = -1;
   double initializer_range = 0.02;  // std of the normal init (init-model)
   double attention_dropout = 0.0;   // training-mode dropout in transformers; Strata has none (warned)
   // JSON text of a RoPE scaling Strata does not implement (dynamic, longrope,

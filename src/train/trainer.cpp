@@ -315,6 +315,8 @@ Status Trainer::Impl::alloc_buffers() {
   if (dims.tied && trainable[embed_param])
     STRATA_RETURN_IF_ERROR(
         alloc(spec.params[embed_param].numel() * sizeof(float), "tied embedding gradient buffer", &tied_grad));
+  if (dims.tied && trainable[embed_param] && model.config.pad_token_id >= 0)
+    STRATA_RETURN_IF_ERROR(alloc(static_cast<size_t>(dims.dim) * sizeof(float), "padding row buffer", &pad_row));
   STRATA_RETURN_IF_ERROR(alloc(act * (layer_groups.size() + 1) * sizeof(float), "activation buffers", &acts));
   STRATA_RETURN_IF_ERROR(alloc(act * sizeof(float), "activation gradient buffer", &dx_a));
   STRATA_RETURN_IF_ERROR(alloc(act * sizeof(float), "activation gradient buffer", &dx_b));
@@ -622,6 +624,7 @@ std::string Trainer::Impl::settings_json() const {
                 {"rms_norm_eps", mc.rms_norm_eps},
                 {"rope", model::rope_describe(mc.rope)},
                 {"sliding_window", mc.sliding_window ? json(*mc.sliding_window) : json(nullptr)},
+                {"pad_token_id", mc.pad_token_id >= 0 ? json(mc.pad_token_id) : json(nullptr)},
                 {"tie_word_embeddings", mc.tie_word_embeddings}};
   t["schedule"] = {{"kind", schedule_kind_name(opt.schedule.kind)},
                    {"lr", opt.schedule.lr},
@@ -898,7 +901,25 @@ Status Trainer::Impl::micro_batch(bool last, double weight, LossStats* loss) {
   // queue behind that download).
   if (sync_ops) STRATA_RETURN_IF_ERROR(backend->synchronize(stream));
   float* ge = dims.tied ? tied_grad : grad_buf;
-  Status st = ops->embed_backward(inputs, B, T, dx_a, ge, /*accumulate=*/dims.tied);
+  // transformers' nn.Embedding(padding_idx=pad_token_id): the lookup adds
+  // nothing to that row (a tied head's part of it stays).
+  const int64_t pad = model.config.pad_token_id;
+  float* pad_dst = pad >= 0 ? ge + pad * dims.dim : nullptr;
+  const size_t row_bytes = static_cast<size_t>(dims.dim) * sizeof(float);
+  // Synchronous ops work on host memory here and now; stream-ordered ones
+  // (CUDA) queue the row's copies around the kernel.
+  auto copy_row = [&](float* dst, const float* src) -> Status {
+    if (sync_ops) {
+      src ? std::memcpy(dst, src, row_bytes) : std::memset(dst, 0, row_bytes);
+      return {};
+    }
+    return src ? backend->copy_async(dst, src, row_bytes, CopyKind::kDeviceToDevice, stream)
+               : backend->fill_zero_async(dst, row_bytes, stream);
+  };
+  Status st;
+  if (pad_dst && dims.tied) st = copy_row(pad_row, pad_dst);
+  if (st.ok()) st = ops->embed_backward(inputs, B, T, dx_a, ge, /*accumulate=*/dims.tied);
+  if (st.ok() && pad_dst) st = copy_row(pad_dst, dims.tied ? pad_row : nullptr);
   if (st.ok()) st = engine->reduce_grad(embed_param, ge, DType::kF32, stream);
   engine->trace_end();
   return st;

@@ -114,6 +114,10 @@ struct Trainer::Impl {
   float* grad_buf = nullptr;
   uint64_t grad_buf_elems = 0;
   float* tied_grad = nullptr;
+  // pad_token_id (transformers' nn.Embedding padding_idx): its row gets no
+  // gradient from the lookup; pad_row keeps the head's part of it across
+  // embed_backward when embeddings are tied ([dim] floats).
+  float* pad_row = nullptr;
   float* acts = nullptr;
   float* dx_a = nullptr;
   float* dx_b = nullptr;
@@ -152,7 +156,8 @@ struct Trainer::Impl {
     // the engine, the engine before its backend.
     if (stream) (void)backend->synchronize(stream);
     ops.reset();
-    for (void* p : {static_cast<void*>(grad_buf), static_cast<void*>(tied_grad), static_cast<void*>(acts),
+    for (void* p : {static_cast<void*>(grad_buf), static_cast<void*>(tied_grad), static_cast<void*>(pad_row),
+                    static_cast<void*>(acts),
                     static_cast<void*>(dx_a), static_cast<void*>(dx_b), static_cast<void*>(inputs),
                     static_cast<void*>(targets)})
       if (p) (void)backend->free(p);

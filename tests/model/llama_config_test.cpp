@@ -365,6 +365,22 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
                "\"architectures\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"attention_bias":true,)" + base + "}"), "\"attention_bias\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":"gelu",)" + base + "}"), "\"hidden_act\"");
+  // pad_token_id: nn.Embedding's padding_idx, an integer in [-vocab, vocab).
+  {
+    auto p5 = parse_llama_config(R"({"hidden_size":64,"pad_token_id":5,)" + base + "}");
+    ASSERT_TRUE(p5.ok());
+    EXPECT_EQ(p5->pad_token_id, 5);
+    auto neg = parse_llama_config(R"({"hidden_size":64,"pad_token_id":-1,)" + base + "}");
+    ASSERT_TRUE(neg.ok());
+    EXPECT_EQ(neg->pad_token_id, 255);
+    EXPECT_EQ(parse_llama_config(R"({"hidden_size":64,"pad_token_id":null,)" + base + "}")->pad_token_id, -1);
+    EXPECT_EQ(parse_llama_config("{\"hidden_size\":64," + base + "}")->pad_token_id, -1);
+  }
+  expect_error(parse_llama_config(R"({"hidden_size":64,"pad_token_id":256,)" + base + "}"),
+               "\"pad_token_id\" is 256, outside the vocabulary (vocab_size 256)");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"pad_token_id":-257,)" + base + "}"), "\"pad_token_id\"");
+  expect_error(parse_llama_config(R"({"hidden_size":64,"pad_token_id":"0",)" + base + "}"),
+               "\"pad_token_id\" must be an integer");
   // A quantized checkpoint is refused by name (with or without its method).
   expect_error(parse_llama_config(R"({"hidden_size":64,"quantization_config":{"quant_method":"bitsandbytes",)"
                                   R"("load_in_4bit":true},)" + base + "}"),

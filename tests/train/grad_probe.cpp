@@ -103,7 +103,14 @@ int main(int argc, char** argv) {
     check(m.layer_backward(layer_w(l), B, T, acts.data() + l * act, dx_a.data(), dx_b.data(), lg));
     std::swap(dx_a, dx_b);
   }
+  // pad_token_id: nn.Embedding's padding_idx row takes nothing from the
+  // lookup (the trainer's rule, Trainer::Impl's embedding backward).
+  const int64_t pad = md->config.pad_token_id;
+  std::vector<float> pad_row;
+  float* pad_dst = pad >= 0 ? g[embed].data() + pad * d.dim : nullptr;
+  if (pad_dst) pad_row.assign(pad_dst, pad_dst + d.dim);
   check(m.embed_backward(inputs.data(), B, T, dx_a.data(), g[embed].data(), /*accumulate=*/d.tied));
+  if (pad_dst) std::copy(pad_row.begin(), pad_row.end(), pad_dst);  // the tied head's part, or 0
   std::vector<model::TensorDecl> decls;
   for (const model::TensorInfo& t : md->tensors) decls.push_back({t.name, model::StDType::kF32, t.shape});
   auto wr = model::SafetensorsWriter::create(argv[5], decls,

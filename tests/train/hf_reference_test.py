@@ -86,6 +86,11 @@ CASES = [
                                                      "rope_theta": 500000.0})),
     ("bf16_mistral_tied", dict(arch="mistral", bf16=True, tie_word_embeddings=True, sliding_window=None,
                                rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # pad_token_id: nn.Embedding(padding_idx=) gives that row no gradient from
+    # the lookup (a tied head still trains it); the token is in the data.
+    ("pad_token_id", dict(pad_token_id=5, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    ("qwen2_tied_pad_token_id", dict(arch="qwen2", pad_token_id=7, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
 ]
 
 
