@@ -13,6 +13,7 @@
 #include <cstring>
 #include <vector>
 
+#include "common/crc32c.h"
 #include "common/enum_names.h"
 
 namespace strata {
@@ -107,6 +108,26 @@ Status TokenDataset::read_tokens(uint64_t first, uint64_t count, void* dst) cons
     done += static_cast<uint64_t>(n);
   }
   return {};
+}
+
+Result<uint32_t> TokenDataset::fingerprint() const {
+  constexpr uint64_t kWhole = uint64_t{256} << 20, kBlock = uint64_t{64} << 10, kBlocks = 256;
+  const uint64_t bytes = tokens_ * token_bytes_;
+  const uint64_t block_tokens = kBlock / token_bytes_;
+  std::vector<uint8_t> buf(bytes <= kWhole ? std::min(bytes, kBlock) : kBlock);
+  uint32_t crc = 0;
+  auto add = [&](uint64_t first, uint64_t count) -> Status {
+    STRATA_RETURN_IF_ERROR(read_tokens(first, count, buf.data()));
+    crc = crc32c_extend(crc, buf.data(), count * token_bytes_);
+    return {};
+  };
+  if (bytes <= kWhole) {
+    for (uint64_t t = 0; t < tokens_; t += block_tokens) STRATA_RETURN_IF_ERROR(add(t, std::min(block_tokens, tokens_ - t)));
+  } else {
+    const uint64_t stride = (tokens_ - block_tokens) / (kBlocks - 1);
+    for (uint64_t k = 0; k < kBlocks; ++k) STRATA_RETURN_IF_ERROR(add(k * stride, block_tokens));
+  }
+  return crc;
 }
 
 uint32_t TokenDataset::token(uint64_t i) const {

@@ -116,6 +116,10 @@ class TokenDataset {
   // Token at index i of the whole file (no bounds check beyond an assert;
   // 0 if the file can no longer be read there). For tests and tools.
   uint32_t token(uint64_t i) const;
+  // A CRC32C of the token bytes: all of them up to 256 MiB, else 256 blocks
+  // of 64 KiB spread evenly over the file (a resume checks it: another file
+  // of the same size at the same path is another run).
+  Result<uint32_t> fingerprint() const;
 
   // The first token of training sample `s` (see the header comment).
   uint64_t train_sample_offset(uint64_t s) const;

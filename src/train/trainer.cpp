@@ -179,6 +179,9 @@ Status Trainer::Impl::open_data() {
     auto d = TokenDataset::open(dopt);
     if (!d.ok()) return d.status();
     data = std::move(d).value();
+    auto f = data->fingerprint();
+    if (!f.ok()) return f.status();
+    data_fingerprint = *f;
   }
   opt.data = dopt;
   return {};
@@ -595,20 +598,30 @@ std::string Trainer::Impl::settings_json() const {
   t["batch"] = static_cast<uint64_t>(opt.batch) * world;
   t["seq"] = seq;
   t["grad_accum"] = accum;
-  t["data"] = opt.data.path;
+  // Files by their absolute path (the same file reached from another
+  // directory is the same data; the warning on a resume names real moves).
+  auto where = [](const std::string& p) -> std::string {
+    if (p.empty()) return p;
+    std::error_code ec;
+    const auto abs = std::filesystem::weakly_canonical(p, ec);
+    return ec ? p : abs.string();
+  };
+  t["data"] = where(opt.data.path);
   t["data_format"] = data_format_name(opt.data.format);
-  t["loss_mask"] = opt.data.loss_mask_path;
-  if (!opt.data.documents_path.empty()) t["documents"] = opt.data.documents_path;
+  t["loss_mask"] = where(opt.data.loss_mask_path);
+  if (!opt.data.documents_path.empty()) t["documents"] = where(opt.data.documents_path);
   t["windows"] = opt.data.documents_path.empty()    ? "packed"
                  : opt.data.truncate_documents ? "by document, truncated"
                                                : "by document";
   // What the data holds, as far as the sample order goes: a file moved is
   // fine (its path only warns), one with other contents is another run (and
   // ranks reading different copies would disagree on their collectives).
-  if (data)
+  if (data) {
     t["data_shape"] = {{"tokens", data->tokens()},
                        {"train_windows", data->train_windows()},
                        {"val_windows", data->val_windows()}};
+    if (data_fingerprint) t["data_shape"]["crc32c"] = *data_fingerprint;
+  }
   t["val_fraction"] = opt.data.val_fraction;
   // What the model computes (beyond the shapes the checkpoint checks): a
   // resume with another config.json of the same shapes would mix two models.

@@ -72,6 +72,7 @@ struct Trainer::Impl {
   int64_t seq = 0;
   int64_t tokens_per_micro = 0;  // B*T
   std::unique_ptr<TokenDataset> data;
+  std::optional<uint32_t> data_fingerprint;  // TokenDataset::fingerprint(), in the resume settings
   // The engine's device (not owned by the engine: declared before it, and
   // ~Impl resets the engine first).
   std::unique_ptr<DeviceBackend> backend;

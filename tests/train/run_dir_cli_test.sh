@@ -49,6 +49,15 @@ python3 -c 'import os, struct, sys; n = os.path.getsize(sys.argv[1]); open(sys.a
   "$dir/data.txt" "$dir/one.docs"
 expect_error 'windows = "packed", this run has "by document"' "${common[@]}" --steps 8 --lr 1e-3 \
   --documents "$dir/one.docs" --out "$dir/a" --resume "$dir/a"
+# Other data of the same size at the same path (the file reversed) is another run; the same file
+# reached by another path is the same data (no warning).
+cp "$dir/data.txt" "$dir/data.keep"
+python3 -c 'import sys; p = sys.argv[1]; b = open(p, "rb").read(); open(p, "wb").write(b[::-1])' "$dir/data.txt"
+expect_error "data_shape.crc32c = " "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/a" --resume "$dir/a"
+cp "$dir/data.keep" "$dir/data.txt"
+(cd "$dir" && "$strata" finetune "${common[@]/$dir\/data.txt/data.txt}" --steps 8 --lr 1e-3 --out "$dir/a" \
+  --resume "$dir/a" >"$dir/last.log" 2>&1) || fail "resume through a relative data path failed: $(cat "$dir/last.log")"
+grep -q "trained on data" "$dir/last.log" && fail "the same data by another path warned: $(cat "$dir/last.log")"
 # --overwrite starts over; then --resume of A's dir takes B's checkpoints, never A's.
 id_a=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/a/run.json")
 cp -r "$dir/a/checkpoint-8" "$dir/a-checkpoint-8"
