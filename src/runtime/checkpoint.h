@@ -180,6 +180,12 @@ Status abort_checkpoint_staging(const std::string& dir, const std::string& token
 // saves, which hold no lock on the directory).
 Status cleanup_checkpoint_leftovers(const std::string& dir, bool keep_live_owners = false);
 
+// The names of the files a committed checkpoint directory holds: index.json,
+// every rank's manifest, data files and extra bytes' file, as its index and
+// manifests list them (read and checked, the data files are not). Lets a
+// caller that prunes old checkpoints remove only what a save wrote.
+Result<std::vector<std::string>> checkpoint_files(const std::string& dir);
+
 struct CheckpointOpenOptions {
   uint32_t rank = 0;
   // Read every data file and check its checksum during open(), so that a

@@ -14,6 +14,7 @@
 #include "common/log.h"
 #include "common/posix_file.h"
 #include "runtime/checkpoint.h"
+#include "runtime/checkpoint_manifest.h"
 
 namespace strata {
 
@@ -74,6 +75,19 @@ Status cleanup_checkpoint_leftovers(const std::string& dir_in, bool keep_live_ow
     if (!s.ok() && first.ok()) first = s;
   }
   return first;
+}
+
+Result<std::vector<std::string>> checkpoint_files(const std::string& dir) {
+  const std::string prefix = "checkpoint " + dir;
+  STRATA_ASSIGN_OR_RETURN(ParsedIndex index, parse_index(dir, 0, prefix));
+  std::vector<std::string> files = {"index.json"};
+  for (uint32_t r = 0; r < index.world_size; ++r) {
+    STRATA_ASSIGN_OR_RETURN(ParsedManifest m, parse_manifest(dir, r, prefix));
+    files.push_back(manifest_file_name(r));
+    for (const CheckpointEntry& e : m.entries) files.push_back(e.file);
+    if (m.has_extra_file) files.push_back(m.extra.file);
+  }
+  return files;
 }
 
 }  // namespace strata

@@ -196,6 +196,30 @@ class Trainer::Run {
                               failed.message(), res_.last_checkpoint, m_.opt.out_dir, m_.step));
   }
 
+  // --keep: an older checkpoint goes only if this run saved it and it holds
+  // nothing but what the save wrote; anything else (another run's, a
+  // directory that only looks like one, a file a user put there) stays,
+  // with a warning naming it.
+  void prune_checkpoint(const std::string& path) {
+    auto keep_it = [&](const std::string& why) {
+      log_warn("--keep: leaving {} in place: {}", path, why);
+    };
+    auto id = checkpoint_run_id(path);
+    if (!id.ok()) return keep_it("it is not a checkpoint Strata can read (" + id.status().message() + ")");
+    if (*id != m_.run_dir->run_id()) return keep_it("it belongs to another run");
+    auto files = checkpoint_files(path);
+    if (!files.ok()) return keep_it(files.status().message());
+    const std::set<std::string> ours(files->begin(), files->end());
+    std::error_code ec;
+    for (fs::directory_iterator it(path, ec), end; !ec && it != end; it.increment(ec)) {
+      const std::string name = it->path().filename().string();
+      if (!ours.count(name)) return keep_it("it holds " + name + ", which no save of Strata wrote");
+    }
+    if (ec) return keep_it("listing it failed: " + ec.message());
+    fs::remove_all(path, ec);
+    if (ec) log_warn("could not remove old checkpoint {}: {}", path, ec.message());
+  }
+
   std::string checkpoint_dir() const { return m_.opt.out_dir + "/checkpoint-" + std::to_string(m_.step); }
 
   // out_dir/checkpoint-<step>, then the oldest beyond `keep` removed.
@@ -210,9 +234,7 @@ class Trainer::Run {
       auto cks = list_checkpoint_dirs(m_.opt.out_dir);
       for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {
         if (cks[i].path == dir) continue;
-        std::error_code ec;
-        fs::remove_all(cks[i].path, ec);
-        if (ec) log_warn("could not remove old checkpoint {}: {}", cks[i].path, ec.message());
+        prune_checkpoint(cks[i].path);
       }
     }
     progress_.say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m_.step, dir, seconds_since(t0)));

@@ -164,6 +164,25 @@ expect_error "steps in a row were skipped" "${common[@]}" --steps 30 --lr 1e30 -
   --max-skipped-steps 3 --clip 0 --out "$dir/nan"
 
 # ---- a demo killed with SIGKILL: its temp dir is reclaimed by the next demo
+# --keep removes only this run's own checkpoints that hold nothing else: another run's checkpoint,
+# a directory that only looks like a checkpoint and a checkpoint holding a user's file stay.
+run --steps 1 --save-every 1 --lr 1e-3 --out "$dir/k0" || fail "run k0 failed: $(cat "$dir/last.log")"
+run --steps 8 --save-every 1 --keep 0 --lr 1e-3 --out "$dir/k" || fail "run k failed: $(cat "$dir/last.log")"
+mv "$dir/k0/checkpoint-1" "$dir/k/checkpoint-0"
+rm -rf "$dir/k/checkpoint-1" && mkdir "$dir/k/checkpoint-1" && echo notes >"$dir/k/checkpoint-1/notes.txt"
+echo "my eval" >"$dir/k/checkpoint-2/eval_results.json"
+run --steps 8 --save-every 1 --keep 1 --lr 1e-3 --out "$dir/k" --resume "$dir/k/checkpoint-4" ||
+  fail "resume k with --keep 1 failed: $(cat "$dir/last.log")"
+[[ -d $dir/k/checkpoint-0 ]] || fail "--keep removed another run's checkpoint"
+[[ -f $dir/k/checkpoint-1/notes.txt ]] || fail "--keep removed a directory that is not a checkpoint"
+[[ -f $dir/k/checkpoint-2/eval_results.json ]] || fail "--keep removed a checkpoint holding a user's file"
+[[ $(ls "$dir/k" | grep -c '^checkpoint-') == 4 && -d $dir/k/checkpoint-8 ]] ||
+  fail "--keep 1 did not remove the run's own older checkpoints: $(ls "$dir/k")"
+grep -q "leaving $dir/k/checkpoint-2 in place: it holds eval_results.json" "$dir/last.log" ||
+  fail "--keep did not say what it left: $(cat "$dir/last.log")"
+grep -q "leaving $dir/k/checkpoint-0 in place: it belongs to another run" "$dir/last.log" ||
+  fail "--keep did not say it left another run's checkpoint: $(cat "$dir/last.log")"
+
 mkdir -p "$dir/demos"
 "$strata" demo --dir "$dir/demos" --quiet --steps 100000 >/dev/null 2>&1 &
 pid=$!
