@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
@@ -107,6 +108,30 @@ Status remove_tree(const std::string& path) {
   std::filesystem::remove_all(path, ec);
   if (ec) return Status::from_errno(ec.value(), "removing " + path);
   return {};
+}
+
+Status check_replaceable(const std::string& path, const std::string& what, std::string_view own_prefix) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return {};
+    return Status::from_errno(errno, what + " " + path);
+  }
+  if (!S_ISREG(st.st_mode))
+    return Status(StatusCode::kInvalidArgument,
+                  what + " " + path + " exists and is not a regular file (a FIFO, directory or device)");
+  if (st.st_size == 0) return {};
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return Status::from_errno(errno, what + " " + path);
+  Fd f(fd, /*owned=*/true);
+  std::string head(own_prefix.size(), '\0');
+  ssize_t n;
+  do {
+    n = ::pread(fd, head.data(), head.size(), 0);
+  } while (n < 0 && errno == EINTR);
+  if (n == static_cast<ssize_t>(head.size()) && head == own_prefix) return {};
+  return Status(StatusCode::kAlreadyExists,
+                what + " " + path + " exists and is not a file Strata wrote (" + std::to_string(st.st_size) +
+                    " bytes): refusing to overwrite it; name another file, or remove it");
 }
 
 }  // namespace strata

@@ -1,6 +1,7 @@
 // Small POSIX file helpers: an owning-or-borrowing descriptor, full-length
 // pread/pwrite loops, fsync through a fresh descriptor, create-write-fsync of
-// a new file, recursive removal, directory listing, and '/'-path splitting.
+// a new file, recursive removal, directory listing, '/'-path splitting, and
+// the check before a user-named output file replaces what is there.
 //
 // Owns nothing beyond the descriptors an Fd holds. Every call blocks and is
 // safe from any thread for distinct descriptors. Errors are Status values
@@ -74,5 +75,13 @@ Status remove_tree(const std::string& path);
 // The names in directory `dir` but "." and "..", in readdir order. Errors:
 // from_errno "listing <dir> failed".
 Result<std::vector<std::string>> list_dir(const std::string& dir);
+
+// Before a file Strata writes from the start (a metrics or trace file named
+// by the user) replaces what is at `path`: fine when nothing is there, or an
+// empty regular file, or one whose first bytes are `own_prefix` (a file of
+// the same kind, from an earlier run); otherwise kAlreadyExists (another
+// file: data, weights, notes) or kInvalidArgument (a FIFO, directory or
+// device), naming `what` and the path. Never blocks (a FIFO is not opened).
+Status check_replaceable(const std::string& path, const std::string& what, std::string_view own_prefix);
 
 }  // namespace strata

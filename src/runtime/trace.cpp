@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "common/log.h"
+#include "common/posix_file.h"
 
 namespace strata {
 
@@ -141,6 +142,8 @@ uint64_t Tracer::now_ns() {
 
 Result<std::unique_ptr<Tracer>> Tracer::open(const std::string& path, const TraceOptions& options) {
   if (path.empty()) return Status(StatusCode::kInvalidArgument, "trace: empty file name");
+  // Never over another file (the data, the weights) or into a FIFO.
+  STRATA_RETURN_IF_ERROR(check_replaceable(path, "trace file", R"({"traceEvents":)"));
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) return Status::from_errno(errno, "creating the trace file " + path);
   std::unique_ptr<Tracer> t(new Tracer());

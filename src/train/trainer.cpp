@@ -348,6 +348,9 @@ Status Trainer::Impl::alloc_buffers() {
 Status Trainer::Impl::open_metrics() {
   if (rank != 0) return {};  // N ranks: rank 0 writes the metrics
   const std::string mpath = opt.metrics_path.empty() ? opt.out_dir + "/metrics.jsonl" : opt.metrics_path;
+  // Never over another file (--metrics naming the data or the weights) or
+  // into a FIFO: a metrics file of an earlier run (or none) only.
+  STRATA_RETURN_IF_ERROR(check_replaceable(mpath, "metrics file", R"({"event":)"));
   // A resumed run continues the file as if it had never stopped.
   if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step));
   metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");

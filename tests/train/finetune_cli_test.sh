@@ -131,6 +131,22 @@ printf '{"train_micro_batch_size_per_gpu": 0}' >"$dir/bs7.json"
 expect_error "train_micro_batch_size_per_gpu" \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs7.json" --out "$dir/bs7"
 
+# --metrics / --trace never replace a file Strata did not write, nor open a FIFO (which would block).
+cp "$dir/data.txt" "$dir/data.copy"
+expect_error "metrics file $dir/data.copy exists and is not a file Strata wrote" "${common[@]}" --steps 1 \
+  --metrics "$dir/data.copy" --out "$dir/mt1"
+cmp -s "$dir/data.txt" "$dir/data.copy" || fail "--metrics over the data changed it"
+[[ ! -e $dir/mt1 ]] || fail "a refused --metrics left its out dir"
+mkfifo "$dir/fifo"
+out=$(timeout 60 "$strata" finetune "${common[@]}" --steps 1 --trace "$dir/fifo" --out "$dir/mt2" 2>&1)
+rc=$?
+((rc == 1)) && [[ $out == *"trace file $dir/fifo exists and is not a regular file"* ]] ||
+  fail "--trace FIFO: exit $rc: $out"
+out=$(timeout 60 "$strata" finetune "${common[@]}" --steps 1 --metrics "$dir/fifo" --out "$dir/mt3" 2>&1)
+rc=$?
+((rc == 1)) && [[ $out == *"metrics file $dir/fifo exists and is not a regular file"* ]] ||
+  fail "--metrics FIFO: exit $rc: $out"
+
 help=$("$strata" finetune --help)
 for flag in --model --data --config --offload-params --offload-optimizer --steps --batch --seq --lr --warmup \
   --schedule --grad-accum --save-every --out --resume --trace --device; do
