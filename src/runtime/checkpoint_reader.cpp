@@ -55,7 +55,7 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(const std::stri
     STRATA_RETURN_IF_ERROR(rd->check_entry_file(rd->extra_entry_, false));
     rd->info_.extra_bytes.resize(rd->extra_entry_.bytes);
     const std::string path = join_path(dir, rd->extra_entry_.file);
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);  // checked a regular file above
     if (fd < 0) return Status::from_errno(errno, prefix + ": opening " + rd->extra_entry_.file);
     Fd guard(fd, true);
     STRATA_RETURN_IF_ERROR(pread_full(fd, rd->info_.extra_bytes.data(), rd->extra_entry_.bytes, 0, path));
@@ -83,7 +83,8 @@ namespace {
 // the manifest records; the errors name the checkpoint and the file.
 Result<Fd> open_entry_file(const std::string& dir, const CheckpointEntry& e, const std::string& prefix) {
   const std::string path = join_path(dir, e.file);
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: a FIFO put in its place is refused below, not waited on.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) return Status(StatusCode::kCorrupt, prefix + ": missing (the manifest lists it)");

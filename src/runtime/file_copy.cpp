@@ -53,9 +53,13 @@ Status open_range(const FileRange& r, bool dst, Fd* out) {
     return {};
   }
   if (r.path.empty()) return Status(StatusCode::kInvalidArgument, "a file range has neither a path nor a descriptor");
-  int fd = ::open(r.path.c_str(), mode | O_CLOEXEC | (dst ? O_CREAT : 0), 0600);
+  // O_NONBLOCK: a FIFO in a file's place is refused, not waited on.
+  int fd = ::open(r.path.c_str(), mode | O_CLOEXEC | O_NONBLOCK | (dst ? O_CREAT : 0), 0600);
   if (fd < 0) return Status::from_errno(errno, std::string("opening ") + r.path + (dst ? " for writing" : ""));
   *out = Fd(fd, true);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return Status::from_errno(errno, "stat of " + r.path);
+  if (!S_ISREG(st.st_mode)) return Status(StatusCode::kInvalidArgument, r.path + " is not a regular file");
   return {};
 }
 

@@ -539,6 +539,31 @@ TEST_F(DamagedCheckpoint, DeletedDataFile) {
   EXPECT_TRUE(contains(st.message(), file_ + ": missing")) << st.message();
 }
 
+// A FIFO in a data file's place (or the extra bytes') is refused at once,
+// not waited on (an open without O_NONBLOCK blocks until a writer comes).
+TEST_F(DamagedCheckpoint, AFifoInAFilesPlaceIsRefusedNotWaitedOn) {
+  for (const std::string name : {file_, std::string("extra.rank0.bin")}) {
+    SCOPED_TRACE(name);
+    TempDir tmp;
+    ASSERT_TRUE(tmp.ok());
+    const std::string dir = tmp.file("ck");
+    CheckpointInfo info;
+    info.extra_bytes = pattern(100, 3);
+    auto w = CheckpointWriter::create(dir, info);
+    ASSERT_TRUE(w.ok());
+    for (const auto& e : small_model())
+      ASSERT_TRUE((*w)->add_buffer(e.name, e.dtype, e.bytes.size() / dtype_size(e.dtype), e.bytes.data(),
+                                   e.bytes.size())
+                      .ok());
+    ASSERT_TRUE((*w)->commit().ok());
+    fs::remove(dir + "/" + name);
+    ASSERT_EQ(::mkfifo((dir + "/" + name).c_str(), 0600), 0);
+    Status st = CheckpointReader::open(dir, {.verify_all = false}).status();
+    EXPECT_EQ(st.code(), StatusCode::kCorrupt);
+    EXPECT_TRUE(contains(st.message(), name + ": not a regular file")) << st.message();
+  }
+}
+
 TEST_F(DamagedCheckpoint, TruncatedManifest) {
   const std::string path = dir_ + "/manifest.rank0.json";
   const std::string text = read_text(path);
