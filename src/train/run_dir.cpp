@@ -313,12 +313,17 @@ Result<std::string> select_checkpoint(const std::string& from) {
     if (!id.ok()) {
       if (id.status().code() != StatusCode::kNotFound && id.status().code() != StatusCode::kCorrupt)
         return id.status().with_context("resume: reading " + it->path);
-      // kNotFound: a directory whose save never committed (a kill mid-save).
-      rejected.push_back(fmt::format("{} ({})", base_of(it->path),
-                                     id.status().code() == StatusCode::kNotFound ? "never completed: "
-                                                                                  "stopped mid-save"
-                                                                                : "damaged: " + id.status().message()));
-      if (id.status().code() == StatusCode::kCorrupt && damaged.ok()) damaged = id.status();
+      // A save stages its checkpoint beside the directory and renames it into
+      // place whole, so a checkpoint-<step> without its index or manifest
+      // (kNotFound) was damaged afterwards (or not written by Strata): like
+      // a corrupt one, it is not skipped in silence.
+      const Status why = id.status().code() == StatusCode::kNotFound
+                             ? Status(StatusCode::kCorrupt, id.status().message() +
+                                                                " (a save puts a checkpoint in place whole: this one "
+                                                                "lost files since, or Strata did not write it)")
+                             : id.status();
+      rejected.push_back(fmt::format("{} (damaged: {})", base_of(it->path), why.message()));
+      if (damaged.ok()) damaged = why;
       continue;
     }
     if (*id == run && !damaged.ok() && CheckpointReader::open(it->path).ok())

@@ -80,6 +80,12 @@ expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-
 echo garbage >"$dir/dmg/checkpoint-8/manifest.rank0.json"
 expect_error "the newest checkpoint is damaged" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
 expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+# A newest checkpoint that lost its manifest, or its index, is damaged too (a save puts a
+# checkpoint in place whole), never skipped as if a save had stopped midway.
+mv "$dir/dmg/checkpoint-8/manifest.rank0.json" "$dir/manifest.keep"
+expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
+rm "$dir/dmg/checkpoint-8/index.json"
+expect_error "$dir/dmg/checkpoint-4 is intact" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
 # Every checkpoint damaged: the error names each and why.
 echo garbage >"$dir/dmg/checkpoint-4/manifest.rank0.json"
 expect_error "holds no usable checkpoint of its run" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/dmg" --resume "$dir/dmg"
