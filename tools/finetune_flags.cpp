@@ -115,7 +115,8 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
       ->capture_default_str();
   cmd->add_option("--trace", f->trace, "Write a Chrome/Perfetto trace of the engine and the compute");
   cmd->add_option("--metrics", f->metrics, "JSON-lines metrics file (default OUT/metrics.jsonl)");
-  cmd->add_flag("--no-export", f->no_export, "Do not write OUT/model at the end");
+  cmd->add_flag("--no-export", f->no_export,
+                "Do not write OUT/model at the end (a LoRA run still writes its adapter, OUT/adapter)");
   cmd->add_option("--export-dtype", f->export_dtype, "fp32 | bf16 | fp16 for OUT/model (default: the model's)");
   cmd->add_option("--device-mem", f->device_mem, "Device memory budget (e.g. 20GiB; default: detect)");
   cmd->add_option("--host-mem", f->host_mem, "Host memory budget (e.g. 64GiB; default: detect)");
@@ -326,6 +327,10 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
                       fmt::format("{} needs LoRA: give --lora-rank R (or --lora-adapter DIR)", opt->get_name()));
   }
   o->lora.merge = f.lora_merge;
+  if (f.lora_merge && f.no_export)
+    return Status(StatusCode::kInvalidArgument,
+                  "--lora-merge writes the merged model to OUT/model, which --no-export leaves out: drop one "
+                  "(the adapter, OUT/adapter, is written either way)");
   if (f.seq < 1) return Status(StatusCode::kInvalidArgument, "--seq must be at least 1");
   // Counts a user may mistype: refused by name before any expensive work.
   auto in_range = [](const char* flag, int64_t v, int64_t lo, int64_t hi) -> Status {

@@ -3,6 +3,7 @@
 #include <sys/stat.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cctype>
@@ -15,6 +16,7 @@
 #include <sstream>
 
 #include "common/json.h"
+#include "common/log.h"
 
 namespace strata::train {
 
@@ -69,10 +71,12 @@ bool is_off(const json& v) {
 Status check_init_lora_weights(const std::string& path, const json& v) {
   if (v.is_boolean()) return {};
   const std::string s = v.is_string() ? v.get<std::string>() : "";
-  for (const char* plain : {"gaussian", "orthogonal", "eva", "lora_ga"})
-    if (s == plain) return {};
   std::string low = s;
   for (char& c : low) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  // PEFT compares "gaussian" case-insensitively (init_lora_weights.lower()).
+  if (low == "gaussian") return {};
+  for (const char* plain : {"orthogonal", "eva", "lora_ga"})
+    if (s == plain) return {};
   const char* what = nullptr;
   if (s.rfind("pissa", 0) == 0)
     what = "PiSSA";
@@ -185,6 +189,44 @@ Result<uint32_t> match_lora_target(std::string_view entry, int64_t* layer) {
                             "model.layers.<i>.self_attn.{{q,k,v,o}}_proj and model.layers.<i>.mlp.{{gate,up,down}}_proj "
                             "(known: {})",
                             clip_for_message(entry), known_modules()));
+}
+
+// Whether a target_modules list entry that selects no projection names
+// another module of these models (PEFT would adapt the embedding or the
+// head, and refuses norms and whole layers): PEFT's rule, the full name or a
+// "."-suffix of one, over Llama/Mistral/Qwen2/Qwen3's module names.
+bool names_another_module(std::string_view entry) {
+  static const char* const kGlobal[] = {"model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb",
+                                        "lm_head"};
+  static const char* const kPerLayer[] = {"self_attn", "mlp", "mlp.act_fn", "input_layernorm",
+                                          "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                                          "self_attn.rotary_emb"};
+  auto suffix_of = [&](std::string_view name) {
+    return entry == name || (name.size() > entry.size() && name.ends_with(entry) &&
+                             name[name.size() - entry.size() - 1] == '.');
+  };
+  for (const char* g : kGlobal)
+    if (suffix_of(g)) return true;
+  // "model.layers.<i>[.<module>]", "layers.<i>...", "<i>...": the layer's
+  // index stands for any layer.
+  std::string_view rest = entry;
+  for (std::string_view p : {"model.layers.", "layers."})
+    if (rest.starts_with(p)) {
+      rest.remove_prefix(p.size());
+      break;
+    }
+  const size_t dot = rest.find('.');
+  const std::string_view index = rest.substr(0, dot);
+  if (!index.empty() && all_digits(index)) {
+    if (dot == std::string_view::npos) return true;  // a whole decoder layer
+    rest.remove_prefix(dot + 1);
+    for (const char* m : kPerLayer)
+      if (rest == m) return true;
+    return false;
+  }
+  for (const char* m : kPerLayer)
+    if (suffix_of(std::string("model.layers.0.") + m)) return true;
+  return false;
 }
 
 Status resolve_lora_regex(LoraOptions* o, uint32_t layers, const std::string& where) {
@@ -313,12 +355,21 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
     } else if (t.is_array() && !t.empty()) {
       // PEFT's list: short names, suffixes, or full module names (PEFT
       // writes "all-linear" as the full names of every layer's projections).
+      // An entry naming no module of the model is ignored, as PEFT ignores it
+      // (lists written for several model families: "c_attn"); one naming a
+      // module Strata does not adapt is refused.
       std::set<uint32_t> every_layer;
+      std::vector<std::string> unmatched;
       o->target_layers.clear();
       for (const json& n : t) {
         if (!n.is_string()) return bad("target_modules", "must list module names");
         int64_t layer = -1;
-        auto b = match_lora_target(n.get<std::string>(), &layer);
+        const std::string entry = n.get<std::string>();
+        auto b = match_lora_target(entry, &layer);
+        if (!b.ok() && !names_another_module(entry)) {
+          unmatched.push_back(clip_for_message(entry, 60));
+          continue;
+        }
         if (!b.ok()) return b.status().with_context(path + ": \"target_modules\"");
         bits |= *b;
         if (layer < 0)
@@ -327,6 +378,18 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
           o->target_layers[*b].insert(static_cast<uint32_t>(layer));
       }
       for (uint32_t b : every_layer) o->target_layers.erase(b);
+      if (bits == 0)
+        return bad("target_modules",
+                   fmt::format("selects no module of the model ({}): Strata adapts "
+                               "model.layers.<i>.self_attn.{{q,k,v,o}}_proj and model.layers.<i>.mlp.{{gate,up,down}}_proj "
+                               "(known: {})",
+                               fmt::join(unmatched, ", "), known_modules()));
+      if (!unmatched.empty())
+        log_warn("{}: target_modules {} name no module of this model; ignored, as PEFT ignores them", path,
+                 fmt::join(unmatched, ", "));
+    } else if (j.contains("target_parameters") && !is_off(j["target_parameters"])) {
+      return bad("target_parameters", fmt::format("is {} (adapts parameters, not modules): not supported by Strata",
+                                                  clip_for_message(j["target_parameters"].dump())));
     } else {
       return bad("target_modules", "must name the adapted modules");
     }
@@ -351,14 +414,18 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
       {"alora_invocation_tokens", "activated LoRA"},
       {"use_bdlora", "block-diagonal LoRA"},
       {"ensure_weight_tying", "ties adapted embeddings"},
+      // LoRA variants PEFT switches on by their config (extra tensors, another forward).
+      {"kasa_config", "KaSA truncates the base weights and adds a diagonal"},
+      {"velora_config", "VeLoRA compresses the activations"},
+      {"monteclora_config", "MonteCLoRA samples the adapters"},
+      {"arrow_config", "Arrow routes between adapters"},
   };
   // Metadata and settings that only matter when PEFT creates fresh weights
   // (the file's weights are used as they are).
   static const std::set<std::string> kMetadata = {
       "peft_type", "r", "lora_alpha", "lora_dropout", "use_rslora", "target_modules", "task_type", "auto_mapping",
       "peft_version", "base_model_name_or_path", "revision", "inference_mode", "init_lora_weights", "megatron_core",
-      "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "velora_config",
-      "monteclora_config", "arrow_config", "kasa_config", "runtime_config"};
+      "qalora_group_size", "loftq_config", "eva_config", "corda_config", "lora_ga_config", "runtime_config"};
   for (auto it = j.begin(); it != j.end(); ++it) {
     const std::string& k = it.key();
     if (k == "bias") {
@@ -374,7 +441,10 @@ Status read_peft_adapter_config(const std::string& dir, LoraOptions* o) {
     if (kMetadata.count(k)) continue;
     auto off = kMustBeOff.find(k);
     if (off != kMustBeOff.end()) {
-      if (!is_off(it.value()))
+      // A variant's sub-config is on whenever it is not null (PEFT: `is not
+      // None`; {} builds its defaults).
+      const bool variant = k.ends_with("_config") && k != "megatron_config";
+      if (variant ? !it.value().is_null() : !is_off(it.value()))
         return bad(k, fmt::format("is {} ({}): not supported by Strata", clip_for_message(it.value().dump()),
                                   off->second));
       continue;

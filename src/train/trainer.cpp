@@ -493,6 +493,14 @@ Status Trainer::Impl::read_weights(uint32_t* crc_out) {
   std::vector<model::TensorInfo> adapter;
   if (!opt.lora.adapter_dir.empty()) {
     const std::string path = opt.lora.adapter_dir + "/adapter_model.safetensors";
+    struct stat st {};
+    if (::stat(path.c_str(), &st) != 0 && errno == ENOENT &&
+        ::stat((opt.lora.adapter_dir + "/adapter_model.bin").c_str(), &st) == 0)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("LoRA adapter {}: it holds adapter_model.bin (a PyTorch pickle), and Strata reads "
+                                "adapter_model.safetensors only (it never unpickles files); convert it with PEFT: "
+                                "PeftModel.from_pretrained(base, \"{}\").save_pretrained(DIR) writes safetensors",
+                                opt.lora.adapter_dir, opt.lora.adapter_dir));
     auto h = model::read_safetensors_header(path);
     if (!h.ok()) return h.status().with_context("LoRA adapter " + opt.lora.adapter_dir);
     adapter = std::move(h->tensors);

@@ -50,7 +50,9 @@ class Trainer::Run {
     if (has_val_) {
       STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
     }
-    if (m_.opt.export_model) {
+    // LoRA: the adapter is the run's result, written even with --no-export
+    // (which leaves out OUT/model only).
+    if (m_.opt.export_model || m_.opt.lora.enabled()) {
       if (Status st = export_model(); !st.ok()) return keep_work(st);
     }
     return res_;
@@ -251,15 +253,15 @@ class Trainer::Run {
   }
 
   // out_dir/model in opt.export_dtype (the model's own dtype when unset).
-  // LoRA: the PEFT adapter in out_dir/adapter, and the merged model only
-  // when asked (the base did not change).
+  // LoRA: the PEFT adapter in out_dir/adapter (always), and the merged model
+  // only when asked (the base did not change).
   Status export_model() {
     if (m_.opt.lora.enabled()) {
       const std::string adir = m_.opt.out_dir + "/adapter";
       if (Status st = t_.export_adapter(adir); !st.ok()) return st.with_context("exporting the LoRA adapter to " + adir);
       res_.exported_adapter = adir;
       progress_.say(fmt::format("exported the LoRA adapter (PEFT format, fp32) to {}", adir));
-      if (!m_.opt.lora.merge) return {};
+      if (!m_.opt.lora.merge || !m_.opt.export_model) return {};
     }
     const DType dt = m_.opt.export_dtype.value_or(m_.model.config.torch_dtype);
     const std::string dir = m_.opt.out_dir + "/model";

@@ -74,6 +74,10 @@ CASES = [
     # A regular expression (PEFT: re.fullmatch against each module's name).
     ("llama_regex_targets", dict(arch="llama", r=4, alpha=8, targets=["q_proj", "v_proj", "up_proj"],
                                  peft_targets=r".*\.(q_proj|v_proj|up_proj)")),
+    # A list written for several model families: an entry naming no module of
+    # this model ("c_attn", GPT-2's) is ignored, as PEFT ignores it.
+    ("llama_list_with_a_foreign_name", dict(arch="llama", r=2, alpha=4, targets=["q_proj", "v_proj"],
+                                            peft_targets=["q_proj", "v_proj", "c_attn"])),
 ]
 
 
@@ -202,6 +206,14 @@ def run_case(strata, work, name, c):
 def bad_adapters(strata, work):
     """An adapter Strata cannot reproduce is refused naming the field."""
     d = os.path.join(work, "bad")
+
+    def run_with(adapter, out_suffix, *flags):
+        return subprocess.run([strata, "finetune", "--model", d + "/model", "--data", d + "/tokens.u32",
+                               "--data-format", "u32", "--seq", str(SEQ), "--batch", "1", "--steps", "1",
+                               "--out", adapter + out_suffix, "--device", "cpu", "--progress", "quiet",
+                               "--val-fraction", "0", "--lora-adapter", adapter, *flags],
+                              capture_output=True, text=True)
+
     torch.manual_seed(1)
     LlamaForCausalLM(LlamaConfig(**SHAPE)).save_pretrained(d + "/model")
     toks = torch.randint(0, SHAPE["vocab_size"], (4 * (SEQ + 1),), dtype=torch.int64)
@@ -253,7 +265,55 @@ def bad_adapters(strata, work):
             problems.append(f"an adapter with target_modules {pattern!r} was not refused by name (exit "
                             f"{res.returncode}: {res.stderr.strip()[-300:]})")
     cases += edited
+    plain = f"{d}/plain"
+    get_peft_model(AutoModelForCausalLM.from_pretrained(d + "/model"),
+                   LoraConfig(r=2, task_type="CAUSAL_LM", target_modules=["q_proj"])).save_pretrained(plain)
+    # Edited by hand too: a LoRA variant switched on by its config over plain
+    # lora_A/lora_B tensors (PEFT's KaSA truncates the base weights), and
+    # target_parameters with no target_modules (PEFT's way to adapt
+    # parameters, e.g. MoE experts), each named.
+    for i, (field, edit) in enumerate((("kasa_config", {"kasa_config": {}}),
+                                       ("target_parameters", {"target_modules": [],
+                                                              "target_parameters": ["mlp.experts.gate_up_proj"]}))):
+        a = f"{d}/variant-{i}"
+        shutil.copytree(plain, a)
+        with open(a + "/adapter_config.json") as f:
+            acfg = json.load(f)
+        acfg.update(edit)
+        with open(a + "/adapter_config.json", "w") as f:
+            json.dump(acfg, f)
+        res = run_with(a, "-out")
+        cases.append(field)
+        if res.returncode == 0 or f'"{field}"' not in res.stderr:
+            problems.append(f"an adapter with {field} was not refused by name (exit {res.returncode}: "
+                            f"{res.stderr.strip()[-300:]})")
+    # A PyTorch-pickle adapter: named, with the conversion.
+    a = f"{d}/bin"
+    shutil.copytree(plain, a)
+    os.rename(a + "/adapter_model.safetensors", a + "/adapter_model.bin")
+    res = run_with(a, "-out")
+    cases.append("adapter_model.bin")
+    if res.returncode == 0 or "adapter_model.bin (a PyTorch pickle)" not in res.stderr:
+        problems.append(f"a .bin adapter was not named (exit {res.returncode}: {res.stderr.strip()[-300:]})")
     print(f"  refused adapters: {len(cases) - len(problems)} of {len(cases)} named the field")
+    # Accepted as PEFT accepts them: init_lora_weights in another case (PEFT
+    # lower-cases it); --no-export still writes the adapter, the run's
+    # result, and --lora-merge with it is refused by name.
+    a = f"{d}/gaussian"
+    shutil.copytree(plain, a)
+    with open(a + "/adapter_config.json") as f:
+        acfg = json.load(f)
+    acfg["init_lora_weights"] = "Gaussian"
+    with open(a + "/adapter_config.json", "w") as f:
+        json.dump(acfg, f)
+    res = run_with(a, "-out", "--no-export")
+    if res.returncode != 0:
+        problems.append(f"init_lora_weights \"Gaussian\" was refused: {res.stderr.strip()[-300:]}")
+    elif not os.path.isfile(a + "-out/adapter/adapter_model.safetensors") or os.path.exists(a + "-out/model"):
+        problems.append(f"--no-export in a LoRA run wrote {sorted(os.listdir(a + '-out'))}: the adapter and no model")
+    res = run_with(a, "-out2", "--no-export", "--lora-merge")
+    if res.returncode == 0 or "--lora-merge" not in res.stderr:
+        problems.append(f"--no-export --lora-merge was not refused by name: {res.stderr.strip()[-300:]}")
     return "; ".join(problems)
 
 
