@@ -199,6 +199,7 @@ Status parse_rope(const json& root, const std::string& source, bool allow_unsupp
       for (const char* k : {"factor", "original_max_position_embeddings", "attention_factor", "beta_fast",
                             "beta_slow", "mscale", "mscale_all_dim", "truncate"})
         allowed.insert(k);
+      required = {"factor"};  // transformers' _compute_yarn_parameters reads it unconditionally
       break;
   }
   for (auto it = obj->begin(); it != obj->end(); ++it) {
@@ -233,16 +234,8 @@ Status parse_rope(const json& root, const std::string& source, bool allow_unsupp
     if (auto it = root.find("original_max_position_embeddings"); it != root.end() && !it->is_null())
       STRATA_RETURN_IF_ERROR(number(*it, "original_max_position_embeddings", &r.original_max_position_embeddings));
   }
-  bool factor_given = false;
-  if (auto it = obj->find("factor"); it != obj->end() && !it->is_null()) {
+  if (auto it = obj->find("factor"); it != obj->end() && !it->is_null())
     STRATA_RETURN_IF_ERROR(number(*it, where + ".factor", &r.factor));
-    factor_given = true;
-  }
-  if (r.type == RopeType::kYarn && !factor_given) {
-    if (r.original_max_position_embeddings <= 0)
-      return key_error(source, where + ".factor", "is missing and original_max_position_embeddings is not positive");
-    r.factor = static_cast<double>(c->max_position_embeddings) / r.original_max_position_embeddings;
-  }
   if (!(r.factor > 0)) return key_error(source, where + ".factor", fmt::format("must be positive, got {}", r.factor));
   if (r.factor < 1)
     log_warn("{}: {}.factor is {}; transformers expects a factor of at least 1 (used as given)", source, where,
@@ -385,10 +378,11 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   }
   // Mistral's attention sees the last sliding_window tokens (null: all).
   // Llama's modeling code never reads the key.
+  // Absent: MistralConfig's default, 4096.
   if (c.arch == ModelArch::kMistral) {
-    uint64_t w = 0;
+    uint64_t w = 4096;
     STRATA_RETURN_IF_ERROR(get_uint("sliding_window", false, &w, kBigWindow));
-    if (auto it = root.find("sliding_window"); it != root.end() && !it->is_null()) {
+    if (auto it = root.find("sliding_window"); it == root.end() || !it->is_null()) {
       if (w == 0) return key_error(source, "sliding_window", "must be positive or null");
       c.sliding_window = w;
     }
@@ -454,15 +448,32 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   // transformers' defaults when the key is absent: Mistral 8, Qwen2/3 32,
   // Llama the head count; null means the head count everywhere.
   kv = c.arch == ModelArch::kMistral ? 8 : (c.arch == ModelArch::kQwen2 || c.arch == ModelArch::kQwen3) ? 32 : heads;
+  const bool kv_absent = root.find("num_key_value_heads") == root.end();
   if (auto it = root.find("num_key_value_heads"); it != root.end() && it->is_null()) kv = heads;
   STRATA_RETURN_IF_ERROR(get_uint("num_key_value_heads", false, &kv, k32));
+  if (kv_absent && kv != heads && (kv == 0 || heads % kv != 0))
+    return key_error(source, "num_key_value_heads",
+                     fmt::format("is absent, so {}'s default {} applies, and num_attention_heads {} is not divisible "
+                                 "by it; give num_key_value_heads",
+                                 model_arch_class(c.arch), kv, heads));
   c.num_hidden_layers = static_cast<uint32_t>(layers);
   c.num_attention_heads = static_cast<uint32_t>(heads);
   c.num_key_value_heads = static_cast<uint32_t>(kv);
+  // Absent: each config class's default (it sets llama3's and yarn's
+  // original context when those do not).
+  c.max_position_embeddings = c.arch == ModelArch::kMistral ? 131072
+                              : (c.arch == ModelArch::kQwen2 || c.arch == ModelArch::kQwen3) ? 32768
+                                                                                               : 2048;
   STRATA_RETURN_IF_ERROR(get_uint("max_position_embeddings", false, &c.max_position_embeddings, kBig));
+  // null: transformers' RMSNorm would add None (a TypeError at the first forward).
+  if (auto it = root.find("rms_norm_eps"); it != root.end() && it->is_null())
+    return key_error(source, "rms_norm_eps", "is null; transformers cannot run such a model (give a number)");
   STRATA_RETURN_IF_ERROR(get_double("rms_norm_eps", &c.rms_norm_eps));
   STRATA_RETURN_IF_ERROR(get_double("initializer_range", &c.initializer_range));
   STRATA_RETURN_IF_ERROR(get_double("attention_dropout", &c.attention_dropout));
+  if (!(c.attention_dropout >= 0 && c.attention_dropout <= 1))
+    return key_error(source, "attention_dropout",
+                     fmt::format("is {}: a dropout probability is in [0, 1] (torch refuses it)", c.attention_dropout));
   STRATA_RETURN_IF_ERROR(get_bool("tie_word_embeddings", &c.tie_word_embeddings));
   STRATA_RETURN_IF_ERROR(get_token("bos_token_id", &c.bos_token_id));
   STRATA_RETURN_IF_ERROR(get_token("eos_token_id", &c.eos_token_id));
@@ -485,9 +496,10 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
     c.pad_token_id = v < 0 ? v + vocab : v;
   }
 
-  // Newer transformers write "dtype", older "torch_dtype".
+  // Newer transformers write "dtype", older "torch_dtype"; with both,
+  // transformers 5 takes "dtype" (torch_dtype is its deprecated alias).
   c.torch_dtype = DType::kF32;
-  for (const char* key : {"torch_dtype", "dtype"}) {
+  for (const char* key : {"dtype", "torch_dtype"}) {
     auto it = root.find(key);
     if (it == root.end() || it->is_null()) continue;
     const std::string v = it->is_string() ? it->get<std::string>() : it->dump();

@@ -92,8 +92,6 @@ TEST(LlamaConfig, RopeInBothLayouts) {
   yarn.theta = 1000000;
   yarn.type = RopeType::kYarn;
   yarn.factor = 4, yarn.original_max_position_embeddings = 1024, yarn.beta_fast = 16;
-  RopeSettings yarn_implicit = yarn;  // no factor: max_position_embeddings / original
-  yarn_implicit.beta_fast = 32;
   const Case cases[] = {
       {R"("rope_theta":500000,"rope_scaling":null)", R"("rope_parameters":{"rope_type":"default","rope_theta":500000})",
        def},
@@ -109,10 +107,11 @@ TEST(LlamaConfig, RopeInBothLayouts) {
        R"("rope_parameters":{"rope_type":"yarn","factor":4.0,"beta_fast":16,"original_max_position_embeddings":1024,
           "rope_theta":1000000})",
        yarn},
-      {R"("rope_theta":1000000,"rope_scaling":{"rope_type":"yarn","original_max_position_embeddings":1024})",
-       R"("rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":1024,"rope_theta":1000000})",
-       yarn_implicit},
   };
+  // yarn without a factor: transformers refuses it ("Missing required keys"), so does Strata.
+  for (const char* layout : {R"("rope_scaling":{"type":"yarn","original_max_position_embeddings":1024})",
+                             R"("rope_parameters":{"rope_type":"yarn","original_max_position_embeddings":1024})"})
+    expect_error(parse_llama_config("{" + base + "," + layout + "}"), "factor\" is required for RoPE type \"yarn\"");
   for (const Case& k : cases) {
     for (const char* layout : {k.v4, k.v5}) {
       SCOPED_TRACE(layout);
@@ -198,7 +197,27 @@ TEST(LlamaConfig, MistralAndItsSlidingWindow) {
   expect_error(parse_llama_config(base + R"("architectures":["GPT2LMHeadModel"]})"), "MistralForCausalLM");
   expect_error(parse_llama_config(base + R"("model_type":"mistral","sliding_window":0})"), "sliding_window");
   // transformers' default num_key_value_heads for an absent key: Mistral 8.
-  expect_error(parse_llama_config(base + R"("model_type":"mistral"})"), "not divisible by num_key_value_heads 8");
+  expect_error(parse_llama_config(base + R"("model_type":"mistral"})"),
+               "\"num_key_value_heads\" is absent, so MistralForCausalLM's default 8 applies");
+  // An absent sliding_window is MistralConfig's default 4096; absent
+  // max_position_embeddings each class's own default.
+  c = parse_llama_config(base + R"("model_type":"mistral","num_key_value_heads":2})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->sliding_window, std::optional<uint64_t>(4096));
+  EXPECT_EQ(c->max_position_embeddings, 131072u);
+  c = parse_llama_config(base + R"("model_type":"qwen2","num_key_value_heads":2})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->max_position_embeddings, 32768u);
+  c = parse_llama_config(base + R"("model_type":"llama"})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->max_position_embeddings, 2048u);
+  // dtype wins over torch_dtype (transformers 5); rms_norm_eps null and a
+  // dropout outside [0, 1] are refused as transformers and torch refuse them.
+  c = parse_llama_config(base + R"("model_type":"llama","torch_dtype":"bfloat16","dtype":"float32"})");
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  EXPECT_EQ(c->torch_dtype, DType::kF32);
+  expect_error(parse_llama_config(base + R"("rms_norm_eps":null})"), "\"rms_norm_eps\" is null");
+  expect_error(parse_llama_config(base + R"("attention_dropout":-0.5})"), "\"attention_dropout\" is -0.5");
 }
 
 // A small GQA model: 64 wide, 8 heads of 8 over 2 kv heads, FFN 160, vocab 100.
