@@ -1278,9 +1278,20 @@ TEST(EngineNvme, PipelinedStepIsBitIdenticalToTheSynchronousStep) {
     EXPECT_TRUE(bits_equal(a.params(), b.params()));
     EXPECT_TRUE(bits_equal(a.compute_copies(), b.compute_copies()));
     // Both took the next forward's first groups from the optimizer's output
-    // (the group with the frozen parameter is not handed off).
+    // (the group with the frozen parameter is not handed off) ...
     EXPECT_GT(a.e->stats().optimizer_handoffs, 0u);
     EXPECT_GT(b.e->stats().optimizer_handoffs, 0u);
+    // ... and train the bits of a run that reads every compute copy back
+    // from NVMe (no prefetch: no staging buffer to hand off into).
+    {
+      Trainer n(d.dev.get(), o);
+      ASSERT_TRUE(n.init(make_config(o, Place::kNvme, dir.path() + "/nohand", /*prefetch=*/0)).ok());
+      for (int i = 0; i < 8; ++i) ASSERT_TRUE(n.run_step(i).ok());
+      ASSERT_TRUE(n.e->synchronize().ok());
+      EXPECT_EQ(n.e->stats().optimizer_handoffs, 0u);
+      EXPECT_TRUE(bits_equal(n.params(), b.params()));
+      EXPECT_TRUE(bits_equal(n.compute_copies(), b.compute_copies()));
+    }
     for (ParamId p = 0; p < a.e->model().params.size(); ++p) {
       auto sa = a.e->param_steps(p), sb = b.e->param_steps(p);  // frozen: an error on both
       ASSERT_EQ(sa.ok(), sb.ok()) << "param " << p;

@@ -446,7 +446,6 @@ Status Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::f
 
 void Stepper::run_pipelined_pass() {
   Status st = pipeline_error();  // after a failure the state is torn: nothing more is applied
-  if (!st.ok()) resolve_handoffs();
   if (st.ok()) {
     st = step_all(pipe_config_, pipe_step_, pipe_group_hp_, [this](ParamId id) { return pipe_reduced_[id] != 0; },
                   [this](GroupId g) {
@@ -457,6 +456,7 @@ void Stepper::run_pipelined_pass() {
                     pipe_cv_.notify_all();
                   });
   }
+  resolve_handoffs();  // whatever the pass did not make (it failed, or never ran), no upload waits for
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
     for (auto& p : pipe_pending_) p = 0;  // after a failure the waiters get the error
