@@ -110,25 +110,28 @@ Status remove_tree(const std::string& path) {
   return {};
 }
 
-Status check_replaceable(const std::string& path, const std::string& what, std::string_view own_prefix) {
+Status check_replaceable(const std::string& path, const std::string& what, std::string_view own_marker) {
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0) {
     if (errno == ENOENT) return {};
     return Status::from_errno(errno, what + " " + path);
   }
+  if (S_ISCHR(st.st_mode)) return {};  // /dev/null, a terminal: written as they are
   if (!S_ISREG(st.st_mode))
     return Status(StatusCode::kInvalidArgument,
-                  what + " " + path + " exists and is not a regular file (a FIFO, directory or device)");
+                  what + " " + path + " exists and is not a regular file (a FIFO, directory, socket or block device)");
   if (st.st_size == 0) return {};
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) return Status::from_errno(errno, what + " " + path);
   Fd f(fd, /*owned=*/true);
-  std::string head(own_prefix.size(), '\0');
+  std::string head(4096, '\0');
   ssize_t n;
   do {
     n = ::pread(fd, head.data(), head.size(), 0);
   } while (n < 0 && errno == EINTR);
-  if (n == static_cast<ssize_t>(head.size()) && head == own_prefix) return {};
+  head.resize(n > 0 ? static_cast<size_t>(n) : 0);
+  head = head.substr(0, head.find('\n'));  // the first line
+  if (head.find(own_marker) != std::string::npos) return {};
   return Status(StatusCode::kAlreadyExists,
                 what + " " + path + " exists and is not a file Strata wrote (" + std::to_string(st.st_size) +
                     " bytes): refusing to overwrite it; name another file, or remove it");

@@ -77,11 +77,12 @@ Status remove_tree(const std::string& path);
 Result<std::vector<std::string>> list_dir(const std::string& dir);
 
 // Before a file Strata writes from the start (a metrics or trace file named
-// by the user) replaces what is at `path`: fine when nothing is there, or an
-// empty regular file, or one whose first bytes are `own_prefix` (a file of
-// the same kind, from an earlier run); otherwise kAlreadyExists (another
-// file: data, weights, notes) or kInvalidArgument (a FIFO, directory or
-// device), naming `what` and the path. Never blocks (a FIFO is not opened).
-Status check_replaceable(const std::string& path, const std::string& what, std::string_view own_prefix);
+// by the user) replaces what is at `path`: fine when nothing is there, an
+// empty regular file, one whose first line holds `own_marker` (a file of the
+// same kind, from an earlier run), or a character device (/dev/null);
+// otherwise kAlreadyExists (another file: data, weights, notes) or
+// kInvalidArgument (a FIFO, directory, socket or block device), naming
+// `what` and the path. Never blocks (a FIFO is not opened).
+Status check_replaceable(const std::string& path, const std::string& what, std::string_view own_marker);
 
 }  // namespace strata

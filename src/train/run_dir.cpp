@@ -388,6 +388,8 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
 }
 
 Status trim_metrics(const std::string& path, int64_t step) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return {};  // /dev/null: nothing to trim
   FILE* in = std::fopen(path.c_str(), "r");
   if (!in) return errno == ENOENT ? Status() : Status::from_errno(errno, "metrics file " + path);
   std::string kept, line;

@@ -350,7 +350,7 @@ Status Trainer::Impl::open_metrics() {
   const std::string mpath = opt.metrics_path.empty() ? opt.out_dir + "/metrics.jsonl" : opt.metrics_path;
   // Never over another file (--metrics naming the data or the weights) or
   // into a FIFO: a metrics file of an earlier run (or none) only.
-  STRATA_RETURN_IF_ERROR(check_replaceable(mpath, "metrics file", R"({"event":)"));
+  STRATA_RETURN_IF_ERROR(check_replaceable(mpath, "metrics file", R"("event":)"));
   // A resumed run continues the file as if it had never stopped.
   if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step));
   metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");
