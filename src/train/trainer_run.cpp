@@ -198,17 +198,31 @@ class Trainer::Run {
                               failed.message(), res_.last_checkpoint, m_.opt.out_dir, m_.step));
   }
 
-  // --keep: an older checkpoint goes only if this run saved it and it holds
-  // nothing but what the save wrote; anything else (another run's, a
-  // directory that only looks like one, a file a user put there) stays,
-  // with a warning naming it.
+  // --keep: an older checkpoint of this run goes only if it holds nothing
+  // but what the save wrote (a file a user put there keeps it, with a
+  // warning naming it).
+  // Whether `path` is a checkpoint of this run (else --keep leaves it, and
+  // says so once).
+  bool is_ours(const std::string& path) {
+    auto id = checkpoint_run_id(path);
+    if (!id.ok()) {
+      log_once(LogLevel::kWarn, "keep-" + path,
+               fmt::format("--keep: leaving {} in place: it is not a checkpoint Strata can read ({})", path,
+                           id.status().message()));
+      return false;
+    }
+    if (*id != m_.run_dir->run_id()) {
+      log_once(LogLevel::kWarn, "keep-" + path,
+               fmt::format("--keep: leaving {} in place: it belongs to another run", path));
+      return false;
+    }
+    return true;
+  }
+
   void prune_checkpoint(const std::string& path) {
     auto keep_it = [&](const std::string& why) {
-      log_warn("--keep: leaving {} in place: {}", path, why);
+      log_once(LogLevel::kWarn, "keep-" + path, fmt::format("--keep: leaving {} in place: {}", path, why));
     };
-    auto id = checkpoint_run_id(path);
-    if (!id.ok()) return keep_it("it is not a checkpoint Strata can read (" + id.status().message() + ")");
-    if (*id != m_.run_dir->run_id()) return keep_it("it belongs to another run");
     auto files = checkpoint_files(path);
     if (!files.ok()) return keep_it(files.status().message());
     const std::set<std::string> ours(files->begin(), files->end());
@@ -233,10 +247,19 @@ class Trainer::Run {
     STRATA_RETURN_IF_ERROR(
         m_.write_metrics({{"event", "checkpoint"}, {"step", m_.step}, {"dir", dir}, {"seconds", seconds_since(t0)}}));
     if (m_.opt.keep > 0 && m_.rank == 0) {  // N ranks: rank 0 owns OUT
+      // The newest --keep of this run's checkpoints stay; older ones of it go.
       auto cks = list_checkpoint_dirs(m_.opt.out_dir);
-      for (size_t i = 0; i + m_.opt.keep < cks.size(); ++i) {
-        if (cks[i].path == dir) continue;
-        prune_checkpoint(cks[i].path);
+      uint32_t kept = 0;
+      for (auto it = cks.rbegin(); it != cks.rend(); ++it) {
+        if (it->path == dir || !is_ours(it->path)) {
+          kept += it->path == dir;
+          continue;
+        }
+        if (kept < m_.opt.keep) {
+          ++kept;
+          continue;
+        }
+        prune_checkpoint(it->path);
       }
     }
     progress_.say(fmt::format("step {:>6}  saved {} ({:.1f}s)", m_.step, dir, seconds_since(t0)));
