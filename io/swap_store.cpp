@@ -29,14 +29,17 @@ constexpr const char* kRunMarker = ".strata-run";
 // "<prefix><pid>-<run name>": a run directory being made (see add below).
 constexpr const char* kStagingPrefix = ".strata-run-staging-";
 
-Status make_dirs(const std::string& path, mode_t mode) {
+// mkdir -p; `made` (outermost first) gets the directories this call created.
+Status make_dirs(const std::string& path, mode_t mode, std::vector<std::string>* made) {
   std::string cur;
   std::size_t pos = 0;
   while (pos != std::string::npos) {
     pos = path.find('/', pos + 1);
     cur = path.substr(0, pos);
     if (cur.empty()) continue;
-    if (::mkdir(cur.c_str(), mode) != 0 && errno != EEXIST)
+    if (::mkdir(cur.c_str(), mode) == 0)
+      made->push_back(cur);
+    else if (errno != EEXIST)
       return Status::from_errno(errno, "creating directory " + cur + " failed");
   }
   struct stat st {};
@@ -64,10 +67,21 @@ std::string host_name() {
 
 // The run marker says whose directory this is, so that a later run can tell
 // a crashed run's leftovers from a live run's files.
+// This process's PID namespace ("pid:[4026531836]"; "" when unreadable): a
+// pid means something only inside it (containers sharing a host name and a
+// scratch directory each have their own).
+std::string pid_namespace() {
+  char buf[128] = {0};
+  const ssize_t n = ::readlink("/proc/self/ns/pid", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
 Status write_run_marker(const std::string& path) {
   int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
   if (fd < 0) return Status::from_errno(errno, "creating " + path + " failed");
-  const std::string text = fmt::format("Strata run directory\nhost {}\npid {}\n", host_name(), ::getpid());
+  const std::string ns = pid_namespace();
+  const std::string text = fmt::format("Strata run directory\nhost {}\npid {}\n{}", host_name(), ::getpid(),
+                                       ns.empty() ? std::string() : "pidns " + ns + "\n");
   ssize_t w = ::write(fd, text.data(), text.size());
   int err = errno;
   ::close(fd);
@@ -77,22 +91,25 @@ Status write_run_marker(const std::string& path) {
 
 // True when `run_dir` belongs to a process of this host that no longer
 // exists: a run killed before it could remove its files (SIGKILL, OOM, power
-// loss). A live process, another host, an older marker without owner, or
+// loss). A live process, another host, another PID namespace (a container:
+// its pids are not ours to test), an older marker without owner, or
 // anything unreadable counts as not stale: when in doubt, keep the files.
 bool run_dir_is_stale(const std::string& run_dir) {
   std::FILE* f = std::fopen((run_dir + "/" + kRunMarker).c_str(), "r");
   if (!f) return false;
   char line[512];
-  std::string host;
+  std::string host, ns;
   long pid = 0;
   while (std::fgets(line, sizeof line, f)) {
     char buf[300];
     long p = 0;
     if (std::sscanf(line, "host %299s", buf) == 1) host = buf;
+    if (std::sscanf(line, "pidns %299s", buf) == 1) ns = buf;
     if (std::sscanf(line, "pid %ld", &p) == 1) pid = p;
   }
   std::fclose(f);
   if (pid <= 0 || host.empty() || host != host_name()) return false;
+  if (!ns.empty() && ns != pid_namespace()) return false;
   return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
 }
 
@@ -173,7 +190,9 @@ Status SwapStore::prepare_dir(const std::string& dir_in, Stripe* s) {
   struct stat st {};
   if (::stat(dir.c_str(), &st) != 0) {
     if (errno != ENOENT) return Status::from_errno(errno, "scratch directory " + dir);
-    STRATA_RETURN_IF_ERROR(make_dirs(dir, 0700).with_context("scratch directory"));
+    // Made here (DeepSpeed makes a missing nvme_path too), and removed by
+    // close() when nothing else is left in it: a mistyped path leaves nothing.
+    STRATA_RETURN_IF_ERROR(make_dirs(dir, 0700, &made_dirs_).with_context("scratch directory"));
     STRATA_RETURN_IF_ERROR(write_marker(dir + "/" + kScratchMarker).with_context("scratch directory"));
   } else if (!S_ISDIR(st.st_mode)) {
     return Status(StatusCode::kInvalidArgument,
@@ -531,6 +550,15 @@ Status SwapStore::close() {
         note(Status::from_errno(errno, "removing " + s.run_dir + " failed"));
     }
   }
+  // Directories this store made, innermost first, while they hold nothing
+  // but the scratch marker (another rank or run still using one keeps it).
+  for (auto it = made_dirs_.rbegin(); it != made_dirs_.rend(); ++it) {
+    auto names = list_dir(*it);
+    if (!names.ok()) break;
+    if (names->size() == 1 && names->front() == kScratchMarker) ::unlink((*it + "/" + kScratchMarker).c_str());
+    if (::rmdir(it->c_str()) != 0) break;
+  }
+  made_dirs_.clear();
   return first;
 }
 

@@ -16,7 +16,8 @@
 // refused (kAlreadyExists) unless reuse_nonempty_dirs is set, so Strata never
 // writes into a directory full of someone else's data. close() (and the
 // destructor) remove the run directories and their files; D and its marker
-// stay for the next run.
+// stay for the next run, unless this store created D (and any missing
+// parents): those it removes again while nothing else is in them.
 //
 // Checksums. With checksum_block = B (a power of two, 4096 or more), the
 // store keeps the CRC32C of every B-byte block of every tensor (the last
@@ -153,6 +154,7 @@ class SwapStore {
                     IoCallback callback);
   // The tensor's CRC table (null without checksums or for an unknown id).
   std::uint32_t* crcs_of(const SwapTensor& t) const;
+  std::vector<std::string> made_dirs_;  // directories prepare_dir created (outermost first): close() removes them
   // Where virtual byte v lies: "<file> offset <o>".
   std::string place_of(std::uint64_t v) const;
   Status mismatch(const SwapTensor& t, std::uint64_t block, std::uint32_t found, std::uint32_t expected,

@@ -111,6 +111,7 @@ TEST_F(SwapStoreTest, StripesOverThreeDirectories) {
 
 TEST_F(SwapStoreTest, PrivateFilesRemovedOnCloseAndDirectoryReusable) {
   const std::string d = dir_.file("scratch");
+  ASSERT_TRUE(fs::create_directory(d));  // the user's (empty) directory: it and the marker stay
   std::string run_dir, file;
   {
     auto store = make_store({d});
@@ -131,6 +132,27 @@ TEST_F(SwapStoreTest, PrivateFilesRemovedOnCloseAndDirectoryReusable) {
   EXPECT_TRUE(fs::exists(d + "/.strata-scratch"));
   auto again = make_store({d});  // Strata's own directory: accepted
   EXPECT_TRUE(again);
+}
+
+// A missing directory (a mistyped nvme_path) is made, with its missing
+// parents, and removed again by close() while nothing else is in it: a
+// parent that gained other files stays.
+TEST_F(SwapStoreTest, DirectoriesItMadeAreRemovedOnClose) {
+  const std::string top = dir_.file("made"), d = top + "/a/b";
+  {
+    auto store = make_store({d});
+    ASSERT_TRUE(store);
+    ASSERT_TRUE(store->add_tensor("x", 8192).ok());
+    EXPECT_TRUE(fs::exists(d + "/.strata-scratch"));
+  }
+  EXPECT_FALSE(fs::exists(top)) << "close() left the directories it made";
+  {
+    auto store = make_store({d});
+    ASSERT_TRUE(store);
+    std::ofstream(top + "/a/notes.txt") << "the user's\n";
+  }
+  EXPECT_FALSE(fs::exists(d));
+  EXPECT_TRUE(fs::exists(top + "/a/notes.txt"));
 }
 
 // A relative directory is fixed when the store is made: a caller that
@@ -172,6 +194,7 @@ TEST_F(SwapStoreTest, RemovesRunDirectoriesOfDeadProcessesOnly) {
     fs::copy(dead_dir, d + "/strata-run-dead", fs::copy_options::recursive);
     fs::copy(dead_dir, d + "/strata-run-live", fs::copy_options::recursive);
     fs::copy(dead_dir, d + "/strata-run-other-host", fs::copy_options::recursive);
+    fs::copy(dead_dir, d + "/strata-run-other-pidns", fs::copy_options::recursive);
     fs::create_directory(d + "/strata-run-unmarked");
   }
   char host[256] = {0};
@@ -180,12 +203,16 @@ TEST_F(SwapStoreTest, RemovesRunDirectoriesOfDeadProcessesOnly) {
   ASSERT_GE(child, 0);
   if (child == 0) ::_exit(0);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a pid that no longer exists
-  auto mark = [&](const std::string& dir, const std::string& h, long pid) {
-    std::ofstream(d + "/" + dir + "/.strata-run") << "Strata run directory\nhost " << h << "\npid " << pid << "\n";
+  auto mark = [&](const std::string& dir, const std::string& h, long pid, const std::string& extra = "") {
+    std::ofstream(d + "/" + dir + "/.strata-run") << "Strata run directory\nhost " << h << "\npid " << pid << "\n"
+                                                  << extra;
   };
   mark("strata-run-dead", host, child);
   mark("strata-run-live", host, ::getpid());
   mark("strata-run-other-host", std::string(host) + "-elsewhere", child);
+  // A run in another PID namespace (a container with the same host name):
+  // its pid is not ours to test, so it is kept.
+  mark("strata-run-other-pidns", host, child, "pidns pid:[1]\n");
   // A run killed while making its run directory (found by the crash
   // campaign: before the marker was written): only a staging directory
   // naming its pid remains, removed once that pid is gone; a live one stays.
@@ -201,12 +228,14 @@ TEST_F(SwapStoreTest, RemovesRunDirectoriesOfDeadProcessesOnly) {
   EXPECT_FALSE(fs::exists(d + "/strata-run-dead"));
   EXPECT_TRUE(fs::exists(d + "/strata-run-live"));
   EXPECT_TRUE(fs::exists(d + "/strata-run-other-host"));
+  EXPECT_TRUE(fs::exists(d + "/strata-run-other-pidns"));
   EXPECT_TRUE(fs::exists(d + "/strata-run-unmarked"));
   // Its own run directory names its owner.
   std::ifstream m(second->run_dir(0) + "/.strata-run");
   std::string text((std::istreambuf_iterator<char>(m)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("pid " + std::to_string(::getpid())), std::string::npos) << text;
   EXPECT_NE(text.find(std::string("host ") + host), std::string::npos) << text;
+  EXPECT_NE(text.find("pidns pid:["), std::string::npos) << text;
 }
 
 TEST_F(SwapStoreTest, RefusesANonEmptyDirectoryItDidNotCreate) {
@@ -277,8 +306,13 @@ TEST_F(SwapStoreTest, SecondDirectoryFailingRemovesTheFirstRunDirectory) {
   o.dirs = {dir_.file("good"), dir_.file("plain/bad")};
   auto s = SwapStore::create(*engine_, o);
   ASSERT_FALSE(s.ok());
-  // Only the scratch marker is left in the good directory.
-  EXPECT_EQ(std::distance(fs::directory_iterator(dir_.file("good")), fs::directory_iterator()), 1);
+  // The good directory, which the store made, is gone again.
+  EXPECT_FALSE(fs::exists(dir_.file("good")));
+  // One that was there stays, holding only the scratch marker.
+  ASSERT_TRUE(fs::create_directory(dir_.file("good2")));
+  o.dirs = {dir_.file("good2"), dir_.file("plain/bad")};
+  ASSERT_FALSE(SwapStore::create(*engine_, o).ok());
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir_.file("good2")), fs::directory_iterator()), 1);
 }
 
 TEST_F(SwapStoreTest, RealEnospcOnASmallTmpfs) {
