@@ -126,6 +126,16 @@ Result<const void*> check_grad(strata_engine* e, const ParamSpec& p, const dl::T
     }
   }
   if (t.data == nullptr) return Status(StatusCode::kInvalidArgument, "gradient of " + p.name + ": data is NULL");
+  // The bytes must lie in the address space and be aligned for the dtype
+  // (a wild byte_offset would be read later, by the accumulator).
+  STRATA_ASSIGN_OR_RETURN(DType dt, grad_dtype(t.dtype));
+  const uint64_t bytes = p.numel() * dtype_size(dt);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data);
+  if (t.byte_offset > UINTPTR_MAX - start || bytes > UINTPTR_MAX - start - t.byte_offset ||
+      (start + t.byte_offset) % dtype_size(dt) != 0)
+    return Status(StatusCode::kInvalidArgument,
+                  "gradient of " + p.name + ": byte_offset " + std::to_string(t.byte_offset) +
+                      " puts its data outside the address space or misaligned for its dtype");
   return static_cast<const void*>(static_cast<const char*>(t.data) + t.byte_offset);
 }
 

@@ -180,6 +180,14 @@ static int test_reduce(void) {
   bad.strides[1] = ROWS;
   CHECK(strata_engine_reduce_grad_dlpack(b, 0, &bad.m, sb) == STRATA_ERR_INVALID_ARGUMENT);
   CHECK(strstr(strata_engine_last_error(b), "not contiguous") != NULL);
+  make_grad(&bad, 1);
+  bad.m.dl_tensor.byte_offset = UINT64_C(0xC000000000000000); /* past the end of the address space */
+  CHECK(strata_engine_reduce_grad_dlpack(b, 0, &bad.m, sb) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_engine_last_error(b), "byte_offset") != NULL);
+  make_grad(&bad, 1);
+  bad.m.dl_tensor.byte_offset = 1; /* misaligned for float32 */
+  CHECK(strata_engine_reduce_grad_dlpack(b, 0, &bad.m, sb) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strstr(strata_engine_last_error(b), "misaligned") != NULL);
   CHECK(bad.deleted == 0);
 
   /* A gradient the engine holds when the step is discarded, and one it
