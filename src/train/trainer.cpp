@@ -454,6 +454,20 @@ Status Trainer::Impl::try_cuda(const DeviceSizes& z, Config* cfg) {
 }
 
 Status Trainer::Impl::use_host(const DeviceSizes& z, Config* cfg) {
+  // The working set (activations of every layer, gradient and group
+  // buffers) is RAM here: one that cannot fit is refused now, by the flags
+  // that size it, not met by the kernel's OOM killer midway (--batch 1000000).
+  const uint64_t need = z.reserve_base + z.extra + z.group_buffers;
+  // (N ranks on one host each compare with all of it: this catches the
+  // impossible, the engine's budget divides the rest.)
+  const uint64_t avail = host_memory_available();
+  if (avail > 0 && need > avail)
+    return Status(StatusCode::kOutOfBudget,
+                  fmt::format("--device cpu: a micro-batch of --batch {} x --seq {} needs {} of RAM for the layers' "
+                              "activations and the gradient and group buffers ({} of them activations), but {} is "
+                              "available (MemAvailable); lower --batch or --seq (--grad-accum keeps the tokens per "
+                              "step)",
+                              opt.batch, seq, format_bytes(need), format_bytes(z.extra), format_bytes(avail)));
   // The "device" is RAM. The budget keeps what the engine's group buffers had
   // before the activations moved into the pool (at least 1 GiB), plus them.
   cfg->strata.device_reserve = given_reserve(z.reserve(), cfg->strata);

@@ -32,6 +32,7 @@
 #include "comm/communicator.h"
 #include "comm/host_collectives.h"
 #include "common/crc32c.h"
+#include "common/host_memory.h"
 #include "common/json.h"
 #include "common/log.h"
 #include "common/posix_file.h"

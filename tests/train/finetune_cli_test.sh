@@ -147,6 +147,12 @@ rc=$?
 ((rc == 1)) && [[ $out == *"metrics file $dir/fifo exists and is not a regular file"* ]] ||
   fail "--metrics FIFO: exit $rc: $out"
 
+# A micro-batch whose activations cannot fit in RAM is refused up front, by the flags that size it
+# (not met by the OOM killer), and leaves no out dir.
+expect_error "lower --batch or --seq" --model "$dir/model" --data "$dir/data.txt" --seq 64 --batch 50000000 \
+  --device cpu --out "$dir/huge"
+[[ ! -e $dir/huge ]] || fail "a refused --batch left its out dir"
+
 help=$("$strata" finetune --help)
 for flag in --model --data --config --offload-params --offload-optimizer --steps --batch --seq --lr --warmup \
   --schedule --grad-accum --save-every --out --resume --trace --device; do
