@@ -765,12 +765,16 @@ class StrataEngine:
         leave torch almost nothing): strata.device_memory as given, else
         strata.device_memory_fraction (default DEVICE_MEMORY_FRACTION) of the
         memory free now; strata.device_reserve defaults to 0 (torch's
-        activations live outside the engine's budget)."""
+        activations live outside the engine's budget), on the CPU as well."""
         fraction = section.pop("device_memory_fraction", None)
         if not self._cuda:
             if fraction is not None:
                 raise ValueError("strata.torch: strata.device_memory_fraction is for a model on a GPU (this one is "
                                  "on the CPU: the host backend's budget is strata.device_memory)")
+            # torch's activations are torch's on the CPU too: the engine's
+            # RAM "device" holds only its buffers, nothing to reserve for them
+            # (2 GiB taken from a loaded machine's MemAvailable refused tiny models).
+            section.setdefault("device_reserve", 0)
             return section.get("device_memory")
         given = section.get("device_memory", 0)
         if given in (0, "0", None):
