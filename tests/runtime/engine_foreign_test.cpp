@@ -108,6 +108,7 @@ struct Rig {
     eo.model.params = {{"big.weight", {kBig}, DType::kF32, "big"}, {"small.weight", {kSmall}, DType::kF32, "small"}};
     eo.config.optimizer.lr = 1e-2;
     eo.config.optimizer.weight_decay = 0.01;
+    eo.config.gradient_clipping = 0.0;  // unclipped (the config's default clips at 1.0, as DeepSpeed's)
     eo.config.zero.offload_optimizer.device = OffloadDevice::kCpu;
     eo.config.zero.offload_param.device = OffloadDevice::kCpu;
     eo.config.strata.device_memory = 512ull << 20;
