@@ -4,13 +4,14 @@ same run with everything in RAM, with the pipelined step on and off
 (strata.pipelined_step), all measured in one invocation.
 
   python3 tools/bench_offload.py --strata build/tools/strata [--steps 40] [--reps 3] [--dir /var/tmp/sbo]
-      [--placements RAM,NVMe,GPU+NVMe] [--baseline OTHER/strata]
+      [--placements RAM,NVMe,GPU+NVMe,NVMe-nohandoff] [--baseline OTHER/strata]
 
 Trains the 3.08M-parameter Llama of bench_model.py (4 layers, dim 256, fp32
 like `strata demo`; 8 x 128 tokens per step, CPU ops on the host backend) in
 configurations interleaved --reps times so drift on a shared machine hits all
 alike: placements (RAM; NVMe: parameters and states on NVMe; GPU+NVMe:
-compute copies on the device, master and moments on NVMe) x {pipelined,
+compute copies on the device, master and moments on NVMe; NVMe-nohandoff:
+NVMe with strata.optimizer_handoff off) x {pipelined,
 synchronous} x the binaries (--strata and an optional --baseline). Per run: the median
 step time over steps 5.. from metrics.jsonl; per configuration: the median
 over repetitions. Prints tokens/s and the ratio NVMe / RAM for each step mode
@@ -37,13 +38,18 @@ PLACEMENTS = {
     # Compute copies homed on the (host backend's) device, master and moments on NVMe:
     # the one-GPU case where the model's bf16/fp32 copy fits on the GPU.
     "GPU+NVMe": lambda nv: ({"device": "none"}, {"device": "nvme", "nvme_path": nv}),
+    # NVMe with strata.optimizer_handoff off: the next forward's first groups
+    # read back from NVMe what the optimizer pass wrote (what the hand-off saves).
+    "NVMe-nohandoff": lambda nv: ({"device": "nvme", "nvme_path": nv}, {"device": "nvme", "nvme_path": nv}),
 }
 
 
 def config(place, nvme_dir, pipelined):
     op, oo = PLACEMENTS[place](nvme_dir)
-    return {"zero_optimization": {"stage": 3, "offload_param": op, "offload_optimizer": oo},
-            "strata": {"pipelined_step": pipelined}}
+    strata = {"pipelined_step": pipelined}
+    if place.endswith("-nohandoff"):
+        strata["optimizer_handoff"] = False
+    return {"zero_optimization": {"stage": 3, "offload_param": op, "offload_optimizer": oo}, "strata": strata}
 
 
 def main():
@@ -91,12 +97,14 @@ def main():
     for (b, place), seen in losses.items():
         if len(seen) != 1:
             raise SystemExit(f"{b} {place}: pipelined and synchronous runs ended with different losses {seen}")
+        if place.endswith("-nohandoff") and (b, "NVMe") in losses and losses[(b, "NVMe")] != seen:
+            raise SystemExit(f"{b}: NVMe with and without the optimizer hand-off ended with different losses")
     med = {k: statistics.median(v) for k, v in step_s.items()}
     print(f"{a.steps} steps of 8 x 128 tokens, fp32, CPU ops; median step time over steps 5..{a.steps}, "
           f"median of {a.reps} interleaved runs")
-    print(f"{'binary':<6} {'placement':<9} {'step':<12} {'s/step':>8} {'tokens/s':>9}   runs (s/step)")
+    print(f"{'binary':<6} {'placement':<14} {'step':<12} {'s/step':>8} {'tokens/s':>9}   runs (s/step)")
     for k in kinds:
-        print(f"{k[0]:<6} {k[1]:<9} {'pipelined' if k[2] else 'synchronous':<12} {med[k]:>8.4f} "
+        print(f"{k[0]:<6} {k[1]:<14} {'pipelined' if k[2] else 'synchronous':<12} {med[k]:>8.4f} "
               f"{tokens_per_step / med[k]:>9.0f}   {' '.join(f'{x:.4f}' for x in step_s[k])}")
     for b, _ in bins:
         for pipelined in (True, False):

@@ -624,6 +624,7 @@ Status read_strata(Obj& o, StrataConfig* s) {
   STRATA_RETURN_IF_ERROR(read_enum(o, "io_backend", &s->io_backend, kEnumNames<IoBackendChoice>));
   STRATA_RETURN_IF_ERROR(read_bool(o, "overlap_backward", &s->overlap_backward));
   STRATA_RETURN_IF_ERROR(read_bool(o, "pipelined_step", &s->pipelined_step));
+  STRATA_RETURN_IF_ERROR(read_bool(o, "optimizer_handoff", &s->optimizer_handoff));
   STRATA_RETURN_IF_ERROR(read_bool(o, "gradient_staging", &s->gradient_staging));
   STRATA_RETURN_IF_ERROR(read_bool(o, "gradient_in_compute_dtype", &s->gradient_in_compute_dtype));
   STRATA_RETURN_IF_ERROR(read_bool(o, "average_micro_batches", &s->average_micro_batches));
@@ -890,6 +891,7 @@ std::string config_to_json(const Config& c) {
                  {"io_backend", io_backend_name(s.io_backend)},
                  {"overlap_backward", s.overlap_backward},
                  {"pipelined_step", s.pipelined_step},
+                 {"optimizer_handoff", s.optimizer_handoff},
                  {"gradient_staging", s.gradient_staging ? json(*s.gradient_staging) : json(nullptr)},
                  {"gradient_in_compute_dtype",
                   s.gradient_in_compute_dtype ? json(*s.gradient_in_compute_dtype) : json(nullptr)},

@@ -170,6 +170,10 @@ struct StrataConfig {
   // updates run on the optimizer thread, each finished before its group is
   // next used (exact: the same bits as a synchronous step).
   bool pipelined_step = true;
+  // The next forward's first NVMe-homed groups take the optimizer pass's
+  // output (copied to upload staging as it is made) instead of reading it
+  // back from NVMe. Exact either way; false only to measure what it saves.
+  bool optimizer_handoff = true;
   // reduce_grad first copies each gradient piece into an engine-owned device
   // buffer and the caller's stream waits only for that device-to-device
   // copy; the device -> host download then runs behind it, so backward does

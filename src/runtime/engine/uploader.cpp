@@ -65,7 +65,8 @@ bool Uploader::handoff_eligible(GroupId g) const {
 
 const std::vector<GroupId>& Uploader::plan_handoff() {
   drop_handoffs();
-  if (staging_.size() < 2 || reg_.plan.prefetch_groups == 0) return handoff_groups_;
+  if (!reg_.cfg.strata.optimizer_handoff || staging_.size() < 2 || reg_.plan.prefetch_groups == 0)
+    return handoff_groups_;
   // The order end_step() will record: this step's acquires (the recorded
   // order when there were none). The first positions are what it prefetches.
   const std::vector<GroupId>& next = current_.empty() ? order_ : current_;
