@@ -130,9 +130,12 @@ Result<const void*> check_grad(strata_engine* e, const ParamSpec& p, const dl::T
   // (a wild byte_offset would be read later, by the accumulator).
   STRATA_ASSIGN_OR_RETURN(DType dt, grad_dtype(t.dtype));
   const uint64_t bytes = p.numel() * dtype_size(dt);
-  const uintptr_t start = reinterpret_cast<uintptr_t>(t.data);
-  if (t.byte_offset > UINTPTR_MAX - start || bytes > UINTPTR_MAX - start - t.byte_offset ||
-      (start + t.byte_offset) % dtype_size(dt) != 0)
+  // No process maps memory above 2^57 (x86-64 with 5-level paging; 2^47 with
+  // 4; aarch64 2^52), device memory under unified addressing included.
+  constexpr uint64_t kAddressLimit = uint64_t{1} << 57;
+  const uint64_t start = reinterpret_cast<uintptr_t>(t.data);
+  if (start >= kAddressLimit || t.byte_offset >= kAddressLimit - start ||
+      bytes > kAddressLimit - start - t.byte_offset || (start + t.byte_offset) % dtype_size(dt) != 0)
     return Status(StatusCode::kInvalidArgument,
                   "gradient of " + p.name + ": byte_offset " + std::to_string(t.byte_offset) +
                       " puts its data outside the address space or misaligned for its dtype");
