@@ -542,7 +542,7 @@ TEST_F(DamagedCheckpoint, DeletedDataFile) {
 // A FIFO in a data file's place (or the extra bytes') is refused at once,
 // not waited on (an open without O_NONBLOCK blocks until a writer comes).
 TEST_F(DamagedCheckpoint, AFifoInAFilesPlaceIsRefusedNotWaitedOn) {
-  for (const std::string name : {file_, std::string("extra.rank0.bin")}) {
+  for (const std::string& name : {file_, std::string("extra.rank0.bin")}) {
     SCOPED_TRACE(name);
     TempDir tmp;
     ASSERT_TRUE(tmp.ok());
