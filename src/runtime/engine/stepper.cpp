@@ -304,7 +304,7 @@ Status Stepper::step_all(const cpu_optim::OptimizerConfig& c, int64_t step, cons
   }
   // Hand-offs: a group's compute copies also go to the uploader's buffer
   // as they are updated, if every parameter of the group is in this pass.
-  bool any_handoff = false;
+  bool any_handoff = false, any_failed = false;
   {
     std::lock_guard<std::mutex> lock(pipe_mu_);
     size_t begin = 0;
@@ -322,12 +322,13 @@ Status Stepper::step_all(const cpu_optim::OptimizerConfig& c, int64_t step, cons
         } else {
           for (size_t k = begin; k < end; ++k) pass_tensors_[k].out_copy = nullptr;
           handoff_[gi] = kHandoffFailed;
+          any_failed = true;
         }
       }
       begin = end;
     }
   }
-  if (any_handoff) pipe_cv_.notify_all();
+  if (any_failed) pipe_cv_.notify_all();  // an upload waiting on one of them reads NVMe instead
   size_t copied_next = 0;  // the first group whose hand-off is not yet reported (optimizer's calling thread)
   auto copied = [&](size_t tensors_copied) {
     bool woke = false;
