@@ -118,6 +118,7 @@ PlanOptions plan_options_from_config(const Config& c) {
   o.replicate_params = c.zero.stage == 1 || c.zero.stage == 2;
   o.defer_grad_reduce = c.zero.stage == 1;
   o.stage_reduce = c.strata.gradient_staging.value_or(true);
+  o.optimizer_handoff = c.strata.optimizer_handoff && !c.strata.overlap_backward;
   o.overrides = c.strata.groups;
   GroupTierRule ds;
   ds.match = "*";
@@ -555,6 +556,17 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
       }
     }
   }
+  // The hand-off (PlanOptions::optimizer_handoff): the first prefetched
+  // positions of the acquire order (forward's first groups) whose compute
+  // copies are on NVMe and wholly trainable take their first upload of the
+  // step from the optimizer's output, not from NVMe.
+  std::vector<bool> handed(plan.groups.size(), false);
+  if (opt.optimizer_handoff && plan.world_size == 1 && need_buffers)
+    for (size_t gi = 0; gi < plan.groups.size() && gi < plan.prefetch_groups; ++gi) {
+      const GroupPlan& g = plan.groups[gi];
+      handed[gi] = g.tier[kc(StateKind::kCompute)] == Tier::kNvme && g.trainable_shard_numel == g.shard_numel &&
+                   uploads[gi] > 0;
+    }
   for (size_t gi = 0; gi < plan.groups.size(); ++gi) {
     const GroupPlan& g = plan.groups[gi];
     const uint64_t c = g.bytes[kc(StateKind::kCompute)];
@@ -564,7 +576,7 @@ Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const
         plan.forward_backward.h2d += uploads[gi] * c;
         break;
       case Tier::kNvme:
-        plan.forward_backward.nvme_read += uploads[gi] * c;
+        plan.forward_backward.nvme_read += (uploads[gi] - (handed[gi] ? 1 : 0)) * c;
         plan.forward_backward.h2d += uploads[gi] * c;
         break;
       default:

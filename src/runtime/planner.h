@@ -68,6 +68,11 @@ struct PlanOptions {
   // reads the caller's buffer, which the caller's stream waits for) when it
   // cannot hold those either; false asks for none.
   bool stage_reduce = true;
+  // strata.optimizer_handoff (and not strata.overlap_backward): one rank's
+  // optimizer pass copies the updated compute copy of the next forward's
+  // first prefetched NVMe-homed groups into their upload staging, so their
+  // first upload of the step reads nothing from NVMe (Uploader::plan_handoff).
+  bool optimizer_handoff = true;
   // Tier overrides, first match wins: strata.groups, then the DeepSpeed
   // offload_param / offload_optimizer devices as a "*" rule.
   std::vector<GroupTierRule> overrides;

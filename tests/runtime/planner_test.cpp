@@ -249,6 +249,37 @@ TEST(Planner, MultipleNvmeDirectoriesShareByCapacity) {
             "have 40.0 MiB free: 8.0 MiB short; add a directory or use bf16 optimizer states (saves 16.0 MiB)");
 }
 
+// The optimizer hand-off (PlanOptions::optimizer_handoff): the first
+// prefetched positions of forward, when NVMe-homed and wholly trainable,
+// take their first upload of the step from the optimizer pass, not NVMe.
+TEST(Planner, OptimizerHandOffSavesTheFirstGroupsNvmeReads) {
+  ModelSpec m = uniform_model(6, 1 << 20);  // 2 MiB of bf16 per group
+  PlanBudgets b{64 * kMiB, 256 * kMiB, 0, {{"/nvme", 1 * kGiB}}};
+  PlanOptions o = small_options();
+  o.prefetch_depth = 2;
+  o.overrides = {{"*", Tier::kNvme, Tier::kAuto, Tier::kAuto, Tier::kAuto}};
+  o.optimizer_handoff = false;
+  const Plan off = plan_ok(m, b, o);
+  ASSERT_EQ(off.prefetch_groups, 2u);
+  o.optimizer_handoff = true;
+  const Plan on = plan_ok(m, b, o);
+  EXPECT_EQ(off.forward_backward.nvme_read - on.forward_backward.nvme_read, 2 * 2 * kMiB);
+  EXPECT_EQ(on.forward_backward.h2d, off.forward_backward.h2d);  // still uploaded, from the hand-off
+  EXPECT_EQ(on.optimizer_step.nvme_read, off.optimizer_step.nvme_read);
+  // A frozen first group has no update to hand off: it is read as before.
+  m.params[0].trainable = false;
+  o.optimizer_handoff = false;
+  const Plan frozen_off = plan_ok(m, b, o);
+  o.optimizer_handoff = true;
+  EXPECT_EQ(frozen_off.forward_backward.nvme_read - plan_ok(m, b, o).forward_backward.nvme_read, 2 * kMiB);
+  // N ranks: no hand-off (the copy is gathered, not uploaded).
+  m.params[0].trainable = true;
+  m.world_size = 2;
+  const Plan two = plan_ok(m, b, o);
+  o.optimizer_handoff = false;
+  EXPECT_EQ(plan_ok(m, b, o).forward_backward.nvme_read, two.forward_backward.nvme_read);
+}
+
 TEST(Planner, PerGroupOverrides) {
   const ModelSpec m = uniform_model(4, 1 << 20);
   PlanBudgets b{64 * kMiB, 256 * kMiB, 0, {{"/nvme", 1 * kGiB}}};
