@@ -33,6 +33,7 @@ import torch
 
 import strata
 import strata.torch as st
+from strata.torch.engine import _load_config
 
 
 def deepspeed_module(test, name):
@@ -205,6 +206,32 @@ class DeepSpeedApiTest(unittest.TestCase):
         self.assertEqual((e.train_batch_size(), e.train_micro_batch_size_per_gpu(), e.gradient_accumulation_steps()),
                          (20, 5, 4))
         self.assertEqual(e.gradient_accumulation_steps * 2, 8)
+
+    def test_config_files_are_read_as_deepspeed_reads_them(self):
+        # A path: comments allowed (DeepSpeed reads it with hjson), duplicate
+        # keys refused as DeepSpeed refuses them (plain json keeps the last
+        # one without a word), a syntax error named with the file.
+        dsc = deepspeed_module(self, "deepspeed.runtime.config")
+        path = os.path.join(self.dir, "ds.json")
+
+        def write(text):
+            with open(path, "w") as f:
+                f.write(text)
+
+        write('{\n  // clip hard\n  "gradient_clipping": 0.25, /* "gradient_clipping": 0, */\n'
+              '  "train_micro_batch_size_per_gpu": 1,\n  "note": "a // that is text"\n}\n')
+        self.assertEqual(dsc.DeepSpeedConfig(path).gradient_clipping, 0.25)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "note" is named as not used
+            self.assertEqual(_load_config(path)["gradient_clipping"], 0.25)
+        write('{"gradient_clipping": 0.5, "train_micro_batch_size_per_gpu": 1, "gradient_clipping": 0}')
+        with self.assertRaisesRegex(ValueError, "Duplicate keys"):
+            dsc.DeepSpeedConfig(path)
+        with self.assertRaisesRegex(ValueError, r"ds\.json: duplicate keys \['gradient_clipping'\]"):
+            make(path)
+        write('{"gradient_clipping": 0.5,\n "zero_optimization": {"stage": 3,}}')
+        with self.assertRaisesRegex(ValueError, r"config file .*ds\.json: .*line 2"):
+            make(path)
 
     def test_param_group_options_the_engine_does_not_take_are_refused(self):
         def split(**opts):

@@ -255,12 +255,59 @@ def _model_device(model):
     return first[1]
 
 
+def _strip_json_comments(text):
+    """`text` with its // and /* */ comments (outside strings) replaced by
+    spaces, newlines kept: DeepSpeed reads configs with hjson, which allows
+    them, as the CLI's parser does. Line and column numbers stay right."""
+    out, i, n = [], 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == '"':
+            j = i + 1
+            while j < n and text[j] != '"':
+                j += 2 if text[j] == "\\" else 1
+            out.append(text[i:j + 1])
+            i = j + 1
+        elif text.startswith("//", i):
+            j = text.find("\n", i)
+            j = n if j < 0 else j
+            out.append(" " * (j - i))
+            i = j
+        elif text.startswith("/*", i):
+            j = text.find("*/", i + 2)
+            if j < 0:
+                raise ValueError("a /* comment is never closed")
+            out.append("".join(ch if ch == "\n" else " " for ch in text[i:j + 2]))
+            i = j + 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _no_duplicate_keys(pairs):
+    # As DeepSpeed refuses them ("Duplicate keys in DeepSpeed config"): with
+    # plain json the last one would win without a word.
+    seen, dups = {}, []
+    for k, v in pairs:
+        if k in seen and k not in dups:
+            dups.append(k)
+        seen[k] = v
+    if dups:
+        raise ValueError(f"duplicate keys {dups} in one object")
+    return seen
+
+
 def _load_config(config):
     if config is None:
         return {}
     if isinstance(config, (str, os.PathLike)):
-        with open(config) as f:
-            return json.load(f)
+        with open(config, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            return json.loads(_strip_json_comments(text), object_pairs_hook=_no_duplicate_keys)
+        except ValueError as e:  # json.JSONDecodeError is one
+            raise ValueError(f"strata.torch.initialize: config file {os.fspath(config)}: {e}") from None
     if isinstance(config, dict):
         return json.loads(json.dumps(config))  # a deep copy, JSON-clean
     raise TypeError(f"strata.torch.initialize: config must be a dict or a path, not {type(config).__name__}")
