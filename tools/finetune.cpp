@@ -122,6 +122,24 @@ void run_finetune(const FinetuneFlags& f) {
                 static_cast<long long>(f.steps), o.batch, f.seq, o.config.gradient_accumulation_steps,
                 tr.world_size() > 1 ? fmt::format(" x {} ranks (state per rank)", tr.world_size()).c_str() : "",
                 tr.step() > 0 ? fmt::format(" (resuming at step {})", tr.step()).c_str() : "");
+    // The schedule, and where it comes from: a DeepSpeed config without a
+    // "scheduler" section keeps its lr constant in DeepSpeed; here --schedule
+    // (default cosine) decides, which says so.
+    const train::Schedule& sc = o.schedule;
+    if (train::is_deepspeed_schedule(sc.kind)) {
+      std::printf("lr: %s from the \"scheduler\" section of %s\n", train::schedule_kind_name(sc.kind),
+                  f.config.c_str());
+    } else {
+      std::printf("lr: %s, peak %.3g%s, %lld warm-up steps (--schedule%s)\n", train::schedule_kind_name(sc.kind),
+                  sc.lr, sc.kind == train::ScheduleKind::kConstant ? "" : fmt::format(" to {:.3g}", sc.min_lr).c_str(),
+                  static_cast<long long>(sc.warmup),
+                  f.config.empty() || f.o_schedule->count()
+                      ? ""
+                      : fmt::format("; {} has no \"scheduler\" section, where DeepSpeed keeps the lr constant: "
+                                    "--schedule constant does",
+                                    f.config)
+                            .c_str());
+    }
     if (tr.data().by_document()) {
       const double positions = static_cast<double>(tr.data().train_windows()) * (f.seq + 1);
       std::printf("documents %s: %lu with a target, %lu longer than --seq + 1 (%s), %lu training windows, %lu "

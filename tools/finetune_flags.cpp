@@ -266,8 +266,13 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
                                                    &o->config.gradient_accumulation_steps));
   }
 
-  // --lr wins; else the config file's optimizer.lr; else --lr's default.
-  o->schedule.lr = !f.config.empty() && !f.o_lr->count() ? o->config.optimizer.lr : f.lr;
+  // --lr wins; else the config file's optimizer.params.lr (absent:
+  // DeepSpeed's 1e-3); else --lr's default. "auto" there is filled from --lr
+  // (given or its default), as Hugging Face fills it from its arguments.
+  const bool lr_auto = std::find(notes.auto_keys.begin(), notes.auto_keys.end(), "optimizer.params.lr") !=
+                       notes.auto_keys.end();
+  o->schedule.lr = !f.config.empty() && !f.o_lr->count() && !lr_auto ? o->config.optimizer.lr : f.lr;
+  if (lr_auto) o->config.optimizer.lr = f.lr;
   if (!notes.scheduler_json.empty()) {
     // The config's DeepSpeed "scheduler" section sets the schedule; the
     // flags that would set another are refused rather than one ignored.

@@ -138,7 +138,10 @@ class Obj {
     if (it == v_.end()) return nullptr;
     seen_.emplace(key);
     if (it->is_null()) return nullptr;
-    if (allow_auto_ && it->is_string() && it->get_ref<const std::string&>() == "auto") return nullptr;
+    if (allow_auto_ && it->is_string() && it->get_ref<const std::string&>() == "auto") {
+      ctx_.notes.auto_keys.push_back(child(key));
+      return nullptr;
+    }
     return &*it;
   }
   // As take(), but "auto" is returned as a value.
@@ -351,7 +354,9 @@ Status read_enum(Obj& o, std::string_view key, E* out, const std::array<EnumName
 // Runs `fn(Obj&)` on the object at `key` (absent/null: nothing).
 template <typename Fn>
 Status read_object(Obj& parent, std::string_view key, Fn&& fn, bool allow_auto) {
-  const json* v = parent.take(key);
+  // A section is an object: "auto" stands for a value, not for a section
+  // (DeepSpeed fails on {"optimizer": "auto"} too), so it is no default here.
+  const json* v = parent.take_raw(key);
   if (!v) return Status::ok_status();
   if (!v->is_object()) return expected(parent.child(key), "an object", *v);
   Obj o(*v, parent.child(key), parent.ctx(), allow_auto);

@@ -242,6 +242,10 @@ struct ConfigNotes {
   // (train::parse_deepspeed_scheduler), a C caller is warned that it is not
   // used.
   std::string scheduler_json;
+  // Keys given as "auto" (paths, e.g. "optimizer.params.lr"): parsed as
+  // absent; Hugging Face fills them from its arguments, and strata finetune
+  // from its flags (--lr for optimizer.params.lr).
+  std::vector<std::string> auto_keys;
 };
 
 // Parses a config from JSON text. `origin` names the text in messages (a file

@@ -3,6 +3,7 @@
 // config survives config_to_json -> parse_config unchanged.
 #include "runtime/config.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
@@ -113,6 +114,20 @@ TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
   EXPECT_FALSE(notes.gradient_accumulation_given);
   EXPECT_FALSE(contains(notes.ignored_keys, "scheduler"));  // kept for the trainer (its "auto" values: refused there)
   EXPECT_NE(notes.scheduler_json.find("\"WarmupLR\""), std::string::npos) << notes.scheduler_json;
+  // Which keys were "auto" (strata finetune fills optimizer.params.lr from --lr).
+  EXPECT_TRUE(contains(notes.auto_keys, "optimizer.params.lr"));
+  EXPECT_TRUE(contains(notes.auto_keys, "train_batch_size"));
+  EXPECT_FALSE(contains(notes.auto_keys, "zero_optimization.stage"));
+}
+
+TEST(ConfigErrors, AutoStandsForAValueNotASection) {
+  // DeepSpeed fails on these (TypeError); a section given as "auto" was read
+  // as absent, so {"fp16": "auto", "optimizer": "auto"} trained fp32 AdamW.
+  for (const char* key : {"fp16", "bf16", "optimizer", "zero_optimization", "aio", "data_types"})
+    EXPECT_EQ(error_of(fmt::format(R"({{"{}": "auto"}})", key)),
+              fmt::format("<string>: {}: expected an object, got \"auto\"", key));
+  EXPECT_EQ(error_of(R"({"zero_optimization": {"offload_param": "auto"}})"),
+            "<string>: zero_optimization.offload_param: expected an object, got \"auto\"");
 }
 
 TEST(ConfigSamples, ZeroOffloadFp16Adam) {

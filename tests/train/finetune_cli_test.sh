@@ -120,6 +120,21 @@ bs_run() {  # bs_run NAME CONFIG_JSON [FLAGS...]: prints the run's "steps of B x
   fail "train_batch_size 6 alone did not give 6 x 1: $(cat "$dir/bs4.log")"
 [[ $(bs_run bs5 '{"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto"}' --batch 3) == \
   "steps of 3 x 64 x 1" ]] || fail "\"auto\" batch sizes did not leave --batch: $(cat "$dir/bs5.log")"
+# optimizer.params.lr "auto" is filled from --lr (given, or its default 1e-4) as
+# Hugging Face fills it from its arguments; absent it is DeepSpeed's 1e-3. A
+# config without a "scheduler" section says that --schedule decides.
+lr_auto='{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}'
+bs_run lr1 "$lr_auto" --lr 0.003 >/dev/null
+grep -q '^lr: cosine, peak 0.003 to 0, 0 warm-up steps (--schedule; .*lr1.json has no "scheduler" section' \
+  "$dir/lr1.log" || fail "lr \"auto\" with --lr 0.003: $(cat "$dir/lr1.log")"
+bs_run lr2 "$lr_auto" >/dev/null
+grep -q '^lr: cosine, peak 0.0001 ' "$dir/lr2.log" || fail "lr \"auto\" without --lr: $(cat "$dir/lr2.log")"
+bs_run lr3 '{"optimizer": {"type": "AdamW", "params": {}}}' --schedule constant >/dev/null
+grep -q '^lr: constant, peak 0.001, 0 warm-up steps (--schedule)$' "$dir/lr3.log" ||
+  fail "lr absent: $(cat "$dir/lr3.log")"
+printf '{"optimizer": "auto"}' >"$dir/lr4.json"
+expect_error 'optimizer: expected an object, got "auto"' \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/lr4.json" --out "$dir/lr4"
 printf '{"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2}' >"$dir/bs6.json"
 expect_error "train_batch_size 10 is not train_micro_batch_size_per_gpu 3 x gradient_accumulation_steps 2 x 1 rank(s)" \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/bs6.json" --out "$dir/bs6"
