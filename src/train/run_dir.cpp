@@ -246,7 +246,7 @@ Status RunDir::write_run_json(const std::string& settings_json) {
   return model::write_file_atomic(join_path(path_, kRunFile), j.dump(2) + "\n");
 }
 
-Status RunDir::start_fresh(bool overwrite) {
+Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs) {
   std::vector<std::string> found;
   std::error_code ec;
   for (fs::directory_iterator it(path_, ec), end; !ec && it != end; it.increment(ec)) {
@@ -256,7 +256,8 @@ Status RunDir::start_fresh(bool overwrite) {
     // An empty metrics file or a run.json alone: a run that stopped before
     // its first step (a bad flag, no GPU) left nothing worth keeping.
     if (name == "metrics.jsonl" && it->file_size(sec) == 0 && !sec) continue;
-    if (name == kRunFile || name == "metrics.jsonl" || name == "model" || parse_step(name, &step))
+    if (name == kRunFile || name == "metrics.jsonl" || name == "model" || name == "adapter" ||
+        parse_step(name, &step))
       found.push_back(name);
   }
   if (found.size() == 1 && found[0] == kRunFile) found.clear();
@@ -269,6 +270,24 @@ Status RunDir::start_fresh(bool overwrite) {
                     fmt::format("out dir {} holds an earlier run ({}{}): continue it with --resume {}, start over "
                                 "with --overwrite (removes them), or give another --out",
                                 path_, list, run_id_.empty() ? "" : ", run " + run_id_, path_));
+    }
+    // Continuing from one's own export (--model OUT/model --out OUT) must
+    // not delete it before it is read.
+    for (const std::string& name : found) {
+      std::error_code cec;
+      const fs::path gone = fs::weakly_canonical(join_path(path_, name), cec);
+      for (const auto& [flag, input] : inputs) {
+        if (input.empty() || cec) continue;
+        std::error_code iec;
+        const fs::path in = fs::weakly_canonical(input, iec);
+        if (iec) continue;
+        const fs::path rel = in.lexically_relative(gone);
+        if (!rel.empty() && *rel.begin() != "..")
+          return Status(StatusCode::kInvalidArgument,
+                        fmt::format("--overwrite would remove {}, which holds {} {} (an input of this run): give "
+                                    "another --out, or move it out of {} first",
+                                    join_path(path_, name), flag, input, path_));
+      }
     }
     for (const std::string& name : found) {
       std::error_code rec;

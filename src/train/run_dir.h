@@ -7,8 +7,9 @@
 //    kernel when the process dies, kill -9 included) on OUT/.strata.lock; a
 //    second job fails at once with kAlreadyExists naming the first one's pid.
 //  - A fresh run never mixes with another run's files: start_fresh() refuses
-//    an OUT that holds any (run.json, checkpoint-*, metrics.jsonl, model/)
-//    unless told to overwrite, which removes them first. It writes
+//    an OUT that holds any (run.json, checkpoint-*, metrics.jsonl, model/,
+//    adapter/) unless told to overwrite, which removes them first (never
+//    one that holds an input of the run: OUT/model given as --model). It writes
 //    OUT/run.json with a new run id; every checkpoint carries that id.
 //  - A resume takes only this run's checkpoints (select_checkpoint()).
 //  - What dead processes left in OUT is removed at open: checkpoint staging
@@ -21,6 +22,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
@@ -50,7 +52,10 @@ class RunDir {
   // files of an earlier run, unless `overwrite`, which removes them; then
   // takes a new run id. (A run.json alone or an empty metrics file is what a
   // run that failed before its first step leaves: not an earlier run.)
-  Status start_fresh(bool overwrite);
+  // `inputs` (what names it, e.g. "--model"; its path): files the run reads,
+  // refused (kInvalidArgument) before anything is removed when one lies in
+  // what overwrite would remove.
+  Status start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs = {});
   // Continuing a run whose checkpoint carries `run_id` ("" for checkpoints
   // older than run ids): OUT's run.json must name the same run, or OUT must
   // hold no run yet (it takes that id).

@@ -72,6 +72,23 @@ grep -q "skipped checkpoint-8" "$dir/last.log" || fail "resume did not say it sk
 expect_error "the checkpoint belongs to run $id_a" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/a" \
   --resume "$dir/a/checkpoint-8"
 
+# ---- --overwrite never removes an input of the run: continuing from one's own export
+# (--model OUT/model --out OUT --overwrite) deleted the model before reading it.
+"$strata" finetune --model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 4 --progress quiet --steps 2 \
+  --out "$dir/own" >"$dir/last.log" 2>&1 || fail "run own failed: $(cat "$dir/last.log")"
+[[ -f $dir/own/model/config.json ]] || fail "run own exported no model"
+sum_before=$(cat "$dir/own/model/"* | cksum)
+expect_error "--overwrite would remove $dir/own/model, which holds --model $dir/own/model" \
+  "${common[@]/$dir\/model/$dir/own/model}" --steps 2 --out "$dir/own" --overwrite
+[[ $(cat "$dir/own/model/"* | cksum) == "$sum_before" ]] || fail "the refused --overwrite changed the model it reads"
+# An earlier LoRA run's adapter/ is an earlier run's output too: refused, and removed by --overwrite.
+run --steps 2 --lora-rank 2 --out "$dir/ad" || fail "LoRA run failed: $(cat "$dir/last.log")"
+[[ -f $dir/ad/adapter/adapter_config.json ]] || fail "the LoRA run wrote no adapter"
+rm -f "$dir/ad/run.json" "$dir/ad/metrics.jsonl"
+expect_error "holds an earlier run (adapter" "${common[@]}" --steps 2 --out "$dir/ad"
+run --steps 2 --out "$dir/ad" --overwrite || fail "--overwrite over an adapter failed: $(cat "$dir/last.log")"
+[[ ! -e $dir/ad/adapter ]] || fail "--overwrite left the earlier run's adapter/"
+
 # ---- a damaged newest checkpoint: the error names the older one that is intact
 run --steps 8 --save-every 4 --keep 0 --lr 1e-3 --out "$dir/dmg" || fail "run dmg failed: $(cat "$dir/last.log")"
 victim=$(find "$dir/dmg/checkpoint-8" -type f ! -name '*.json' | head -n 1)
