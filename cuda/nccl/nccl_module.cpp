@@ -226,11 +226,15 @@ int exchange(int device, void* c, const strata_nccl_xfer_t* xfers, int count, vo
   auto s = static_cast<cudaStream_t>(stream);
   ncclResult_t r = ncclGroupStart();
   if (r != ncclSuccess) return nccl_fail(r, comm, "ncclGroupStart", err, err_len);
+  // A non-blocking communicator may answer a call inside a group with
+  // ncclInProgress: that is no failure, and every operation must still be
+  // posted (a group closed short of what the peers posted hangs them).
+  auto ok = [](ncclResult_t v) { return v == ncclSuccess || v == ncclInProgress; };
   ncclResult_t first = ncclSuccess;
-  for (int i = 0; i < count && first == ncclSuccess; ++i) {
+  for (int i = 0; i < count && ok(first); ++i) {
     const strata_nccl_xfer_t& x = xfers[i];
     if (x.send_bytes) first = ncclSend(x.send, x.send_bytes, ncclUint8, x.peer, comm, s);
-    if (first == ncclSuccess && x.recv_bytes) first = ncclRecv(x.recv, x.recv_bytes, ncclUint8, x.peer, comm, s);
+    if (ok(first) && x.recv_bytes) first = ncclRecv(x.recv, x.recv_bytes, ncclUint8, x.peer, comm, s);
   }
   // The group is always closed (an open group would swallow later calls).
   const int end = settle(comm, ncclGroupEnd(), timeout_s, "ncclGroupEnd of ncclSend/ncclRecv", err, err_len);

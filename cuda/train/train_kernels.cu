@@ -442,6 +442,13 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, cons
   __syncthreads();  // row[t] is read above before it is overwritten below
   const int64_t count = report->loss_count;
   const float gs = (on && count > 0) ? dloss / static_cast<float>(count) : 0.0f;
+  if (gs == 0.0f) {
+    // A row that does not count has an exact zero gradient, as on the CPU
+    // (cross_entropy_rows): not 0 * p, which is NaN where its logits
+    // overflowed (m = inf). Same value for the whole block: no barrier.
+    for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) row[c] = 0.0f;
+    return;
+  }
   const float inv = 1.0f / sum;
   for (int64_t c = threadIdx.x; c < vocab; c += blockDim.x) {
     const float p = expf(row[c] - m) * inv;
