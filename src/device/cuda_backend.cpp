@@ -285,8 +285,7 @@ class CudaDeviceBackend final : public DeviceBackend {
   Status cast_async(void* dst, DType dst_type, const void* src, DType src_type, std::size_t count, float scale,
                     DeviceStream* stream) override {
     STRATA_ASSIGN_OR_RETURN(CudaStream * s, stream_of(stream, "cast_async"));
-    if (dst == src && dst_type != src_type)
-      return Status(StatusCode::kInvalidArgument, "cast_async: in place needs the same dtype on both sides");
+    STRATA_RETURN_IF_ERROR(check_cast_operands(dst, dst_type, src, src_type, count));
     STRATA_CUDA_CALL(std::string("cast kernel ") + dtype_name(src_type) + "->" + dtype_name(dst_type), cast, device_,
                      dst, static_cast<int>(dst_type), src, static_cast<int>(src_type), count, scale, s->handle());
     return Status();

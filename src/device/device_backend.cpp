@@ -30,6 +30,19 @@ const char* device_kind_name(DeviceKind kind) { return enum_name(kind); }
 
 const char* copy_kind_name(CopyKind kind) { return enum_name(kind, "unknown-copy"); }
 
+Status check_cast_operands(const void* dst, DType dst_type, const void* src, DType src_type, std::size_t count) {
+  if (dst == src) {
+    if (dst_type != src_type)
+      return Status(StatusCode::kInvalidArgument, "cast_async: in place needs the same dtype on both sides");
+    return Status();
+  }
+  const auto pd = reinterpret_cast<uintptr_t>(dst), ps = reinterpret_cast<uintptr_t>(src);
+  const std::size_t dn = count * dtype_size(dst_type), sn = count * dtype_size(src_type);
+  if (pd < ps + sn && ps < pd + dn)
+    return Status(StatusCode::kInvalidArgument, "cast_async: source and destination overlap");
+  return Status();
+}
+
 Result<HostAllocation> DeviceBackend::alloc_pinned(std::size_t bytes) {
   STRATA_ASSIGN_OR_RETURN(HostAllocation a, alloc_host(bytes));
   if (HostMemoryRegistrar* reg = host_registrar()) {

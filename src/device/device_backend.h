@@ -59,6 +59,12 @@ const char* device_kind_name(DeviceKind kind);
 enum class CopyKind { kHostToDevice, kDeviceToHost, kDeviceToDevice };
 const char* copy_kind_name(CopyKind kind);
 
+// cast_async's operands, as every backend checks them: in place (dst == src)
+// needs one dtype on both sides, and otherwise the two ranges must not
+// overlap (an element would be read after another thread overwrote it).
+// kInvalidArgument naming the cast otherwise.
+Status check_cast_operands(const void* dst, DType dst_type, const void* src, DType src_type, std::size_t count);
+
 // Opaque handles. Each backend derives its own; the base records the owner so
 // that a handle passed to the wrong backend is refused (kInvalidArgument).
 class DeviceStream {
