@@ -138,6 +138,11 @@ int run_demo(const DemoFlags& f) {
     std::fprintf(stderr, "strata demo: --steps must be at least 1\n");
     return 1;
   }
+  // As finetune: checked before the temp dir is made (100000 threads crashed).
+  if (f.threads < 0 || f.threads > (1 << 16)) {
+    std::fprintf(stderr, "strata demo: --threads %d is outside [0, 65536]\n", f.threads);
+    return 1;
+  }
   auto device = parse_train_device(f.device);
   if (!device.ok()) {
     std::fprintf(stderr, "strata demo: --device: %s\n", device.status().message().c_str());

@@ -147,7 +147,8 @@ STRATA_API strata_status_t strata_optimizer_config_init(strata_optimizer_kind_t 
 STRATA_API strata_status_t strata_optimizer_state_count(const strata_optimizer_config_t* config, int* count);
 
 /* Creates an optimizer executor: which ISA (STRATA_ISA_AUTO: best) and how
- * many threads (0: the cores this process may use, or STRATA_THREADS).
+ * many threads (0: the cores this process may use, or STRATA_THREADS; at most
+ * 65536, else STRATA_ERR_INVALID_ARGUMENT).
  * Returns STRATA_ERR_UNAVAILABLE when `isa` cannot run on this CPU. The handle
  * is owned by the caller (strata_cpu_optimizer_destroy). A handle may be used
  * from one thread at a time; separate handles are independent. */

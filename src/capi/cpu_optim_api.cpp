@@ -100,7 +100,8 @@ strata_status_t strata_cpu_optimizer_create(strata_isa_t isa, int threads, strat
   const int isa_code = enum_value(isa);
   if (isa_code < STRATA_ISA_AUTO || isa_code > STRATA_ISA_NEON)
     return invalid("strata_cpu_optimizer_create: unknown isa " + std::to_string(isa_code));
-  if (threads < 0) return invalid("strata_cpu_optimizer_create: threads is " + std::to_string(threads));
+  if (threads < 0 || threads > (1 << 16))
+    return invalid("strata_cpu_optimizer_create: threads is " + std::to_string(threads) + ", outside [0, 65536]");
   cpu_optim::ExecOptions exec;
   exec.isa = static_cast<Isa>(isa_code);
   exec.threads = threads;

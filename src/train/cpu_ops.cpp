@@ -313,8 +313,8 @@ Result<std::unique_ptr<ModelOps>> create_cpu_ops(const CpuOpsOptions& options) {
   if (options.max_batch < 1 || options.max_seq < 1)
     return bad_arg(fmt::format("CPU train ops: max_batch {} and max_seq {} must be >= 1",
                                options.max_batch, options.max_seq));
-  if (options.threads < 0)
-    return bad_arg(fmt::format("CPU train ops: threads {} must be >= 0", options.threads));
+  if (options.threads < 0 || options.threads > (1 << 16))
+    return bad_arg(fmt::format("CPU train ops: threads {} is outside [0, 65536]", options.threads));
   const int threads = options.threads > 0 ? options.threads : tbb::task_arena::automatic;
   auto ops = std::make_unique<CpuOps>(options, threads);
   STRATA_RETURN_IF_ERROR(ops->init());

@@ -27,6 +27,7 @@ static void test_errors(void) {
 
   strata_cpu_optimizer_t opt = NULL;
   CHECK(strata_cpu_optimizer_create(STRATA_ISA_AUTO, -1, &opt) == STRATA_ERR_INVALID_ARGUMENT);
+  CHECK(strata_cpu_optimizer_create(STRATA_ISA_AUTO, 100000, &opt) == STRATA_ERR_INVALID_ARGUMENT);
 #if defined(__x86_64__)
   /* NEON cannot run on x86: a clear error, not a crash. */
   CHECK(strata_cpu_optimizer_create(STRATA_ISA_NEON, 1, &opt) == STRATA_ERR_UNAVAILABLE);

@@ -224,5 +224,13 @@ rc=$?
 ((rc == 0 || rc == 2)) || fail "demo exited $rc: $(tail -3 "$dir/demo.log")"
 [[ -z $(ls "$dir/demos") ]] || fail "the killed demo's directory $dead was not reclaimed: $(ls "$dir/demos")"
 grep -q "left by a demo that died" "$dir/demo.log" || fail "the demo did not say what it reclaimed: $(head -3 "$dir/demo.log")"
+# A thread count no machine has is refused before anything is made (100000 crashed the demo).
+for t in 100000 -1; do
+  "$strata" demo --dir "$dir/demos" --quiet --steps 1 --threads $t >"$dir/demo.log" 2>&1
+  rc=$?
+  ((rc == 1)) && grep -q -- "--threads $t is outside \[0, 65536\]" "$dir/demo.log" ||
+    fail "demo --threads $t: exit $rc: $(tail -3 "$dir/demo.log")"
+  [[ -z $(ls "$dir/demos") ]] || fail "demo --threads $t left $(ls "$dir/demos")"
+done
 
 cli_finish "run dir"
