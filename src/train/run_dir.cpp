@@ -406,7 +406,8 @@ Status check_same_settings(const std::string& saved_text, const std::string& now
   return cmp(saved, now, "");
 }
 
-Status trim_metrics(const std::string& path, int64_t step) {
+Status trim_metrics(const std::string& path, int64_t step, bool* eval_at_step) {
+  if (eval_at_step) *eval_at_step = false;
   struct stat st {};
   if (::stat(path.c_str(), &st) == 0 && !S_ISREG(st.st_mode)) return {};  // /dev/null: nothing to trim
   FILE* in = std::fopen(path.c_str(), "r");
@@ -428,6 +429,8 @@ Status trim_metrics(const std::string& path, int64_t step) {
       ++dropped;
       continue;
     }
+    if (eval_at_step && j.value("step", int64_t{0}) == step && j.value("event", std::string()) == "eval")
+      *eval_at_step = true;
     kept += line;
   }
   ok = !std::ferror(in);

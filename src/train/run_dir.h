@@ -107,8 +107,10 @@ Status check_same_settings(const std::string& saved, const std::string& now, con
 // Rewrites the metrics file of a run resumed at `step` without the lines of
 // later steps (written after the checkpoint by the run that died), so the
 // file reads as if the run had never stopped. Atomic (temp + rename). A
-// missing file is fine.
-Status trim_metrics(const std::string& path, int64_t step);
+// missing file is fine. *eval_at_step (when given): whether a kept line is
+// the evaluation of `step` itself (a run resumed where it ended must not
+// write it again).
+Status trim_metrics(const std::string& path, int64_t step, bool* eval_at_step = nullptr);
 
 // The run id in DIR/run.json; "" when there is none. kCorrupt for a damaged one.
 Result<std::string> read_run_id(const std::string& dir);

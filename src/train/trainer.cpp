@@ -357,7 +357,7 @@ Status Trainer::Impl::open_metrics() {
   // into a FIFO: a metrics file of an earlier run (or none) only.
   STRATA_RETURN_IF_ERROR(check_replaceable(mpath, "metrics file", R"("event":)"));
   // A resumed run continues the file as if it had never stopped.
-  if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step));
+  if (!opt.resume_dir.empty()) STRATA_RETURN_IF_ERROR(trim_metrics(mpath, step, &metrics_eval_at_resume));
   metrics = std::fopen(mpath.c_str(), opt.resume_dir.empty() ? "w" : "a");
   if (!metrics) return Status::from_errno(errno, "metrics file " + mpath + ": cannot open for writing");
   metrics_file = mpath;

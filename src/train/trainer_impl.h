@@ -143,6 +143,7 @@ struct Trainer::Impl {
   double last_loss = 0;
   FILE* metrics = nullptr;
   std::string metrics_file;  // its path, for messages
+  bool metrics_eval_at_resume = false;  // the file holds the evaluation of the step resumed at
   bool warned_order = false;
   std::unique_ptr<RunDir> run_dir;  // OUT, locked for the whole run
   std::vector<std::string> made_out_dirs;  // what creating OUT made, outermost first (Trainer::create)

@@ -48,7 +48,15 @@ class Trainer::Run {
     finish_totals();
     if (res_.interrupted) return res_;
     if (has_val_) {
-      STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
+      // Resumed where the run had ended (no step trained here): the same
+      // weights, so the value just printed; written only if the file lacks it
+      // (a run stopped after its last checkpoint skipped the evaluation).
+      if (m_.step == first_step_ && !m_.opt.resume_dir.empty()) {
+        res_.final_val_loss = res_.initial_val_loss;
+        if (!m_.metrics_eval_at_resume) STRATA_RETURN_IF_ERROR(write_eval(res_.final_val_loss, 0.0));
+      } else {
+        STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
+      }
     }
     // LoRA: the adapter is the run's result, written even with --no-export
     // (which leaves out OUT/model only).
@@ -160,17 +168,20 @@ class Trainer::Run {
                               res_.last_checkpoint.empty() ? "" : "; the last checkpoint is " + res_.last_checkpoint));
   }
 
+  Status write_eval(double val_loss, double seconds) {
+    return m_.write_metrics({{"event", "eval"},
+                             {"step", m_.step},
+                             {"val_loss", val_loss},
+                             {"batches", eval_n_},
+                             {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro) * m_.world},  // every rank's
+                             {"seconds", seconds}});
+  }
+
   // The validation loss, logged to the metrics file and the progress display.
   Result<double> evaluate(bool record = true) {
     const auto t0 = Clock::now();
     STRATA_ASSIGN_OR_RETURN(double v, t_.evaluate());
-    if (record)
-      STRATA_RETURN_IF_ERROR(m_.write_metrics({{"event", "eval"},
-                      {"step", m_.step},
-                      {"val_loss", v},
-                      {"batches", eval_n_},
-                      {"tokens", eval_n_ * static_cast<uint64_t>(m_.tokens_per_micro) * m_.world},  // every rank's
-                      {"seconds", seconds_since(t0)}}));
+    if (record) STRATA_RETURN_IF_ERROR(write_eval(v, seconds_since(t0)));
     progress_.say(fmt::format("step {:>6}  validation loss {:.4f}  ({} batches, {:.1f}s)", m_.step, v, eval_n_,
                               seconds_since(t0)));
     return v;

@@ -89,6 +89,19 @@ expect_error "holds an earlier run (adapter" "${common[@]}" --steps 2 --out "$di
 run --steps 2 --out "$dir/ad" --overwrite || fail "--overwrite over an adapter failed: $(cat "$dir/last.log")"
 [[ ! -e $dir/ad/adapter ]] || fail "--overwrite left the earlier run's adapter/"
 
+# ---- a run resumed where it ended: its metrics read as one run (one evaluation of the last
+# step, not a second one appended), the validation loss printed once at the end as at the start.
+run --steps 4 --save-every 4 --out "$dir/fin" || fail "run fin failed: $(cat "$dir/last.log")"
+evals() { python3 -c 'import json, sys; print(sum(1 for l in open(sys.argv[1]) if json.loads(l).get("event") == "eval" and json.loads(l)["step"] == 4))' "$dir/fin/metrics.jsonl"; }
+[[ $(evals) == 1 ]] || fail "the finished run wrote $(evals) evaluations of step 4"
+cp "$dir/fin/metrics.jsonl" "$dir/fin.metrics"
+run --steps 4 --save-every 4 --out "$dir/fin" --resume "$dir/fin" || fail "resume of fin failed: $(cat "$dir/last.log")"
+cmp -s "$dir/fin/metrics.jsonl" "$dir/fin.metrics" || fail "resuming a finished run changed its metrics: $(diff "$dir/fin.metrics" "$dir/fin/metrics.jsonl")"
+# Its evaluation lost (a run stopped after its last checkpoint skips it): the resume writes it.
+grep -v '"event":"eval","step":4' "$dir/fin.metrics" >"$dir/fin/metrics.jsonl"
+run --steps 4 --save-every 4 --out "$dir/fin" --resume "$dir/fin" || fail "resume of fin failed: $(cat "$dir/last.log")"
+[[ $(evals) == 1 ]] || fail "a resume at the end wrote $(evals) evaluations of step 4 where the file had none"
+
 # ---- a damaged newest checkpoint: the error names the older one that is intact
 run --steps 8 --save-every 4 --keep 0 --lr 1e-3 --out "$dir/dmg" || fail "run dmg failed: $(cat "$dir/last.log")"
 victim=$(find "$dir/dmg/checkpoint-8" -type f ! -name '*.json' | head -n 1)
