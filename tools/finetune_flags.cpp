@@ -302,7 +302,11 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   }
   o->schedule.total = std::max<int64_t>(1, f.steps);
   if (f.steps < 0) return Status(StatusCode::kInvalidArgument, "--steps must be >= 0");
-  if (f.steps > 0) STRATA_RETURN_IF_ERROR(train::validate_schedule(o->schedule).with_context("--lr/--min-lr/--warmup"));
+  // Named by where the peak came from: --lr, or the config's optimizer.params.lr.
+  const std::string lr_from =
+      !f.config.empty() && !f.o_lr->count() && !lr_auto ? f.config + ": optimizer.params.lr" : std::string("--lr");
+  if (f.steps > 0)
+    STRATA_RETURN_IF_ERROR(train::validate_schedule(o->schedule).with_context(lr_from + "/--min-lr/--warmup"));
   o->steps = f.steps;
   o->weight_decay_all = f.weight_decay_all;
   if (!f.lora_adapter.empty()) {

@@ -133,9 +133,9 @@ Status validate_schedule(const Schedule& s) {
   auto bad = [](const std::string& what) { return Status(StatusCode::kInvalidArgument, what); };
   if (is_deepspeed_schedule(s.kind))
     return s.total >= 1 ? Status() : bad("total steps " + std::to_string(s.total) + " must be >= 1");
-  if (!(std::isfinite(s.lr) && s.lr > 0)) return bad("learning rate " + std::to_string(s.lr) + " must be > 0");
+  if (!(std::isfinite(s.lr) && s.lr > 0)) return bad(fmt::format("learning rate {:g} must be > 0", s.lr));
   if (!(std::isfinite(s.min_lr) && s.min_lr >= 0 && s.min_lr <= s.lr))
-    return bad("min_lr " + std::to_string(s.min_lr) + " must be in [0, lr = " + std::to_string(s.lr) + "]");
+    return bad(fmt::format("min_lr {:g} must be in [0, lr = {:g}]", s.min_lr, s.lr));
   if (s.total < 1) return bad("total steps " + std::to_string(s.total) + " must be >= 1");
   if (s.warmup < 0 || s.warmup > s.total)
     return bad("warm-up steps " + std::to_string(s.warmup) + " must be in [0, total steps = " +

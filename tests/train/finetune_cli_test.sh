@@ -132,6 +132,11 @@ grep -q '^lr: cosine, peak 0.0001 ' "$dir/lr2.log" || fail "lr \"auto\" without 
 bs_run lr3 '{"optimizer": {"type": "AdamW", "params": {}}}' --schedule constant >/dev/null
 grep -q '^lr: constant, peak 0.001, 0 warm-up steps (--schedule)$' "$dir/lr3.log" ||
   fail "lr absent: $(cat "$dir/lr3.log")"
+printf '{"optimizer": {"params": {"lr": 0}}}' >"$dir/lr5.json"
+expect_error "lr5.json: optimizer.params.lr/--min-lr/--warmup: learning rate 0 must be > 0" \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/lr5.json" --out "$dir/lr5"
+expect_error "--lr/--min-lr/--warmup: min_lr 1e-06 must be in [0, lr = 1e-07]" \
+  --model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 1e-7 --min-lr 1e-6 --out "$dir/lr5"
 printf '{"optimizer": "auto"}' >"$dir/lr4.json"
 expect_error 'optimizer: expected an object, got "auto"' \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/lr4.json" --out "$dir/lr4"
