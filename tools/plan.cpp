@@ -493,7 +493,12 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
   }
   for (auto& d : budgets.nvme) {
     if (d.capacity != 0) continue;
-    if (!is_dir(d.path)) return fail(fmt::format("NVMe directory {} does not exist (or give --nvme-capacity)", d.path));
+    if (!is_dir(d.path)) {
+      struct stat st {};
+      return fail(::stat(d.path.c_str(), &st) == 0
+                      ? fmt::format("NVMe directory {} is not a directory", d.path)
+                      : fmt::format("NVMe directory {} does not exist (or give --nvme-capacity)", d.path));
+    }
     struct statvfs vfs {};
     if (::statvfs(d.path.c_str(), &vfs) != 0)
       return fail(fmt::format("statvfs of {} failed: {}", d.path, std::strerror(errno)));

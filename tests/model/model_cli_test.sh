@@ -81,6 +81,14 @@ sed -i 's/"intermediate_size": 96/"intermediate_size": 128/' "$dir/broken/config
 cp "$dir/m/model.safetensors" "$dir/broken/"
 expect_error "wrong shape (6)" --model "$dir/broken" --gpu-mem 8GiB --no-measure
 
+# --nvme naming a file, or nothing: each said as it is.
+out=$("$strata" plan --model "$dir/m" --gpu-mem 8GiB --no-measure --nvme "$dir/m/config.json" 2>&1) &&
+  fail "plan --nvme FILE succeeded: $out"
+[[ $out == *"NVMe directory $dir/m/config.json is not a directory"* ]] || fail "plan --nvme FILE: $out"
+out=$("$strata" plan --model "$dir/m" --gpu-mem 8GiB --no-measure --nvme "$dir/none" 2>&1) &&
+  fail "plan --nvme MISSING succeeded: $out"
+[[ $out == *"NVMe directory $dir/none does not exist"* ]] || fail "plan --nvme MISSING: $out"
+
 # ---- plan: a 70B model fits on 24 GiB GPU + 64 GiB host + 2 TB NVMe...
 mkdir -p "$dir/nvme"
 out=$("$strata" plan --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/nvme" --nvme-capacity 2TB \
