@@ -236,7 +236,11 @@ int run_demo(const DemoFlags& f) {
     return exit_code_for(r.status());
   }
   if (r->interrupted) {
-    std::printf("interrupted at step %lld; removing %s\n", static_cast<long long>(r->steps_done), d.c_str());
+    if (f.keep)
+      std::printf("interrupted at step %lld; %s kept (--keep), its checkpoint in out/\n",
+                  static_cast<long long>(r->steps_done), d.c_str());
+    else
+      std::printf("interrupted at step %lld; removing %s\n", static_cast<long long>(r->steps_done), d.c_str());
     return kExitInterrupted;
   }
   const EngineStats e = t.value()->engine().stats();
