@@ -466,8 +466,8 @@ STRATA_API strata_status_t strata_engine_options_init(strata_engine_options_t* o
  * options, struct_size, config or model: the message names the field, key or
  * parameter), STRATA_ERR_NOT_FOUND (config_path), STRATA_ERR_OUT_OF_BUDGET
  * (the plan cannot fit: says which tier is short and by how much),
- * STRATA_ERR_UNAVAILABLE (cuda asked and not usable; world_size > 1 is not
- * built yet), I/O and allocation errors naming what failed. */
+ * STRATA_ERR_UNAVAILABLE (cuda asked and not usable; world_size > 1 with a
+ * communicator this build or launch cannot make: strata_comm_kind_t), I/O and allocation errors naming what failed. */
 STRATA_API strata_status_t strata_engine_create(const strata_engine_options_t* options,
                                                 const strata_param_desc_t* params, size_t param_count,
                                                 strata_engine_t* engine);
