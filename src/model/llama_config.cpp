@@ -499,9 +499,11 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
   // Newer transformers write "dtype", older "torch_dtype"; with both,
   // transformers 5 takes "dtype" (torch_dtype is its deprecated alias).
   c.torch_dtype = DType::kF32;
+  c.dtype_given = false;
   for (const char* key : {"dtype", "torch_dtype"}) {
     auto it = root.find(key);
     if (it == root.end() || it->is_null()) continue;
+    c.dtype_given = true;
     const std::string v = it->is_string() ? it->get<std::string>() : it->dump();
     if (v == "bfloat16")
       c.torch_dtype = DType::kBF16;
@@ -718,7 +720,23 @@ Result<ModelDir> open_model_dir(const std::string& dir) {
     if (t.name.size() >= 21 && t.name.ends_with(".rotary_emb.inv_freq")) continue;
     unexpected.push_back(t.name);
   }
-  if (missing.empty() && wrong_shape.empty() && wrong_dtype.empty() && unexpected.empty()) return m;
+  if (missing.empty() && wrong_shape.empty() && wrong_dtype.empty() && unexpected.empty()) {
+    // No dtype in config.json: transformers 5 loads the model in its weights'
+    // dtype (from_pretrained's dtype "auto"), and so does Strata; weights of
+    // several dtypes leave it to the config, by name.
+    if (!m.config.dtype_given && !m.tensors.empty()) {
+      const StDType first = m.tensors.front().dtype;
+      for (const TensorInfo& t : m.tensors)
+        if (t.dtype != first)
+          return Status(StatusCode::kInvalidArgument,
+                        fmt::format("{}/config.json names no dtype and the weights mix {} ({}) and {} ({}): add "
+                                    "\"dtype\": \"bfloat16\", \"float16\" or \"float32\" to it",
+                                    dir, st_dtype_name(first), m.tensors.front().name, st_dtype_name(t.dtype), t.name));
+      m.config.torch_dtype = *to_dtype(first);
+      m.config.dtype_given = true;
+    }
+    return m;
+  }
 
   auto list = [](const char* what, const std::vector<std::string>& v) -> std::string {
     if (v.empty()) return "";

@@ -53,6 +53,10 @@ struct LlamaConfig {
   uint64_t max_position_embeddings = 2048;
   bool tie_word_embeddings = false;
   DType torch_dtype = DType::kBF16;  // "bfloat16" | "float16" | "float32"
+  // config.json names its dtype ("dtype" or "torch_dtype"); false: float32
+  // here, and open_model_dir takes the weights' dtype, as transformers 5's
+  // from_pretrained (dtype "auto") does.
+  bool dtype_given = true;
   int64_t bos_token_id = -1;         // -1: absent / null (a list: its first id)
   int64_t eos_token_id = -1;
   // pad_token_id: transformers builds nn.Embedding(padding_idx=pad_token_id),
@@ -98,7 +102,7 @@ Status check_sequence_length(const LlamaConfig& c, uint64_t seq, const std::stri
 // keeps its text in LlamaConfig::rope_scaling instead), a missing or unknown
 // key in the RoPE settings, partial_rotary_factor other than 1, attention_bias
 // / mlp_bias true, hidden_act other than "silu", unknown torch_dtype (absent:
-// float32, as Hugging Face loads it). Other keys are ones Llama's modeling
+// float32 and dtype_given false). Other keys are ones Llama's modeling
 // code in transformers never reads (generation settings, token ids, ...):
 // ignored, as transformers ignores them.
 Result<LlamaConfig> parse_llama_config(std::string_view json_text, const std::string& source = "config.json",

@@ -698,9 +698,18 @@ Result<std::vector<TensorInfo>> read_model_tensors(const std::string& dir) {
     STRATA_ASSIGN_OR_RETURN(auto h, read_safetensors_header(single));
     return std::move(h.tensors);
   }
-  if (::stat(index_path.c_str(), &st) != 0)
+  if (::stat(index_path.c_str(), &st) != 0) {
+    // PyTorch pickles (pytorch_model.bin, or its index) are never unpickled
+    // here: say how to convert them rather than only what is missing.
+    const bool pickle = ::stat((dir + "/pytorch_model.bin").c_str(), &st) == 0 ||
+                        ::stat((dir + "/pytorch_model.bin.index.json").c_str(), &st) == 0;
     return Status(StatusCode::kNotFound,
-                  fmt::format("{}: neither model.safetensors nor model.safetensors.index.json is there", dir));
+                  fmt::format("{}: neither model.safetensors nor model.safetensors.index.json is there{}", dir,
+                              pickle ? "; it holds pytorch_model.bin (a PyTorch pickle, which Strata never "
+                                       "unpickles): convert it with transformers: AutoModelForCausalLM."
+                                       "from_pretrained(DIR).save_pretrained(NEW_DIR) writes safetensors"
+                                     : ""));
+  }
   STRATA_ASSIGN_OR_RETURN(auto idx, read_safetensors_index(index_path));
   std::vector<std::string> files;  // in first-mention order of sorted names: deterministic
   std::set<std::string> seen;

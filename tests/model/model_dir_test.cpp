@@ -3,7 +3,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <cstring>
+
+#include <nlohmann/json.hpp>
 
 #include "model/llama_config.h"
 #include "model/llama_init.h"
@@ -168,6 +172,61 @@ TEST(ModelDir, RandomInitWritesWhatInitValuesGive) {
   EXPECT_EQ(0, std::memcmp(a, b + 7, sizeof a));
   EXPECT_NE(init_normal(11, 5, 0), init_normal(12, 5, 0));
   EXPECT_NE(init_normal(11, 5, 0), init_normal(11, 6, 0));
+}
+
+}  // namespace
+}  // namespace strata::model
+
+namespace strata::model {
+namespace {
+
+// A config.json without "dtype"/"torch_dtype": transformers 5 loads the model
+// in its weights' dtype (from_pretrained's dtype "auto"); Strata did float32,
+// exporting bf16 weights as f32 (twice the size, another dtype).
+TEST(ModelDir, NoDtypeInConfigTakesTheWeights) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const LlamaConfig c = small_config(false);
+  auto decls = llama_tensor_decls(c, StDType::kBF16);
+  write_model(dir.path(), c, decls, 0);
+  {
+    std::ifstream in(dir.file("config.json"));
+    nlohmann::json j = nlohmann::json::parse(in);
+    j.erase("torch_dtype");
+    j.erase("dtype");
+    std::ofstream(dir.file("config.json")) << j.dump();
+  }
+  auto lc = load_llama_config(dir.file("config.json"));
+  ASSERT_TRUE(lc.ok());
+  EXPECT_FALSE(lc->dtype_given);
+  auto m = open_model_dir(dir.path());
+  ASSERT_TRUE(m.ok()) << m.status().to_string();
+  EXPECT_EQ(m->config.torch_dtype, DType::kBF16);
+  // Weights of two dtypes: which one is for the config to say, by name.
+  decls[2].dtype = StDType::kF32;
+  std::filesystem::remove(dir.file("model.safetensors"));
+  auto w = ShardedWriter::create(dir.path(), decls, 0);
+  ASSERT_TRUE(w.ok());
+  for (const auto& d : decls) {
+    std::vector<float> v(d.numel(), 1.0f);
+    ASSERT_TRUE((*w)->write_from(DType::kF32, v.data(), v.size()).ok());
+  }
+  ASSERT_TRUE((*w)->finish().ok());
+  auto mixed = open_model_dir(dir.path());
+  ASSERT_FALSE(mixed.ok());
+  EXPECT_EQ(mixed.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(mixed.status().message().find("config.json names no dtype and the weights mix BF16"), std::string::npos)
+      << mixed.status().message();
+}
+
+TEST(ModelDir, APickleIsNamedWithItsConversion) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  ASSERT_TRUE(save_llama_config(small_config(false), dir.file("config.json")).ok());
+  std::ofstream(dir.file("pytorch_model.bin")) << "PK";
+  auto st = open_model_dir(dir.path()).status();
+  EXPECT_EQ(st.code(), StatusCode::kNotFound);
+  EXPECT_NE(st.message().find("it holds pytorch_model.bin"), std::string::npos) << st.message();
 }
 
 }  // namespace
