@@ -481,6 +481,17 @@ std::string peft_adapter_config_json(const LoraOptions& o, const std::string& ba
   j["alpha_pattern"] = json::object();
   j["exclude_modules"] = nullptr;
   j["lora_bias"] = false;
+  // The rest of what PEFT 0.21 writes for a LoraConfig, at the values that
+  // mean "off" (its defaults): a reader sees every field as PEFT wrote it.
+  for (const char* k : {"megatron_config", "trainable_token_indices", "eva_config", "corda_config", "lora_ga_config",
+                        "velora_config", "alora_invocation_tokens", "monteclora_config", "layer_replication",
+                        "target_parameters", "use_bdlora", "arrow_config", "kasa_config"})
+    j[k] = nullptr;
+  j["megatron_core"] = "megatron.core";
+  j["loftq_config"] = json::object();
+  j["use_qalora"] = false;
+  j["qalora_group_size"] = 16;
+  j["ensure_weight_tying"] = false;
   return j.dump(2) + "\n";
 }
 

@@ -192,6 +192,16 @@ def run_case(strata, work, name, c):
         problems.append(f"PEFT with the exported adapter vs the merged export: logits differ by {lrel:.3e} relative")
     if sorted(exported_cfg["target_modules"]) != sorted(targets) or exported_cfg["r"] != r:
         problems.append(f"adapter_config.json says r={exported_cfg['r']} targets={exported_cfg['target_modules']}")
+    # Every field PEFT writes for a LoraConfig, at PEFT's values where Strata does what PEFT's default
+    # does (peft_version is PEFT's own: Strata is not PEFT).
+    peft_cfg = LoraConfig(r=r, lora_alpha=exported_cfg["lora_alpha"], target_modules=targets).to_dict()
+    missing = sorted(set(peft_cfg) - set(exported_cfg) - {"peft_version"})
+    if missing:
+        problems.append(f"adapter_config.json lacks fields PEFT writes: {missing}")
+    for k in ("megatron_core", "loftq_config", "use_qalora", "qalora_group_size", "ensure_weight_tying", "use_dora",
+              "lora_bias", "fan_in_fan_out", "bias", "layer_replication", "trainable_token_indices"):
+        if k in exported_cfg and exported_cfg[k] != peft_cfg[k]:
+            problems.append(f"adapter_config.json {k} = {exported_cfg[k]!r}, PEFT's default {peft_cfg[k]!r}")
     # Only the adapted projections moved, by exactly the merge (fp32 rounding).
     base_sd = AutoModelForCausalLM.from_pretrained(d + "/model", dtype=torch.float64).state_dict()
     for k, w in merged.state_dict().items():
