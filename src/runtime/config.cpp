@@ -489,6 +489,16 @@ Status read_zero(Obj& o, ZeroConfig* z) {
             "stage3_gather_fp16_weights_on_model_save",
             "stage3_module_granularity_threshold",
             "stage3_use_all_reduce_for_fetch_params",
+            "stage3_allgather_sequential",
+            // The same fields by the names DeepSpeed's pydantic model also
+            // accepts (its aliases are the stage3_ ones).
+            "param_persistence_threshold",
+            "model_persistence_threshold",
+            "max_live_parameters",
+            "max_reuse_distance",
+            "module_granularity_threshold",
+            "use_all_reduce_for_fetch_params",
+            "allgather_sequential",
             "ignore_unused_parameters",
             "legacy_stage1",
             "round_robin_gradients",

@@ -120,6 +120,20 @@ TEST(ConfigSamples, HuggingFaceAutoValuesKeepDefaults) {
   EXPECT_FALSE(contains(notes.auto_keys, "zero_optimization.stage"));
 }
 
+TEST(ConfigSamples, ZeroFieldsByEitherNameDeepSpeedAccepts) {
+  // DeepSpeed's ZeRO model takes both max_live_parameters and its alias
+  // stage3_max_live_parameters (and so on): both are listed as not used.
+  ConfigNotes notes;
+  auto c = parse_config(R"({"zero_optimization": {"max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+      "param_persistence_threshold": 1e5, "model_persistence_threshold": 1e9, "module_granularity_threshold": 0,
+      "use_all_reduce_for_fetch_params": false, "allgather_sequential": false}})",
+                        "<string>", &notes);
+  ASSERT_TRUE(c.ok()) << c.status().to_string();
+  for (const char* k : {"max_live_parameters", "stage3_max_reuse_distance", "param_persistence_threshold",
+                        "allgather_sequential"})
+    EXPECT_TRUE(contains(notes.ignored_keys, std::string("zero_optimization.") + k)) << k;
+}
+
 TEST(ConfigErrors, AutoStandsForAValueNotASection) {
   // DeepSpeed fails on these (TypeError); a section given as "auto" was read
   // as absent, so {"fp16": "auto", "optimizer": "auto"} trained fp32 AdamW.
