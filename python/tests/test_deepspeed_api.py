@@ -183,7 +183,8 @@ class DeepSpeedApiTest(unittest.TestCase):
                       {"train_batch_size": 12, "gradient_accumulation_steps": 3},
                       {"train_micro_batch_size_per_gpu": 3, "gradient_accumulation_steps": 2},
                       {"train_batch_size": 8}, {"train_micro_batch_size_per_gpu": 3},
-                      {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3}):
+                      {"train_batch_size": 12, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 3},
+                      {"train_batch_size": 12.0, "train_micro_batch_size_per_gpu": 4.0}):
             with self.subTest(given=given):
                 ref = dsc.DeepSpeedConfig(dict(given))
                 e = self.engine(config(given))

@@ -106,6 +106,9 @@ def _batch_sizes(given, world):
         if v == "auto":
             raise ValueError(f"strata.torch.initialize: config {key} is \"auto\", the Hugging Face Trainer's "
                              "placeholder: give a number (StrataTrainer fills it from TrainingArguments)")
+        # An integral float (12.0, 1e3) is the integer, as DeepSpeed's config and the C++ parser take it.
+        if isinstance(v, float) and v.is_integer():
+            v = int(v)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ValueError(f"strata.torch.initialize: config {key} is {v!r}; it must be an integer >= 1")
         vals[key] = v
