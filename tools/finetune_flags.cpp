@@ -235,7 +235,9 @@ static Status data_format_of(const FinetuneFlags& f, train::DataFormat* out) {
     STRATA_ASSIGN_OR_RETURN(*out, train::parse_data_format(named ? named : "text"));
     return Status::ok_status();
   }
-  STRATA_ASSIGN_OR_RETURN(*out, train::parse_data_format(f.data_format));
+  auto fmt_given = train::parse_data_format(f.data_format);
+  if (!fmt_given.ok()) return fmt_given.status().with_context("--data-format");
+  *out = *fmt_given;
   if (named && f.data_format != named)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("--data-format {}, but {}'s name says {} token ids: drop --data-format (auto reads "
@@ -292,7 +294,9 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
                                 ds->kind == train::ScheduleKind::kWarmupDecayLR ? ", default 0.001" : ""));
     o->schedule = *ds;
   } else {
-    STRATA_ASSIGN_OR_RETURN(o->schedule.kind, train::parse_schedule_kind(f.schedule));
+    auto kind = train::parse_schedule_kind(f.schedule);
+    if (!kind.ok()) return kind.status().with_context("--schedule");
+    o->schedule.kind = *kind;
     if (o->schedule.kind == train::ScheduleKind::kConstant && f.o_min_lr->count())
       return Status(StatusCode::kInvalidArgument,
                     "--min-lr is the end of a linear or cosine decay; --schedule constant keeps --lr (after "
@@ -384,7 +388,9 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->metrics_path = f.metrics;
   o->export_model = !f.no_export;
   if (!f.export_dtype.empty()) {
-    STRATA_ASSIGN_OR_RETURN(o->export_dtype, parse_dtype(f.export_dtype));
+    auto d = parse_dtype(f.export_dtype);
+    if (!d.ok()) return d.status().with_context("--export-dtype");
+    o->export_dtype = *d;
   }
   o->log_every = f.log_every;
   o->threads = f.threads;

@@ -688,6 +688,10 @@ const TensorInfo* ModelDir::find(std::string_view name) const {
 Result<ModelDir> open_model_dir(const std::string& dir) {
   ModelDir m;
   m.dir = dir;
+  struct stat st {};
+  if (::stat(dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode))
+    return Status(StatusCode::kInvalidArgument,
+                  dir + " is a file, not a model directory (config.json beside model.safetensors or its shards)");
   STRATA_ASSIGN_OR_RETURN(m.config, load_llama_config(dir + "/config.json"));
   STRATA_ASSIGN_OR_RETURN(std::vector<TensorInfo> found, read_model_tensors(dir));
   std::map<std::string, TensorInfo*> by_name;

@@ -317,6 +317,7 @@ Status RunDir::record(const std::string& settings_json) { return write_run_json(
 
 Result<std::string> select_checkpoint(const std::string& from) {
   std::error_code ec;
+  if (!fs::exists(from, ec)) return Status(StatusCode::kNotFound, "resume: " + from + " does not exist");
   if (fs::exists(join_path(from, "index.json"), ec)) return from;
   STRATA_ASSIGN_OR_RETURN(std::string run, read_run_id(from));
   const auto cks = list_checkpoint_dirs(from);

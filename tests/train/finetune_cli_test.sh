@@ -137,6 +137,12 @@ expect_error "lr5.json: optimizer.params.lr/--min-lr/--warmup: learning rate 0 m
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/lr5.json" --out "$dir/lr5"
 expect_error "--lr/--min-lr/--warmup: min_lr 1e-06 must be in [0, lr = 1e-07]" \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --lr 1e-7 --min-lr 1e-6 --out "$dir/lr5"
+# A bad value is named with its flag.
+expect_error "--schedule: schedule \"foo\" is not one of" --model "$dir/model" --data "$dir/data.txt" --schedule foo --out "$dir/lr5"
+expect_error "--data-format: data format \"foo\"" --model "$dir/model" --data "$dir/data.txt" --data-format foo --out "$dir/lr5"
+expect_error "--export-dtype: unknown dtype 'int8'" --model "$dir/model" --data "$dir/data.txt" --export-dtype int8 --out "$dir/lr5"
+expect_error "resume: $dir/nowhere does not exist" --model "$dir/model" --data "$dir/data.txt" --resume "$dir/nowhere" --out "$dir/lr5"
+expect_error "$dir/data.txt is a file, not a model directory" --model "$dir/data.txt" --data "$dir/data.txt" --out "$dir/lr5"
 printf '{"optimizer": "auto"}' >"$dir/lr4.json"
 expect_error 'optimizer: expected an object, got "auto"' \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/lr4.json" --out "$dir/lr4"
