@@ -269,7 +269,7 @@ void register_demo(CLI::App& app) {
   cmd->add_option("--steps", f->steps, "Training steps")->capture_default_str();
   cmd->add_flag("--keep", f->keep, "Keep the directory (model, data, metrics, checkpoints)");
   cmd->add_option("--threads", f->threads, "CPU compute threads (0: all)")->capture_default_str();
-  cmd->add_flag("--quiet", f->quiet, "Only the summary");
+  cmd->add_flag("--quiet", f->quiet, "No per-step lines: the set-up lines and the summary only");
   cmd->add_option("--device", f->device, "auto (the GPU when CUDA model ops can run there, else the CPU) | cuda | cpu")
       ->capture_default_str();
   cmd->callback([f] { set_exit_code(run_demo(*f)); });

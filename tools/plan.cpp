@@ -388,6 +388,9 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
   if (world > (1u << 20)) return fail("--world-size is implausibly large");
   // The ranks sharing this host's RAM and drives: what is detected here is
   // split between them, as the engine splits it (a budget given is per rank).
+  if (o.ranks_per_host > std::max<uint32_t>(world, 1))
+    return fail(fmt::format("--ranks-per-host {} is more than the {} rank(s) of --world-size", o.ranks_per_host,
+                            std::max<uint32_t>(world, 1)));
   const uint32_t per_host = o.ranks_per_host > 0 ? std::min(o.ranks_per_host, world) : world;
   {
     // The micro-batch and accumulation strata finetune takes: the flags, else

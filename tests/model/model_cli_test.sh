@@ -89,6 +89,10 @@ out=$("$strata" plan --model "$dir/m" --gpu-mem 8GiB --no-measure --nvme "$dir/n
   fail "plan --nvme MISSING succeeded: $out"
 [[ $out == *"NVMe directory $dir/none does not exist"* ]] || fail "plan --nvme MISSING: $out"
 
+out=$("$strata" plan --model "$dir/m" --gpu-mem 8GiB --no-measure --world-size 2 --ranks-per-host 3 2>&1) &&
+  fail "plan --ranks-per-host 3 --world-size 2 succeeded: $out"
+[[ $out == *"--ranks-per-host 3 is more than the 2 rank(s) of --world-size"* ]] || fail "plan --ranks-per-host: $out"
+
 # ---- plan: a 70B model fits on 24 GiB GPU + 64 GiB host + 2 TB NVMe...
 mkdir -p "$dir/nvme"
 out=$("$strata" plan --model "$cfg70" --gpu-mem 24GiB --host-mem 64GiB --nvme "$dir/nvme" --nvme-capacity 2TB \
