@@ -827,6 +827,24 @@ Status ShardedWriter::finish() {
   completed_ = shards_.size();
   const std::string index_path = dir_ + "/model.safetensors.index.json";
   const std::string single = dir_ + "/model.safetensors";
+  // The shards an earlier index named (init-model --force over a sharded
+  // model): removed below unless this model wrote the same names, so no
+  // stale shard stays beside the new model. Only plain *.safetensors names
+  // in this directory (an index naming "../x" removes nothing).
+  std::vector<std::string> stale;
+  {
+    struct stat st {};
+    if (::stat(index_path.c_str(), &st) == 0) {
+      auto old = read_safetensors_index(index_path);
+      if (old.ok()) {
+        std::set<std::string> now(files_.begin(), files_.end());
+        for (const auto& [name, file] : old->weight_map)
+          if (!now.count(file) && file.find('/') == std::string::npos && file.ends_with(".safetensors") &&
+              file != "model.safetensors" && std::find(stale.begin(), stale.end(), file) == stale.end())
+            stale.push_back(file);
+      }
+    }
+  }
   if (shards_.size() == 1) {
     // A stale index next to the new single file would describe other data.
     if (::unlink(index_path.c_str()) != 0 && errno != ENOENT)
@@ -841,6 +859,9 @@ Status ShardedWriter::finish() {
     if (::unlink(single.c_str()) != 0 && errno != ENOENT)
       return Status::from_errno(errno, "removing stale " + single + " failed");
   }
+  for (const std::string& f : stale)
+    if (::unlink((dir_ + "/" + f).c_str()) != 0 && errno != ENOENT)
+      return Status::from_errno(errno, "removing stale shard " + dir_ + "/" + f + " failed");
   finished_ = true;
   return Status::ok_status();
 }

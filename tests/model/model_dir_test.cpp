@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <cstring>
 
 #include <nlohmann/json.hpp>
@@ -227,6 +228,39 @@ TEST(ModelDir, APickleIsNamedWithItsConversion) {
   auto st = open_model_dir(dir.path()).status();
   EXPECT_EQ(st.code(), StatusCode::kNotFound);
   EXPECT_NE(st.message().find("it holds pytorch_model.bin"), std::string::npos) << st.message();
+}
+
+}  // namespace
+}  // namespace strata::model
+
+namespace strata::model {
+namespace {
+
+// A model written over a sharded one (init-model --force) leaves none of the
+// old shards behind; shards an index names outside the directory stay.
+TEST(ModelDir, RewritingRemovesTheShardsOfTheOldIndex) {
+  TempDir dir;
+  ASSERT_TRUE(dir.ok());
+  const LlamaConfig c = small_config(false);
+  const auto decls = llama_tensor_decls(c, StDType::kBF16);
+  write_model(dir.path(), c, decls, 4096);
+  size_t shards = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    shards += e.path().filename().string().starts_with("model-");
+  ASSERT_GT(shards, 2u);
+  write_model(dir.path(), c, decls, 1 << 20);  // now fewer, other names
+  size_t after = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    after += e.path().filename().string().starts_with("model-");
+  auto idx = read_safetensors_index(dir.file("model.safetensors.index.json"));
+  std::set<std::string> named;
+  if (idx.ok())
+    for (const auto& [k, f] : idx->weight_map) named.insert(f);
+  EXPECT_EQ(after, named.size()) << "stale shards stayed";
+  write_model(dir.path(), c, decls, 0);  // one file
+  for (const auto& e : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_FALSE(e.path().filename().string().starts_with("model-")) << e.path();
+  ASSERT_TRUE(open_model_dir(dir.path()).ok());
 }
 
 }  // namespace
