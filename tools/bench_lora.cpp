@@ -127,7 +127,9 @@ Status run(const BenchLoraOptions& o, const std::string& work, uint64_t host_bud
   const uint64_t base_bytes = spec.numel() * 2;  // bf16
   if (host_budget >= base_bytes)
     return Status(StatusCode::kInvalidArgument,
-                  fmt::format("--host-mem {} holds the whole frozen base ({}): give less so the base streams from NVMe",
+                  fmt::format("--host-mem {} holds the whole frozen base ({}): give less so the base streams from "
+                              "NVMe (and if less does not fit the run's buffers, the model is too small for this "
+                              "bench: raise --layers or --dim)",
                               format_bytes(host_budget), format_bytes(base_bytes)));
   STRATA_ASSIGN_OR_RETURN(auto ram, make_trainer(o, work, "ram", false, 0));
   STRATA_ASSIGN_OR_RETURN(auto nvme, make_trainer(o, work, "nvme", true, host_budget));
@@ -212,7 +214,7 @@ void run_bench_lora(const BenchLoraOptions& o) {
   if (ec) return fail(1, "cannot create " + work + ": " + ec.message());
   Status s = run(o, work, *host, *ceil);
   fs::remove_all(work, ec);
-  if (!s.ok()) return fail(s.code() == StatusCode::kInternal ? 2 : 1, s.to_string());
+  if (!s.ok()) return fail(s.code() == StatusCode::kInternal ? 2 : 1, s.message());
 }
 
 }  // namespace
