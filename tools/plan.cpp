@@ -439,7 +439,13 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
 
   // Budgets: flags, else the config, else detected here.
   PlanBudgets budgets;
-  if (!lc->rope_scaling.empty()) notes.push_back("rope_scaling is ignored for planning (shapes only)");
+  if (!lc->rope_scaling.empty()) {
+    // Planned from the shapes; finetune trains only the RoPE types it
+    // implements: say so here, with finetune's own refusal.
+    auto strict = model::load_llama_config(cfg_path);
+    notes.push_back("rope_scaling is ignored for planning (shapes only)" +
+                    (strict.ok() ? std::string() : "; strata finetune refuses this model: " + strict.status().message()));
+  }
   if (!o.gpu_mem.empty()) {
     auto b = parse_bytes(o.gpu_mem);
     if (!b.ok()) return fail("--gpu-mem: " + b.status().message());

@@ -219,6 +219,7 @@ grep -q '"dynamic"' "$dir/dynamic.json" || fail "could not make the dynamic-RoPE
 out=$("$strata" plan --model "$dir/dynamic.json" --gpu-mem 80GB --host-mem 256GiB --no-measure 2>&1) ||
   fail "dynamic-RoPE plan exited $?: $out"
 [[ $out == *"rope_scaling is ignored for planning"* ]] || fail "dynamic-RoPE plan does not mention it: $out"
+[[ $out == *"strata finetune refuses this model: "*"dynamic"* ]] || fail "dynamic-RoPE plan does not say finetune refuses it: $out"
 echo '{"hidden_size": 64}' >"$dir/bad.json"
 expect_error "\"intermediate_size\" is missing" --model "$dir/bad.json" --gpu-mem 24GiB
 expect_error "--nope" --model "$cfg70" --nope
