@@ -57,7 +57,7 @@ TEST(FinetuneFlags, TypedOptions) {
   EXPECT_EQ(build_trainer_options(g, &o).message(), "--progress \"loud\" is not one of auto, bar, lines, quiet");
   g = f;
   g.export_dtype = "fp8";
-  EXPECT_EQ(build_trainer_options(g, &o).message(), "unknown dtype 'fp8' (expected fp32|bf16|fp16)");
+  EXPECT_EQ(build_trainer_options(g, &o).message(), "--export-dtype: unknown dtype 'fp8' (expected fp32|bf16|fp16)");
 }
 
 // What CLI11 2.1 would bend is refused naming the option (cli_values.h):
