@@ -234,6 +234,93 @@ class DeepSpeedApiTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, r"config file .*ds\.json: .*line 2"):
             make(path)
 
+    def test_torch_loop_habits_are_exact_or_refused(self):
+        # What plain torch training code does around the engine: each either
+        # gives torch's result or is refused by name (each was silently
+        # different: no update, the skipped batch kept, an edit dropped).
+        data = batches(4)
+
+        def torch_reference(skip):
+            m = MLP()
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-8, weight_decay=0.0)
+            for i, (x, y) in enumerate(data):
+                ((m(x) - y) ** 2).mean().backward()
+                if i == skip:
+                    opt.zero_grad()  # a batch skipped after its backward
+                    continue
+                torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+                opt.step()
+                opt.zero_grad()
+            return {n: p.detach().clone() for n, p in m.named_parameters()}, m
+
+        ref, m0 = torch_reference(skip=1)
+        w0 = {n: p.detach().clone() for n, p in MLP().named_parameters()}
+        for how in ("engine", "optimizer", "model"):
+            with self.subTest(zero_grad=how):
+                e = self.engine(config())
+                for i, (x, y) in enumerate(data):
+                    e.backward(((e(x) - y) ** 2).mean())
+                    if i == 1:
+                        {"engine": e, "optimizer": e.optimizer, "model": e.module}[how].zero_grad()
+                        continue
+                    e.step()
+                got = e.state_dict()
+                err = max(((got[n] - ref[n]).abs().max() / (ref[n] - w0[n]).abs().max()).item() for n in ref)
+                self.assertLess(err, 1e-4)
+        # optimizer.step() where engine.step() belongs: refused, not a step that updates nothing.
+        e = self.engine(config())
+        x, y = data[0]
+        e.backward(((e(x) - y) ** 2).mean())
+        with self.assertRaisesRegex(strata.StrataError, r"optimizer.step\(\) .* call engine.step\(\)"):
+            e.optimizer.step()
+        e.step()
+        e.optimizer.step()  # after the engine's step (the Hugging Face Trainer calls both): nothing to do
+        # A second backward through a retained graph: refused, not every gradient reduced twice.
+        loss = ((e(x) - y) ** 2).mean()
+        e.backward(loss, retain_graph=True)
+        with self.assertRaisesRegex(strata.StrataError, "a second engine.backward"):
+            e.backward(loss)
+
+    def test_weights_changed_outside_the_engine_are_refused(self):
+        # An in-place change during forward (nn.Embedding's max_norm) and a
+        # .data assignment after initialize() would reach a copy only.
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Embedding(10, 4, max_norm=0.5), torch.nn.Linear(4, 2))
+        e = st.initialize(model=m, config=config())[0]
+        self.engines.append(e)
+        with self.assertRaisesRegex(strata.StrataError, "0.weight was changed in place during Embedding's forward"):
+            e(torch.tensor([[1, 2, 3]]))
+        e2 = self.engine(config())
+        e2.module.l1.weight.data = torch.zeros(16, 8)
+        with self.assertRaisesRegex(strata.StrataError, r"l1.weight's .data was replaced after initialize\(\)"):
+            e2(batches(1)[0][0])
+
+    def test_checkpoints_hold_the_module_buffers(self):
+        # BatchNorm's running statistics go with the weights, as in DeepSpeed's checkpoint.
+        def model():
+            torch.manual_seed(0)
+            return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 4))
+
+        e = st.initialize(model=model(), config=config())[0]
+        self.engines.append(e)
+        for x, y in batches(3):
+            e.backward(((e(x) - y) ** 2).mean())
+            e.step()
+        bn = e.module[1]
+        saved = {k: v.clone() for k, v in bn.named_buffers()}
+        e.save_checkpoint(self.dir, tag="t")
+        f = st.initialize(model=model(), config=config())[0]
+        self.engines.append(f)
+        self.assertFalse(torch.equal(f.module[1].running_mean, saved["running_mean"]))
+        f.load_checkpoint(self.dir, tag="t")
+        for k, v in f.module[1].named_buffers():
+            self.assertTrue(torch.equal(v, saved[k]), k)
+        f.eval()
+        e.eval()
+        with torch.no_grad():
+            x = batches(1)[0][0]
+            self.assertTrue(torch.equal(f(x), e(x)))
+
     def test_param_group_options_the_engine_does_not_take_are_refused(self):
         def split(**opts):
             return lambda m: [{"params": [m.l1.weight, m.l2.weight], **opts},

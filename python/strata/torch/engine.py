@@ -44,6 +44,7 @@ never ran on a GPU yet: unverified). On CUDA:
   engine's budget.
 """
 import atexit
+import base64
 import collections
 import contextlib
 import ctypes
@@ -324,19 +325,57 @@ class _Saved:
         self.pid, self.size, self.stride, self.offset = pid, t.size(), t.stride(), t.storage_offset()
 
 
+class _ZeroGradHook:
+    """model.zero_grad() also discards the engine's micro-batches not yet
+    stepped (as torch drops the accumulated .grad); remove() undoes it."""
+
+    def __init__(self, model, engine_ref):
+        self._model = model
+        original = model.zero_grad
+
+        def zero_grad(set_to_none=True):
+            e = engine_ref()
+            if e is not None:
+                e.zero_grad()
+            return original(set_to_none)
+
+        model.zero_grad = zero_grad
+
+    def remove(self):
+        self._model.__dict__.pop("zero_grad", None)
+
+
 class _Optimizer(torch.optim.Optimizer):
     """The optimizer initialize() returns: its param_groups carry the
     hyper-parameters a torch lr_scheduler changes (lr); the update itself is
-    Strata's (engine.step()). step() and zero_grad() here do nothing: the
-    engine steps at the accumulation boundary and frees gradients itself."""
+    Strata's (engine.step()). step() after the engine's step (the Hugging Face
+    Trainer calls both) does nothing; in place of it, with micro-batches
+    backward took and engine.step() did not, it is refused (a torch loop's
+    optimizer.step() would otherwise update nothing). zero_grad() is the
+    engine's: it discards the micro-batches backward took since the last step,
+    as torch's drops the accumulated .grad."""
 
     def __init__(self, groups, defaults):
         super().__init__(groups, defaults)
+        self._engine = None  # a weakref.ref to the engine, set by it
 
     def step(self, closure=None):  # noqa: D102 - the engine steps
+        e = self._engine() if self._engine is not None else None
+        if e is not None and e._outside_grads:
+            e._abandon()
+            raise StrataError(1, "strata.torch: optimizer.step() after loss.backward(): the engine takes the "
+                                 "gradients through engine.backward(loss) and steps in engine.step(); the "
+                                 "micro-batch was discarded")
+        if e is not None and e._micro > 0:
+            raise StrataError(1, f"strata.torch: optimizer.step() with {e._micro} micro-batch(es) from "
+                                 "engine.backward() not stepped: the update is the engine's, call engine.step() "
+                                 "(it steps at the accumulation boundary)")
         return None
 
     def zero_grad(self, set_to_none=True):  # noqa: D102 - the engine owns the gradients
+        e = self._engine() if self._engine is not None else None
+        if e is not None:
+            e.zero_grad()
         return None
 
     # The AdamW state lives in the engine: torch's state_dict holds no moments
@@ -527,6 +566,7 @@ class StrataEngine:
         defaults = {"lr": base_lr, "weight_decay": base_wd, "betas": (float(betas[0]), float(betas[1])),
                     "eps": base_eps, "amsgrad": False, "maximize": False}
         self.optimizer = _Optimizer(opt_groups, defaults)
+        self.optimizer._engine = weakref.ref(self)
         # What the engine fixes at initialize: a group's lr and betas may
         # change between steps (schedulers), these may not (step() refuses).
         self._fixed = [{k: g[k] for k in _FIXED_GROUP_KEYS} for g in self.optimizer.param_groups]
@@ -750,6 +790,9 @@ class StrataEngine:
         self._hooks = []
         self._hooked = set()
         self._fwd = []        # the open forward scopes (_open_forward)
+        self._versions = {}   # pid -> the parameter's _version when acquired (in-place changes are refused)
+        self._zero_pending = False  # zero_grad() after a backward: the next micro-batch drops the earlier ones
+        self._changed_in_place = []
         self._begun = False   # a micro-batch began and no backward followed yet
         # model(x) works as engine(x) (DeepSpeed's ZeRO-3 hooks the module
         # too): the root's hooks open and close the forward, before and
@@ -761,6 +804,7 @@ class StrataEngine:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(pid)))
         self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
+        self._hooks.append(_ZeroGradHook(model, weakref.ref(self)))
 
     def _differing_params(self):
         """The ids of the parameters whose initial fp32 values are not the same on every rank (_checksum):
@@ -920,11 +964,20 @@ class StrataEngine:
                 _lib.check(_lib.strata_stream_synchronize(s), self._e)
             for pid in pids:
                 p = self._params[pid]
+                if pid not in self._copies and pid not in self._swapped and p.data_ptr() != p._strata_placeholder:
+                    # `param.data = t` after initialize(): the engine holds
+                    # the weights, so t would be dropped here without a word.
+                    p.data = self._placeholder(p)
+                    self._call(_lib.strata_engine_release, g, s)
+                    raise StrataError(1, f"strata.torch: parameter {self._names[pid]}'s .data was replaced after "
+                                         "initialize(); the engine holds the weights and would drop it: set "
+                                         "weights before initialize()")
                 # The engine's buffer through DLPack: no copy; valid while held.
                 view = torch.utils.dlpack.from_dlpack(_lib.param_capsule(self._e, pid))
                 self._views[pid] = view
                 self._live[view.untyped_storage().data_ptr()] = pid
                 p.data = view
+                self._versions[pid] = p._version
         self._held[g] += 1
 
     @_driven
@@ -941,8 +994,14 @@ class StrataEngine:
             view = self._views.pop(pid, None)
             if view is not None:
                 self._live.pop(view.untyped_storage().data_ptr(), None)
+            p = self._params[pid]
+            # An in-place change of the weight while held (nn.Embedding's
+            # max_norm renormalizing rows, a clamp_ in forward) reached the
+            # compute copy only, never the engine's fp32 weights: named at
+            # the forward's end (_post_forward), not kept silently.
+            if self._versions.pop(pid, p._version) != p._version:
+                self._changed_in_place.append(self._names[pid])
             if reset:
-                p = self._params[pid]
                 p.data = self._placeholder(p)
         self._call(_lib.strata_engine_release, g, s)
 
@@ -1017,6 +1076,13 @@ class StrataEngine:
             self._release(g)
         if self._fwd and self._fwd[-1][2] is module:
             self._scope_exit(module)
+        if self._changed_in_place:
+            names, self._changed_in_place = self._changed_in_place, []
+            raise StrataError(1, f"strata.torch: {names[0]}{f' (and {len(names) - 1} more)' if len(names) > 1 else ''} "
+                                 f"was changed in place during {type(module).__name__}'s forward (e.g. "
+                                 "nn.Embedding(max_norm=...) renormalizing rows, or a weight clamped in forward): "
+                                 "the change would reach the compute copy only, never the engine's weights; "
+                                 "refused (change weights with the optimizer, or before initialize())")
 
     def _drop_copies(self, pids):
         for pid in pids:
@@ -1121,6 +1187,9 @@ class StrataEngine:
         torch.no_grad() (evaluation) nothing begins: the engine averages over the micro-batches it was told
         of."""
         if torch.is_grad_enabled() and not self._begun:
+            if self._zero_pending:  # zero_grad() since the last backward: those micro-batches are dropped
+                self._zero_pending = False
+                self._abandon()
             last = (self._boundary if self._boundary is not None
                     else (self._micro + 1) % self.gradient_accumulation_steps == 0)
             self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
@@ -1174,6 +1243,13 @@ class StrataEngine:
         if not torch.is_tensor(loss) or not loss.requires_grad:
             raise TypeError("strata.torch: backward(loss) takes the loss tensor of a forward run with gradients "
                             "enabled")
+        if not self._begun and self._micro > 0:
+            # The engine takes one backward per forward (a micro-batch): a
+            # second one through a retained graph would reduce every
+            # gradient twice.
+            raise StrataError(1, "strata.torch: a second engine.backward() with no forward since the last one "
+                                 "(a retained graph): the engine takes one backward per micro-batch; add the "
+                                 "losses and call engine.backward(total) once")
         scale = ctypes.c_double(1.0)
         self._call(_lib.strata_engine_loss_scale, ctypes.byref(scale))
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
@@ -1197,6 +1273,8 @@ class StrataEngine:
     def _abandon(self):
         """An exception in forward or backward: forget the step (groups, gradients)."""
         self._outside_grads = False
+        self._zero_pending = False
+        self._changed_in_place = []
         self._bwd.clear()
         for g in list(self._held):
             self._held[g] = 1
@@ -1284,6 +1362,7 @@ class StrataEngine:
         r.struct_size = ctypes.sizeof(r)
         self._call(_lib.strata_engine_step, -1.0, ctypes.byref(r))
         self._micro = 0
+        self._zero_pending = False
         # As DeepSpeed: the schedule advances with the optimizer steps taken,
         # not with a step skipped for non-finite gradients (fp16 overflow).
         # optimizer.step() does nothing; a torch scheduler counts it (else it
@@ -1345,8 +1424,13 @@ class StrataEngine:
         """The gradient norm of the last optimizer step (before clipping), None before the first."""
         return None if self.last_step is None else float(self.last_step["grad_norm"])
 
-    def zero_grad(self):
-        """Nothing to do: the engine owns the gradients and starts each step from zero (DeepSpeed's API)."""
+    def zero_grad(self, set_to_none=True):
+        """DeepSpeed's: the micro-batches engine.backward() took since the last step are dropped when the
+        next micro-batch begins (its forward), so a batch skipped this way never reaches a step, as with
+        torch's zero_grad; a step() right after still applies them, as DeepSpeed's does (its ZeRO
+        optimizer keeps the reduced partitions until the next backward overwrites them). Nothing to do
+        right after a step. optimizer.zero_grad() and model.zero_grad() call it too."""
+        self._zero_pending = self._micro > 0
         return None
 
     def train(self, mode=True):
@@ -1471,7 +1555,8 @@ class StrataEngine:
         if not tag or os.sep in tag or tag in (".", ".."):
             raise ValueError(f"strata.torch: save_checkpoint tag {tag!r} is not a directory name")
         groups = self.optimizer.param_groups
-        extra = {"strata_torch": {"lrs": [float(g["lr"]) for g in groups],
+        extra = {"strata_torch": {"buffers": self._buffers_state(),
+                                  "lrs": [float(g["lr"]) for g in groups],
                                   "betas": [[float(b) for b in g["betas"]] for g in groups],
                                   "counters": [self.global_steps, self.global_samples, self.skipped_steps],
                                   "client_state": client_state,
@@ -1560,6 +1645,7 @@ class StrataEngine:
         if p.value:
             _lib.strata_free(p)
         extra = json.loads(text or "{}").get("strata_torch", {})
+        self._load_buffers(extra.get("buffers"), path)
         groups = self.optimizer.param_groups
         for g, lr in zip(groups, extra.get("lrs", [])):
             g["lr"] = lr
@@ -1587,6 +1673,53 @@ class StrataEngine:
         self._micro_steps = self.global_steps * self.gradient_accumulation_steps  # a window starts here
         client_state = extra.get("client_state")
         return path, ({} if client_state is None else client_state)  # DeepSpeed's: {} when none was saved
+
+    def _persistent_buffers(self):
+        """The module's buffers its state_dict holds (BatchNorm's running statistics, ...), by name; not the
+        non-persistent ones (a causal mask, RoPE's inv_freq), which DeepSpeed's checkpoint leaves out too."""
+        out = {}
+        for name, b in self.module.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            mod = self.module.get_submodule(owner) if owner else self.module
+            if b is not None and leaf not in getattr(mod, "_non_persistent_buffers_set", ()):
+                out[name] = b
+        return out
+
+    def _buffers_state(self):
+        # In the checkpoint's JSON (atomic with it): dtype, shape and the raw
+        # bytes in base64. Parameters live in the engine; buffers in the module.
+        state = {}
+        for name, b in self._persistent_buffers().items():
+            t = b.detach().to("cpu").contiguous()
+            raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            state[name] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape),
+                           "data": base64.b64encode(raw).decode()}
+        return state
+
+    def _load_buffers(self, state, path):
+        if state is None:
+            if self._persistent_buffers():
+                warnings.warn(f"strata.torch: load_checkpoint: {path} was saved before checkpoints held the "
+                              "module's buffers (BatchNorm's running statistics, ...): they keep their current "
+                              "values", stacklevel=3)
+            return
+        have = self._persistent_buffers()
+        missing, unexpected = sorted(set(have) - set(state)), sorted(set(state) - set(have))
+        if missing or unexpected:
+            raise StrataError(1, f"strata.torch: load_checkpoint: {path}'s module buffers do not match the "
+                                 f"model's (missing: {missing}, unexpected: {unexpected})")
+        for name, b in have.items():
+            s = state[name]
+            dtype = getattr(torch, s["dtype"], None)
+            if dtype != b.dtype or list(b.shape) != s["shape"]:
+                raise StrataError(1, f"strata.torch: load_checkpoint: buffer {name} is {s['dtype']} "
+                                     f"{s['shape']} in {path}, {str(b.dtype).removeprefix('torch.')} "
+                                     f"{list(b.shape)} in the model")
+            raw = base64.b64decode(s["data"])
+            src = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(s["shape"])
+                   if raw else torch.empty(s["shape"], dtype=dtype))
+            with torch.no_grad():
+                b.copy_(src)
 
     def stats(self):
         s = _lib.EngineStats()
