@@ -3,6 +3,7 @@
 #include <sched.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdint>
 #include <cstring>
 #include <map>
@@ -74,11 +75,20 @@ void parallel_blocks(std::size_t nblocks, int threads, void (*fn)(void*, std::si
   // each thread streams one region (hardware prefetchers like that) and the
   // split is the same on every call. Results never depend on it: the update
   // is element-wise and norms are reduced per fixed block.
+  //
+  // The workers run with the caller's floating-point settings (MXCSR: flush
+  // to zero, denormals as zero), captured on each call: the cached arena's
+  // threads would otherwise keep the mode of whoever ran them first, and a
+  // caller that flushes denormals (torch.set_flush_denormal) got other bits
+  // from 2 threads than from 1.
+  tbb::task_group_context fp(tbb::task_group_context::isolated,
+                             tbb::task_group_context::default_traits | tbb::task_group_context::fp_settings);
+  fp.capture_fp_settings();
   arena_for(threads).execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<std::size_t>(0, nblocks, 1),
         [&](const tbb::blocked_range<std::size_t>& r) { fn(ctx, r.begin(), r.end()); },
-        tbb::static_partitioner());
+        tbb::static_partitioner(), fp);
   });
 }
 
@@ -96,29 +106,39 @@ Status invalid(const std::string& what) { return Status(StatusCode::kInvalidArgu
 
 bool valid_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d == DType::kF16; }
 
+// A value the kernels use in fp32 must fit one (lr 1e39 became inf and every
+// parameter NaN; torch refuses such a value converting it to float).
+constexpr double kF32Max = 3.4028234663852886e38;
+
+std::string num(double x) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%g", x);
+  return b;
+}
+
 Status check_config(const OptimizerConfig& c, std::int64_t step) {
-  auto nonneg = [](double x) { return x >= 0.0 && std::isfinite(x); };
+  auto nonneg = [](double x) { return x >= 0.0 && x <= kF32Max; };
   auto beta_ok = [](double b) { return b >= 0.0 && b < 1.0; };
   if (step < 1) return invalid("step number " + std::to_string(step) + " must be >= 1 (1 on the first step)");
-  if (!nonneg(c.lr)) return invalid("invalid learning rate " + std::to_string(c.lr));
-  if (!nonneg(c.weight_decay)) return invalid("invalid weight_decay " + std::to_string(c.weight_decay));
-  if (!std::isfinite(c.grad_scale)) return invalid("grad_scale must be finite");
+  if (!nonneg(c.lr)) return invalid("invalid learning rate " + num(c.lr) + " (expected 0 to 3.4e38, fp32's largest)");
+  if (!nonneg(c.weight_decay)) return invalid("invalid weight_decay " + num(c.weight_decay));
+  if (!(std::fabs(c.grad_scale) <= kF32Max)) return invalid("grad_scale " + num(c.grad_scale) + " must be finite in fp32");
   switch (c.kind) {
     case OptimizerKind::kAdamW:
     case OptimizerKind::kAdam:
-      if (!nonneg(c.eps)) return invalid("invalid eps " + std::to_string(c.eps));
+      if (!nonneg(c.eps)) return invalid("invalid eps " + num(c.eps));
       [[fallthrough]];
     case OptimizerKind::kLion:
-      if (!beta_ok(c.beta1)) return invalid("invalid beta1 " + std::to_string(c.beta1) + " (expected [0, 1))");
-      if (!beta_ok(c.beta2)) return invalid("invalid beta2 " + std::to_string(c.beta2) + " (expected [0, 1))");
+      if (!beta_ok(c.beta1)) return invalid("invalid beta1 " + num(c.beta1) + " (expected [0, 1))");
+      if (!beta_ok(c.beta2)) return invalid("invalid beta2 " + num(c.beta2) + " (expected [0, 1))");
       break;
     case OptimizerKind::kAdagrad:
-      if (!nonneg(c.eps)) return invalid("invalid eps " + std::to_string(c.eps));
-      if (!nonneg(c.lr_decay)) return invalid("invalid lr_decay " + std::to_string(c.lr_decay));
+      if (!nonneg(c.eps)) return invalid("invalid eps " + num(c.eps));
+      if (!nonneg(c.lr_decay)) return invalid("invalid lr_decay " + num(c.lr_decay));
       break;
     case OptimizerKind::kSgd:
-      if (!nonneg(c.momentum)) return invalid("invalid momentum " + std::to_string(c.momentum));
-      if (!std::isfinite(c.dampening)) return invalid("invalid dampening");
+      if (!nonneg(c.momentum)) return invalid("invalid momentum " + num(c.momentum));
+      if (!(std::fabs(c.dampening) <= kF32Max)) return invalid("invalid dampening " + num(c.dampening));
       if (c.nesterov && (c.momentum <= 0.0 || c.dampening != 0.0))
         return invalid("nesterov momentum requires a momentum and zero dampening");
       break;

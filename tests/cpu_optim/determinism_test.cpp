@@ -2,6 +2,10 @@
 // odd sizes (vector tails) touch nothing past the end.
 #include <gtest/gtest.h>
 
+#if defined(__x86_64__)
+#include <xmmintrin.h>
+#endif
+
 #include <cstdlib>
 #include <cstring>
 #include <memory>
@@ -121,6 +125,36 @@ TEST_P(Determinism, BitIdenticalAcrossThreadCounts) {
     EXPECT_TRUE(sc == base) << su.name << ": " << isa_name(isa) << " differs from scalar";
   }
 }
+
+#if defined(__x86_64__)
+// The caller's floating-point mode (flush to zero, denormals as zero: what
+// torch.set_flush_denormal(True) sets) holds on every worker thread: the
+// cached arena's threads kept the mode of whoever ran them first, so 2
+// threads flushed denormals the caller kept, or the other way round.
+TEST(DeterminismFp, WorkersTakeTheCallersFloatingPointMode) {
+  const std::size_t n = 4 * detail::kStepBlock;
+  OptimizerConfig c;
+  c.kind = OptimizerKind::kSgd;
+  c.lr = 0.5;
+  auto run = [&](int threads) {
+    std::vector<float> p(n, 3e-39f), g(n, 1e-39f);
+    StepBuffers b;
+    b.params = p.data();
+    b.grads = g.data();
+    EXPECT_TRUE(step(c, 1, b, n, ExecOptions{Isa::kAuto, threads}).ok());
+    return p;
+  };
+  const unsigned saved = _mm_getcsr();
+  const std::vector<float> kept = run(2);  // the 2-thread arena first runs without flushing
+  ASSERT_NE(kept[n - 1], 0.0f);           // 3e-39 - 0.5e-39: a denormal, kept
+  _mm_setcsr(saved | 0x8040);              // FTZ | DAZ
+  const std::vector<float> one = run(1), two = run(2);
+  _mm_setcsr(saved);
+  EXPECT_EQ(one[n - 1], 0.0f);
+  EXPECT_EQ(std::memcmp(one.data(), two.data(), n * sizeof(float)), 0) << "2 threads ignored the caller's FTZ/DAZ";
+  EXPECT_EQ(std::memcmp(run(2).data(), kept.data(), n * sizeof(float)), 0) << "the workers kept FTZ/DAZ";
+}
+#endif
 
 TEST_P(Determinism, OddSizesStayInBounds) {
   const Isa isa = GetParam();

@@ -101,6 +101,18 @@ TEST(Validation, BadArgumentsAreRejectedAndNothingIsTouched) {
   c = ok;
   c.eps = std::nan("");
   expect_invalid(c, 1, b, "NaN eps");
+  // Finite doubles past fp32's range: they became inf in the kernels (every
+  // parameter NaN, status OK); torch refuses them converting to float.
+  c = ok;
+  c.lr = 1e39;
+  expect_invalid(c, 1, b, "lr past fp32");
+  EXPECT_EQ(step(c, 1, b, 4).message(), "cpu_optim: invalid learning rate 1e+39 (expected 0 to 3.4e38, fp32's largest)");
+  c = ok;
+  c.grad_scale = -1e39;
+  expect_invalid(c, 1, b, "grad_scale past fp32");
+  c = ok;
+  c.weight_decay = 1e300;
+  expect_invalid(c, 1, b, "weight_decay past fp32");
   c = ok;
   c.amsgrad = true;
   expect_invalid(c, 1, b, "amsgrad without state[2]");
