@@ -84,6 +84,42 @@ class CPUAdamWTest(unittest.TestCase):
         b, _ = run(lambda p: torch.optim.AdamW(p, lr=1e-2))
         self.assertLessEqual(max_diff(a, b), 5e-3)  # bf16 moments: ~3 significant digits
 
+    def test_groups_from_elsewhere_step_whole_or_not_at_all(self):
+        # A DeepSpeed DeepSpeedCPUAdam state_dict (groups without "maximize",
+        # with "bias_correction") loads and steps as torch's optimizers fill
+        # missing keys; a group with bias_correction False is refused, not
+        # stepped with it; a bad hyper-parameter in a later group leaves the
+        # earlier groups unstepped (a retry would step them twice).
+        a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4))
+        o = st.CPUAdamW([{"params": [a]}, {"params": [b]}], weight_decay=0.0)
+        sd = o.state_dict()
+        for g in sd["param_groups"]:
+            del g["maximize"]
+            g["bias_correction"] = True
+        o.load_state_dict(sd)
+        a.grad, b.grad = torch.ones(4), torch.ones(4)
+        o.step()
+        ref = torch.nn.Parameter(torch.ones(4))
+        ref.grad = torch.ones(4)
+        t = torch.optim.AdamW([ref], weight_decay=0.0)
+        t.step()
+        self.assertTrue(torch.equal(a.detach(), ref.detach()))
+        o.param_groups[1]["bias_correction"] = False
+        with self.assertRaisesRegex(ValueError, r"param_groups\[1\] has bias_correction=False"):
+            o.step()
+        o.param_groups[1]["bias_correction"] = True
+        o.param_groups[1]["eps"] = -1.0
+        before = a.detach().clone()
+        with self.assertRaisesRegex(StrataError, r"param_groups\[1\] \(its hyper-parameters\).*eps"):
+            o.step()
+        self.assertTrue(torch.equal(a.detach(), before))
+        self.assertEqual(float(o.state[a]["step"]), 1.0)
+        o.param_groups[1]["eps"] = 1e-8
+        o.param_groups[0]["lr"] = 1e39  # past fp32: became inf and NaN weights, status OK
+        with self.assertRaisesRegex(StrataError, "invalid learning rate 1e\\+39"):
+            o.step()
+        o.close()
+
     def test_refusals_name_what(self):
         p = [torch.nn.Parameter(torch.randn(4))]
         with self.assertRaisesRegex(ValueError, "bias_correction"):

@@ -289,6 +289,26 @@ class CPUAdamW(torch.optim.Optimizer):
         c.grad_scale = 1.0
         return c
 
+    def __setstate__(self, state):
+        # A state_dict from DeepSpeed's DeepSpeedCPUAdam (or an older torch)
+        # has groups without these keys: torch's own optimizers fill them the
+        # same way (step() read group["maximize"] and failed with a KeyError).
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group.setdefault("maximize", False)
+            group.setdefault("amsgrad", False)
+
+    def _group_config(self, gi, group):
+        """The group's kernel config, checked on one dummy element before anything changes (a value
+        the kernel refuses, from a scheduler or a loaded state_dict, must not stop a step part-way)."""
+        if not group.get("bias_correction", True):
+            raise ValueError(f"CPUAdamW: param_groups[{gi}] has bias_correction=False, which is not implemented "
+                             "(the update always corrects the moments' bias, as torch.optim.AdamW)")
+        cfg = self._config(group)
+        self._kernel(cfg, 1, torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.zeros(1),
+                     torch.zeros(1) if group["amsgrad"] else None, f"CPUAdamW: param_groups[{gi}] (its hyper-parameters)")
+        return cfg
+
     def _kernel(self, cfg, step, p, g, m, v, mx, where):
         """One strata_cpu_optimizer_step over p (fp32, in place) with states m, v (and mx)."""
         b = _lib.OptimizerBuffers()
@@ -329,8 +349,17 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._nvme_path is not None:
             self._step_nvme()
             return loss
+        # Every group's hyper-parameters and every gradient checked before
+        # anything changes, as in NVMe mode: an error never leaves earlier
+        # groups stepped (a retry would step them twice).
+        cfgs = []
         for gi, group in enumerate(self.param_groups):
-            cfg = self._config(group)
+            live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
+            cfgs.append(self._group_config(gi, group) if live else None)
+            for i, p in live:
+                self._checked(p, f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})")
+        for gi, group in enumerate(self.param_groups):
+            cfg = cfgs[gi]
             for i, p in enumerate(group["params"]):
                 if p.grad is None:
                     continue
@@ -529,11 +558,7 @@ class CPUAdamW(torch.optim.Optimizer):
                 where = f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
                 g = self._checked(p, where)
                 if cfg is None:
-                    cfg = self._config(group)
-                    one = torch.zeros(1)
-                    self._kernel(cfg, 1, one, torch.zeros(1), torch.zeros(1), torch.zeros(1),
-                                 torch.zeros(1) if group["amsgrad"] else None,
-                                 f"CPUAdamW: param_groups[{gi}] (its hyper-parameters)")
+                    cfg = self._group_config(gi, group)
                 state = self.state[p]
                 if "exp_avg" in state:
                     raise ValueError(f"{where}: its state holds exp_avg tensors in NVMe mode (set by hand?); "
