@@ -1153,6 +1153,17 @@ static Status check_export_range(const std::string& name, const std::vector<floa
                             dtype == DType::kF16 ? "bf16 or fp32" : "fp32"));
 }
 
+// N ranks: what rank 0's writing came to (`wst` there), given to every rank
+// so all fail alike or none does (each then saves its part, keep_work).
+static Status rank0_outcome(Engine& engine, uint32_t rank, uint32_t world, Status wst, const std::string& what) {
+  if (world <= 1) return wst;
+  int32_t code = rank == 0 ? static_cast<int32_t>(wst.code()) : 0;
+  STRATA_RETURN_IF_ERROR(engine.broadcast(&code, sizeof(code), 0));
+  if (rank != 0 && code != 0)
+    return Status(static_cast<StatusCode>(code), "rank 0 could not write " + what + " (its error says why)");
+  return wst;
+}
+
 Status Trainer::export_model(const std::string& dir, DType dtype) {
   Impl& m = *impl_;
   const bool writes = m.rank == 0;
@@ -1164,15 +1175,32 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
     model::LlamaConfig cfg = m.model.config;
     cfg.torch_dtype = dtype;
     std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
+    // Rank 0 writes; its first failed write (a full disk) stops the writing
+    // but not the gathers, which every rank takes part in: the other ranks
+    // never wait on a rank that left, and all learn the outcome at the end
+    // (the trainer then saves the trained state on every rank, keep_work).
     std::unique_ptr<model::SafetensorsWriter> w;
+    Status wst;
+    auto failed_write = [&](Status s) {
+      if (wst.ok() && !s.ok()) wst = std::move(s);
+      if (!wst.ok()) w.reset();  // removes its temp file
+    };
     if (writes) {
-      STRATA_RETURN_IF_ERROR(make_dirs(dir, "export dir"));
+      failed_write(make_dirs(dir, "export dir"));
       // config.json comes last: a directory that has it is a whole model (an
       // export that fails, a full disk, leaves none, and no stale one).
-      std::error_code ec;
-      fs::remove(dir + "/config.json", ec);
-      if (ec) return Status::from_errno(ec.value(), "export dir " + dir + ": cannot remove the old config.json");
-      STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/model.safetensors", decls));
+      if (wst.ok()) {
+        std::error_code ec;
+        fs::remove(dir + "/config.json", ec);
+        if (ec) failed_write(Status::from_errno(ec.value(), "export dir " + dir + ": cannot remove the old config.json"));
+      }
+      if (wst.ok()) {
+        auto created = model::SafetensorsWriter::create(dir + "/model.safetensors", decls);
+        if (created.ok())
+          w = std::move(created).value();
+        else
+          failed_write(created.status());
+      }
     }
     std::vector<float> buf, a, b;
     for (const model::TensorDecl& d : decls) {
@@ -1201,13 +1229,15 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
       // Every rank holds the whole tensor here and checks it, so all ranks
       // fail at the same one.
       STRATA_RETURN_IF_ERROR(check_export_range(d.name, buf, dtype));
-      if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), d.numel()));
+      if (w) failed_write(w->write_from(DType::kF32, buf.data(), d.numel()));
     }
-    if (!w) return {};
-    STRATA_RETURN_IF_ERROR(w->finish());
-    std::vector<std::string> copied;  // the tokenizer and generation config, as the base model has them
-    STRATA_RETURN_IF_ERROR(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
-    return model::save_llama_config(cfg, dir + "/config.json");
+    if (w) failed_write(w->finish());
+    if (w) {
+      std::vector<std::string> copied;  // the tokenizer and generation config, as the base model has them
+      failed_write(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
+      if (wst.ok()) failed_write(model::save_llama_config(cfg, dir + "/config.json"));
+    }
+    return rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the export to " + dir);
   }();
   if (!st.ok() && made) {
     std::error_code ec;
@@ -1220,13 +1250,14 @@ Status Trainer::export_adapter(const std::string& dir) {
   Impl& m = *impl_;
   if (!m.opt.lora.enabled()) return Status(StatusCode::kInvalidArgument, "this run trains no LoRA adapters");
   const bool writes = m.rank == 0;  // N ranks: every rank gathers, rank 0 writes
-  if (writes) {
-    STRATA_RETURN_IF_ERROR(make_dirs(dir, "adapter dir"));
-    // adapter_config.json comes last (as config.json in export_model).
-    std::error_code ec;
-    fs::remove(dir + "/adapter_config.json", ec);
-    if (ec) return Status::from_errno(ec.value(), "adapter dir " + dir + ": cannot remove the old adapter_config.json");
-  }
+  // As export_model: rank 0's first failed write stops its writing, not the
+  // gathers, and every rank learns the outcome.
+  std::unique_ptr<model::SafetensorsWriter> w;
+  Status wst;
+  auto failed_write = [&](Status s) {
+    if (wst.ok() && !s.ok()) wst = std::move(s);
+    if (!wst.ok()) w.reset();
+  };
   std::vector<model::TensorDecl> decls;
   std::vector<ParamId> ids;
   const ModelSpec& spec = m.engine->model();
@@ -1235,21 +1266,35 @@ Status Trainer::export_adapter(const std::string& dir) {
     decls.push_back({peft_tensor_name(spec.params[p].name), model::StDType::kF32, spec.params[p].shape});
     ids.push_back(p);
   }
-  std::unique_ptr<model::SafetensorsWriter> w;
   if (writes) {
-    STRATA_ASSIGN_OR_RETURN(w, model::SafetensorsWriter::create(dir + "/adapter_model.safetensors", decls));
+    failed_write(make_dirs(dir, "adapter dir"));
+    // adapter_config.json comes last (as config.json in export_model).
+    if (wst.ok()) {
+      std::error_code ec;
+      fs::remove(dir + "/adapter_config.json", ec);
+      if (ec) failed_write(Status::from_errno(ec.value(), "adapter dir " + dir + ": cannot remove the old adapter_config.json"));
+    }
+    if (wst.ok()) {
+      auto created = model::SafetensorsWriter::create(dir + "/adapter_model.safetensors", decls);
+      if (created.ok())
+        w = std::move(created).value();
+      else
+        failed_write(created.status());
+    }
   }
   std::vector<float> buf;
   for (ParamId p : ids) {
     buf.resize(spec.params[p].numel());
     STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
-    if (w) STRATA_RETURN_IF_ERROR(w->write_from(DType::kF32, buf.data(), buf.size()));
+    if (w) failed_write(w->write_from(DType::kF32, buf.data(), buf.size()));
   }
-  if (!w) return {};
-  STRATA_RETURN_IF_ERROR(w->finish());
-  std::error_code ec;
-  const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
-  return model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base));
+  if (w) failed_write(w->finish());
+  if (w) {
+    std::error_code ec;
+    const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
+    failed_write(model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
+  }
+  return rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the adapter to " + dir);
 }
 
 }  // namespace strata::train

@@ -188,16 +188,18 @@ class Trainer::Run {
   }
 
   // An export that failed (a value its dtype cannot hold, a full disk)
-  // loses no training: one rank saves the last step's checkpoint, if the
-  // schedule did not, and the error says how to export it again. (N ranks
-  // may not all have failed: rank 0 alone writes; they stop as they are.)
+  // loses no training: the ranks save the last step's checkpoint, if the
+  // schedule did not, and the error says how to export it again.
   Status keep_work(const Status& failed) {
-    // Only what another dtype or more disk can fix (a NaN master cannot be
-    // exported in any dtype).
+    // Only what another dtype, more disk or a path can fix (a NaN master
+    // cannot be exported in any dtype).
     const StatusCode c = failed.code();
     const bool fixable = c == StatusCode::kInvalidArgument || c == StatusCode::kNoSpace || c == StatusCode::kIoError ||
-                         c == StatusCode::kPermission;
-    if (m_.world != 1 || m_.step == 0 || !fixable) return failed;
+                         c == StatusCode::kPermission || c == StatusCode::kNotFound ||
+                         c == StatusCode::kAlreadyExists;  // a path in the way (OUT/model a file)
+    // N ranks: every rank failed alike (the export agrees on rank 0's
+    // outcome), so they save together.
+    if (m_.step == 0 || !fixable) return failed;
     if (res_.last_checkpoint != checkpoint_dir()) {
       if (Status saved = checkpoint(); !saved.ok())
         return Status(failed.code(), fmt::format("{}; saving the trained state in a checkpoint failed too: {}",

@@ -300,4 +300,25 @@ fi
 [[ $out == *"--out $dir/e7b is not rank 0's out dir"* ]] || fail "a rank with another --out: $out"
 [[ ! -e $dir/e7 && ! -e $dir/e7b ]] || fail "a refused start left an out dir: $(ls -d "$dir"/e7*)"
 
+# An export rank 0 cannot write (OUT/model is a file here) loses no training: every rank
+# learns it, the ranks save the last step together, and --resume exports it. (Under mpirun
+# the first rank to exit ends the others: only rank 0's words are sure to be printed.)
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 4 --save-every 3 --batch 2 --no-export \
+  --out "$dir/xf" >"$dir/xf.log" 2>&1 || fail "2 ranks, 4 steps: $(tail -5 "$dir/xf.log")"
+rm -rf "$dir/xf/checkpoint-4"
+echo "not a directory" >"$dir/xf/model"
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 4 --batch 2 --out "$dir/xf" --resume "$dir/xf" \
+  >"$dir/xf.log" 2>&1 && fail "an export into a file succeeded: $(tail -5 "$dir/xf.log")"
+[[ -f $dir/xf/checkpoint-4/index.json ]] || fail "a failed export of 2 ranks saved no checkpoint: $(tail -5 "$dir/xf.log")"
+grep -q "the trained state is saved in $dir/xf/checkpoint-4" "$dir/xf.log" ||
+  fail "the failed export did not name the saved state: $(tail -5 "$dir/xf.log")"
+if [[ $kind == tcp ]]; then
+  grep -q "rank 0 could not write the export to $dir/xf/model" "$dir/xf.log" ||
+    fail "rank 1 was not told of rank 0's failed export: $(tail -5 "$dir/xf.log")"
+fi
+rm "$dir/xf/model"
+timeout 300 "${launch[@]}" 2 "$strata" finetune "${common[@]}" --steps 4 --batch 2 --out "$dir/xf" --resume "$dir/xf" \
+  >"$dir/xf.log" 2>&1 || fail "the resume that exports: $(tail -5 "$dir/xf.log")"
+[[ -f $dir/xf/model/config.json ]] || fail "the resume exported no model"
+
 cli_finish "finetune over $kind ranks"
