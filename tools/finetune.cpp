@@ -140,6 +140,11 @@ void run_finetune(const FinetuneFlags& f) {
                                     f.config)
                             .c_str());
     }
+    // Which precision, whichever of the flags and the config set it.
+    std::printf("precision: %s compute copies%s, fp32 masters and gradients, %s optimizer states\n",
+                o.config.bf16 ? "bf16" : o.config.fp16.enabled ? "fp16" : "fp32",
+                o.config.fp16.enabled ? " with dynamic loss scaling" : "",
+                o.config.strata.optimizer_state_dtype == DType::kBF16 ? "bf16" : "fp32");
     if (tr.data().by_document()) {
       const double positions = static_cast<double>(tr.data().train_windows()) * (f.seq + 1);
       std::printf("documents %s: %lu with a target, %lu longer than --seq + 1 (%s), %lu training windows, %lu "

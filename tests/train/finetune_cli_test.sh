@@ -127,6 +127,8 @@ lr_auto='{"optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}'
 bs_run lr1 "$lr_auto" --lr 0.003 >/dev/null
 grep -q '^lr: cosine, peak 0.003 to 0, 0 warm-up steps (--schedule; .*lr1.json has no "scheduler" section' \
   "$dir/lr1.log" || fail "lr \"auto\" with --lr 0.003: $(cat "$dir/lr1.log")"
+grep -q '^precision: fp32 compute copies, fp32 masters and gradients, fp32 optimizer states$' "$dir/lr1.log" ||
+  fail "no precision line: $(cat "$dir/lr1.log")"
 bs_run lr2 "$lr_auto" >/dev/null
 grep -q '^lr: cosine, peak 0.0001 ' "$dir/lr2.log" || fail "lr \"auto\" without --lr: $(cat "$dir/lr2.log")"
 bs_run lr3 '{"optimizer": {"type": "AdamW", "params": {}}}' --schedule constant >/dev/null
