@@ -158,10 +158,15 @@ STRATA_API strata_status_t strata_cpu_optimizer_create(strata_isa_t isa, int thr
 STRATA_API void strata_cpu_optimizer_destroy(strata_cpu_optimizer_t opt);
 
 /* One optimizer step over `count` elements; `step` is 1 on the first call
- * (PyTorch's state['step'] after increment). Synchronous: it returns when all
- * buffers are updated. Nothing is modified when it fails:
- * STRATA_ERR_INVALID_ARGUMENT for missing buffers, bad dtypes, step < 1 or
- * hyper-parameters PyTorch would reject. */
+ * (PyTorch's state['step'] after increment): Adam's bias correction uses it,
+ * and SGD with momentum overwrites its momentum buffer with the gradient at
+ * step 1 (torch's first step), so a caller must count steps, not pass 1
+ * each time. Synchronous: it returns when all buffers are updated. Nothing
+ * is modified when it fails: STRATA_ERR_INVALID_ARGUMENT for missing
+ * buffers, bad dtypes, step < 1 or hyper-parameters PyTorch would reject
+ * (negative, NaN, or past fp32's range). bf16 states round to nearest even
+ * here (the engine alone offers stochastic rounding:
+ * strata.optimizer_state_rounding). */
 STRATA_API strata_status_t strata_cpu_optimizer_step(strata_cpu_optimizer_t opt,
                                                      const strata_optimizer_config_t* config, int64_t step,
                                                      const strata_optimizer_buffers_t* buffers, size_t count);
