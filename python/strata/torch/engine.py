@@ -262,7 +262,9 @@ def _model_device(model):
 def _strip_json_comments(text):
     """`text` with its // and /* */ comments (outside strings) replaced by
     spaces, newlines kept: DeepSpeed reads configs with hjson, which allows
-    them, as the CLI's parser does. Line and column numbers stay right."""
+    them, and so does the CLI's parser. (hjson's # comments and trailing
+    commas are not taken: a syntax error naming the file, as in the CLI.)
+    Line and column numbers stay right."""
     out, i, n = [], 0, len(text)
     while i < n:
         c = text[i]
@@ -325,35 +327,16 @@ class _Saved:
         self.pid, self.size, self.stride, self.offset = pid, t.size(), t.stride(), t.storage_offset()
 
 
-class _ZeroGradHook:
-    """model.zero_grad() also discards the engine's micro-batches not yet
-    stepped (as torch drops the accumulated .grad); remove() undoes it."""
-
-    def __init__(self, model, engine_ref):
-        self._model = model
-        original = model.zero_grad
-
-        def zero_grad(set_to_none=True):
-            e = engine_ref()
-            if e is not None:
-                e.zero_grad()
-            return original(set_to_none)
-
-        model.zero_grad = zero_grad
-
-    def remove(self):
-        self._model.__dict__.pop("zero_grad", None)
-
-
 class _Optimizer(torch.optim.Optimizer):
     """The optimizer initialize() returns: its param_groups carry the
     hyper-parameters a torch lr_scheduler changes (lr); the update itself is
     Strata's (engine.step()). step() after the engine's step (the Hugging Face
     Trainer calls both) does nothing; in place of it, with micro-batches
     backward took and engine.step() did not, it is refused (a torch loop's
-    optimizer.step() would otherwise update nothing). zero_grad() is the
-    engine's: it discards the micro-batches backward took since the last step,
-    as torch's drops the accumulated .grad."""
+    optimizer.step() would otherwise update nothing). zero_grad() is
+    DeepSpeed's ZeRO optimizer's: the micro-batches backward took since the
+    last step are dropped when the next one begins (its forward), the
+    accumulation window counting on; a step() before that applies them."""
 
     def __init__(self, groups, defaults):
         super().__init__(groups, defaults)
@@ -375,7 +358,7 @@ class _Optimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none=True):  # noqa: D102 - the engine owns the gradients
         e = self._engine() if self._engine is not None else None
         if e is not None:
-            e.zero_grad()
+            e._zero_pending = e._micro > 0
         return None
 
     # The AdamW state lives in the engine: torch's state_dict holds no moments
@@ -804,7 +787,6 @@ class StrataEngine:
             if p.requires_grad:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(pid)))
         self._hooks.append(model.register_forward_hook(self._root_post_forward, always_call=True))
-        self._hooks.append(_ZeroGradHook(model, weakref.ref(self)))
 
     def _differing_params(self):
         """The ids of the parameters whose initial fp32 values are not the same on every rank (_checksum):
@@ -955,6 +937,15 @@ class StrataEngine:
         s = self._use_stream()
         if self._held[g] == 0:
             pids = self._group_params[g]
+            for pid in pids:
+                p = self._params[pid]
+                if pid not in self._copies and pid not in self._swapped and p.data_ptr() != p._strata_placeholder:
+                    # `param.data = t` after initialize(): the engine holds the
+                    # weights, so t would be dropped here without a word.
+                    p.data = self._placeholder(p)
+                    raise StrataError(1, f"strata.torch: parameter {self._names[pid]}'s .data was replaced after "
+                                         "initialize(); the engine holds the weights and would drop it: set "
+                                         "weights before initialize()")
             ptrs = (ctypes.c_void_p * len(pids))()
             n = ctypes.c_size_t()
             self._call(_lib.strata_engine_acquire, g, s, ptrs, len(pids), ctypes.byref(n))
@@ -964,14 +955,6 @@ class StrataEngine:
                 _lib.check(_lib.strata_stream_synchronize(s), self._e)
             for pid in pids:
                 p = self._params[pid]
-                if pid not in self._copies and pid not in self._swapped and p.data_ptr() != p._strata_placeholder:
-                    # `param.data = t` after initialize(): the engine holds
-                    # the weights, so t would be dropped here without a word.
-                    p.data = self._placeholder(p)
-                    self._call(_lib.strata_engine_release, g, s)
-                    raise StrataError(1, f"strata.torch: parameter {self._names[pid]}'s .data was replaced after "
-                                         "initialize(); the engine holds the weights and would drop it: set "
-                                         "weights before initialize()")
                 # The engine's buffer through DLPack: no copy; valid while held.
                 view = torch.utils.dlpack.from_dlpack(_lib.param_capsule(self._e, pid))
                 self._views[pid] = view
@@ -1187,9 +1170,12 @@ class StrataEngine:
         torch.no_grad() (evaluation) nothing begins: the engine averages over the micro-batches it was told
         of."""
         if torch.is_grad_enabled() and not self._begun:
-            if self._zero_pending:  # zero_grad() since the last backward: those micro-batches are dropped
+            if self._zero_pending:
+                # optimizer.zero_grad() since the last backward: those
+                # micro-batches' gradients go, as DeepSpeed's ZeRO optimizer
+                # overwrites them with the next backward's; the window counts on.
                 self._zero_pending = False
-                self._abandon()
+                self._call(_lib.strata_engine_discard_step, self._s)
             last = (self._boundary if self._boundary is not None
                     else (self._micro + 1) % self.gradient_accumulation_steps == 0)
             self._call(_lib.strata_engine_begin_micro_batch, 1 if last else 0)
@@ -1243,13 +1229,13 @@ class StrataEngine:
         if not torch.is_tensor(loss) or not loss.requires_grad:
             raise TypeError("strata.torch: backward(loss) takes the loss tensor of a forward run with gradients "
                             "enabled")
-        if not self._begun and self._micro > 0:
+        if not self._begun:
             # The engine takes one backward per forward (a micro-batch): a
             # second one through a retained graph would reduce every
             # gradient twice.
-            raise StrataError(1, "strata.torch: a second engine.backward() with no forward since the last one "
-                                 "(a retained graph): the engine takes one backward per micro-batch; add the "
-                                 "losses and call engine.backward(total) once")
+            raise StrataError(1, "strata.torch: engine.backward() with no forward of the model since the last "
+                                 "backward or step (a second backward through a retained graph?): the engine takes "
+                                 "one backward per micro-batch; add the losses and call engine.backward(total) once")
         scale = ctypes.c_double(1.0)
         self._call(_lib.strata_engine_loss_scale, ctypes.byref(scale))
         if scale_wrt_gas and self.gradient_accumulation_steps > 1:
@@ -1425,12 +1411,9 @@ class StrataEngine:
         return None if self.last_step is None else float(self.last_step["grad_norm"])
 
     def zero_grad(self, set_to_none=True):
-        """DeepSpeed's: the micro-batches engine.backward() took since the last step are dropped when the
-        next micro-batch begins (its forward), so a batch skipped this way never reaches a step, as with
-        torch's zero_grad; a step() right after still applies them, as DeepSpeed's does (its ZeRO
-        optimizer keeps the reduced partitions until the next backward overwrites them). Nothing to do
-        right after a step. optimizer.zero_grad() and model.zero_grad() call it too."""
-        self._zero_pending = self._micro > 0
+        """DeepSpeed's engine.zero_grad(): nothing to do (under ZeRO it clears param.grad, which holds
+        nothing: the engine owns the gradients and starts each step from zero). To drop micro-batches
+        backward took, as torch's optimizer.zero_grad() does, call the returned optimizer's zero_grad()."""
         return None
 
     def train(self, mode=True):
@@ -1708,13 +1691,15 @@ class StrataEngine:
         if missing or unexpected:
             raise StrataError(1, f"strata.torch: load_checkpoint: {path}'s module buffers do not match the "
                                  f"model's (missing: {missing}, unexpected: {unexpected})")
-        for name, b in have.items():
+        for name, b in have.items():  # every one checked before any is written
             s = state[name]
-            dtype = getattr(torch, s["dtype"], None)
-            if dtype != b.dtype or list(b.shape) != s["shape"]:
+            if getattr(torch, s["dtype"], None) != b.dtype or list(b.shape) != s["shape"]:
                 raise StrataError(1, f"strata.torch: load_checkpoint: buffer {name} is {s['dtype']} "
                                      f"{s['shape']} in {path}, {str(b.dtype).removeprefix('torch.')} "
                                      f"{list(b.shape)} in the model")
+        for name, b in have.items():
+            s = state[name]
+            dtype = b.dtype
             raw = base64.b64decode(s["data"])
             src = (torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(s["shape"])
                    if raw else torch.empty(s["shape"], dtype=dtype))
