@@ -351,12 +351,8 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
     // A model directory's weights must match its config (headers only: cheap
     // at any size). A directory with only config.json plans from it.
     auto md = model::open_model_dir(o.model);
-    if (md.ok()) {
+    if (md.ok())
       notes.push_back(fmt::format("weights in {} checked: {} tensors match config.json", o.model, md->tensors.size()));
-      if (!lc->dtype_given)  // the weights' dtype, as finetune (and transformers) load it
-        notes.push_back(fmt::format("config.json names no dtype: the weights' {}", dtype_name(md->config.torch_dtype)));
-      lc->torch_dtype = md->config.torch_dtype;
-    }
     else if (md.status().code() == StatusCode::kNotFound && lc->rope_scaling.empty())
       notes.push_back(fmt::format("no weights in {}: planned from config.json alone", o.model));
     else if (lc->rope_scaling.empty())

@@ -442,7 +442,7 @@ __global__ void cross_entropy_kernel(float* logits, const int32_t* targets, cons
   __syncthreads();  // row[t] is read above before it is overwritten below
   const int64_t count = report->loss_count;
   const float gs = (on && count > 0) ? dloss / static_cast<float>(count) : 0.0f;
-  if (gs == 0.0f) {
+  if (!on || count == 0) {
     // A row that does not count has an exact zero gradient, as on the CPU
     // (cross_entropy_rows): not 0 * p, which is NaN where its logits
     // overflowed (m = inf). Same value for the whole block: no barrier.

@@ -15,6 +15,7 @@
 #include "common/enum_names.h"
 #include "common/float_convert.h"
 #include "common/json.h"
+#include "common/log.h"
 #include "common/posix_file.h"
 #include "io/io_engine.h"
 
@@ -859,10 +860,11 @@ Status ShardedWriter::finish() {
     if (::unlink(single.c_str()) != 0 && errno != ENOENT)
       return Status::from_errno(errno, "removing stale " + single + " failed");
   }
+  finished_ = true;  // the new model is whole: nothing below may remove it
   for (const std::string& f : stale)
     if (::unlink((dir_ + "/" + f).c_str()) != 0 && errno != ENOENT)
-      return Status::from_errno(errno, "removing stale shard " + dir_ + "/" + f + " failed");
-  finished_ = true;
+      log_warn("{}: the earlier index's shard {} stays ({}); the new index does not name it", dir_, f,
+               std::strerror(errno));
   return Status::ok_status();
 }
 

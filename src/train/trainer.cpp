@@ -1228,7 +1228,10 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
       }
       // Every rank holds the whole tensor here and checks it, so all ranks
       // fail at the same one.
-      STRATA_RETURN_IF_ERROR(check_export_range(d.name, buf, dtype));
+      if (Status range = check_export_range(d.name, buf, dtype); !range.ok()) {
+        m.export_failure_agreed = true;
+        return range;
+      }
       if (w) failed_write(w->write_from(DType::kF32, buf.data(), d.numel()));
     }
     if (w) failed_write(w->finish());
@@ -1237,7 +1240,9 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
       failed_write(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
       if (wst.ok()) failed_write(model::save_llama_config(cfg, dir + "/config.json"));
     }
-    return rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the export to " + dir);
+    wst = rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the export to " + dir);
+    if (!wst.ok()) m.export_failure_agreed = true;
+    return wst;
   }();
   if (!st.ok() && made) {
     std::error_code ec;
@@ -1294,7 +1299,9 @@ Status Trainer::export_adapter(const std::string& dir) {
     const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
     failed_write(model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
   }
-  return rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the adapter to " + dir);
+  wst = rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the adapter to " + dir);
+  if (!wst.ok()) m.export_failure_agreed = true;
+  return wst;
 }
 
 }  // namespace strata::train

@@ -144,6 +144,9 @@ struct Trainer::Impl {
   FILE* metrics = nullptr;
   std::string metrics_file;  // its path, for messages
   bool metrics_eval_at_resume = false;  // the file holds the evaluation of the step resumed at
+  // N ranks: the export failed on every rank alike (rank 0's write outcome,
+  // shared; a value no rank can export), so all may save together.
+  bool export_failure_agreed = false;
   bool warned_order = false;
   std::unique_ptr<RunDir> run_dir;  // OUT, locked for the whole run
   std::vector<std::string> made_out_dirs;  // what creating OUT made, outermost first (Trainer::create)

@@ -197,9 +197,11 @@ class Trainer::Run {
     const bool fixable = c == StatusCode::kInvalidArgument || c == StatusCode::kNoSpace || c == StatusCode::kIoError ||
                          c == StatusCode::kPermission || c == StatusCode::kNotFound ||
                          c == StatusCode::kAlreadyExists;  // a path in the way (OUT/model a file)
-    // N ranks: every rank failed alike (the export agrees on rank 0's
-    // outcome), so they save together.
-    if (m_.step == 0 || !fixable) return failed;
+    // N ranks: only a failure every rank saw (rank 0's write outcome, shared;
+    // a value no rank can export) lets them save together. One rank's own
+    // (a read failing in a gather) ends it as before: its peers see it leave
+    // at once instead of waiting in a collective it will never join.
+    if (m_.step == 0 || !fixable || (m_.world > 1 && !m_.export_failure_agreed)) return failed;
     if (res_.last_checkpoint != checkpoint_dir()) {
       if (Status saved = checkpoint(); !saved.ok())
         return Status(failed.code(), fmt::format("{}; saving the trained state in a checkpoint failed too: {}",
