@@ -735,9 +735,12 @@ Status Trainer::Impl::resume(const std::string& dir) {
   auto mismatch = [&](const char* key, const json& now) -> Status {
     if (!t.contains(key) || t[key] != now)
       return Status(StatusCode::kInvalidArgument,
-                    fmt::format("resume from {}: the checkpoint was made with {} = {}, this run has {}: the data "
+                    fmt::format("resume from {}: the checkpoint was made with {} = {}, this run has {}{}: the data "
                                 "order would differ; use the same value",
-                                dir, key, t.contains(key) ? t[key].dump() : "(absent)", now.dump()));
+                                dir, key, t.contains(key) ? t[key].dump() : "(absent)", now.dump(),
+                                std::string_view(key) == "batch"
+                                    ? fmt::format(" (the global batch: --batch {} x {} rank(s))", opt.batch, world)
+                                    : std::string()));
     return {};
   };
   STRATA_RETURN_IF_ERROR(mismatch("batch", static_cast<uint64_t>(opt.batch) * world));  // global: batch x ranks

@@ -204,6 +204,7 @@ struct Trainer::Impl {
   // Every rank's n doubles, rank by rank (a collective on `stream`).
   Status all_gather(const double* mine, size_t n, std::vector<double>* all);
   Result<bool> any_rank(bool mine);  // true when it is true on some rank
+  Result<std::vector<uint32_t>> ranks_where(bool mine);  // the ranks where it is true, in order
   Result<bool> stop_requested();     // opt.stop, agreed on by every rank
   Status stage_tokens();
   uint64_t counted_targets() const;

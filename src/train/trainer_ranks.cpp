@@ -23,8 +23,11 @@ std::string first_difference(const json& here, const json& there, const std::str
       if (!here.contains(it.key()))
         return fmt::format("{} is set on rank 0, not here", prefix.empty() ? it.key() : prefix + "." + it.key());
   }
-  return fmt::format("{} = {} here, {} on rank 0", prefix, clip_for_message(here.dump(), 300),
-                     clip_for_message(there.dump(), 300));
+  // The settings hold the global batch (--batch x ranks), which a user reads
+  // as their --batch times the world size: say so.
+  return fmt::format("{} = {} here, {} on rank 0{}", prefix, clip_for_message(here.dump(), 300),
+                     clip_for_message(there.dump(), 300),
+                     prefix == "batch" ? " (the global batch: --batch x the number of ranks)" : "");
 }
 
 }  // namespace
@@ -143,31 +146,34 @@ Status Trainer::Impl::join_ranks() {
   const json j = json::parse(text, nullptr, false);
   if (j.is_discarded()) return Status(StatusCode::kInternal, "rank 0's run description did not arrive intact");
   bool same = j["settings"].get<std::string>() == settings;
-  STRATA_ASSIGN_OR_RETURN(bool differs, any_rank(!same));
+  STRATA_ASSIGN_OR_RETURN(std::vector<uint32_t> differ, ranks_where(!same));
   if (!same)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("rank {}: its settings differ from rank 0's (every rank must run the same model, data, "
                               "batch, flags and config): {}",
                               rank, first_difference(json::parse(settings), json::parse(j["settings"].get<std::string>()))));
-  if (differs)
+  if (!differ.empty())
     return Status(StatusCode::kInvalidArgument,
-                  "another rank's settings differ from this rank's (that rank's error shows both)");
+                  fmt::format("rank(s) {} run with settings other than rank 0's (the error of each shows the first "
+                              "difference)",
+                              fmt::join(differ, ", ")));
   // Every rank writes its shard of each checkpoint into OUT: it must be rank
   // 0's directory (the same one, on a filesystem they share), whatever path
   // leads there on this host. Rank 0's lock file says who holds it.
   const std::string holder = j["out_holder"].get<std::string>();
   const std::string seen = rank == 0 ? holder : RunDir::read_holder(opt.out_dir);
   const bool same_out = seen == holder;
-  STRATA_ASSIGN_OR_RETURN(bool other_out, any_rank(!same_out));
+  STRATA_ASSIGN_OR_RETURN(std::vector<uint32_t> other_out, ranks_where(!same_out));
   if (!same_out)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("rank {}: --out {} is not rank 0's out dir: its lock file {} {}, rank 0's says \"{}\"; "
                               "every rank must write into the same directory, on a filesystem they share",
                               rank, opt.out_dir, RunDir::lock_path(opt.out_dir),
                               seen.empty() ? "is missing" : "says \"" + seen + "\"", holder));
-  if (other_out)
+  if (!other_out.empty())
     return Status(StatusCode::kInvalidArgument,
-                  "another rank does not see this rank's out dir (that rank's error says which)");
+                  fmt::format("rank(s) {} do not see rank 0's out dir (the error of each says what it sees)",
+                              fmt::join(other_out, ", ")));
   if (rank != 0) {
     run_id = j["run_id"].get<std::string>();
     resume_from = j["resume_from"].get<std::string>();
@@ -185,11 +191,19 @@ Status Trainer::Impl::all_gather(const double* mine, size_t n, std::vector<doubl
                                comm_staging);
 }
 
-Result<bool> Trainer::Impl::any_rank(bool mine) {
+Result<std::vector<uint32_t>> Trainer::Impl::ranks_where(bool mine) {
   const double v = mine ? 1.0 : 0.0;
   std::vector<double> all;
   STRATA_RETURN_IF_ERROR(all_gather(&v, 1, &all));
-  return std::any_of(all.begin(), all.end(), [](double x) { return x != 0.0; });
+  std::vector<uint32_t> out;
+  for (size_t r = 0; r < all.size(); ++r)
+    if (all[r] != 0.0) out.push_back(static_cast<uint32_t>(r));
+  return out;
+}
+
+Result<bool> Trainer::Impl::any_rank(bool mine) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<uint32_t> where, ranks_where(mine));
+  return !where.empty();
 }
 
 Result<bool> Trainer::Impl::stop_requested() {

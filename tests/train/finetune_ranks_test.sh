@@ -262,8 +262,10 @@ else
 fi
 rc=$?
 ((rc != 0)) || fail "ranks with different --batch: exit 0"
-[[ $out == *"settings differ from rank 0's"*"batch = 8 here, 4 on rank 0"* ]] ||
+[[ $out == *"settings differ from rank 0's"*"batch = 8 here, 4 on rank 0 (the global batch: --batch x the number of ranks)"* ]] ||
   fail "ranks with different --batch: message lacks the reason: $out"
+[[ $kind == mpi || $out == *"rank(s) 1 run with settings other than rank 0's"* ]] ||
+  fail "ranks with different --batch: rank 0 does not name rank 1: $out"
 # Another flag every rank must share (evaluating at other steps would leave the others waiting)
 if [[ $kind == mpi ]]; then
   out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e5" : \

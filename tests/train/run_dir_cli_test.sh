@@ -38,6 +38,11 @@ expect_error "holds an earlier run" "${common[@]}" --steps 8 --lr 2e-3 --out "$d
 # --resume continues the same run only: another lr or step count is another run.
 expect_error "schedule.lr = 0.001, this run has 0.002" "${common[@]}" --steps 8 --lr 2e-3 --out "$dir/a" --resume "$dir/a"
 expect_error "schedule.total = 8, this run has 12" "${common[@]}" --steps 12 --lr 1e-3 --out "$dir/a" --resume "$dir/a"
+# The batch a checkpoint holds is the global one (--batch x ranks): the message says so.
+batch2=("${common[@]}")
+[[ ${batch2[6]} == --batch ]] && batch2[7]=2
+expect_error "batch = 4, this run has 2 (the global batch: --batch 2 x 1 rank(s))" "${batch2[@]}" --steps 8 \
+  --lr 1e-3 --out "$dir/a" --resume "$dir/a"
 # Another model of the same shapes (its RoPE base changed) is another run too, and so is
 # cutting the windows by document where the run packed them.
 cp -r "$dir/model" "$dir/model-theta"
