@@ -248,6 +248,7 @@ static Status data_format_of(const FinetuneFlags& f, train::DataFormat* out) {
 
 Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   o->model_dir = f.model;
+  if (!f.config.empty()) o->other_inputs.push_back({"--config", f.config});
   o->data.path = f.data;
   o->data.loss_mask_path = f.loss_mask;
   o->data.documents_path = f.documents;

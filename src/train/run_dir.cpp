@@ -256,8 +256,11 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     // An empty metrics file or a run.json alone: a run that stopped before
     // its first step (a bad flag, no GPU) left nothing worth keeping.
     if (name == "metrics.jsonl" && it->file_size(sec) == 0 && !sec) continue;
-    if (name == kRunFile || name == "metrics.jsonl" || name == "model" || name == "adapter" ||
-        parse_step(name, &step))
+    // adapter/: a LoRA run's export, when it holds what one writes (a user's
+    // own adapter/ directory is neither counted nor removed).
+    const bool adapter = name == "adapter" && (fs::exists(it->path() / "adapter_config.json", sec) ||
+                                               fs::exists(it->path() / "adapter_model.safetensors", sec));
+    if (name == kRunFile || name == "metrics.jsonl" || name == "model" || adapter || parse_step(name, &step))
       found.push_back(name);
   }
   if (found.size() == 1 && found[0] == kRunFile) found.clear();

@@ -198,12 +198,13 @@ Status Trainer::Impl::check_output_dirs() {
     STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir", &made_out_dirs));
     STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
     if (opt.resume_dir.empty()) {
-      STRATA_RETURN_IF_ERROR(run_dir->start_fresh(
-          opt.overwrite, {{"--model", opt.model_dir},
-                          {"--lora-adapter", opt.lora.adapter_dir},
-                          {"--data", opt.data.path},
-                          {"--loss-mask", opt.data.loss_mask_path},
-                          {"--documents", opt.data.documents_path}}));
+      std::vector<std::pair<std::string, std::string>> inputs = {{"--model", opt.model_dir},
+                                                                 {"--lora-adapter", opt.lora.adapter_dir},
+                                                                 {"--data", opt.data.path},
+                                                                 {"--loss-mask", opt.data.loss_mask_path},
+                                                                 {"--documents", opt.data.documents_path}};
+      inputs.insert(inputs.end(), opt.other_inputs.begin(), opt.other_inputs.end());
+      STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite, inputs));
     } else {
       STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));
       STRATA_ASSIGN_OR_RETURN(std::string id, checkpoint_run_id(resume_from));

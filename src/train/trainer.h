@@ -130,6 +130,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/dtype.h"
@@ -207,6 +208,9 @@ struct TrainerOptions {
   std::string out_dir;        // created if missing
   std::string resume_dir;     // a checkpoint-<step> dir, or a run's out dir (its newest checkpoint is taken)
   bool overwrite = false;     // a fresh run into an out dir holding an earlier run removes that run's files
+  // Other files the caller read for this run ({what names it, path}: the
+  // --config file): overwrite never removes them (nor model_dir, the data).
+  std::vector<std::pair<std::string, std::string>> other_inputs;
   // Consecutive steps skipped for non-finite gradients after which the run
   // stops with an error (a NaN model never "succeeds"); 0: never.
   int64_t max_skipped_steps = 20;

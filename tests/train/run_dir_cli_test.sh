@@ -86,6 +86,10 @@ sum_before=$(cat "$dir/own/model/"* | cksum)
 expect_error "--overwrite would remove $dir/own/model, which holds --model $dir/own/model" \
   "${common[@]/$dir\/model/$dir/own/model}" --steps 2 --out "$dir/own" --overwrite
 [[ $(cat "$dir/own/model/"* | cksum) == "$sum_before" ]] || fail "the refused --overwrite changed the model it reads"
+echo '{}' >"$dir/own/model/ds.json"
+expect_error "--overwrite would remove $dir/own/model, which holds --config $dir/own/model/ds.json" "${common[@]}" \
+  --steps 2 --config "$dir/own/model/ds.json" --out "$dir/own" --overwrite
+[[ -f $dir/own/model/ds.json ]] || fail "--overwrite removed the --config file it read"
 # An earlier LoRA run's adapter/ is an earlier run's output too: refused, and removed by --overwrite.
 run --steps 2 --lora-rank 2 --out "$dir/ad" || fail "LoRA run failed: $(cat "$dir/last.log")"
 [[ -f $dir/ad/adapter/adapter_config.json ]] || fail "the LoRA run wrote no adapter"
@@ -93,6 +97,10 @@ rm -f "$dir/ad/run.json" "$dir/ad/metrics.jsonl"
 expect_error "holds an earlier run (adapter" "${common[@]}" --steps 2 --out "$dir/ad"
 run --steps 2 --out "$dir/ad" --overwrite || fail "--overwrite over an adapter failed: $(cat "$dir/last.log")"
 [[ ! -e $dir/ad/adapter ]] || fail "--overwrite left the earlier run's adapter/"
+# A user's own adapter/ (nothing a LoRA export writes) is neither an earlier run nor removed.
+mkdir -p "$dir/ad2/adapter" && echo mine >"$dir/ad2/adapter/notes.txt"
+run --steps 2 --out "$dir/ad2" --overwrite || fail "a run beside a user's adapter/ failed: $(cat "$dir/last.log")"
+[[ -f $dir/ad2/adapter/notes.txt ]] || fail "--overwrite removed a user's adapter/ directory"
 
 # ---- a run resumed where it ended: its metrics read as one run (one evaluation of the last
 # step, not a second one appended), the validation loss printed once at the end as at the start.
