@@ -230,6 +230,9 @@ class DeepSpeedApiTest(unittest.TestCase):
             dsc.DeepSpeedConfig(path)
         with self.assertRaisesRegex(ValueError, r"ds\.json: duplicate keys \['gradient_clipping'\]"):
             make(path)
+        for c in ({"optimizer": "auto"}, {"optimizer": {"type": "AdamW", "params": "auto"}}):
+            with self.assertRaisesRegex(ValueError, "expected an object"):  # a section is never "auto"
+                make(c)
         write('{"gradient_clipping": 0.5,\n "zero_optimization": {"stage": 3,}}')
         with self.assertRaisesRegex(ValueError, r"config file .*ds\.json: .*line 2"):
             make(path)

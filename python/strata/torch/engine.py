@@ -483,7 +483,12 @@ class StrataEngine:
         _check_finite(cfg, "config")
         self._auto_cast = _auto_cast(cfg)
         opt_cfg = cfg.get("optimizer", {})
-        opt_params = opt_cfg.get("params", {})
+        opt_params = opt_cfg.get("params", {}) if isinstance(opt_cfg, dict) else None
+        for where, value in (("optimizer", opt_cfg), ("optimizer.params", opt_params)):
+            if value is not None and not isinstance(value, dict):
+                # "auto" stands for a value, never a section (DeepSpeed fails on it too).
+                raise ValueError(f"strata.torch.initialize: config {where} is {value!r}; expected an object")
+        opt_params = opt_params or {}
         base_lr = _opt_number(opt_params, "lr", 1e-3)
         base_wd = _opt_number(opt_params, "weight_decay", 0.0)
         base_eps = _opt_number(opt_params, "eps", 1e-8)
