@@ -313,6 +313,8 @@ Status read_double(Obj& o, std::string_view key, double* out, double min, double
   std::string what;
   if (max == std::numeric_limits<double>::max())
     what = min_open ? fmt::format("a number greater than {}", min) : fmt::format("a number of at least {}", min);
+  else if (min_open)
+    what = fmt::format("a number greater than {} and at most {}", min, max);
   else
     what = fmt::format("a number from {} to {}", min, max);
   return expected(o.child(key), what, *v);
@@ -567,7 +569,10 @@ Status read_optimizer(Obj& o, OptimizerConfig* c) {
   STRATA_RETURN_IF_ERROR(read_object(
       o, "params",
       [&](Obj& p) {
-        STRATA_RETURN_IF_ERROR(read_double(p, "lr", &c->lr, 0.0, std::numeric_limits<double>::max()));
+        // The optimizer computes in fp32: a value past its range became inf
+        // and NaN weights, found only inside the first step.
+        constexpr double kF32Max = std::numeric_limits<float>::max();
+        STRATA_RETURN_IF_ERROR(read_double(p, "lr", &c->lr, 0.0, kF32Max));
         if (const json* b = p.take("betas")) {
           if (!b->is_array() || b->size() != 2 || !(*b)[0].is_number() || !(*b)[1].is_number())
             return expected(p.child("betas"), "[beta1, beta2] with each in [0, 1)", *b);
@@ -577,9 +582,9 @@ Status read_optimizer(Obj& o, OptimizerConfig* c) {
           c->beta1 = b1;
           c->beta2 = b2;
         }
-        STRATA_RETURN_IF_ERROR(read_double(p, "eps", &c->eps, 0.0, std::numeric_limits<double>::max(), true));
+        STRATA_RETURN_IF_ERROR(read_double(p, "eps", &c->eps, 0.0, kF32Max, true));
         STRATA_RETURN_IF_ERROR(
-            read_double(p, "weight_decay", &c->weight_decay, 0.0, std::numeric_limits<double>::max()));
+            read_double(p, "weight_decay", &c->weight_decay, 0.0, kF32Max));
         STRATA_RETURN_IF_ERROR(read_bool(p, "bias_correction", &c->bias_correction));
         STRATA_RETURN_IF_ERROR(read_bool(p, "adam_w_mode", &c->adam_w_mode));
         STRATA_RETURN_IF_ERROR(read_bool(p, "amsgrad", &amsgrad));

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <numbers>
@@ -134,6 +135,8 @@ Status validate_schedule(const Schedule& s) {
   if (is_deepspeed_schedule(s.kind))
     return s.total >= 1 ? Status() : bad("total steps " + std::to_string(s.total) + " must be >= 1");
   if (!(std::isfinite(s.lr) && s.lr > 0)) return bad(fmt::format("learning rate {:g} must be > 0", s.lr));
+  if (s.lr > std::numeric_limits<float>::max())  // the optimizer computes in fp32
+    return bad(fmt::format("learning rate {:g} is past fp32's range (3.4e38)", s.lr));
   if (!(std::isfinite(s.min_lr) && s.min_lr >= 0 && s.min_lr <= s.lr))
     return bad(fmt::format("min_lr {:g} must be in [0, lr = {:g}]", s.min_lr, s.lr));
   if (s.total < 1) return bad("total steps " + std::to_string(s.total) + " must be >= 1");

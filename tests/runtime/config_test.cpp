@@ -134,6 +134,14 @@ TEST(ConfigSamples, ZeroFieldsByEitherNameDeepSpeedAccepts) {
     EXPECT_TRUE(contains(notes.ignored_keys, std::string("zero_optimization.") + k)) << k;
 }
 
+TEST(ConfigErrors, OptimizerValuesPastFp32AreRefused) {
+  // The optimizer computes in fp32: 1e40 became inf and NaN weights inside the first step.
+  EXPECT_EQ(error_of(R"({"optimizer": {"params": {"weight_decay": 1e40}}})"),
+            "<string>: optimizer.params.weight_decay: expected a number from 0 to 3.4028234663852886e+38, got 1e+40");
+  EXPECT_NE(error_of(R"({"optimizer": {"params": {"lr": 1e39}}})").find("optimizer.params.lr"), std::string::npos);
+  EXPECT_NE(error_of(R"({"optimizer": {"params": {"eps": 1e39}}})").find("optimizer.params.eps"), std::string::npos);
+}
+
 TEST(ConfigErrors, AutoStandsForAValueNotASection) {
   // DeepSpeed fails on these (TypeError); a section given as "auto" was read
   // as absent, so {"fp16": "auto", "optimizer": "auto"} trained fp32 AdamW.
@@ -334,7 +342,8 @@ TEST(ConfigErrors, WrongTypesNamePathAndValue) {
   EXPECT_EQ(error_of(R"({"optimizer": {"params": {"betas": [0.9]}}})"),
             "<string>: optimizer.params.betas: expected [beta1, beta2] with each in [0, 1), got [0.9]");
   EXPECT_EQ(error_of(R"({"optimizer": {"params": {"eps": 0}}})"),
-            "<string>: optimizer.params.eps: expected a number greater than 0, got 0");
+            "<string>: optimizer.params.eps: expected a number greater than 0 and at most 3.4028234663852886e+38, "
+            "got 0");
   EXPECT_EQ(error_of(R"({"optimizer": {"params": {"amsgrad": true}}})"),
             "<string>: optimizer.params.amsgrad: AMSGrad is not supported by Strata's optimizers");
   // DeepSpeed's rule: type AdamW is AdamW whatever adam_w_mode says

@@ -145,6 +145,8 @@ expect_error "--data-format: data format \"foo\"" --model "$dir/model" --data "$
 expect_error "--export-dtype: unknown dtype 'int8'" --model "$dir/model" --data "$dir/data.txt" --export-dtype int8 --out "$dir/lr5"
 expect_error "resume: $dir/nowhere does not exist" --model "$dir/model" --data "$dir/data.txt" --resume "$dir/nowhere" --out "$dir/lr5"
 expect_error "$dir/data.txt is a file, not a model directory" --model "$dir/data.txt" --data "$dir/data.txt" --out "$dir/lr5"
+expect_error "learning rate 1e+39 is past fp32's range" --model "$dir/model" --data "$dir/data.txt" --lr 1e39 --out "$dir/lr5"
+[[ ! -e $dir/lr5 ]] || fail "a refused --lr left its out dir"
 printf '{"optimizer": "auto"}' >"$dir/lr4.json"
 expect_error 'optimizer: expected an object, got "auto"' \
   --model "$dir/model" --data "$dir/data.txt" --seq 64 --config "$dir/lr4.json" --out "$dir/lr4"
