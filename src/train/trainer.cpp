@@ -1168,6 +1168,41 @@ static Status rank0_outcome(Engine& engine, uint32_t rank, uint32_t world, Statu
   return wst;
 }
 
+namespace {
+
+// Rank 0's writing of an export (N ranks: every rank gathers, rank 0
+// writes). Its first failed write stops the writing (the temp file goes with
+// the writer), never the gathers the other ranks take part in; `st` is the
+// outcome rank0_outcome shares.
+struct ExportWriter {
+  std::unique_ptr<model::SafetensorsWriter> w;
+  Status st;
+  void fail(Status s) {
+    if (st.ok() && !s.ok()) st = std::move(s);
+    if (!st.ok()) w.reset();
+  }
+  // Makes `dir` (`what` names it in errors), removes its `last` file (written
+  // last: a directory holding it is a whole export, and no stale one stays)
+  // and opens `file` there for `decls`.
+  void open(const std::string& dir, const char* what, const char* last, const char* file,
+            const std::vector<model::TensorDecl>& decls) {
+    fail(make_dirs(dir, what));
+    if (st.ok()) {
+      std::error_code ec;
+      fs::remove(dir + "/" + last, ec);
+      if (ec) fail(Status::from_errno(ec.value(), fmt::format("{} {}: cannot remove the old {}", what, dir, last)));
+    }
+    if (!st.ok()) return;
+    auto created = model::SafetensorsWriter::create(dir + "/" + file, decls);
+    if (created.ok())
+      w = std::move(created).value();
+    else
+      fail(created.status());
+  }
+};
+
+}  // namespace
+
 Status Trainer::export_model(const std::string& dir, DType dtype) {
   Impl& m = *impl_;
   const bool writes = m.rank == 0;
@@ -1179,33 +1214,11 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
     model::LlamaConfig cfg = m.model.config;
     cfg.torch_dtype = dtype;
     std::vector<model::TensorDecl> decls = model::llama_tensor_decls(cfg, model::from_dtype(dtype));
-    // Rank 0 writes; its first failed write (a full disk) stops the writing
-    // but not the gathers, which every rank takes part in: the other ranks
-    // never wait on a rank that left, and all learn the outcome at the end
+    // Rank 0 writes (ExportWriter); all ranks learn the outcome at the end
     // (the trainer then saves the trained state on every rank, keep_work).
-    std::unique_ptr<model::SafetensorsWriter> w;
-    Status wst;
-    auto failed_write = [&](Status s) {
-      if (wst.ok() && !s.ok()) wst = std::move(s);
-      if (!wst.ok()) w.reset();  // removes its temp file
-    };
-    if (writes) {
-      failed_write(make_dirs(dir, "export dir"));
-      // config.json comes last: a directory that has it is a whole model (an
-      // export that fails, a full disk, leaves none, and no stale one).
-      if (wst.ok()) {
-        std::error_code ec;
-        fs::remove(dir + "/config.json", ec);
-        if (ec) failed_write(Status::from_errno(ec.value(), "export dir " + dir + ": cannot remove the old config.json"));
-      }
-      if (wst.ok()) {
-        auto created = model::SafetensorsWriter::create(dir + "/model.safetensors", decls);
-        if (created.ok())
-          w = std::move(created).value();
-        else
-          failed_write(created.status());
-      }
-    }
+    // config.json comes last: a directory that has it is a whole model.
+    ExportWriter out;
+    if (writes) out.open(dir, "export dir", "config.json", "model.safetensors", decls);
     std::vector<float> buf, a, b;
     for (const model::TensorDecl& d : decls) {
       STRATA_ASSIGN_OR_RETURN(ParamId p, m.engine->find_param(d.name));
@@ -1236,17 +1249,17 @@ Status Trainer::export_model(const std::string& dir, DType dtype) {
         m.export_failure_agreed = true;
         return range;
       }
-      if (w) failed_write(w->write_from(DType::kF32, buf.data(), d.numel()));
+      if (out.w) out.fail(out.w->write_from(DType::kF32, buf.data(), d.numel()));
     }
-    if (w) failed_write(w->finish());
-    if (w) {
+    if (out.w) out.fail(out.w->finish());
+    if (out.w) {
       std::vector<std::string> copied;  // the tokenizer and generation config, as the base model has them
-      failed_write(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
-      if (wst.ok()) failed_write(model::save_llama_config(cfg, dir + "/config.json"));
+      out.fail(model::copy_model_side_files(m.opt.model_dir, dir, &copied));
+      if (out.st.ok()) out.fail(model::save_llama_config(cfg, dir + "/config.json"));
     }
-    wst = rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the export to " + dir);
-    if (!wst.ok()) m.export_failure_agreed = true;
-    return wst;
+    Status agreed = rank0_outcome(*m.engine, m.rank, m.world, std::move(out.st), "the export to " + dir);
+    if (!agreed.ok()) m.export_failure_agreed = true;
+    return agreed;
   }();
   if (!st.ok() && made) {
     std::error_code ec;
@@ -1259,14 +1272,6 @@ Status Trainer::export_adapter(const std::string& dir) {
   Impl& m = *impl_;
   if (!m.opt.lora.enabled()) return Status(StatusCode::kInvalidArgument, "this run trains no LoRA adapters");
   const bool writes = m.rank == 0;  // N ranks: every rank gathers, rank 0 writes
-  // As export_model: rank 0's first failed write stops its writing, not the
-  // gathers, and every rank learns the outcome.
-  std::unique_ptr<model::SafetensorsWriter> w;
-  Status wst;
-  auto failed_write = [&](Status s) {
-    if (wst.ok() && !s.ok()) wst = std::move(s);
-    if (!wst.ok()) w.reset();
-  };
   std::vector<model::TensorDecl> decls;
   std::vector<ParamId> ids;
   const ModelSpec& spec = m.engine->model();
@@ -1275,37 +1280,24 @@ Status Trainer::export_adapter(const std::string& dir) {
     decls.push_back({peft_tensor_name(spec.params[p].name), model::StDType::kF32, spec.params[p].shape});
     ids.push_back(p);
   }
-  if (writes) {
-    failed_write(make_dirs(dir, "adapter dir"));
-    // adapter_config.json comes last (as config.json in export_model).
-    if (wst.ok()) {
-      std::error_code ec;
-      fs::remove(dir + "/adapter_config.json", ec);
-      if (ec) failed_write(Status::from_errno(ec.value(), "adapter dir " + dir + ": cannot remove the old adapter_config.json"));
-    }
-    if (wst.ok()) {
-      auto created = model::SafetensorsWriter::create(dir + "/adapter_model.safetensors", decls);
-      if (created.ok())
-        w = std::move(created).value();
-      else
-        failed_write(created.status());
-    }
-  }
+  // As export_model; adapter_config.json comes last.
+  ExportWriter out;
+  if (writes) out.open(dir, "adapter dir", "adapter_config.json", "adapter_model.safetensors", decls);
   std::vector<float> buf;
   for (ParamId p : ids) {
     buf.resize(spec.params[p].numel());
     STRATA_RETURN_IF_ERROR(m.engine->gather_param(p, buf.data(), DType::kF32));
-    if (w) failed_write(w->write_from(DType::kF32, buf.data(), buf.size()));
+    if (out.w) out.fail(out.w->write_from(DType::kF32, buf.data(), buf.size()));
   }
-  if (w) failed_write(w->finish());
-  if (w) {
+  if (out.w) out.fail(out.w->finish());
+  if (out.w) {
     std::error_code ec;
     const std::string base = fs::absolute(m.opt.model_dir, ec).lexically_normal().string();
-    failed_write(model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
+    out.fail(model::write_file_atomic(dir + "/adapter_config.json", peft_adapter_config_json(m.opt.lora, base)));
   }
-  wst = rank0_outcome(*m.engine, m.rank, m.world, std::move(wst), "the adapter to " + dir);
-  if (!wst.ok()) m.export_failure_agreed = true;
-  return wst;
+  Status agreed = rank0_outcome(*m.engine, m.rank, m.world, std::move(out.st), "the adapter to " + dir);
+  if (!agreed.ok()) m.export_failure_agreed = true;
+  return agreed;
 }
 
 }  // namespace strata::train
