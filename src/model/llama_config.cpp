@@ -7,7 +7,6 @@
 #include <cmath>
 #include <fstream>
 #include <map>
-#include <mutex>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
@@ -238,16 +237,12 @@ Status parse_rope(const json& root, const std::string& source, bool allow_unsupp
   if (auto it = obj->find("factor"); it != obj->end() && !it->is_null())
     STRATA_RETURN_IF_ERROR(number(*it, where + ".factor", &r.factor));
   if (!(r.factor > 0)) return key_error(source, where + ".factor", fmt::format("must be positive, got {}", r.factor));
-  if (r.factor < 1) {
-    // Once per process: a run parses its config (and the copy its export
-    // writes back) more than once.
-    static std::mutex mu;
-    static std::set<std::string> warned;
-    std::lock_guard<std::mutex> lock(mu);
-    if (warned.insert(fmt::format("{}={}", where, r.factor)).second)
-      log_warn("{}: {}.factor is {}; transformers expects a factor of at least 1 (used as given)", source, where,
-               r.factor);
-  }
+  // Once per process: a run parses its config (and the copy its export
+  // writes back) more than once.
+  if (r.factor < 1)
+    log_once(LogLevel::kWarn, fmt::format("rope-factor-{}={}", where, r.factor),
+             fmt::format("{}: {}.factor is {}; transformers expects a factor of at least 1 (used as given)", source,
+                         where, r.factor));
   if (r.type == RopeType::kLlama3 || r.type == RopeType::kYarn) {
     if (!(r.original_max_position_embeddings > 0))
       return key_error(source, where + ".original_max_position_embeddings",
