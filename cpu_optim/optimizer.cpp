@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -108,7 +109,7 @@ bool valid_dtype(DType d) { return d == DType::kF32 || d == DType::kBF16 || d ==
 
 // A value the kernels use in fp32 must fit one (lr 1e39 became inf and every
 // parameter NaN; torch refuses such a value converting it to float).
-constexpr double kF32Max = 3.4028234663852886e38;
+constexpr double kF32Max = std::numeric_limits<float>::max();
 
 std::string num(double x) {
   char b[32];
