@@ -942,15 +942,19 @@ class StrataEngine:
         s = self._use_stream()
         if self._held[g] == 0:
             pids = self._group_params[g]
-            for pid in pids:
-                p = self._params[pid]
-                if pid not in self._copies and pid not in self._swapped and p.data_ptr() != p._strata_placeholder:
-                    # `param.data = t` after initialize(): the engine holds the
-                    # weights, so t would be dropped here without a word.
-                    p.data = self._placeholder(p)
-                    raise StrataError(1, f"strata.torch: parameter {self._names[pid]}'s .data was replaced after "
-                                         "initialize(); the engine holds the weights and would drop it: set "
-                                         "weights before initialize()")
+            # `param.data = t` after initialize(): the engine holds the
+            # weights, so t would be dropped here without a word. (One scope
+            # without the parameters' __torch_function__ for the whole group:
+            # this runs on every acquire.)
+            with torch._C.DisableTorchFunctionSubclass():
+                replaced = [pid for pid in pids if pid not in self._copies and pid not in self._swapped
+                            and self._params[pid].data_ptr() != self._params[pid]._strata_placeholder]
+            if replaced:
+                for pid in replaced:
+                    self._params[pid].data = self._placeholder(self._params[pid])
+                raise StrataError(1, f"strata.torch: parameter {self._names[replaced[0]]}'s .data was replaced after "
+                                     "initialize(); the engine holds the weights and would drop it: set weights "
+                                     "before initialize()")
             ptrs = (ctypes.c_void_p * len(pids))()
             n = ctypes.c_size_t()
             self._call(_lib.strata_engine_acquire, g, s, ptrs, len(pids), ctypes.byref(n))
@@ -965,7 +969,9 @@ class StrataEngine:
                 self._views[pid] = view
                 self._live[view.untyped_storage().data_ptr()] = pid
                 p.data = view
-                self._versions[pid] = p._version
+            with torch._C.DisableTorchFunctionSubclass():
+                for pid in pids:
+                    self._versions[pid] = self._params[pid]._version
         self._held[g] += 1
 
     @_driven
@@ -978,17 +984,20 @@ class StrataEngine:
         if self._held[g] > 0:
             return
         del self._held[g]
+        # An in-place change of a weight while held (nn.Embedding's max_norm
+        # renormalizing rows, a clamp_ in forward) reached the compute copy
+        # only, never the engine's fp32 weights: named at the forward's end
+        # (_post_forward), not kept silently.
+        with torch._C.DisableTorchFunctionSubclass():
+            for pid in self._group_params[g]:
+                was = self._versions.pop(pid, None)
+                if was is not None and was != self._params[pid]._version:
+                    self._changed_in_place.append(self._names[pid])
         for pid in self._group_params[g]:
             view = self._views.pop(pid, None)
             if view is not None:
                 self._live.pop(view.untyped_storage().data_ptr(), None)
             p = self._params[pid]
-            # An in-place change of the weight while held (nn.Embedding's
-            # max_norm renormalizing rows, a clamp_ in forward) reached the
-            # compute copy only, never the engine's fp32 weights: named at
-            # the forward's end (_post_forward), not kept silently.
-            if self._versions.pop(pid, p._version) != p._version:
-                self._changed_in_place.append(self._names[pid])
             if reset:
                 p.data = self._placeholder(p)
         self._call(_lib.strata_engine_release, g, s)
