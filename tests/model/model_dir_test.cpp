@@ -175,11 +175,6 @@ TEST(ModelDir, RandomInitWritesWhatInitValuesGive) {
   EXPECT_NE(init_normal(11, 5, 0), init_normal(11, 6, 0));
 }
 
-}  // namespace
-}  // namespace strata::model
-
-namespace strata::model {
-namespace {
 
 // A config.json without "dtype"/"torch_dtype": transformers 5 loads the model
 // in its weights' dtype (from_pretrained's dtype "auto"); Strata did float32,
@@ -230,14 +225,9 @@ TEST(ModelDir, APickleIsNamedWithItsConversion) {
   EXPECT_NE(st.message().find("it holds pytorch_model.bin"), std::string::npos) << st.message();
 }
 
-}  // namespace
-}  // namespace strata::model
-
-namespace strata::model {
-namespace {
 
 // A model written over a sharded one (init-model --force) leaves none of the
-// old shards behind; shards an index names outside the directory stay.
+// old shards behind.
 TEST(ModelDir, RewritingRemovesTheShardsOfTheOldIndex) {
   TempDir dir;
   ASSERT_TRUE(dir.ok());
