@@ -25,7 +25,10 @@
 // takes to decide (the blob says how long) and 5 s more, whatever its own
 // timeout. A rank that cannot reach MASTER_ADDR keeps retrying (rank 0 may
 // not listen yet, or its previous exchange's store is closing) until its
-// timeout.
+// timeout; a connect that reached itself (the kernel picked MASTER_PORT as
+// its source port: net::self_connected) counts as nothing listening yet.
+// The TCP communicator's ranks listen on any port but MASTER_PORT
+// (net::listen_on_other_port), which rank 0 may still have to serve.
 //
 // The TCPStore wire format used (integers little-endian; a string = u64
 // length + bytes): VALIDATE(0) u32 0x3C85F7CE; PING(13) u32 n -> u32 n;

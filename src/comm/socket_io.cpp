@@ -206,6 +206,14 @@ int connect_one(const SockAddr& target, Clock::time_point deadline, Fd* out) {
     socklen_t len = sizeof err;
     if (ready.ok() && *ready) ::getsockopt(s.fd, SOL_SOCKET, SO_ERROR, &err, &len);
   }
+  // A connection to itself: nothing listens on the target port yet. Reset,
+  // not closed: a closed one would hold the port a while longer (rank 0
+  // could not serve there).
+  if (err == 0 && self_connected(s.fd)) {
+    const linger reset{1, 0};
+    ::setsockopt(s.fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+    err = ECONNREFUSED;
+  }
   if (err == 0) *out = std::move(s);
   return err;
 }
@@ -284,6 +292,29 @@ Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where) {
     return Status::from_errno(errno, fmt::format("{}: bind to port {} failed", where, port));
   if (::listen(l.fd, std::max(backlog, 16)) != 0) return Status::from_errno(errno, where + ": listen failed");
   return l;
+}
+
+Result<Fd> listen_on_other_port(uint16_t avoid, int backlog, const std::string& where) {
+  STRATA_ASSIGN_OR_RETURN(Fd l, listen_on(0, backlog, where));
+  if (avoid == 0 || local_port(l.fd) != avoid) return l;
+  // Held while the next is made, so that the kernel picks another port.
+  const Fd held = std::move(l);
+  return listen_on(0, backlog, where);
+}
+
+bool self_connected(int fd) {
+  SockAddr me, peer;
+  me.len = peer.len = sizeof me.ss;
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&me.ss), &me.len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&peer.ss), &peer.len) != 0)
+    return false;
+  if (me.family() != peer.family() || me.port() != peer.port()) return false;
+  if (me.family() == AF_INET)
+    return reinterpret_cast<const sockaddr_in&>(me.ss).sin_addr.s_addr ==
+           reinterpret_cast<const sockaddr_in&>(peer.ss).sin_addr.s_addr;
+  if (me.family() != AF_INET6) return false;
+  const auto &a = reinterpret_cast<const sockaddr_in6&>(me.ss), &b = reinterpret_cast<const sockaddr_in6&>(peer.ss);
+  return std::memcmp(&a.sin6_addr, &b.sin6_addr, sizeof a.sin6_addr) == 0 && a.sin6_scope_id == b.sin6_scope_id;
 }
 
 uint16_t local_port(int fd) {

@@ -116,7 +116,8 @@ Result<std::vector<SockAddr>> resolve(const std::string& addr, uint16_t port, co
 // does), the first that connects returned, all finished by `deadline` (a
 // target that does not answer is left after 5 s when others follow);
 // TCP_NODELAY set. *refused: none connected and one at least refused
-// (ECONNREFUSED: reachable, but nothing listens there yet), worth retrying.
+// (ECONNREFUSED: reachable, but nothing listens there yet; or a connection
+// to itself, see self_connected()), worth retrying.
 // The error names each target and why ("<where>: connect to [::1]:29500
 // failed: Connection refused; to 127.0.0.1:29500: Connection refused").
 Result<Fd> connect_once(const std::vector<SockAddr>& targets, Clock::time_point deadline, const std::string& where,
@@ -133,7 +134,18 @@ Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_po
 // (IPV6_V6ONLY off; IPv4 peers show as IPv4-mapped addresses), or an IPv4
 // one where the kernel has no IPv6.
 Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where);
+// listen_on(0, ...), but never on port `avoid` (MASTER_PORT): the kernel
+// takes the ports of listeners made by bind(0) from the ephemeral range,
+// which is where a launcher's free MASTER_PORT comes from too (torchrun
+// --standalone, launch_ranks). A rank's listener there, made before rank 0
+// serves the rendezvous, would take rank 0's connection to MASTER_PORT and
+// answer nothing: every rank would wait out its timeout.
+Result<Fd> listen_on_other_port(uint16_t avoid, int backlog, const std::string& where);
 // The port a socket is bound to.
 uint16_t local_port(int fd);
+// True when fd is connected to itself (a TCP "simultaneous open": a connect
+// to a port of this host nothing listens on, from a source port the kernel
+// picked equal to it). connect_once() counts one as refused.
+bool self_connected(int fd);
 
 }  // namespace strata::comm::net

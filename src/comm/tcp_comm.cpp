@@ -593,7 +593,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
   if (world > 1) {
     const std::string where = fmt::format("tcp communicator (rank {} of {})", rank, world);
     const auto deadline = net::deadline_after(o.timeout_s);
-    STRATA_ASSIGN_OR_RETURN(Fd listener, net::listen_on(0, world, where));
+    STRATA_ASSIGN_OR_RETURN(Fd listener, net::listen_on_other_port(o.master_port, world, where));
     const uint32_t my_port = net::local_port(listener.fd);
     std::vector<uint8_t> blob;
     if (rank == 0) {

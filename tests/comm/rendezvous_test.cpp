@@ -19,6 +19,7 @@
 
 #include "test_util/free_port.h"
 #include "test_util/ipv6.h"
+#include "test_util/netns.h"
 
 namespace strata::comm {
 namespace {
@@ -172,6 +173,24 @@ TEST(Rendezvous, NoRankZeroTimesOut) {
   EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
   EXPECT_TRUE(contains(got.status(), "could not reach rank 0")) << got.status().message();
   EXPECT_LT(s, 5.0);
+}
+
+// Rank 0 first tries MASTER_PORT as a client (torchrun's store may be
+// there), and a joining rank retries it until rank 0 serves it: where the
+// kernel picks a source port equal to MASTER_PORT (certain here: a range of
+// two ports, the even one offered first), the socket connects to itself.
+// Each rank must take that for "nothing listens yet", not for a store that
+// answered wrongly (a fatal "wrong ping reply" before).
+TEST(Rendezvous, AConnectionToItselfIsNotTakenForAStore) {
+  test::run_in_netns(40000, 40001, []() -> std::string {
+    auto lead = rendezvous_broadcast(opts(40000, 0, 2, 0.5), {9});
+    if (lead.ok() || !contains(lead.status(), "never came: rank 1"))
+      return "rank 0: " + (lead.ok() ? std::string("ok") : lead.status().to_string());
+    auto join = rendezvous_broadcast(opts(40000, 1, 2, 0.5), {});
+    if (join.ok() || !contains(join.status(), "could not reach rank 0"))
+      return "rank 1: " + (join.ok() ? std::string("ok") : join.status().to_string());
+    return "";
+  });
 }
 
 // Something else connects to MASTER_PORT while rank 0 serves it (a port

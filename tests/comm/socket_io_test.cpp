@@ -1,6 +1,8 @@
 // The socket helpers' addresses (comm/socket_io.h): MASTER_ADDR as IPv4,
 // IPv6 or a host name, brackets refused by name, a connect that tries each
-// resolved address in turn, and a listener that takes IPv4 and IPv6 peers.
+// resolved address in turn, and a listener that takes IPv4 and IPv6 peers;
+// in a network namespace with a narrowed ephemeral range, a listener that
+// never takes MASTER_PORT and a connection to itself counted as refused.
 // The IPv6 cases skip, saying why, where ::1 is not available.
 #include "comm/socket_io.h"
 
@@ -13,6 +15,7 @@
 #include <vector>
 
 #include "test_util/ipv6.h"
+#include "test_util/netns.h"
 
 namespace strata::comm::net {
 namespace {
@@ -136,6 +139,43 @@ TEST(SocketIo, ConnectTriesEachAddressInTurn) {
   EXPECT_TRUE(contains(none.status(), "test: connect to [::1]:" + p + " failed: Connection refused; to 127.0.0.1:" + p +
                                           ": Connection refused"))
       << none.status().message();
+}
+
+// A rank's listener is made by bind(0) before rank 0 serves MASTER_PORT,
+// and a free MASTER_PORT is the kernel's pick from the same ephemeral range
+// (launchers take one so). One that landed there took rank 0's connection
+// and answered nothing: every rank waited out its timeout (seen once in CI,
+// tcp_comm_death_np3). With the range narrowed to two ports, bind(0) offers
+// the odd one first.
+TEST(SocketIo, TheRanksListenerNeverTakesMasterPort) {
+  test::run_in_netns(40000, 40001, []() -> std::string {
+    auto l = listen_on_other_port(40001, 4, "test");
+    if (!l.ok()) return l.status().to_string();
+    if (local_port(l->fd) != 40000) return "listening on port " + std::to_string(local_port(l->fd));
+    // 40001 was only held while the other port was picked: free again.
+    auto master = listen_on(40001, 4, "test");
+    return master.ok() ? "" : master.status().to_string();
+  });
+}
+
+// A connect to a port of this host that nothing listens on, from a source
+// port the kernel picked equal to it, connects the socket to itself (a TCP
+// simultaneous open). Taken for a store, it answered rank 0's handshake
+// with its own bytes ("a wrong ping reply": a fatal error), and it held
+// MASTER_PORT so that rank 0 could not serve it. With a one-port range the
+// kernel has no other source port to pick: the attempt must count as
+// refused, and leave the port free.
+TEST(SocketIo, AConnectionToItselfCountsAsRefused) {
+  test::run_in_netns(40000, 40000, []() -> std::string {
+    bool refused = false;
+    auto c = connect_once(must_resolve("127.0.0.1", 40000), deadline_after(10), "test", &refused);
+    if (c.ok()) return "connected (to itself: " + std::to_string(self_connected(c->fd)) + ")";
+    if (!refused) return "not counted as refused: " + c.status().to_string();
+    if (!contains(c.status(), "test: connect to 127.0.0.1:40000 failed: Connection refused"))
+      return c.status().to_string();
+    auto l = listen_on(40000, 4, "test");
+    return l.ok() ? "" : "the port was not left free: " + l.status().to_string();
+  });
 }
 
 }  // namespace

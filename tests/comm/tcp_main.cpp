@@ -34,6 +34,9 @@ Result<std::unique_ptr<Communicator>> make_communicator(DeviceBackend* dev, doub
 
 int main(int argc, char** argv) {
   ::testing::InitGoogleTest(&argc, argv);
+  // Line by line: a rank that launch_ranks kills at its timeout has shown how
+  // far it got (a pipe's full buffer would be lost with it).
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   using namespace strata;
   const char* master = std::getenv("MASTER_ADDR");
   if (master != nullptr && std::strchr(master, ':') != nullptr) {
@@ -51,8 +54,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "host backend: %s\n", dev.status().to_string().c_str());
     return 1;
   }
-  // Generous: 3 ranks share 2 loaded cores in CI.
-  auto comm = comm::make_communicator(dev->get(), 120);
+  // Generous (3 ranks share 2 loaded cores in CI), and shorter than
+  // launch_ranks' --timeout in CMakeLists.txt (110 s at least): ranks that
+  // fail to meet say why instead of being killed.
+  auto comm = comm::make_communicator(dev->get(), 90);
   if (!comm.ok()) {
     std::fprintf(stderr, "tcp communicator: %s\n", comm.status().to_string().c_str());
     return 1;
