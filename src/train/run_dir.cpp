@@ -320,8 +320,14 @@ Status RunDir::record(const std::string& settings_json) { return write_run_json(
 
 Result<std::string> select_checkpoint(const std::string& from) {
   std::error_code ec;
-  if (!fs::exists(from, ec)) return Status(StatusCode::kNotFound, "resume: " + from + " does not exist");
-  if (fs::exists(join_path(from, "index.json"), ec)) return from;
+  // (exists() is false on an error too: a loop of links, a name too long,
+  // a directory that may not be searched; named as such, not as missing.)
+  const bool there = fs::exists(from, ec);
+  if (ec) return Status(StatusCode::kIoError, fmt::format("resume: cannot read {}: {}", from, ec.message()));
+  if (!there) return Status(StatusCode::kNotFound, "resume: " + from + " does not exist");
+  const bool checkpoint = fs::exists(join_path(from, "index.json"), ec);
+  if (ec) return Status(StatusCode::kIoError, fmt::format("resume: cannot read {}: {}", from, ec.message()));
+  if (checkpoint) return from;
   STRATA_ASSIGN_OR_RETURN(std::string run, read_run_id(from));
   const auto cks = list_checkpoint_dirs(from);
   if (cks.empty())

@@ -144,6 +144,10 @@ expect_error "--schedule: schedule \"foo\" is not one of" --model "$dir/model" -
 expect_error "--data-format: data format \"foo\"" --model "$dir/model" --data "$dir/data.txt" --data-format foo --out "$dir/lr5"
 expect_error "--export-dtype: unknown dtype 'int8'" --model "$dir/model" --data "$dir/data.txt" --export-dtype int8 --out "$dir/lr5"
 expect_error "resume: $dir/nowhere does not exist" --model "$dir/model" --data "$dir/data.txt" --resume "$dir/nowhere" --out "$dir/lr5"
+# A path that cannot be read is not called missing (a loop of links: ELOOP).
+ln -s "$dir/loop-b" "$dir/loop-a" && ln -s "$dir/loop-a" "$dir/loop-b"
+expect_error "resume: cannot read $dir/loop-a: Too many levels of symbolic links" \
+  --model "$dir/model" --data "$dir/data.txt" --resume "$dir/loop-a" --out "$dir/lr5"
 expect_error "$dir/data.txt is a file, not a model directory" --model "$dir/data.txt" --data "$dir/data.txt" --out "$dir/lr5"
 expect_error "learning rate 1e+39 is past fp32's range" --model "$dir/model" --data "$dir/data.txt" --lr 1e39 --out "$dir/lr5"
 [[ ! -e $dir/lr5 ]] || fail "a refused --lr left its out dir"
