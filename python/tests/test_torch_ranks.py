@@ -182,12 +182,80 @@ class RanksTest(unittest.TestCase):
         with self.assertRaisesRegex(TypeError, "mpi_comm must be an mpi4py communicator"):
             st.initialize(model=torch.nn.Linear(4, 4), config={"optimizer": {"type": "AdamW"}}, mpi_comm="world")
 
+    def test_the_comm_timeout_is_deepspeeds(self):
+        # As DeepSpeed's process group: DEEPSPEED_TIMEOUT minutes (10 by
+        # default), or the timeout of torch.distributed's default group.
+        from strata.torch.engine import _comm_timeout_s
+        saved = os.environ.pop("DEEPSPEED_TIMEOUT", None)
+        try:
+            self.assertEqual(_comm_timeout_s(), 600.0)
+            os.environ["DEEPSPEED_TIMEOUT"] = "3"
+            self.assertEqual(_comm_timeout_s(), 180.0)
+            for bad in ("1.5", "ten", "0", "-2"):
+                os.environ["DEEPSPEED_TIMEOUT"] = bad
+                with self.assertRaisesRegex(ValueError, f"DEEPSPEED_TIMEOUT='{bad}'"):
+                    _comm_timeout_s()
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            import datetime
+            torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                                 world_size=1, timeout=datetime.timedelta(seconds=123))
+            try:
+                self.assertEqual(_comm_timeout_s(), 123.0)  # the group's, over DEEPSPEED_TIMEOUT
+            finally:
+                torch.distributed.destroy_process_group()
+        finally:
+            os.environ.pop("DEEPSPEED_TIMEOUT", None)
+            if saved is not None:
+                os.environ["DEEPSPEED_TIMEOUT"] = saved
+
+    def test_a_rank_that_never_answers_fails_after_the_groups_timeout(self):
+        # Rank 1 of 2 (torchrun's environment) in a process whose default
+        # group was made with a 3 s timeout; rank 0's "store" takes the
+        # connection and never replies. The engine waits the group's 3 s,
+        # not the library's 300 s, and names the rendezvous.
+        store = socket.socket()
+        store.bind(("127.0.0.1", 0))
+        store.listen(4)
+        store.settimeout(120)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            pg_port = s.getsockname()[1]
+        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
+        code = ("import datetime, torch, strata.torch as st\n"
+                f"torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:{pg_port}', rank=0, "
+                "world_size=1, timeout=datetime.timedelta(seconds=3))\n"
+                "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
+                "print('joined', flush=True)\n")
+        t0 = time.monotonic()
+        p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True)
+        try:
+            conn, _ = store.accept()
+            out, err = p.communicate(timeout=120)
+            waited = time.monotonic() - t0
+            conn.close()
+        finally:
+            store.close()
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        self.assertNotEqual(p.returncode, 0, out)
+        self.assertNotIn("joined", out)
+        self.assertIn("rendezvous at 127.0.0.1:", err)
+        self.assertIn("(rank 1 of 2)", err)
+        self.assertLess(waited, 60.0, err)
+        print(f"  rank 1 gave up on a silent rank 0 after {waited:.1f} s (the group's 3 s timeout): "
+              f"{err.strip().splitlines()[-1][:160]}")
+
     def test_ctrl_c_while_waiting_for_the_other_ranks_ends_the_wait(self):
         # Rank 1 of 2 whose rank 0 never answers waits for it up to the
-        # library's timeout (300 s). Ctrl-C there must end the wait at once:
+        # timeout (DeepSpeed's 10 minutes). Ctrl-C there must end the wait at once:
         # Python cannot run its handler during the call into C, so the call
         # runs on a thread of its own and the interruption sets its stop flag
-        # (C ABI API 12). Before, the process went on waiting for 300 s. The
+        # (C ABI API 12). Before, the process went on waiting for minutes. The
         # "store" here takes rank 1's connection and never replies, so the
         # signal comes while rank 1 is inside the C call's wait.
         store = socket.socket()

@@ -404,6 +404,40 @@ def _group_ranks():
     return torch.distributed.get_rank(), world, store.host, store.port
 
 
+def _comm_timeout_s():
+    """How long the ranks' meeting and each collective may wait for a rank
+    that stops taking part, in seconds, as DeepSpeed decides its process
+    group's timeout: the timeout of torch.distributed's default process
+    group where one exists (init_process_group(timeout=),
+    deepspeed.init_distributed(timeout=); transformers' TrainingArguments
+    ddp_timeout), otherwise DEEPSPEED_TIMEOUT minutes, 10 by default
+    (deepspeed.constants.default_pg_timeout). One rank: never waits."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        from torch.distributed import distributed_c10d
+        group = distributed_c10d._get_default_group()
+        for dev in ("cpu", "cuda"):
+            try:
+                t = group._get_backend(torch.device(dev)).options._timeout
+            except (AttributeError, RuntimeError, ValueError):
+                continue
+            if t.total_seconds() > 0:
+                return min(t.total_seconds(), 1e7)  # (the C ABI's most: 115 days)
+        store_timeout = getattr(distributed_c10d._get_default_store(), "timeout", None)
+        if store_timeout is not None and store_timeout.total_seconds() > 0:
+            return min(store_timeout.total_seconds(), 1e7)
+    text = os.environ.get("DEEPSPEED_TIMEOUT", "")
+    if text == "":
+        return 600.0
+    try:
+        minutes = int(text)
+    except ValueError:
+        raise ValueError(f"strata.torch.initialize: DEEPSPEED_TIMEOUT={text!r} is not a whole number of minutes "
+                         "(DeepSpeed's unit)") from None
+    if not 0 < minutes <= 100000:
+        raise ValueError(f"strata.torch.initialize: DEEPSPEED_TIMEOUT={text!r} must be 1 to 100000 minutes")
+    return minutes * 60.0
+
+
 def _ranks(mpi_comm, cuda):
     """How this process meets the other data-parallel ranks: (comm_kind,
     Fortran handle, given ranks or None). A model on a GPU under a launcher
@@ -684,7 +718,9 @@ class StrataEngine:
             opts.device_ordinal = self.device.index or 0
         else:
             opts.device_kind = _lib.DEVICE_HOST
-        opts.comm_kind, opts.mpi_comm = comm_kind, comm_handle  # timeout: the library's 300 s
+        opts.comm_kind, opts.mpi_comm = comm_kind, comm_handle
+        if comm_kind != _lib.COMM_NONE:
+            opts.comm_timeout_s = _comm_timeout_s()
         if given_ranks is not None:
             store_addr = given_ranks[2].encode()  # kept alive across the call
             opts.comm_rank, opts.comm_world_size, opts.comm_store_addr, opts.comm_store_port = (
