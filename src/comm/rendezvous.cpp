@@ -282,6 +282,17 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
                                           Clock::time_point deadline, const std::string& where) {
   STRATA_RETURN_IF_ERROR(c.handshake());
   const Keys k(o);
+  // The key names the job attempt and the communicator: a blob there
+  // already is another rank 0's (another job on this MASTER_PORT, served by
+  // its rank 0; or a second process given RANK=0). Overwriting it would mix
+  // the two jobs' ranks.
+  STRATA_ASSIGN_OR_RETURN(const bool taken, c.check(k.blob));
+  if (taken)
+    return Status(StatusCode::kAlreadyExists,
+                  fmt::format("{}: another rank 0 already leads this rendezvous (key '{}') through the store at "
+                              "MASTER_PORT: two jobs given the same MASTER_ADDR:MASTER_PORT, or two processes with "
+                              "RANK=0? Give each job its own MASTER_PORT",
+                              where, o.key));
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
   std::vector<std::string> want(k.ack.begin() + 1, k.ack.end());
   STRATA_ASSIGN_OR_RETURN(bool all, c.wait(want, deadline));

@@ -19,6 +19,9 @@
 //   ack/<r>   rank r: "" (ok) or why it refuses (another world size)
 //   verdict   rank 0, once every ack is in or the timeout passed: u32 status
 //             code (0 ok) and the error text
+// A rank 0 that finds the blob's key taken in the store it reached (another
+// job's rank 0 serving the same MASTER_PORT, or a second RANK=0) fails with
+// kAlreadyExists saying so, instead of mixing the two jobs' ranks.
 // Every rank returns the verdict: a refusal or a missing rank ("never came:
 // rank 2") reaches every rank that came, prefixed "rank 0 refused the
 // rendezvous" on ranks other than 0; a rank waits for it as long as rank 0

@@ -193,6 +193,38 @@ TEST(Rendezvous, AConnectionToItselfIsNotTakenForAStore) {
   });
 }
 
+// Two jobs given one MASTER_PORT (a launcher that only sets the variables,
+// so no torchrun agent holds the port): the second job's rank 0 finds the
+// first's rank 0 serving there. It must say so, not publish its blob over
+// the first job's (which would mix the two jobs' ranks).
+TEST(Rendezvous, ASecondJobOnTheSamePortIsNamed) {
+  const uint16_t port = free_port();
+  // Job A's rank 0 of 2: its rank 1 never comes; it serves for 3 s.
+  pid_t a = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 0, 2, 3.0), {1});
+    return !got.ok() && contains(got.status(), "never came: rank 1") ? 0 : 1;
+  });
+  bool listening = false;  // (a connection that says nothing is dropped by A's store)
+  for (int attempt = 0; attempt < 200 && !listening; ++attempt) {
+    int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in sa{};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    sa.sin_port = htons(port);
+    listening = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0;
+    ::close(fd);
+    if (!listening) ::usleep(10000);
+  }
+  ASSERT_TRUE(listening);
+  auto got = rendezvous_broadcast(opts(port, 0, 2, 2.0), {2});
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kAlreadyExists) << got.status().to_string();
+  EXPECT_TRUE(contains(got.status(), "another rank 0 already leads this rendezvous (key '0')"))
+      << got.status().message();
+  EXPECT_TRUE(contains(got.status(), "Give each job its own MASTER_PORT")) << got.status().message();
+  EXPECT_EQ(exit_status(a), 0);
+}
+
 // Something else connects to MASTER_PORT while rank 0 serves it (a port
 // scanner, a stray HTTP client, a wrong magic): those connections are dropped
 // and the ranks still meet.
