@@ -780,8 +780,11 @@ Status Trainer::Impl::write_metrics(const json& j) {
     const int err = errno != 0 ? errno : EIO;
     std::fclose(metrics);  // once failed, nothing more is written (the next line would follow a cut one)
     metrics = nullptr;
-    return Status::from_errno(err, fmt::format("metrics file {}: cannot write the {} line at step {}", metrics_file,
-                                               j.value("event", std::string("?")), step));
+    Status st = Status::from_errno(err, fmt::format("metrics file {}: cannot write the {} line at step {}",
+                                                    metrics_file, j.value("event", std::string("?")), step));
+    if (!metrics_deferred) return st;
+    log_error("{}: the run saves a checkpoint and stops", st.message());
+    metrics_error = std::move(st);
   }
   return {};
 }

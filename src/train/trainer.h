@@ -76,7 +76,9 @@
 // TrainResult::interrupted set (no final evaluation, no export).
 //
 // Metrics: JSON lines appended to metrics_path (one object per line; a line
-// that cannot be written, a full disk, stops the run with that error):
+// that cannot be written, a full disk, stops the run with that error; once
+// steps are trained, after saving them in a checkpoint, as a stop request
+// does, that the error names: N ranks save together):
 //   {"event":"plan","micro_batches":..,"uploads_per_micro_batch":..,
 //    "forward_backward":{..},"optimizer_step":{..},"per_step":{..}} first
 //    (the bytes the placement moves; a resumed run keeps the original's)

@@ -144,6 +144,11 @@ struct Trainer::Impl {
   FILE* metrics = nullptr;
   std::string metrics_file;  // its path, for messages
   bool metrics_eval_at_resume = false;  // the file holds the evaluation of the step resumed at
+  // While steps are trained (RunLoop): a metrics line that cannot be written
+  // is kept here instead of ending the run at once; the run then stops as on
+  // a stop request (agreed on by every rank), saves, and fails with it.
+  bool metrics_deferred = false;
+  Status metrics_error;
   // N ranks: the export failed on every rank alike (rank 0's write outcome,
   // shared; a value no rank can export), so all may save together.
   bool export_failure_agreed = false;
@@ -205,7 +210,7 @@ struct Trainer::Impl {
   Status all_gather(const double* mine, size_t n, std::vector<double>* all);
   Result<bool> any_rank(bool mine);  // true when it is true on some rank
   Result<std::vector<uint32_t>> ranks_where(bool mine);  // the ranks where it is true, in order
-  Result<bool> stop_requested();     // opt.stop, agreed on by every rank
+  Result<bool> stop_requested();     // opt.stop or metrics_error, agreed on by every rank
   Status stage_tokens();
   uint64_t counted_targets() const;
   Status forward(const int32_t* tokens, bool keep_for_backward);

@@ -207,7 +207,7 @@ Result<bool> Trainer::Impl::any_rank(bool mine) {
 }
 
 Result<bool> Trainer::Impl::stop_requested() {
-  const bool mine = opt.stop != nullptr && opt.stop->load();
+  const bool mine = (opt.stop != nullptr && opt.stop->load()) || !metrics_error.ok();
   if (world == 1) return mine;
   return any_rank(mine);
 }

@@ -32,7 +32,10 @@ class Trainer::Run {
       // if the run never stopped): printed, not written again.
       STRATA_ASSIGN_OR_RETURN(res_.initial_val_loss, evaluate(/*record=*/m_.opt.resume_dir.empty()));
     }
-    STRATA_RETURN_IF_ERROR(train());
+    // From the first step on, a metrics line that cannot be written (a full
+    // disk) ends the run with a checkpoint (Impl::metrics_error).
+    m_.metrics_deferred = true;
+    if (Status trained = train(); !trained.ok()) return with_metrics_error(trained);
     // A stop request that came after the last step: the work is saved, as the
     // signal handler promised, and the final evaluation and export skipped.
     // (N ranks: every stop check is agreed on, Impl::stop_requested.)
@@ -46,7 +49,10 @@ class Trainer::Run {
     }
     progress_.end();
     finish_totals();
-    if (res_.interrupted) return res_;
+    if (res_.interrupted) {
+      if (!m_.metrics_error.ok()) return with_metrics_error({});
+      return res_;
+    }
     if (has_val_) {
       // Resumed where the run had ended (no step trained here): the same
       // weights, so the value just printed; written only if the file lacks it
@@ -57,6 +63,16 @@ class Trainer::Run {
       } else {
         STRATA_ASSIGN_OR_RETURN(res_.final_val_loss, evaluate());
       }
+    }
+    // The final evaluation's line (rank 0's): the trained state saved, no
+    // export (every rank decides alike).
+    m_.metrics_deferred = false;
+    STRATA_ASSIGN_OR_RETURN(const bool metrics_failed, m_.any_rank(!m_.metrics_error.ok()));
+    if (metrics_failed) {
+      Status saved = res_.last_checkpoint != checkpoint_dir() ? checkpoint() : Status();
+      res_.interrupted = true;
+      if (!saved.ok() || !m_.metrics_error.ok()) return with_metrics_error(saved);
+      return res_;
     }
     // LoRA: the adapter is the run's result, written even with --no-export
     // (which leaves out OUT/model only).
@@ -190,6 +206,22 @@ class Trainer::Run {
   // An export that failed (a value its dtype cannot hold, a full disk)
   // loses no training: the ranks save the last step's checkpoint, if the
   // schedule did not, and the error says how to export it again.
+  // The run's outcome once a metrics line could not be written while it
+  // trained (rank 0; the other ranks stopped as on a stop request): the
+  // error, and where the trained state is, or why it could not be saved
+  // (`after`: the error the run ended with after it, if any).
+  Status with_metrics_error(const Status& after) {
+    const Status& e = m_.metrics_error;
+    if (e.ok()) return after;
+    if (!after.ok())
+      return Status(e.code(), fmt::format("{}; saving the trained state in a checkpoint failed too: {}", e.message(),
+                                          after.message()));
+    if (res_.last_checkpoint.empty()) return e;  // (stopped before its first step)
+    return Status(e.code(), fmt::format("{}; the trained state is saved in {}: resume with --resume {} once the "
+                                        "metrics file can be written",
+                                        e.message(), res_.last_checkpoint, m_.opt.out_dir));
+  }
+
   Status keep_work(const Status& failed) {
     // Only what another dtype, more disk or a path can fix (a NaN master
     // cannot be exported in any dtype).

@@ -263,6 +263,28 @@ left=$(find "$dir/nvme" -type f | head -3)
 rc=${PIPESTATUS[0]}
 [[ $rc -eq 0 && -e $dir/pipe/model/config.json ]] || fail "finetune writing into a closed pipe: exit $rc (141: SIGPIPE)"
 
+# A metrics file whose disk fills up mid-run (a 4 KiB tmpfs, in a mount namespace of
+# its own): the run saves a checkpoint, fails naming the file and the checkpoint, and
+# resuming (the file moved to where there is room) finishes with the straight run's
+# losses (the train line of the step that failed is lost).
+if unshare -m true 2>/dev/null; then
+  mkdir -p "$dir/tiny"
+  out=$(unshare -m bash -c 'mount -t tmpfs -o size=4k tmpfs "$1" && shift && "$@"' _ "$dir/tiny" \
+    "$strata" finetune "${job[@]}" --metrics "$dir/tiny/metrics.jsonl" --out "$dir/mfull" 2>&1; echo "rc=$?")
+  [[ $out == *"metrics file $dir/tiny/metrics.jsonl: cannot write the train line at step "*": No space left on device; the trained state is saved in $dir/mfull/checkpoint-"*": resume with --resume $dir/mfull once the metrics file can be written"*"rc=1" ]] ||
+    fail "metrics on a full disk: $out"
+  # (The tmpfs went with its namespace: the lines it held are gone; none is needed.)
+  "$strata" finetune "${job[@]}" --out "$dir/mfull" --resume "$dir/mfull" >"$dir/mfull.log" 2>&1 ||
+    fail "resume after the metrics disk filled up failed: $(tail -5 "$dir/mfull.log")"
+  a=$(train_lines "$dir/straight/metrics.jsonl" | tail -3)
+  b=$(train_lines "$dir/mfull/metrics.jsonl" | tail -3)
+  [[ $a == "$b" ]] || fail "the run stopped by a full metrics disk and resumed differs: $(diff <(echo "$a") <(echo "$b") | head -5)"
+elif [[ "${STRATA_REQUIRE_NETNS:-0}" == "1" ]]; then
+  fail "unshare -m failed (STRATA_REQUIRE_NETNS=1: namespaces are required)"
+else
+  echo "note: no mount namespace (unshare -m needs root): the full-metrics-disk check is skipped"
+fi
+
 # A tiny stack limit: refused with a message (a SIGSEGV in Eigen's GEMM once);
 # a soft limit the hard one lets it raise is raised.
 out=$( (ulimit -s 128; "$strata" finetune "${common[@]}" --steps 1 --out "$dir/stack1" 2>&1); echo "rc=$?")
