@@ -372,8 +372,11 @@ Status build_trainer_options(const FinetuneFlags& f, train::TrainerOptions* o) {
   };
   STRATA_RETURN_IF_ERROR(finite_nonneg("--weight-decay", o->config.optimizer.weight_decay));
   STRATA_RETURN_IF_ERROR(finite_nonneg("--clip", o->config.gradient_clipping));
-  if (!(std::isfinite(f.comm_timeout) && f.comm_timeout > 0))
-    return Status(StatusCode::kInvalidArgument, fmt::format("--comm-timeout {} must be > 0 seconds", f.comm_timeout));
+  // (As the C ABI's comm_timeout_s: a deadline further off would overflow
+  // the clock's nanoseconds; 1e7 s is 115 days.)
+  if (!(std::isfinite(f.comm_timeout) && f.comm_timeout > 0 && f.comm_timeout <= 1e7))
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("--comm-timeout {:g} must be > 0 and at most 1e7 seconds (115 days)", f.comm_timeout));
   if (!(f.val_fraction >= 0 && f.val_fraction <= 0.9))
     return Status(StatusCode::kInvalidArgument, fmt::format("--val-fraction {} is outside [0, 0.9]", f.val_fraction));
   // STRATA_CPU_ISA naming an ISA this CPU lacks fails here, not at step 1.

@@ -61,7 +61,8 @@ class P2pCommunicator : public Communicator {
 
  protected:
   P2pCommunicator(DeviceBackend* device, int rank, int world, double timeout_s)
-      : device_(device), rank_(rank), world_(world), timeout_s_(timeout_s) {}
+      // (At most 1e9 s: a deadline further off would overflow the clock.)
+      : device_(device), rank_(rank), world_(world), timeout_s_(timeout_s < 1e9 ? timeout_s : 1e9) {}
 
   // The backend's op for collective `seq` (the base fields but start: see
   // new_op()).

@@ -604,8 +604,7 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, co
   const std::string where =
       fmt::format("rendezvous at {} (rank {} of {})", net::host_port_text(o.addr.empty() ? "*" : o.addr, o.port),
                   o.rank, o.world_size);
-  const auto deadline =
-      Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(o.timeout_s));
+  const auto deadline = net::deadline_after(o.timeout_s);
   return o.rank == 0 ? lead(o, root_blob, deadline, where) : join(o, deadline, where);
 }
 

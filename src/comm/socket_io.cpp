@@ -78,7 +78,10 @@ Status check_cancel(const std::string& what) {
 int poll_slice(int ms) { return t_cancel == nullptr ? ms : std::min(ms, kCancelPollMs); }
 
 Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  // At most 1e9 s (31 years) ahead: the clock counts nanoseconds in 64 bits
+  // (292 years), and a larger double would overflow the cast.
+  const double s = std::min(seconds, 1e9);
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(s));
 }
 
 int ms_left(Clock::time_point deadline) {

@@ -141,6 +141,16 @@ TEST(SocketIo, ConnectTriesEachAddressInTurn) {
       << none.status().message();
 }
 
+// A timeout of "effectively never" (1e10 s, 1e300) is a deadline far off,
+// not one that overflowed into the past (every wait failed at once).
+TEST(SocketIo, AHugeTimeoutIsAFarDeadline) {
+  for (double s : {1e10, 1e12, 1e300}) {
+    const auto d = deadline_after(s);
+    EXPECT_GT(d - Clock::now(), std::chrono::hours(24 * 365 * 10)) << s;
+    EXPECT_GT(ms_left(d), 0) << s;
+  }
+}
+
 // A rank's listener is made by bind(0) before rank 0 serves MASTER_PORT,
 // and a free MASTER_PORT is the kernel's pick from the same ephemeral range
 // (launchers take one so). One that landed there took rank 0's connection

@@ -150,6 +150,9 @@ expect_error "resume: cannot read $dir/loop-a: Too many levels of symbolic links
   --model "$dir/model" --data "$dir/data.txt" --resume "$dir/loop-a" --out "$dir/lr5"
 expect_error "$dir/data.txt is a file, not a model directory" --model "$dir/data.txt" --data "$dir/data.txt" --out "$dir/lr5"
 expect_error "learning rate 1e+39 is past fp32's range" --model "$dir/model" --data "$dir/data.txt" --lr 1e39 --out "$dir/lr5"
+# "Effectively never" failed the first collective at once (the deadline overflowed).
+expect_error "--comm-timeout 1e+10 must be > 0 and at most 1e7 seconds" --model "$dir/model" --data "$dir/data.txt" \
+  --comm-timeout 1e10 --out "$dir/lr5"
 [[ ! -e $dir/lr5 ]] || fail "a refused --lr left its out dir"
 printf '{"optimizer": "auto"}' >"$dir/lr4.json"
 expect_error 'optimizer: expected an object, got "auto"' \
