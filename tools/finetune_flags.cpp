@@ -107,7 +107,9 @@ void add_finetune_flags(CLI::App* cmd, FinetuneFlags* f) {
       cmd->add_option("--eval-batches", f->eval_batches, "Validation batches per evaluation")->capture_default_str();
   cmd->add_option("--out", f->out, "Output directory: metrics, checkpoints, the model")->capture_default_str();
   cmd->add_option("--resume", f->resume,
-                  "Continue a run: its out dir (its newest checkpoint) or one checkpoint-<step> dir");
+                  "Continue a run: its out dir (its newest checkpoint) or one checkpoint-<step> dir; auto: --out's "
+                  "newest checkpoint if it holds one, else a new run (for a job a launcher restarts: torchrun "
+                  "--max-restarts; with --overwrite, what an attempt left before its first checkpoint is replaced)");
   cmd->add_flag("--overwrite", f->overwrite,
                 "Start a new run in an out dir that holds an earlier run (removes its checkpoints, metrics, model)");
   cmd->add_option("--max-skipped-steps", f->max_skipped_steps,

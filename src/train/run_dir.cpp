@@ -13,6 +13,8 @@
 #include <chrono>
 #include <ctime>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <functional>
 #include <random>
@@ -269,10 +271,18 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     std::sort(found.begin(), found.end());
     if (!overwrite) {
       const std::string list = names_for_message(found, 6);
+      // A launcher's restart of this job (the same command line again).
+      const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
+      const bool restarted = restart != nullptr && *restart != '\0' && std::strcmp(restart, "0") != 0;
       return Status(StatusCode::kAlreadyExists,
                     fmt::format("out dir {} holds an earlier run ({}{}): continue it with --resume {}, start over "
-                                "with --overwrite (removes them), or give another --out",
-                                path_, list, run_id_.empty() ? "" : ", run " + run_id_, path_));
+                                "with --overwrite (removes them), or give another --out{}",
+                                path_, list, run_id_.empty() ? "" : ", run " + run_id_, path_,
+                                restarted ? fmt::format(" (torchrun restarted this job, TORCHELASTIC_RESTART_COUNT={}: "
+                                                        "--resume auto continues from OUT's newest checkpoint on a "
+                                                        "restart)",
+                                                        restart)
+                                          : ""));
     }
     // Continuing from one's own export (--model OUT/model --out OUT) must
     // not delete it before it is read.

@@ -102,6 +102,9 @@ Status Trainer::Impl::setup() {
   const DeviceSizes z = device_sizes(eo.model);
   STRATA_RETURN_IF_ERROR(choose_device(z, &eo.config));
   STRATA_RETURN_IF_ERROR(join_ranks());
+  // --resume auto, decided (rank 0's choice, which join_ranks shared): from
+  // here a resume_dir says whether this run resumes.
+  if (opt.resume_dir == kResumeAuto) opt.resume_dir = resume_from;
   STRATA_RETURN_IF_ERROR(create_engine(std::move(eo)));
   STRATA_RETURN_IF_ERROR(find_params());
   STRATA_RETURN_IF_ERROR(alloc_buffers());
@@ -197,7 +200,20 @@ Status Trainer::Impl::check_output_dirs() {
   if (rank == 0) {
     STRATA_RETURN_IF_ERROR(make_dirs(opt.out_dir, "out dir", &made_out_dirs));
     STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
-    if (opt.resume_dir.empty()) {
+    bool fresh = opt.resume_dir.empty();
+    if (opt.resume_dir == kResumeAuto) {
+      // OUT's newest checkpoint of its run, or none (a new run); a damaged
+      // one or an unreadable OUT is an error, never a silent start over.
+      auto found = select_checkpoint(opt.out_dir);
+      if (!found.ok() && found.status().code() != StatusCode::kNotFound)
+        return found.status().with_context("--resume auto");
+      if (found.ok()) {
+        resume_from = *found;
+        log_info("--resume auto: continuing from {}", resume_from);
+      }
+      fresh = !found.ok();
+    }
+    if (fresh) {
       std::vector<std::pair<std::string, std::string>> inputs = {{"--model", opt.model_dir},
                                                                  {"--lora-adapter", opt.lora.adapter_dir},
                                                                  {"--data", opt.data.path},
@@ -206,7 +222,9 @@ Status Trainer::Impl::check_output_dirs() {
       inputs.insert(inputs.end(), opt.other_inputs.begin(), opt.other_inputs.end());
       STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite, inputs));
     } else {
-      STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));
+      if (resume_from.empty()) {
+        STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));
+      }
       STRATA_ASSIGN_OR_RETURN(std::string id, checkpoint_run_id(resume_from));
       STRATA_RETURN_IF_ERROR(run_dir->continue_run(id));
     }

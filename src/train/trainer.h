@@ -208,7 +208,11 @@ struct TrainerOptions {
   int64_t save_every = 0;     // 0: no periodic checkpoints
   uint32_t keep = 2;          // periodic checkpoints kept (the newest); 0: keep all
   std::string out_dir;        // created if missing
-  std::string resume_dir;     // a checkpoint-<step> dir, or a run's out dir (its newest checkpoint is taken)
+  // A checkpoint-<step> dir, or a run's out dir (its newest checkpoint is
+  // taken); or kResumeAuto: out_dir's newest checkpoint of its run where it
+  // holds one, else a new run (as with "" and `overwrite`), so that one
+  // command line serves a job a launcher restarts (torchrun --max-restarts).
+  std::string resume_dir;
   bool overwrite = false;     // a fresh run into an out dir holding an earlier run removes that run's files
   // Other files the caller read for this run ({what names it, path}: the
   // --config file): overwrite never removes them (nor model_dir, the data).
@@ -236,6 +240,9 @@ struct TrainerOptions {
 // frequencies of its type, tied embeddings, the architecture's features; no
 // LoRA). Call LlamaDims::validate() on the result.
 LlamaDims llama_dims(const model::LlamaConfig& config);
+
+// TrainerOptions::resume_dir: continue out_dir's run if it has a checkpoint.
+inline constexpr const char* kResumeAuto = "auto";
 
 struct TrainResult {
   int64_t steps_done = 0;        // optimizer steps done in total (including before a resume)

@@ -266,6 +266,29 @@ left=$(find "$dir/nvme" -type f | head -3)
 rc=${PIPESTATUS[0]}
 [[ $rc -eq 0 && -e $dir/pipe/model/config.json ]] || fail "finetune writing into a closed pipe: exit $rc (141: SIGPIPE)"
 
+# --resume auto (one command line for every attempt of a restarted job): a new run where
+# OUT holds no checkpoint, the newest checkpoint where it holds one; an earlier run
+# without a checkpoint is refused as without --resume (replaced with --overwrite); a
+# restart under torchrun that forgot it is told about it.
+auto=("${common[@]}" --save-every 2 --keep 0 --no-export --resume auto)
+# (A resume mid-run: torchrun_restart_test.sh. Here the same command again after the run
+# ended: it resumes at the end, trains nothing, and keeps the metrics.)
+"$strata" finetune "${auto[@]}" --steps 4 --out "$dir/auto" >"$dir/auto1.log" 2>&1 ||
+  fail "--resume auto into a new out dir: $(tail -3 "$dir/auto1.log")"
+"$strata" finetune "${auto[@]}" --steps 4 --out "$dir/auto" >"$dir/auto2.log" 2>&1 ||
+  fail "--resume auto after the run ended: $(tail -3 "$dir/auto2.log")"
+n=$(grep -c '"event":"train"' "$dir/auto/metrics.jsonl")
+[[ $n -eq 4 ]] || fail "--resume auto: $n train lines after 4 steps and a resume at the end, not 4"
+grep -q '^done: 4 steps' "$dir/auto2.log" || fail "--resume auto at the end: $(tail -2 "$dir/auto2.log")"
+"$strata" finetune "${common[@]}" --steps 2 --no-export --out "$dir/auto-nock" >/dev/null 2>&1 ||
+  fail "a run without checkpoints failed"
+expect_error "out dir $dir/auto-nock holds an earlier run" "${auto[@]}" --steps 3 --out "$dir/auto-nock"
+"$strata" finetune "${auto[@]}" --steps 3 --overwrite --out "$dir/auto-nock" >"$dir/auto3.log" 2>&1 ||
+  fail "--resume auto --overwrite over a run without checkpoints: $(tail -3 "$dir/auto3.log")"
+out=$(TORCHELASTIC_RESTART_COUNT=1 "$strata" finetune "${common[@]}" --steps 3 --out "$dir/auto-nock" 2>&1)
+[[ $out == *"torchrun restarted this job, TORCHELASTIC_RESTART_COUNT=1: --resume auto continues from OUT's newest checkpoint"* ]] ||
+  fail "a torchrun restart without --resume auto is not told about it: $out"
+
 # A metrics file whose disk fills up mid-run (a 4 KiB tmpfs, in a mount namespace of
 # its own): the run saves a checkpoint, fails naming the file and the checkpoint, and
 # resuming (the file moved to where there is room) finishes with the straight run's
