@@ -136,6 +136,10 @@ class StoreClient {
     STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": handshake"));
     uint8_t r[4];
     Status st = recv_all(fd_.fd, r, sizeof r, deadline_, where_ + ": handshake");
+    if (st.code() == StatusCode::kUnavailable)  // the deadline: connected, but nothing answered
+      return Status(st.code(), where_ + ": MASTER_PORT took the connection but never answered the TCPStore "
+                                        "handshake (a process there that is not a TCPStore, or a rank 0 that "
+                                        "stopped)");
     if (!st.ok()) return st;  // closed: rank 0's previous exchange ending (join retries)
     if (get_u32(r) != nonce)
       return Status(StatusCode::kIoError,

@@ -225,6 +225,30 @@ TEST(Rendezvous, ASecondJobOnTheSamePortIsNamed) {
   EXPECT_EQ(exit_status(a), 0);
 }
 
+// MASTER_PORT held by something that takes connections and says nothing
+// (a stopped rank 0, a listener that is not a store): the timeout's error
+// says that, not only "timed out receiving".
+TEST(Rendezvous, AStoreThatNeverAnswersIsNamed) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);  // the kernel completes connections; nothing reads them
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  const uint16_t port = ntohs(sa.sin_port);
+  for (int rank : {0, 1}) {
+    const std::vector<uint8_t> blob = rank == 0 ? std::vector<uint8_t>{1} : std::vector<uint8_t>{};
+    auto got = rendezvous_broadcast(opts(port, rank, 2, 0.5), blob);
+    ASSERT_FALSE(got.ok());
+    EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);
+    EXPECT_TRUE(contains(got.status(), "MASTER_PORT took the connection but never answered the TCPStore handshake"))
+        << "rank " << rank << ": " << got.status().message();
+  }
+  ::close(fd);
+}
+
 // Something else connects to MASTER_PORT while rank 0 serves it (a port
 // scanner, a stray HTTP client, a wrong magic): those connections are dropped
 // and the ranks still meet.
