@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <cstring>
 
 #include <fmt/format.h>
 
@@ -47,11 +48,36 @@ Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::si
 
 // The store at MASTER_PORT (torchrun's agent's) outlives a job attempt and
 // serves every communicator of this one: the key names both (every rank
-// creates its communicators in the same order).
+// creates its communicators in the same order). The attempt is
+// TORCHELASTIC_RESTART_COUNT on one node only: that count is each agent's
+// own, and on several nodes (GROUP_WORLD_SIZE > 1) a node whose worker did
+// not fail restarts without counting, so the ranks' keys would differ and
+// never meet. There the key leaves it out: a restarted round that finds the
+// first's keys in the agent's store is refused by name (rendezvous.h), and
+// with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each round's MASTER_PORT is a new
+// one that rank 0 serves itself, so the keys are new.
 std::string store_key(const char* backend) {
   static std::atomic<uint64_t> sequence{0};
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  return fmt::format("{}/{}/{}", backend, restart != nullptr && *restart ? restart : "0", sequence++);
+  const char* nodes = std::getenv("GROUP_WORLD_SIZE");
+  const bool one_node = nodes == nullptr || *nodes == '\0' || std::strcmp(nodes, "1") == 0;
+  const char* attempt = restart != nullptr && *restart && one_node ? restart : "0";
+  return fmt::format("{}/{}/{}", backend, attempt, sequence++);
+}
+
+// What a taken key means for store_key()'s keys: "" (another job, or a
+// second RANK=0) but for a torchrun job on several nodes, whose restarted
+// round finds the first round's keys in the agent's store.
+std::string store_key_taken_hint() {
+  const char* nodes = std::getenv("GROUP_WORLD_SIZE");
+  if (std::getenv("TORCHELASTIC_RESTART_COUNT") == nullptr || nodes == nullptr || *nodes == '\0' ||
+      std::strcmp(nodes, "1") == 0)
+    return "";
+  return fmt::format(
+      "an earlier attempt of this torchrun job left its rendezvous in the agent's store (on {} nodes the restart "
+      "count differs from node to node, so the key cannot tell the attempts apart); for jobs that restart across "
+      "nodes set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, so that each attempt meets on a new port",
+      nodes);
 }
 
 // The ranks: the caller's (CommOptions::ranks, checked) or the launcher's.
@@ -87,7 +113,10 @@ Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const Co
   to.rank = li.rank;
   to.world_size = li.world_size;
   to.timeout_s = options.timeout_s;
-  if (li.world_size > 1) to.key = store_key("tcp");
+  if (li.world_size > 1) {
+    to.key = store_key("tcp");
+    to.taken_hint = store_key_taken_hint();
+  }
   return create_tcp_communicator(device, to);
 }
 
@@ -117,6 +146,7 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
       ro.world_size = li.world_size;
       ro.timeout_s = options.timeout_s;
       ro.key = key;
+      ro.taken_hint = store_key_taken_hint();
       return rendezvous_broadcast(ro, blob);
     };
   } else if (li.launcher == Launcher::kMpirun) {

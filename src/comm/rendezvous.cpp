@@ -293,10 +293,12 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
   STRATA_ASSIGN_OR_RETURN(const bool taken, c.check(k.blob));
   if (taken)
     return Status(StatusCode::kAlreadyExists,
-                  fmt::format("{}: another rank 0 already leads this rendezvous (key '{}') through the store at "
-                              "MASTER_PORT: two jobs given the same MASTER_ADDR:MASTER_PORT, or two processes with "
-                              "RANK=0? Give each job its own MASTER_PORT",
-                              where, o.key));
+                  fmt::format("{}: {} (key '{}') in the store at MASTER_PORT{}", where,
+                              o.taken_hint.empty() ? "another rank 0 already leads this rendezvous" : o.taken_hint,
+                              o.key,
+                              o.taken_hint.empty() ? ": two jobs given the same MASTER_ADDR:MASTER_PORT, or two "
+                                                     "processes with RANK=0? Give each job its own MASTER_PORT"
+                                                   : ""));
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
   std::vector<std::string> want(k.ack.begin() + 1, k.ack.end());
   STRATA_ASSIGN_OR_RETURN(bool all, c.wait(want, deadline));

@@ -20,8 +20,9 @@
 //   verdict   rank 0, once every ack is in or the timeout passed: u32 status
 //             code (0 ok) and the error text
 // A rank 0 that finds the blob's key taken in the store it reached (another
-// job's rank 0 serving the same MASTER_PORT, or a second RANK=0) fails with
-// kAlreadyExists saying so, instead of mixing the two jobs' ranks.
+// job's rank 0 serving the same MASTER_PORT, or a second RANK=0; or
+// taken_hint) fails with kAlreadyExists saying so, instead of mixing the two
+// jobs' ranks.
 // Every rank returns the verdict: a refusal or a missing rank ("never came:
 // rank 2") reaches every rank that came, prefixed "rank 0 refused the
 // rendezvous" on ranks other than 0; a rank waits for it as long as rank 0
@@ -60,6 +61,10 @@ struct RendezvousOptions {
   // Names this exchange among others in the same store (every rank passes the
   // same): the job attempt and the communicator's sequence number.
   std::string key = "0";
+  // Rank 0: what a blob already under `key` means where the key cannot name
+  // the attempt (a restart on several torchrun nodes); "": another job's rank
+  // 0 on the same MASTER_PORT, or a second RANK=0.
+  std::string taken_hint;
 };
 
 // Returns rank 0's `root_blob` on every rank (rank 0 gets its own back;

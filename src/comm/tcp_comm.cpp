@@ -613,6 +613,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
     ro.world_size = world;
     ro.timeout_s = o.timeout_s;
     ro.key = o.key;
+    ro.taken_hint = o.taken_hint;
     STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> got, rendezvous_broadcast(ro, blob));
     Blob b{};
     if (got.size() == sizeof b) std::memcpy(&b, got.data(), sizeof b);

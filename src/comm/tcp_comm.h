@@ -61,6 +61,7 @@ struct TcpCommOptions {
   // Names this communicator's exchange in the store (rendezvous.h's key):
   // every rank passes the same, distinct per communicator of a job.
   std::string key = "tcp/0";
+  std::string taken_hint;  // rendezvous.h: what a taken key means here ("": another job)
 };
 
 // Collective over the ranks (every rank calls it, in the same order as its

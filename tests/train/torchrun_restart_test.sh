@@ -23,12 +23,13 @@ if ! "$python" -c "import torch.distributed.run" 2>/dev/null; then
 fi
 root=${STRATA_TEST_DIR:-/tmp}
 dir=$(mktemp -d "$root/strata-torchrun-restart.XXXXXX") || exit 1
-trap 'rm -rf "$dir"' EXIT
+trap '[[ -n ${KEEP:-} ]] || rm -rf "$dir"' EXIT
 source "$(dirname "${BASH_SOURCE[0]}")/../cli_lib.sh"
 cli_small_model_and_data "$strata" "$dir" || { echo "init-model failed"; exit 1; }
 
-job=(--model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 2 --lr 1e-3 --steps 24 --save-every 3 --keep 0
-  --eval-batches 1 --progress lines --threads 1 --no-export --comm-timeout 60)
+base=(--model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 2 --lr 1e-3 --eval-batches 1 --progress lines
+  --threads 1 --no-export --comm-timeout 60)
+job=("${base[@]}" --steps 24 --save-every 3 --keep 0)
 port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 torchrun=("$python" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1)
 export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
@@ -59,4 +60,44 @@ b=$(train_lines "$dir/restarted/metrics.jsonl")
 [[ $a == "$b" ]] || fail "the restarted job's metrics differ: $(diff <(echo "$a") <(echo "$b") | head -6)"
 ((failures)) || echo "torchrun --max-restarts 1 with --resume auto: rank 1 killed after checkpoint-3, the restart" \
   "continued from it and ended with the uninterrupted job's 24 train lines"
+
+# Two torchrun agents as two nodes (c10d rendezvous, one rank each); node 1's worker fails
+# on attempt 0. Node 1's agent counts a restart, node 0's restarts for the membership
+# change without counting one: TORCHELASTIC_RESTART_COUNT differs between the ranks, so
+# it cannot name the attempt in the rendezvous key (a job whose ranks waited under
+# different keys until the timeout, blaming each other). With
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each round meets on a new MASTER_PORT: the restart
+# succeeds. With torchrun's shared agent store, round 1's keys are still there: round 2
+# is refused at once, naming the setting.
+cat >"$dir/node.sh" <<EOS
+#!/usr/bin/env bash
+[[ \$GROUP_RANK == 1 && \$TORCHELASTIC_RESTART_COUNT == 0 ]] && exit 3
+exec "$strata" finetune "\$@"
+EOS
+chmod +x "$dir/node.sh"
+two_nodes() {  # OUT, then env settings; both agents' output in OUT.node{0,1}.log
+  local out=$1 rdzv n pids=()
+  shift
+  rdzv=$(port)
+  for n in 0 1; do
+    env "$@" timeout 300 "$python" -m torch.distributed.run --nnodes 2 --nproc-per-node 1 --max-restarts 1 \
+      --rdzv-backend c10d --rdzv-endpoint "127.0.0.1:$rdzv" --rdzv-id "strata$$" --monitor-interval 0.5 \
+      --no-python "$dir/node.sh" "${base[@]}" --steps 3 --out "$out" >"$out.node$n.log" 2>&1 &
+    pids+=($!)
+  done
+  local rc=0
+  for n in "${pids[@]}"; do wait "$n" || rc=1; done
+  return $rc
+}
+two_nodes "$dir/nodes-own" TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 ||
+  fail "two nodes, a restart with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: $(grep -h 'strata\|rror' "$dir"/nodes-own.node*.log | head -8)"
+grep -q "^done: 3 steps" "$dir/nodes-own.node0.log" || fail "two nodes: rank 0 did not finish: $(tail -5 "$dir/nodes-own.node0.log")"
+if two_nodes "$dir/nodes-shared" TORCH_DISABLE_SHARE_RDZV_TCP_STORE=0; then
+  fail "two nodes on torchrun's shared store: the restarted round met (it cannot tell the attempts apart)"
+fi
+grep -q "an earlier attempt of this torchrun job left its rendezvous in the agent's store.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" \
+  "$dir/nodes-shared.node0.log" ||
+  fail "two nodes on torchrun's shared store: rank 0 does not name the cause: $(grep -h 'strata' "$dir"/nodes-shared.node*.log | head -6)"
+((failures)) || echo "two torchrun nodes, node 1 failing once: the restart meets with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1," \
+  "and is refused at once naming it on torchrun's shared store"
 cli_finish "torchrun restart"
