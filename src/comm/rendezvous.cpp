@@ -328,8 +328,8 @@ class MiniStore {
  public:
   explicit MiniStore(std::string where) : where_(std::move(where)) {}
 
-  Status listen(uint16_t port, int backlog) {
-    STRATA_ASSIGN_OR_RETURN(listener_, net::listen_on(port, backlog, where_));
+  Status listen(uint16_t port, int backlog, int* bind_errno) {
+    STRATA_ASSIGN_OR_RETURN(listener_, net::listen_on(port, backlog, where_, bind_errno));
     return Status();
   }
 
@@ -544,10 +544,9 @@ class MiniStore {
   std::map<std::string, int> gets_;
 };
 
-Result<std::vector<uint8_t>> lead_alone(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
+// (s: listening on MASTER_PORT.)
+Result<std::vector<uint8_t>> lead_alone(MiniStore& s, const RendezvousOptions& o, const std::vector<uint8_t>& blob,
                                         Clock::time_point deadline, const std::string& where) {
-  MiniStore s(where);
-  STRATA_RETURN_IF_ERROR(s.listen(o.port, o.world_size));
   const Keys k(o);
   s.set(k.blob, encode_blob(o, blob, deadline));
   auto all_acked = [&] {
@@ -584,12 +583,23 @@ Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<
                                   Clock::time_point deadline, const std::string& where) {
   STRATA_ASSIGN_OR_RETURN(std::vector<net::SockAddr> targets,
                           resolve(o.addr.empty() ? "127.0.0.1" : o.addr, o.port, where));
-  StoreClient c(where, deadline);
-  bool refused = false;
-  Status st = c.connect_once(targets, &refused);
-  if (st.ok()) return lead_through(c, o, blob, deadline, where);
-  if (refused) return lead_alone(o, blob, deadline, where);
-  return st;
+  // A socket may hold MASTER_PORT a moment after nothing answered there (a
+  // joining rank's connection to itself, reset at once; a closing store):
+  // the bind is tried again for a while, a store there taken if one comes.
+  const auto give_up = std::min(deadline, Clock::now() + std::chrono::seconds(2));
+  for (;;) {
+    StoreClient c(where, deadline);
+    bool refused = false;
+    Status st = c.connect_once(targets, &refused);
+    if (st.ok()) return lead_through(c, o, blob, deadline, where);
+    if (!refused) return st;
+    MiniStore s(where);
+    int bind_errno = 0;
+    Status listening = s.listen(o.port, o.world_size, &bind_errno);
+    if (listening.ok()) return lead_alone(s, o, blob, deadline, where);
+    if (bind_errno != EADDRINUSE || Clock::now() >= give_up) return listening;
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
 }
 
 }  // namespace

@@ -97,7 +97,9 @@ Result<bool> wait_fd(int fd, short events, Clock::time_point deadline) {
     const int n = ::poll(&p, 1, poll_slice(left));
     if (n > 0) return true;
     if (n == 0) {
-      if (poll_slice(left) == left) return false;  // the deadline (not a slice) passed
+      // The deadline passed (not a slice, nor poll's longest wait: ms_left
+      // says at most 2^30 ms, 12.4 days, of a longer timeout).
+      if (ms_left(deadline) == 0) return false;
       continue;
     }
     if (errno != EINTR) return Status::from_errno(errno, "poll");
@@ -264,7 +266,8 @@ Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_po
   }
 }
 
-Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where) {
+Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where, int* bind_errno) {
+  if (bind_errno != nullptr) *bind_errno = 0;
   // Dual-stack where the kernel has IPv6 (rank 0 listens on the wildcard:
   // MASTER_ADDR may name it by either family); IPv4 where it has none.
   Fd l(::socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
@@ -291,8 +294,10 @@ Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where) {
   }
   a.set_port(port);
   ::setsockopt(l.fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-  if (::bind(l.fd, a.sa(), a.len) != 0)
+  if (::bind(l.fd, a.sa(), a.len) != 0) {
+    if (bind_errno != nullptr) *bind_errno = errno;
     return Status::from_errno(errno, fmt::format("{}: bind to port {} failed", where, port));
+  }
   if (::listen(l.fd, std::max(backlog, 16)) != 0) return Status::from_errno(errno, where + ": listen failed");
   return l;
 }

@@ -133,7 +133,9 @@ Result<Fd> connect_retrying(const std::vector<SockAddr>& targets, Clock::time_po
 // SO_REUSEADDR), for IPv4 and IPv6 peers alike: a dual-stack IPv6 socket
 // (IPV6_V6ONLY off; IPv4 peers show as IPv4-mapped addresses), or an IPv4
 // one where the kernel has no IPv6.
-Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where);
+// *bind_errno (when given): the bind's errno where it failed (EADDRINUSE:
+// the port is taken), else 0.
+Result<Fd> listen_on(uint16_t port, int backlog, const std::string& where, int* bind_errno = nullptr);
 // listen_on(0, ...), but never on port `avoid` (MASTER_PORT): the kernel
 // takes the ports of listeners made by bind(0) from the ephemeral range,
 // which is where a launcher's free MASTER_PORT comes from too (torchrun

@@ -248,7 +248,8 @@ Status RunDir::write_run_json(const std::string& settings_json) {
   return model::write_file_atomic(join_path(path_, kRunFile), j.dump(2) + "\n");
 }
 
-Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs) {
+Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs,
+                           bool resume_auto) {
   std::vector<std::string> found;
   std::error_code ec;
   for (fs::directory_iterator it(path_, ec), end; !ec && it != end; it.increment(ec)) {
@@ -271,6 +272,11 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     std::sort(found.begin(), found.end());
     if (!overwrite) {
       const std::string list = names_for_message(found, 6);
+      if (resume_auto)
+        return Status(StatusCode::kAlreadyExists,
+                      fmt::format("--resume auto: out dir {} holds an earlier run ({}{}) but no checkpoint to "
+                                  "continue from: start over with --overwrite (removes them), or give another --out",
+                                  path_, list, run_id_.empty() ? "" : ", run " + run_id_));
       // A launcher's restart of this job (the same command line again).
       const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
       const bool restarted = restart != nullptr && *restart != '\0' && std::strcmp(restart, "0") != 0;

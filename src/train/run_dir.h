@@ -55,7 +55,10 @@ class RunDir {
   // `inputs` (what names it, e.g. "--model"; its path): files the run reads,
   // refused (kInvalidArgument) before anything is removed when one lies in
   // what overwrite would remove.
-  Status start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs = {});
+  // `resume_auto`: the run was told --resume auto and OUT holds no
+  // checkpoint (the refusal says --overwrite, not --resume).
+  Status start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs = {},
+                     bool resume_auto = false);
   // Continuing a run whose checkpoint carries `run_id` ("" for checkpoints
   // older than run ids): OUT's run.json must name the same run, or OUT must
   // hold no run yet (it takes that id).

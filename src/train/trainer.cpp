@@ -202,16 +202,20 @@ Status Trainer::Impl::check_output_dirs() {
     STRATA_ASSIGN_OR_RETURN(run_dir, RunDir::open(opt.out_dir));
     bool fresh = opt.resume_dir.empty();
     if (opt.resume_dir == kResumeAuto) {
-      // OUT's newest checkpoint of its run, or none (a new run); a damaged
-      // one or an unreadable OUT is an error, never a silent start over.
-      auto found = select_checkpoint(opt.out_dir);
-      if (!found.ok() && found.status().code() != StatusCode::kNotFound)
-        return found.status().with_context("--resume auto");
-      if (found.ok()) {
+      // A new run only where OUT holds no checkpoint-<step> at all; else its
+      // newest of the run, and one that cannot be used (damaged, another
+      // run's) is an error, never a silent start over.
+      fresh = list_checkpoint_dirs(opt.out_dir).empty();
+      if (!fresh) {
+        auto found = select_checkpoint(opt.out_dir);
+        if (!found.ok())
+          return Status(found.status().code(),
+                        fmt::format("--resume auto: {} (--resume auto never starts over where OUT holds "
+                                    "checkpoints, even with --overwrite: to start over, leave out --resume auto)",
+                                    found.status().message()));
         resume_from = *found;
         log_info("--resume auto: continuing from {}", resume_from);
       }
-      fresh = !found.ok();
     }
     if (fresh) {
       std::vector<std::pair<std::string, std::string>> inputs = {{"--model", opt.model_dir},
@@ -220,7 +224,7 @@ Status Trainer::Impl::check_output_dirs() {
                                                                  {"--loss-mask", opt.data.loss_mask_path},
                                                                  {"--documents", opt.data.documents_path}};
       inputs.insert(inputs.end(), opt.other_inputs.begin(), opt.other_inputs.end());
-      STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite, inputs));
+      STRATA_RETURN_IF_ERROR(run_dir->start_fresh(opt.overwrite, inputs, opt.resume_dir == kResumeAuto));
     } else {
       if (resume_from.empty()) {
         STRATA_ASSIGN_OR_RETURN(resume_from, select_checkpoint(opt.resume_dir));

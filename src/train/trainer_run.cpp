@@ -36,6 +36,15 @@ class Trainer::Run {
     // disk) ends the run with a checkpoint (Impl::metrics_error).
     m_.metrics_deferred = true;
     if (Status trained = train(); !trained.ok()) return with_metrics_error(trained);
+    // Every rank learns whether rank 0's metrics failed (the ranks stopped
+    // as on a stop request): each then fails saying so, none exits as if
+    // interrupted by a signal.
+    STRATA_ASSIGN_OR_RETURN(const bool metrics_stop, m_.any_rank(!m_.metrics_error.ok()));
+    if (metrics_stop) {
+      progress_.end();
+      finish_totals();
+      return with_metrics_error({});
+    }
     // A stop request that came after the last step: the work is saved, as the
     // signal handler promised, and the final evaluation and export skipped.
     // (N ranks: every stop check is agreed on, Impl::stop_requested.)
@@ -49,10 +58,7 @@ class Trainer::Run {
     }
     progress_.end();
     finish_totals();
-    if (res_.interrupted) {
-      if (!m_.metrics_error.ok()) return with_metrics_error({});
-      return res_;
-    }
+    if (res_.interrupted) return res_;
     if (has_val_) {
       // Resumed where the run had ended (no step trained here): the same
       // weights, so the value just printed; written only if the file lacks it
@@ -70,9 +76,7 @@ class Trainer::Run {
     STRATA_ASSIGN_OR_RETURN(const bool metrics_failed, m_.any_rank(!m_.metrics_error.ok()));
     if (metrics_failed) {
       Status saved = res_.last_checkpoint != checkpoint_dir() ? checkpoint() : Status();
-      res_.interrupted = true;
-      if (!saved.ok() || !m_.metrics_error.ok()) return with_metrics_error(saved);
-      return res_;
+      return with_metrics_error(saved);
     }
     // LoRA: the adapter is the run's result, written even with --no-export
     // (which leaves out OUT/model only).
@@ -210,12 +214,18 @@ class Trainer::Run {
   // trained (rank 0; the other ranks stopped as on a stop request): the
   // error, and where the trained state is, or why it could not be saved
   // (`after`: the error the run ended with after it, if any).
+  // On rank 0 the metrics error; on the others, that rank 0's failed.
   Status with_metrics_error(const Status& after) {
-    const Status& e = m_.metrics_error;
-    if (e.ok()) return after;
-    if (!after.ok())
-      return Status(e.code(), fmt::format("{}; saving the trained state in a checkpoint failed too: {}", e.message(),
-                                          after.message()));
+    const Status e = !m_.metrics_error.ok() ? m_.metrics_error
+                                             : Status(StatusCode::kIoError,
+                                                      fmt::format("rank 0 could not write its metrics file (its "
+                                                                  "error says why); the ranks stopped at step {}",
+                                                                  m_.step));
+    if (!after.ok()) {
+      // (A metrics failure that stopped nothing yet: the run's own error.)
+      if (m_.metrics_error.ok()) return after;
+      return Status(e.code(), fmt::format("{}; then, stopping to save: {}", e.message(), after.message()));
+    }
     if (res_.last_checkpoint.empty()) return e;  // (stopped before its first step)
     return Status(e.code(), fmt::format("{}; the trained state is saved in {}: resume with --resume {} once the "
                                         "metrics file can be written",

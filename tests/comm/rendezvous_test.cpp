@@ -13,10 +13,12 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <functional>
 #include <string>
 #include <vector>
 
+#include "comm/socket_io.h"
 #include "test_util/free_port.h"
 #include "test_util/ipv6.h"
 #include "test_util/netns.h"
@@ -183,6 +185,18 @@ TEST(Rendezvous, NoRankZeroTimesOut) {
 // answered wrongly (a fatal "wrong ping reply" before).
 TEST(Rendezvous, AConnectionToItselfIsNotTakenForAStore) {
   test::run_in_netns(40000, 40001, []() -> std::string {
+    {  // The premise: a plain connect to 40000 reaches itself here.
+      const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      sa.sin_port = htons(40000);
+      const bool self = ::connect(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 && net::self_connected(fd);
+      const linger reset{1, 0};
+      ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &reset, sizeof reset);
+      ::close(fd);
+      if (!self) return "premise: a connect to 127.0.0.1:40000 did not reach itself";
+    }
     auto lead = rendezvous_broadcast(opts(40000, 0, 2, 0.5), {9});
     if (lead.ok() || !contains(lead.status(), "never came: rank 1"))
       return "rank 0: " + (lead.ok() ? std::string("ok") : lead.status().to_string());
@@ -223,6 +237,36 @@ TEST(Rendezvous, ASecondJobOnTheSamePortIsNamed) {
       << got.status().message();
   EXPECT_TRUE(contains(got.status(), "Give each job its own MASTER_PORT")) << got.status().message();
   EXPECT_EQ(exit_status(a), 0);
+}
+
+// MASTER_PORT held a moment by a socket that does not listen (a joining
+// rank's connection to itself before its reset, a closing store): rank 0
+// finds nothing listening, and its bind fails at first. It tries again
+// (a fatal "Address already in use" before), and the ranks meet.
+TEST(Rendezvous, APortHeldAMomentIsServedOnceFree) {
+  const uint16_t port = free_port();
+  int held = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  sa.sin_port = htons(port);
+  ASSERT_EQ(::bind(held, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);  // bound, not listening
+  const std::vector<uint8_t> blob{4, 2};
+  pid_t k1 = spawn([&] {
+    ::close(held);  // (the parent's copy holds it)
+    auto got = rendezvous_broadcast(opts(port, 1, 2, 30), {});
+    return got.ok() && *got == blob ? 0 : 1;
+  });
+  pid_t k0 = spawn([&] {
+    ::close(held);
+    auto got = rendezvous_broadcast(opts(port, 0, 2, 30), blob);
+    if (!got.ok()) std::fprintf(stderr, "rank 0: %s\n", got.status().to_string().c_str());
+    return got.ok() && *got == blob ? 0 : 1;
+  });
+  ::usleep(300000);  // rank 0 has found the port taken by now
+  ::close(held);
+  EXPECT_EQ(exit_status(k0), 0);
+  EXPECT_EQ(exit_status(k1), 0);
 }
 
 // MASTER_PORT held by something that takes connections and says nothing

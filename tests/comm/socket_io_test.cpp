@@ -159,6 +159,12 @@ TEST(SocketIo, AHugeTimeoutIsAFarDeadline) {
 // the odd one first.
 TEST(SocketIo, TheRanksListenerNeverTakesMasterPort) {
   test::run_in_netns(40000, 40001, []() -> std::string {
+    {  // The premise: left alone, the kernel offers 40001 first.
+      auto plain = listen_on(0, 4, "test");
+      if (!plain.ok()) return plain.status().to_string();
+      if (local_port(plain->fd) != 40001)
+        return "premise: bind(0) offered " + std::to_string(local_port(plain->fd)) + " first, not 40001";
+    }
     auto l = listen_on_other_port(40001, 4, "test");
     if (!l.ok()) return l.status().to_string();
     if (local_port(l->fd) != 40000) return "listening on port " + std::to_string(local_port(l->fd));

@@ -282,7 +282,17 @@ n=$(grep -c '"event":"train"' "$dir/auto/metrics.jsonl")
 grep -q '^done: 4 steps' "$dir/auto2.log" || fail "--resume auto at the end: $(tail -2 "$dir/auto2.log")"
 "$strata" finetune "${common[@]}" --steps 2 --no-export --out "$dir/auto-nock" >/dev/null 2>&1 ||
   fail "a run without checkpoints failed"
-expect_error "out dir $dir/auto-nock holds an earlier run" "${auto[@]}" --steps 3 --out "$dir/auto-nock"
+expect_error "--resume auto: out dir $dir/auto-nock holds an earlier run (metrics.jsonl, run.json, run " \
+  "${auto[@]}" --steps 3 --out "$dir/auto-nock"
+expect_error "but no checkpoint to continue from: start over with --overwrite" "${auto[@]}" --steps 3 --out "$dir/auto-nock"
+# A damaged checkpoint is an error, never a start over (not even with --overwrite, which
+# would remove it).
+cp -r "$dir/auto" "$dir/auto-bad"
+for c in "$dir"/auto-bad/checkpoint-*; do printf 'garbage' >"$c/index.json"; done
+expect_error "--resume auto: resume: $dir/auto-bad holds no usable checkpoint" "${auto[@]}" --steps 4 --out "$dir/auto-bad"
+expect_error "never starts over where OUT holds checkpoints, even with --overwrite" "${auto[@]}" --steps 4 --overwrite \
+  --out "$dir/auto-bad"
+[[ -e $dir/auto-bad/checkpoint-4/index.json ]] || fail "--resume auto --overwrite removed a damaged checkpoint"
 "$strata" finetune "${auto[@]}" --steps 3 --overwrite --out "$dir/auto-nock" >"$dir/auto3.log" 2>&1 ||
   fail "--resume auto --overwrite over a run without checkpoints: $(tail -3 "$dir/auto3.log")"
 out=$(TORCHELASTIC_RESTART_COUNT=1 "$strata" finetune "${common[@]}" --steps 3 --out "$dir/auto-nock" 2>&1)
