@@ -229,11 +229,11 @@ class RanksTest(unittest.TestCase):
                 "world_size=1, timeout=datetime.timedelta(seconds=3))\n"
                 "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
                 "print('joined', flush=True)\n")
-        t0 = time.monotonic()
         p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
         try:
-            conn, _ = store.accept()
+            conn, _ = store.accept()  # rank 1 is in the C call (torch's import and the group are behind it)
+            t0 = time.monotonic()
             out, err = p.communicate(timeout=120)
             waited = time.monotonic() - t0
             conn.close()
@@ -246,8 +246,8 @@ class RanksTest(unittest.TestCase):
         self.assertNotIn("joined", out)
         self.assertIn("rendezvous at 127.0.0.1:", err)
         self.assertIn("(rank 1 of 2)", err)
-        self.assertLess(waited, 60.0, err)
-        print(f"  rank 1 gave up on a silent rank 0 after {waited:.1f} s (the group's 3 s timeout): "
+        self.assertLess(waited, 40.0, err)  # (not 300 s; the process's exit under load takes some)
+        print(f"  rank 1 gave up on a silent rank 0 {waited:.1f} s after it connected (the group's 3 s timeout): "
               f"{err.strip().splitlines()[-1][:160]}")
 
     def test_ctrl_c_while_waiting_for_the_other_ranks_ends_the_wait(self):
