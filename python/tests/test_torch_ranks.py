@@ -210,29 +210,22 @@ class RanksTest(unittest.TestCase):
             if saved is not None:
                 os.environ["DEEPSPEED_TIMEOUT"] = saved
 
-    def test_a_rank_that_never_answers_fails_after_the_groups_timeout(self):
-        # Rank 1 of 2 (torchrun's environment) in a process whose default
-        # group was made with a 3 s timeout; rank 0's "store" takes the
-        # connection and never replies. The engine waits the group's 3 s,
-        # not the library's 300 s, and names the rendezvous.
+    def rank1_beside_a_silent_rank0(self, code, once_connected=lambda p: None):
+        """Runs `code` as rank 1 of 2 (torchrun's environment) whose rank 0's
+        "store" takes the connection and never replies; once rank 1 has
+        connected (it is inside the C call's wait), once_connected(process).
+        Returns (process, stdout, stderr, seconds from then to its exit)."""
         store = socket.socket()
         store.bind(("127.0.0.1", 0))
         store.listen(4)
         store.settimeout(120)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            pg_port = s.getsockname()[1]
         env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
-        code = ("import datetime, torch, strata.torch as st\n"
-                f"torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:{pg_port}', rank=0, "
-                "world_size=1, timeout=datetime.timedelta(seconds=3))\n"
-                "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
-                "print('joined', flush=True)\n")
         p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True)
         try:
-            conn, _ = store.accept()  # rank 1 is in the C call (torch's import and the group are behind it)
+            conn, _ = store.accept()  # (torch's import and the rest of the start-up are behind)
+            once_connected(p)
             t0 = time.monotonic()
             out, err = p.communicate(timeout=120)
             waited = time.monotonic() - t0
@@ -242,6 +235,21 @@ class RanksTest(unittest.TestCase):
             if p.poll() is None:
                 p.kill()
                 p.communicate()
+        return p, out, err, waited
+
+    def test_a_rank_that_never_answers_fails_after_the_groups_timeout(self):
+        # Rank 1 in a process whose default group was made with a 3 s
+        # timeout, beside a silent rank 0: the engine waits the group's 3 s,
+        # not the library's 300 s, and names the rendezvous.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            pg_port = s.getsockname()[1]
+        code = ("import datetime, torch, strata.torch as st\n"
+                f"torch.distributed.init_process_group('gloo', init_method='tcp://127.0.0.1:{pg_port}', rank=0, "
+                "world_size=1, timeout=datetime.timedelta(seconds=3))\n"
+                "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
+                "print('joined', flush=True)\n")
+        p, out, err, waited = self.rank1_beside_a_silent_rank0(code)
         self.assertNotEqual(p.returncode, 0, out)
         self.assertNotIn("joined", out)
         self.assertIn("rendezvous at 127.0.0.1:", err)
@@ -256,39 +264,22 @@ class RanksTest(unittest.TestCase):
         # Python cannot run its handler during the call into C, so the call
         # runs on a thread of its own and the interruption sets its stop flag
         # (C ABI API 12). Before, the process went on waiting for minutes. The
-        # "store" here takes rank 1's connection and never replies, so the
         # signal comes while rank 1 is inside the C call's wait.
-        store = socket.socket()
-        store.bind(("127.0.0.1", 0))
-        store.listen(4)
-        store.settimeout(120)
-        env = dict(os.environ, RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.getsockname()[1]))
         code = ("import torch, strata.torch as st\n"
                 "st.initialize(model=torch.nn.Linear(4, 4), config={'optimizer': {'type': 'AdamW'}})\n"
                 "print('joined', flush=True)\n")
-        p = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                             text=True)
-        try:
-            conn, _ = store.accept()  # rank 1 is in strata_engine_create, waiting for an answer
+
+        def interrupt(p):
             time.sleep(0.3)
             self.assertIsNone(p.poll(), "rank 1 did not wait for rank 0")
             p.send_signal(signal.SIGINT)
-            t0 = time.monotonic()
-            out, err = p.communicate(timeout=60)
-            waited = time.monotonic() - t0
-            conn.close()
-        finally:
-            store.close()
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+
+        p, out, err, waited = self.rank1_beside_a_silent_rank0(code, interrupt)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("KeyboardInterrupt", err)
         self.assertNotIn("joined", out)
         self.assertLess(waited, 30.0, err)
         print(f"  Ctrl-C ended rank 1's wait for rank 0 after {waited:.2f} s (exit {p.returncode})")
-
 
 if __name__ == "__main__":
     unittest.main()

@@ -53,6 +53,21 @@ RendezvousOptions opts(uint16_t port, int rank, int world, double timeout_s, con
 
 bool contains(const Status& st, const std::string& needle) { return st.message().find(needle) != std::string::npos; }
 
+// A listener on a loopback port the kernel picks (its connections are
+// completed by the kernel; nothing here reads them): the fd, *port set.
+int loopback_listener(uint16_t* port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof sa;
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
+  EXPECT_EQ(::listen(fd, 4), 0);
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
+  *port = ntohs(sa.sin_port);
+  return fd;
+}
+
 TEST(Rendezvous, ThreeRanksGetRankZerosBlob) {
   const uint16_t port = free_port();
   std::vector<uint8_t> blob(128);  // the size of an ncclUniqueId
@@ -273,15 +288,8 @@ TEST(Rendezvous, APortHeldAMomentIsServedOnceFree) {
 // (a stopped rank 0, a listener that is not a store): the timeout's error
 // says that, not only "timed out receiving".
 TEST(Rendezvous, AStoreThatNeverAnswersIsNamed) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);  // the kernel completes connections; nothing reads them
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  const uint16_t port = ntohs(sa.sin_port);
+  uint16_t port = 0;
+  const int fd = loopback_listener(&port);
   for (int rank : {0, 1}) {
     const std::vector<uint8_t> blob = rank == 0 ? std::vector<uint8_t>{1} : std::vector<uint8_t>{};
     auto got = rendezvous_broadcast(opts(port, rank, 2, 0.5), blob);
@@ -343,15 +351,8 @@ TEST(Rendezvous, StrangersOnThePortAreDroppedAndTheRanksStillMeet) {
 // MASTER_PORT served by something that is not a TCPStore: rank 0 says so
 // instead of publishing the id into it.
 TEST(Rendezvous, APortThatIsNotATcpStoreIsNamed) {
-  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in sa{};
-  sa.sin_family = AF_INET;
-  sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof sa;
-  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0);
-  ASSERT_EQ(::listen(fd, 4), 0);
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len);
-  const uint16_t port = ntohs(sa.sin_port);
+  uint16_t port = 0;
+  const int fd = loopback_listener(&port);
   pid_t k = spawn([fd] {  // accepts, reads the handshake, answers nonsense
     int c = ::accept(fd, nullptr, nullptr);
     char buf[64];
