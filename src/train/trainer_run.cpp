@@ -207,14 +207,11 @@ class Trainer::Run {
     return v;
   }
 
-  // An export that failed (a value its dtype cannot hold, a full disk)
-  // loses no training: the ranks save the last step's checkpoint, if the
-  // schedule did not, and the error says how to export it again.
   // The run's outcome once a metrics line could not be written while it
-  // trained (rank 0; the other ranks stopped as on a stop request): the
-  // error, and where the trained state is, or why it could not be saved
-  // (`after`: the error the run ended with after it, if any).
-  // On rank 0 the metrics error; on the others, that rank 0's failed.
+  // trained (rank 0's file; every rank stopped as on a stop request): on
+  // rank 0 that error, on the others that rank 0's failed; then where the
+  // trained state is saved, or `after`, the error the run ended with after
+  // it (a failed save).
   Status with_metrics_error(const Status& after) {
     const Status e = !m_.metrics_error.ok() ? m_.metrics_error
                                              : Status(StatusCode::kIoError,
@@ -232,6 +229,9 @@ class Trainer::Run {
                                         e.message(), res_.last_checkpoint, m_.opt.out_dir));
   }
 
+  // An export that failed (a value its dtype cannot hold, a full disk)
+  // loses no training: the ranks save the last step's checkpoint, if the
+  // schedule did not, and the error says how to export it again.
   Status keep_work(const Status& failed) {
     // Only what another dtype, more disk or a path can fix (a NaN master
     // cannot be exported in any dtype).
