@@ -32,7 +32,8 @@ base=(--model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 2 --lr 1e-3 -
 job=("${base[@]}" --steps 24 --save-every 3 --keep 0)
 port() { "$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 torchrun=("$python" -m torch.distributed.run --nproc-per-node 2 --master-addr 127.0.0.1)
-export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore
+# TMPDIR: torchrun leaves a torchelastic_* log directory there.
+export OMP_NUM_THREADS=1 PYTHONWARNINGS=ignore TMPDIR="$dir"
 
 # Each attempt runs this: rank 1 of attempt 0 is killed once checkpoint-3 is in OUT.
 cat >"$dir/rank.sh" <<EOS
