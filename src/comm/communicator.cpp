@@ -56,12 +56,16 @@ Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::si
 // first's keys in the agent's store is refused by name (rendezvous.h), and
 // with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 each round's MASTER_PORT is a new
 // one that rank 0 serves itself, so the keys are new.
+// GROUP_WORLD_SIZE, torchrun's number of nodes (agents), when over 1; else null.
+const char* torchrun_nodes() {
+  const char* nodes = std::getenv("GROUP_WORLD_SIZE");
+  return nodes != nullptr && *nodes != '\0' && std::strcmp(nodes, "1") != 0 ? nodes : nullptr;
+}
+
 std::string store_key(const char* backend) {
   static std::atomic<uint64_t> sequence{0};
   const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
-  const char* nodes = std::getenv("GROUP_WORLD_SIZE");
-  const bool one_node = nodes == nullptr || *nodes == '\0' || std::strcmp(nodes, "1") == 0;
-  const char* attempt = restart != nullptr && *restart && one_node ? restart : "0";
+  const char* attempt = restart != nullptr && *restart && torchrun_nodes() == nullptr ? restart : "0";
   return fmt::format("{}/{}/{}", backend, attempt, sequence++);
 }
 
@@ -69,10 +73,8 @@ std::string store_key(const char* backend) {
 // second RANK=0) but for a torchrun job on several nodes, whose restarted
 // round finds the first round's keys in the agent's store.
 std::string store_key_taken_hint() {
-  const char* nodes = std::getenv("GROUP_WORLD_SIZE");
-  if (std::getenv("TORCHELASTIC_RESTART_COUNT") == nullptr || nodes == nullptr || *nodes == '\0' ||
-      std::strcmp(nodes, "1") == 0)
-    return "";
+  const char* nodes = torchrun_nodes();
+  if (std::getenv("TORCHELASTIC_RESTART_COUNT") == nullptr || nodes == nullptr) return "";
   return fmt::format(
       "an earlier attempt of this torchrun job left its rendezvous in the agent's store (on {} nodes the restart "
       "count differs from node to node, so the key cannot tell the attempts apart); for jobs that restart across "
