@@ -122,6 +122,35 @@ Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const Co
   return create_tcp_communicator(device, to);
 }
 
+// A communicator and what must live as long as it: rank 0's rendezvous
+// store, held (rendezvous.h, "Holding the port").
+class Holding final : public Communicator {
+ public:
+  Holding(std::unique_ptr<Communicator> comm, std::shared_ptr<void> held)
+      : held_(std::move(held)), comm_(std::move(comm)) {}
+  int rank() const override { return comm_->rank(); }
+  int world_size() const override { return comm_->world_size(); }
+  const char* backend_name() const override { return comm_->backend_name(); }
+  DeviceBackend* device() const override { return comm_->device(); }
+  Status all_gather(const void* send, void* recv, std::size_t bytes, DeviceStream* stream) override {
+    return comm_->all_gather(send, recv, bytes, stream);
+  }
+  Status reduce_scatter(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
+    return comm_->reduce_scatter(send, recv, count, stream);
+  }
+  Status all_reduce(const float* send, float* recv, std::size_t count, DeviceStream* stream) override {
+    return comm_->all_reduce(send, recv, count, stream);
+  }
+  Status broadcast(void* data, std::size_t bytes, int root, DeviceStream* stream) override {
+    return comm_->broadcast(data, bytes, root, stream);
+  }
+  Status barrier(DeviceStream* stream) override { return comm_->barrier(stream); }
+
+ private:
+  std::shared_ptr<void> held_;            // destroyed after comm_
+  std::unique_ptr<Communicator> comm_;
+};
+
 // NCCL over the launcher's ranks: rank 0's NCCL id travels by MPI (mpirun)
 // or the TCP rendezvous (torchrun style).
 Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const CommOptions& options) {
@@ -138,9 +167,10 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
   no.world_size = li.world_size;
   no.timeout_s = options.timeout_s;
   no.cancel = options.cancel;
+  auto held = std::make_shared<std::shared_ptr<void>>();  // rank 0's store, where it serves one
   if (li.launcher == Launcher::kTorchrun) {
     const std::string key = store_key("nccl");
-    no.share_id = [li, options, key](const std::vector<uint8_t>& blob) {
+    no.share_id = [li, options, key, held](const std::vector<uint8_t>& blob) {
       RendezvousOptions ro;
       ro.addr = li.master_addr;
       ro.port = li.master_port;
@@ -149,12 +179,15 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
       ro.timeout_s = options.timeout_s;
       ro.key = key;
       ro.taken_hint = store_key_taken_hint();
+      ro.hold = held.get();
       return rendezvous_broadcast(ro, blob);
     };
   } else if (li.launcher == Launcher::kMpirun) {
     no.share_id = [options](const std::vector<uint8_t>& blob) { return mpi_share(blob, 128, options); };
   }
-  return create_nccl_communicator(device, no);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm, create_nccl_communicator(device, no));
+  if (*held == nullptr) return comm;
+  return std::unique_ptr<Communicator>(std::make_unique<Holding>(std::move(comm), std::move(*held)));
 }
 
 }  // namespace

@@ -3,16 +3,21 @@
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include <fmt/format.h>
@@ -36,7 +41,16 @@ constexpr uint64_t kMaxBlob = 64u << 20;
 // ---- the TCPStore protocol (rendezvous.h)
 
 constexpr uint32_t kValidateMagic = 0x3C85F7CE;
-enum Query : uint8_t { kValidate = 0, kSet = 1, kGet = 3, kCheck = 5, kWait = 6, kCancelWait = 12, kPing = 13 };
+enum Query : uint8_t {
+  kValidate = 0,
+  kSet = 1,
+  kGet = 3,
+  kAdd = 4,
+  kCheck = 5,
+  kWait = 6,
+  kCancelWait = 12,
+  kPing = 13
+};
 constexpr uint8_t kStopWaiting = 0, kWaitCanceled = 1, kReady = 0, kNotReady = 1;
 constexpr uint64_t kMaxKey = 4096;
 
@@ -78,14 +92,22 @@ Status decode_verdict(const std::vector<uint8_t>& v, const std::string& where) {
 }
 
 struct Keys {
-  std::string blob, verdict;
-  std::vector<std::string> ack;  // [r], r >= 1
+  std::string blob, verdict, leader, refused;
+  std::vector<std::string> ack, joined, fetched;  // [r], r >= 1
   Keys(const RendezvousOptions& o) {
     const std::string p = "strata/rendezvous/" + o.key + "/";
     blob = p + "blob";
     verdict = p + "verdict";
+    leader = p + "leader";
+    refused = p + "refused";
     ack.resize(static_cast<std::size_t>(o.world_size));
-    for (int r = 1; r < o.world_size; ++r) ack[static_cast<std::size_t>(r)] = p + "ack/" + std::to_string(r);
+    joined.resize(static_cast<std::size_t>(o.world_size));
+    fetched.resize(static_cast<std::size_t>(o.world_size));
+    for (int r = 1; r < o.world_size; ++r) {
+      ack[static_cast<std::size_t>(r)] = p + "ack/" + std::to_string(r);
+      joined[static_cast<std::size_t>(r)] = p + "joined/" + std::to_string(r);
+      fetched[static_cast<std::size_t>(r)] = p + "fetched/" + std::to_string(r);
+    }
   }
 };
 
@@ -101,6 +123,22 @@ std::vector<uint8_t> encode_blob(const RendezvousOptions& o, const std::vector<u
   v.insert(v.end(), blob.begin(), blob.end());
   return v;
 }
+
+// What the blob's key holds once the ranks have met: world size 0, no blob.
+// A rank that comes later (another job's given the same MASTER_PORT, a
+// second process given a rank that already came, a restarted attempt that
+// reuses the key) learns at once that this exchange is over, instead of
+// joining ranks that have left it.
+std::vector<uint8_t> encode_ended() {
+  std::vector<uint8_t> v(kMagic, kMagic + sizeof kMagic);
+  put_u32(v, kVersion);
+  put_u32(v, 0);
+  put_u64(v, 0);
+  return v;
+}
+
+// Rank 0 polls for a refusal this often while it waits for the ranks.
+constexpr auto kRefusalPoll = std::chrono::milliseconds(200);
 
 // After rank 0's deadline: time for the few requests that publish a verdict.
 constexpr auto kGrace = std::chrono::seconds(5);
@@ -167,6 +205,18 @@ class StoreClient {
     std::vector<uint8_t> v(len);
     STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, v.data(), v.size(), deadline_, where_ + ": get " + key));
     return v;
+  }
+
+  // The key's integer (a decimal string; absent: 0) plus `delta`, stored
+  // and returned in one request: atomic in the store.
+  Result<int64_t> add(const std::string& key, int64_t delta) {
+    std::vector<uint8_t> b{kAdd};
+    put_str(b, key);
+    put_u64(b, static_cast<uint64_t>(delta));
+    STRATA_RETURN_IF_ERROR(send_all(fd_.fd, b.data(), b.size(), deadline_, where_ + ": add " + key));
+    uint8_t r[8];
+    STRATA_RETURN_IF_ERROR(recv_all(fd_.fd, r, sizeof r, deadline_, where_ + ": add " + key));
+    return static_cast<int64_t>(get_u64(r));
   }
 
   Result<bool> check(const std::string& key) {
@@ -244,31 +294,56 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
   if (v.size() < kBlobHead || std::memcmp(v.data(), kMagic, sizeof kMagic) != 0 || get_u32(v.data() + 8) != kVersion)
     return Status(StatusCode::kCorrupt, where + ": rank 0's blob is not a Strata rendezvous (or another version)");
   const uint32_t world = get_u32(v.data() + 12);
+  if (world == 0)
+    return Status(StatusCode::kAlreadyExists,
+                  fmt::format("{}: the ranks of this rendezvous (key '{}') have already met and left it: this "
+                              "process came after its job started (a second process given RANK={}?), or it "
+                              "belongs to another job given the same MASTER_ADDR:MASTER_PORT (give each job its "
+                              "own MASTER_PORT)",
+                              where, o.key, o.rank));
   // Rank 0 decides by its own deadline: the verdict is awaited that long
   // (and a grace period), so that every rank returns the same verdict.
   const auto verdict_by =
       std::max(deadline, Clock::now() + std::chrono::milliseconds(get_u64(v.data() + 16)) + kGrace);
   c.set_deadline(verdict_by);
   std::string refusal;
-  if (world != static_cast<uint32_t>(o.world_size))
+  if (world != static_cast<uint32_t>(o.world_size)) {
     refusal = fmt::format("rank {} says world size {}, rank 0 has {}", o.rank, o.world_size, world);
+  } else {
+    // Two processes given the same RANK: the second to count itself in
+    // refuses, and so the whole rendezvous fails, naming the rank.
+    STRATA_ASSIGN_OR_RETURN(const int64_t as, c.add(k.joined[static_cast<std::size_t>(o.rank)], 1));
+    if (as > 1)
+      refusal = fmt::format("{} processes joined as rank {} (two processes given RANK={}?)", as, o.rank, o.rank);
+  }
   STRATA_RETURN_IF_ERROR(c.set(k.ack[static_cast<std::size_t>(o.rank)],
                                std::vector<uint8_t>(refusal.begin(), refusal.end())));
-  if (!refusal.empty()) return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, refusal));
+  if (!refusal.empty()) {
+    // Rank 0 decides at once on a refusal, without waiting for the others.
+    STRATA_RETURN_IF_ERROR(c.set(k.refused, std::vector<uint8_t>(refusal.begin(), refusal.end())));
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, refusal));
+  }
   STRATA_ASSIGN_OR_RETURN(bool decided, c.wait({k.verdict}, verdict_by));
   if (!decided)
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: rank 0 gave no verdict within {:g} s", where, o.timeout_s));
   STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> verdict, c.get(k.verdict));
   Status st = decode_verdict(verdict, where);
+  // Rank 0 through a store waits for this before it goes on (a store it
+  // holds itself must not close under a rank still reading the verdict).
+  if (st.ok()) STRATA_RETURN_IF_ERROR(c.set(k.fetched[static_cast<std::size_t>(o.rank)], {}));
   if (!st.ok())
     return Status(st.code(), fmt::format("{}: rank 0 refused the rendezvous: {}", where, st.message()));
   return std::vector<uint8_t>(v.begin() + static_cast<std::ptrdiff_t>(kBlobHead), v.end());
 }
 
-// Rank 0's verdict from the acks it has (absent: never came).
+// Rank 0's verdict from the acks it has (absent: never came) and the first
+// refusal (a rank's reason, absent: none).
 Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<std::string>>& acks,
-                  const std::string& where) {
+                  const std::optional<std::string>& refused, const std::string& where) {
+  // (A refusal's ack may have been overwritten by the rank it refused: a
+  // second process given the same RANK.)
+  if (refused) return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, *refused));
   std::string missing;
   for (int r = 1; r < o.world_size; ++r) {
     const auto& a = acks[static_cast<std::size_t>(r)];
@@ -290,8 +365,8 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
   // already is another rank 0's (another job on this MASTER_PORT, served by
   // its rank 0; or a second process given RANK=0). Overwriting it would mix
   // the two jobs' ranks.
-  STRATA_ASSIGN_OR_RETURN(const bool taken, c.check(k.blob));
-  if (taken)
+  STRATA_ASSIGN_OR_RETURN(const int64_t leaders, c.add(k.leader, 1));
+  if (leaders > 1)
     return Status(StatusCode::kAlreadyExists,
                   fmt::format("{}: {} (key '{}') in the store at MASTER_PORT{}", where,
                               o.taken_hint.empty() ? "another rank 0 already leads this rendezvous" : o.taken_hint,
@@ -300,8 +375,16 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
                                                      "processes with RANK=0? Give each job its own MASTER_PORT"
                                                    : ""));
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
+  // Every ack, or a refusal (the store's WAIT is for all keys: a refusal is
+  // looked for between slices of it), or the deadline.
   std::vector<std::string> want(k.ack.begin() + 1, k.ack.end());
-  STRATA_ASSIGN_OR_RETURN(bool all, c.wait(want, deadline));
+  bool all = false;
+  for (;;) {
+    STRATA_ASSIGN_OR_RETURN(all, c.wait(want, std::min(deadline, Clock::now() + kRefusalPoll)));
+    if (all || ms_left(deadline) == 0) break;
+    STRATA_ASSIGN_OR_RETURN(const bool refused, c.check(k.refused));
+    if (refused) break;
+  }
   c.set_deadline(Clock::now() + kGrace);  // the acks' reads and the verdict, past a timeout too
   std::vector<std::optional<std::string>> acks(static_cast<std::size_t>(o.world_size));
   for (int r = 1; r < o.world_size; ++r) {
@@ -316,9 +399,25 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
     STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> a, c.get(key));
     acks[static_cast<std::size_t>(r)] = std::string(a.begin(), a.end());
   }
-  const Status verdict = verdict_of(o, acks, where);
+  std::optional<std::string> refused;
+  STRATA_ASSIGN_OR_RETURN(const bool any_refused, c.check(k.refused));
+  if (any_refused) {
+    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> why, c.get(k.refused));
+    refused = std::string(why.begin(), why.end());
+  }
+  const Status verdict = verdict_of(o, acks, refused, where);
   STRATA_RETURN_IF_ERROR(c.set(k.verdict, encode_verdict(verdict)));
   if (!verdict.ok()) return verdict;
+  // Every rank has read the blob (it acked).
+  STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_ended()));
+  // And fetches the verdict, within a grace period past the deadline (they
+  // wait that long for it).
+  c.set_deadline(std::max(deadline, Clock::now()) + kGrace * 2);
+  std::vector<std::string> fetched(k.fetched.begin() + 1, k.fetched.end());
+  STRATA_ASSIGN_OR_RETURN(const bool delivered, c.wait(fetched, std::max(deadline, Clock::now()) + kGrace));
+  if (!delivered)
+    return Status(StatusCode::kUnavailable,
+                  fmt::format("{}: not every rank fetched the verdict before the timeout", where));
   return blob;
 }
 
@@ -333,9 +432,42 @@ class MiniStore {
     return Status();
   }
 
+  // For serving from another thread: stop() (any thread) ends serve_until()
+  // at once, false.
+  Status make_stoppable() {
+    wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+    if (wake_.fd < 0) return Status::from_errno(errno, where_ + ": eventfd");
+    return Status();
+  }
+  void stop() {
+    stop_ = true;
+    const uint64_t one = 1;
+    if (wake_.fd >= 0) (void)!::write(wake_.fd, &one, sizeof one);
+  }
+  void close() {
+    conns_.clear();
+    listener_ = Fd();
+  }
+
   void set(const std::string& key, std::vector<uint8_t> value) {
     kv_[key] = std::move(value);
     wake();
+  }
+  // As torch's store: the value is a decimal string (absent or not a
+  // number: 0 before the add).
+  int64_t add(const std::string& key, int64_t delta) {
+    int64_t v = 0;
+    auto it = kv_.find(key);
+    if (it != kv_.end()) {
+      const std::string text(it->second.begin(), it->second.end());
+      char* end = nullptr;
+      const long long parsed = std::strtoll(text.c_str(), &end, 10);
+      if (end != text.c_str()) v = parsed;
+    }
+    v = static_cast<int64_t>(static_cast<uint64_t>(v) + static_cast<uint64_t>(delta));  // wraps, never UB
+    const std::string out = std::to_string(v);
+    set(key, std::vector<uint8_t>(out.begin(), out.end()));
+    return v;
   }
   bool has(const std::string& key) const { return kv_.count(key) != 0; }
   const std::vector<uint8_t>& at(const std::string& key) const { return kv_.at(key); }
@@ -354,6 +486,7 @@ class MiniStore {
                    conns_.end());
       bool flushed = true;
       for (const auto& c : conns_) flushed = flushed && c.out.empty();
+      if (stop_) return false;
       if (done() && flushed) return true;
       if (ms_left(until) == 0) return false;
       STRATA_RETURN_IF_ERROR(net::check_cancel(where_));
@@ -361,10 +494,17 @@ class MiniStore {
       std::vector<pollfd> p{{listener_.fd, static_cast<short>(accepting ? POLLIN : 0), 0}};
       for (const auto& c : conns_)
         p.push_back({c.fd.fd, static_cast<short>(POLLIN | (c.out.empty() ? 0 : POLLOUT)), 0});
+      const std::size_t polled = conns_.size();  // p[1 .. polled]; an accept below adds one after them
+      if (wake_.fd >= 0) p.push_back({wake_.fd, POLLIN, 0});  // last: after the connections
       const int wait_ms = accepting ? ms_left(until) : std::min(ms_left(until), 50);
       const int n = ::poll(p.data(), p.size(), net::poll_slice(wait_ms));
       if (n < 0 && errno != EINTR) return Status::from_errno(errno, where_ + ": poll");
       if (n <= 0) continue;
+      if (wake_.fd >= 0 && (p.back().revents & POLLIN)) {
+        uint64_t v;
+        while (::read(wake_.fd, &v, sizeof v) > 0) {
+        }
+      }
       if (p[0].revents & POLLIN) {
         Fd c(::accept4(listener_.fd, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK));
         if (c.fd >= 0) {
@@ -377,7 +517,7 @@ class MiniStore {
           accept_again = Clock::now() + std::chrono::milliseconds(50);  // EMFILE and the like: not a busy loop
         }
       }
-      for (std::size_t i = 0; i + 1 < p.size(); ++i) {
+      for (std::size_t i = 0; i < polled; ++i) {
         Conn& c = conns_[i];
         if (c.fd.fd < 0) continue;
         if (p[i + 1].revents & (POLLIN | POLLHUP | POLLERR)) read_from(c);
@@ -480,6 +620,17 @@ class MiniStore {
         set(key, std::vector<uint8_t>(value.begin(), value.end()));
         return static_cast<long>(at);
       }
+      case kAdd: {
+        std::string key;
+        const int r = str(&key);
+        if (r <= 0) return r;
+        if (!need(8)) return 0;
+        if (key.size() > kMaxKey) return -1;
+        const int64_t delta = static_cast<int64_t>(get_u64(p + at));
+        at += 8;
+        put_u64(c.out, static_cast<uint64_t>(add(key, delta)));
+        return static_cast<long>(at);
+      }
       case kGet: {
         std::string key;
         const int r = str(&key);
@@ -542,40 +693,79 @@ class MiniStore {
   std::vector<Conn> conns_;
   std::map<std::string, std::vector<uint8_t>> kv_;
   std::map<std::string, int> gets_;
+  Fd wake_;  // make_stoppable(): stop() wakes the poll
+  std::atomic<bool> stop_{false};
 };
 
+// Serves `s` (its exchange over) in a thread of its own until the handle
+// is released: MASTER_PORT stays taken, as torch's rank-0 TCPStore holds it
+// for its process group's life, so that a second job given the same port
+// fails at once (its rank 0 finds the leader key taken, its other ranks
+// find the exchange ended) instead of meeting this job's ranks, and this
+// job's later exchanges are served there (through lead_through).
+std::shared_ptr<void> keep_serving(std::unique_ptr<MiniStore> s) {
+  struct Keeper {
+    std::unique_ptr<MiniStore> store;
+    std::thread thread;
+    ~Keeper() {
+      store->stop();
+      thread.join();
+    }
+  };
+  auto k = std::make_shared<Keeper>();
+  MiniStore* store = s.get();
+  k->store = std::move(s);
+  k->thread = std::thread([store] {
+    try {
+      (void)store->serve_until([] { return false; }, net::deadline_after(1e9));
+    } catch (...) {  // (no memory): the port is let go below
+    }
+    store->close();
+  });
+  return k;
+}
+
 // (s: listening on MASTER_PORT.)
-Result<std::vector<uint8_t>> lead_alone(MiniStore& s, const RendezvousOptions& o, const std::vector<uint8_t>& blob,
-                                        Clock::time_point deadline, const std::string& where) {
+Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const RendezvousOptions& o,
+                                        const std::vector<uint8_t>& blob, Clock::time_point deadline,
+                                        const std::string& where) {
   const Keys k(o);
-  s.set(k.blob, encode_blob(o, blob, deadline));
+  s->add(k.leader, 1);
+  s->set(k.blob, encode_blob(o, blob, deadline));
   auto all_acked = [&] {
+    if (s->has(k.refused)) return true;  // decided at once
     for (int r = 1; r < o.world_size; ++r)
-      if (!s.has(k.ack[static_cast<std::size_t>(r)])) return false;
+      if (!s->has(k.ack[static_cast<std::size_t>(r)])) return false;
     return true;
   };
-  STRATA_RETURN_IF_ERROR(s.serve_until(all_acked, deadline).status());
+  STRATA_RETURN_IF_ERROR(s->serve_until(all_acked, deadline).status());
   std::vector<std::optional<std::string>> acks(static_cast<std::size_t>(o.world_size));
-  int came = 0;
+  int came = 0;  // the ranks that wait for the verdict: one per rank counted in (a refusing one left)
   for (int r = 1; r < o.world_size; ++r) {
     const std::string& key = k.ack[static_cast<std::size_t>(r)];
-    if (!s.has(key)) continue;
-    acks[static_cast<std::size_t>(r)] = std::string(s.at(key).begin(), s.at(key).end());
-    // A rank that refused the blob waits for no verdict.
-    if (acks[static_cast<std::size_t>(r)]->empty()) ++came;
+    if (s->has(k.joined[static_cast<std::size_t>(r)])) ++came;
+    if (!s->has(key)) continue;
+    acks[static_cast<std::size_t>(r)] = std::string(s->at(key).begin(), s->at(key).end());
   }
-  const Status verdict = verdict_of(o, acks, where);
-  s.set(k.verdict, encode_verdict(verdict));
+  std::optional<std::string> refused;
+  if (s->has(k.refused)) refused = std::string(s->at(k.refused).begin(), s->at(k.refused).end());
+  const Status verdict = verdict_of(o, acks, refused, where);
+  s->set(k.verdict, encode_verdict(verdict));
   // Every rank that came fetches the verdict, within a grace period past
   // the deadline (they wait that long for it).
   const auto until = std::max(deadline, Clock::now()) + kGrace;
-  auto delivered = [&] { return s.gets_of(k.verdict) >= came; };
-  STRATA_ASSIGN_OR_RETURN(bool all, s.serve_until(delivered, until));
+  auto delivered = [&] { return s->gets_of(k.verdict) >= came; };
+  STRATA_ASSIGN_OR_RETURN(bool all, s->serve_until(delivered, until));
   if (!verdict.ok()) return verdict;
   if (!all)
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: {} of {} ranks fetched the verdict before the timeout", where,
-                              s.gets_of(k.verdict), came));
+                              s->gets_of(k.verdict), came));
+  s->set(k.blob, encode_ended());
+  if (o.hold != nullptr) {
+    STRATA_RETURN_IF_ERROR(s->make_stoppable());
+    *o.hold = keep_serving(std::move(s));
+  }
   return blob;
 }
 
@@ -593,10 +783,10 @@ Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<
     Status st = c.connect_once(targets, &refused);
     if (st.ok()) return lead_through(c, o, blob, deadline, where);
     if (!refused) return st;
-    MiniStore s(where);
+    auto s = std::make_unique<MiniStore>(where);
     int bind_errno = 0;
-    Status listening = s.listen(o.port, o.world_size, &bind_errno);
-    if (listening.ok()) return lead_alone(s, o, blob, deadline, where);
+    Status listening = s->listen(o.port, o.world_size, &bind_errno);
+    if (listening.ok()) return lead_alone(std::move(s), o, blob, deadline, where);
     if (bind_errno != EADDRINUSE || Clock::now() >= give_up) return listening;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

@@ -8,26 +8,46 @@
 // connects there first; where nothing listens (a launcher that only sets the
 // variables) it serves the few requests itself on that port, on every
 // interface, IPv4 and IPv6 alike, until every rank has its answer, and
-// closes it. MASTER_ADDR is a host name, IPv4 or IPv6 address ("::1", no
+// closes it (or holds it: "Holding the port" below). MASTER_ADDR is a host name, IPv4 or IPv6 address ("::1", no
 // brackets, as torch.distributed reads it); every address it resolves to is
 // tried in turn (socket_io.h).
 //
 // Keys, under "strata/rendezvous/<key>/" (RendezvousOptions::key: a store
 // outlives one job attempt and one engine):
+//   leader    ADD 1 by rank 0: over 1 means another rank 0 leads this key
 //   blob      rank 0: "STRATARV", u32 version (2), u32 world size, u64 ms
-//             until rank 0 decides, the blob
-//   ack/<r>   rank r: "" (ok) or why it refuses (another world size)
-//   verdict   rank 0, once every ack is in or the timeout passed: u32 status
-//             code (0 ok) and the error text
-// A rank 0 that finds the blob's key taken in the store it reached (another
-// job's rank 0 serving the same MASTER_PORT, or a second RANK=0; or
-// taken_hint) fails with kAlreadyExists saying so, instead of mixing the two
-// jobs' ranks.
+//             until rank 0 decides, the blob; once the ranks have met,
+//             world size 0 and no blob ("ended")
+//   joined/<r> ADD 1 by rank r: over 1 means two processes say rank r
+//   ack/<r>   rank r: "" (ok) or why it refuses (another world size, a
+//             second process with that rank)
+//   refused   a refusing rank: its reason (rank 0 decides at once)
+//   verdict   rank 0, once every ack is in, a refusal came or the timeout
+//             passed: u32 status code (0 ok) and the error text
+// A rank 0 that finds the leader key taken in the store it reached (another
+// job's rank 0 serving or holding the same MASTER_PORT, or a second RANK=0;
+// or taken_hint) fails with kAlreadyExists saying so, instead of mixing the
+// two jobs' ranks. The counts are the store's ADD, atomic: two rank 0s, or
+// two processes given one rank, cannot both count first.
 // Every rank returns the verdict: a refusal or a missing rank ("never came:
 // rank 2") reaches every rank that came, prefixed "rank 0 refused the
 // rendezvous" on ranks other than 0; a rank waits for it as long as rank 0
 // takes to decide (the blob says how long) and 5 s more, whatever its own
-// timeout. A rank that cannot reach MASTER_ADDR keeps retrying (rank 0 may
+// timeout. A refusal ends rank 0's wait at once (a rank given another
+// WORLD_SIZE does not leave rank 0 waiting for ranks that will never come).
+// A rank that finds the exchange ended fails at once with kAlreadyExists:
+// it came after its job's ranks met (a second process given its RANK), or
+// it is another job's on the same MASTER_PORT.
+//
+// Holding the port. Where rank 0 served the store itself and
+// RendezvousOptions::hold is given, it goes on serving it in a thread of
+// its own until the handle is released (the communicator's life), as
+// torch's rank-0 TCPStore does for its process group: MASTER_PORT stays
+// taken, so a second job given that port fails at once, loudly (its rank 0
+// finds the leader key taken, its other ranks find the exchange ended);
+// later exchanges of this job meet through it.
+//
+// A rank that cannot reach MASTER_ADDR keeps retrying (rank 0 may
 // not listen yet, or its previous exchange's store is closing) until its
 // timeout; a connect that reached itself (the kernel picked MASTER_PORT as
 // its source port: net::self_connected) counts as nothing listening yet.
@@ -37,14 +57,16 @@
 // The TCPStore wire format used (integers little-endian; a string = u64
 // length + bytes): VALIDATE(0) u32 0x3C85F7CE; PING(13) u32 n -> u32 n;
 // SET(1) key value; GET(3) key -> value; CHECK(5) u64 k, k keys -> u8 (0
-// ready); WAIT(6) u64 k, k keys -> u8 0 once all exist; CANCEL_WAIT(12) -> u8 1.
+// ready); WAIT(6) u64 k, k keys -> u8 0 once all exist; CANCEL_WAIT(12) -> u8 1;
+// ADD(4) key i64 -> i64 (the value a decimal string, absent 0, plus i64).
 // Checked against torch 2.15's store (tests/comm/torchrun_rendezvous_test.py).
 //
 // Blocking: the call returns when the exchange is done or failed; no thread is
-// left behind and every socket is closed.
+// left behind and every socket is closed (but the held store's, above).
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -65,6 +87,10 @@ struct RendezvousOptions {
   // the attempt (a restart on several torchrun nodes); "": another job's rank
   // 0 on the same MASTER_PORT, or a second RANK=0.
   std::string taken_hint;
+  // Rank 0 where it served the store itself: receives the handle that keeps
+  // serving it (see "Holding the port"); released, the port is let go.
+  // Untouched elsewhere. Null: the store closes when the call returns.
+  std::shared_ptr<void>* hold = nullptr;
 };
 
 // Returns rank 0's `root_blob` on every rank (rank 0 gets its own back;

@@ -227,8 +227,11 @@ struct Peer {
 
 class TcpCommunicator final : public P2pCommunicator {
  public:
-  TcpCommunicator(DeviceBackend* device, int rank, int world, double timeout_s, std::vector<Link> links)
-      : P2pCommunicator(device, rank, world, timeout_s), peers_(static_cast<std::size_t>(world)) {
+  TcpCommunicator(DeviceBackend* device, int rank, int world, double timeout_s, std::vector<Link> links,
+                  std::shared_ptr<void> held_store)
+      : P2pCommunicator(device, rank, world, timeout_s),
+        held_store_(std::move(held_store)),
+        peers_(static_cast<std::size_t>(world)) {
     for (int p = 0; p < world; ++p) peers_[p].fd = std::move(links[p].fd);
   }
 
@@ -566,6 +569,7 @@ class TcpCommunicator final : public P2pCommunicator {
     progress_.join();
   }
 
+  std::shared_ptr<void> held_store_;  // rank 0: the rendezvous store it serves, MASTER_PORT held (rendezvous.h)
   std::vector<Peer> peers_;
   Fd wake_;  // eventfd: posted sends and stop requests wake the progress thread
   std::thread progress_;
@@ -590,6 +594,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
                   fmt::format("tcp communicator: rank {} of world size {} is out of range", o.rank, o.world_size));
   const int rank = o.rank, world = o.world_size;
   std::vector<Link> links(static_cast<std::size_t>(world));
+  std::shared_ptr<void> held_store;
   if (world > 1) {
     const std::string where = fmt::format("tcp communicator (rank {} of {})", rank, world);
     const auto deadline = net::deadline_after(o.timeout_s);
@@ -614,6 +619,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
     ro.timeout_s = o.timeout_s;
     ro.key = o.key;
     ro.taken_hint = o.taken_hint;
+    ro.hold = &held_store;
     STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> got, rendezvous_broadcast(ro, blob));
     Blob b{};
     if (got.size() == sizeof b) std::memcpy(&b, got.data(), sizeof b);
@@ -658,7 +664,8 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
       }
     }
   }
-  auto comm = std::make_unique<TcpCommunicator>(device, rank, world, o.timeout_s, std::move(links));
+  auto comm = std::make_unique<TcpCommunicator>(device, rank, world, o.timeout_s, std::move(links),
+                                                 std::move(held_store));
   STRATA_RETURN_IF_ERROR(comm->start());
   return std::unique_ptr<Communicator>(std::move(comm));
 }

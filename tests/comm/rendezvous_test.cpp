@@ -13,7 +13,10 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <memory>
 #include <functional>
 #include <string>
 #include <vector>
@@ -164,6 +167,112 @@ TEST(Rendezvous, WrongWorldSizeIsRefusedOnEveryRank) {
   const int s1 = exit_status(k1);
   EXPECT_EQ(exit_status(k2), 0);
   EXPECT_TRUE(s1 == 0 || s1 == 1) << s1;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// Rank 0 says 3 ranks, the only other one says 2: rank 2 will never come.
+// The refusal ends rank 0's wait at once, not at its 60 s timeout.
+TEST(Rendezvous, ARefusalEndsRankZerosWaitAtOnce) {
+  const uint16_t port = free_port();
+  auto k1 = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 1, 2, 60), {});
+    return !got.ok() && contains(got.status(), "rank 1 says world size 2, rank 0 has 3") ? 0 : 1;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 60), {7});
+  const double s = seconds_since(t0);
+  ASSERT_FALSE(got.ok());
+  EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(contains(got.status(), "rank 1 says world size 2, rank 0 has 3")) << got.status().message();
+  EXPECT_LT(s, 20.0);
+  EXPECT_EQ(exit_status(k1), 0);
+}
+
+// Two processes given RANK=1 (and no rank 2): the second to count itself in
+// refuses, rank 0 decides at once, and every process fails naming rank 1.
+TEST(Rendezvous, TwoProcessesGivenOneRankAreNamed) {
+  const uint16_t port = free_port();
+  std::vector<pid_t> kids;
+  for (int i = 0; i < 2; ++i)
+    kids.push_back(spawn([&] {
+      auto got = rendezvous_broadcast(opts(port, 1, 3, 60), {});
+      if (got.ok()) return 1;
+      fprintf(stderr, "a rank 1 sees: %s\n", got.status().message().c_str());
+      return contains(got.status(), "2 processes joined as rank 1 (two processes given RANK=1?)") ? 0 : 2;
+    }));
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 60), {7});
+  const double s = seconds_since(t0);
+  ASSERT_FALSE(got.ok());
+  EXPECT_TRUE(contains(got.status(), "2 processes joined as rank 1")) << got.status().message();
+  EXPECT_LT(s, 20.0);
+  for (pid_t k : kids) EXPECT_EQ(exit_status(k), 0);
+}
+
+// Rank 0 that served the store holds MASTER_PORT while its handle lives: a
+// second job given that port fails at once on every rank (before: its rank 1
+// could meet this job's rank 0), this job's next exchange meets through the
+// held store, and the port is free once the handle is released.
+TEST(Rendezvous, AHeldPortTurnsASecondJobAwayAndServesTheNextExchange) {
+  const uint16_t port = free_port();
+  const std::vector<uint8_t> first{1, 2, 3}, second{4, 5};
+  // This job's rank 1: two exchanges (keys "0" and "1").
+  auto k1 = spawn([&] {
+    auto a = rendezvous_broadcast(opts(port, 1, 2, 60), {});
+    if (!a.ok() || *a != first) return 1;
+    // The parent's second job runs between the two exchanges.
+    ::usleep(1500 * 1000);
+    RendezvousOptions o = opts(port, 1, 2, 60);
+    o.key = "1";
+    auto b = rendezvous_broadcast(o, {});
+    if (!b.ok()) fprintf(stderr, "rank 1, second exchange: %s\n", b.status().to_string().c_str());
+    return b.ok() && *b == second ? 0 : 2;
+  });
+  std::shared_ptr<void> held;
+  RendezvousOptions o0 = opts(port, 0, 2, 60);
+  o0.hold = &held;
+  auto got = rendezvous_broadcast(o0, first);
+  ASSERT_TRUE(got.ok()) << got.status().to_string();
+  ASSERT_NE(held, nullptr);
+  // Another job on the same port: its rank 1 and its rank 0 fail at once.
+  auto other1 = spawn([&] {
+    auto g = rendezvous_broadcast(opts(port, 1, 2, 60), {});
+    if (g.ok()) return 1;
+    fprintf(stderr, "the other job's rank 1 sees: %s\n", g.status().message().c_str());
+    return g.status().code() == StatusCode::kAlreadyExists && contains(g.status(), "have already met and left it")
+               ? 0
+               : 2;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto other0 = rendezvous_broadcast(opts(port, 0, 2, 60), {9});
+  ASSERT_FALSE(other0.ok());
+  EXPECT_EQ(other0.status().code(), StatusCode::kAlreadyExists) << other0.status().to_string();
+  EXPECT_TRUE(contains(other0.status(), "another rank 0 already leads this rendezvous")) << other0.status().message();
+  EXPECT_EQ(exit_status(other1), 0);
+  EXPECT_LT(seconds_since(t0), 20.0);
+  // This job's second exchange, through the held store.
+  RendezvousOptions o1 = opts(port, 0, 2, 60);
+  o1.key = "1";
+  std::shared_ptr<void> unused;
+  o1.hold = &unused;
+  auto again = rendezvous_broadcast(o1, second);
+  ASSERT_TRUE(again.ok()) << again.status().to_string();
+  EXPECT_EQ(*again, second);
+  EXPECT_EQ(unused, nullptr);  // it served nothing itself
+  EXPECT_EQ(exit_status(k1), 0);
+  held.reset();  // the port is let go
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  int one = 1;
+  ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+  sockaddr_in sa{};
+  sa.sin_family = AF_INET;
+  sa.sin_addr.s_addr = htonl(INADDR_ANY);
+  sa.sin_port = htons(port);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa), 0) << std::strerror(errno);
+  ::close(fd);
 }
 
 TEST(Rendezvous, MissingRankTimesOutNamingIt) {

@@ -12,8 +12,11 @@
 - Against that store, a rank launched with another WORLD_SIZE: every rank
   fails, and the message says which rank and which sizes; a rank that never
   comes is named on every rank that came, also on one that started first.
-- Without any store (rank 0 serves each exchange itself): 5 exchanges in a
-  row.
+- Against that store, a rank 0 that says more ranks than come, and two
+  processes given one RANK: every process fails at once (not at its
+  timeout), naming the cause.
+- Without any store (rank 0 serves each exchange itself, or holds the first
+  one's store for the later ones): 5 exchanges in a row.
 - Over IPv6 (skipped, saying why, where ::1 is not available): torchrun with
   --master-addr "[::1]" (it exports MASTER_ADDR=::1) and a store torch.
   distributed serves at ::1.
@@ -151,6 +154,44 @@ if not any(f.startswith("world mismatch") for f in failures):
     print("world mismatch: every rank failed, naming rank 2's world size 4 against rank 0's 3")
 del store
 
+# ---- rank 0 says 3 ranks, the only other one 2, against torch's store: the
+# refusal ends rank 0's wait at once (not at its 60 s timeout)
+port = free_port()
+store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+t0 = time.monotonic()
+procs = [subprocess.Popen([PROBE, "1", "60"], env=env_for(r, w, port), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for r, w in ((0, 3), (1, 2))]
+outs = [p.communicate(timeout=120) for p in procs]
+took = time.monotonic() - t0
+for r in range(2):
+    if procs[r].returncode == 0 or "rank 1 says world size 2, rank 0 has 3" not in outs[r][1]:
+        failures.append(f"early refusal: rank {r} exit {procs[r].returncode}, said: {outs[r][1][-500:]!r}")
+if took > 30:
+    failures.append(f"early refusal: the ranks took {took:.1f} s to fail (rank 0's timeout is 60 s)")
+if not any(f.startswith("early refusal") for f in failures):
+    print(f"early refusal: both ranks failed in {took:.1f} s, naming rank 1's world size 2 against rank 0's 3")
+del store
+
+# ---- two processes given RANK=1, against torch's store: every process
+# fails at once, naming rank 1 (the count is the store's atomic ADD)
+port = free_port()
+store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                      wait_for_workers=False)
+t0 = time.monotonic()
+procs = [subprocess.Popen([PROBE, "1", "60"], env=env_for(r, 3, port), stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True) for r in (0, 1, 1)]
+outs = [p.communicate(timeout=120) for p in procs]
+took = time.monotonic() - t0
+for i, p in enumerate(procs):
+    if p.returncode == 0 or "2 processes joined as rank 1" not in outs[i][1]:
+        failures.append(f"duplicate rank: process {i} exit {p.returncode}, said: {outs[i][1][-500:]!r}")
+if took > 30:
+    failures.append(f"duplicate rank: the processes took {took:.1f} s to fail (their timeout is 60 s)")
+if not any(f.startswith("duplicate rank") for f in failures):
+    print(f"duplicate rank: all 3 processes failed in {took:.1f} s, naming rank 1")
+del store
+
 # ---- a rank that never comes, against torch's store: rank 1 starts before
 # rank 0 (its own deadline passes first) and still gets rank 0's verdict,
 # which names rank 2
@@ -172,15 +213,19 @@ del store
 
 # ---- no store at all (a launcher that only sets the variables): rank 0
 # serves one per exchange, 5 exchanges in a row (a later exchange's rank may
-# reach the previous exchange's server as it closes)
-port = free_port()
-procs = [subprocess.Popen([PROBE, "5", "60"], env=env_for(r, 3, port), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) for r in (2, 1, 0)]
-outs = [p.communicate(timeout=120) for p in procs]
-if any(p.returncode != 0 for p in procs):
-    failures.append(f"no store: exits {[p.returncode for p in procs]}: {[o[1][-500:] for o in outs]}")
-else:
-    check_blobs("no store (rank 0 serves)", "".join(o[0] for o in outs), 3, 5)
+# reach the previous exchange's server as it closes); and with rank 0
+# holding the first exchange's store, as a communicator does (the later
+# exchanges meet through it)
+for hold in ([], ["hold"]):
+    port = free_port()
+    procs = [subprocess.Popen([PROBE, "5", "60"] + hold, env=env_for(r, 3, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in (2, 1, 0)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    case = "no store (rank 0 serves" + (", and holds the first store)" if hold else " each)")
+    if any(p.returncode != 0 for p in procs):
+        failures.append(f"{case}: exits {[p.returncode for p in procs]}: {[o[1][-500:] for o in outs]}")
+    else:
+        check_blobs(case, "".join(o[0] for o in outs), 3, 5)
 
 for f in failures:
     print("FAIL:", f)
