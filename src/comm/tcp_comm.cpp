@@ -171,6 +171,11 @@ Result<Fd> connect_to(const std::vector<net::SockAddr>& targets, int peer, const
 // ---- moving data (tcp_comm.h "Moving data")
 
 constexpr uint32_t kFrameMagic = 0x53545246;  // "STRF"
+// A rank whose communicator broke sends each peer this frame, its body the
+// reason (at most kMaxAbortText bytes), before it closes the connections:
+// the peer then names the cause, not only "rank r closed its connection".
+constexpr uint32_t kAbortMagic = 0x53545241;  // "STRA"
+constexpr std::size_t kMaxAbortText = 2048;
 struct Frame {
   uint64_t seq;
   uint32_t phase;
@@ -217,6 +222,8 @@ struct Peer {
   std::size_t in_done = 0;                // body bytes read
   Transfer* in_target = nullptr;          // a posted receive, or
   std::vector<char>* in_early = nullptr;  // a message that came before its receive
+  std::string in_abort;                   // an abort frame's reason, coming in
+  bool aborting = false;                  // the frame coming in is an abort frame
   std::map<Key, Transfer*> posted;        // receives posted, their message not yet begun
   struct Early {
     std::vector<char> bytes;
@@ -256,6 +263,7 @@ class TcpCommunicator final : public P2pCommunicator {
     auto& op = static_cast<TcpOp&>(base);
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) return stopped_text(op);
+    if (!gave_up_.ok()) return Status(gave_up_.code(), op.where() + ": " + gave_up_.message());
     Peer& p = peers_[peer];
     const Key key{op.seq, static_cast<uint32_t>(phase)};
     // A peer that finished its part and exited has closed: what it sent
@@ -337,6 +345,29 @@ class TcpCommunicator final : public P2pCommunicator {
   // op's buffers after this, and the peers learn of the failure at once.
   void abandon(P2pOp& /*op*/) override { stop_progress(); }
 
+  // Before the sockets close: each peer whose stream is between two frames
+  // gets an abort frame with the reason (best effort: what the socket does
+  // not take at once is not sent; that peer sees the connection close).
+  void on_broken() override {
+    const Status why = broken_status();
+    std::string text = why.message();
+    const std::string prefix = "communicator broken by an earlier failure: ";
+    if (text.compare(0, prefix.size(), prefix) == 0) text.erase(0, prefix.size());
+    if (text.size() > kMaxAbortText) text.resize(kMaxAbortText);
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopped_) return;
+    for (int q = 0; q < world_size(); ++q) {
+      Peer& p = peers_[q];
+      if (q == rank() || !p.open || p.out_done != 0) continue;
+      const Frame f{~uint64_t{0}, static_cast<uint32_t>(why.code()), kAbortMagic, text.size()};
+      iovec iov[2] = {{const_cast<Frame*>(&f), sizeof f}, {text.data(), text.size()}};
+      msghdr msg{};
+      msg.msg_iov = iov;
+      msg.msg_iovlen = 2;
+      (void)::sendmsg(p.fd.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+    }
+  }
+
   // Another collective broke the communicator (its error is the first one,
   // kept by the base class).
   Status stopped_text(const TcpOp& op) {
@@ -369,21 +400,38 @@ class TcpCommunicator final : public P2pCommunicator {
     if (--t.op->pending == 0) cv_.notify_all();
   }
 
-  void fail_transfer(Transfer& t, std::string text) {
-    if (t.op->error.ok()) t.op->error = Status(StatusCode::kIoError, std::move(text));
+  void fail_transfer(Transfer& t, std::string text, StatusCode code = StatusCode::kIoError) {
+    if (t.op->error.ok()) t.op->error = Status(code, std::move(text));
     cv_.notify_all();
   }
 
-  // A peer whose connection closed or failed: every transfer still waiting
-  // on it fails.
-  void close_peer(int peer, const std::string& why) {
+  // A peer's abort frame came: it gave up (`why`, its status `code`). The
+  // job cannot go on, so every collective still running fails now, naming
+  // that rank and its reason, instead of at its own timeout; so does every
+  // later one (post()).
+  void peer_gave_up(int peer, const std::string& why, StatusCode code) {
+    if (gave_up_.ok()) gave_up_ = Status(code, fmt::format("rank {} gave up: {}", peer, why));
+    close_peer(peer, why, /*gave_up=*/true, code);
+    for (Peer& p : peers_) {
+      auto fail = [&](Transfer* t) { fail_transfer(*t, t->op->where() + ": " + gave_up_.message(), code); };
+      for (Transfer* t : p.sendq) fail(t);
+      for (auto& [key, t] : p.posted) fail(t);
+      if (p.in_target) fail(p.in_target);
+    }
+  }
+
+  // A peer whose connection closed or failed (or that gave up: `gave_up`,
+  // `why` its reason): every transfer still waiting on it fails.
+  void close_peer(int peer, const std::string& why, bool gave_up = false, StatusCode code = StatusCode::kIoError) {
     Peer& p = peers_[peer];
     if (!p.open) return;
     p.open = false;
     auto fail = [&](Transfer* t) {
-      fail_transfer(*t, why.empty()
-                            ? closed_text(*t->op, peer)
-                            : fmt::format("{}: the connection to rank {} failed: {}", t->op->where(), peer, why));
+      fail_transfer(*t,
+                    gave_up       ? fmt::format("{}: rank {} gave up: {}", t->op->where(), peer, why)
+                    : why.empty() ? closed_text(*t->op, peer)
+                                  : fmt::format("{}: the connection to rank {} failed: {}", t->op->where(), peer, why),
+                    code);
     };
     for (Transfer* t : p.sendq) fail(t);
     for (auto& [key, t] : p.posted) fail(t);
@@ -437,20 +485,32 @@ class TcpCommunicator final : public P2pCommunicator {
         if (!read_ok(peer, k)) return;
         p.in_head += static_cast<std::size_t>(k);
         if (p.in_head < sizeof(Frame)) continue;
-        if (p.in.magic != kFrameMagic) {
+        if (p.in.magic == kAbortMagic && p.in.bytes <= kMaxAbortText) {
+          p.aborting = true;
+          p.in_abort.assign(p.in.bytes, '\0');
+          p.in_done = 0;
+        } else if (p.in.magic != kFrameMagic) {
           close_peer(peer, "a malformed message (not a Strata TCP communicator's)");
           return;
+        } else {
+          begin_body(peer);
+          if (!p.open) return;
         }
-        begin_body(peer);
-        if (!p.open) return;
       }
       const std::size_t left = p.in.bytes - p.in_done;
       if (left > 0) {
-        char* dst = p.in_target ? p.in_target->buf : p.in_early->data();
+        char* dst = p.aborting ? p.in_abort.data() : p.in_target ? p.in_target->buf : p.in_early->data();
         const ssize_t k = ::recv(p.fd.fd, dst + p.in_done, std::min(left, kSlice), MSG_DONTWAIT);
         if (!read_ok(peer, k)) return;
         p.in_done += static_cast<std::size_t>(k);
         got += static_cast<std::size_t>(k);
+      }
+      if (p.in_done == p.in.bytes && p.aborting) {
+        const uint32_t c = p.in.phase;  // its status code
+        peer_gave_up(peer, p.in_abort,
+                     c >= 1 && c <= static_cast<uint32_t>(StatusCode::kInternal) ? static_cast<StatusCode>(c)
+                                                                                 : StatusCode::kIoError);
+        return;
       }
       if (p.in_done == p.in.bytes) end_body(peer);
     }
@@ -571,6 +631,7 @@ class TcpCommunicator final : public P2pCommunicator {
 
   std::shared_ptr<void> held_store_;  // rank 0: the rendezvous store it serves, MASTER_PORT held (rendezvous.h)
   std::vector<Peer> peers_;
+  Status gave_up_;  // a peer's abort frame came: "rank r gave up: <its reason>"
   Fd wake_;  // eventfd: posted sends and stop requests wake the progress thread
   std::thread progress_;
   std::mutex mu_;  // guards everything the progress thread touches

@@ -37,8 +37,15 @@
 // broke) fails at once every collective that still waits on it, naming the
 // rank: "all_reduce #3 on rank 0 of 3 (tcp): rank 2 closed its connection
 // (its process exited or was killed, or its communicator broke)". Either
-// breaks the communicator (communicator.h): its progress thread stops and
-// every socket is closed, so the other ranks learn of it at once too.
+// breaks the communicator (communicator.h): it sends each peer an abort
+// frame with its reason (where the connection is between two messages),
+// then its progress thread stops and every socket is closed, so the other
+// ranks learn of it at once too. A rank that receives an abort frame fails
+// every collective it runs, now and later, with the sender's reason and
+// status code: "all_reduce #3 on rank 0 of 3 (tcp): rank 1 gave up:
+// all_reduce #3 on rank 1 of 3 (tcp): timed out after 90 s waiting for rank
+// 2 (...)": the rank at fault is named on every rank, not only on those
+// that waited on it, and none waits out its own timeout.
 //
 // Connecting fails the same way: kUnavailable when a rank has not come
 // within `timeout_s` (naming it where known), kInvalidArgument when ranks

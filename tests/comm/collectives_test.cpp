@@ -3,8 +3,9 @@
 // 1-rank rank-order sum, odd and zero sizes, a 40 MB buffer, several streams
 // at once, stream ordering; (RanksTimeout, its own ctest entry) a rank that
 // stops participating makes the others fail with an error naming it within
-// the timeout; and (RanksDeath, TCP only: mpirun ends the whole job) a rank
-// that dies makes the others fail at once naming it.
+// the timeout; (RanksGiveUp, TCP only) a rank that gives up tells every
+// other rank why; and (RanksDeath, TCP only: mpirun ends the whole job) a
+// rank that dies makes the others fail at once naming it.
 //
 // Built twice: test_comm_mpi (mpi_main.cpp: under mpirun -np 2 and 3) and
 // test_comm_tcp (tcp_main.cpp: under launch_ranks, torchrun-style). Every
@@ -252,9 +253,14 @@ TEST(RanksTimeout, SilentRankIsNamedWithinTheTimeout) {
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     ASSERT_FALSE(st.ok());
     EXPECT_EQ(st.code(), StatusCode::kUnavailable);
-    const std::string want = "all_reduce #0 on rank " + std::to_string(comm.rank()) + " of " + std::to_string(world) +
-                             " (" + comm.backend_name() + "): timed out after 1.5 s waiting for rank " + std::to_string(silent);
-    EXPECT_NE(st.message().find(want), std::string::npos) << st.message();
+    // Its own timeout, or (TCP) another waiting rank's, which gave up a
+    // moment earlier and said why: either way the silent rank is named.
+    const std::string where = "all_reduce #0 on rank " + std::to_string(comm.rank()) + " of " +
+                              std::to_string(world) + " (" + comm.backend_name() + "): ";
+    EXPECT_NE(st.message().find(where), std::string::npos) << st.message();
+    EXPECT_NE(st.message().find("timed out after 1.5 s waiting for rank " + std::to_string(silent)),
+              std::string::npos)
+        << st.message();
     EXPECT_GE(s, 1.4);
     EXPECT_LT(s, 5.0) << "the error came later than the test's 5 s bound";
     // Broken: later collectives fail at once with the first error.
@@ -272,6 +278,42 @@ TEST(RanksTimeout, SilentRankIsNamedWithinTheTimeout) {
   ASSERT_TRUE((*fresh)->barrier(*s2).ok());
   Status st = dev->destroy_stream(*s2);
   EXPECT_TRUE(st.ok()) << st.to_string();
+}
+
+// A rank that gives up (here: rank 1, the shortest timeout, waiting for
+// silent rank 2) tells the others why before it closes: rank 0, which would
+// wait 60 s for rank 2, fails at once naming rank 1's reason, rank 2. TCP
+// with 3 ranks only (the abort frame, tcp_comm.h): ctest tcp_comm_timeout_np3.
+TEST(RanksGiveUp, AGiveUpReachesEveryRankWithItsReason) {
+  DeviceBackend* dev = g_world->dev.get();
+  const int rank = g_world->comm->rank();
+  auto made = make_communicator(dev, rank == 1 ? 3.0 : 60.0);
+  ASSERT_TRUE(made.ok()) << made.status().to_string();
+  Communicator& comm = **made;
+  ASSERT_STREQ(comm.backend_name(), "tcp");
+  ASSERT_EQ(comm.world_size(), 3);
+  auto stream = dev->create_stream("comm");
+  ASSERT_TRUE(stream.ok());
+  std::vector<float> buf(1000, 1.0f);
+  if (rank == 2) {
+    std::this_thread::sleep_for(std::chrono::seconds(20));  // silent until the others have surely failed
+  } else {
+    const auto t0 = std::chrono::steady_clock::now();
+    ASSERT_TRUE(comm.all_reduce(buf.data(), buf.data(), buf.size(), *stream).ok());
+    Status st = dev->synchronize(*stream);
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.code(), StatusCode::kUnavailable) << st.to_string();
+    EXPECT_NE(st.message().find("timed out after 3 s waiting for rank 2"), std::string::npos) << st.message();
+    if (rank == 0) {
+      EXPECT_NE(st.message().find("rank 1 gave up: all_reduce #0 on rank 1 of 3 (tcp)"), std::string::npos)
+          << st.message();
+      EXPECT_LT(s, 15.0) << "rank 0 waited for its own timeout: " << st.message();
+      Status again = comm.barrier(*stream);  // and so does every later collective
+      EXPECT_NE(again.message().find("rank 1 gave up"), std::string::npos) << again.message();
+    }
+  }
+  (void)dev->destroy_stream(*stream);
 }
 
 // A rank that dies (its process exits mid-job, as when killed): its
