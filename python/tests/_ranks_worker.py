@@ -2,11 +2,13 @@
 OUT STAGE NVME` or `torchrun --nproc-per-node N _ranks_worker.py OUT STAGE NVME
 [pg]` (pg: torch.distributed.init_process_group("gloo") first, as trainers
 do), or all ranks at once as `python _ranks_worker.py OUT STAGE NVME spawn
-tcp|env PORT`: torch.multiprocessing.spawn starts 2 processes without RANK or
-WORLD_SIZE in their environment, each making its process group with
+tcp|env|env-ws PORT`: torch.multiprocessing.spawn starts 2 processes without
+RANK or WORLD_SIZE in their environment, each making its process group with
 init_process_group("gloo", rank=, world_size=) and init_method
 tcp://127.0.0.1:PORT (tcp) or MASTER_ADDR=localhost, MASTER_PORT=PORT (env,
-PyTorch's DDP tutorial); the engine then takes its ranks from that group.
+PyTorch's DDP tutorial), or with WORLD_SIZE=2 exported too, no RANK, and
+init_process_group("gloo", rank=) (env-ws); the engine then takes its ranks
+from that group.
 Each rank trains the tests' small Llama through strata.torch.initialize (the
 engine joins the ranks) on its rows of each batch (rank r takes row r), then
 writes OUT/losses<rank>.json, and (rank 0) OUT/state.pt from
@@ -76,6 +78,9 @@ def spawned(rank, how, port, out, stage, nvme):
         os.environ.pop(key, None)
     if how == "tcp":
         torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    elif how == "env-ws":  # the parent exported WORLD_SIZE too (not RANK), as many scripts do
+        os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"], os.environ["WORLD_SIZE"] = "localhost", str(port), "2"
+        torch.distributed.init_process_group("gloo", rank=rank)
     else:
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "localhost", str(port)
         torch.distributed.init_process_group("gloo", rank=rank, world_size=2)

@@ -146,12 +146,14 @@ class RanksTest(unittest.TestCase):
         # init_process_group(rank=, world_size=): no RANK or WORLD_SIZE in
         # the environment, so the engine takes the group's ranks and meets
         # the others through its TCPStore (tcp:// init_method; env:// with
-        # MASTER_ADDR=localhost as in PyTorch's DDP tutorial).
+        # MASTER_ADDR=localhost as in PyTorch's DDP tutorial; and with
+        # WORLD_SIZE exported but no RANK, which the engine's launch
+        # detection alone would refuse as a partial torchrun environment).
         env = dict(os.environ, OMP_NUM_THREADS="1")
         for key in ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR",
                     "MASTER_PORT"):
             env.pop(key, None)
-        for stage, how in ((3, "tcp"), (2, "env")):
+        for stage, how in ((3, "tcp"), (2, "env"), (1, "env-ws")):
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]

@@ -450,7 +450,8 @@ def _ranks(mpi_comm, cuda):
     the TCPStore at MASTER_PORT. Without either, a torch.distributed default
     process group of several ranks gives the ranks (_group_ranks: rank, world
     size, its TCPStore): CPU models over TCP, GPU models over NCCL
-    (docs/python.md "Ranks"); otherwise one rank. A launch the package cannot
+    (docs/python.md "Ranks"), also where the environment has WORLD_SIZE but
+    no RANK (a spawning parent exported it); otherwise one rank. A launch the package cannot
     join is refused by name: each process would otherwise train alone on its
     own data."""
     if mpi_comm is not None:
@@ -464,6 +465,14 @@ def _ranks(mpi_comm, cuda):
     under_mpirun = world.isdigit() and int(world) > 1
     torchrun = os.environ.get("WORLD_SIZE", "")
     under_torchrun = torchrun.isdigit() and int(torchrun) > 1
+    if (under_torchrun and not os.environ.get("RANK") and handle is None and not under_mpirun and
+            torch.distributed.is_available() and torch.distributed.is_initialized() and
+            torch.distributed.get_world_size() == int(torchrun)):
+        # WORLD_SIZE without RANK, beside a process group of that size: a
+        # parent that exported WORLD_SIZE (and MASTER_*) to processes it
+        # started itself (torch.multiprocessing.spawn), each making its group
+        # with rank=. The group has the ranks, as DeepSpeed takes them.
+        under_torchrun = False
     if cuda and (under_mpirun or under_torchrun):
         if handle is not None:
             raise NotImplementedError(
