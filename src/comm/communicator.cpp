@@ -271,4 +271,27 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
   return Status(StatusCode::kInternal, "create_communicator: unhandled backend kind");
 }
 
+Status refuse_to_meet(DeviceKind device, const CommOptions& options, const std::string& why) {
+  net::CancelScope cancel(options.cancel);
+  if (!(options.timeout_s > 0) || options.nccl_parent != nullptr) return Status();
+  CommBackendKind kind = options.kind;
+  if (kind == CommBackendKind::kAuto)
+    kind = device == DeviceKind::kCuda ? CommBackendKind::kNccl
+           : !options.ranks && mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr
+               ? CommBackendKind::kMpi
+               : CommBackendKind::kTcp;
+  if (kind != CommBackendKind::kTcp && kind != CommBackendKind::kNccl) return Status();
+  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
+  if (li.launcher != Launcher::kTorchrun || li.world_size <= 1) return Status();
+  RendezvousOptions ro;
+  ro.addr = li.master_addr;
+  ro.port = li.master_port;
+  ro.rank = li.rank;
+  ro.world_size = li.world_size;
+  ro.timeout_s = options.timeout_s;
+  ro.key = store_key(kind == CommBackendKind::kNccl ? "nccl" : "tcp");
+  ro.taken_hint = store_key_taken_hint();
+  return rendezvous_refuse(ro, why);
+}
+
 }  // namespace strata::comm

@@ -160,4 +160,16 @@ bool mpi_backend_built();
 // backend's constructor.
 Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device, const CommOptions& options);
 
+// For a rank that fails before it calls create_communicator() (its model or
+// data unreadable, ...): the rendezvous that call would have run (the same
+// key, the same sequence number taken) is refused with `why`
+// (rendezvous_refuse: "rank R failed before the ranks met: <why>"), so every
+// other rank fails at once naming this one instead of waiting out
+// options.timeout_s for it. For TCP and NCCL ranks launched torchrun-style
+// (`options.kind`; kAuto resolved as create_communicator() does, by the
+// `device` kind); OK at once otherwise: under mpirun a rank that exits with
+// an error ends the whole job, one rank has nobody to tell. Waits up to
+// options.timeout_s for rank 0's store (options.cancel ends the wait).
+Status refuse_to_meet(DeviceKind device, const CommOptions& options, const std::string& why);
+
 }  // namespace strata::comm

@@ -140,6 +140,10 @@ std::vector<uint8_t> encode_ended() {
 // Rank 0 polls for a refusal this often while it waits for the ranks.
 constexpr auto kRefusalPoll = std::chrono::milliseconds(200);
 
+// How long rank 0 that served a refusal goes on serving it for ranks that
+// have not come yet.
+constexpr auto kLateRanks = std::chrono::seconds(5);
+
 // After rank 0's deadline: time for the few requests that publish a verdict.
 constexpr auto kGrace = std::chrono::seconds(5);
 
@@ -330,11 +334,41 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
   STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> verdict, c.get(k.verdict));
   Status st = decode_verdict(verdict, where);
   // Rank 0 through a store waits for this before it goes on (a store it
-  // holds itself must not close under a rank still reading the verdict).
-  if (st.ok()) STRATA_RETURN_IF_ERROR(c.set(k.fetched[static_cast<std::size_t>(o.rank)], {}));
+  // holds itself must not close under a rank still reading the verdict),
+  // and so does a rank 0 that refused before the ranks met.
+  STRATA_RETURN_IF_ERROR(c.set(k.fetched[static_cast<std::size_t>(o.rank)], {}));
   if (!st.ok())
     return Status(st.code(), fmt::format("{}: rank 0 refused the rendezvous: {}", where, st.message()));
   return std::vector<uint8_t>(v.begin() + static_cast<std::ptrdiff_t>(kBlobHead), v.end());
+}
+
+// A rank > 0 that failed before the ranks met: its reason as its ack and
+// the refusal, once a store answers at MASTER_PORT.
+Status refuse_as_joiner(const RendezvousOptions& o, const std::string& refusal, Clock::time_point deadline,
+                        const std::string& where) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<net::SockAddr> targets, resolve(o.addr, o.port, where));
+  StoreClient c(where, deadline);
+  const Keys k(o);
+  const std::vector<uint8_t> text(refusal.begin(), refusal.end());
+  for (;;) {
+    STRATA_RETURN_IF_ERROR(c.connect_retrying(targets, o.timeout_s));
+    Status st = c.handshake();
+    bool sent = false;
+    if (st.ok()) st = c.set(k.ack[static_cast<std::size_t>(o.rank)], text);
+    if (st.ok()) st = c.set(k.refused, text);
+    if (st.ok()) {  // a request that comes back: both sets are in
+      sent = true;
+      auto done = c.check(k.refused);
+      st = done.status();
+    }
+    // Closed after the sets went out: rank 0 decided on them and closed its
+    // store (it reads what came before a close). Closed before: the server
+    // of rank 0's previous exchange, ending: connect again.
+    if (sent && st.code() == StatusCode::kIoError) return Status();
+    if (st.ok() || st.code() != StatusCode::kIoError || ms_left(deadline) == 0) return st;
+    c.close();
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20, ms_left(deadline))));
+  }
 }
 
 // Rank 0's verdict from the acks it has (absent: never came) and the first
@@ -357,8 +391,10 @@ Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<st
 }
 
 // Rank 0 with a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's).
+// (refusal: rank 0 failed before the ranks met; the verdict says so at once.)
 Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOptions& o, const std::vector<uint8_t>& blob,
-                                          Clock::time_point deadline, const std::string& where) {
+                                          Clock::time_point deadline, const std::string& where,
+                                          const std::string* refusal) {
   STRATA_RETURN_IF_ERROR(c.handshake());
   const Keys k(o);
   // The key names the job attempt and the communicator: a blob there
@@ -375,11 +411,12 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
                                                      "processes with RANK=0? Give each job its own MASTER_PORT"
                                                    : ""));
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
+  if (refusal != nullptr) STRATA_RETURN_IF_ERROR(c.set(k.refused, std::vector<uint8_t>(refusal->begin(), refusal->end())));
   // Every ack, or a refusal (the store's WAIT is for all keys: a refusal is
   // looked for between slices of it), or the deadline.
   std::vector<std::string> want(k.ack.begin() + 1, k.ack.end());
   bool all = false;
-  for (;;) {
+  for (; refusal == nullptr;) {
     STRATA_ASSIGN_OR_RETURN(all, c.wait(want, std::min(deadline, Clock::now() + kRefusalPoll)));
     if (all || ms_left(deadline) == 0) break;
     STRATA_ASSIGN_OR_RETURN(const bool refused, c.check(k.refused));
@@ -725,13 +762,33 @@ std::shared_ptr<void> keep_serving(std::unique_ptr<MiniStore> s) {
   return k;
 }
 
+// True once every rank has heard the verdict: fetched it, or refused.
+std::function<bool()> heard_by_all(const MiniStore& s, const RendezvousOptions& o, const Keys& k) {
+  return [&s, &o, &k] {
+    for (int r = 1; r < o.world_size; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      if (!s.has(k.fetched[i]) && !(s.has(k.ack[i]) && !s.at(k.ack[i]).empty())) return false;
+    }
+    return true;
+  };
+}
+
 // (s: listening on MASTER_PORT.)
 Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const RendezvousOptions& o,
                                         const std::vector<uint8_t>& blob, Clock::time_point deadline,
-                                        const std::string& where) {
+                                        const std::string& where, const std::string* refusal) {
   const Keys k(o);
   s->add(k.leader, 1);
   s->set(k.blob, encode_blob(o, blob, deadline));
+  if (refusal != nullptr) {
+    // Rank 0 failed before the ranks met: the verdict says so at once, and
+    // the store stays until every rank has heard it (fetched the verdict,
+    // or refused itself) or the deadline.
+    s->set(k.refused, std::vector<uint8_t>(refusal->begin(), refusal->end()));
+    s->set(k.verdict, encode_verdict(verdict_of(o, {}, *refusal, where)));
+    STRATA_RETURN_IF_ERROR(s->serve_until(heard_by_all(*s, o, k), deadline).status());
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, *refusal));
+  }
   auto all_acked = [&] {
     if (s->has(k.refused)) return true;  // decided at once
     for (int r = 1; r < o.world_size; ++r)
@@ -756,6 +813,11 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
   const auto until = std::max(deadline, Clock::now()) + kGrace;
   auto delivered = [&] { return s->gets_of(k.verdict) >= came; };
   STRATA_ASSIGN_OR_RETURN(bool all, s->serve_until(delivered, until));
+  if (refused) {
+    // Ranks launched a moment later than the refusing one hear it too (a
+    // while: rank 0's own error is not held back long).
+    (void)s->serve_until(heard_by_all(*s, o, k), std::min(until, Clock::now() + kLateRanks));
+  }
   if (!verdict.ok()) return verdict;
   if (!all)
     return Status(StatusCode::kUnavailable,
@@ -770,7 +832,8 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
 }
 
 Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
-                                  Clock::time_point deadline, const std::string& where) {
+                                  Clock::time_point deadline, const std::string& where,
+                                  const std::string* refusal = nullptr) {
   STRATA_ASSIGN_OR_RETURN(std::vector<net::SockAddr> targets,
                           resolve(o.addr.empty() ? "127.0.0.1" : o.addr, o.port, where));
   // A socket may hold MASTER_PORT a moment after nothing answered there (a
@@ -781,37 +844,63 @@ Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<
     StoreClient c(where, deadline);
     bool refused = false;
     Status st = c.connect_once(targets, &refused);
-    if (st.ok()) return lead_through(c, o, blob, deadline, where);
+    if (st.ok()) return lead_through(c, o, blob, deadline, where, refusal);
     if (!refused) return st;
     auto s = std::make_unique<MiniStore>(where);
     int bind_errno = 0;
     Status listening = s->listen(o.port, o.world_size, &bind_errno);
-    if (listening.ok()) return lead_alone(std::move(s), o, blob, deadline, where);
+    if (listening.ok()) return lead_alone(std::move(s), o, blob, deadline, where, refusal);
     if (bind_errno != EADDRINUSE || Clock::now() >= give_up) return listening;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
 
-}  // namespace
-
-Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, const std::vector<uint8_t>& root_blob) {
+// The options' checks both calls share.
+Status check_options(const RendezvousOptions& o) {
   if (o.world_size < 1 || o.rank < 0 || o.rank >= o.world_size)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("rendezvous: rank {} of world size {} is out of range", o.rank, o.world_size));
   if (!(o.timeout_s > 0))
     return Status(StatusCode::kInvalidArgument, fmt::format("rendezvous: timeout_s must be > 0 (got {})", o.timeout_s));
+  if (o.world_size == 1) return Status();
+  if (o.port == 0) return Status(StatusCode::kInvalidArgument, "rendezvous: port 0 (set MASTER_PORT)");
+  if (o.rank != 0 && o.addr.empty())
+    return Status(StatusCode::kInvalidArgument, "rendezvous: empty address (set MASTER_ADDR)");
+  return Status();
+}
+
+std::string where_of(const RendezvousOptions& o) {
+  return fmt::format("rendezvous at {} (rank {} of {})", net::host_port_text(o.addr.empty() ? "*" : o.addr, o.port),
+                     o.rank, o.world_size);
+}
+
+}  // namespace
+
+Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, const std::vector<uint8_t>& root_blob) {
+  STRATA_RETURN_IF_ERROR(check_options(o));
   if (root_blob.size() > kMaxBlob)
     return Status(StatusCode::kInvalidArgument,
                   fmt::format("rendezvous: blob of {} bytes exceeds {}", root_blob.size(), kMaxBlob));
   if (o.world_size == 1) return root_blob;
-  if (o.port == 0) return Status(StatusCode::kInvalidArgument, "rendezvous: port 0 (set MASTER_PORT)");
-  if (o.rank != 0 && o.addr.empty())
-    return Status(StatusCode::kInvalidArgument, "rendezvous: empty address (set MASTER_ADDR)");
-  const std::string where =
-      fmt::format("rendezvous at {} (rank {} of {})", net::host_port_text(o.addr.empty() ? "*" : o.addr, o.port),
-                  o.rank, o.world_size);
+  const std::string where = where_of(o);
   const auto deadline = net::deadline_after(o.timeout_s);
   return o.rank == 0 ? lead(o, root_blob, deadline, where) : join(o, deadline, where);
+}
+
+Status rendezvous_refuse(const RendezvousOptions& o, const std::string& why) {
+  STRATA_RETURN_IF_ERROR(check_options(o));
+  if (o.world_size == 1) return Status();
+  const std::string where = where_of(o);
+  const auto deadline = net::deadline_after(o.timeout_s);
+  std::string refusal = fmt::format("rank {} failed before the ranks met: {}", o.rank, why);
+  if (refusal.size() > 4096) refusal = refusal.substr(0, 4093) + "...";
+  if (o.rank != 0) return refuse_as_joiner(o, refusal, deadline, where);
+  Result<std::vector<uint8_t>> led = lead(o, {}, deadline, where, &refusal);
+  // Its refusal, published: done. (Anything else: why it could not be.)
+  if (!led.ok() && led.status().code() == StatusCode::kInvalidArgument &&
+      led.status().message().find(refusal) != std::string::npos)
+    return Status();
+  return led.ok() ? Status(StatusCode::kInternal, where + ": a refusing rank 0 met the ranks") : led.status();
 }
 
 }  // namespace strata::comm

@@ -102,4 +102,15 @@ struct RendezvousOptions {
 Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& options,
                                                   const std::vector<uint8_t>& root_blob);
 
+// For a rank that failed before it could meet the others (its model or data
+// unreadable, ...): the exchange `options` names is refused with "rank R
+// failed before the ranks met: <why>", so every other rank fails at once
+// with that text instead of waiting out its timeout. Rank r > 0 publishes it
+// once a store answers at MASTER_PORT (waiting for one up to the timeout);
+// rank 0 publishes it as its verdict and, where it serves the store itself,
+// serves until every rank has fetched it or refused too (or the timeout).
+// OK once published; the errors of rendezvous_broadcast() otherwise (a
+// timeout: nobody came to hear it). With world_size 1, nothing.
+Status rendezvous_refuse(const RendezvousOptions& options, const std::string& why);
+
 }  // namespace strata::comm

@@ -94,13 +94,18 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) 
 Status Trainer::Impl::setup() {
   STRATA_RETURN_IF_ERROR(check_options());
   STRATA_RETURN_IF_ERROR(detect_ranks());
-  STRATA_RETURN_IF_ERROR(resolve_lora());
-  STRATA_RETURN_IF_ERROR(open_model());
-  STRATA_RETURN_IF_ERROR(open_data());
-  STRATA_RETURN_IF_ERROR(check_output_dirs());
-  STRATA_ASSIGN_OR_RETURN(EngineOptions eo, engine_options());
-  const DeviceSizes z = device_sizes(eo.model);
-  STRATA_RETURN_IF_ERROR(choose_device(z, &eo.config));
+  EngineOptions eo;
+  Status before = [&]() -> Status {
+    STRATA_RETURN_IF_ERROR(resolve_lora());
+    STRATA_RETURN_IF_ERROR(open_model());
+    STRATA_RETURN_IF_ERROR(open_data());
+    STRATA_RETURN_IF_ERROR(check_output_dirs());
+    STRATA_ASSIGN_OR_RETURN(eo, engine_options());
+    const DeviceSizes z = device_sizes(eo.model);
+    return choose_device(z, &eo.config);
+  }();
+  // N ranks: the others hear of it at once, not after --comm-timeout.
+  if (!before.ok()) return fail_before_meeting(std::move(before));
   STRATA_RETURN_IF_ERROR(join_ranks());
   // --resume auto, decided (rank 0's choice, which join_ranks shared): from
   // here a resume_dir says whether this run resumes.

@@ -206,6 +206,8 @@ struct Trainer::Impl {
   // Ranks (trainer_ranks.cpp).
   Status detect_ranks();  // the launcher's environment: rank, world
   Status join_ranks();    // the communicator; rank 0's run id, checkpoint and settings
+  comm::CommOptions comm_options() const;   // what join_ranks() creates the communicator with
+  Status fail_before_meeting(Status error);  // tells the other ranks (comm::refuse_to_meet); returns error
   // Every rank's n doubles, rank by rank (a collective on `stream`).
   Status all_gather(const double* mine, size_t n, std::vector<double>* all);
   Result<bool> any_rank(bool mine);  // true when it is true on some rank

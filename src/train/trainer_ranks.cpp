@@ -14,11 +14,15 @@ namespace {
 // "key.sub = X here, Y on rank 0" for the first key whose value differs.
 std::string first_difference(const json& here, const json& there, const std::string& prefix = "") {
   if (here.is_object() && there.is_object()) {
-    for (auto it = here.begin(); it != here.end(); ++it) {
-      const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
-      if (!there.contains(it.key())) return fmt::format("{} is set here, not on rank 0", key);
-      if (*it != there[it.key()]) return first_difference(*it, there[it.key()], key);
-    }
+    // Plain values before nested ones: a different --seq shows as seq, not
+    // as the data_shape it implies (keys come in name order).
+    for (const bool nested : {false, true})
+      for (auto it = here.begin(); it != here.end(); ++it) {
+        if (it->is_object() != nested) continue;
+        const std::string key = prefix.empty() ? it.key() : prefix + "." + it.key();
+        if (!there.contains(it.key())) return fmt::format("{} is set here, not on rank 0", key);
+        if (*it != there[it.key()]) return first_difference(*it, there[it.key()], key);
+      }
     for (auto it = there.begin(); it != there.end(); ++it)
       if (!here.contains(it.key()))
         return fmt::format("{} is set on rank 0, not here", prefix.empty() ? it.key() : prefix + "." + it.key());
@@ -107,15 +111,41 @@ Status Trainer::Impl::detect_ranks() {
 // Rank 0 broadcasts {run id, checkpoint to resume, settings}: its length
 // first, then the text. The others take the first two and must have the same
 // settings (a different batch or model on one rank would train nonsense).
-Status Trainer::Impl::join_ranks() {
-  if (world == 1) return {};
+comm::CommOptions Trainer::Impl::comm_options() const {
   comm::CommOptions co;
-  co.kind = backend->kind() == DeviceKind::kCuda ? comm::CommBackendKind::kNccl
+  // (Before the device is chosen, by what --device asks for.)
+  const bool cuda = backend ? backend->kind() == DeviceKind::kCuda : opt.device == TrainDevice::kCuda;
+  co.kind = cuda                                  ? comm::CommBackendKind::kNccl
             : launcher == comm::Launcher::kMpirun ? comm::CommBackendKind::kMpi
                                                   : comm::CommBackendKind::kTcp;
   co.timeout_s = opt.comm_timeout_s;
   // A stop signal while the ranks meet ends the wait at once.
   if (const std::atomic<bool>* stop = opt.stop) co.cancel = [stop] { return stop->load(std::memory_order_relaxed); };
+  return co;
+}
+
+// A rank that fails before the ranks meet (its model, data or out dir
+// refused, its budget too small, ...): without a word the others would wait
+// --comm-timeout for it (unless a launcher such as torchrun or mpirun ends
+// them). It refuses the rendezvous they wait in, naming its error.
+Status Trainer::Impl::fail_before_meeting(Status error) {
+  if (world <= 1) return error;
+  const comm::CommOptions co = comm_options();
+  if (co.kind == comm::CommBackendKind::kMpi) return error;  // mpirun ends the job
+  log_info("rank {}: failed before the ranks met; telling the other ranks (waiting up to {:g} s for rank 0's "
+           "rendezvous)",
+           rank, co.timeout_s);
+  const Status told = comm::refuse_to_meet(backend ? backend->kind() : co.kind == comm::CommBackendKind::kNccl
+                                                                           ? DeviceKind::kCuda
+                                                                           : DeviceKind::kHost,
+                                           co, error.message());
+  if (!told.ok()) log_warn("rank {}: could not tell the other ranks: {}", rank, told.message());
+  return error;
+}
+
+Status Trainer::Impl::join_ranks() {
+  if (world == 1) return {};
+  const comm::CommOptions co = comm_options();
   auto c = comm::create_communicator(backend.get(), co);
   if (!c.ok()) return c.status().with_context(fmt::format("joining the {} ranks", world));
   comm = std::move(c).value();

@@ -275,6 +275,67 @@ TEST(Rendezvous, AHeldPortTurnsASecondJobAwayAndServesTheNextExchange) {
   ::close(fd);
 }
 
+// A rank that failed before it could meet the others (its data unreadable,
+// say) refuses the exchange: rank 0 and the other rank fail at once with its
+// reason, not at their 60 s timeout.
+TEST(Rendezvous, ARankThatFailedBeforeMeetingIsNamedAtOnce) {
+  const uint16_t port = free_port();
+  auto k1 = spawn([&] {
+    Status st = rendezvous_refuse(opts(port, 1, 3, 60), "data file /d: No such file or directory");
+    if (!st.ok()) fprintf(stderr, "rank 1: %s\n", st.to_string().c_str());
+    return st.ok() ? 0 : 1;
+  });
+  auto k2 = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 2, 3, 60), {});
+    return !got.ok() && contains(got.status(), "rank 0 refused the rendezvous") &&
+                   contains(got.status(), "rank 1 failed before the ranks met: data file /d")
+               ? 0
+               : 1;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = rendezvous_broadcast(opts(port, 0, 3, 60), {7});
+  ASSERT_FALSE(got.ok());
+  EXPECT_TRUE(contains(got.status(), "rank 1 failed before the ranks met: data file /d: No such file or directory"))
+      << got.status().message();
+  EXPECT_LT(seconds_since(t0), 20.0);
+  EXPECT_EQ(exit_status(k1), 0);
+  EXPECT_EQ(exit_status(k2), 0);
+}
+
+// Rank 0 failed before meeting: it serves its refusal until every rank has
+// heard it (here one that comes late), which they fail with at once; and
+// ranks that all failed before meeting all end at once.
+TEST(Rendezvous, ARankZeroThatFailedBeforeMeetingIsHeardByEveryRank) {
+  const uint16_t port = free_port();
+  std::vector<pid_t> kids;
+  for (int r = 1; r < 3; ++r)
+    kids.push_back(spawn([&, r] {
+      if (r == 2) ::usleep(500 * 1000);  // comes after rank 0 has refused
+      auto got = rendezvous_broadcast(opts(port, r, 3, 60), {});
+      if (got.ok()) return 1;
+      fprintf(stderr, "rank %d sees: %s\n", r, got.status().message().c_str());
+      return contains(got.status(), "rank 0 refused the rendezvous") &&
+                     contains(got.status(), "rank 0 failed before the ranks met: out of budget")
+                 ? 0
+                 : 2;
+    }));
+  const auto t0 = std::chrono::steady_clock::now();
+  Status st = rendezvous_refuse(opts(port, 0, 3, 60), "out of budget");
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  for (pid_t k : kids) EXPECT_EQ(exit_status(k), 0);
+  EXPECT_LT(seconds_since(t0), 20.0);
+  // Every rank failed before meeting: none waits for the others.
+  const uint16_t port2 = free_port();
+  kids.clear();
+  for (int r = 1; r < 3; ++r)
+    kids.push_back(spawn([&, r] { return rendezvous_refuse(opts(port2, r, 3, 60), "bad config").ok() ? 0 : 1; }));
+  const auto t1 = std::chrono::steady_clock::now();
+  st = rendezvous_refuse(opts(port2, 0, 3, 60), "bad config");
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  for (pid_t k : kids) EXPECT_EQ(exit_status(k), 0);
+  EXPECT_LT(seconds_since(t1), 20.0);
+}
+
 TEST(Rendezvous, MissingRankTimesOutNamingIt) {
   const uint16_t port = free_port();
   auto k1 = spawn([&] {

@@ -21,7 +21,8 @@
 #     LoRA dropout masks follow the sequences (N ranks = 1 rank again);
 #   - what N ranks cannot do is refused by name (GPU ranks where no GPU or
 #     no NCCL, parameters on NVMe with stage 2, ranks with different
-#     settings, flags or weights: the first difference named).
+#     settings, flags or weights: the first difference named); a rank
+#     that fails before the ranks meet is named by the other at once (TCP).
 #   finetune_ranks_test.sh mpi MPIRUN STRATA_BINARY
 #   finetune_ranks_test.sh tcp LAUNCH_RANKS STRATA_BINARY
 # Exit 0 pass, 1 fail.
@@ -248,6 +249,24 @@ if [[ $kind == tcp ]]; then
   ((elapsed < 25)) || fail "a killed rank: the other took $elapsed s to fail (the timeout, not the closed connection)"
 fi
 
+# ---- a rank that fails before the ranks meet (its data file missing): the
+# other fails at once naming it and why, not after --comm-timeout (TCP: under
+# mpirun, mpirun ends the job)
+if [[ $kind == tcp ]]; then
+  [[ ${common[2]} == --data ]] || fail "the test's common flags moved: ${common[*]}"
+  t0=$SECONDS
+  out=$(timeout 120 "${launch_alone[@]}" 2 bash -c 'a=("${@:2}"); [[ $RANK == 1 ]] && a[3]=$1/missing.txt
+    exec "$0" finetune "${a[@]}"' "$strata" "$dir" "${common[@]}" --steps 2 --batch 2 --comm-timeout 90 \
+    --out "$dir/e9" 2>&1)
+  rc=$?
+  elapsed=$((SECONDS - t0))
+  ((rc != 0)) || fail "a rank without its data: exit 0"
+  [[ $out == *"rank 0 of 2"*"rank 1 failed before the ranks met:"*"missing.txt"* ]] ||
+    fail "a rank without its data: rank 0 does not name it: $out"
+  ((elapsed < 45)) || fail "a rank without its data: the job took $elapsed s to end (rank 0 waited for it)"
+  [[ ! -e $dir/e9 ]] || fail "a refused start left its out dir: $(ls -A "$dir/e9")"
+fi
+
 # ---- refused by name
 cli_command "${launch[@]}" 2 "$strata" finetune
 # (GPU ranks over NCCL: here no GPU, or a build without CUDA/NCCL, says why)
@@ -275,6 +294,19 @@ else
     "${common[@]}" --steps 2 --batch 2 --out "$dir/e5" 2>&1)
 fi
 [[ $out == *"ranks.eval_every = 1 here, 0 on rank 0"* ]] || fail "ranks with different --eval-every: $out"
+# Another --seq on one rank: named as seq, not as the data shape it implies
+[[ ${common[4]} == --seq ]] || fail "the test's common flags moved: ${common[*]}"
+seq32=("${common[@]}")
+seq32[5]=32
+if [[ $kind == mpi ]]; then
+  out=$(timeout 120 "${launch[@]}" 1 "$strata" finetune "${common[@]}" --steps 2 --batch 2 --out "$dir/e5s" : \
+    -np 1 "$strata" finetune "${seq32[@]}" --steps 2 --batch 2 --out "$dir/e5s" 2>&1)
+else
+  out=$(timeout 120 "${launch[@]}" 2 bash -c 'n=$1; shift; a=("${@:1:n}"); [[ $RANK == 1 ]] && a=("${@:n+1:n}")
+    exec "$0" finetune "${a[@]}" "${@:2*n+1}"' "$strata" "${#common[@]}" "${common[@]}" "${seq32[@]}" \
+    --steps 2 --batch 2 --out "$dir/e5s" 2>&1)
+fi
+[[ $out == *"settings differ from rank 0's"*"seq = 32 here, 64 on rank 0"* ]] || fail "ranks with different --seq: $out"
 # Another model of the same shapes on one rank (DDP would start every rank from rank 0's)
 "$strata" init-model --layers 2 --dim 64 --heads 4 --kv-heads 2 --ffn-dim 160 --vocab 256 --dtype fp32 \
   --tie-embeddings --seed 6 --out "$dir/model6" >/dev/null || fail "init-model (seed 6)"
