@@ -115,6 +115,7 @@ Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const Co
   to.rank = li.rank;
   to.world_size = li.world_size;
   to.timeout_s = options.timeout_s;
+  to.hold_store = options.hold_store;
   if (li.world_size > 1) {
     to.key = store_key("tcp");
     to.taken_hint = store_key_taken_hint();
@@ -179,7 +180,7 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
       ro.timeout_s = options.timeout_s;
       ro.key = key;
       ro.taken_hint = store_key_taken_hint();
-      ro.hold = held.get();
+      ro.hold = options.hold_store ? held.get() : nullptr;
       return rendezvous_broadcast(ro, blob);
     };
   } else if (li.launcher == Launcher::kMpirun) {

@@ -135,6 +135,15 @@ struct CommOptions {
   // kCancelled instead of at the timeout (net::CancelScope, NcclCommOptions).
   // Empty: waits until the timeout.
   std::function<bool()> cancel = nullptr;
+  // kTcp, kNccl launched torchrun-style: where nothing serves a store at
+  // MASTER_PORT, rank 0 serves the rendezvous itself; true: it goes on
+  // serving it for the communicator's life (rendezvous.h "Holding the
+  // port"), so a second job given the same MASTER_PORT fails at once on
+  // every rank instead of meeting this job's ranks. Off by default: a
+  // torch.distributed process group made after the communicator on the same
+  // MASTER_PORT needs the port free (its rank 0 serves its TCPStore there).
+  // strata finetune holds it.
+  bool hold_store = false;
 };
 
 // True when this build has the MPI backend (STRATA_HAVE_MPI).

@@ -18,6 +18,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <system_error>
 #include <thread>
 
 #include <fmt/format.h>
@@ -35,7 +36,10 @@ using net::resolve;
 using net::send_all;
 using net::wait_fd;
 constexpr char kMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'R', 'V'};
-constexpr uint32_t kVersion = 2;  // 2: the blob's header carries rank 0's decision time left
+// 2: the blob's header carries rank 0's decision time left; 3: the leader,
+// joined, refused and fetched keys, the ended blob (a rank of another
+// version fails at once: "another version")
+constexpr uint32_t kVersion = 3;
 constexpr uint64_t kMaxBlob = 64u << 20;
 
 // ---- the TCPStore protocol (rendezvous.h)
@@ -141,8 +145,9 @@ std::vector<uint8_t> encode_ended() {
 constexpr auto kRefusalPoll = std::chrono::milliseconds(200);
 
 // How long rank 0 that served a refusal goes on serving it for ranks that
-// have not come yet.
-constexpr auto kLateRanks = std::chrono::seconds(5);
+// have not come yet (launched with the others, but slower to start): they
+// then fail at once with the reason instead of at their timeout without it.
+constexpr auto kLateRanks = std::chrono::seconds(15);
 
 // After rank 0's deadline: time for the few requests that publish a verdict.
 constexpr auto kGrace = std::chrono::seconds(5);
@@ -300,11 +305,14 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
   const uint32_t world = get_u32(v.data() + 12);
   if (world == 0)
     return Status(StatusCode::kAlreadyExists,
-                  fmt::format("{}: the ranks of this rendezvous (key '{}') have already met and left it: this "
-                              "process came after its job started (a second process given RANK={}?), or it "
-                              "belongs to another job given the same MASTER_ADDR:MASTER_PORT (give each job its "
-                              "own MASTER_PORT)",
-                              where, o.key, o.rank));
+                  o.taken_hint.empty()
+                      ? fmt::format("{}: the ranks of this rendezvous (key '{}') have already met and left it: this "
+                                    "process came after its job started (a second process given RANK={}?), or it "
+                                    "belongs to another job given the same MASTER_ADDR:MASTER_PORT (give each job "
+                                    "its own MASTER_PORT)",
+                                    where, o.key, o.rank)
+                      : fmt::format("{}: the ranks of this rendezvous (key '{}') have already met and left it: {}",
+                                    where, o.key, o.taken_hint));
   // Rank 0 decides by its own deadline: the verdict is awaited that long
   // (and a grace period), so that every rank returns the same verdict.
   const auto verdict_by =
@@ -318,7 +326,9 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
     // refuses, and so the whole rendezvous fails, naming the rank.
     STRATA_ASSIGN_OR_RETURN(const int64_t as, c.add(k.joined[static_cast<std::size_t>(o.rank)], 1));
     if (as > 1)
-      refusal = fmt::format("{} processes joined as rank {} (two processes given RANK={}?)", as, o.rank, o.rank);
+      refusal = o.taken_hint.empty()
+                    ? fmt::format("{} processes joined as rank {} (two processes given RANK={}?)", as, o.rank, o.rank)
+                    : fmt::format("{} processes joined as rank {}: {}", as, o.rank, o.taken_hint);
   }
   STRATA_RETURN_IF_ERROR(c.set(k.ack[static_cast<std::size_t>(o.rank)],
                                std::vector<uint8_t>(refusal.begin(), refusal.end())));
@@ -336,7 +346,8 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
   // Rank 0 through a store waits for this before it goes on (a store it
   // holds itself must not close under a rank still reading the verdict),
   // and so does a rank 0 that refused before the ranks met.
-  STRATA_RETURN_IF_ERROR(c.set(k.fetched[static_cast<std::size_t>(o.rank)], {}));
+  const Status told = c.set(k.fetched[static_cast<std::size_t>(o.rank)], {});
+  if (st.ok()) STRATA_RETURN_IF_ERROR(told);  // (a refusal: reported as such, whatever the store does now)
   if (!st.ok())
     return Status(st.code(), fmt::format("{}: rank 0 refused the rendezvous: {}", where, st.message()));
   return std::vector<uint8_t>(v.begin() + static_cast<std::ptrdiff_t>(kBlobHead), v.end());
@@ -436,11 +447,17 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
     STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> a, c.get(key));
     acks[static_cast<std::size_t>(r)] = std::string(a.begin(), a.end());
   }
+  // A refusal: rank 0's own, or a rank's (the last written, where several
+  // refused at once: any of them fails every rank).
   std::optional<std::string> refused;
-  STRATA_ASSIGN_OR_RETURN(const bool any_refused, c.check(k.refused));
-  if (any_refused) {
-    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> why, c.get(k.refused));
-    refused = std::string(why.begin(), why.end());
+  if (refusal != nullptr) {
+    refused = *refusal;
+  } else {
+    STRATA_ASSIGN_OR_RETURN(const bool any_refused, c.check(k.refused));
+    if (any_refused) {
+      STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> why, c.get(k.refused));
+      refused = std::string(why.begin(), why.end());
+    }
   }
   const Status verdict = verdict_of(o, acks, refused, where);
   STRATA_RETURN_IF_ERROR(c.set(k.verdict, encode_verdict(verdict)));
@@ -452,9 +469,16 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
   c.set_deadline(std::max(deadline, Clock::now()) + kGrace * 2);
   std::vector<std::string> fetched(k.fetched.begin() + 1, k.fetched.end());
   STRATA_ASSIGN_OR_RETURN(const bool delivered, c.wait(fetched, std::max(deadline, Clock::now()) + kGrace));
-  if (!delivered)
+  if (!delivered) {
+    std::string missing;
+    for (int r = 1; r < o.world_size; ++r) {
+      STRATA_ASSIGN_OR_RETURN(const bool got, c.check(k.fetched[static_cast<std::size_t>(r)]));
+      if (!got) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    }
     return Status(StatusCode::kUnavailable,
-                  fmt::format("{}: not every rank fetched the verdict before the timeout", where));
+                  fmt::format("{}: rank {} never fetched rank 0's verdict (it stopped after it acknowledged)", where,
+                              missing));
+  }
   return blob;
 }
 
@@ -746,19 +770,24 @@ std::shared_ptr<void> keep_serving(std::unique_ptr<MiniStore> s) {
     std::thread thread;
     ~Keeper() {
       store->stop();
-      thread.join();
+      if (thread.joinable()) thread.join();
     }
   };
+  if (!s->make_stoppable().ok()) return nullptr;  // (no eventfd): not held, the store closes
   auto k = std::make_shared<Keeper>();
   MiniStore* store = s.get();
   k->store = std::move(s);
-  k->thread = std::thread([store] {
-    try {
-      (void)store->serve_until([] { return false; }, net::deadline_after(1e9));
-    } catch (...) {  // (no memory): the port is let go below
-    }
-    store->close();
-  });
+  try {
+    k->thread = std::thread([store] {
+      try {
+        (void)store->serve_until([] { return false; }, net::deadline_after(1e9));
+      } catch (...) {  // (no memory): the port is let go below
+      }
+      store->close();
+    });
+  } catch (const std::system_error&) {  // no thread: not held, the store closes
+    return nullptr;
+  }
   return k;
 }
 
@@ -824,10 +853,7 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
                   fmt::format("{}: {} of {} ranks fetched the verdict before the timeout", where,
                               s->gets_of(k.verdict), came));
   s->set(k.blob, encode_ended());
-  if (o.hold != nullptr) {
-    STRATA_RETURN_IF_ERROR(s->make_stoppable());
-    *o.hold = keep_serving(std::move(s));
-  }
+  if (o.hold != nullptr) *o.hold = keep_serving(std::move(s));
   return blob;
 }
 

@@ -45,7 +45,10 @@
 // torch's rank-0 TCPStore does for its process group: MASTER_PORT stays
 // taken, so a second job given that port fails at once, loudly (its rank 0
 // finds the leader key taken, its other ranks find the exchange ended);
-// later exchanges of this job meet through it.
+// later exchanges of this job meet through it. Caveats: a torch.distributed
+// process group made later on the same MASTER_PORT cannot bind it (hence
+// CommOptions::hold_store, off by default); a child made by a plain fork()
+// while it is held keeps the listening socket (an exec closes it).
 //
 // A rank that cannot reach MASTER_ADDR keeps retrying (rank 0 may
 // not listen yet, or its previous exchange's store is closing) until its

@@ -36,7 +36,7 @@ using net::Fd;
 // supported target is little-endian.
 
 constexpr char kMagic[8] = {'S', 'T', 'R', 'A', 'T', 'A', 'T', 'C'};
-constexpr uint32_t kWireVersion = 2;  // 2: IPv6 addresses in the table
+constexpr uint32_t kWireVersion = 3;  // 2: IPv6 addresses in the table; 3: the abort frame
 
 struct Blob {  // rank 0 -> every rank, through the rendezvous
   char magic[8];
@@ -365,6 +365,9 @@ class TcpCommunicator final : public P2pCommunicator {
       msg.msg_iov = iov;
       msg.msg_iovlen = 2;
       (void)::sendmsg(p.fd.fd, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+      // Nothing may follow it (a frame after a partly written abort would
+      // be read as its text): no more sends on this connection.
+      ::shutdown(p.fd.fd, SHUT_WR);
     }
   }
 
@@ -680,7 +683,7 @@ Result<std::unique_ptr<Communicator>> create_tcp_communicator(DeviceBackend* dev
     ro.timeout_s = o.timeout_s;
     ro.key = o.key;
     ro.taken_hint = o.taken_hint;
-    ro.hold = &held_store;
+    ro.hold = o.hold_store ? &held_store : nullptr;
     STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> got, rendezvous_broadcast(ro, blob));
     Blob b{};
     if (got.size() == sizeof b) std::memcpy(&b, got.data(), sizeof b);

@@ -6,9 +6,9 @@
 // Connecting. Every rank listens on a port the kernel picks, on every
 // interface, IPv4 and IPv6 alike (socket_io.h). Rank 0's port travels to the
 // others through the TCP rendezvous (rendezvous.h: torchrun's TCPStore at
-// MASTER_ADDR:MASTER_PORT, or one rank 0 serves there and holds for the
-// communicator's life, so a second job given that port fails at once), with
-// a random job token. Each other rank connects to rank 0 at MASTER_ADDR (each address it
+// MASTER_ADDR:MASTER_PORT, or one rank 0 serves there, and with
+// TcpCommOptions::hold_store holds for the communicator's life, so a second
+// job given that port fails at once), with a random job token. Each other rank connects to rank 0 at MASTER_ADDR (each address it
 // resolves to, in turn) and says its rank, the world size, the token and its
 // own port; once all have come, rank 0 answers each with the table of every
 // rank's address, IPv4 or IPv6 (as rank 0 saw it; a rank that came over
@@ -70,6 +70,7 @@ struct TcpCommOptions {
   // every rank passes the same, distinct per communicator of a job.
   std::string key = "tcp/0";
   std::string taken_hint;  // rendezvous.h: what a taken key means here ("": another job)
+  bool hold_store = false;  // rank 0 holds the store it served for the communicator's life (communicator.h)
 };
 
 // Collective over the ranks (every rank calls it, in the same order as its

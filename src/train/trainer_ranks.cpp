@@ -3,6 +3,8 @@
 // resume, the settings every rank must share), and the small agreements of
 // each step (the loss, a stop request). Every function here is a collective
 // once there are N ranks: each rank calls it at the same point of its run.
+#include <algorithm>
+
 #include "comm/bootstrap.h"
 #include "comm/nccl_comm.h"
 #include "train/trainer_impl.h"
@@ -119,6 +121,9 @@ comm::CommOptions Trainer::Impl::comm_options() const {
             : launcher == comm::Launcher::kMpirun ? comm::CommBackendKind::kMpi
                                                   : comm::CommBackendKind::kTcp;
   co.timeout_s = opt.comm_timeout_s;
+  // Rank 0 holds MASTER_PORT for the run (no torch process group here to
+  // need it): a second job given the same port fails at once.
+  co.hold_store = true;
   // A stop signal while the ranks meet ends the wait at once.
   if (const std::atomic<bool>* stop = opt.stop) co.cancel = [stop] { return stop->load(std::memory_order_relaxed); };
   return co;
@@ -130,11 +135,13 @@ comm::CommOptions Trainer::Impl::comm_options() const {
 // them). It refuses the rendezvous they wait in, naming its error.
 Status Trainer::Impl::fail_before_meeting(Status error) {
   if (world <= 1) return error;
-  const comm::CommOptions co = comm_options();
+  comm::CommOptions co = comm_options();
   if (co.kind == comm::CommBackendKind::kMpi) return error;  // mpirun ends the job
-  log_info("rank {}: failed before the ranks met; telling the other ranks (waiting up to {:g} s for rank 0's "
-           "rendezvous)",
-           rank, co.timeout_s);
+  // Said now: telling the others may wait for rank 0 (still loading its
+  // model, say), or for the ranks rank 0 tells. At most a minute.
+  co.timeout_s = std::min(co.timeout_s, 60.0);
+  log_error("rank {}: {}; telling the other ranks before exiting (at most {:g} s; Ctrl-C ends it)", rank,
+            error.message(), co.timeout_s);
   const Status told = comm::refuse_to_meet(backend ? backend->kind() : co.kind == comm::CommBackendKind::kNccl
                                                                            ? DeviceKind::kCuda
                                                                            : DeviceKind::kHost,

@@ -22,7 +22,8 @@
 #   - what N ranks cannot do is refused by name (GPU ranks where no GPU or
 #     no NCCL, parameters on NVMe with stage 2, ranks with different
 #     settings, flags or weights: the first difference named); a rank
-#     that fails before the ranks meet is named by the other at once (TCP).
+#     that fails before the ranks meet is named by the other at once, and
+#     a second job given a running job's MASTER_PORT fails at once (TCP).
 #   finetune_ranks_test.sh mpi MPIRUN STRATA_BINARY
 #   finetune_ranks_test.sh tcp LAUNCH_RANKS STRATA_BINARY
 # Exit 0 pass, 1 fail.
@@ -204,6 +205,38 @@ if [[ $kind == tcp ]]; then
   grep -q "interrupted (a stop signal) while waiting" "$dir/alone.log" ||
     fail "SIGTERM while waiting for the ranks: no 'interrupted' error: $(tail -3 "$dir/alone.log")"
   [[ ! -e $dir/alone ]] || fail "the rank stopped while waiting left its out dir: $(ls -A "$dir/alone")"
+fi
+
+# ---- two jobs given one MASTER_PORT: job A's rank 0 holds the port for its
+# run, so job B fails at once on both ranks, each saying why (before, B's
+# rank 1 could meet A's rank 0 while A's ranks met)
+if [[ $kind == tcp ]]; then
+  port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  as_rank() {  # RANK OUT: one rank of 2 on $port (job A runs until killed; job B is refused)
+    RANK=$1 WORLD_SIZE=2 LOCAL_RANK=$1 LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port \
+      "$strata" finetune "${common[@]}" --steps 100000 --batch 2 --comm-timeout 60 --out "$2"
+  }
+  as_rank 0 "$dir/jobA" >"$dir/jobA0.log" 2>&1 &
+  a0=$!
+  as_rank 1 "$dir/jobA" >"$dir/jobA1.log" 2>&1 &
+  a1=$!
+  wait_step "$dir/jobA" 2
+  t0=$SECONDS
+  out1=$(timeout 60 bash -c "$(declare -f as_rank); $(declare -p common port strata); as_rank 1 '$dir/jobB'" 2>&1)
+  rc1=$?
+  out0=$(timeout 60 bash -c "$(declare -f as_rank); $(declare -p common port strata); as_rank 0 '$dir/jobB'" 2>&1)
+  rc0=$?
+  elapsed=$((SECONDS - t0))
+  running=$(jobs -rp | grep -cE "^($a0|$a1)$")
+  kill -TERM "$a0" "$a1" 2>/dev/null
+  wait "$a0" "$a1"
+  ((running == 2)) || fail "job A ended before job B was tried: $(tail -n 3 "$dir/jobA0.log")"
+  ((rc1 != 0 && rc0 != 0)) || fail "a second job on the same port: exits $rc0 $rc1"
+  [[ $out1 == *"have already met and left it"*"another job given the same MASTER_ADDR:MASTER_PORT"* ]] ||
+    fail "a second job's rank 1 on the same port: $out1"
+  [[ $out0 == *"another rank 0 already leads this rendezvous"* ]] || fail "a second job's rank 0 on the same port: $out0"
+  ((elapsed < 30)) || fail "a second job on the same port took $elapsed s to fail"
+  [[ ! -e $dir/jobB ]] || fail "the refused job left its out dir: $(ls -A "$dir/jobB")"
 fi
 
 # A 400-step job of 2 ranks into OUT NAME (extra flags after); once step 2
