@@ -82,6 +82,19 @@ std::string store_key_taken_hint() {
       nodes);
 }
 
+// The rendezvous of a torchrun-style launch under store_key(backend).
+RendezvousOptions rendezvous_options(const LaunchInfo& li, const CommOptions& options, const char* backend) {
+  RendezvousOptions ro;
+  ro.addr = li.master_addr;
+  ro.port = li.master_port;
+  ro.rank = li.rank;
+  ro.world_size = li.world_size;
+  ro.timeout_s = options.timeout_s;
+  ro.key = store_key(backend);
+  ro.taken_hint = store_key_taken_hint();
+  return ro;
+}
+
 // The ranks: the caller's (CommOptions::ranks, checked) or the launcher's.
 Result<LaunchInfo> launch_of(const CommOptions& options) {
   if (!options.ranks) return detect_launch();
@@ -121,6 +134,17 @@ Result<std::unique_ptr<Communicator>> create_tcp(DeviceBackend* device, const Co
     to.taken_hint = store_key_taken_hint();
   }
   return create_tcp_communicator(device, to);
+}
+
+// kAuto, resolved: GPU ranks meet over NCCL, host ranks over MPI (mpirun)
+// or TCP (torchrun style, or the caller's ranks); one rank needs none.
+Result<CommBackendKind> auto_kind(DeviceKind device, const CommOptions& options) {
+  if (device != DeviceKind::kCuda && !options.ranks && mpi_backend_built() &&
+      std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr)
+    return CommBackendKind::kMpi;
+  STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
+  if (device == DeviceKind::kCuda) return li.world_size > 1 ? CommBackendKind::kNccl : CommBackendKind::kSelf;
+  return li.launcher == Launcher::kTorchrun && li.world_size > 1 ? CommBackendKind::kTcp : CommBackendKind::kSelf;
 }
 
 // A communicator and what must live as long as it: rank 0's rendezvous
@@ -170,19 +194,9 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
   no.cancel = options.cancel;
   auto held = std::make_shared<std::shared_ptr<void>>();  // rank 0's store, where it serves one
   if (li.launcher == Launcher::kTorchrun) {
-    const std::string key = store_key("nccl");
-    no.share_id = [li, options, key, held](const std::vector<uint8_t>& blob) {
-      RendezvousOptions ro;
-      ro.addr = li.master_addr;
-      ro.port = li.master_port;
-      ro.rank = li.rank;
-      ro.world_size = li.world_size;
-      ro.timeout_s = options.timeout_s;
-      ro.key = key;
-      ro.taken_hint = store_key_taken_hint();
-      ro.hold = options.hold_store ? held.get() : nullptr;
-      return rendezvous_broadcast(ro, blob);
-    };
+    RendezvousOptions ro = rendezvous_options(li, options, "nccl");
+    ro.hold = options.hold_store ? held.get() : nullptr;
+    no.share_id = [ro, held](const std::vector<uint8_t>& blob) { return rendezvous_broadcast(ro, blob); };
   } else if (li.launcher == Launcher::kMpirun) {
     no.share_id = [options](const std::vector<uint8_t>& blob) { return mpi_share(blob, 128, options); };
   }
@@ -235,17 +249,7 @@ Result<std::unique_ptr<Communicator>> create_communicator(DeviceBackend* device,
                               options.nccl_parent != nullptr ? "NCCL communicator to split"
                                                              : std::string(comm_backend_kind_name(kind)) + " backend"));
   if (kind == CommBackendKind::kAuto) {
-    // GPU ranks meet over NCCL, host ranks over MPI (mpirun) or TCP
-    // (torchrun style, or the caller's ranks); one rank needs none.
-    if (device->kind() == DeviceKind::kCuda) {
-      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
-      kind = li.world_size > 1 ? CommBackendKind::kNccl : CommBackendKind::kSelf;
-    } else if (!options.ranks && mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr) {
-      kind = CommBackendKind::kMpi;
-    } else {
-      STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
-      kind = li.launcher == Launcher::kTorchrun && li.world_size > 1 ? CommBackendKind::kTcp : CommBackendKind::kSelf;
-    }
+    STRATA_ASSIGN_OR_RETURN(kind, auto_kind(device->kind(), options));
   }
   switch (kind) {
     case CommBackendKind::kSelf:
@@ -276,23 +280,13 @@ Status refuse_to_meet(DeviceKind device, const CommOptions& options, const std::
   net::CancelScope cancel(options.cancel);
   if (!(options.timeout_s > 0) || options.nccl_parent != nullptr) return Status();
   CommBackendKind kind = options.kind;
-  if (kind == CommBackendKind::kAuto)
-    kind = device == DeviceKind::kCuda ? CommBackendKind::kNccl
-           : !options.ranks && mpi_backend_built() && std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr
-               ? CommBackendKind::kMpi
-               : CommBackendKind::kTcp;
+  if (kind == CommBackendKind::kAuto) {
+    STRATA_ASSIGN_OR_RETURN(kind, auto_kind(device, options));
+  }
   if (kind != CommBackendKind::kTcp && kind != CommBackendKind::kNccl) return Status();
   STRATA_ASSIGN_OR_RETURN(LaunchInfo li, launch_of(options));
   if (li.launcher != Launcher::kTorchrun || li.world_size <= 1) return Status();
-  RendezvousOptions ro;
-  ro.addr = li.master_addr;
-  ro.port = li.master_port;
-  ro.rank = li.rank;
-  ro.world_size = li.world_size;
-  ro.timeout_s = options.timeout_s;
-  ro.key = store_key(kind == CommBackendKind::kNccl ? "nccl" : "tcp");
-  ro.taken_hint = store_key_taken_hint();
-  return rendezvous_refuse(ro, why);
+  return rendezvous_refuse(rendezvous_options(li, options, kind == CommBackendKind::kNccl ? "nccl" : "tcp"), why);
 }
 
 }  // namespace strata::comm

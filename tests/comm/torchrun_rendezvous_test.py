@@ -154,43 +154,33 @@ if not any(f.startswith("world mismatch") for f in failures):
     print("world mismatch: every rank failed, naming rank 2's world size 4 against rank 0's 3")
 del store
 
+def fail_at_once(case, ranks_worlds, want):
+    """Probes (rank, WORLD_SIZE) against a torch TCPStore, timeout 60 s:
+    every one must fail with `want` in its error, all well before 60 s."""
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
+                          wait_for_workers=False)
+    t0 = time.monotonic()
+    procs = [subprocess.Popen([PROBE, "1", "60"], env=env_for(r, w, port), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r, w in ranks_worlds]
+    outs = [p.communicate(timeout=120) for p in procs]
+    took = time.monotonic() - t0
+    bad = [f"{case}: process {i} (rank {ranks_worlds[i][0]}) exit {p.returncode}, said: {outs[i][1][-500:]!r}"
+           for i, p in enumerate(procs) if p.returncode == 0 or want not in outs[i][1]]
+    if took > 30:
+        bad.append(f"{case}: the processes took {took:.1f} s to fail (their timeout is 60 s)")
+    failures.extend(bad)
+    if not bad:
+        print(f"{case}: all {len(procs)} processes failed in {took:.1f} s, naming {want!r}")
+    del store
+
+
 # ---- rank 0 says 3 ranks, the only other one 2, against torch's store: the
 # refusal ends rank 0's wait at once (not at its 60 s timeout)
-port = free_port()
-store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
-                      wait_for_workers=False)
-t0 = time.monotonic()
-procs = [subprocess.Popen([PROBE, "1", "60"], env=env_for(r, w, port), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) for r, w in ((0, 3), (1, 2))]
-outs = [p.communicate(timeout=120) for p in procs]
-took = time.monotonic() - t0
-for r in range(2):
-    if procs[r].returncode == 0 or "rank 1 says world size 2, rank 0 has 3" not in outs[r][1]:
-        failures.append(f"early refusal: rank {r} exit {procs[r].returncode}, said: {outs[r][1][-500:]!r}")
-if took > 30:
-    failures.append(f"early refusal: the ranks took {took:.1f} s to fail (rank 0's timeout is 60 s)")
-if not any(f.startswith("early refusal") for f in failures):
-    print(f"early refusal: both ranks failed in {took:.1f} s, naming rank 1's world size 2 against rank 0's 3")
-del store
-
+fail_at_once("early refusal", ((0, 3), (1, 2)), "rank 1 says world size 2, rank 0 has 3")
 # ---- two processes given RANK=1, against torch's store: every process
 # fails at once, naming rank 1 (the count is the store's atomic ADD)
-port = free_port()
-store = dist.TCPStore("127.0.0.1", port, None, True, timeout=datetime.timedelta(seconds=60),
-                      wait_for_workers=False)
-t0 = time.monotonic()
-procs = [subprocess.Popen([PROBE, "1", "60"], env=env_for(r, 3, port), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True) for r in (0, 1, 1)]
-outs = [p.communicate(timeout=120) for p in procs]
-took = time.monotonic() - t0
-for i, p in enumerate(procs):
-    if p.returncode == 0 or "2 processes joined as rank 1" not in outs[i][1]:
-        failures.append(f"duplicate rank: process {i} exit {p.returncode}, said: {outs[i][1][-500:]!r}")
-if took > 30:
-    failures.append(f"duplicate rank: the processes took {took:.1f} s to fail (their timeout is 60 s)")
-if not any(f.startswith("duplicate rank") for f in failures):
-    print(f"duplicate rank: all 3 processes failed in {took:.1f} s, naming rank 1")
-del store
+fail_at_once("duplicate rank", ((0, 3), (1, 3), (1, 3)), "2 processes joined as rank 1")
 
 # ---- a rank that never comes, against torch's store: rank 1 starts before
 # rank 0 (its own deadline passes first) and still gets rank 0's verdict,
