@@ -21,8 +21,7 @@ namespace {
 
 // Under mpirun: rank 0's blob to every rank with an MPI broadcast (a host
 // backend and an MPI communicator made for it; MPI stays initialized).
-Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::size_t bytes,
-                                       const CommOptions& options) {
+Result<std::vector<uint8_t>> mpi_share(const BlobMaker& make, std::size_t bytes, const CommOptions& options) {
 #if STRATA_HAVE_MPI
   STRATA_ASSIGN_OR_RETURN(auto host, create_host_backend(HostBackendOptions{1u << 20, false}));
   MpiCommOptions mo;
@@ -31,7 +30,10 @@ Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::si
   STRATA_ASSIGN_OR_RETURN(auto mpi, create_mpi_communicator(host.get(), mo));
   STRATA_ASSIGN_OR_RETURN(DeviceStream * stream, host->create_stream("bootstrap"));
   std::vector<uint8_t> out(bytes);
-  if (mpi->rank() == 0) std::copy_n(blob.begin(), std::min(bytes, blob.size()), out.begin());
+  if (mpi->rank() == 0) {  // (a failure exits this rank: mpirun ends the others)
+    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> blob, make());
+    std::copy_n(blob.begin(), std::min(bytes, blob.size()), out.begin());
+  }
   Status st = mpi->broadcast(out.data(), bytes, 0, stream);
   Status synced = host->synchronize(stream);
   if (st.ok()) st = synced;
@@ -39,7 +41,7 @@ Result<std::vector<uint8_t>> mpi_share(const std::vector<uint8_t>& blob, std::si
   if (!st.ok()) return st.with_context("broadcast over MPI");
   return out;
 #else
-  (void)blob, (void)bytes, (void)options;
+  (void)make, (void)bytes, (void)options;
   return Status(StatusCode::kUnavailable,
                 "under mpirun the NCCL id travels over MPI, which is not in this build; launch torchrun-style "
                 "(RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) instead");
@@ -196,9 +198,9 @@ Result<std::unique_ptr<Communicator>> create_nccl(DeviceBackend* device, const C
   if (li.launcher == Launcher::kTorchrun) {
     RendezvousOptions ro = rendezvous_options(li, options, "nccl");
     ro.hold = options.hold_store ? held.get() : nullptr;
-    no.share_id = [ro, held](const std::vector<uint8_t>& blob) { return rendezvous_broadcast(ro, blob); };
+    no.share_id = [ro, held](const BlobMaker& make) { return rendezvous_broadcast_lazy(ro, make); };
   } else if (li.launcher == Launcher::kMpirun) {
-    no.share_id = [options](const std::vector<uint8_t>& blob) { return mpi_share(blob, 128, options); };
+    no.share_id = [options](const BlobMaker& make) { return mpi_share(make, 128, options); };
   }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm, create_nccl_communicator(device, no));
   if (*held == nullptr) return comm;

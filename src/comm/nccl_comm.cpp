@@ -492,13 +492,18 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
     return std::unique_ptr<Communicator>(std::move(c));
   }
   std::vector<uint8_t> id(STRATA_NCCL_UNIQUE_ID_BYTES);
-  if (o.rank == 0) {
+  // Rank 0's id, made when the side channel is ready (ShareBlob).
+  const BlobMaker make_id = [api]() -> Result<std::vector<uint8_t>> {
+    std::vector<uint8_t> made(STRATA_NCCL_UNIQUE_ID_BYTES);
     Err err;
-    const int rc = api->unique_id(id.data(), err.text, sizeof(err.text));
+    const int rc = api->unique_id(made.data(), err.text, sizeof(err.text));
     if (rc != 0) return nccl_status(rc, err.text, "nccl communicator: ncclGetUniqueId");
-  }
-  if (o.world_size > 1) {
-    auto shared = o.share_id(o.rank == 0 ? id : std::vector<uint8_t>{});
+    return made;
+  };
+  if (o.world_size == 1) {
+    STRATA_ASSIGN_OR_RETURN(id, make_id());
+  } else {
+    auto shared = o.share_id(make_id);
     if (!shared.ok()) return shared.status().with_context("nccl communicator: sharing rank 0's NCCL id");
     if (shared->size() != id.size())
       return Status(StatusCode::kInvalidArgument,

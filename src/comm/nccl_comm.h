@@ -60,12 +60,16 @@
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/rendezvous.h"
 
 namespace strata::comm {
 
-// Broadcasts rank 0's blob to every rank (rank 0 passes the id, the others an
-// empty vector) and returns it: the bootstrap's side channel.
-using ShareBlob = std::function<Result<std::vector<uint8_t>>(const std::vector<uint8_t>&)>;
+// Broadcasts rank 0's blob to every rank and returns it: the bootstrap's
+// side channel. Rank 0 makes the blob with `make` (the NCCL id: it starts
+// NCCL's bootstrap root listener) when its side channel is ready: the TCP
+// rendezvous calls it once MASTER_PORT is taken, so that listener cannot
+// take it (rendezvous.h). The other ranks never call it.
+using ShareBlob = std::function<Result<std::vector<uint8_t>>(const BlobMaker& make)>;
 
 // The default scratch (NcclCommOptions::scratch_bytes 0), from the device
 // backend's pool: callers that plan device memory reserve it.

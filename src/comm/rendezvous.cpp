@@ -857,9 +857,10 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
   return blob;
 }
 
-Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<uint8_t>& blob,
-                                  Clock::time_point deadline, const std::string& where,
-                                  const std::string* refusal = nullptr) {
+// (make: rank 0's blob, made once MASTER_PORT is taken; refusal: rank 0
+// failed before the ranks met.)
+Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const BlobMaker& make, Clock::time_point deadline,
+                                  const std::string& where, const std::string* refusal = nullptr) {
   STRATA_ASSIGN_OR_RETURN(std::vector<net::SockAddr> targets,
                           resolve(o.addr.empty() ? "127.0.0.1" : o.addr, o.port, where));
   // A socket may hold MASTER_PORT a moment after nothing answered there (a
@@ -869,13 +870,33 @@ Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const std::vector<
   for (;;) {
     StoreClient c(where, deadline);
     bool refused = false;
+    // MASTER_PORT taken (a store there, or this listener): the blob now.
+    // A maker that fails refuses the exchange, so the ranks hear why.
+    std::string failed;
+    auto blob_of = [&]() -> std::vector<uint8_t> {
+      if (refusal != nullptr) return {};
+      auto b = make();
+      if (b.ok()) return std::move(b).value();
+      failed = fmt::format("rank 0 could not make its blob: {}", b.status().message());
+      return {};
+    };
     Status st = c.connect_once(targets, &refused);
-    if (st.ok()) return lead_through(c, o, blob, deadline, where, refusal);
+    if (st.ok()) {
+      std::vector<uint8_t> blob = blob_of();
+      if (failed.empty()) return lead_through(c, o, blob, deadline, where, refusal);
+      (void)lead_through(c, o, blob, deadline, where, &failed);
+      return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, failed));
+    }
     if (!refused) return st;
     auto s = std::make_unique<MiniStore>(where);
     int bind_errno = 0;
     Status listening = s->listen(o.port, o.world_size, &bind_errno);
-    if (listening.ok()) return lead_alone(std::move(s), o, blob, deadline, where, refusal);
+    if (listening.ok()) {
+      std::vector<uint8_t> blob = blob_of();
+      if (failed.empty()) return lead_alone(std::move(s), o, blob, deadline, where, refusal);
+      (void)lead_alone(std::move(s), o, blob, deadline, where, &failed);
+      return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, failed));
+    }
     if (bind_errno != EADDRINUSE || Clock::now() >= give_up) return listening;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
@@ -903,14 +924,24 @@ std::string where_of(const RendezvousOptions& o) {
 }  // namespace
 
 Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, const std::vector<uint8_t>& root_blob) {
+  return rendezvous_broadcast_lazy(o, [&root_blob]() -> Result<std::vector<uint8_t>> { return root_blob; });
+}
+
+Result<std::vector<uint8_t>> rendezvous_broadcast_lazy(const RendezvousOptions& o, const BlobMaker& make_root_blob) {
   STRATA_RETURN_IF_ERROR(check_options(o));
-  if (root_blob.size() > kMaxBlob)
-    return Status(StatusCode::kInvalidArgument,
-                  fmt::format("rendezvous: blob of {} bytes exceeds {}", root_blob.size(), kMaxBlob));
-  if (o.world_size == 1) return root_blob;
+  // Rank 0's blob, checked where it is made.
+  BlobMaker make = [&make_root_blob]() -> Result<std::vector<uint8_t>> {
+    if (!make_root_blob) return Status(StatusCode::kInvalidArgument, "rendezvous: no blob maker");
+    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> blob, make_root_blob());
+    if (blob.size() > kMaxBlob)
+      return Status(StatusCode::kInvalidArgument,
+                    fmt::format("rendezvous: blob of {} bytes exceeds {}", blob.size(), kMaxBlob));
+    return blob;
+  };
+  if (o.world_size == 1) return make();
   const std::string where = where_of(o);
   const auto deadline = net::deadline_after(o.timeout_s);
-  return o.rank == 0 ? lead(o, root_blob, deadline, where) : join(o, deadline, where);
+  return o.rank == 0 ? lead(o, make, deadline, where) : join(o, deadline, where);
 }
 
 Status rendezvous_refuse(const RendezvousOptions& o, const std::string& why) {
@@ -921,7 +952,7 @@ Status rendezvous_refuse(const RendezvousOptions& o, const std::string& why) {
   std::string refusal = fmt::format("rank {} failed before the ranks met: {}", o.rank, why);
   if (refusal.size() > 4096) refusal = refusal.substr(0, 4093) + "...";
   if (o.rank != 0) return refuse_as_joiner(o, refusal, deadline, where);
-  Result<std::vector<uint8_t>> led = lead(o, {}, deadline, where, &refusal);
+  Result<std::vector<uint8_t>> led = lead(o, nullptr, deadline, where, &refusal);
   // Its refusal, published: done. (Anything else: why it could not be.)
   if (!led.ok() && led.status().code() == StatusCode::kInvalidArgument &&
       led.status().message().find(refusal) != std::string::npos)

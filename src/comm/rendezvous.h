@@ -69,6 +69,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -104,6 +105,18 @@ struct RendezvousOptions {
 // not a TCPStore), each naming addr:port and the rank.
 Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& options,
                                                   const std::vector<uint8_t>& root_blob);
+
+// Rank 0's blob, made on demand.
+using BlobMaker = std::function<Result<std::vector<uint8_t>>()>;
+
+// The same, rank 0's blob made by `make_root_blob` (rank 0 only, once) when
+// MASTER_PORT is already taken: by the store rank 0 reached there, or by its
+// own listener. So a listener the maker opens on a port the kernel picks
+// (NCCL's bootstrap root, which ncclGetUniqueId starts) can never take
+// MASTER_PORT from the rendezvous. A maker that fails refuses the exchange
+// (rendezvous_refuse: every rank hears why) and its error is returned.
+Result<std::vector<uint8_t>> rendezvous_broadcast_lazy(const RendezvousOptions& options,
+                                                       const BlobMaker& make_root_blob);
 
 // For a rank that failed before it could meet the others (its model or data
 // unreadable, ...): the exchange `options` names is refused with "rank R

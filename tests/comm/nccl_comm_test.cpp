@@ -238,7 +238,7 @@ TEST_F(NcclOneRank, AStopRequestEndsNcclsJoin) {
   o.rank = 0;
   o.world_size = 2;
   o.timeout_s = 120.0;
-  o.share_id = [](const std::vector<uint8_t>& id) -> Result<std::vector<uint8_t>> { return id; };
+  o.share_id = [](const BlobMaker& make) -> Result<std::vector<uint8_t>> { return make(); };
   const Clock::time_point t0 = Clock::now();
   bool asked = false;
   o.cancel = [&] { return asked = asked || Clock::now() - t0 > std::chrono::seconds(2); };

@@ -405,6 +405,67 @@ TEST(Rendezvous, AConnectionToItselfIsNotTakenForAStore) {
   });
 }
 
+// Rank 0's blob is made once MASTER_PORT is taken: a listener the maker
+// opens on a port the kernel picks (NCCL's bootstrap root, which
+// ncclGetUniqueId starts) can never take MASTER_PORT from the rendezvous.
+// Here the kernel's range is 40000-40001 and MASTER_PORT 40001, the odd
+// port, which bind() to port 0 is offered first (connect() prefers even
+// ones; a free MASTER_PORT found by bind(0), as torchrun and launch_ranks
+// find it, is odd too): made before rank 0 listened, the maker's listener
+// took 40001 and rank 0's bind failed.
+TEST(Rendezvous, TheRootBlobIsMadeOnceMasterPortIsTaken) {
+  test::run_in_netns(40000, 40001, []() -> std::string {
+    auto listener = [](uint16_t* port) {  // as NCCL's bootstrap root: a kernel-picked port
+      const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+      sockaddr_in sa{};
+      sa.sin_family = AF_INET;
+      sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+      socklen_t len = sizeof sa;
+      *port = 0;
+      if (::bind(fd, reinterpret_cast<sockaddr*>(&sa), sizeof sa) == 0 && ::listen(fd, 4) == 0 &&
+          ::getsockname(fd, reinterpret_cast<sockaddr*>(&sa), &len) == 0)
+        *port = ntohs(sa.sin_port);
+      return fd;
+    };
+    uint16_t first = 0;  // the premise: such a listener gets 40001 here
+    ::close(listener(&first));
+    if (first != 40001) return "premise: a listener on a kernel-picked port got " + std::to_string(first);
+    for (int round = 0; round < 3; ++round) {
+      int root = -1;
+      uint16_t root_port = 0;
+      auto made = rendezvous_broadcast_lazy(opts(40001, 0, 2, 0.2), [&]() -> Result<std::vector<uint8_t>> {
+        root = listener(&root_port);
+        return std::vector<uint8_t>{1, 2};
+      });
+      if (root >= 0) ::close(root);
+      if (root_port != 40000)
+        return "round " + std::to_string(round) + ": the maker's listener got port " + std::to_string(root_port);
+      // (No rank 1: the exchange times out naming it, not a failed bind.)
+      if (made.ok() || !contains(made.status(), "never came: rank 1"))
+        return "round " + std::to_string(round) + ": rank 0: " +
+               (made.ok() ? std::string("ok") : made.status().to_string());
+    }
+    return "";
+  });
+}
+
+// A maker that fails refuses the exchange: the other ranks hear why at once.
+TEST(Rendezvous, AFailedRootBlobIsHeardByEveryRank) {
+  const uint16_t port = free_port();
+  auto k1 = spawn([&] {
+    auto got = rendezvous_broadcast(opts(port, 1, 2, 60), {});
+    return !got.ok() && contains(got.status(), "rank 0 could not make its blob: no NCCL here") ? 0 : 1;
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto got = rendezvous_broadcast_lazy(opts(port, 0, 2, 60), []() -> Result<std::vector<uint8_t>> {
+    return Status(StatusCode::kUnavailable, "no NCCL here");
+  });
+  ASSERT_FALSE(got.ok());
+  EXPECT_TRUE(contains(got.status(), "rank 0 could not make its blob: no NCCL here")) << got.status().to_string();
+  EXPECT_EQ(exit_status(k1), 0);
+  EXPECT_LT(seconds_since(t0), 20.0);
+}
+
 // Two jobs given one MASTER_PORT (a launcher that only sets the variables,
 // so no torchrun agent holds the port): the second job's rank 0 finds the
 // first's rank 0 serving there. It must say so, not publish its blob over
