@@ -96,7 +96,7 @@ Status decode_verdict(const std::vector<uint8_t>& v, const std::string& where) {
 }
 
 struct Keys {
-  std::string blob, verdict, leader, refused;
+  std::string blob, verdict, leader, refused, failed;
   std::vector<std::string> ack, joined, fetched;  // [r], r >= 1
   Keys(const RendezvousOptions& o) {
     const std::string p = "strata/rendezvous/" + o.key + "/";
@@ -104,6 +104,7 @@ struct Keys {
     verdict = p + "verdict";
     leader = p + "leader";
     refused = p + "refused";
+    failed = p + "failed";
     ack.resize(static_cast<std::size_t>(o.world_size));
     joined.resize(static_cast<std::size_t>(o.world_size));
     fetched.resize(static_cast<std::size_t>(o.world_size));
@@ -300,8 +301,18 @@ Result<std::vector<uint8_t>> join(const RendezvousOptions& o, Clock::time_point 
     c.close();
     std::this_thread::sleep_for(std::chrono::milliseconds(std::min(20, ms_left(deadline))));
   }
-  if (v.size() < kBlobHead || std::memcmp(v.data(), kMagic, sizeof kMagic) != 0 || get_u32(v.data() + 8) != kVersion)
-    return Status(StatusCode::kCorrupt, where + ": rank 0's blob is not a Strata rendezvous (or another version)");
+  if (v.size() < kBlobHead || std::memcmp(v.data(), kMagic, sizeof kMagic) != 0)
+    return Status(StatusCode::kCorrupt, where + ": rank 0's blob is not a Strata rendezvous");
+  if (const uint32_t version = get_u32(v.data() + 8); version != kVersion) {
+    // (The ack and refusal keys are where every version since 2 has them.)
+    const std::string refusal = fmt::format("rank {} speaks rendezvous version {}, rank 0 version {} (two Strata "
+                                            "builds in one job)",
+                                            o.rank, kVersion, version);
+    const std::vector<uint8_t> text(refusal.begin(), refusal.end());
+    (void)c.set(k.ack[static_cast<std::size_t>(o.rank)], text);
+    (void)c.set(k.refused, text);
+    return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, refusal));
+  }
   const uint32_t world = get_u32(v.data() + 12);
   if (world == 0)
     return Status(StatusCode::kAlreadyExists,
@@ -365,14 +376,18 @@ Status refuse_as_joiner(const RendezvousOptions& o, const std::string& refusal, 
     STRATA_RETURN_IF_ERROR(c.connect_retrying(targets, o.timeout_s));
     Status st = c.handshake();
     bool sent = false;
-    if (st.ok()) st = c.set(k.ack[static_cast<std::size_t>(o.rank)], text);
+    // In this order: rank 0 decides on `refused` (or on the last ack), and
+    // finds `failed` there already (it then serves the verdict a while to
+    // ranks still to come).
+    if (st.ok()) st = c.set(k.failed, text);
     if (st.ok()) st = c.set(k.refused, text);
-    if (st.ok()) {  // a request that comes back: both sets are in
-      sent = true;
+    sent = st.ok();
+    if (st.ok()) st = c.set(k.ack[static_cast<std::size_t>(o.rank)], text);
+    if (st.ok()) {  // a request that comes back: the sets are in
       auto done = c.check(k.refused);
       st = done.status();
     }
-    // Closed after the sets went out: rank 0 decided on them and closed its
+    // Closed once the refusal went out: rank 0 decided on it and closed its
     // store (it reads what came before a close). Closed before: the server
     // of rank 0's previous exchange, ending: connect again.
     if (sent && st.code() == StatusCode::kIoError) return Status();
@@ -402,8 +417,24 @@ Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<st
 }
 
 // Rank 0 with a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's).
-// (refusal: rank 0 failed before the ranks met; the verdict says so at once.)
-Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOptions& o, const std::vector<uint8_t>& blob,
+// Rank 0's blob from the maker. A failure (an error or an exception) sets
+// *failed, the exchange's refusal, and *code, the maker's status code.
+std::vector<uint8_t> make_blob(const BlobMaker& make, std::string* failed, StatusCode* code) {
+  try {
+    auto b = make();
+    if (b.ok()) return std::move(b).value();
+    *failed = fmt::format("rank 0 could not make its blob: {}", b.status().message());
+    *code = b.status().code();
+  } catch (const std::exception& e) {
+    *failed = fmt::format("rank 0 could not make its blob: {}", e.what());
+    *code = StatusCode::kInternal;
+  }
+  return {};
+}
+
+// (make: rank 0's blob, made once this store is found to be ours to lead;
+// refusal: rank 0 failed before the ranks met; the verdict says so at once.)
+Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOptions& o, const BlobMaker& make,
                                           Clock::time_point deadline, const std::string& where,
                                           const std::string* refusal) {
   STRATA_RETURN_IF_ERROR(c.handshake());
@@ -421,6 +452,13 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
                               o.taken_hint.empty() ? ": two jobs given the same MASTER_ADDR:MASTER_PORT, or two "
                                                      "processes with RANK=0? Give each job its own MASTER_PORT"
                                                    : ""));
+  std::vector<uint8_t> blob;
+  std::string failed;
+  StatusCode failed_code = StatusCode::kInvalidArgument;
+  if (refusal == nullptr) {
+    blob = make_blob(make, &failed, &failed_code);
+    if (!failed.empty()) refusal = &failed;
+  }
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
   if (refusal != nullptr) STRATA_RETURN_IF_ERROR(c.set(k.refused, std::vector<uint8_t>(refusal->begin(), refusal->end())));
   // Every ack, or a refusal (the store's WAIT is for all keys: a refusal is
@@ -461,7 +499,7 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
   }
   const Status verdict = verdict_of(o, acks, refused, where);
   STRATA_RETURN_IF_ERROR(c.set(k.verdict, encode_verdict(verdict)));
-  if (!verdict.ok()) return verdict;
+  if (!verdict.ok()) return failed.empty() ? verdict : Status(failed_code, verdict.message());
   // Every rank has read the blob (it acked).
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_ended()));
   // And fetches the verdict, within a grace period past the deadline (they
@@ -475,6 +513,7 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
       STRATA_ASSIGN_OR_RETURN(const bool got, c.check(k.fetched[static_cast<std::size_t>(r)]));
       if (!got) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
+    if (missing.empty()) return blob;  // the last came just after the wait
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: rank {} never fetched rank 0's verdict (it stopped after it acknowledged)", where,
                               missing));
@@ -804,19 +843,29 @@ std::function<bool()> heard_by_all(const MiniStore& s, const RendezvousOptions& 
 
 // (s: listening on MASTER_PORT.)
 Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const RendezvousOptions& o,
-                                        const std::vector<uint8_t>& blob, Clock::time_point deadline,
-                                        const std::string& where, const std::string* refusal) {
+                                        const BlobMaker& make, Clock::time_point deadline, const std::string& where,
+                                        const std::string* refusal) {
   const Keys k(o);
   s->add(k.leader, 1);
+  std::vector<uint8_t> blob;
+  std::string failed;
+  StatusCode failed_code = StatusCode::kInvalidArgument;
+  if (refusal == nullptr) {
+    blob = make_blob(make, &failed, &failed_code);
+    if (!failed.empty()) refusal = &failed;
+  }
   s->set(k.blob, encode_blob(o, blob, deadline));
   if (refusal != nullptr) {
-    // Rank 0 failed before the ranks met: the verdict says so at once, and
-    // the store stays until every rank has heard it (fetched the verdict,
-    // or refused itself) or the deadline.
+    // Rank 0 failed before the ranks met, or could not make its blob: the
+    // verdict says so at once, and the store stays until every rank has
+    // heard it (fetched the verdict, or refused itself): up to the deadline
+    // (rendezvous_refuse's caller chose it), a failed maker's up to
+    // kLateRanks.
     s->set(k.refused, std::vector<uint8_t>(refusal->begin(), refusal->end()));
     s->set(k.verdict, encode_verdict(verdict_of(o, {}, *refusal, where)));
-    STRATA_RETURN_IF_ERROR(s->serve_until(heard_by_all(*s, o, k), deadline).status());
-    return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, *refusal));
+    const auto until = failed.empty() ? deadline : std::min(deadline, Clock::now() + kLateRanks);
+    STRATA_RETURN_IF_ERROR(s->serve_until(heard_by_all(*s, o, k), until).status());
+    return Status(failed_code, fmt::format("{}: {}", where, *refusal));
   }
   auto all_acked = [&] {
     if (s->has(k.refused)) return true;  // decided at once
@@ -842,9 +891,12 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
   const auto until = std::max(deadline, Clock::now()) + kGrace;
   auto delivered = [&] { return s->gets_of(k.verdict) >= came; };
   STRATA_ASSIGN_OR_RETURN(bool all, s->serve_until(delivered, until));
-  if (refused) {
-    // Ranks launched a moment later than the refusing one hear it too (a
-    // while: rank 0's own error is not held back long).
+  if (refused && s->has(k.failed)) {
+    // A rank that failed before the ranks met: the others were launched with
+    // it, and those slower to start hear it too (a while: rank 0's own error
+    // is not held back long). Not after a refusal of the launch itself
+    // (another world size, a rank given twice): the missing ranks may not
+    // exist.
     (void)s->serve_until(heard_by_all(*s, o, k), std::min(until, Clock::now() + kLateRanks));
   }
   if (!verdict.ok()) return verdict;
@@ -870,33 +922,15 @@ Result<std::vector<uint8_t>> lead(const RendezvousOptions& o, const BlobMaker& m
   for (;;) {
     StoreClient c(where, deadline);
     bool refused = false;
-    // MASTER_PORT taken (a store there, or this listener): the blob now.
-    // A maker that fails refuses the exchange, so the ranks hear why.
-    std::string failed;
-    auto blob_of = [&]() -> std::vector<uint8_t> {
-      if (refusal != nullptr) return {};
-      auto b = make();
-      if (b.ok()) return std::move(b).value();
-      failed = fmt::format("rank 0 could not make its blob: {}", b.status().message());
-      return {};
-    };
+    // MASTER_PORT taken (a store there, or this listener): the blob is
+    // made there, once the store is found to be ours to lead.
     Status st = c.connect_once(targets, &refused);
-    if (st.ok()) {
-      std::vector<uint8_t> blob = blob_of();
-      if (failed.empty()) return lead_through(c, o, blob, deadline, where, refusal);
-      (void)lead_through(c, o, blob, deadline, where, &failed);
-      return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, failed));
-    }
+    if (st.ok()) return lead_through(c, o, make, deadline, where, refusal);
     if (!refused) return st;
     auto s = std::make_unique<MiniStore>(where);
     int bind_errno = 0;
     Status listening = s->listen(o.port, o.world_size, &bind_errno);
-    if (listening.ok()) {
-      std::vector<uint8_t> blob = blob_of();
-      if (failed.empty()) return lead_alone(std::move(s), o, blob, deadline, where, refusal);
-      (void)lead_alone(std::move(s), o, blob, deadline, where, &failed);
-      return Status(StatusCode::kInvalidArgument, fmt::format("{}: {}", where, failed));
-    }
+    if (listening.ok()) return lead_alone(std::move(s), o, make, deadline, where, refusal);
     if (bind_errno != EADDRINUSE || Clock::now() >= give_up) return listening;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

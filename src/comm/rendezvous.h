@@ -15,13 +15,19 @@
 // Keys, under "strata/rendezvous/<key>/" (RendezvousOptions::key: a store
 // outlives one job attempt and one engine):
 //   leader    ADD 1 by rank 0: over 1 means another rank 0 leads this key
-//   blob      rank 0: "STRATARV", u32 version (2), u32 world size, u64 ms
+//   blob      rank 0: "STRATARV", u32 version (3), u32 world size, u64 ms
 //             until rank 0 decides, the blob; once the ranks have met,
 //             world size 0 and no blob ("ended")
 //   joined/<r> ADD 1 by rank r: over 1 means two processes say rank r
 //   ack/<r>   rank r: "" (ok) or why it refuses (another world size, a
 //             second process with that rank)
-//   refused   a refusing rank: its reason (rank 0 decides at once)
+//   refused   a refusing rank: its reason (rank 0 decides at once); also
+//             a rank of another version, naming both
+//   failed    a rank that failed before the ranks met (rendezvous_refuse):
+//             its reason; rank 0 then serves the verdict a while (15 s) to
+//             ranks still to come
+//   fetched/<r> rank r, once it has read the verdict (rank 0 through a
+//             store waits for every one)
 //   verdict   rank 0, once every ack is in, a refusal came or the timeout
 //             passed: u32 status code (0 ok) and the error text
 // A rank 0 that finds the leader key taken in the store it reached (another
@@ -110,11 +116,13 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& optio
 using BlobMaker = std::function<Result<std::vector<uint8_t>>()>;
 
 // The same, rank 0's blob made by `make_root_blob` (rank 0 only, once) when
-// MASTER_PORT is already taken: by the store rank 0 reached there, or by its
-// own listener. So a listener the maker opens on a port the kernel picks
-// (NCCL's bootstrap root, which ncclGetUniqueId starts) can never take
-// MASTER_PORT from the rendezvous. A maker that fails refuses the exchange
-// (rendezvous_refuse: every rank hears why) and its error is returned.
+// MASTER_PORT is already taken, by the store rank 0 reached there (after
+// the handshake and the leader check) or by its own listener. So a listener
+// the maker opens on a port the kernel picks (NCCL's bootstrap root, which
+// ncclGetUniqueId starts) cannot take MASTER_PORT from the exchange (after
+// it, with the store not held, other listeners of the job may). A maker that
+// fails (an error or an exception) refuses the exchange, so every rank hears
+// why ("rank 0 could not make its blob: ..."), with the maker's status code.
 Result<std::vector<uint8_t>> rendezvous_broadcast_lazy(const RendezvousOptions& options,
                                                        const BlobMaker& make_root_blob);
 

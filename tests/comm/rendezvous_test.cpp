@@ -173,23 +173,15 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// Rank 0 says 3 ranks, rank 1 says 2. The refusal decides at once: rank 0
-// does not wait for every ack until its 60 s timeout, and rank 2, coming a
-// second later, hears it too (rank 0 serves it a while to ranks still to
-// come) and fails at once with the reason.
+// Rank 0 says 3 ranks, the only other one says 2: rank 2 will never come.
+// The refusal ends rank 0's wait at once, not at its 60 s timeout (nor after
+// a wait for ranks still to come: after a refusal of the launch itself the
+// missing ranks may not exist).
 TEST(Rendezvous, ARefusalEndsRankZerosWaitAtOnce) {
   const uint16_t port = free_port();
   auto k1 = spawn([&] {
     auto got = rendezvous_broadcast(opts(port, 1, 2, 60), {});
     return !got.ok() && contains(got.status(), "rank 1 says world size 2, rank 0 has 3") ? 0 : 1;
-  });
-  auto k2 = spawn([&] {
-    ::usleep(1000 * 1000);
-    const auto t = std::chrono::steady_clock::now();
-    auto got = rendezvous_broadcast(opts(port, 2, 3, 60), {});
-    return !got.ok() && contains(got.status(), "rank 1 says world size 2, rank 0 has 3") && seconds_since(t) < 10
-               ? 0
-               : 1;
   });
   const auto t0 = std::chrono::steady_clock::now();
   auto got = rendezvous_broadcast(opts(port, 0, 3, 60), {7});
@@ -197,20 +189,17 @@ TEST(Rendezvous, ARefusalEndsRankZerosWaitAtOnce) {
   ASSERT_FALSE(got.ok());
   EXPECT_EQ(got.status().code(), StatusCode::kInvalidArgument);
   EXPECT_TRUE(contains(got.status(), "rank 1 says world size 2, rank 0 has 3")) << got.status().message();
-  EXPECT_LT(s, 12.0);
+  EXPECT_LT(s, 5.0);
   EXPECT_EQ(exit_status(k1), 0);
-  EXPECT_EQ(exit_status(k2), 0);
 }
 
-// Two processes given RANK=1 (and no rank 2 until later): the second to
-// count itself in refuses, rank 0 decides at once, and every process fails
-// naming rank 1.
+// Two processes given RANK=1 (and no rank 2): the second to count itself in
+// refuses, rank 0 decides at once, and every process fails naming rank 1.
 TEST(Rendezvous, TwoProcessesGivenOneRankAreNamed) {
   const uint16_t port = free_port();
   std::vector<pid_t> kids;
-  for (int r : {1, 1, 2})
+  for (int r : {1, 1})
     kids.push_back(spawn([&, r] {
-      if (r == 2) ::usleep(1000 * 1000);
       auto got = rendezvous_broadcast(opts(port, r, 3, 60), {});
       if (got.ok()) return 1;
       fprintf(stderr, "rank %d sees: %s\n", r, got.status().message().c_str());
@@ -221,7 +210,7 @@ TEST(Rendezvous, TwoProcessesGivenOneRankAreNamed) {
   const double s = seconds_since(t0);
   ASSERT_FALSE(got.ok());
   EXPECT_TRUE(contains(got.status(), "2 processes joined as rank 1")) << got.status().message();
-  EXPECT_LT(s, 12.0);
+  EXPECT_LT(s, 5.0);
   for (pid_t k : kids) EXPECT_EQ(exit_status(k), 0);
 }
 
@@ -290,7 +279,8 @@ TEST(Rendezvous, AHeldPortTurnsASecondJobAwayAndServesTheNextExchange) {
 
 // A rank that failed before it could meet the others (its data unreadable,
 // say) refuses the exchange: rank 0 and the other rank fail at once with its
-// reason, not at their 60 s timeout.
+// reason, not at their 60 s timeout; the other rank comes a second later
+// (slower to start) and still hears it.
 TEST(Rendezvous, ARankThatFailedBeforeMeetingIsNamedAtOnce) {
   const uint16_t port = free_port();
   auto k1 = spawn([&] {
@@ -299,9 +289,11 @@ TEST(Rendezvous, ARankThatFailedBeforeMeetingIsNamedAtOnce) {
     return st.ok() ? 0 : 1;
   });
   auto k2 = spawn([&] {
+    ::usleep(1000 * 1000);
+    const auto t = std::chrono::steady_clock::now();
     auto got = rendezvous_broadcast(opts(port, 2, 3, 60), {});
     return !got.ok() && contains(got.status(), "rank 0 refused the rendezvous") &&
-                   contains(got.status(), "rank 1 failed before the ranks met: data file /d")
+                   contains(got.status(), "rank 1 failed before the ranks met: data file /d") && seconds_since(t) < 10
                ? 0
                : 1;
   });
@@ -462,6 +454,7 @@ TEST(Rendezvous, AFailedRootBlobIsHeardByEveryRank) {
   });
   ASSERT_FALSE(got.ok());
   EXPECT_TRUE(contains(got.status(), "rank 0 could not make its blob: no NCCL here")) << got.status().to_string();
+  EXPECT_EQ(got.status().code(), StatusCode::kUnavailable);  // the maker's
   EXPECT_EQ(exit_status(k1), 0);
   EXPECT_LT(seconds_since(t0), 20.0);
 }
