@@ -232,7 +232,7 @@ class MpiCommunicator final : public P2pCommunicator {
     op.reqs.clear();
   }
 
-  void on_broken() override { g_any_broken = true; }
+  void on_broken(const Status& /*error*/) override { g_any_broken = true; }
 
   MPI_Comm comm_;
   const int tag_ub_;

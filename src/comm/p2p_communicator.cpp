@@ -173,7 +173,7 @@ void P2pCommunicator::break_with(const Status& st) {
       first = true;
     }
   }
-  if (first) on_broken();
+  if (first) on_broken(st);
 }
 
 void P2pCommunicator::graveyard_add(std::shared_ptr<std::vector<float>> mem) {

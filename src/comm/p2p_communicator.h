@@ -88,8 +88,9 @@ class P2pCommunicator : public Communicator {
   // transfers must never touch the caller's buffers again; op.stage may be
   // kept alive (graveyard_add) where they still could.
   virtual void abandon(P2pOp& op) = 0;
-  // Called once, when the communicator breaks (before abandon()).
-  virtual void on_broken() {}
+  // Called once, when the communicator breaks (before abandon()), with the
+  // error that broke it.
+  virtual void on_broken(const Status& /*error*/) {}
 
   double timeout_s() const { return timeout_s_; }
   // OK, or the error that broke the communicator (prefixed "communicator

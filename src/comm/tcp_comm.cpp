@@ -348,11 +348,8 @@ class TcpCommunicator final : public P2pCommunicator {
   // Before the sockets close: each peer whose stream is between two frames
   // gets an abort frame with the reason (best effort: what the socket does
   // not take at once is not sent; that peer sees the connection close).
-  void on_broken() override {
-    const Status why = broken_status();
+  void on_broken(const Status& why) override {
     std::string text = why.message();
-    const std::string prefix = "communicator broken by an earlier failure: ";
-    if (text.compare(0, prefix.size(), prefix) == 0) text.erase(0, prefix.size());
     if (text.size() > kMaxAbortText) text.resize(kMaxAbortText);
     std::lock_guard<std::mutex> lock(mu_);
     if (stopped_) return;
