@@ -120,6 +120,33 @@ class CPUAdamWTest(unittest.TestCase):
             o.step()
         o.close()
 
+    def test_a_later_groups_bad_state_leaves_every_group_unstepped(self):
+        # A state_dict from elsewhere whose second group's moments have the
+        # wrong shape, or lack max_exp_avg_sq under amsgrad (as torch, which
+        # raises KeyError), is refused before the first group moves.
+        a, b = torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(6))
+        o = st.CPUAdamW([{"params": [a]}, {"params": [b]}], lr=1e-2)
+        a.grad, b.grad = torch.ones(4), torch.ones(6)
+        o.step()
+        a0, b0 = a.detach().clone(), b.detach().clone()
+        good = o.state[b]["exp_avg"]
+        o.state[b]["exp_avg"] = torch.zeros(5)
+        with self.assertRaisesRegex(ValueError, r"param_groups\[1\]\['params'\]\[0\].*'exp_avg' must be"):
+            o.step()
+        self.assertTrue(torch.equal(a.detach(), a0))
+        self.assertEqual(float(o.state[a]["step"]), 1.0)
+        o.state[b]["exp_avg"] = good
+        o.param_groups[1]["amsgrad"] = True
+        with self.assertRaisesRegex(ValueError, r"param_groups\[1\].*no 'max_exp_avg_sq' \(a state saved with amsgrad"):
+            o.step()
+        self.assertTrue(torch.equal(a.detach(), a0) and torch.equal(b.detach(), b0))
+        self.assertEqual(float(o.state[a]["step"]), 1.0)
+        o.param_groups[1]["amsgrad"] = False
+        o.step()  # the same step, taken once
+        self.assertEqual(float(o.state[a]["step"]), 2.0)
+        self.assertEqual(float(o.state[b]["step"]), 2.0)
+        o.close()
+
     def test_refusals_name_what(self):
         p = [torch.nn.Parameter(torch.randn(4))]
         with self.assertRaisesRegex(ValueError, "bias_correction"):

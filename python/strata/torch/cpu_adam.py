@@ -349,42 +349,57 @@ class CPUAdamW(torch.optim.Optimizer):
         if self._nvme_path is not None:
             self._step_nvme()
             return loss
-        # Every group's hyper-parameters and every gradient checked before
-        # anything changes, as in NVMe mode: an error never leaves earlier
-        # groups stepped (a retry would step them twice).
-        cfgs = []
+        # Every group's hyper-parameters, gradients and loaded states checked
+        # before anything changes, as in NVMe mode: an error never leaves
+        # earlier groups stepped (a retry would step them twice).
+        work = []
         for gi, group in enumerate(self.param_groups):
             live = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
-            cfgs.append(self._group_config(gi, group) if live else None)
+            cfg = self._group_config(gi, group) if live else None
             for i, p in live:
-                self._checked(p, f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})")
-        for gi, group in enumerate(self.param_groups):
-            cfg = cfgs[gi]
-            for i, p in enumerate(group["params"]):
-                if p.grad is None:
-                    continue
                 where = f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
-                g = self._checked(p, where)
-                state = self.state[p]
-                if len(state) == 0:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype, memory_format=torch.contiguous_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype, memory_format=torch.contiguous_format)
-                    if group["amsgrad"]:
-                        state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype,
-                                                                   memory_format=torch.contiguous_format)
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                mx = state.get("max_exp_avg_sq")
-                for s in (m, v) + ((mx,) if mx is not None else ()):
-                    if s.dtype not in (torch.float32, torch.bfloat16) or not s.is_contiguous() or s.shape != p.shape:
-                        raise ValueError(f"{where}: optimizer state must be contiguous fp32/bf16 of the parameter's "
-                                         f"shape (a loaded state_dict from elsewhere?)")
-                if m.dtype != v.dtype or (mx is not None and mx.dtype != m.dtype):
-                    raise ValueError(f"{where}: exp_avg and exp_avg_sq must share a dtype")
-                step = _step_of(state) + 1
-                self._kernel(cfg, step, p, g, m, v, mx, where)
-                _set_step(state, step)
+                self._checked(p, where)
+                self._checked_state(self.state[p], p, group, where)
+                work.append((cfg, group, p, where))
+        for cfg, group, p, where in work:
+            g = p.grad.contiguous()
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(p, dtype=self._state_dtype, memory_format=torch.contiguous_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype, memory_format=torch.contiguous_format)
+                if group["amsgrad"]:
+                    state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype,
+                                                               memory_format=torch.contiguous_format)
+            mx = state.get("max_exp_avg_sq") if group["amsgrad"] else None
+            step = _step_of(state) + 1
+            self._kernel(cfg, step, p, g, state["exp_avg"], state["exp_avg_sq"], mx, where)
+            _set_step(state, step)
         return loss
+
+    @staticmethod
+    def _checked_state(state, p, group, where):
+        """A parameter's state as step() needs it (empty: made at its first step), else a ValueError
+        naming what is wrong; a state_dict loaded from elsewhere is checked before any parameter moves."""
+        if len(state) == 0:
+            return
+        names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+        for k in ("step",) + names:
+            if k not in state:
+                hint = " (a state saved with amsgrad=False?)" if k == "max_exp_avg_sq" else ""
+                raise ValueError(f"{where}: its optimizer state has no {k!r}{hint}")
+        try:
+            _step_of(state)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"{where}: its optimizer state's step is not a number ({e})") from None
+        for k in names:
+            s = state[k]
+            if (not torch.is_tensor(s) or s.dtype not in (torch.float32, torch.bfloat16) or s.device.type != "cpu"
+                    or not s.is_contiguous() or s.shape != p.shape):
+                raise ValueError(f"{where}: optimizer state {k!r} must be a contiguous fp32/bf16 CPU tensor of the "
+                                 "parameter's shape (a loaded state_dict from elsewhere?)")
+            if s.dtype != state["exp_avg"].dtype:
+                raise ValueError(f"{where}: exp_avg and {k} must share a dtype")
 
     def add_param_group(self, param_group):
         """torch's add_param_group; a parameter that is not an fp32 CPU tensor is refused here, not at step()."""
