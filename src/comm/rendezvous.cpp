@@ -417,19 +417,36 @@ Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<st
 }
 
 // Rank 0 with a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's).
-// Rank 0's blob from the maker. A failure (an error or an exception) sets
-// *failed, the exchange's refusal, and *code, the maker's status code.
-std::vector<uint8_t> make_blob(const BlobMaker& make, std::string* failed, StatusCode* code) {
+// Rank 0's blob, made unless the exchange is refused already (`refusal`:
+// rank 0 failed before the ranks met). A maker that fails (an error or an
+// exception) refuses it too: `failed` says why, `code` keeps its status code.
+struct RootBlob {
+  std::vector<uint8_t> bytes;
+  std::string failed;
+  StatusCode code = StatusCode::kInvalidArgument;
+  const std::string* given = nullptr;
+  // The exchange's refusal (null: none). Points into this object: take it
+  // once the object is where it stays.
+  const std::string* refusal() const { return given != nullptr ? given : failed.empty() ? nullptr : &failed; }
+};
+
+RootBlob make_blob(const BlobMaker& make, const std::string* refusal) {
+  RootBlob b;
+  b.given = refusal;
+  if (refusal != nullptr) return b;
   try {
-    auto b = make();
-    if (b.ok()) return std::move(b).value();
-    *failed = fmt::format("rank 0 could not make its blob: {}", b.status().message());
-    *code = b.status().code();
+    auto r = make();
+    if (r.ok()) {
+      b.bytes = std::move(r).value();
+      return b;
+    }
+    b.failed = fmt::format("rank 0 could not make its blob: {}", r.status().message());
+    b.code = r.status().code();
   } catch (const std::exception& e) {
-    *failed = fmt::format("rank 0 could not make its blob: {}", e.what());
-    *code = StatusCode::kInternal;
+    b.failed = fmt::format("rank 0 could not make its blob: {}", e.what());
+    b.code = StatusCode::kInternal;
   }
-  return {};
+  return b;
 }
 
 // (make: rank 0's blob, made once this store is found to be ours to lead;
@@ -452,14 +469,9 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
                               o.taken_hint.empty() ? ": two jobs given the same MASTER_ADDR:MASTER_PORT, or two "
                                                      "processes with RANK=0? Give each job its own MASTER_PORT"
                                                    : ""));
-  std::vector<uint8_t> blob;
-  std::string failed;
-  StatusCode failed_code = StatusCode::kInvalidArgument;
-  if (refusal == nullptr) {
-    blob = make_blob(make, &failed, &failed_code);
-    if (!failed.empty()) refusal = &failed;
-  }
-  STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, blob, deadline)));
+  RootBlob root = make_blob(make, refusal);
+  refusal = root.refusal();
+  STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_blob(o, root.bytes, deadline)));
   if (refusal != nullptr) STRATA_RETURN_IF_ERROR(c.set(k.refused, std::vector<uint8_t>(refusal->begin(), refusal->end())));
   // Every ack, or a refusal (the store's WAIT is for all keys: a refusal is
   // looked for between slices of it), or the deadline.
@@ -499,7 +511,7 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
   }
   const Status verdict = verdict_of(o, acks, refused, where);
   STRATA_RETURN_IF_ERROR(c.set(k.verdict, encode_verdict(verdict)));
-  if (!verdict.ok()) return failed.empty() ? verdict : Status(failed_code, verdict.message());
+  if (!verdict.ok()) return root.failed.empty() ? verdict : Status(root.code, verdict.message());
   // Every rank has read the blob (it acked).
   STRATA_RETURN_IF_ERROR(c.set(k.blob, encode_ended()));
   // And fetches the verdict, within a grace period past the deadline (they
@@ -513,12 +525,12 @@ Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOption
       STRATA_ASSIGN_OR_RETURN(const bool got, c.check(k.fetched[static_cast<std::size_t>(r)]));
       if (!got) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
     }
-    if (missing.empty()) return blob;  // the last came just after the wait
+    if (missing.empty()) return std::move(root.bytes);  // the last came just after the wait
     return Status(StatusCode::kUnavailable,
                   fmt::format("{}: rank {} never fetched rank 0's verdict (it stopped after it acknowledged)", where,
                               missing));
   }
-  return blob;
+  return std::move(root.bytes);
 }
 
 // Rank 0 where nothing listens on MASTER_PORT: the store's few requests
@@ -847,14 +859,9 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
                                         const std::string* refusal) {
   const Keys k(o);
   s->add(k.leader, 1);
-  std::vector<uint8_t> blob;
-  std::string failed;
-  StatusCode failed_code = StatusCode::kInvalidArgument;
-  if (refusal == nullptr) {
-    blob = make_blob(make, &failed, &failed_code);
-    if (!failed.empty()) refusal = &failed;
-  }
-  s->set(k.blob, encode_blob(o, blob, deadline));
+  RootBlob root = make_blob(make, refusal);
+  refusal = root.refusal();
+  s->set(k.blob, encode_blob(o, root.bytes, deadline));
   if (refusal != nullptr) {
     // Rank 0 failed before the ranks met, or could not make its blob: the
     // verdict says so at once, and the store stays until every rank has
@@ -863,9 +870,9 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
     // kLateRanks.
     s->set(k.refused, std::vector<uint8_t>(refusal->begin(), refusal->end()));
     s->set(k.verdict, encode_verdict(verdict_of(o, {}, *refusal, where)));
-    const auto until = failed.empty() ? deadline : std::min(deadline, Clock::now() + kLateRanks);
+    const auto until = root.failed.empty() ? deadline : std::min(deadline, Clock::now() + kLateRanks);
     STRATA_RETURN_IF_ERROR(s->serve_until(heard_by_all(*s, o, k), until).status());
-    return Status(failed_code, fmt::format("{}: {}", where, *refusal));
+    return Status(root.code, fmt::format("{}: {}", where, *refusal));
   }
   auto all_acked = [&] {
     if (s->has(k.refused)) return true;  // decided at once
@@ -906,7 +913,7 @@ Result<std::vector<uint8_t>> lead_alone(std::unique_ptr<MiniStore> s, const Rend
                               s->gets_of(k.verdict), came));
   s->set(k.blob, encode_ended());
   if (o.hold != nullptr) *o.hold = keep_serving(std::move(s));
-  return blob;
+  return std::move(root.bytes);
 }
 
 // (make: rank 0's blob, made once MASTER_PORT is taken; refusal: rank 0
