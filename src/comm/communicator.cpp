@@ -20,26 +20,14 @@ namespace strata::comm {
 namespace {
 
 // Under mpirun: rank 0's blob to every rank with an MPI broadcast (a host
-// backend and an MPI communicator made for it; MPI stays initialized).
+// backend and an MPI communicator made for it; MPI stays initialized). A
+// maker that fails on rank 0 fails every rank with its reason.
 Result<std::vector<uint8_t>> mpi_share(const BlobMaker& make, std::size_t bytes, const CommOptions& options) {
 #if STRATA_HAVE_MPI
-  STRATA_ASSIGN_OR_RETURN(auto host, create_host_backend(HostBackendOptions{1u << 20, false}));
   MpiCommOptions mo;
   mo.timeout_s = options.timeout_s;
   mo.fortran_comm = options.mpi_fortran_comm;
-  STRATA_ASSIGN_OR_RETURN(auto mpi, create_mpi_communicator(host.get(), mo));
-  STRATA_ASSIGN_OR_RETURN(DeviceStream * stream, host->create_stream("bootstrap"));
-  std::vector<uint8_t> out(bytes);
-  if (mpi->rank() == 0) {  // (a failure exits this rank: mpirun ends the others)
-    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> blob, make());
-    std::copy_n(blob.begin(), std::min(bytes, blob.size()), out.begin());
-  }
-  Status st = mpi->broadcast(out.data(), bytes, 0, stream);
-  Status synced = host->synchronize(stream);
-  if (st.ok()) st = synced;
-  (void)host->destroy_stream(stream);
-  if (!st.ok()) return st.with_context("broadcast over MPI");
-  return out;
+  return mpi_broadcast_blob(make, bytes, mo);
 #else
   (void)make, (void)bytes, (void)options;
   return Status(StatusCode::kUnavailable,

@@ -17,6 +17,7 @@
 #include <fmt/format.h>
 
 #include "comm/p2p_communicator.h"
+#include "device/host_backend.h"
 
 namespace strata::comm {
 namespace {
@@ -295,6 +296,67 @@ Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* dev
   MPI_Comm_get_attr(comm, MPI_TAG_UB, &tag_ub, &flag);
   const int ub = (flag && tag_ub) ? *tag_ub : 32767;
   return std::unique_ptr<Communicator>(new MpiCommunicator(device, comm, rank, world, ub, options.timeout_s));
+}
+
+// mpi_broadcast_blob's message: a header (0: a blob follows; else the
+// maker's status code, and its reason follows as text), then the blob padded
+// to `bytes` or the reason cut to fit.
+namespace {
+constexpr std::size_t kBlobHeader = 8;
+constexpr std::size_t kMinReason = 1024;  // room for the reason when the blob is small
+
+std::vector<uint8_t> encode_made(const Result<std::vector<uint8_t>>& made, std::size_t bytes) {
+  std::vector<uint8_t> msg(kBlobHeader + std::max(bytes, kMinReason), 0);
+  uint32_t code = 0;
+  std::string why;
+  if (!made.ok()) {
+    code = static_cast<uint32_t>(made.status().code());
+    why = made.status().message();
+  } else if (made.value().size() > bytes) {
+    code = static_cast<uint32_t>(StatusCode::kInvalidArgument);
+    why = fmt::format("its blob has {} bytes, more than the {} every rank receives", made.value().size(), bytes);
+  } else {
+    std::copy(made.value().begin(), made.value().end(), msg.begin() + kBlobHeader);
+    return msg;
+  }
+  if (code == 0) code = static_cast<uint32_t>(StatusCode::kInternal);  // a failure without a code stays one
+  std::memcpy(msg.data(), &code, sizeof code);
+  std::memcpy(msg.data() + kBlobHeader, why.data(), std::min(why.size(), msg.size() - kBlobHeader - 1));
+  return msg;
+}
+}  // namespace
+
+Result<std::vector<uint8_t>> mpi_broadcast_blob(const std::function<Result<std::vector<uint8_t>>()>& make,
+                                                std::size_t bytes, const MpiCommOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(auto host, create_host_backend(HostBackendOptions{1u << 20, false}));
+  STRATA_ASSIGN_OR_RETURN(auto mpi, create_mpi_communicator(host.get(), options));
+  STRATA_ASSIGN_OR_RETURN(DeviceStream * stream, host->create_stream("bootstrap"));
+  std::vector<uint8_t> msg(kBlobHeader + std::max(bytes, kMinReason), 0);
+  if (mpi->rank() == 0) {
+    Result<std::vector<uint8_t>> made = Status(StatusCode::kInvalidArgument, "no blob maker");
+    if (make) {
+      try {
+        made = make();
+      } catch (const std::exception& e) {
+        made = Status(StatusCode::kInternal, e.what());
+      }
+    }
+    msg = encode_made(made, bytes);
+  }
+  Status st = mpi->broadcast(msg.data(), msg.size(), 0, stream);
+  Status synced = host->synchronize(stream);
+  if (st.ok()) st = synced;
+  (void)host->destroy_stream(stream);
+  if (!st.ok()) return st.with_context("broadcast over MPI");
+  uint32_t code = 0;
+  std::memcpy(&code, msg.data(), sizeof code);
+  if (code != 0) {
+    if (code > static_cast<uint32_t>(StatusCode::kInternal)) code = static_cast<uint32_t>(StatusCode::kInternal);
+    const char* why = reinterpret_cast<const char*>(msg.data() + kBlobHeader);
+    return Status(static_cast<StatusCode>(code),
+                  fmt::format("rank 0 could not make its blob: {}", std::string(why, strnlen(why, msg.size() - kBlobHeader))));
+  }
+  return std::vector<uint8_t>(msg.begin() + kBlobHeader, msg.begin() + kBlobHeader + bytes);
 }
 
 void finalize_mpi() {
