@@ -1,5 +1,6 @@
 """strata.torch.CPUAdamW against torch.optim.AdamW / Adam (issue 12), with its
 optimizer states in RAM and on NVMe (a temporary directory here)."""
+import copy
 import gc
 import os
 import shutil
@@ -142,9 +143,37 @@ class CPUAdamWTest(unittest.TestCase):
         self.assertTrue(torch.equal(a.detach(), a0) and torch.equal(b.detach(), b0))
         self.assertEqual(float(o.state[a]["step"]), 1.0)
         o.param_groups[1]["amsgrad"] = False
+        # A step the kernel cannot take (below 0, fractional, past int64, not
+        # finite) is refused by name before any parameter moves, too.
+        good_step = o.state[b]["step"]
+        for bad in (torch.tensor(-1.0), 2.5, 2.0 ** 63, float("inf"), torch.tensor([1.0, 2.0])):
+            o.state[b]["step"] = bad
+            with self.assertRaisesRegex(ValueError, r"param_groups\[1\].*optimizer state's step is"):
+                o.step()
+            self.assertTrue(torch.equal(a.detach(), a0))
+            self.assertEqual(float(o.state[a]["step"]), 1.0)
+        o.state[b]["step"] = good_step
         o.step()  # the same step, taken once
         self.assertEqual(float(o.state[a]["step"]), 2.0)
         self.assertEqual(float(o.state[b]["step"]), 2.0)
+        o.close()
+
+    def test_a_channels_last_state_from_torch_loads_and_steps_as_torch(self):
+        # torch.optim.AdamW keeps a channels_last parameter's moments
+        # channels_last; loaded into CPUAdamW they step as in torch.
+        w = torch.nn.Parameter(torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last))
+        t = torch.optim.AdamW([w], lr=1e-2)
+        w.grad = torch.randn(w.shape).to(memory_format=torch.channels_last)
+        t.step()
+        self.assertFalse(t.state[w]["exp_avg"].is_contiguous())
+        a = torch.nn.Parameter(w.detach().contiguous().clone())
+        o = st.CPUAdamW([a], lr=1e-2)
+        o.load_state_dict(copy.deepcopy(t.state_dict()))  # as from a file: torch's load keeps the tensors it can
+        g = torch.randn(w.shape)
+        w.grad, a.grad = g.to(memory_format=torch.channels_last), g.clone()
+        t.step()
+        o.step()
+        self.assertLessEqual((a.detach() - w.detach()).abs().max().item(), TOL)
         o.close()
 
     def test_refusals_name_what(self):
@@ -237,6 +266,21 @@ class CPUAdamWNvmeTest(unittest.TestCase):
 
     def nvme(self, params, **kw):
         return st.CPUAdamW(params, nvme_path=self.dir, **kw)
+
+    def test_a_loaded_step_it_cannot_take_is_refused_before_anything_changes(self):
+        a = torch.nn.Parameter(torch.ones(8))
+        o = self.nvme([a], lr=1e-2)
+        a.grad = torch.ones(8)
+        o.step()
+        sd = copy.deepcopy(o.state_dict())
+        for bad in (float("inf"), -3.0, 0.5):
+            bad_sd = copy.deepcopy(sd)
+            bad_sd["state"][0]["step"] = torch.tensor(bad)
+            with self.assertRaisesRegex(ValueError, r"the loaded state: its optimizer state's step is"):
+                o.load_state_dict(bad_sd)
+        o.step()  # untouched: the second step, from the first's moments
+        self.assertEqual(float(o.state[a]["step"]), 2.0)
+        o.close()
 
     def test_equals_ram_mode_and_torch_adamw(self):
         # Two groups (lr, weight decay, amsgrad differ), None gradients in two steps.

@@ -25,6 +25,7 @@ own optimizer step: docs/python.md.
 import collections
 import ctypes
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -52,6 +53,20 @@ def _step_of(state):
     """state['step'] as an int (a tensor in torch's layout; a number in old state dicts)."""
     s = state["step"]
     return int(s.item()) if torch.is_tensor(s) else int(s)
+
+
+def _next_step(state, where):
+    """state['step'] + 1, checked first: a loaded state_dict's step must be a whole number of steps
+    taken (the kernel counts from 1), refused by name before any parameter moves otherwise."""
+    try:
+        s = state["step"]
+        s = float(s.item()) if torch.is_tensor(s) else float(s)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as e:
+        raise ValueError(f"{where}: its optimizer state's step is not a number ({e})") from None
+    if not (math.isfinite(s) and 0 <= s < 2.0 ** 62 and s == int(s)):
+        raise ValueError(f"{where}: its optimizer state's step is {s}: expected a whole number of steps taken, "
+                         "from 0")
+    return int(s) + 1
 
 
 def _set_step(state, step):
@@ -372,7 +387,7 @@ class CPUAdamW(torch.optim.Optimizer):
                     state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype,
                                                                memory_format=torch.contiguous_format)
             mx = state.get("max_exp_avg_sq") if group["amsgrad"] else None
-            step = _step_of(state) + 1
+            step = _next_step(state, where)
             self._kernel(cfg, step, p, g, state["exp_avg"], state["exp_avg_sq"], mx, where)
             _set_step(state, step)
         return loss
@@ -388,10 +403,7 @@ class CPUAdamW(torch.optim.Optimizer):
             if k not in state:
                 hint = " (a state saved with amsgrad=False?)" if k == "max_exp_avg_sq" else ""
                 raise ValueError(f"{where}: its optimizer state has no {k!r}{hint}")
-        try:
-            _step_of(state)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"{where}: its optimizer state's step is not a number ({e})") from None
+        _next_step(state, where)
         for k in names:
             s = state[k]
             if (not torch.is_tensor(s) or s.dtype not in (torch.float32, torch.bfloat16) or s.device.type != "cpu"
@@ -580,7 +592,7 @@ class CPUAdamW(torch.optim.Optimizer):
                                      "load states with load_state_dict")
                 fresh = len(state) == 0
                 todo.append((p, p.detach().view(-1), g.view(-1), state, cfg, bool(group["amsgrad"]), where,
-                             1 if fresh else _step_of(state) + 1, fresh))
+                             1 if fresh else _next_step(state, where), fresh))
         left = collections.Counter()  # pieces of each param not yet updated and written
         by_tensor = collections.defaultdict(list)
         for job in todo:
@@ -693,6 +705,7 @@ class CPUAdamW(torch.optim.Optimizer):
                     if "step" not in st or any(k not in st for k in _STATE_KEYS):
                         raise ValueError(f"{where}: the loaded state has keys {sorted(st)}, not step, exp_avg and "
                                          "exp_avg_sq (not an Adam/AdamW state dict?)")
+                    _next_step(st, where + ": the loaded state")
                     for k in _STATE_KEYS + ("max_exp_avg_sq",):
                         val = st.get(k)
                         if val is not None and (not torch.is_tensor(val) or val.numel() != p.numel()):
@@ -704,7 +717,9 @@ class CPUAdamW(torch.optim.Optimizer):
             # torch casts states to the parameter's dtype: keep the configured one.
             for state in self.state.values():
                 for k in _STATE_KEYS + ("max_exp_avg_sq",):
-                    if k in state and torch.is_tensor(state[k]) and state[k].dtype != self._state_dtype:
+                    # (and as torch steps a channels_last state, so does this: contiguous)
+                    if k in state and torch.is_tensor(state[k]) and (state[k].dtype != self._state_dtype
+                                                                     or not state[k].is_contiguous()):
                         state[k] = state[k].to(self._state_dtype).contiguous()
             return
         carried = {}
