@@ -482,7 +482,18 @@ Result<std::unique_ptr<Communicator>> create_nccl_communicator(DeviceBackend* de
                   fmt::format("nccl communicator: NCCL_COMM_BLOCKING={} makes NCCL calls block, which would let a "
                               "dead peer hang this rank past every timeout; unset it",
                               b));
-  STRATA_ASSIGN_OR_RETURN(const strata_nccl_api_v2_t* api, load_module());
+  auto loaded = load_module();
+  if (!loaded.ok()) {
+    // Rank 0 of N ranks that meet through share_id: the others wait for its
+    // NCCL id, so they hear why there is none (as from a failing maker)
+    // instead of waiting out their timeout.
+    if (o.parent == nullptr && o.world_size > 1 && o.rank == 0) {
+      const Status why = loaded.status();
+      (void)o.share_id([&why]() -> Result<std::vector<uint8_t>> { return why; });
+    }
+    return loaded.status();
+  }
+  const strata_nccl_api_v2_t* api = *loaded;
   const strata_nccl_stop_t stop_request{stop_requested, const_cast<std::function<bool()>*>(&o.cancel)};
   const strata_nccl_stop_t* stop = o.cancel ? &stop_request : nullptr;
   if (o.parent != nullptr) {

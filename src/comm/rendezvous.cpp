@@ -416,7 +416,6 @@ Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<st
   return Status();
 }
 
-// Rank 0 with a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's).
 // Rank 0's blob, made unless the exchange is refused already (`refusal`:
 // rank 0 failed before the ranks met). A maker that fails (an error or an
 // exception) refuses it too: `failed` says why, `code` keeps its status code.
@@ -449,6 +448,7 @@ RootBlob make_blob(const BlobMaker& make, const std::string* refusal) {
   return b;
 }
 
+// Rank 0 with a TCPStore at MASTER_ADDR:MASTER_PORT (torchrun's).
 // (make: rank 0's blob, made once this store is found to be ours to lead;
 // refusal: rank 0 failed before the ranks met; the verdict says so at once.)
 Result<std::vector<uint8_t>> lead_through(StoreClient& c, const RendezvousOptions& o, const BlobMaker& make,
