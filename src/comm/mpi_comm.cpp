@@ -305,44 +305,30 @@ namespace {
 constexpr std::size_t kBlobHeader = 8;
 constexpr std::size_t kMinReason = 1024;  // room for the reason when the blob is small
 
+std::size_t blob_message_size(std::size_t bytes) { return kBlobHeader + std::max(bytes, kMinReason); }
+
 std::vector<uint8_t> encode_made(const Result<std::vector<uint8_t>>& made, std::size_t bytes) {
-  std::vector<uint8_t> msg(kBlobHeader + std::max(bytes, kMinReason), 0);
-  uint32_t code = 0;
-  std::string why;
-  if (!made.ok()) {
-    code = static_cast<uint32_t>(made.status().code());
-    why = made.status().message();
-  } else if (made.value().size() > bytes) {
-    code = static_cast<uint32_t>(StatusCode::kInvalidArgument);
-    why = fmt::format("its blob has {} bytes, more than the {} every rank receives", made.value().size(), bytes);
-  } else {
-    std::copy(made.value().begin(), made.value().end(), msg.begin() + kBlobHeader);
+  std::vector<uint8_t> msg(blob_message_size(bytes), 0);
+  if (made.ok()) {
+    std::copy(made->begin(), made->end(), msg.begin() + kBlobHeader);  // run_blob_maker kept it within `bytes`
     return msg;
   }
+  uint32_t code = static_cast<uint32_t>(made.status().code());
   if (code == 0) code = static_cast<uint32_t>(StatusCode::kInternal);  // a failure without a code stays one
+  const std::string& why = made.status().message();
   std::memcpy(msg.data(), &code, sizeof code);
   std::memcpy(msg.data() + kBlobHeader, why.data(), std::min(why.size(), msg.size() - kBlobHeader - 1));
   return msg;
 }
 }  // namespace
 
-Result<std::vector<uint8_t>> mpi_broadcast_blob(const std::function<Result<std::vector<uint8_t>>()>& make,
-                                                std::size_t bytes, const MpiCommOptions& options) {
+Result<std::vector<uint8_t>> mpi_broadcast_blob(const BlobMaker& make, std::size_t bytes,
+                                                const MpiCommOptions& options) {
   STRATA_ASSIGN_OR_RETURN(auto host, create_host_backend(HostBackendOptions{1u << 20, false}));
   STRATA_ASSIGN_OR_RETURN(auto mpi, create_mpi_communicator(host.get(), options));
   STRATA_ASSIGN_OR_RETURN(DeviceStream * stream, host->create_stream("bootstrap"));
-  std::vector<uint8_t> msg(kBlobHeader + std::max(bytes, kMinReason), 0);
-  if (mpi->rank() == 0) {
-    Result<std::vector<uint8_t>> made = Status(StatusCode::kInvalidArgument, "no blob maker");
-    if (make) {
-      try {
-        made = make();
-      } catch (const std::exception& e) {
-        made = Status(StatusCode::kInternal, e.what());
-      }
-    }
-    msg = encode_made(made, bytes);
-  }
+  std::vector<uint8_t> msg = mpi->rank() == 0 ? encode_made(run_blob_maker(make, bytes), bytes)
+                                              : std::vector<uint8_t>(blob_message_size(bytes), 0);
   Status st = mpi->broadcast(msg.data(), msg.size(), 0, stream);
   Status synced = host->synchronize(stream);
   if (st.ok()) st = synced;

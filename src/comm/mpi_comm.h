@@ -39,11 +39,11 @@
 #pragma once
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <vector>
 
 #include "comm/communicator.h"
+#include "comm/rendezvous.h"
 
 namespace strata::comm {
 
@@ -70,14 +70,14 @@ Result<std::unique_ptr<Communicator>> create_mpi_communicator(DeviceBackend* dev
 // Rank 0's blob to every rank of options' communicator (collective over its
 // ranks, like create_mpi_communicator): rank 0 calls `make` (only there)
 // and every rank returns its blob, padded with zeros to `bytes` (the NCCL
-// id under mpirun: communicator.h kNccl). A maker that fails on rank 0 (an
-// error, an exception, or a blob longer than `bytes`) fails every rank at
+// id under mpirun: communicator.h kNccl). A maker that fails on rank 0
+// (run_blob_maker: an error, an exception, a blob longer than `bytes`) fails every rank at
 // once, with its status code and "rank 0 could not make its blob: <why>":
 // the others hear it instead of waiting out the timeout. Errors otherwise:
 // create_mpi_communicator's, and the broadcast's (a rank that stopped
 // participating: kUnavailable after options.timeout_s).
-Result<std::vector<uint8_t>> mpi_broadcast_blob(const std::function<Result<std::vector<uint8_t>>()>& make,
-                                                std::size_t bytes, const MpiCommOptions& options);
+Result<std::vector<uint8_t>> mpi_broadcast_blob(const BlobMaker& make, std::size_t bytes,
+                                                const MpiCommOptions& options);
 
 // Calls MPI_Finalize if Strata initialized MPI and nobody finalized it yet
 // (otherwise a no-op). If a communicator broke (a peer that timed out or a

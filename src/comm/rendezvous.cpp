@@ -417,8 +417,9 @@ Status verdict_of(const RendezvousOptions& o, const std::vector<std::optional<st
 }
 
 // Rank 0's blob, made unless the exchange is refused already (`refusal`:
-// rank 0 failed before the ranks met). A maker that fails (an error or an
-// exception) refuses it too: `failed` says why, `code` keeps its status code.
+// rank 0 failed before the ranks met). A maker that fails (run_blob_maker:
+// an error, an exception, a blob too long) refuses it too: `failed` says
+// why, `code` keeps its status code.
 struct RootBlob {
   std::vector<uint8_t> bytes;
   std::string failed;
@@ -433,17 +434,12 @@ RootBlob make_blob(const BlobMaker& make, const std::string* refusal) {
   RootBlob b;
   b.given = refusal;
   if (refusal != nullptr) return b;
-  try {
-    auto r = make();
-    if (r.ok()) {
-      b.bytes = std::move(r).value();
-      return b;
-    }
+  auto r = make();
+  if (r.ok()) {
+    b.bytes = std::move(r).value();
+  } else {
     b.failed = fmt::format("rank 0 could not make its blob: {}", r.status().message());
     b.code = r.status().code();
-  } catch (const std::exception& e) {
-    b.failed = fmt::format("rank 0 could not make its blob: {}", e.what());
-    b.code = StatusCode::kInternal;
   }
   return b;
 }
@@ -964,6 +960,20 @@ std::string where_of(const RendezvousOptions& o) {
 
 }  // namespace
 
+Result<std::vector<uint8_t>> run_blob_maker(const BlobMaker& make, std::size_t max_bytes) {
+  if (!make) return Status(StatusCode::kInvalidArgument, "no blob maker");
+  Result<std::vector<uint8_t>> made = Status(StatusCode::kInternal, "the blob maker returned nothing");
+  try {
+    made = make();
+  } catch (const std::exception& e) {
+    return Status(StatusCode::kInternal, e.what());
+  }
+  if (made.ok() && made->size() > max_bytes)
+    return Status(StatusCode::kInvalidArgument,
+                  fmt::format("its blob has {} bytes, more than the {} every rank receives", made->size(), max_bytes));
+  return made;
+}
+
 Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, const std::vector<uint8_t>& root_blob) {
   return rendezvous_broadcast_lazy(o, [&root_blob]() -> Result<std::vector<uint8_t>> { return root_blob; });
 }
@@ -971,14 +981,7 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& o, co
 Result<std::vector<uint8_t>> rendezvous_broadcast_lazy(const RendezvousOptions& o, const BlobMaker& make_root_blob) {
   STRATA_RETURN_IF_ERROR(check_options(o));
   // Rank 0's blob, checked where it is made.
-  BlobMaker make = [&make_root_blob]() -> Result<std::vector<uint8_t>> {
-    if (!make_root_blob) return Status(StatusCode::kInvalidArgument, "rendezvous: no blob maker");
-    STRATA_ASSIGN_OR_RETURN(std::vector<uint8_t> blob, make_root_blob());
-    if (blob.size() > kMaxBlob)
-      return Status(StatusCode::kInvalidArgument,
-                    fmt::format("rendezvous: blob of {} bytes exceeds {}", blob.size(), kMaxBlob));
-    return blob;
-  };
+  BlobMaker make = [&make_root_blob] { return run_blob_maker(make_root_blob, kMaxBlob); };
   if (o.world_size == 1) return make();
   const std::string where = where_of(o);
   const auto deadline = net::deadline_after(o.timeout_s);

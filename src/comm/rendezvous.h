@@ -74,6 +74,7 @@
 // left behind and every socket is closed (but the held store's, above).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -114,6 +115,12 @@ Result<std::vector<uint8_t>> rendezvous_broadcast(const RendezvousOptions& optio
 
 // Rank 0's blob, made on demand.
 using BlobMaker = std::function<Result<std::vector<uint8_t>>()>;
+
+// Rank 0's blob from `make`, wherever it travels (this rendezvous, or the MPI
+// broadcast under mpirun: mpi_comm.h): the maker's result, or why there is
+// none, with its status code (an exception: kInternal with its text; no
+// maker, or a blob longer than `max_bytes`: kInvalidArgument).
+Result<std::vector<uint8_t>> run_blob_maker(const BlobMaker& make, std::size_t max_bytes);
 
 // The same, rank 0's blob made by `make_root_blob` (rank 0 only, once) when
 // MASTER_PORT is already taken, by the store rank 0 reached there (after
