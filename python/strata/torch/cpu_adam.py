@@ -374,9 +374,8 @@ class CPUAdamW(torch.optim.Optimizer):
             for i, p in live:
                 where = f"CPUAdamW: param_groups[{gi}]['params'][{i}] (shape {tuple(p.shape)})"
                 self._checked(p, where)
-                self._checked_state(self.state[p], p, group, where)
-                work.append((cfg, group, p, where))
-        for cfg, group, p, where in work:
+                work.append((cfg, group, p, where, self._checked_state(self.state[p], p, group, where)))
+        for cfg, group, p, where, step in work:
             g = p.grad.contiguous()
             state = self.state[p]
             if len(state) == 0:
@@ -387,23 +386,23 @@ class CPUAdamW(torch.optim.Optimizer):
                     state["max_exp_avg_sq"] = torch.zeros_like(p, dtype=self._state_dtype,
                                                                memory_format=torch.contiguous_format)
             mx = state.get("max_exp_avg_sq") if group["amsgrad"] else None
-            step = _next_step(state, where)
             self._kernel(cfg, step, p, g, state["exp_avg"], state["exp_avg_sq"], mx, where)
             _set_step(state, step)
         return loss
 
     @staticmethod
     def _checked_state(state, p, group, where):
-        """A parameter's state as step() needs it (empty: made at its first step), else a ValueError
-        naming what is wrong; a state_dict loaded from elsewhere is checked before any parameter moves."""
+        """The step a parameter's state takes next (1 for an empty one, made at its first step), or a
+        ValueError naming what is wrong: a state_dict loaded from elsewhere is checked before any
+        parameter moves."""
         if len(state) == 0:
-            return
+            return 1
         names = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
         for k in ("step",) + names:
             if k not in state:
                 hint = " (a state saved with amsgrad=False?)" if k == "max_exp_avg_sq" else ""
                 raise ValueError(f"{where}: its optimizer state has no {k!r}{hint}")
-        _next_step(state, where)
+        step = _next_step(state, where)
         for k in names:
             s = state[k]
             if (not torch.is_tensor(s) or s.dtype not in (torch.float32, torch.bfloat16) or s.device.type != "cpu"
@@ -412,6 +411,7 @@ class CPUAdamW(torch.optim.Optimizer):
                                  "parameter's shape (a loaded state_dict from elsewhere?)")
             if s.dtype != state["exp_avg"].dtype:
                 raise ValueError(f"{where}: exp_avg and {k} must share a dtype")
+        return step
 
     def add_param_group(self, param_group):
         """torch's add_param_group; a parameter that is not an fp32 CPU tensor is refused here, not at step()."""
