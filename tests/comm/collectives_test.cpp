@@ -31,6 +31,19 @@ using test::fill;
 using test::rank_order_sum;
 using test::same_bits;
 
+// Every rank of g_world meets here. A failure test's silent rank waits in it
+// (never touching the communicator under test) until the others have seen
+// their failure and come too: no fixed sleep that must outlast the others.
+void world_barrier() {
+  DeviceBackend* dev = g_world->dev.get();
+  auto s = dev->create_stream("world");
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE(g_world->comm->barrier(*s).ok());
+  Status st = dev->synchronize(*s);
+  EXPECT_TRUE(st.ok()) << st.to_string();
+  (void)dev->destroy_stream(*s);
+}
+
 class Ranks : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -244,8 +257,7 @@ TEST(RanksTimeout, SilentRankIsNamedWithinTheTimeout) {
   ASSERT_TRUE(stream.ok());
   std::vector<float> buf(1000, 1.0f);
   if (comm.rank() == silent) {
-    // Stay silent until the others have surely given up.
-    std::this_thread::sleep_for(std::chrono::duration<double>(timeout_s + 4.0));
+    world_barrier();  // silent until the others have given up
   } else {
     const auto t0 = std::chrono::steady_clock::now();
     ASSERT_TRUE(comm.all_reduce(buf.data(), buf.data(), buf.size(), *stream).ok());  // accepted
@@ -271,6 +283,7 @@ TEST(RanksTimeout, SilentRankIsNamedWithinTheTimeout) {
     Status again = comm.barrier(*stream);
     EXPECT_EQ(again.code(), StatusCode::kUnavailable);
     EXPECT_NE(again.message().find("broken by an earlier failure"), std::string::npos) << again.message();
+    world_barrier();
   }
   (void)dev->destroy_stream(*stream);
   // The job goes on: a fresh communicator still works on every rank.
@@ -300,7 +313,7 @@ TEST(RanksGiveUp, AGiveUpReachesEveryRankWithItsReason) {
   ASSERT_TRUE(stream.ok());
   std::vector<float> buf(1000, 1.0f);
   if (rank == 2) {
-    std::this_thread::sleep_for(std::chrono::seconds(20));  // silent until the others have surely failed
+    world_barrier();  // silent until the others have failed
   } else {
     const auto t0 = std::chrono::steady_clock::now();
     ASSERT_TRUE(comm.all_reduce(buf.data(), buf.data(), buf.size(), *stream).ok());
@@ -316,6 +329,7 @@ TEST(RanksGiveUp, AGiveUpReachesEveryRankWithItsReason) {
       Status again = comm.barrier(*stream);  // and so does every later collective
       EXPECT_NE(again.message().find("rank 1 gave up"), std::string::npos) << again.message();
     }
+    world_barrier();
   }
   (void)dev->destroy_stream(*stream);
 }

@@ -255,7 +255,16 @@ signal_a_rank() {
   local victim t0=$SECONDS
   victim=$(rank_pid "$dir/$name")
   kill "-$sig" "$victim"
-  ( sleep 90; kill -9 "$job" "$victim" 2>/dev/null ) &
+  # The guard's sleep must not outlive it: holding the test's stdout, a
+  # sleep left behind kept ctest waiting 90 s after the test had ended.
+  (
+    exec >/dev/null 2>&1
+    sleep 90 &
+    s=$!
+    trap 'kill $s; exit 0' TERM
+    wait $s
+    kill -9 "$job" "$victim"
+  ) &
   local guard=$!
   wait "$job"
   rc=$?
