@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <random>
 
@@ -66,6 +67,30 @@ bool parse_step(const std::string& name, uint64_t* step) {
   if (num.empty() || num.size() > 18 || num.find_first_not_of("0123456789") != std::string::npos) return false;
   *step = std::stoull(num);
   return true;
+}
+
+// Whether a metrics file records nothing trained: empty, or only the lines a
+// run writes before its first step (its plan, the initial evaluation), as a
+// run that failed or was stopped before step 1 leaves it. Another file (no
+// such lines, unreadable, or larger than such a file can be) counts as a
+// run's; the trainer's open_metrics() refuses to replace a file not Strata's.
+bool trained_nothing(const fs::path& path) {
+  std::error_code ec;
+  const uintmax_t size = fs::file_size(path, ec);
+  if (ec || size > (1u << 20)) return false;
+  std::ifstream f(path, std::ios::binary);
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
+    json j;
+    JsonError err;
+    if (!parse_json(line, &j, &err) || !j.is_object()) return false;
+    const std::string event = j.value("event", std::string());
+    const json* step = j.contains("step") ? &j["step"] : nullptr;
+    const bool before_step_1 = event == "plan" || (event == "eval" && step && step->is_number_integer() && *step == 0);
+    if (!before_step_1) return false;
+  }
+  return f.eof();
 }
 
 }  // namespace
@@ -256,9 +281,10 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     const std::string name = it->path().filename().string();
     uint64_t step = 0;
     std::error_code sec;
-    // An empty metrics file or a run.json alone: a run that stopped before
-    // its first step (a bad flag, no GPU) left nothing worth keeping.
-    if (name == "metrics.jsonl" && it->file_size(sec) == 0 && !sec) continue;
+    // A metrics file of no trained step, or a run.json alone: a run that
+    // stopped before its first step (a bad flag, no GPU, an I/O error or a
+    // stop signal in step 1) left nothing worth keeping.
+    if (name == "metrics.jsonl" && trained_nothing(it->path())) continue;
     // adapter/: a LoRA run's export, when it holds what one writes (a user's
     // own adapter/ directory is neither counted nor removed).
     const bool adapter = name == "adapter" && (fs::exists(it->path() / "adapter_config.json", sec) ||

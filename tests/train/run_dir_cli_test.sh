@@ -77,6 +77,25 @@ grep -q "skipped checkpoint-8" "$dir/last.log" || fail "resume did not say it sk
 expect_error "the checkpoint belongs to run $id_a" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/a" \
   --resume "$dir/a/checkpoint-8"
 
+# ---- what a run that ended before its first step left (run.json, its metrics' plan line
+# and step-0 evaluation: an I/O error or a stop signal in step 1) is no earlier run: the
+# same command starts over there. One trained step in the metrics makes it one.
+mkdir -p "$dir/early"
+cp "$dir/a/run.json" "$dir/early/"
+{
+  grep -m1 '"event":"plan"' "$dir/a/metrics.jsonl"
+  echo '{"batches":2,"event":"eval","seconds":0.01,"step":0,"tokens":256,"val_loss":5.5}'
+} >"$dir/early/metrics.jsonl"
+cp -r "$dir/early" "$dir/late"
+grep -m1 '"event":"train"' "$dir/a/metrics.jsonl" >>"$dir/late/metrics.jsonl"
+expect_error "out dir $dir/late holds an earlier run (metrics.jsonl, run.json, run $id_b)" "${common[@]}" \
+  --steps 2 --out "$dir/late"
+run --steps 2 --out "$dir/early" || fail "a run into what a run stopped before step 1 left failed: $(cat "$dir/last.log")"
+id_e=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/early/run.json")
+[[ -n $id_e && $id_e != "$id_b" ]] || fail "the run into an early-ended run's out dir kept its run id ($id_b -> $id_e)"
+[[ $(grep -c '"event":"plan"' "$dir/early/metrics.jsonl") == 1 && $(grep -c '"event":"train"' "$dir/early/metrics.jsonl") == 2 ]] ||
+  fail "the new run's metrics are not its own: $(cut -c1-80 "$dir/early/metrics.jsonl")"
+
 # ---- --overwrite never removes an input of the run: continuing from one's own export
 # (--model OUT/model --out OUT --overwrite) deleted the model before reading it.
 "$strata" finetune --model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 4 --progress quiet --steps 2 \
