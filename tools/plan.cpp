@@ -458,6 +458,7 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
     return fail("--gpu-mem is required here (" + gpu.status().message() +
                 "): the GPU memory Strata may use, e.g. 24GiB or 80GB");
   }
+  bool host_detected = false;  // MemAvailable: its note is made once the device budget is known
   if (!o.host_mem.empty()) {
     auto b = parse_bytes(o.host_mem);
     if (!b.ok()) return fail("--host-mem: " + b.status().message());
@@ -467,13 +468,8 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
   } else {
     budgets.host_bytes = available_memory();
     if (budgets.host_bytes == 0) return fail("--host-mem is required (MemAvailable is unknown here)");
-    notes.push_back(fmt::format("host budget: MemAvailable here, {}{} (set --host-mem to plan for another machine)",
-                                format_bytes(budgets.host_bytes / per_host),
-                                per_host > 1 ? fmt::format(", a 1/{} share for each of the {} ranks on this host "
-                                                           "(--ranks-per-host)",
-                                                           per_host, per_host)
-                                             : ""));
     budgets.host_bytes /= per_host;
+    host_detected = true;
   }
   if (!o.pinned_mem.empty()) {
     auto b = parse_bytes(o.pinned_mem);
@@ -552,6 +548,22 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
       notes.push_back(fmt::format("device budget {}: RAM, as strata finetune --device cpu sets it (the working set "
                                   "at batch {} x seq {}; --gpu-mem sets another)",
                                   format_bytes(budgets.device_bytes), o.batch, o.seq));
+    }
+    if (host_detected) {
+      // --device cpu: the device budget is RAM too, and comes out of the
+      // same MemAvailable (as the engine detects it, registry.cpp).
+      const uint64_t share = budgets.host_bytes;
+      if (o.device == "cpu")
+        budgets.host_bytes = share > budgets.device_bytes ? share - budgets.device_bytes : 0;
+      notes.push_back(fmt::format(
+          "host budget: MemAvailable here, {}{}{} (set --host-mem to plan for another machine)",
+          format_bytes(share),
+          per_host > 1 ? fmt::format(", a 1/{} share for each of the {} ranks on this host (--ranks-per-host)",
+                                     per_host, per_host)
+                       : "",
+          o.device == "cpu" ? fmt::format(", less the device budget {} (RAM too with --device cpu): {}",
+                                          format_bytes(budgets.device_bytes), format_bytes(budgets.host_bytes))
+                            : ""));
     }
     const bool larger = ds.strata.device_reserve_given && ds.strata.device_reserve > needed;
     options.device_reserve = larger ? ds.strata.device_reserve : needed;

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/float_convert.h"
+#include "common/host_memory.h"
 #include "cpu_optim/optimizer.h"
 #include "device/host_backend.h"
 #include "io/fault_injection.h"
@@ -778,6 +779,37 @@ TEST(Engine, BudgetTooSmallAndWorldSizeTwoWithoutACommunicatorAreRefused) {
   ASSERT_FALSE(r.ok());
   EXPECT_EQ(r.status().code(), StatusCode::kUnavailable);
   EXPECT_NE(r.status().message().find("needs a communicator"), std::string::npos) << r.status().message();
+}
+
+// A detected host budget (none given) on the host backend is MemAvailable
+// less the device budget: the device's memory is RAM too, and the two tiers
+// together must not plan more RAM than there is (a 1.2 B model at batch 4 x
+// 2048 on 23 GiB planned 4.2 GiB of device and 22.8 GiB of host). On a GPU
+// the host budget is MemAvailable.
+TEST(Engine, DetectedHostBudgetLeavesTheHostBackendsDeviceBudgetOut) {
+  Device d = make_device();
+  SKIP_WITHOUT_DEVICE(d);
+  const uint64_t before = host_memory_available();
+  if (before < (8ull << 30)) GTEST_SKIP() << "needs 8 GiB of MemAvailable, has " << before;
+  RunOptions o;
+  EngineOptions eo;
+  eo.config = make_config(o, Place::kHost, "");
+  eo.model = make_model(DType::kBF16);
+  eo.device = d.dev.get();
+  const uint64_t device = 4ull << 30;  // a budget, not an allocation
+  eo.budgets_override.device_bytes = device;
+  auto r = Engine::create(eo);
+  ASSERT_TRUE(r.ok()) << r.status().to_string();
+  const uint64_t after = host_memory_available();
+  const uint64_t host = (*r)->plan().budgets.host_bytes;
+  // MemAvailable moves with other processes: a wide margin, far below 4 GiB.
+  const uint64_t slack = 1ull << 30;
+  if (d.dev->kind() == DeviceKind::kHost) {
+    EXPECT_LE(host + device, std::max(before, after) + slack) << "host " << host << ", MemAvailable " << before;
+    EXPECT_GE(host + device + slack, std::min(before, after)) << "host " << host << ", MemAvailable " << before;
+  } else {
+    EXPECT_GE(host + slack, std::min(before, after)) << "host " << host << ", MemAvailable " << before;
+  }
 }
 
 TEST(Engine, TraceHasCopiesAccumulationsOptimizerAndComputeSpans) {

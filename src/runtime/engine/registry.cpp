@@ -204,7 +204,8 @@ Result<uint32_t> Registry::ranks_on_this_host() {
 // Budgets left at 0 ("detect") are measured; the plan must keep master,
 // optimizer states and gradients off the device. N ranks on one host share
 // its RAM and its drives: a host budget or NVMe free space detected here is
-// this rank's share of it (a budget given is this rank's own).
+// this rank's share of it (a budget given is this rank's own), less the
+// device budget on the host backend, whose device memory is RAM as well.
 Status Registry::make_plan_for_budgets() {
   PlanBudgets b;
   const PlanBudgets& ov = options.budgets_override;
@@ -218,10 +219,19 @@ Status Registry::make_plan_for_budgets() {
   if (ov.host_bytes || cfg.strata.host_memory) {
     b.host_bytes = ov.host_bytes ? ov.host_bytes : cfg.strata.host_memory;
   } else {
-    b.host_bytes = host_memory_available() / local;
-    if (local > 1)
-      log_info("engine: host budget {} (MemAvailable shared by the {} ranks on this host)",
-               format_bytes(b.host_bytes), local);
+    const uint64_t share = host_memory_available() / local;
+    b.host_bytes = share;
+    // On the host backend the device is RAM too: its budget (the trainer's
+    // activations, the device tier) comes out of the same MemAvailable, or
+    // the two tiers together would plan more RAM than there is.
+    if (dev->kind() == DeviceKind::kHost) b.host_bytes = share > b.device_bytes ? share - b.device_bytes : 0;
+    if (local > 1 || dev->kind() == DeviceKind::kHost)
+      log_info("engine: host budget {} (MemAvailable{}{})", format_bytes(b.host_bytes),
+               local > 1 ? fmt::format(" shared by the {} ranks on this host", local) : std::string(),
+               dev->kind() == DeviceKind::kHost
+                   ? fmt::format(", less the host backend's device budget {}: it is RAM too",
+                                 format_bytes(b.device_bytes))
+                   : std::string());
   }
   b.pinned_bytes = ov.pinned_bytes ? ov.pinned_bytes : cfg.strata.pinned_memory;
   b.nvme = !ov.nvme.empty() ? ov.nvme : cfg.nvme_dirs();
