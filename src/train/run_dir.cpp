@@ -70,25 +70,28 @@ bool parse_step(const std::string& name, uint64_t* step) {
 }
 
 // Whether a metrics file records nothing trained: empty, or only the lines a
-// run writes before its first step (its plan, the initial evaluation), as a
-// run that failed or was stopped before step 1 leaves it. Another file (no
-// such lines, unreadable, or larger than such a file can be) counts as a
-// run's; the trainer's open_metrics() refuses to replace a file not Strata's.
+// run writes before its first step (its plan, the step-0 evaluation), as a
+// run that failed (an error, a crash, kill -9) before step 1 leaves it. Any
+// other file (another line, a blank one, unreadable, larger than such a file
+// can be, not a regular file) counts as a run's, as every non-empty file did
+// before: --overwrite removes it, and the trainer's open_metrics() refuses to
+// replace one that is not Strata's.
 bool trained_nothing(const fs::path& path) {
   std::error_code ec;
-  const uintmax_t size = fs::file_size(path, ec);
+  const uintmax_t size = fs::file_size(path, ec);  // fails on a FIFO: never opened
   if (ec || size > (1u << 20)) return false;
   std::ifstream f(path, std::ios::binary);
   std::string line;
   while (std::getline(f, line)) {
-    if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
     json j;
     JsonError err;
     if (!parse_json(line, &j, &err) || !j.is_object()) return false;
-    const std::string event = j.value("event", std::string());
-    const json* step = j.contains("step") ? &j["step"] : nullptr;
-    const bool before_step_1 = event == "plan" || (event == "eval" && step && step->is_number_integer() && *step == 0);
-    if (!before_step_1) return false;
+    const auto event = j.find("event");
+    const auto step = j.find("step");
+    if (event == j.end() || !event->is_string()) return false;
+    const bool plan = *event == "plan";
+    const bool eval_0 = *event == "eval" && step != j.end() && step->is_number_integer() && *step == 0;
+    if (!plan && !eval_0) return false;
   }
   return f.eof();
 }
@@ -282,8 +285,8 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     uint64_t step = 0;
     std::error_code sec;
     // A metrics file of no trained step, or a run.json alone: a run that
-    // stopped before its first step (a bad flag, no GPU, an I/O error or a
-    // stop signal in step 1) left nothing worth keeping.
+    // failed before its first step (a bad flag, no GPU, an I/O error in step
+    // 1) left nothing worth keeping.
     if (name == "metrics.jsonl" && trained_nothing(it->path())) continue;
     // adapter/: a LoRA run's export, when it holds what one writes (a user's
     // own adapter/ directory is neither counted nor removed).

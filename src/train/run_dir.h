@@ -51,8 +51,9 @@ class RunDir {
   // A new run: refuses (kAlreadyExists, listing what is there) when OUT holds
   // files of an earlier run, unless `overwrite`, which removes them; then
   // takes a new run id. (A run.json alone, or a metrics file with no line
-  // past the plan and the step-0 evaluation, is what a run that failed or
-  // was stopped before its first step leaves: not an earlier run.)
+  // past the plan and the step-0 evaluation, is what a run that failed
+  // before its first step leaves: not an earlier run. A stop signal saves
+  // checkpoint-0, which is one.)
   // `inputs` (what names it, e.g. "--model"; its path): files the run reads,
   // refused (kInvalidArgument) before anything is removed when one lies in
   // what overwrite would remove.

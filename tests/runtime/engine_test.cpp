@@ -810,6 +810,16 @@ TEST(Engine, DetectedHostBudgetLeavesTheHostBackendsDeviceBudgetOut) {
   } else {
     EXPECT_GE(host + slack, std::min(before, after)) << "host " << host << ", MemAvailable " << before;
   }
+  if (d.dev->kind() != DeviceKind::kHost) return;
+  // A device budget given that takes all of MemAvailable: refused by name,
+  // not planned with a host tier of 0 B.
+  eo.budgets_override.device_bytes = 1ull << 50;
+  auto all = Engine::create(eo);
+  ASSERT_FALSE(all.ok());
+  EXPECT_EQ(all.status().code(), StatusCode::kOutOfBudget);
+  EXPECT_NE(all.status().message().find("is RAM on the host backend and leaves nothing of this rank's MemAvailable"),
+            std::string::npos)
+      << all.status().message();
 }
 
 TEST(Engine, TraceHasCopiesAccumulationsOptimizerAndComputeSpans) {

@@ -77,9 +77,10 @@ grep -q "skipped checkpoint-8" "$dir/last.log" || fail "resume did not say it sk
 expect_error "the checkpoint belongs to run $id_a" "${common[@]}" --steps 8 --lr 1e-3 --out "$dir/a" \
   --resume "$dir/a/checkpoint-8"
 
-# ---- what a run that ended before its first step left (run.json, its metrics' plan line
-# and step-0 evaluation: an I/O error or a stop signal in step 1) is no earlier run: the
-# same command starts over there. One trained step in the metrics makes it one.
+# ---- what a run that failed before its first step left (run.json, its metrics' plan line
+# and step-0 evaluation: an I/O error or kill -9 in step 1) is no earlier run: the same
+# command starts over there. One trained step in the metrics makes it one, and so does a
+# line Strata does not write there (a blank one, an "event" that is not a string).
 mkdir -p "$dir/early"
 cp "$dir/a/run.json" "$dir/early/"
 {
@@ -90,7 +91,14 @@ cp -r "$dir/early" "$dir/late"
 grep -m1 '"event":"train"' "$dir/a/metrics.jsonl" >>"$dir/late/metrics.jsonl"
 expect_error "out dir $dir/late holds an earlier run (metrics.jsonl, run.json, run $id_b)" "${common[@]}" \
   --steps 2 --out "$dir/late"
-run --steps 2 --out "$dir/early" || fail "a run into what a run stopped before step 1 left failed: $(cat "$dir/last.log")"
+for odd in '' '{"event":null}' '{"event":"eval","step":"0"}'; do
+  cp -r "$dir/early" "$dir/odd"
+  echo "$odd" >>"$dir/odd/metrics.jsonl"
+  expect_error "out dir $dir/odd holds an earlier run (metrics.jsonl, run.json, run $id_b)" "${common[@]}" \
+    --steps 2 --out "$dir/odd"
+  rm -rf "$dir/odd"
+done
+run --steps 2 --out "$dir/early" || fail "a run into what a run failed before step 1 left failed: $(cat "$dir/last.log")"
 id_e=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/early/run.json")
 [[ -n $id_e && $id_e != "$id_b" ]] || fail "the run into an early-ended run's out dir kept its run id ($id_b -> $id_e)"
 [[ $(grep -c '"event":"plan"' "$dir/early/metrics.jsonl") == 1 && $(grep -c '"event":"train"' "$dir/early/metrics.jsonl") == 2 ]] ||

@@ -223,8 +223,22 @@ Status Registry::make_plan_for_budgets() {
     b.host_bytes = share;
     // On the host backend the device is RAM too: its budget (the trainer's
     // activations, the device tier) comes out of the same MemAvailable, or
-    // the two tiers together would plan more RAM than there is.
-    if (dev->kind() == DeviceKind::kHost) b.host_bytes = share > b.device_bytes ? share - b.device_bytes : 0;
+    // the two tiers together would plan more RAM than there is. A device
+    // budget nobody gave is the backend's own default, a quarter of the
+    // host's MemAvailable (device_backend.cpp): each of the ranks here plans
+    // with a quarter of its share instead.
+    if (dev->kind() == DeviceKind::kHost) {
+      if (!ov.device_bytes && !cfg.strata.device_memory) b.device_bytes = std::min(b.device_bytes, share / 4);
+      if (b.device_bytes >= share)
+        return Status(StatusCode::kOutOfBudget,
+                      fmt::format("engine: the device budget {} is RAM on the host backend and leaves nothing of "
+                                  "this rank's MemAvailable {}{} for the host tier; lower strata.device_memory, or "
+                                  "give strata.host_memory",
+                                  format_bytes(b.device_bytes), format_bytes(share),
+                                  local > 1 ? fmt::format(" (a 1/{} share: {} ranks on this host)", local, local)
+                                            : std::string()));
+      b.host_bytes = share - b.device_bytes;
+    }
     if (local > 1 || dev->kind() == DeviceKind::kHost)
       log_info("engine: host budget {} (MemAvailable{}{})", format_bytes(b.host_bytes),
                local > 1 ? fmt::format(" shared by the {} ranks on this host", local) : std::string(),
