@@ -553,8 +553,11 @@ int run(PlanCliOptions o) {  // a copy: the batch is resolved into it
       // --device cpu: the device budget is RAM too, and comes out of the
       // same MemAvailable (as the engine detects it, registry.cpp).
       const uint64_t share = budgets.host_bytes;
-      if (o.device == "cpu")
-        budgets.host_bytes = share > budgets.device_bytes ? share - budgets.device_bytes : 0;
+      if (o.device == "cpu") {
+        auto host = host_budget_beside_ram_device(share, budgets.device_bytes);
+        if (!host.ok()) return fail("--device cpu (--gpu-mem, --host-mem): " + host.status().message());
+        budgets.host_bytes = *host;
+      }
       notes.push_back(fmt::format(
           "host budget: MemAvailable here, {}{}{} (set --host-mem to plan for another machine)",
           format_bytes(share),

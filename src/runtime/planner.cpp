@@ -178,6 +178,15 @@ LinkBytes Plan::per_step() const {
   return l;
 }
 
+Result<uint64_t> host_budget_beside_ram_device(uint64_t share, uint64_t device_bytes) {
+  if (device_bytes >= share)
+    return Status(StatusCode::kOutOfBudget,
+                  fmt::format("the device budget {} is RAM here and leaves nothing of this rank's MemAvailable {} "
+                              "for the host tier; lower the device budget, or give the host budget",
+                              format_bytes(device_bytes), format_bytes(share)));
+  return share - device_bytes;
+}
+
 Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const PlanOptions& opt) {
   STRATA_RETURN_IF_ERROR(validate_model_spec(model));
   if (opt.micro_batches == 0) return Status(StatusCode::kInvalidArgument, "plan: micro_batches must be at least 1");

@@ -183,6 +183,12 @@ struct Plan {
 //    (saves 28.0 GiB)".
 Result<Plan> make_plan(const ModelSpec& model, const PlanBudgets& budgets, const PlanOptions& options);
 
+// The host budget detected beside a device whose memory is RAM (the host
+// backend: strata finetune --device cpu, strata plan --device cpu): `share`,
+// this rank's MemAvailable, less `device_bytes`, or the two tiers would plan
+// the same RAM. kOutOfBudget, naming both, when the device budget takes it all.
+Result<uint64_t> host_budget_beside_ram_device(uint64_t share, uint64_t device_bytes);
+
 // Measured or assumed speeds, in bytes/s, parameters/s and FLOP/s.
 struct Bandwidths {
   double h2d = 0;

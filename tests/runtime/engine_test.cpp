@@ -817,7 +817,8 @@ TEST(Engine, DetectedHostBudgetLeavesTheHostBackendsDeviceBudgetOut) {
   auto all = Engine::create(eo);
   ASSERT_FALSE(all.ok());
   EXPECT_EQ(all.status().code(), StatusCode::kOutOfBudget);
-  EXPECT_NE(all.status().message().find("is RAM on the host backend and leaves nothing of this rank's MemAvailable"),
+  EXPECT_NE(all.status().message().find("engine, host backend (strata.device_memory, strata.host_memory): the device "
+                                        "budget 1.0 PiB is RAM here and leaves nothing of this rank's MemAvailable"),
             std::string::npos)
       << all.status().message();
 }

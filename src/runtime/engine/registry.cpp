@@ -229,15 +229,14 @@ Status Registry::make_plan_for_budgets() {
     // with a quarter of its share instead.
     if (dev->kind() == DeviceKind::kHost) {
       if (!ov.device_bytes && !cfg.strata.device_memory) b.device_bytes = std::min(b.device_bytes, share / 4);
-      if (b.device_bytes >= share)
-        return Status(StatusCode::kOutOfBudget,
-                      fmt::format("engine: the device budget {} is RAM on the host backend and leaves nothing of "
-                                  "this rank's MemAvailable {}{} for the host tier; lower strata.device_memory, or "
-                                  "give strata.host_memory",
-                                  format_bytes(b.device_bytes), format_bytes(share),
-                                  local > 1 ? fmt::format(" (a 1/{} share: {} ranks on this host)", local, local)
-                                            : std::string()));
-      b.host_bytes = share - b.device_bytes;
+      auto host = host_budget_beside_ram_device(share, b.device_bytes);
+      if (!host.ok())
+        return host.status().with_context(
+            local > 1 ? fmt::format("engine, host backend, {} ranks on this host (strata.device_memory, "
+                                    "strata.host_memory)",
+                                    local)
+                      : std::string("engine, host backend (strata.device_memory, strata.host_memory)"));
+      b.host_bytes = *host;
     }
     if (local > 1 || dev->kind() == DeviceKind::kHost)
       log_info("engine: host budget {} (MemAvailable{}{})", format_bytes(b.host_bytes),
