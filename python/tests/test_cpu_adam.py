@@ -176,6 +176,32 @@ class CPUAdamWTest(unittest.TestCase):
         self.assertLessEqual((a.detach() - w.detach()).abs().max().item(), TOL)
         o.close()
 
+    def test_a_groups_decoupled_weight_decay_as_torch(self):
+        # torch 2 reads decoupled_weight_decay per group (AdamW's decay or Adam's L2).
+        for adamw_mode, ref in ((True, torch.optim.AdamW), (False, torch.optim.Adam)):
+            groups = lambda ps: [{"params": [ps[0]], "decoupled_weight_decay": not adamw_mode},  # noqa: E731
+                                 {"params": [ps[1]]}]
+            a, o = run(lambda p: st.CPUAdamW(p, lr=1e-2, weight_decay=0.5, adamw_mode=adamw_mode), groups=groups)
+            b, _ = run(lambda p: ref(p, lr=1e-2, weight_decay=0.5), groups=groups)
+            self.assertLessEqual(max_diff(a, b), TOL, adamw_mode)
+            self.assertEqual([g["decoupled_weight_decay"] for g in o.param_groups], [not adamw_mode, adamw_mode])
+            # A loaded state dict keeps the optimizer's rule, as torch.optim.AdamW's load does.
+            o.load_state_dict(o.state_dict())
+            self.assertEqual([g["decoupled_weight_decay"] for g in o.param_groups], [adamw_mode, adamw_mode])
+            o.close()
+
+    def test_duplicates_and_copies_are_refused(self):
+        w = torch.nn.Parameter(torch.randn(4))
+        with self.assertRaisesRegex(ValueError, "more than once"):
+            st.CPUAdamW([w, w])
+        o = st.CPUAdamW([torch.nn.Parameter(torch.randn(4))])
+        with self.assertRaisesRegex(ValueError, "more than once"):
+            o.add_param_group({"params": [w, w]})
+        for copy_it in (copy.deepcopy, copy.copy, lambda x: __import__("pickle").dumps(x)):
+            with self.assertRaisesRegex(TypeError, "cannot be pickled or copied.*state_dict"):
+                copy_it(o)
+        o.close()
+
     def test_refusals_name_what(self):
         p = [torch.nn.Parameter(torch.randn(4))]
         with self.assertRaisesRegex(ValueError, "bias_correction"):
@@ -464,6 +490,36 @@ class CPUAdamWNvmeTest(unittest.TestCase):
         oa.close()
         self.assertEqual(os.listdir(sub), [])
         os.rmdir(sub)  # nvme_path itself is the user's
+
+    def test_state_dict_hooks_see_the_moments(self):
+        # torch runs state_dict's post-hooks on the whole dict, and load_state_dict's pre-hooks before it reads it.
+        p = [torch.nn.Parameter(torch.randn(5))]
+        o = self.nvme(p)
+        p[0].grad = torch.randn(5)
+        o.step()
+        seen = []
+        o.register_state_dict_post_hook(lambda opt, sd: seen.append(sorted(sd["state"][0])))
+        o.register_state_dict_post_hook(lambda opt, sd: {**sd, "marked": True})
+        sd = o.state_dict()
+        self.assertEqual(seen, [["exp_avg", "exp_avg_sq", "step"]])
+        self.assertTrue(sd.get("marked"))
+        sd.pop("marked")
+        renamed = {**sd, "state": {0: {"step": sd["state"][0]["step"], "m": sd["state"][0]["exp_avg"],
+                                       "exp_avg_sq": sd["state"][0]["exp_avg_sq"]}}}
+
+        def fix(opt, d):
+            st0 = dict(d["state"][0])
+            st0["exp_avg"] = st0.pop("m")
+            return {**d, "state": {0: st0}}
+        loaded = []
+        o2 = self.nvme([torch.nn.Parameter(p[0].detach().clone())])
+        o2.register_load_state_dict_pre_hook(fix)
+        o2.register_load_state_dict_post_hook(lambda opt: loaded.append(sorted(opt.state_dict()["state"][0])))
+        o2.load_state_dict(renamed)
+        self.assertEqual(loaded, [["exp_avg", "exp_avg_sq", "step"]])
+        self.assertTrue(torch.equal(o2.state_dict()["state"][0]["exp_avg"], sd["state"][0]["exp_avg"]))
+        o.close()
+        o2.close()
 
     def test_refusals_name_what(self):
         p = [torch.nn.Parameter(torch.randn(4))]

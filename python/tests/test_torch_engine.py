@@ -194,6 +194,48 @@ class EngineTest(unittest.TestCase):
         self.compare("llama, accumulation 2, clipping 0.5, LambdaLR warm-up", ref, init, engine.state_dict(),
                      l_strata, l_torch)
 
+    def test_step_hooks_closures_and_schedules_as_torch(self):
+        # The update runs inside optimizer.step(): its step hooks run around
+        # it, and a pre-hook's lr is this step's.
+        data = batches(3)
+        m = llama(layers=1)
+        engine, opt, _, _ = st.initialize(model=m, config=ds_config(None))
+        ran = []
+        opt.register_step_pre_hook(lambda o, a, k: ran.append("pre"))
+        opt.register_step_post_hook(lambda o, a, k: ran.append("post"))
+        before = {n: p.detach().clone() for n, p in engine.state_dict().items()}
+        h = opt.register_step_pre_hook(lambda o, a, k: o.param_groups[0].__setitem__("lr", 0.0))
+        strata_run(engine, data[:1])
+        self.assertEqual(ran, ["pre", "post"])
+        for n, p in engine.state_dict().items():
+            self.assertTrue(torch.equal(p, before[n]), f"{n} moved at lr 0")
+        h.remove()
+        # A negative lr (a linear decay run past its end) or a beta outside
+        # [0, 1): refused by name, nothing stepped.
+        for key, bad, what in (("lr", -1e-3, "lr is -0.001"), ("betas", (-0.5, 0.999), r"betas are \(-0.5")):
+            good = opt.param_groups[0][key] if key in opt.param_groups[0] else None
+            opt.param_groups[0][key] = bad
+            engine.backward(lm_loss(engine, data[1]))
+            with self.assertRaisesRegex(ValueError, what):
+                engine.step()
+            opt.param_groups[0][key] = good
+            engine.step()  # the micro-batch is still there: this step takes it
+        with self.assertRaisesRegex(TypeError, "closure"):
+            opt.step(lambda: lm_loss(engine, data[2]))
+        # ReduceLROnPlateau needs its metric; the counters count the step the engine took.
+        engine.destroy()
+        m = llama(layers=1)
+        engine, opt, _, _ = st.initialize(model=m, config=ds_config(None),
+                                          lr_scheduler=lambda o: torch.optim.lr_scheduler.ReduceLROnPlateau(o))
+        engine.backward(lm_loss(engine, data[0]))
+        with self.assertRaisesRegex(TypeError, "metrics"):
+            engine.step()
+        self.assertEqual((engine.global_steps, engine.was_step_applied()), (1, True))
+        engine.destroy()
+        w = torch.nn.Linear(4, 4)
+        with self.assertRaisesRegex(ValueError, "more than once"):
+            st.initialize(model=w, model_parameters=[{"params": [w.weight, w.weight, w.bias]}], config=ds_config(None))
+
     def test_tied_embeddings_three_layers_prefetch_zero(self):
         # The prototype's failure: released slots that autograd still held
         # gave a gradient norm of 2.873 instead of 3.075 here. Released

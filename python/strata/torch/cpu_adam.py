@@ -23,6 +23,7 @@ tensors), large ones are cut in pieces (bounded RAM). Why not the engine's
 own optimizer step: docs/python.md.
 """
 import collections
+import contextlib
 import ctypes
 import json
 import math
@@ -87,6 +88,21 @@ def _release_engine(engine, directory, pid):
         _lib.strata_engine_destroy(engine)
         engine.value = None
     shutil.rmtree(directory, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _hooks_held(opt, *names):
+    """torch's hook tables `names` of opt emptied while the block runs (yields their hooks, in order, one list
+    per name, or the list for one name): NVMe mode runs them itself, where torch would run them too early."""
+    held = [getattr(opt, n) for n in names]
+    for n in names:
+        setattr(opt, n, collections.OrderedDict())
+    try:
+        lists = [list(h.values()) for h in held]
+        yield lists[0] if len(lists) == 1 else tuple(lists)
+    finally:
+        for n, h in zip(names, held):
+            setattr(opt, n, h)
 
 
 class _NvmeStore:
@@ -161,9 +177,11 @@ class CPUAdamW(torch.optim.Optimizer):
     Arguments are torch.optim.AdamW's (lr, betas, eps, weight_decay, amsgrad,
     maximize) plus DeepSpeedCPUAdam's adamw_mode and fp32_optimizer_states;
     threads: the optimizer's worker threads (0: every core this process may
-    use). bias_correction=False is refused (not implemented). Anything else
-    torch accepts but this does not (foreach, fused, capturable,
-    differentiable) is refused by name rather than ignored.
+    use). bias_correction=False is refused (not implemented). torch's foreach
+    and fused pick a kernel, not the math: accepted, one kernel here.
+    capturable and differentiable are refused by name, as is any other
+    keyword. A group's decoupled_weight_decay (torch 2) picks AdamW's decay or
+    Adam's L2 for that group; adamw_mode gives the default.
 
     Optimizer states on NVMe: nvme_path="/local_nvme" (a directory on the SSD;
     created if missing), or offload_optimizer= DeepSpeed's
@@ -211,10 +229,13 @@ class CPUAdamW(torch.optim.Optimizer):
         self._aio = dict(aio) if aio is not None else None
         self._store = None      # the NVMe store (NVMe mode), built after the param groups
         self._closed = False
+        # decoupled_weight_decay: torch 2's per-group switch between AdamW's
+        # decoupled decay and Adam's L2, honoured per group as torch does;
+        # adamw_mode gives every group's default.
+        self._adamw = bool(adamw_mode)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        maximize=maximize)
+                        maximize=maximize, decoupled_weight_decay=self._adamw)
         super().__init__(params, defaults)
-        self._kind = _lib.OPT_ADAMW if adamw_mode else _lib.OPT_ADAM
         self._state_dtype = torch.float32 if fp32_optimizer_states else torch.bfloat16
         h = ctypes.c_void_p()
         _lib.check(_lib.strata_cpu_optimizer_create(_lib.ISA_AUTO, int(threads), ctypes.byref(h)))
@@ -293,7 +314,8 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def _config(self, group):
         c = _lib.OptimizerConfig()
-        _lib.check(_lib.strata_optimizer_config_init(self._kind, ctypes.byref(c)))
+        kind = _lib.OPT_ADAMW if group.get("decoupled_weight_decay", self._adamw) else _lib.OPT_ADAM
+        _lib.check(_lib.strata_optimizer_config_init(kind, ctypes.byref(c)))
         lr = group["lr"]
         c.lr = float(lr.item() if torch.is_tensor(lr) else lr)
         c.beta1, c.beta2 = (float(b) for b in group["betas"])
@@ -308,10 +330,23 @@ class CPUAdamW(torch.optim.Optimizer):
         # A state_dict from DeepSpeed's DeepSpeedCPUAdam (or an older torch)
         # has groups without these keys: torch's own optimizers fill them the
         # same way (step() read group["maximize"] and failed with a KeyError).
+        # A loaded state keeps this optimizer's rule, as torch.optim.AdamW
+        # forces decoupled_weight_decay on every group it loads (and
+        # DeepSpeedCPUAdam keeps its adamw_mode).
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("maximize", False)
             group.setdefault("amsgrad", False)
+            group["decoupled_weight_decay"] = self._adamw
+
+    def __reduce_ex__(self, protocol):
+        # torch's optimizers pickle their groups and state; this one's update
+        # runs in a native handle (and its NVMe states in an engine's files),
+        # which a copy would not have.
+        raise TypeError("CPUAdamW cannot be pickled or copied (pickle, copy.deepcopy, torch.save(optimizer)): "
+                        "its update runs in Strata's native optimizer" +
+                        (" and its states live in NVMe files" if self._nvme_path else "") +
+                        "; save optimizer.state_dict() and load it into a new CPUAdamW instead")
 
     def _group_config(self, gi, group):
         """The group's kernel config, checked on one dummy element before anything changes (a value
@@ -414,7 +449,16 @@ class CPUAdamW(torch.optim.Optimizer):
         return step
 
     def add_param_group(self, param_group):
-        """torch's add_param_group; a parameter that is not an fp32 CPU tensor is refused here, not at step()."""
+        """torch's add_param_group; a parameter that is not an fp32 CPU tensor, or one listed twice in the
+        group, is refused here, not at step()."""
+        params = param_group.get("params") if isinstance(param_group, dict) else None
+        if params is not None and not torch.is_tensor(params) and not isinstance(params, set):
+            params = list(params)
+            if len({id(p) for p in params}) != len(params):
+                # torch warns that this will be an error, and updates it once per listing.
+                raise ValueError("CPUAdamW: a param group lists a parameter more than once (torch warns that "
+                                 "this will be an error); list each parameter once")
+            param_group = dict(param_group, params=params)
         super().add_param_group(param_group)
         for i, p in enumerate(self.param_groups[-1]["params"]):
             if p.dtype != torch.float32 or p.device.type != "cpu":
@@ -669,10 +713,12 @@ class CPUAdamW(torch.optim.Optimizer):
 
     def state_dict(self):
         """torch.optim.AdamW's layout in both modes (NVMe mode: the moments are
-        read from NVMe into new CPU tensors of the state dtype)."""
-        sd = super().state_dict()
+        read from NVMe into new CPU tensors of the state dtype; the
+        register_state_dict_post_hook hooks see them, as in RAM mode)."""
         if self._nvme_path is None:
-            return sd
+            return super().state_dict()
+        with _hooks_held(self, "_optimizer_state_dict_post_hooks") as post_hooks:
+            sd = super().state_dict()
         self._check_open()
         index = {}
         for packed, group in zip(sd["param_groups"], self.param_groups):
@@ -688,40 +734,60 @@ class CPUAdamW(torch.optim.Optimizer):
             st.update(states[index[idx]])
             out[idx] = st
         sd["state"] = out
+        for hook in post_hooks:
+            result = hook(self, sd)
+            if result is not None:
+                sd = result
         return sd
 
     def load_state_dict(self, state_dict):
         """torch.optim.AdamW's layout (from torch, this class in either mode):
-        param groups and per-parameter state, moved to RAM or NVMe."""
+        param groups and per-parameter state, moved to RAM or NVMe. The
+        load_state_dict pre- and post-hooks run as in torch: the pre-hooks
+        before the dict is checked, the post-hooks once the state is in place."""
         self._check_open()
         if self._nvme_path is not None:
-            # Checked before anything changes: torch's load replaces the groups and state.
-            for packed, group in zip(state_dict.get("param_groups", ()), self.param_groups):
-                for idx, p in zip(packed["params"], group["params"]):
-                    st = state_dict.get("state", {}).get(idx)
-                    if not st:
-                        continue
-                    where = self._where(p)
-                    if "step" not in st or any(k not in st for k in _STATE_KEYS):
-                        raise ValueError(f"{where}: the loaded state has keys {sorted(st)}, not step, exp_avg and "
-                                         "exp_avg_sq (not an Adam/AdamW state dict?)")
-                    _next_step(st, where + ": the loaded state")
-                    for k in _STATE_KEYS + ("max_exp_avg_sq",):
-                        val = st.get(k)
-                        if val is not None and (not torch.is_tensor(val) or val.numel() != p.numel()):
-                            raise ValueError(f"{where}: the loaded state {k!r} has "
-                                             f"{val.numel() if torch.is_tensor(val) else type(val).__name__} "
-                                             f"elements, the parameter {p.numel()}")
-        super().load_state_dict(state_dict)
-        if self._nvme_path is None:
-            # torch casts states to the parameter's dtype: keep the configured one.
-            for state in self.state.values():
-                for k in _STATE_KEYS + ("max_exp_avg_sq",):
-                    # (and as torch steps a channels_last state, so does this: contiguous)
-                    if k in state and torch.is_tensor(state[k]) and (state[k].dtype != self._state_dtype
-                                                                     or not state[k].is_contiguous()):
-                        state[k] = state[k].to(self._state_dtype).contiguous()
+            with _hooks_held(self, "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks") \
+                    as (pre_hooks, post_hooks):
+                # The pre-hooks see (and may replace) a copy of the dict before it is checked, as in torch.
+                state_dict = state_dict.copy()
+                for hook in pre_hooks:
+                    result = hook(self, state_dict)
+                    if result is not None:
+                        state_dict = result
+                self._load_nvme(state_dict)
+            for hook in post_hooks:
+                hook(self)
             return
+        super().load_state_dict(state_dict)
+        # torch casts states to the parameter's dtype: keep the configured one.
+        for state in self.state.values():
+            for k in _STATE_KEYS + ("max_exp_avg_sq",):
+                # (and as torch steps a channels_last state, so does this: contiguous)
+                if k in state and torch.is_tensor(state[k]) and (state[k].dtype != self._state_dtype
+                                                                 or not state[k].is_contiguous()):
+                    state[k] = state[k].to(self._state_dtype).contiguous()
+
+    def _load_nvme(self, state_dict):
+        """load_state_dict in NVMe mode (its hooks held by the caller)."""
+        # Checked before anything changes: torch's load replaces the groups and state.
+        for packed, group in zip(state_dict.get("param_groups", ()), self.param_groups):
+            for idx, p in zip(packed["params"], group["params"]):
+                st = state_dict.get("state", {}).get(idx)
+                if not st:
+                    continue
+                where = self._where(p)
+                if "step" not in st or any(k not in st for k in _STATE_KEYS):
+                    raise ValueError(f"{where}: the loaded state has keys {sorted(st)}, not step, exp_avg and "
+                                     "exp_avg_sq (not an Adam/AdamW state dict?)")
+                _next_step(st, where + ": the loaded state")
+                for k in _STATE_KEYS + ("max_exp_avg_sq",):
+                    val = st.get(k)
+                    if val is not None and (not torch.is_tensor(val) or val.numel() != p.numel()):
+                        raise ValueError(f"{where}: the loaded state {k!r} has "
+                                         f"{val.numel() if torch.is_tensor(val) else type(val).__name__} "
+                                         f"elements, the parameter {p.numel()}")
+        super().load_state_dict(state_dict)
         carried = {}
         for p, state in self.state.items():
             moved = {k: state.pop(k) for k in _STATE_KEYS + ("max_exp_avg_sq",) if k in state}

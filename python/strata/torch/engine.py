@@ -341,8 +341,15 @@ class _Optimizer(torch.optim.Optimizer):
     def __init__(self, groups, defaults):
         super().__init__(groups, defaults)
         self._engine = None  # a weakref.ref to the engine, set by it
+        self._engine_step = None  # set by engine.step() while its update runs inside step()
 
     def step(self, closure=None):  # noqa: D102 - the engine steps
+        if closure is not None:
+            raise TypeError("strata.torch: optimizer.step(closure): the engine takes no closure (its update uses "
+                            "the gradients engine.backward(loss) gave; DeepSpeed's ZeRO optimizers ignore one): "
+                            "call the closure's forward and engine.backward(loss) yourself, then engine.step()")
+        if self._engine_step is not None:
+            return self._engine_step()
         e = self._engine() if self._engine is not None else None
         if e is not None and e._outside_grads:
             e._abandon()
@@ -564,6 +571,10 @@ class StrataEngine:
         opt_groups = []
         for gi, g in enumerate(groups):
             params = list(g["params"])
+            if len({id(p) for p in params}) != len(params):
+                # torch warns and updates it once per listing; the engine holds one master per parameter.
+                raise ValueError(f"strata.torch: param group {gi} lists a parameter more than once (torch warns "
+                                 "that this will be an error); list each parameter once")
             wd = float(g.get("weight_decay", base_wd))
             if wd not in (0.0, base_wd):
                 raise ValueError(f"strata.torch: param group {gi} has weight_decay {wd}; the engine applies the "
@@ -596,6 +607,8 @@ class StrataEngine:
                              "numbers [beta1, beta2]")
         defaults = {"lr": base_lr, "weight_decay": base_wd, "betas": (float(betas[0]), float(betas[1])),
                     "eps": base_eps, "amsgrad": False, "maximize": False}
+        for gi, og in enumerate(opt_groups):
+            _group_lr_betas(gi, og, defaults["betas"])
         self.optimizer = _Optimizer(opt_groups, defaults)
         self.optimizer._engine = weakref.ref(self)
         # What the engine fixes at initialize: a group's lr and betas may
@@ -1387,19 +1400,54 @@ class StrataEngine:
                           "would run its optimizer and scheduler anyway); said once", stacklevel=2)
         if not self._at_boundary():
             return None
+        # The update runs inside optimizer.step(), so the optimizer's step
+        # hooks (register_step_pre_hook / register_step_post_hook, and torch's
+        # global ones) run around it as around torch's: a pre-hook that sets a
+        # group's lr sets this step's; a scheduler built on the optimizer sees
+        # it stepped. (A step skipped for an fp16 overflow runs them too: the
+        # engine knows of the overflow only inside the step.)
+        self.optimizer._engine_step = self._apply_step
+        try:
+            r = self.optimizer.step()
+        finally:
+            self.optimizer._engine_step = None
+        self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
+                          "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
+        # DeepSpeed's counters: every boundary counts, a skipped one also in skipped_steps.
+        # Set before the scheduler steps: a scheduler that raises leaves them right.
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size or 0
+        self.skipped_steps += int(bool(r.skipped))
+        self._step_applied = not r.skipped
+        # As DeepSpeed: the schedule advances with the optimizer steps taken,
+        # not with a step skipped for non-finite gradients (fp16 overflow).
+        if self.lr_scheduler is not None and not r.skipped:
+            try:
+                self.lr_scheduler.step(**(lr_kwargs or {}))
+            except TypeError as e:
+                if isinstance(self.lr_scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not lr_kwargs:
+                    raise TypeError("strata.torch: engine.step(): ReduceLROnPlateau needs the metric it "
+                                    "watches: engine.step(lr_kwargs={\"metrics\": loss}) (the update itself "
+                                    "was applied)") from e
+                raise
+        return self.last_step
+
+    def _apply_step(self):
+        """The update, run inside the optimizer's step() (after its pre-hooks): the param groups' lr and betas,
+        checked for every group before the first is given to the engine, then the engine's step."""
         self._check_parameter_set()
-        for gi, group in enumerate(self.optimizer.param_groups):
+        groups = self.optimizer.param_groups
+        for gi, group in enumerate(groups):
             for key, was in self._fixed[gi].items():
                 if group.get(key) != was:
                     raise ValueError(f"strata.torch: param group {gi}'s {key} changed from {was!r} to "
                                      f"{group.get(key)!r}; the engine takes {key} once, at initialize() (only lr "
                                      "and betas may change between steps)")
-        for gi, group in enumerate(self.optimizer.param_groups):
-            lr = group["lr"]
-            self._call(_lib.strata_engine_set_group_lr, gi, float(lr.item() if torch.is_tensor(lr) else lr))
+        hyper = [_group_lr_betas(gi, group, self.optimizer.defaults["betas"]) for gi, group in enumerate(groups)]
+        for gi, (lr, betas) in enumerate(hyper):
+            self._call(_lib.strata_engine_set_group_lr, gi, lr)
             # A group's own betas (given in model_parameters, or cycled by
             # OneCycle's cycle_momentum); the config's otherwise.
-            betas = tuple(float(b) for b in group.get("betas", self.optimizer.defaults["betas"]))
             if betas != self._betas_set.get(gi, self.optimizer.defaults["betas"]):
                 self._call(_lib.strata_engine_set_group_betas, gi, betas[0], betas[1])
                 self._betas_set[gi] = betas
@@ -1408,21 +1456,7 @@ class StrataEngine:
         self._call(_lib.strata_engine_step, -1.0, ctypes.byref(r))
         self._micro = 0
         self._zero_pending = False
-        # As DeepSpeed: the schedule advances with the optimizer steps taken,
-        # not with a step skipped for non-finite gradients (fp16 overflow).
-        # optimizer.step() does nothing; a torch scheduler counts it (else it
-        # warns that the scheduler stepped first).
-        if self.lr_scheduler is not None and not r.skipped:
-            self.optimizer.step()
-            self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.last_step = {"step": r.step, "skipped": bool(r.skipped), "grad_norm": r.grad_norm,
-                          "clip_coef": r.clip_coef, "loss_scale": r.loss_scale, "lr": r.lr}
-        # DeepSpeed's counters: every boundary counts, a skipped one also in skipped_steps.
-        self.global_steps += 1
-        self.global_samples += self.train_batch_size or 0
-        self.skipped_steps += int(bool(r.skipped))
-        self._step_applied = not r.skipped
-        return self.last_step
+        return r
 
     def _check_parameter_set(self):
         """What the engine fixed at initialize(): the param groups and their parameters, and the parameters
@@ -1812,6 +1846,30 @@ class StrataEngine:
             self.destroy()
         except Exception:
             pass
+
+
+def _group_lr_betas(gi, group, default_betas):
+    """A param group's (lr, betas) as floats, or a ValueError naming the value the engine cannot take: lr a
+    finite number >= 0 (the C ABI reads a negative one as "the config's"; torch would step with it, e.g. a
+    linear decay run past its end), betas two numbers in [0, 1) (the CPU optimizer's range)."""
+    lr = group["lr"]
+    try:
+        lr = float(lr.item() if torch.is_tensor(lr) else lr)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"strata.torch: param group {gi}'s lr is {group['lr']!r}, not a number ({e})") from None
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"strata.torch: param group {gi}'s lr is {lr}; the engine takes a finite lr >= 0 (a "
+                         "schedule run past its end?)")
+    betas = group.get("betas", default_betas)
+    try:
+        betas = tuple(float(b.item() if torch.is_tensor(b) else b) for b in betas)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"strata.torch: param group {gi}'s betas are {group.get('betas')!r}, not two numbers "
+                         f"({e})") from None
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"strata.torch: param group {gi}'s betas are {betas}; the engine takes two numbers in "
+                         "[0, 1)")
+    return lr, betas
 
 
 def _opt_number(params, key, default):
