@@ -532,9 +532,11 @@ Result<LlamaConfig> parse_llama_config(std::string_view text, const std::string&
                        fmt::format("is true; {} layers with these bias terms are not supported", model_arch_class(c.arch)));
   }
   // null too: transformers would look up ACT2FN[None] and fail to build it.
+  // "swish" is torch.nn.SiLU in transformers' ACT2FN: the same function.
   if (auto it = root.find("hidden_act"); it != root.end()) {
-    if (!it->is_string() || it->get<std::string>() != "silu")
-      return key_error(source, "hidden_act", fmt::format("is {}; only \"silu\" (SwiGLU) is supported", it->dump()));
+    if (!it->is_string() || (it->get<std::string>() != "silu" && it->get<std::string>() != "swish"))
+      return key_error(source, "hidden_act",
+                       fmt::format("is {}; only \"silu\" (SwiGLU; \"swish\" is the same) is supported", it->dump()));
   }
   // head_dim: explicit (transformers 5 reads it for every one of these
   // architectures), Qwen3's default 128 when absent, else hidden / heads.

@@ -384,6 +384,7 @@ TEST(LlamaConfig, ErrorsNameTheKey) {
                "\"architectures\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"attention_bias":true,)" + base + "}"), "\"attention_bias\"");
   expect_error(parse_llama_config(R"({"hidden_size":64,"hidden_act":"gelu",)" + base + "}"), "\"hidden_act\"");
+  EXPECT_TRUE(parse_llama_config(R"({"hidden_size":64,"hidden_act":"swish",)" + base + "}").ok());  // nn.SiLU
   // pad_token_id: nn.Embedding's padding_idx, an integer in [-vocab, vocab).
   {
     auto p5 = parse_llama_config(R"({"hidden_size":64,"pad_token_id":5,)" + base + "}");
