@@ -20,6 +20,7 @@
 #include <thread>
 
 #include "common/enum_names.h"
+#include "common/threads.h"
 #include "common/log.h"
 #include "common/tunables.h"
 #include "io/fault_injection.h"
@@ -155,11 +156,7 @@ class IoEngineImpl final : public IoEngine {
     free_.reserve(qd_);
     for (auto& s : slots_) free_.push_back(&s);
     auto fut = started_.get_future();
-    try {
-      thread_ = std::thread([this] { run(started_); });
-    } catch (const std::system_error& e) {
-      return Status(StatusCode::kOutOfMemory, std::string("I/O engine: cannot start its thread: ") + e.what());
-    }
+    STRATA_RETURN_IF_ERROR(start_thread(thread_, "I/O engine: cannot start its thread", [this] { run(started_); }));
     Status st = fut.get();
     if (!st.ok()) {
       thread_.join();
@@ -302,12 +299,16 @@ class IoEngineImpl final : public IoEngine {
     int index;
   };
 
+  // Nothing after the push can throw: a submit that throws (std::bad_alloc)
+  // has enqueued nothing and will never call its callback.
   IoHandle enqueue(std::unique_ptr<Pending> p) {
     IoHandle h(p->state);
-    outstanding_.fetch_add(1, std::memory_order_acq_rel);
     {
       std::lock_guard<std::mutex> lock(in_mu_);
-      in_reqs_.push_back(p.release());
+      in_reqs_.push_back(p.get());  // may throw: nothing has changed yet
+      p.release();
+      // Counted before the I/O thread, which takes in_reqs_ under in_mu_, can complete it.
+      outstanding_.fetch_add(1, std::memory_order_acq_rel);
     }
     notify_io_thread();
     return h;
@@ -483,7 +484,16 @@ class IoEngineImpl final : public IoEngine {
         retry_.push_back(p);
         return;
       }
-      err = Status::from_errno(e, describe(p));
+      if (e == ECANCELED) {
+        // The engine cancels nothing: the kernel did, when io_uring could not
+        // start the worker thread a request needs (RLIMIT_NPROC, a pids
+        // cgroup). An I/O error naming that, not an interruption.
+        err = Status(StatusCode::kIoError,
+                     describe(p) + ": Operation canceled by the kernel: io_uring could not start a worker thread for it" +
+                         thread_limit_hint() + "; STRATA_IO_BACKEND=aio needs no such thread");
+      } else {
+        err = Status::from_errno(e, describe(p));
+      }
     } else if (res == 0) {
       if (p->part->op == IoOpKind::kRead) {
         struct stat st {};
@@ -763,7 +773,8 @@ Result<std::unique_ptr<IoEngine>> make_io_engine(const IoEngineOptions& options)
       why = st.message();
     }
     if (!options.allow_fallback) return Status(StatusCode::kUnavailable, why);
-    reasons += (reasons.empty() ? "" : "; ") + why;
+    // Said once when every backend failed alike (the engine's own thread could not start).
+    if (reasons.find(why) == std::string::npos) reasons += (reasons.empty() ? "" : "; ") + why;
   }
   return Status(StatusCode::kUnavailable, "no I/O backend works here: " + reasons);
 }

@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <new>
 
 #include "common/crc32c.h"
 #include "common/json.h"
@@ -458,28 +459,35 @@ IoHandle SwapStore::transfer(IoOpKind op, const SwapTensor& t, std::uint64_t off
   // I/O thread after close() has seen zero and the store is gone.
   inflight_->fetch_add(1);
   auto counter = inflight_;
-  IoCheck check;
-  if (table && op == IoOpKind::kRead) {
-    check = [this, t, offset, length, buffer, table]() -> Status {
-      const std::uint64_t b = options_.checksum_block;
-      const char* p = static_cast<const char*>(buffer);
-      std::uint32_t got[48];  // a multiple of 3: crc32c_blocks runs three blocks at once
-      for (std::uint64_t done = 0; done < length;) {
-        const std::uint64_t n = std::min<std::uint64_t>(length - done, b * 48);
-        crc32c_blocks(p + done, n, b, got);
-        for (std::uint64_t i = 0; i < (n + b - 1) / b; ++i) {
-          const std::uint64_t block = (offset + done) / b + i;
-          if (got[i] != table[block]) return mismatch(t, block, got[i], table[block], "reading");
+  // Memory refused from here to the submit (the check, the engine's request):
+  // nothing was submitted, so the callback that uncounts it never runs.
+  try {
+    IoCheck check;
+    if (table && op == IoOpKind::kRead) {
+      check = [this, t, offset, length, buffer, table]() -> Status {
+        const std::uint64_t b = options_.checksum_block;
+        const char* p = static_cast<const char*>(buffer);
+        std::uint32_t got[48];  // a multiple of 3: crc32c_blocks runs three blocks at once
+        for (std::uint64_t done = 0; done < length;) {
+          const std::uint64_t n = std::min<std::uint64_t>(length - done, b * 48);
+          crc32c_blocks(p + done, n, b, got);
+          for (std::uint64_t i = 0; i < (n + b - 1) / b; ++i) {
+            const std::uint64_t block = (offset + done) / b + i;
+            if (got[i] != table[block]) return mismatch(t, block, got[i], table[block], "reading");
+          }
+          done += n;
         }
-        done += n;
-      }
-      return {};
-    };
-  }
-  return engine_.submit_checked(parts, std::move(check), [counter, cb = std::move(callback)](const Status& st) {
-    if (cb) cb(st);
+        return {};
+      };
+    }
+    return engine_.submit_checked(parts, std::move(check), [counter, cb = std::move(callback)](const Status& st) {
+      if (cb) cb(st);
+      if (counter->fetch_sub(1) == 1) counter->notify_all();
+    });
+  } catch (const std::bad_alloc&) {
     if (counter->fetch_sub(1) == 1) counter->notify_all();
-  });
+    throw;
+  }
 }
 
 IoHandle SwapStore::read(const SwapTensor& t, std::uint64_t offset, std::uint64_t length, void* buffer,

@@ -35,18 +35,25 @@ std::atomic<int> g_signal{0};
 std::atomic<const char*> g_message{""};
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free);
 // SIGHUP (the terminal went away) stops like SIGTERM: with a checkpoint.
-constexpr std::array<int, 3> kStopSignals = {SIGINT, SIGTERM, SIGHUP};
-std::array<struct sigaction, 3> g_old{};
-std::array<bool, 3> g_installed{};
+// SIGXCPU (the soft CPU-time limit, `ulimit -t`; LSF's and PBS's CPU limits
+// send it) too: it comes again each CPU second until the hard limit's
+// SIGKILL, so a repeat is not the "second signal" that aborts.
+constexpr std::array<int, 4> kStopSignals = {SIGINT, SIGTERM, SIGHUP, SIGXCPU};
+std::array<struct sigaction, 4> g_old{};
+std::array<bool, 4> g_installed{};
+constexpr const char kCpuLimitMessage[] =
+    "\nthe CPU time limit (ulimit -t) is reached: stopping after this step (a checkpoint is saved) before the hard "
+    "limit kills the process\n";
 
 void on_stop_signal(int sig) {
   if (g_stop.exchange(true)) {
+    if (sig == SIGXCPU) return;  // the limit's reminder: the stop is under way
     // Second signal: the default action (SA_RESETHAND already restored it).
     ::raise(sig);
     return;
   }
   g_signal.store(sig);
-  const char* msg = g_message.load();
+  const char* msg = sig == SIGXCPU ? kCpuLimitMessage : g_message.load();
   ssize_t n = ::write(STDERR_FILENO, msg, std::strlen(msg));
   (void)n;
 }
@@ -63,7 +70,8 @@ StopSignals::StopSignals(const char* message) {
     struct sigaction sa {};
     sa.sa_handler = &on_stop_signal;
     sigemptyset(&sa.sa_mask);
-    sa.sa_flags = SA_RESETHAND;  // the second signal gets the default action
+    // The second signal gets the default action (not SIGXCPU's repeats).
+    sa.sa_flags = kStopSignals[i] == SIGXCPU ? 0 : SA_RESETHAND;
     if (sigaction(kStopSignals[i], &sa, &g_old[i]) == 0) g_installed[i] = true;
   }
 }

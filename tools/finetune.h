@@ -9,10 +9,10 @@
 
 namespace strata::tools {
 
-// While alive, SIGINT and SIGTERM set a flag instead of killing the process
-// (the trainer finishes its step, saves a checkpoint and returns); a second
-// signal runs `on_second` (if set; async-signal-safe code only) and then the
-// default action, so a stuck job can still be killed. Restores the previous
+// While alive, SIGINT, SIGTERM, SIGHUP and SIGXCPU (the soft CPU-time limit)
+// set a flag instead of killing the process (the trainer finishes its step,
+// saves a checkpoint and returns); a second signal (not SIGXCPU's repeats)
+// gets the default action, so a stuck job can still be killed. Restores the previous
 // handlers on destruction. One instance at a time per process.
 class StopSignals {
  public:

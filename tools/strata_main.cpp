@@ -1,9 +1,13 @@
 // The `strata` command line.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <new>
 #include <string>
 #include <string_view>
 
@@ -51,6 +55,22 @@ bool enough_stack() {
   return false;
 }
 
+// A standard descriptor closed by the caller (`strata ... >&-`, a daemon's
+// launcher) is opened on /dev/null: otherwise the first file Strata opens
+// takes its number, and progress or error text lands in it (the out dir's
+// lock record, a checkpoint). False when that cannot be done.
+bool standard_fds_open() {
+  for (int fd = 0; fd <= 2; ++fd) {
+    if (::fcntl(fd, F_GETFD) != -1 || errno != EBADF) continue;
+    const int got = ::open("/dev/null", fd == 0 ? O_RDONLY : O_WRONLY);  // the lowest free number: fd
+    if (got != fd) {
+      if (got >= 0) ::close(got);
+      return false;
+    }
+  }
+  return true;
+}
+
 // Whether the command line is `strata plan ... --json` (looked at by hand:
 // the parser has just refused it).
 bool plan_wants_json(int argc, char** argv) {
@@ -76,6 +96,7 @@ int main(int argc, char** argv) {
   // SIGPIPE killing the process before it saves: the run still stops after
   // its step, saves and cleans up.
   ::signal(SIGPIPE, SIG_IGN);
+  if (!standard_fds_open()) return 1;
   if (!enough_stack()) return 1;
   CLI::App app{"strata: offload engine for fine-tuning models larger than GPU memory"};
   app.require_subcommand(0, 1);
@@ -99,6 +120,16 @@ int main(int argc, char** argv) {
 
   try {
     app.parse(argc, argv);
+  } catch (const std::bad_alloc&) {
+    // Memory the system refused where no part turned it into an error (the
+    // stack unwound: the run's files are cleaned up as after any error).
+    rlimit as{};
+    if (::getrlimit(RLIMIT_AS, &as) == 0 && as.rlim_cur != RLIM_INFINITY)
+      std::fprintf(stderr, "strata: out of memory (the address space is limited to %llu bytes: raise `ulimit -v`)\n",
+                   static_cast<unsigned long long>(as.rlim_cur));
+    else
+      std::fprintf(stderr, "strata: out of memory\n");
+    return 1;
   } catch (const CLI::ParseError& e) {
     // --help and --version-like calls exit 0; every usage error exits 1.
     const int rc = app.exit(e) == 0 ? 0 : 1;

@@ -10,9 +10,11 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
+#include "common/threads.h"
 #include "io/io_backend.h"
 
 namespace strata::io {
@@ -32,10 +34,18 @@ class PosixBackend final : public IoBackend {
 
   const char* name() const override { return "posix"; }
 
+  // A worker that cannot start fails the backend by name (the ones started
+  // stop in the destructor).
   Status start() override {
     unsigned n = cfg_.posix_threads ? cfg_.posix_threads : 4;
     workers_.reserve(n);
-    for (unsigned i = 0; i < n; ++i) workers_.emplace_back([this] { work(); });
+    for (unsigned i = 0; i < n; ++i) {
+      std::thread t;
+      STRATA_RETURN_IF_ERROR(start_thread(t, "posix I/O backend: cannot start worker thread " + std::to_string(i + 1) +
+                                                 " of " + std::to_string(n),
+                                          [this] { work(); }));
+      workers_.push_back(std::move(t));
+    }
     return {};
   }
 

@@ -14,6 +14,7 @@
 
 #if STRATA_HAVE_NCCL
 
+#include "common/threads.h"
 #include "cuda/nccl/nccl_module_abi.h"
 #include "device/cuda_backend.h"
 #include "device/cuda_loader.h"
@@ -143,8 +144,7 @@ class NcclCommunicator final : public Communicator {
       if (rc != 0)
         return nccl_status(rc, err.text, fmt::format("nccl communicator: joining rank {} of {}", rank_, world_));
     }
-    watchdog_ = std::thread([this] { watchdog_main(); });
-    return {};
+    return start_thread(watchdog_, "nccl communicator: cannot start its watchdog thread", [this] { watchdog_main(); });
   }
 
   int rank() const override { return rank_; }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "comm/p2p_communicator.h"
+#include "common/threads.h"
 #include "comm/rendezvous.h"
 #include "comm/socket_io.h"
 
@@ -247,8 +248,9 @@ class TcpCommunicator final : public P2pCommunicator {
     if (world_size() == 1) return Status();
     wake_ = Fd(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
     if (wake_.fd < 0) return Status::from_errno(errno, "tcp communicator: eventfd failed");
+    STRATA_RETURN_IF_ERROR(
+        start_thread(progress_, "tcp communicator: cannot start its progress thread", [this] { progress_loop(); }));
     started_ = true;
-    progress_ = std::thread([this] { progress_loop(); });
     return Status();
   }
 

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "common/log.h"
+#include "common/threads.h"
 #include "device/caching_allocator.h"
 #include "common/device_numeric.h"
 
@@ -83,7 +84,7 @@ class HostStream final : public DeviceStream {
       lock.unlock();
       Status st;
       // A failed stream skips the rest: it would compute on bad inputs.
-      if (!failed) st = task.fn();
+      if (!failed) st = run_guarded(task.what, task.fn);
       task.fn = nullptr;  // release captures outside the lock
       lock.lock();
       if (!st.ok() && p.error_seq == kNoError) {
@@ -189,8 +190,7 @@ class HostBackend final : public DeviceBackend {
     try {
       s = new HostStream(this, std::string(name));
     } catch (const std::system_error& e) {  // std::thread could not start one
-      return Status(StatusCode::kOutOfMemory,
-                    "host device backend: no worker thread for stream '" + std::string(name) + "': " + e.what());
+      return thread_start_error("host device backend: no worker thread for stream '" + std::string(name) + "'", e);
     }
     std::lock_guard<std::mutex> lock(mu_);
     streams_.insert(s);

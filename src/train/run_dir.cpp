@@ -279,6 +279,7 @@ Status RunDir::write_run_json(const std::string& settings_json) {
 Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::string, std::string>>& inputs,
                            bool resume_auto) {
   std::vector<std::string> found;
+  bool checkpoint = false;  // a checkpoint-<step> to continue from
   std::error_code ec;
   for (fs::directory_iterator it(path_, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();
@@ -292,8 +293,9 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     // own adapter/ directory is neither counted nor removed).
     const bool adapter = name == "adapter" && (fs::exists(it->path() / "adapter_config.json", sec) ||
                                                fs::exists(it->path() / "adapter_model.safetensors", sec));
-    if (name == kRunFile || name == "metrics.jsonl" || name == "model" || adapter || parse_step(name, &step))
-      found.push_back(name);
+    const bool saved = parse_step(name, &step);
+    checkpoint = checkpoint || saved;
+    if (name == kRunFile || name == "metrics.jsonl" || name == "model" || adapter || saved) found.push_back(name);
   }
   if (found.size() == 1 && found[0] == kRunFile) found.clear();
   if (ec) return Status::from_errno(ec.value(), "out dir " + path_ + ": listing it");
@@ -301,11 +303,14 @@ Status RunDir::start_fresh(bool overwrite, const std::vector<std::pair<std::stri
     std::sort(found.begin(), found.end());
     if (!overwrite) {
       const std::string list = names_for_message(found, 6);
-      if (resume_auto)
+      // No checkpoint (the run failed or was killed before its first save):
+      // --resume could not continue it.
+      if (resume_auto || !checkpoint)
         return Status(StatusCode::kAlreadyExists,
-                      fmt::format("--resume auto: out dir {} holds an earlier run ({}{}) but no checkpoint to "
+                      fmt::format("{}out dir {} holds an earlier run ({}{}) but no checkpoint to "
                                   "continue from: start over with --overwrite (removes them), or give another --out",
-                                  path_, list, run_id_.empty() ? "" : ", run " + run_id_));
+                                  resume_auto ? "--resume auto: " : "", path_, list,
+                                  run_id_.empty() ? "" : ", run " + run_id_));
       // A launcher's restart of this job (the same command line again).
       const char* restart = std::getenv("TORCHELASTIC_RESTART_COUNT");
       const bool restarted = restart != nullptr && *restart != '\0' && std::strcmp(restart, "0") != 0;

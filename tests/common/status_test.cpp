@@ -4,9 +4,14 @@
 #include <sys/resource.h>
 
 #include <cerrno>
+#include <new>
+#include <stdexcept>
+#include <system_error>
+#include <thread>
 #include <string>
 
 #include "common/enum_names.h"
+#include "common/threads.h"
 
 namespace strata {
 namespace {
@@ -182,6 +187,28 @@ TEST(EnumNames, NamesAliasesAndErrors) {
   EXPECT_EQ(bad.status().message(), "--color \"mauve\" is not one of red, green, blue");
   EXPECT_STREQ(status_code_name(StatusCode::kNoSpace), "NoSpace");
   EXPECT_STREQ(status_code_name(static_cast<StatusCode>(99)), "Unknown");
+}
+
+// A worker thread's exception becomes its Status (an exception leaving a
+// thread ends the process: std::bad_alloc under `ulimit -v` did, mid-run).
+TEST(Threads, ExceptionsBecomeStatuses) {
+  Status oom = run_guarded("engine: uploading a group", []() -> Status { throw std::bad_alloc(); });
+  EXPECT_EQ(oom.code(), StatusCode::kOutOfMemory);
+  EXPECT_EQ(oom.message().rfind("engine: uploading a group: out of memory", 0), 0u) << oom.message();
+  Status odd = run_guarded("x", []() -> Status { throw std::runtime_error("boom"); });
+  EXPECT_EQ(odd.code(), StatusCode::kInternal);
+  EXPECT_EQ(odd.message(), "x: unexpected exception: boom");
+  EXPECT_EQ(run_guarded("x", [] { return Status(StatusCode::kNoSpace, "full"); }).message(), "full");
+  std::thread t;
+  int ran = 0;
+  ASSERT_TRUE(start_thread(t, "test thread", [&] { ran = 1; }).ok());
+  t.join();
+  EXPECT_EQ(ran, 1);
+  Status st = thread_start_error("engine: cannot start the uploader thread",
+                                 std::system_error(std::make_error_code(std::errc::resource_unavailable_try_again)));
+  EXPECT_EQ(st.code(), StatusCode::kOutOfMemory);
+  EXPECT_EQ(st.message().rfind("engine: cannot start the uploader thread: Resource temporarily unavailable", 0), 0u)
+      << st.message();
 }
 
 }  // namespace

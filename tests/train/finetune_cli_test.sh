@@ -266,6 +266,36 @@ left=$(find "$dir/nvme" -type f | head -3)
 rc=${PIPESTATUS[0]}
 [[ $rc -eq 0 && -e $dir/pipe/model/config.json ]] || fail "finetune writing into a closed pipe: exit $rc (141: SIGPIPE)"
 
+# The soft CPU-time limit (`ulimit -t`; batch systems' CPU limits) sends SIGXCPU, and again
+# each CPU second until the hard limit: it stops like SIGTERM (a checkpoint, exit 130), and
+# its repeats do not abort the save.
+"$strata" finetune "${job[@]}" --out "$dir/xcpu" >"$dir/xcpu.log" 2>&1 &
+pid=$!
+pids+=("$pid")
+for ((i = 0; i < 600; i++)); do
+  [[ -e $dir/xcpu/checkpoint-5/index.json ]] && break
+  sleep 0.05
+done
+kill -XCPU "$pid"
+sleep 0.1
+kill -XCPU "$pid" 2>/dev/null
+wait "$pid"
+rc=$?
+if [[ $rc -ne 0 ]]; then
+  [[ $rc -eq 130 ]] || fail "SIGXCPU: exit $rc, not 130: $(tail -5 "$dir/xcpu.log")"
+  grep -q "CPU time limit (ulimit -t) is reached" "$dir/xcpu.log" || fail "SIGXCPU: not named: $(tail -5 "$dir/xcpu.log")"
+  grep -q "interrupted at step" "$dir/xcpu.log" || fail "SIGXCPU: no 'interrupted' line: $(tail -5 "$dir/xcpu.log")"
+fi
+
+# Standard descriptors closed by the caller: what Strata opens never takes their numbers
+# (progress text would land in the out dir's lock record).
+"$strata" finetune "${common[@]}" --steps 2 --log-every 1 --no-export --out "$dir/closed" <&- >&- 2>&-
+rc=$?
+[[ $rc -eq 0 ]] || fail "finetune with stdin, stdout and stderr closed: exit $rc"
+lock=$(cat "$dir/closed/.strata.lock" 2>/dev/null)
+[[ $lock == "pid "* && $(wc -l <"$dir/closed/.strata.lock") -le 1 ]] ||
+  fail "with stdout closed the lock record holds other text: $(head -c 200 "$dir/closed/.strata.lock")"
+
 # --resume auto (one command line for every attempt of a restarted job): a new run where
 # OUT holds no checkpoint, the newest checkpoint where it holds one; an earlier run
 # without a checkpoint is refused as without --resume (replaced with --overwrite); a
@@ -285,6 +315,12 @@ grep -q '^done: 4 steps' "$dir/auto2.log" || fail "--resume auto at the end: $(t
 expect_error "--resume auto: out dir $dir/auto-nock holds an earlier run (metrics.jsonl, run.json, run " \
   "${auto[@]}" --steps 3 --out "$dir/auto-nock"
 expect_error "but no checkpoint to continue from: start over with --overwrite" "${auto[@]}" --steps 3 --out "$dir/auto-nock"
+# Without --resume auto the same: no checkpoint, so no advice to --resume it.
+expect_error "$dir/auto-nock holds an earlier run (metrics.jsonl, run.json, run " "${common[@]}" --steps 3 --no-export \
+  --out "$dir/auto-nock"
+out=$("$strata" finetune "${common[@]}" --steps 3 --no-export --out "$dir/auto-nock" 2>&1)
+[[ $out == *"but no checkpoint to continue from"* && $out != *"--resume"* ]] ||
+  fail "an out dir without checkpoints: the refusal should not advise --resume: $out"
 # A damaged checkpoint is an error, never a start over (not even with --overwrite, which
 # would remove it).
 cp -r "$dir/auto" "$dir/auto-bad"

@@ -10,6 +10,7 @@
 
 #include "common/float_convert.h"
 #include "common/log.h"
+#include "common/threads.h"
 #include "common/units.h"
 #include "cpu_optim/optimizer.h"
 
@@ -178,7 +179,7 @@ GradPath::~GradPath() {
 
 void GradPath::accumulator_main(const Job& j) {
   Status st;
-  if (j.kind == Job::kAccum) st = accumulate(j);
+  if (j.kind == Job::kAccum) st = run_guarded("engine: accumulating a gradient", [&] { return accumulate(j); });
   errors_.set(st);  // before the piece is free: whoever sees the piece sees the error
   if (j.kind == Job::kAccum) {
     {

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "common/log.h"
+#include "common/threads.h"
 
 namespace strata::engine {
 
@@ -415,17 +416,18 @@ Status Stepper::combine_ranks_stats() {
 // fixed when the last micro-batch began.
 void Stepper::run_group_update(GroupId gi, const std::function<bool(ParamId)>& reduced) {
   GroupUpdate& g = groups_[gi];
-  Status st = group_stats(gi, overlap_scale_);
-  if (st.ok()) {
+  Status st = run_guarded("engine: an overlapped group update", [&] {
+    STRATA_RETURN_IF_ERROR(group_stats(gi, overlap_scale_));
     if (g.nonfinite) {
       g.skipped = true;
-    } else {
-      st = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_,
-                      overlap_group_hp_, reduced);
-      if (!st.ok())
-        st = st.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
+      return Status();
     }
-  }
+    Status s = step_group(gi, optimizer_config(overlap_lr_, overlap_scale_ * overlap_coef_), overlap_step_,
+                          overlap_group_hp_, reduced);
+    if (!s.ok())
+      s = s.with_context(fmt::format("engine: optimizer step {} of group {}", overlap_step_, reg_.groups[gi].name));
+    return s;
+  });
   g.updated = true;
   if (!st.ok()) errors_.set(st);
 }
@@ -448,14 +450,16 @@ Status Stepper::queue_pipeline(const cpu_optim::OptimizerConfig& c, const std::f
 void Stepper::run_pipelined_pass() {
   Status st = pipeline_error();  // after a failure the state is torn: nothing more is applied
   if (st.ok()) {
-    st = step_all(pipe_config_, pipe_step_, pipe_group_hp_, [this](ParamId id) { return pipe_reduced_[id] != 0; },
-                  [this](GroupId g) {
-                    {
-                      std::lock_guard<std::mutex> lock(pipe_mu_);
-                      pipe_pending_[g] = 0;
-                    }
-                    pipe_cv_.notify_all();
-                  });
+    st = run_guarded("engine: the pipelined optimizer step", [&] {
+      return step_all(pipe_config_, pipe_step_, pipe_group_hp_, [this](ParamId id) { return pipe_reduced_[id] != 0; },
+                      [this](GroupId g) {
+                        {
+                          std::lock_guard<std::mutex> lock(pipe_mu_);
+                          pipe_pending_[g] = 0;
+                        }
+                        pipe_cv_.notify_all();
+                      });
+    });
   }
   resolve_handoffs();  // whatever the pass did not make (it failed, or never ran), no upload waits for
   {

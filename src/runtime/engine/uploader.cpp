@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "common/log.h"
+#include "common/threads.h"
 #include "common/units.h"
 
 namespace strata::engine {
@@ -181,7 +182,7 @@ Uploader::~Uploader() {
 // ---------------------------------------------------------------- the uploader thread
 
 void Uploader::upload_main(int s) {
-  Status st = upload_group(s);
+  Status st = run_guarded("engine: uploading a group", [&] { return upload_group(s); });
   {
     std::lock_guard<std::mutex> lock(mu_);
     slots_[s].error = st;

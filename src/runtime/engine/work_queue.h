@@ -22,11 +22,11 @@
 #include <functional>
 #include <mutex>
 #include <string>
-#include <system_error>
 #include <thread>
 #include <utility>
 
 #include "common/status.h"
+#include "common/threads.h"
 
 namespace strata::engine {
 
@@ -40,17 +40,13 @@ class WorkQueue {
   WorkQueue& operator=(const WorkQueue&) = delete;
   ~WorkQueue() { stop(); }
 
-  // Starts the worker thread. Call once. kOutOfMemory naming `name` when
-  // the system cannot start a thread (RLIMIT_NPROC, ulimit -v, no memory).
+  // Starts the worker thread. Call once. kOutOfMemory naming `name` and the
+  // limit behind it when the system cannot start a thread (ulimit -u, a pids
+  // cgroup, ulimit -v). The handler must not throw (run_guarded, threads.h):
+  // an exception leaving the worker ends the process.
   Status start(const char* name, Handler handler) {
     handler_ = std::move(handler);
-    try {
-      thread_ = std::thread([this] { run(); });
-    } catch (const std::system_error& e) {
-      return Status(StatusCode::kOutOfMemory,
-                    std::string("engine: cannot start the ") + name + " thread: " + e.what());
-    }
-    return {};
+    return start_thread(thread_, std::string("engine: cannot start the ") + name + " thread", [this] { run(); });
   }
 
   void push(T item) {
