@@ -224,6 +224,17 @@ std::string RunDir::read_holder(const std::string& out) {
 
 std::string RunDir::lock_path(const std::string& out) { return join_path(out, kLockFile); }
 
+void RunDir::remove_made(const std::vector<std::string>& made, bool held) {
+  if (made.empty()) return;
+  const std::string& out = made.back();
+  if (held) {
+    for (const char* name : {kRunFile, "metrics.jsonl"}) ::unlink(join_path(out, name).c_str());
+    ::unlink(lock_path(out).c_str());
+  }
+  for (auto d = made.rbegin(); d != made.rend() && ::rmdir(d->c_str()) == 0; ++d) {
+  }
+}
+
 RunDir::~RunDir() {
   if (lock_fd_ >= 0) ::close(lock_fd_);  // releases the flock
 }

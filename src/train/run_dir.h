@@ -78,6 +78,13 @@ class RunDir {
   static std::string lock_path(const std::string& out);
   // The lock file's text in `out` ("" when there is none or it cannot be read).
   static std::string read_holder(const std::string& out);
+  // A run that never started leaves nothing behind: `made` are the
+  // directories creating OUT made (outermost first, OUT last). With the lock
+  // `held` by this process, the files a run writes in OUT (run.json,
+  // metrics.jsonl, the lock) are removed; then each directory, innermost
+  // first, with rmdir, which removes nothing else (a directory holding more
+  // stays). Nothing happens when `made` is empty: OUT existed before.
+  static void remove_made(const std::vector<std::string>& made, bool held);
 
  private:
   RunDir() = default;

@@ -70,19 +70,14 @@ Result<std::unique_ptr<Trainer>> Trainer::create(const TrainerOptions& options) 
   if (s.ok()) return std::unique_ptr<Trainer>(new Trainer(std::move(impl)));
   // A run that never started leaves nothing behind: the directories it made
   // for OUT (ranks that never met, a budget too small, unreadable weights)
-  // are removed once everything of it is closed, if they hold nothing but
-  // its lock file. rmdir never removes anything else: a directory that
-  // holds more (an NVMe directory inside OUT the engine did not clean) stays.
-  // The lock is held until its file is gone: another job that opens OUT
-  // meanwhile waits on it or fails, and never finds its own lock file removed.
+  // are removed once everything of it is closed, with what it wrote there
+  // (RunDir::remove_made). The lock is held until its file is gone: another
+  // job that opens OUT meanwhile waits on it or fails, and never finds its
+  // own lock file removed.
   const std::vector<std::string> made = std::move(impl->made_out_dirs);
   std::unique_ptr<RunDir> held = std::move(impl->run_dir);
   impl.reset();
-  if (!made.empty()) {
-    if (held) ::unlink(RunDir::lock_path(made.back()).c_str());
-    for (auto d = made.rbegin(); d != made.rend() && ::rmdir(d->c_str()) == 0; ++d) {
-    }
-  }
+  RunDir::remove_made(made, held != nullptr);
   held.reset();
   return s;
 }

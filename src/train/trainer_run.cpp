@@ -1,6 +1,7 @@
 // The run loop of Trainer::run(): steps until the end or a stop request,
 // evaluations and checkpoints on their schedules, the final export, the
 // metrics file and the progress display (trainer.h, run()).
+#include "train/run_dir.h"
 #include "train/trainer_impl.h"
 
 namespace strata::train {
@@ -372,6 +373,17 @@ class Trainer::Run {
   uint64_t train_tokens_ = 0;
 };
 
-Result<TrainResult> Trainer::run() { return Run(*this).execute(); }
+Result<TrainResult> Trainer::run() {
+  Result<TrainResult> r = Run(*this).execute();
+  // A new OUT whose run failed before its first step (the plan line refused
+  // by a full disk, an I/O error in step 1) is removed as when create() fails:
+  // nothing trained, nothing saved.
+  if (!r.ok() && impl_->step == 0 && impl_->opt.resume_dir.empty() && impl_->run_dir &&
+      list_checkpoint_dirs(impl_->opt.out_dir).empty()) {
+    RunDir::remove_made(impl_->made_out_dirs, /*held=*/true);
+    impl_->made_out_dirs.clear();
+  }
+  return r;
+}
 
 }  // namespace strata::train

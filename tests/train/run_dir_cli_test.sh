@@ -104,6 +104,13 @@ id_e=$(sed -nE 's/.*"run_id": "([0-9a-f]+)".*/\1/p' "$dir/early/run.json")
 [[ $(grep -c '"event":"plan"' "$dir/early/metrics.jsonl") == 1 && $(grep -c '"event":"train"' "$dir/early/metrics.jsonl") == 2 ]] ||
   fail "the new run's metrics are not its own: $(cut -c1-80 "$dir/early/metrics.jsonl")"
 
+# A new OUT whose run fails before its first step (here its first metrics line, on a full
+# disk) is removed, as when the start fails: nothing trained, nothing saved.
+if [[ -c /dev/full ]]; then
+  expect_error "cannot write the plan line at step 0" "${common[@]}" --steps 2 --metrics /dev/full --out "$dir/new/full"
+  [[ ! -e $dir/new ]] || fail "a run that failed before its first step left its new out dir: $(ls -AR "$dir/new")"
+fi
+
 # ---- --overwrite never removes an input of the run: continuing from one's own export
 # (--model OUT/model --out OUT --overwrite) deleted the model before reading it.
 "$strata" finetune --model "$dir/model" --data "$dir/data.txt" --seq 32 --batch 4 --progress quiet --steps 2 \
