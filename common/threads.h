@@ -39,6 +39,8 @@ Status start_thread(std::thread& thread, const std::string& what, Fn&& fn) {
     thread = std::thread(std::forward<Fn>(fn));
   } catch (const std::system_error& e) {
     return thread_start_error(what, e);
+  } catch (const std::bad_alloc&) {
+    return out_of_memory_status(what.c_str());
   }
   return {};
 }

@@ -96,7 +96,9 @@ class SwapStore {
   // tensor, to/from `buffer` (pinned and 4 KiB-aligned for full speed; any
   // buffer works). Asynchronous: one handle (and callback) for the whole
   // range, whatever number of stripes it spans. A range outside the tensor
-  // completes with kInvalidArgument.
+  // completes with kInvalidArgument. Memory refused on the way (std::bad_alloc,
+  // `ulimit -v`) is thrown: then nothing was submitted and the callback is
+  // never called.
   IoHandle read(const SwapTensor& t, std::uint64_t offset, std::uint64_t length, void* buffer,
                 IoCallback callback = {});
   IoHandle write(const SwapTensor& t, std::uint64_t offset, std::uint64_t length, const void* buffer,

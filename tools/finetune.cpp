@@ -35,15 +35,15 @@ std::atomic<int> g_signal{0};
 std::atomic<const char*> g_message{""};
 static_assert(std::atomic<bool>::is_always_lock_free && std::atomic<int>::is_always_lock_free);
 // SIGHUP (the terminal went away) stops like SIGTERM: with a checkpoint.
-// SIGXCPU (the soft CPU-time limit, `ulimit -t`; LSF's and PBS's CPU limits
-// send it) too: it comes again each CPU second until the hard limit's
-// SIGKILL, so a repeat is not the "second signal" that aborts.
+// SIGXCPU (a soft CPU-time limit below the hard one, `ulimit -S -t`; LSF's
+// and PBS's CPU limits send it) too: it comes again each CPU second until the
+// hard limit's SIGKILL, so a repeat is not the "second signal" that aborts.
 constexpr std::array<int, 4> kStopSignals = {SIGINT, SIGTERM, SIGHUP, SIGXCPU};
 std::array<struct sigaction, 4> g_old{};
 std::array<bool, 4> g_installed{};
 constexpr const char kCpuLimitMessage[] =
-    "\nthe CPU time limit (ulimit -t) is reached: stopping after this step (a checkpoint is saved) before the hard "
-    "limit kills the process\n";
+    "\nthe soft CPU time limit (ulimit -S -t) is reached: stopping after this step (a checkpoint is saved) before "
+    "the hard limit kills the process\n";
 
 void on_stop_signal(int sig) {
   if (g_stop.exchange(true)) {

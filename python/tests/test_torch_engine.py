@@ -207,6 +207,8 @@ class EngineTest(unittest.TestCase):
         h = opt.register_step_pre_hook(lambda o, a, k: o.param_groups[0].__setitem__("lr", 0.0))
         strata_run(engine, data[:1])
         self.assertEqual(ran, ["pre", "post"])
+        opt.step()  # after engine.step(), as the Hugging Face Trainer calls it: nothing, no hooks
+        self.assertEqual(ran, ["pre", "post"])
         for n, p in engine.state_dict().items():
             self.assertTrue(torch.equal(p, before[n]), f"{n} moved at lr 0")
         h.remove()

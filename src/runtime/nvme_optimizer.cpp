@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "common/threads.h"
 #include "common/units.h"
 
 namespace strata {
@@ -238,11 +239,18 @@ void NvmeOptimizer::submit(Pending& p) {
   for (int i = 0; i < p.n; ++i) {
     const auto& r = p.req[i];
     if (counter) counter->fetch_add(r.length, std::memory_order_relaxed);
-    auto cb = [this, slot = p.slot, a = r.array](const Status& st) { piece_done(slot, a, st); };
-    if (p.write)
-      store_->write(r.t, r.offset, r.length, r.buf, cb);
-    else
-      store_->read(r.t, r.offset, r.length, r.buf, cb);
+    // Memory refused while submitting (a transfer that throws submitted
+    // nothing and never calls its callback): the piece fails here, so the
+    // slot's count still reaches zero and nothing waits for it.
+    try {
+      auto cb = [this, slot = p.slot, a = r.array](const Status& st) { piece_done(slot, a, st); };
+      if (p.write)
+        store_->write(r.t, r.offset, r.length, r.buf, cb);
+      else
+        store_->read(r.t, r.offset, r.length, r.buf, cb);
+    } catch (const std::bad_alloc&) {
+      piece_done(p.slot, r.array, out_of_memory_status("NVMe optimizer: submitting a state chunk"));
+    }
   }
   piece_done(p.slot, -1, Status());  // the guard
 }

@@ -378,7 +378,7 @@ Result<TrainResult> Trainer::run() {
   // A new OUT whose run failed before its first step (the plan line refused
   // by a full disk, an I/O error in step 1) is removed as when create() fails:
   // nothing trained, nothing saved.
-  if (!r.ok() && impl_->step == 0 && impl_->opt.resume_dir.empty() && impl_->run_dir &&
+  if (!r.ok() && impl_->step == 0 && impl_->resume_from.empty() && impl_->run_dir &&
       list_checkpoint_dirs(impl_->opt.out_dir).empty()) {
     RunDir::remove_made(impl_->made_out_dirs, /*held=*/true);
     impl_->made_out_dirs.clear();

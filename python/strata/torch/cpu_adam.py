@@ -330,14 +330,16 @@ class CPUAdamW(torch.optim.Optimizer):
         # A state_dict from DeepSpeed's DeepSpeedCPUAdam (or an older torch)
         # has groups without these keys: torch's own optimizers fill them the
         # same way (step() read group["maximize"] and failed with a KeyError).
-        # A loaded state keeps this optimizer's rule, as torch.optim.AdamW
-        # forces decoupled_weight_decay on every group it loads (and
-        # DeepSpeedCPUAdam keeps its adamw_mode).
+        # decoupled_weight_decay as torch: AdamW (adamw_mode) forces it on
+        # every group it loads, Adam keeps a loaded group's (default off).
         super().__setstate__(state)
         for group in self.param_groups:
             group.setdefault("maximize", False)
             group.setdefault("amsgrad", False)
-            group["decoupled_weight_decay"] = self._adamw
+            if self._adamw:
+                group["decoupled_weight_decay"] = True
+            else:
+                group.setdefault("decoupled_weight_decay", False)
 
     def __reduce_ex__(self, protocol):
         # torch's optimizers pickle their groups and state; this one's update
@@ -759,7 +761,8 @@ class CPUAdamW(torch.optim.Optimizer):
             for hook in post_hooks:
                 hook(self)
             return
-        super().load_state_dict(state_dict)
+        with _hooks_held(self, "_optimizer_load_state_dict_post_hooks") as post_hooks:
+            super().load_state_dict(state_dict)
         # torch casts states to the parameter's dtype: keep the configured one.
         for state in self.state.values():
             for k in _STATE_KEYS + ("max_exp_avg_sq",):
@@ -767,6 +770,8 @@ class CPUAdamW(torch.optim.Optimizer):
                 if k in state and torch.is_tensor(state[k]) and (state[k].dtype != self._state_dtype
                                                                  or not state[k].is_contiguous()):
                     state[k] = state[k].to(self._state_dtype).contiguous()
+        for hook in post_hooks:  # on the state as it will step
+            hook(self)
 
     def _load_nvme(self, state_dict):
         """load_state_dict in NVMe mode (its hooks held by the caller)."""
@@ -813,3 +818,10 @@ class DeepSpeedCPUAdam(CPUAdamW):
         super().__init__(model_params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                          adamw_mode=adamw_mode, bias_correction=bias_correction, fp32_optimizer_states=True,
                          **kwargs)
+
+    def __setstate__(self, state):
+        # DeepSpeed's class reads adamw_mode alone: a loaded group's
+        # decoupled_weight_decay (a torch state dict's) does not change it.
+        super().__setstate__(state)
+        for group in self.param_groups:
+            group["decoupled_weight_decay"] = self._adamw

@@ -349,7 +349,7 @@ class _Optimizer(torch.optim.Optimizer):
                             "the gradients engine.backward(loss) gave; DeepSpeed's ZeRO optimizers ignore one): "
                             "call the closure's forward and engine.backward(loss) yourself, then engine.step()")
         if self._engine_step is not None:
-            return self._engine_step()
+            return self._hooked(self._engine_step)
         e = self._engine() if self._engine is not None else None
         if e is not None and e._outside_grads:
             e._abandon()
@@ -361,6 +361,26 @@ class _Optimizer(torch.optim.Optimizer):
                                  "engine.backward() not stepped: the update is the engine's, call engine.step() "
                                  "(it steps at the accumulation boundary)")
         return None
+
+    # torch wraps an Optimizer's step() to run the step hooks around every
+    # call; here they run around the engine's update only (_hooked), not
+    # around the call that does nothing after it (the Hugging Face Trainer
+    # makes one per step).
+    step.hooked = True
+
+    def _hooked(self, update):
+        """update() between the step pre-hooks (torch's global ones, then this optimizer's) and the post-hooks
+        (this optimizer's, then the global ones), called as torch's step() wrapper calls them."""
+        from torch.optim import optimizer as torch_optimizer
+        args, kwargs = (self,), {}
+        for hook in (list(getattr(torch_optimizer, "_global_optimizer_pre_hooks", {}).values())
+                     + list(self._optimizer_step_pre_hooks.values())):
+            hook(self, args, kwargs)
+        out = update()
+        for hook in (list(self._optimizer_step_post_hooks.values())
+                     + list(getattr(torch_optimizer, "_global_optimizer_post_hooks", {}).values())):
+            hook(self, args, kwargs)
+        return out
 
     def zero_grad(self, set_to_none=True):  # noqa: D102 - the engine owns the gradients
         e = self._engine() if self._engine is not None else None
@@ -1434,16 +1454,21 @@ class StrataEngine:
 
     def _apply_step(self):
         """The update, run inside the optimizer's step() (after its pre-hooks): the param groups' lr and betas,
-        checked for every group before the first is given to the engine, then the engine's step."""
-        self._check_parameter_set()
+        checked for every group before the first is given to the engine, then the engine's step. A refusal
+        changes nothing: the same step() again (the groups fixed) is this boundary's step."""
         groups = self.optimizer.param_groups
-        for gi, group in enumerate(groups):
-            for key, was in self._fixed[gi].items():
-                if group.get(key) != was:
-                    raise ValueError(f"strata.torch: param group {gi}'s {key} changed from {was!r} to "
-                                     f"{group.get(key)!r}; the engine takes {key} once, at initialize() (only lr "
-                                     "and betas may change between steps)")
-        hyper = [_group_lr_betas(gi, group, self.optimizer.defaults["betas"]) for gi, group in enumerate(groups)]
+        try:
+            self._check_parameter_set()
+            for gi, group in enumerate(groups):
+                for key, was in self._fixed[gi].items():
+                    if group.get(key) != was:
+                        raise ValueError(f"strata.torch: param group {gi}'s {key} changed from {was!r} to "
+                                         f"{group.get(key)!r}; the engine takes {key} once, at initialize() (only "
+                                         "lr and betas may change between steps)")
+            hyper = [_group_lr_betas(gi, group, self.optimizer.defaults["betas"]) for gi, group in enumerate(groups)]
+        except ValueError:
+            self._micro_steps -= 1  # step() counted this call: its retry counts it again
+            raise
         for gi, (lr, betas) in enumerate(hyper):
             self._call(_lib.strata_engine_set_group_lr, gi, lr)
             # A group's own betas (given in model_parameters, or cycled by
@@ -1861,14 +1886,14 @@ def _group_lr_betas(gi, group, default_betas):
         raise ValueError(f"strata.torch: param group {gi}'s lr is {lr}; the engine takes a finite lr >= 0 (a "
                          "schedule run past its end?)")
     betas = group.get("betas", default_betas)
+    whose = f"param group {gi}'s betas are" if "betas" in group else "the config's optimizer.params.betas are"
     try:
         betas = tuple(float(b.item() if torch.is_tensor(b) else b) for b in betas)
     except (TypeError, ValueError, RuntimeError) as e:
-        raise ValueError(f"strata.torch: param group {gi}'s betas are {group.get('betas')!r}, not two numbers "
+        raise ValueError(f"strata.torch: {whose} {group.get('betas', default_betas)!r}, not two numbers "
                          f"({e})") from None
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"strata.torch: param group {gi}'s betas are {betas}; the engine takes two numbers in "
-                         "[0, 1)")
+        raise ValueError(f"strata.torch: {whose} {betas}; the engine takes two numbers in [0, 1)")
     return lr, betas
 
 

@@ -242,11 +242,18 @@ Status Uploader::upload_group(int si) {
     uint64_t total = 0;
     std::vector<io::IoHandle>& handles = upload_handles_;
     handles.clear();
-    for (size_t i = 0; i < info.params.size(); ++i) {
-      const ParamState& p = reg_.params[info.params[i]];
-      const uint64_t len = p.compute.swap.bytes;  // the whole shard (<= its staging space)
-      handles.push_back(reg_.store->read(p.compute.swap, 0, len, stage + g.staging_offset[i]));
-      total += len;
+    try {
+      for (size_t i = 0; i < info.params.size(); ++i) {
+        const ParamState& p = reg_.params[info.params[i]];
+        const uint64_t len = p.compute.swap.bytes;  // the whole shard (<= its staging space)
+        handles.push_back(reg_.store->read(p.compute.swap, 0, len, stage + g.staging_offset[i]));
+        total += len;
+      }
+    } catch (const std::bad_alloc&) {
+      // The reads already submitted land in the staging buffer: not reused before they have.
+      for (io::IoHandle& h : handles) (void)h.wait();
+      handles.clear();
+      throw;
     }
     Status first;
     for (size_t i = 0; i < handles.size(); ++i) {
