@@ -230,19 +230,30 @@ else
   [[ $n -eq 30 ]] || fail "the resumed run's metrics hold $n train lines, not 30"
 fi
 
+# signal_after_checkpoint OUT SIGNAL...: runs the job into OUT (log OUT.log), sends each
+# signal 0.1 s apart once checkpoint-5 is saved; the job's exit status.
+signal_after_checkpoint() {
+  local out=$1 sig pid i
+  shift
+  "$strata" finetune "${job[@]}" --out "$out" >"$out.log" 2>&1 &
+  pid=$!
+  pids+=("$pid")
+  for ((i = 0; i < 600; i++)); do
+    [[ -e $out/checkpoint-5/index.json ]] && break
+    sleep 0.05
+  done
+  for sig in "$@"; do
+    kill -"$sig" "$pid" 2>/dev/null
+    sleep 0.1
+  done
+  wait "$pid"
+}
+
 # ---- Ctrl-C / SIGTERM: finish the step, save, exit 130; resume to the end.
 # (SIGTERM here: a non-interactive shell starts background jobs with SIGINT
 # ignored, and a signal ignored at start stays ignored. Both go through the
 # same handler.)
-"$strata" finetune "${job[@]}" --out "$dir/sigint" >"$dir/sigint.log" 2>&1 &
-pid=$!
-pids+=("$pid")
-for ((i = 0; i < 600; i++)); do
-  [[ -e $dir/sigint/checkpoint-5/index.json ]] && break
-  sleep 0.05
-done
-kill -TERM "$pid"
-wait "$pid"
+signal_after_checkpoint "$dir/sigint" TERM
 rc=$?
 if [[ $rc -eq 0 ]]; then
   fail "the job finished before SIGTERM arrived: make it slower"
@@ -266,20 +277,10 @@ left=$(find "$dir/nvme" -type f | head -3)
 rc=${PIPESTATUS[0]}
 [[ $rc -eq 0 && -e $dir/pipe/model/config.json ]] || fail "finetune writing into a closed pipe: exit $rc (141: SIGPIPE)"
 
-# The soft CPU-time limit (`ulimit -t`; batch systems' CPU limits) sends SIGXCPU, and again
+# A soft CPU-time limit (`ulimit -S -t`; batch systems' CPU limits) sends SIGXCPU, and again
 # each CPU second until the hard limit: it stops like SIGTERM (a checkpoint, exit 130), and
 # its repeats do not abort the save.
-"$strata" finetune "${job[@]}" --out "$dir/xcpu" >"$dir/xcpu.log" 2>&1 &
-pid=$!
-pids+=("$pid")
-for ((i = 0; i < 600; i++)); do
-  [[ -e $dir/xcpu/checkpoint-5/index.json ]] && break
-  sleep 0.05
-done
-kill -XCPU "$pid"
-sleep 0.1
-kill -XCPU "$pid" 2>/dev/null
-wait "$pid"
+signal_after_checkpoint "$dir/xcpu" XCPU XCPU
 rc=$?
 if [[ $rc -eq 0 ]]; then
   fail "the job finished before SIGXCPU arrived: make it slower"
