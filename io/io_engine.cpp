@@ -20,8 +20,8 @@
 #include <thread>
 
 #include "common/enum_names.h"
-#include "common/threads.h"
 #include "common/log.h"
+#include "common/threads.h"
 #include "common/tunables.h"
 #include "io/fault_injection.h"
 #include "io/io_backend.h"

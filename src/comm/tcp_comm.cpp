@@ -23,9 +23,9 @@
 #include <vector>
 
 #include "comm/p2p_communicator.h"
-#include "common/threads.h"
 #include "comm/rendezvous.h"
 #include "comm/socket_io.h"
+#include "common/threads.h"
 
 namespace strata::comm {
 namespace {
